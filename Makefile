@@ -1,0 +1,37 @@
+# Every target builds what it needs: a fresh machine with Python 3.11 and make is enough.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first, pinned: 2.13.0 is the CPU wheel this project is tested with (a looser spec may pull a CUDA build).
+TORCH ?= torch==2.13.0
+TRANSFORMERS ?= transformers==5.23.0
+
+.PHONY: setup demo test lint matrix bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TRANSFORMERS)" -e ".[test]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/ruff check patchkit patches tests examples benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check patchkit patches tests examples benchmarks
+
+# The transformers version matrix (slow: one install per version); see tests/matrix.py.
+matrix: setup
+	$(BIN)/python tests/matrix.py
+
+bench: setup
+	$(BIN)/patchkit bench
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Per-model patch modules, installed as `patchkit.patches`; each declares one `SPEC` for the registry."""

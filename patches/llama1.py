@@ -1,0 +1,39 @@
+"""LLaMA-1 patch: q, k, v packed into one tensor for the varlen qkvpacked kernel; training only."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from patchkit import hf
+from patchkit.attention import QKV_PACKED
+from patchkit.gates import GateResult
+from patchkit.registry import PatchSpec
+
+
+def check_model(model: nn.Module) -> list[GateResult]:
+    """qkvpacked needs as many K/V heads as query heads: a GQA config is refused, not failed in stack()."""
+    config = hf.model_config(model)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return [
+        GateResult(
+            "model_config",
+            kv_heads == heads,
+            "num_key_value_heads == num_attention_heads (no GQA)",
+            f"{heads} query heads, {kv_heads} key/value heads",
+            "this model uses grouped-query attention; use apply_patch('llama2'), which supports GQA",
+        )
+    ]
+
+
+SPEC = PatchSpec(
+    name="llama1",
+    description="LLaMA-1: flash_attn_varlen_qkvpacked_func on packed q/k/v; training and prefill, no past, no GQA",
+    packing=QKV_PACKED,
+    transformers=">=4.48,<6",
+    flash_attn_min="2.0",
+    flash_attn_why="the varlen API",
+    build_class=hf.class_replacements,
+    build_instance=hf.instance_replacements,
+    check_model=check_model,
+)

@@ -1,0 +1,19 @@
+"""LLaMA-2 patch: kvpacked varlen kernel with KV cache (generation) and grouped-query attention."""
+
+from __future__ import annotations
+
+from patchkit import hf
+from patchkit.attention import KV_PACKED
+from patchkit.registry import PatchSpec
+
+SPEC = PatchSpec(
+    name="llama2",
+    description="LLaMA-2 family: flash_attn_varlen_kvpacked_func, KV cache and generation, GQA/MQA",
+    packing=KV_PACKED,
+    transformers=">=4.48,<6",
+    flash_attn_min="2.1",
+    flash_attn_why="bottom-right causal alignment for the KV cache",
+    build_class=hf.class_replacements,
+    build_instance=hf.instance_replacements,
+    aliases=("llama",),
+)

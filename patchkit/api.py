@@ -1,0 +1,229 @@
+"""The public entry points: apply_patch, revert_patch, available_patches, and the PatchHandle they return."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Optional
+
+from torch import nn
+
+from . import gates as _gates
+from .attention import PatchState, is_patched_forward
+from .backends import BACKEND_NAMES, make_backend
+from .errors import PatchGateError, PatchkitError, PatchTargetError
+from .gates import GateResult
+from .patching import Replacement, apply_replacements, restore_replacements
+from .registry import PatchSpec, registered, resolve
+
+_ACTIVE: dict[tuple, "PatchHandle"] = {}
+
+
+class PatchHandle:
+    """One applied patch: revert it (or use it as a context manager) and read its report."""
+
+    def __init__(
+        self, spec: PatchSpec, state: PatchState, gate_results: list[GateResult], replacements: list[Replacement],
+        key: tuple, options: tuple, model: Optional[nn.Module],
+    ) -> None:
+        self.spec = spec
+        self.state = state
+        self.gates = gate_results
+        self.replacements = replacements
+        self.key = key
+        self.options = options
+        self._model = weakref.ref(model) if model is not None else None
+        self.active = True
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def backend(self) -> str:
+        return self.state.backend.name
+
+    @property
+    def layers_patched(self) -> int:
+        """Distinct attention layers that have run through this patch so far."""
+        return len(self.state.layers)
+
+    @property
+    def calls(self) -> int:
+        return self.state.calls
+
+    def revert(self) -> None:
+        """Put back every original object (identity); a second call does nothing."""
+        if not self.active:
+            return
+        restore_replacements(self.replacements)
+        self.active = False
+        if _ACTIVE.get(self.key) is self:
+            del _ACTIVE[self.key]
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.revert()
+
+    def check(self, model: nn.Module) -> int:
+        """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
+        from .hf import find_modules, modeling_llama
+
+        layers = find_modules(model, modeling_llama().LlamaAttention)
+        live = [m for m in layers if is_patched_forward(m.forward) and _state_of(m.forward) is self.state]
+        if not self.active or not live or len(live) != len(layers):
+            raise PatchTargetError(
+                f"patch {self.name!r} is live in {len(live)} of {len(layers)} attention layers of "
+                f"{type(model).__name__}"
+                + ("" if self.active else " (the patch was reverted)")
+                + ". Apply the patch before loading the model, or pass model= to patch this instance."
+            )
+        return len(live)
+
+    def report(self) -> str:
+        """What was applied, on which backend, every gate with its result, and what ran through it."""
+        where = "class (every LLaMA model)" if self._model is None else f"instance {type(self._model()).__name__}"
+        lines = [
+            f"patchkit patch {self.name!r} ({self.spec.description})",
+            f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
+            f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
+            "  gates:",
+            *(f"    - {g.describe()}" for g in self.gates),
+            "  replaced:",
+            *(f"    - {r.describe()}" for r in self.replacements),
+            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls)",
+        ]
+        return "\n".join(lines)
+
+    __str__ = report
+
+    def __repr__(self) -> str:
+        return (
+            f"PatchHandle(name={self.name!r}, backend={self.backend!r}, active={self.active}, "
+            f"layers_patched={self.layers_patched})"
+        )
+
+
+def _state_of(fn: Any) -> Optional[PatchState]:
+    return getattr(getattr(fn, "__func__", fn), "__patchkit_state__", None)
+
+
+def _choose_backend(
+    spec: PatchSpec, backend: str, strict: bool, env: _gates.Environment, model: Optional[nn.Module]
+) -> tuple[str, list[GateResult]]:
+    """Resolve "auto"/"flash_attn"/"sdpa" against the gates: fall back with a warning, or raise if strict."""
+    if backend == "sdpa":
+        return "sdpa", []
+    results = _gates.flash_backend_gates(env, spec.flash_attn_min, spec.flash_attn_why)
+    if model is not None:
+        results.append(_gates.head_dim_gate(_head_dim(model)))
+    failed = [g for g in results if not g.passed]
+    if not failed:
+        return "flash_attn", results
+    reasons = "; ".join(g.describe() for g in failed)
+    if strict:
+        raise PatchGateError(f"patch {spec.name!r}, backend {backend!r}: {reasons}. Nothing was patched.")
+    warnings.warn(
+        f"patchkit: the flash_attn backend is not available here ({reasons}). Patch {spec.name!r} uses the "
+        "torch-native sdpa backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "sdpa", results
+
+
+def _head_dim(model: nn.Module) -> int:
+    from .hf import model_config
+
+    config = model_config(model)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def apply_patch(
+    name: str = "llama2", *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None
+) -> PatchHandle:
+    """Patch LLaMA attention to run FlashAttention-style varlen kernels on 2D key-padding masks.
+
+    Args:
+        name: "llama2" (default; alias "llama") or "llama1".
+        backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the gate),
+            "flash_attn" or "sdpa" (torch-native, exact, CPU or GPU).
+        strict: raise `PatchGateError` instead of falling back when a gate fails.
+        model: patch this loaded instance only (PEFT/DDP/FSDP wrappers are looked through); default None
+            patches the classes, so every LLaMA model built afterwards runs through the patch.
+
+    Returns:
+        A `PatchHandle`: `.revert()`, a context manager, and `.report()`. Applying the same patch with the same
+        options twice returns the same handle.
+    """
+    spec = resolve(name)
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model= must be a loaded torch.nn.Module (e.g. LlamaForCausalLM), got {type(model).__name__}")
+
+    key = ("class",) if model is None else ("model", id(model))
+    options = (backend, strict)
+    existing = _ACTIVE.get(key)
+    if existing is not None:
+        if existing.spec.name == spec.name and existing.options == options:
+            return existing  # idempotent: twice == once
+        raise PatchkitError(
+            f"patch {existing.name!r} (backend={existing.options[0]!r}, strict={existing.options[1]}) is already "
+            f"applied to {'the LLaMA classes' if model is None else 'this model'}; call its handle's revert() "
+            "(or patchkit.revert_patch()) before applying another."
+        )
+
+    env = _gates.probe_environment()
+    tf_gate = _gates.transformers_gate(env, spec.supported, spec.name)
+    if not tf_gate.passed:
+        raise PatchGateError(tf_gate.describe())
+    model_gates = spec.check_model(model) if (model is not None and spec.check_model) else []
+    failed = _gates.first_failure(model_gates)
+    if failed is not None:
+        raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
+    chosen, backend_gates = _choose_backend(spec, backend, strict, env, model)
+
+    state = PatchState(spec.name, spec.packing, make_backend(chosen), strict)
+    replacements = spec.build_instance(state, model) if model is not None else spec.build_class(state)
+    apply_replacements(replacements)
+    handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
+    _ACTIVE[key] = handle
+    if model is not None:
+        try:
+            handle.check(model)
+        except PatchTargetError:
+            handle.revert()
+            raise
+    return handle
+
+
+def revert_patch() -> int:
+    """Revert every patch patchkit applied, newest first; returns how many were reverted."""
+    handles = list(_ACTIVE.values())
+    for handle in reversed(handles):
+        handle.revert()
+    return len(handles)
+
+
+def active_patches() -> list[PatchHandle]:
+    return list(_ACTIVE.values())
+
+
+def available_patches() -> list[dict]:
+    """The registry: each patch, its aliases, the transformers range it supports, and its gates."""
+    return [
+        {
+            "name": spec.name,
+            "aliases": list(spec.aliases),
+            "description": spec.description,
+            "transformers": spec.transformers,
+            "flash_attn": f">={spec.flash_attn_min} ({spec.flash_attn_why})",
+            "gates": spec.gate_names(),
+        }
+        for spec in registered()
+    ]

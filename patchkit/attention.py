@@ -1,0 +1,212 @@
+"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .backends import Backend, SdpaBackend
+from .errors import PatchGateError, PatchInputError
+from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
+from .masks import VarlenMetadata, as_varlen_mask
+from .padding import index_first_axis, pad_input
+
+QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
+KV_PACKED = "kv"  # LLaMA-2: kv stacked, varlen kvpacked kernel, KV cache and GQA
+
+
+@dataclasses.dataclass(eq=False)
+class PatchState:
+    """Per-application runtime state: the chosen backend, strictness, and what ran through the patch."""
+
+    patch: str
+    packing: str
+    backend: Backend
+    strict: bool
+    calls: int = 0
+    layers: "weakref.WeakSet[nn.Module]" = dataclasses.field(default_factory=weakref.WeakSet)
+    warned: set = dataclasses.field(default_factory=set)
+    fallback = SdpaBackend()
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def backend_for(self, module: nn.Module) -> Backend:
+        """The backend for this layer: flash_attn unless its head_dim gate fails (then fallback or raise)."""
+        if not self.backend.half_only:
+            return self.backend
+        gate = head_dim_gate(module.head_dim)
+        if gate.passed:
+            return self.backend
+        if self.strict:
+            raise PatchGateError(f"patch {self.patch!r}: {gate.describe()}")
+        self.warn_once("head_dim", f"patchkit: {gate.describe()}; these layers use the sdpa backend instead")
+        return self.fallback
+
+
+def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
+    """The half dtype to run flash kernels in: autocast's, else pre-quantization, else the weights'."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    for candidate in (
+        getattr(module.config, "_pre_quantization_dtype", None),
+        getattr(module.q_proj, "weight", torch.empty(0)).dtype,
+        getattr(module.config, "torch_dtype", None),
+    ):
+        if candidate in HALF_DTYPES:
+            return candidate
+    return torch.bfloat16
+
+
+def _half_inputs(state: PatchState, module: nn.Module, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """flash kernels take fp16/bf16: cast fp32 q/k/v with one warning, or refuse in strict mode."""
+    gate = dtype_gate(tensors[0].dtype)
+    if gate.passed:
+        return tensors
+    if state.strict:
+        raise PatchGateError(f"patch {state.patch!r} on the flash_attn backend: {gate.describe()}")
+    target = compute_dtype(module, tensors[0].device.type)
+    state.warn_once(
+        "dtype",
+        f"patchkit: q/k/v are {tensors[0].dtype} but flash-attn takes fp16/bf16; casting to {target} for the "
+        "attention kernel (output cast back). Load the model in half precision to avoid the cast.",
+    )
+    return tuple(t.to(target) for t in tensors)
+
+
+def _gather(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, S, ...) -> (nnz, ...): a reshape when every token is real, else a differentiable gather."""
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return flat if indices is None else index_first_axis(flat, indices)
+
+
+def varlen_core(
+    state: PatchState,
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: Any,
+    position_ids: Optional[torch.Tensor],
+    kwargs: dict,
+    *,
+    dropout: float,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero."""
+    batch, q_len, heads, head_dim = q.shape
+    if state.packing == QKV_PACKED:
+        if k.shape[2] != heads:
+            raise PatchGateError(
+                f"patch 'llama1' packs q, k and v with the same head count, but this model has {heads} query "
+                f"heads and {k.shape[2]} key/value heads (grouped-query attention). Use apply_patch('llama2'), "
+                "which supports GQA."
+            )
+        if k.shape[1] != q_len:
+            raise PatchInputError(
+                f"patch 'llama1' is for training and prefill only: this call brings {k.shape[1] - q_len} past "
+                "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
+            )
+    vmask = as_varlen_mask(attention_mask)
+    meta: VarlenMetadata = vmask.metadata(batch, q_len, k.shape[1], q.device, position_ids, kwargs)
+    state.calls += 1
+    state.layers.add(module)
+    if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
+        return q.new_zeros(batch, q_len, heads, v.shape[-1])
+    backend = state.backend_for(module)
+    in_dtype = q.dtype
+    if backend.half_only:
+        q, k, v = _half_inputs(state, module, (q, k, v))
+    if state.packing == QKV_PACKED:
+        qkv = _gather(torch.stack((q, k, v), dim=2), meta.indices_q)
+        out = backend.varlen_qkvpacked(qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True)
+    else:
+        kv = _gather(torch.stack((k, v), dim=2), meta.indices_k)
+        out = backend.varlen_kvpacked(
+            _gather(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True
+        )
+    out = out.to(in_dtype)
+    if meta.indices_q is None:
+        return out.view(batch, q_len, heads, -1)
+    return pad_input(out, meta.indices_q, batch, q_len)
+
+
+def _trim_static_cache(k: torch.Tensor, v: torch.Tensor, attention_mask: Any, past: Any) -> tuple:
+    """A static cache returns all max_cache_len slots; the mask says how many are filled."""
+    mask = as_varlen_mask(attention_mask).mask
+    if mask is not None and k.shape[1] > mask.shape[-1] and getattr(past, "is_compileable", False):
+        return k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]
+    return k, v
+
+
+def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
+    """Build the replacement `LlamaAttention.forward` for transformers >= 4.48 (one attention class)."""
+
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        if args:  # 4.48-4.55 may pass past_key_value / cache_position positionally
+            kwargs.update(zip(("past_key_value", "cache_position"), args))
+        past = kwargs.pop("past_key_values", None)
+        past = kwargs.pop("past_key_value", None) if past is None else past
+        if kwargs.get("output_attentions"):
+            raise PatchInputError(
+                "output_attentions=True cannot be served by patchkit's varlen attention (the kernels never form "
+                "the attention matrix). Call handle.revert() and load with attn_implementation='eager' for that run."
+            )
+        if position_embeddings is None:
+            raise PatchInputError("patchkit's LLaMA patch needs position_embeddings from the model (transformers >= 4.48)")
+        batch, q_len = hidden_states.shape[:2]
+        shape = (batch, q_len, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        v = self.v_proj(hidden_states).view(shape)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)  # (B, S, H, D): no transposes needed
+        if past is not None:
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+            k, v = past.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_kwargs)
+            k, v = _trim_static_cache(k.transpose(1, 2), v.transpose(1, 2), attention_mask, past)
+        out = varlen_core(
+            state, self, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs,
+            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+        )
+        return self.o_proj(out.reshape(batch, q_len, -1)), None
+
+    forward.__patchkit_state__ = state  # type: ignore[attr-defined]
+    return forward
+
+
+def make_attention_function(state: PatchState) -> Callable:
+    """The same attention in transformers' `AttentionInterface` signature (q/k/v as (B, H, S, D))."""
+
+    def attention(
+        module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        out = varlen_core(
+            state, module, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout, scaling=scale
+        )
+        return out, None
+
+    attention.__patchkit_state__ = state  # type: ignore[attr-defined]
+    return attention
+
+
+def is_patched_forward(fn: Any) -> bool:
+    """True for a forward built by `make_forward` (bound or not)."""
+    return hasattr(getattr(fn, "__func__", fn), "__patchkit_state__")

@@ -1,0 +1,61 @@
+"""Attention backends behind one small interface, chosen once when a patch is applied."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..masks import VarlenMetadata
+from . import sdpa
+
+BACKEND_NAMES = ("auto", "flash_attn", "sdpa")
+
+
+class Backend(Protocol):
+    """What a patched layer needs: flash-attn's two varlen entry points, fed with patchkit metadata."""
+
+    name: str
+    half_only: bool
+
+    def varlen_qkvpacked(
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool
+    ) -> torch.Tensor: ...
+
+    def varlen_kvpacked(
+        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
+        causal: bool,
+    ) -> torch.Tensor: ...
+
+
+class SdpaBackend:
+    """Torch-native backend: `patchkit.backends.sdpa` with host-side lengths (no device sync per layer)."""
+
+    name = "sdpa"
+    half_only = False
+
+    def varlen_qkvpacked(
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool
+    ) -> torch.Tensor:
+        q, k, v = qkv.unbind(1)
+        out, _ = sdpa.varlen_attention(q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal)
+        return out
+
+    def varlen_kvpacked(
+        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
+        causal: bool,
+    ) -> torch.Tensor:
+        k, v = kv.unbind(1)
+        out, _ = sdpa.varlen_attention(q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal)
+        return out
+
+
+def make_backend(name: str) -> Backend:
+    """Instantiate a backend by its resolved name ("flash_attn" or "sdpa")."""
+    if name == "sdpa":
+        return SdpaBackend()
+    if name == "flash_attn":
+        from .flash_attn import FlashAttnBackend
+
+        return FlashAttnBackend()
+    raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")

@@ -1,0 +1,278 @@
+"""Torch-native stand-in for flash-attn 2: the same functions, signatures and semantics, on CPU or GPU.
+
+Semantics kept (see flash-attn's `flash_attn_interface.py`): causal masks aligned bottom-right when
+q_len != kv_len, GQA/MQA with fewer K/V heads, `softmax_scale` defaulting to D ** -0.5, `window_size`,
+`softcap`, `alibi_slopes`, dropout, zeros (never NaN) for a query that sees no key, and the log-sum-exp
+returned with `return_attn_probs=True` (the third element, the dropout mask, is returned as None).
+
+Speed: each sequence goes to `F.scaled_dot_product_attention` without an explicit mask whenever its
+causal pattern allows (that reaches SDPA's fused flash kernels on CPU and GPU); only the rare patterns
+that need a mask (chunked prefill, windows) build one, for that one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "varlen_attention",
+]
+
+
+def _visible(sq: int, sk: int, causal: bool, window: tuple[int, int], device: torch.device) -> Optional[torch.Tensor]:
+    """Bool (sq, sk) mask of keys each query may see (flash-attn's bottom-right alignment); None = all."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= j <= i + right
+    if left >= 0:
+        ok &= j >= i - left
+    return ok
+
+
+def _alibi_bias(slopes: torch.Tensor, sq: int, sk: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """flash-attn's ALiBi: -slope * |i + sk - sq - j| (causal: only keys to the left are ever seen)."""
+    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    dist = (i - j).abs() if not causal else (i - j)
+    return -slopes.float().reshape(-1, 1, 1) * dist.float()
+
+
+def _attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int],
+    softcap: float, alibi: Optional[torch.Tensor], dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference path for one sequence: q (H, sq, D), k/v (H, sk, D) -> out (H, sq, D), lse (H, sq) fp32."""
+    sq, sk = q.shape[1], k.shape[1]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        scores = scores + _alibi_bias(alibi, sq, sk, causal, q.device)
+    visible = _visible(sq, sk, causal, window, q.device)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.nan_to_num(probs, nan=0.0)  # rows that see no key: zeros, not NaN
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs, v.float()).to(q.dtype)
+    return out, lse.masked_fill(torch.isneginf(lse), float("inf"))
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int],
+    softcap: float, alibi: Optional[torch.Tensor], dropout_p: float, need_lse: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One sequence, heads first: q (H, sq, D), k/v (Hk, sk, D) -> out (H, sq, D), lse (H, sq) or None."""
+    h, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    if sk == 0 or sq == 0:
+        lse = torch.full((h, sq), float("inf"), device=q.device) if need_lse else None
+        return q.new_zeros(h, sq, v.shape[-1]), lse
+    gqa = k.shape[0] != h
+    plain = not need_lse and softcap == 0 and alibi is None and window == (-1, -1)
+    if plain and not (causal and sq > sk):  # sq > sk: some queries see no key; the math path zeros them
+        # Without an explicit mask SDPA takes its fused flash kernel: full causal (sq == sk) or a decode
+        # step (sq == 1 sees every key). Only chunked prefill needs the bottom-right mask.
+        needs_mask = causal and 1 < sq < sk
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_visible(sq, sk, causal, window, q.device) if needs_mask else None,
+            dropout_p=dropout_p, is_causal=causal and sq == sk and sq > 1, scale=scale, enable_gqa=gqa,
+        )
+        return out, None
+    if gqa:
+        k, v = k.repeat_interleave(h // k.shape[0], dim=0), v.repeat_interleave(h // v.shape[0], dim=0)
+    return _attend_math(q, k, v, scale, causal, window, softcap, alibi, dropout_p)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_q: Sequence[int], seqlens_k: Sequence[int],
+    dropout_p: float = 0.0, softmax_scale: Optional[float] = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Varlen attention with host-side lengths: q (Tq, H, D), k/v (Tk, Hk, D) -> out (Tq, H, D), lse (H, Tq)."""
+    h, hk = q.shape[1], k.shape[1]
+    if h % hk:
+        raise ValueError(f"number of query heads ({h}) must be divisible by the number of key/value heads ({hk})")
+    if len(seqlens_q) != len(seqlens_k):
+        raise ValueError(f"cu_seqlens_q has {len(seqlens_q)} sequences but cu_seqlens_k has {len(seqlens_k)}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    window = (int(window_size[0]), int(window_size[1]))
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first, no copy
+    n = len(seqlens_q)
+    uniform = n > 0 and len(set(seqlens_q)) == 1 and list(seqlens_q) == list(seqlens_k)
+    if uniform and alibi_slopes is None and n > 1 and seqlens_q[0] > 0:
+        # Equal lengths: one batched call instead of a loop (the common unpadded training batch).
+        s = seqlens_q[0]
+        qb = q.view(n, s, h, -1).transpose(1, 2)
+        kb, vb = k.view(n, s, hk, -1).transpose(1, 2), v.view(n, s, hk, -1).transpose(1, 2)
+        out, lse = _attend_batched(qb, kb, vb, scale, causal, window, softcap, dropout_p, return_lse)
+        out = out.transpose(1, 2).reshape(n * s, h, -1)
+        return out, (lse.permute(1, 0, 2).reshape(h, n * s) if lse is not None else None)
+    outs, lses = [], []
+    start_q = start_k = 0
+    for idx, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[idx]
+        out, lse = _attend(
+            qh[:, start_q : start_q + sq], kh[:, start_k : start_k + sk], vh[:, start_k : start_k + sk],
+            scale, causal, window, softcap, slopes, dropout_p, return_lse,
+        )
+        outs.append(out.transpose(0, 1))
+        lses.append(lse)
+        start_q += sq
+        start_k += sk
+    if start_q != q.shape[0]:
+        outs.append(q.new_zeros(q.shape[0] - start_q, h, v.shape[-1]))  # tokens past cu_seqlens[-1]: untouched
+        lses.append(torch.full((h, q.shape[0] - start_q), float("inf"), device=q.device) if return_lse else None)
+    out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, h, v.shape[-1])
+    lse = torch.cat(lses, dim=1) if return_lse and lses else None
+    return out, lse
+
+
+def _attend_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int],
+    softcap: float, dropout_p: float, need_lse: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Equal-length sequences, (B, H, S, D): one SDPA call when no explicit mask is needed."""
+    if not need_lse and softcap == 0 and window == (-1, -1):
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1, scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out, None
+    outs = [_attend(q[b], k[b], v[b], scale, causal, window, softcap, None, dropout_p, need_lse) for b in range(len(q))]
+    out = torch.stack([o for o, _ in outs])
+    lse = torch.stack([lse for _, lse in outs]) if need_lse else None
+    return out, lse
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"q, k and v must have the same dtype, got {sorted(map(str, dtypes))}")
+
+
+def _lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    return cu_seqlens.diff().tolist()
+
+
+def _result(out: torch.Tensor, lse: Optional[torch.Tensor], return_attn_probs: bool):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):
+    """q (Tq, H, D), k/v (Tk, Hk, D), int32 cu_seqlens (B+1,) -> out (Tq, H, D) [, lse (H, Tq), None]."""
+    if block_table is not None:
+        raise NotImplementedError("the sdpa backend has no paged KV cache (block_table)")
+    _check(q, k, v)
+    out, lse = varlen_attention(
+        q, k, v, _lengths(cu_seqlens_q), _lengths(cu_seqlens_k), dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, return_attn_probs,
+    )
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """qkv (T, 3, H, D) -> out (T, H, D)."""
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False,
+):
+    """q (Tq, H, D), kv (Tk, 2, Hk, D) -> out (Tq, H, D)."""
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )
+
+
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (B, Sq, H, D) [, lse (B, H, Sq), None]."""
+    _check(q, k, v)
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    out, lse = varlen_attention(
+        q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d), v.reshape(b * sk, v.shape[2], v.shape[-1]),
+        [sq] * b, [sk] * b, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+    )
+    out = out.view(b, sq, h, -1)
+    if lse is not None:
+        lse = lse.view(h, b, sq).transpose(0, 1)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """qkv (B, S, 3, H, D) -> out (B, S, H, D)."""
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):
+    """q (B, Sq, H, D), kv (B, Sk, 2, Hk, D) -> out (B, Sq, H, D)."""
+    k, v = kv.unbind(2)
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )
+
+
+def reference_attention(q, k, v, causal: bool, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Dense float64 reference for tests: q (B, Sq, H, D), k/v (B, Sk, Hk, D), bottom-right causal."""
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(d)
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(h // hk, 1), vd.repeat_interleave(h // hk, 1)
+    scores = qd @ kd.transpose(-1, -2) * scale
+    vis = _visible(sq, k.shape[1], causal, (-1, -1), q.device)
+    if vis is not None:
+        scores = scores.masked_fill(~vis, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)
+    return (probs @ vd).transpose(1, 2)

@@ -1,0 +1,19 @@
+"""Exception types, so callers can catch patchkit's refusals precisely."""
+
+from __future__ import annotations
+
+
+class PatchkitError(RuntimeError):
+    """Base class of every error patchkit raises on purpose."""
+
+
+class PatchGateError(PatchkitError):
+    """A gate failed: the patch (or the requested backend) cannot run here; nothing was patched."""
+
+
+class PatchTargetError(PatchkitError):
+    """The objects a patch replaces are missing, or the patch is not live in a model."""
+
+
+class PatchInputError(PatchkitError, ValueError):
+    """An input the patched attention cannot serve exactly (a 4D mask, a mask of the wrong length, ...)."""

@@ -1,0 +1,199 @@
+"""Gates: the version and capability checks a patch must pass before it is applied or a backend chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import sys
+from typing import Optional
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+MIN_COMPUTE_CAPABILITY = (8, 0)
+MAX_FLASH_HEAD_DIM = 256
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What this process can run: versions, the flash-attn import result and the GPU."""
+
+    torch_version: str
+    transformers_version: Optional[str]
+    flash_attn_version: Optional[str]
+    flash_attn_error: Optional[str]
+    cuda_available: bool
+    device_name: Optional[str]
+    compute_capability: Optional[tuple[int, int]]
+    bf16_supported: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    """One gate's verdict: what was required, what was found, and the fix when it failed."""
+
+    name: str
+    passed: bool
+    required: str
+    found: str
+    fix: str = ""
+
+    def describe(self) -> str:
+        status = "ok" if self.passed else "FAILED"
+        text = f"{self.name}: {status} (required {self.required}; found {self.found})"
+        return text if self.passed or not self.fix else f"{text}. Fix: {self.fix}"
+
+
+def _package_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        module = sys.modules.get(name.replace("-", "_"))
+        return getattr(module, "__version__", None)
+
+
+def explain_flash_import_error(exc: BaseException) -> str:
+    """Turn a failed `import flash_attn` into a sentence that says what it means and how to fix it."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "undefined symbol" in str(exc):
+        return (
+            f"{text}. flash-attn's CUDA extension was built against another torch/CUDA ABI than the torch "
+            f"installed ({torch.__version__}); reinstall a flash-attn wheel built for this torch and CUDA, e.g. "
+            "`pip install --force-reinstall --no-build-isolation flash-attn`"
+        )
+    return text
+
+
+def probe_flash_attn() -> tuple[Optional[str], Optional[str]]:
+    """Import flash-attn and its CUDA extension for real; return (version, error)."""
+    try:
+        module = importlib.import_module("flash_attn")
+        importlib.import_module("flash_attn_2_cuda")
+    except ModuleNotFoundError as exc:
+        return None, f"not installed ({exc})"
+    except (ImportError, OSError) as exc:  # e.g. "undefined symbol": an ABI mismatch with torch
+        return _package_version("flash-attn"), explain_flash_import_error(exc)
+    return getattr(module, "__version__", None) or _package_version("flash-attn"), None
+
+
+def probe_environment() -> Environment:
+    """Read the environment once; tests replace this function to simulate other machines."""
+    flash_version, flash_error = probe_flash_attn()
+    cuda = torch.cuda.is_available()
+    capability = tuple(torch.cuda.get_device_capability()) if cuda else None
+    return Environment(
+        torch_version=torch.__version__,
+        transformers_version=_package_version("transformers"),
+        flash_attn_version=flash_version,
+        flash_attn_error=flash_error,
+        cuda_available=cuda,
+        device_name=torch.cuda.get_device_name() if cuda else None,
+        compute_capability=capability,  # type: ignore[arg-type]
+        bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
+    )
+
+
+def transformers_gate(env: Environment, supported: SpecifierSet, patch: str) -> GateResult:
+    """The patch's own transformers range; a failure here cannot fall back to another backend."""
+    found = env.transformers_version or "not installed"
+    try:
+        ok = env.transformers_version is not None and Version(env.transformers_version) in supported
+    except InvalidVersion:
+        ok = False
+    return GateResult(
+        "transformers_version",
+        ok,
+        f"transformers{supported}",
+        found,
+        f"patch {patch!r} supports transformers{supported}; install a version in that range "
+        f"(e.g. `pip install 'transformers{supported}'`)",
+    )
+
+
+def flash_attn_installed_gate(env: Environment) -> GateResult:
+    ok = env.flash_attn_error is None and env.flash_attn_version is not None
+    return GateResult(
+        "flash_attn_installed",
+        ok,
+        "flash-attn 2 importable with its CUDA extension",
+        env.flash_attn_version if ok else (env.flash_attn_error or "not installed"),
+        "install a flash-attn 2 wheel matching this torch/CUDA (`pip install flash-attn --no-build-isolation`), "
+        "or use backend='sdpa'",
+    )
+
+
+def flash_attn_version_gate(env: Environment, minimum: str, why: str) -> GateResult:
+    found = env.flash_attn_version
+    try:
+        ok = found is not None and Version(found) >= Version(minimum)
+    except InvalidVersion:
+        ok = False
+    return GateResult(
+        "flash_attn_version",
+        ok,
+        f"flash-attn>={minimum} ({why})",
+        found or "not installed",
+        f"`pip install 'flash-attn>={minimum}' --no-build-isolation`, or use backend='sdpa'",
+    )
+
+
+def cuda_gate(env: Environment) -> GateResult:
+    return GateResult(
+        "cuda_available",
+        env.cuda_available,
+        "a CUDA device",
+        env.device_name or "no CUDA device",
+        "run on a CUDA GPU, or use backend='sdpa' (torch-native, runs on CPU)",
+    )
+
+
+def compute_capability_gate(env: Environment) -> GateResult:
+    cap = env.compute_capability
+    ok = cap is not None and tuple(cap) >= MIN_COMPUTE_CAPABILITY
+    need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+    return GateResult(
+        "compute_capability",
+        ok,
+        f">= {need} (Ampere or newer)",
+        "n/a (no CUDA device)" if cap is None else ".".join(map(str, cap)),
+        "FlashAttention 2 does not run on Turing or older GPUs; use an Ampere/Hopper GPU or backend='sdpa'",
+    )
+
+
+def flash_backend_gates(env: Environment, flash_min: str, why: str) -> list[GateResult]:
+    """Every gate the flash_attn backend must pass on this machine."""
+    return [
+        flash_attn_installed_gate(env),
+        flash_attn_version_gate(env, flash_min, why),
+        cuda_gate(env),
+        compute_capability_gate(env),
+    ]
+
+
+def dtype_gate(dtype: torch.dtype) -> GateResult:
+    """flash-attn kernels take fp16/bf16 only (checked per call, on the real q/k/v)."""
+    return GateResult(
+        "dtype",
+        dtype in HALF_DTYPES,
+        "float16 or bfloat16 q/k/v",
+        str(dtype).replace("torch.", ""),
+        "load the model in bf16/fp16 (torch_dtype=torch.bfloat16) or run under torch.autocast; "
+        "non-strict mode casts to the compute dtype with one warning",
+    )
+
+
+def head_dim_gate(head_dim: int) -> GateResult:
+    return GateResult(
+        "head_dim",
+        head_dim <= MAX_FLASH_HEAD_DIM,
+        f"head_dim <= {MAX_FLASH_HEAD_DIM}",
+        str(head_dim),
+        "flash-attn kernels support head_dim up to 256; use backend='sdpa' for this model",
+    )
+
+
+def first_failure(results: list[GateResult]) -> Optional[GateResult]:
+    return next((r for r in results if not r.passed), None)

@@ -1,0 +1,36 @@
+"""Unpad and repad helpers in the shape of flash-attn's `bert_padding`, pure torch and autograd-friendly."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather rows of `x` along its first axis (a differentiable `index_select`)."""
+    return x.index_select(0, indices)
+
+
+def pad_input(hidden: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Scatter (nnz, ...) rows back into a zero (batch, seqlen, ...) tensor."""
+    out = hidden.new_zeros((batch * seqlen, *hidden.shape[1:]))
+    out = out.index_copy(0, indices, hidden)
+    return out.view(batch, seqlen, *hidden.shape[1:])
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """(n,) lengths -> (n+1,) int32 cumulative offsets starting at 0."""
+    return F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+
+
+def unpad_input(
+    hidden: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """flash-attn >= 2.7's `unpad_input`: (unpadded, indices, cu_seqlens, max_seqlen, seqused)."""
+    all_masks = attention_mask + unused_mask if unused_mask is not None else attention_mask
+    seqlens = all_masks.sum(dim=-1, dtype=torch.int32)
+    used = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(all_masks.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    flat = hidden.reshape(-1, *hidden.shape[2:])
+    return index_first_axis(flat, indices), indices, cu_seqlens_from_lengths(seqlens), max_seqlen, used

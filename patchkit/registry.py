@@ -1,0 +1,61 @@
+"""The registry: patch name -> PatchSpec (targets, gates, transformers range), one module per patch."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, Optional
+
+from packaging.specifiers import SpecifierSet
+from torch import nn
+
+from .attention import PatchState
+from .gates import GateResult
+from .patching import Replacement
+
+# name -> module holding its SPEC; modules are imported on first use.
+PATCH_MODULES = {
+    "llama1": "patchkit.patches.llama1",
+    "llama2": "patchkit.patches.llama2",
+}
+ALIASES = {"llama": "llama2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchSpec:
+    """What one patch declares: how it packs q/k/v, where it applies, what it needs, and what it replaces."""
+
+    name: str
+    description: str
+    packing: str
+    transformers: str
+    flash_attn_min: str
+    flash_attn_why: str
+    build_class: Callable[[PatchState], list[Replacement]]
+    build_instance: Callable[[PatchState, nn.Module], list[Replacement]]
+    check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def supported(self) -> SpecifierSet:
+        return SpecifierSet(self.transformers)
+
+    def gate_names(self) -> list[str]:
+        names = ["transformers_version", "flash_attn_installed", "flash_attn_version", "cuda_available",
+                 "compute_capability", "dtype", "head_dim"]
+        return names + (["model_config"] if self.check_model else [])
+
+
+def resolve(name: str) -> PatchSpec:
+    """The spec for a patch name or alias; an unknown name lists the known ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"patch name must be a string, got {type(name).__name__}")
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in PATCH_MODULES:
+        known = ", ".join(sorted(PATCH_MODULES) + [f"{a} (= {t})" for a, t in ALIASES.items()])
+        raise ValueError(f"unknown patch {name!r}; available patches: {known}")
+    return importlib.import_module(PATCH_MODULES[key]).SPEC
+
+
+def registered() -> list[PatchSpec]:
+    return [resolve(name) for name in PATCH_MODULES]
