@@ -16,7 +16,7 @@ from .gates import GateResult
 from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, registered, resolve
 
-_ACTIVE: dict[tuple, "PatchHandle"] = {}
+_ACTIVE: dict[tuple, PatchHandle] = {}
 
 
 class PatchHandle:
@@ -61,7 +61,7 @@ class PatchHandle:
         if _ACTIVE.get(self.key) is self:
             del _ACTIVE[self.key]
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:

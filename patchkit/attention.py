@@ -29,7 +29,7 @@ class PatchState:
     backend: Backend
     strict: bool
     calls: int = 0
-    layers: "weakref.WeakSet[nn.Module]" = dataclasses.field(default_factory=weakref.WeakSet)
+    layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)
     warned: set = dataclasses.field(default_factory=set)
     fallback = SdpaBackend()
 
@@ -167,7 +167,9 @@ def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
                 "the attention matrix). Call handle.revert() and load with attn_implementation='eager' for that run."
             )
         if position_embeddings is None:
-            raise PatchInputError("patchkit's LLaMA patch needs position_embeddings from the model (transformers >= 4.48)")
+            raise PatchInputError(
+                "patchkit's LLaMA patch needs position_embeddings from the model (transformers >= 4.48)"
+            )
         batch, q_len = hidden_states.shape[:2]
         shape = (batch, q_len, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)

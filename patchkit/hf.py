@@ -71,7 +71,9 @@ def class_replacements(state: PatchState) -> list[Replacement]:
             )
         )
     else:
-        out.append(Replacement(mod.LlamaModel, "_update_causal_mask", _update_causal_mask, "LlamaModel._update_causal_mask"))
+        out.append(
+            Replacement(mod.LlamaModel, "_update_causal_mask", _update_causal_mask, "LlamaModel._update_causal_mask")
+        )
     return out
 
 

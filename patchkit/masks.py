@@ -78,8 +78,12 @@ def _host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
 def _dense(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
     """No padding anywhere: every row is one sequence; no gather needed."""
     cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    cu_k = cu_q if q_len == kv_len else torch.arange(0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device)
-    return VarlenMetadata(batch, q_len, kv_len, None, None, cu_q, cu_k, q_len, kv_len, [q_len] * batch, [kv_len] * batch)
+    cu_k = cu_q
+    if q_len != kv_len:
+        cu_k = torch.arange(0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device)
+    return VarlenMetadata(
+        batch, q_len, kv_len, None, None, cu_q, cu_k, q_len, kv_len, [q_len] * batch, [kv_len] * batch
+    )
 
 
 def _from_cu_seqlens(

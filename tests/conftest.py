@@ -1,0 +1,42 @@
+"""Shared fixtures: every test starts and ends with transformers' LLaMA objects unpatched."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import patchkit
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def _targets() -> dict[str, object]:
+    mod = importlib.import_module("transformers.models.llama.modeling_llama")
+    found = {"forward": mod.LlamaAttention.__dict__["forward"]}
+    if hasattr(mod, "create_causal_mask"):
+        found["create_causal_mask"] = mod.create_causal_mask
+    if "_update_causal_mask" in mod.LlamaModel.__dict__:
+        found["_update_causal_mask"] = mod.LlamaModel.__dict__["_update_causal_mask"]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def clean_patches():
+    """Revert whatever a test applied and check the original objects are back (identity)."""
+    before = _targets()
+    yield
+    patchkit.revert_patch()
+    after = _targets()
+    assert all(after[k] is before[k] for k in before), "a test left LLaMA objects patched"

@@ -1,0 +1,71 @@
+"""Simulated machines and a recording stand-in for the `flash_attn` package (no GPU here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import torch
+
+from patchkit import gates
+from patchkit.backends import sdpa
+
+GPU_ENV = gates.Environment(
+    torch_version=torch.__version__, transformers_version=gates.probe_environment().transformers_version,
+    flash_attn_version="2.8.3", flash_attn_error=None, cuda_available=True, device_name="NVIDIA A100-SXM4-80GB",
+    compute_capability=(8, 0), bf16_supported=True,
+)
+
+
+def env(**changes) -> gates.Environment:
+    return dataclasses.replace(GPU_ENV, **changes)
+
+
+class RecordingFlashAttn(types.ModuleType):
+    """Checks every call against flash-attn's CUDA-side contract, records it, computes with the sdpa backend."""
+
+    def __init__(self) -> None:
+        super().__init__("flash_attn")
+        self.__version__ = "2.8.3"
+        self.calls: list[dict] = []
+
+    def _check(self, name, tensors, cu_q, cu_k, max_q, max_k, softmax_scale, causal, dropout_p):
+        dtypes = {t.dtype for t in tensors}
+        assert dtypes <= {torch.float16, torch.bfloat16} and len(dtypes) == 1, f"{name}: dtypes {dtypes}"
+        assert all(t.stride(-1) == 1 for t in tensors), f"{name}: last dim not contiguous"
+        for cu in (cu_q, cu_k):
+            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu[0] == 0, f"{name}: bad cu_seqlens {cu}"
+        assert isinstance(max_q, int) and max_q == int(cu_q.diff().max()), f"{name}: max_seqlen_q {max_q}"
+        assert isinstance(max_k, int) and max_k == int(cu_k.diff().max()), f"{name}: max_seqlen_k {max_k}"
+        assert tensors[0].shape[-1] <= 256
+        self.calls.append(
+            dict(name=name, shapes=[tuple(t.shape) for t in tensors], dtype=tensors[0].dtype, cu_q=cu_q.tolist(),
+                 cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, softmax_scale=softmax_scale, causal=causal,
+                 dropout_p=dropout_p)
+        )
+
+    def flash_attn_varlen_qkvpacked_func(self, qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                         causal=False, **kw):
+        assert qkv.dim() == 4 and qkv.shape[1] == 3
+        self._check("qkvpacked", [qkv], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
+                    dropout_p)
+        return sdpa.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal)
+
+    def flash_attn_varlen_kvpacked_func(self, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        dropout_p=0.0, softmax_scale=None, causal=False, **kw):
+        assert q.dim() == 3 and kv.dim() == 4 and kv.shape[1] == 2 and q.shape[1] % kv.shape[2] == 0
+        self._check("kvpacked", [q, kv], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, dropout_p)
+        return sdpa.flash_attn_varlen_kvpacked_func(
+            q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal
+        )
+
+
+def install_flash_double(monkeypatch) -> RecordingFlashAttn:
+    """Put the double in sys.modules (with a CUDA extension module) and pretend to be an A100."""
+    fake = RecordingFlashAttn()
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
+    monkeypatch.setattr(gates, "probe_environment", lambda: GPU_ENV)
+    return fake

@@ -1,0 +1,53 @@
+"""Tiny random LLaMA models and padded batches for the tests (no hub, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 97
+
+
+def tiny_config(kv_heads: int = 4, heads: int = 4, hidden: int = 64, layers: int = 2, **kw) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager", **kw,
+    )
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**kw)).to(dtype)
+    return model.eval()
+
+
+def clone(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    return copy.deepcopy(model)
+
+
+def padded_batch(kind: str, batch: int = 4, seq: int = 24, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and a 2D mask: right, left or mixed padding, the last row all padding for 'mixed'."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    lengths = [seq, seq - 7, seq - 13, 5][:batch]
+    if min(lengths) < 1:
+        raise ValueError(f"seq={seq} is too short for the padding pattern; use seq >= 14")
+    mask = torch.zeros(batch, seq, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        side = {"right": "r", "left": "l", "mixed": "rl"[row % 2]}[kind]
+        if side == "r":
+            mask[row, :n] = 1
+        else:
+            mask[row, seq - n :] = 1
+    if kind == "mixed":
+        mask[-1] = 0
+    return ids, mask
+
+
+def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Targets only where both the token and the position predicting it are real (left padding included)."""
+    predicted_from_pad = torch.nn.functional.pad(mask[:, :-1] == 0, (1, 0))
+    return ids.masked_fill((mask == 0) | predicted_from_pad, -100)

@@ -1,0 +1,107 @@
+"""Patched vs unpatched eager LLaMA: logits and gradients on padded batches, MHA and GQA, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import clone, labels_for, padded_batch, tiny_model
+
+import patchkit
+
+
+def run(model, ids, mask, train: bool = True):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask) if train else None)
+    if train:
+        out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("patch,kv_heads", [("llama2", 4), ("llama2", 2), ("llama2", 1), ("llama1", 4)])
+@pytest.mark.parametrize("kind", ["right", "left", "mixed"])
+def test_fp32_logits_and_grads_match_eager(patch, kv_heads, kind):
+    ref = tiny_model(kv_heads=kv_heads)
+    ids, mask = padded_batch(kind)
+    want_logits, want_grads = run(ref, ids, mask)
+    with patchkit.apply_patch(patch, backend="sdpa") as handle:
+        got_logits, got_grads = run(ref, ids, mask)
+        assert handle.layers_patched == ref.config.num_hidden_layers
+    real = mask.bool()
+    torch.testing.assert_close(got_logits[real], want_logits[real], atol=2e-5, rtol=1e-4)
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_all_padding_row_is_zero_not_nan():
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits, grads = run(model, ids, mask)
+    assert torch.isfinite(hidden).all() and torch.isfinite(logits).all()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    # The all-padding row attends to nothing: its attention output is zero, so its hidden state is a
+    # function of its own embeddings only, exactly as if attention were removed for it.
+    layer = model.model.layers[0]
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        attn_out, _ = layer.self_attn(
+            layer.input_layernorm(model.model.embed_tokens(ids)),
+            position_embeddings=model.model.rotary_emb(model.model.embed_tokens(ids), torch.arange(24)[None]),
+            attention_mask=mask,
+        )
+    assert attn_out[-1].abs().max() == 0
+
+
+def test_all_padding_batch_does_not_crash():
+    model = tiny_model()
+    ids = torch.randint(3, 90, (2, 8))
+    mask = torch.zeros(2, 8, dtype=torch.long)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+    assert handle.calls == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_bf16_error_at_most_twice_eager_error(kv_heads):
+    ref32 = tiny_model(kv_heads=kv_heads)
+    ids, mask = padded_batch("mixed")
+    real = mask.bool()
+    truth, _ = run(ref32, ids, mask, train=False)
+    model16 = clone(ref32).to(torch.bfloat16)
+    eager16, _ = run(model16, ids, mask, train=False)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        ours16, _ = run(model16, ids, mask, train=False)
+    eager_err = (eager16.float() - truth)[real].abs().max().item()
+    ours_err = (ours16.float() - truth)[real].abs().max().item()
+    assert ours_err <= 2 * eager_err + 1e-3, (ours_err, eager_err)
+
+
+def test_unpadded_batch_without_mask_matches_eager():
+    model = tiny_model(kv_heads=2)
+    ids = torch.randint(3, 90, (3, 16))
+    want, want_g = run(model, ids, torch.ones_like(ids))
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    torch.testing.assert_close(out.logits, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(model.lm_head.weight.grad, want_g["lm_head.weight"], atol=2e-5, rtol=1e-3)
+
+
+def test_gradient_checkpointing_keeps_working():
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    model.train()
+    model.config.attention_dropout = 0.0
+    want, want_g = run(model, ids, mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got, got_g = run(model, ids, mask)
+        assert handle.layers_patched == 2
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], atol=2e-5, rtol=1e-3, msg=name)

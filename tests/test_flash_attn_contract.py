@@ -1,0 +1,104 @@
+"""The flash_attn backend, driven through a recording double of the flash_attn package."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakes import install_flash_double
+from models import clone, padded_batch, tiny_model
+
+import patchkit
+from patchkit import PatchGateError
+
+
+@pytest.mark.parametrize("patch,kv_heads", [("llama2", 2), ("llama1", 4)])
+def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads):
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(kv_heads=kv_heads, dtype=torch.bfloat16)
+    ids, mask = padded_batch("mixed")
+    lengths = mask.sum(-1)
+    ref32 = clone(model).float()
+    with torch.no_grad():
+        truth = ref32(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits.float()
+        with patchkit.apply_patch(patch, strict=True) as handle:
+            ours = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert handle.backend == "flash_attn"
+    assert len(fake.calls) == model.config.num_hidden_layers
+    nonzero = [n for n in lengths.tolist() if n]
+    expected_cu = torch.tensor([0, *nonzero]).cumsum(0).tolist()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    total = sum(nonzero)
+    for call in fake.calls:
+        assert call["name"] == ("qkvpacked" if patch == "llama1" else "kvpacked")
+        assert call["dtype"] == torch.bfloat16
+        assert call["cu_q"] == call["cu_k"] == expected_cu
+        assert call["max_q"] == call["max_k"] == max(nonzero)
+        assert call["causal"] is True and call["dropout_p"] == 0.0
+        assert call["softmax_scale"] == pytest.approx(head_dim**-0.5)
+        if patch == "llama1":
+            assert call["shapes"] == [(total, 3, 4, head_dim)]
+        else:
+            assert call["shapes"] == [(total, 4, head_dim), (total, 2, kv_heads, head_dim)]
+    real = mask.bool()
+    assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3
+
+
+def test_decode_calls_use_cache_lengths(monkeypatch):
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    with patchkit.apply_patch("llama2", strict=True):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    decode = [c for c in fake.calls if c["shapes"][0][0] == 3]  # one query token per row
+    assert decode, "no decode step reached the kernel"
+    real = mask.sum(-1).tolist()
+    first = decode[0]
+    assert first["cu_q"] == [0, 1, 2, 3]
+    assert first["cu_k"] == torch.tensor([0, *[n + 1 for n in real]]).cumsum(0).tolist()
+    assert first["max_q"] == 1 and first["max_k"] == max(real) + 1
+
+
+def test_fp32_inputs_are_cast_with_one_warning_or_refused_when_strict(monkeypatch):
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model()  # fp32 weights: q/k/v arrive in fp32
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        with patchkit.apply_patch("llama2"):
+            with pytest.warns(RuntimeWarning, match="casting to torch.bfloat16") as record:
+                got = model(input_ids=ids, attention_mask=mask).logits
+                model(input_ids=ids, attention_mask=mask)
+    assert sum("casting" in str(w.message) for w in record) == 1
+    assert got.dtype == torch.float32 and all(c["dtype"] == torch.bfloat16 for c in fake.calls)
+    real = mask.bool()
+    assert (got - want)[real].abs().max() < 0.05
+    with patchkit.apply_patch("llama2", strict=True):
+        with pytest.raises(PatchGateError, match="dtype: FAILED.*float32"):
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_autocast_dtype_is_the_compute_dtype(monkeypatch):
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2"), torch.autocast("cpu", dtype=torch.float16):
+        model(input_ids=ids, attention_mask=mask)
+    assert fake.calls and all(c["dtype"] == torch.float16 for c in fake.calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
+@pytest.mark.parametrize("patch", ["llama1", "llama2"])
+def test_gpu_flash_attn_matches_eager_bf16(patch):
+    pytest.importorskip("flash_attn")
+    model = tiny_model(kv_heads=4).cuda()
+    ids, mask = (t.cuda() for t in padded_batch("mixed"))
+    with torch.no_grad():
+        truth = model(input_ids=ids, attention_mask=mask).logits
+        model16 = clone(model).to(torch.bfloat16)
+        eager = model16(input_ids=ids, attention_mask=mask).logits.float()
+        with patchkit.apply_patch(patch, backend="flash_attn", strict=True):
+            ours = model16(input_ids=ids, attention_mask=mask).logits.float()
+    real = mask.bool()
+    assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3

@@ -1,0 +1,198 @@
+"""Patch mechanics: idempotent, reversible to identity, all or nothing, instance patches that do not leak."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from models import padded_batch, tiny_model
+
+import patchkit
+from patchkit import PatchInputError, PatchkitError, PatchTargetError, hf
+from patchkit.attention import is_patched_forward
+from patchkit.patching import Replacement
+
+MOD = sys.modules["transformers.models.llama.modeling_llama"]
+
+
+def originals():
+    return MOD.LlamaAttention.__dict__["forward"], getattr(MOD, "create_causal_mask", None)
+
+
+def test_apply_twice_equals_once_and_revert_restores_identity():
+    before = originals()
+    first = patchkit.apply_patch("llama2", backend="sdpa")
+    patched = originals()
+    second = patchkit.apply_patch("llama2", backend="sdpa")
+    assert second is first and originals() == patched
+    assert patched[0] is not before[0]
+    first.revert()
+    assert originals()[0] is before[0] and originals()[1] is before[1]
+    first.revert()  # a second revert does nothing
+    assert originals()[0] is before[0]
+
+
+def test_context_manager_and_revert_patch():
+    before = originals()
+    with patchkit.apply_patch("llama", backend="sdpa") as handle:
+        assert handle.name == "llama2"  # alias
+        assert is_patched_forward(MOD.LlamaAttention.forward)
+    assert originals() == before
+    patchkit.apply_patch("llama1", backend="sdpa")
+    assert patchkit.revert_patch() == 1
+    assert originals() == before
+
+
+def test_a_different_patch_on_the_same_target_is_refused_until_reverted():
+    patchkit.apply_patch("llama2", backend="sdpa")
+    with pytest.raises(PatchkitError, match="'llama2'.*already applied.*revert"):
+        patchkit.apply_patch("llama1", backend="sdpa")
+    with pytest.raises(PatchkitError, match="already applied"):
+        patchkit.apply_patch("llama2", backend="sdpa", strict=True)
+
+
+def test_instance_patch_does_not_leak_to_other_instances_or_classes():
+    model, other = tiny_model(seed=1), tiny_model(seed=1)
+    before = originals()
+    config_impl = other.config._attn_implementation
+    handle = patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    assert originals() == before
+    assert handle.check(model) == model.config.num_hidden_layers
+    assert not any(is_patched_forward(layer.self_attn.forward) for layer in other.model.layers)
+    assert other.config._attn_implementation == config_impl
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = other(input_ids=ids, attention_mask=mask).logits
+    assert handle.layers_patched == 2 and handle.calls == 2
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    with pytest.raises(PatchTargetError, match="live in 0 of 2"):
+        handle.check(other)
+    handle.revert()
+    assert all("forward" not in vars(layer.self_attn) for layer in model.model.layers)
+    assert model.config._attn_implementation == config_impl
+    with pytest.raises(PatchTargetError, match="reverted"):
+        handle.check(model)
+
+
+def test_instance_patch_looks_through_wrappers():
+    model = tiny_model()
+    wrapper = torch.nn.Sequential(model)  # stands in for DDP/FSDP/PEFT containers
+    handle = patchkit.apply_patch("llama2", model=wrapper, backend="sdpa")
+    assert handle.check(model) == 2
+
+
+def test_class_patch_report_counts_layers_and_check_finds_unpatched_models():
+    model = tiny_model(layers=3)
+    ids, mask = padded_batch("right")
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
+    assert handle.layers_patched == 0
+    model(input_ids=ids, attention_mask=mask)
+    assert handle.layers_patched == 3 and handle.calls == 3
+    report = handle.report()
+    for text in ("backend: sdpa", "transformers_version: ok", "LlamaAttention.forward",
+                 "attention layers through the patch: 3 (3 calls)"):
+        assert text in report
+    assert handle.check(model) == 3
+    vars(model.model.layers[1].self_attn)["forward"] = lambda *a, **k: None  # e.g. a remote-code override
+    with pytest.raises(PatchTargetError, match="live in 2 of 3"):
+        handle.check(model)
+
+
+def test_zero_attention_layers_is_an_error_and_nothing_is_patched():
+    not_llama = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(PatchTargetError, match="patched 0 layers"):
+        patchkit.apply_patch("llama2", model=not_llama, backend="sdpa")
+    assert patchkit.active_patches() == []
+
+
+def test_missing_target_patches_nothing(monkeypatch):
+    """All or nothing: if one target is absent, none is replaced."""
+    before = originals()
+    spec = patchkit.registry.resolve("llama2")
+
+    def with_a_missing_target(state):
+        return [*hf.class_replacements(state), Replacement(MOD.LlamaModel, "_no_such_method", None)]
+
+    broken = dataclasses.replace(spec, build_class=with_a_missing_target)
+    monkeypatch.setattr(patchkit.api, "resolve", lambda name: broken)
+    with pytest.raises(PatchTargetError, match="_no_such_method.*nothing was patched"):
+        patchkit.apply_patch("llama2", backend="sdpa")
+    assert originals() == before and patchkit.active_patches() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(name="llama3"), ValueError, "unknown patch 'llama3'; available patches: llama1, llama2"),
+        (dict(backend="flash"), ValueError, "unknown backend 'flash'; choose one of auto, flash_attn, sdpa"),
+        (dict(strict="yes"), TypeError, "strict must be True or False"),
+        (dict(model="path/to/model"), TypeError, "model= must be a loaded torch.nn.Module"),
+    ],
+)
+def test_bad_arguments_raise_clearly_and_change_nothing(kwargs, error, match):
+    before = originals()
+    with pytest.raises(error, match=match):
+        patchkit.apply_patch(**kwargs)
+    assert originals() == before and patchkit.active_patches() == []
+
+
+def test_4d_mask_is_refused_not_dropped():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    custom = torch.zeros(4, 1, 24, 24)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        with pytest.raises(PatchInputError, match=r"4D attention mask of shape \(4, 1, 24, 24\).*2D"):
+            model(input_ids=ids, attention_mask=custom)
+        model(input_ids=ids, attention_mask=mask)  # the model still works afterwards
+
+
+def test_4d_mask_is_refused_by_an_instance_patch_too():
+    model = tiny_model()
+    ids, _ = padded_batch("right")
+    patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    with pytest.raises(PatchInputError, match="4D attention mask"):
+        model(input_ids=ids, attention_mask=torch.zeros(4, 1, 24, 24))
+
+
+def test_output_attentions_is_refused_with_the_reason():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    layer = model.model.layers[0].self_attn
+    h = model.model.embed_tokens(ids)
+    pe = model.model.rotary_emb(h, torch.arange(24)[None])
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        with pytest.raises(PatchInputError, match="output_attentions=True cannot be served"):
+            layer(h, position_embeddings=pe, attention_mask=mask, output_attentions=True)
+
+
+def test_available_patches_lists_the_registry():
+    patches = {p["name"]: p for p in patchkit.available_patches()}
+    assert set(patches) == {"llama1", "llama2"}
+    assert patches["llama2"]["aliases"] == ["llama"]
+    assert patches["llama2"]["transformers"] == ">=4.48,<6"
+    assert "2.1" in patches["llama2"]["flash_attn"] and "2.0" in patches["llama1"]["flash_attn"]
+    assert "model_config" in patches["llama1"]["gates"] and "compute_capability" in patches["llama2"]["gates"]
+
+
+def test_no_4d_mask_is_built_by_a_patched_model(monkeypatch):
+    """The mask builders that make (B, 1, N, N) masks are never called while the patch is active."""
+    import transformers.masking_utils as mu
+
+    calls = []
+    for name in ("sdpa_mask", "eager_mask"):
+        original = getattr(mu, name)
+        monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name.split("_")[0],
+                            lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    model(input_ids=ids, attention_mask=mask)
+    assert calls, "the spy did not see the unpatched model build its mask"
+    calls.clear()
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        model(input_ids=ids, attention_mask=mask)
+        model.generate(input_ids=ids[:2, 10:], attention_mask=mask[:2, 10:], max_new_tokens=3, pad_token_id=0)
+    assert calls == []

@@ -1,0 +1,116 @@
+"""Packed rows (several documents per row) never attend across documents and equal the documents run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_model
+
+import patchkit
+
+DOCS = [[5, 9, 11, 4], [7, 3, 8], [12, 6], [9, 9, 9, 9, 9, 9]]
+
+
+def doc_ids(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (len(d),), generator=g) for d in DOCS]
+
+
+def separate_logits(model, docs):
+    with torch.no_grad():
+        return [model(input_ids=d[None]).logits[0] for d in docs]
+
+
+def pack(docs, rows):
+    """rows: list of lists of doc indices -> input_ids, position_ids (restarting), mask (right padding)."""
+    width = max(sum(len(docs[i]) for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = len(docs[i])
+            ids[r, at : at + n], pos[r, at : at + n], mask[r, at : at + n] = docs[i], torch.arange(n), 1
+            at += n
+    return ids, pos, mask
+
+
+def unpack(logits, docs, rows):
+    out = {}
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            out[i] = logits[r, at : at + len(docs[i])]
+            at += len(docs[i])
+    return [out[i] for i in range(len(docs))]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
+    """Batch of 2 packed rows with padding; transformers 5.x makes a cache by default even here."""
+    model = tiny_model(kv_heads=kv_heads, seed=7)
+    docs = doc_ids()
+    want = separate_logits(model, docs)
+    rows = [[0, 1], [2, 3]]
+    ids, pos, mask = pack(docs, rows)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=use_cache).logits
+        no_mask = model(input_ids=ids[:1, :7], position_ids=pos[:1, :7], use_cache=use_cache).logits
+    for got, exp in zip(unpack(logits, docs, rows), want):
+        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(no_mask[0, 4:7], want[1], atol=2e-5, rtol=1e-4)
+
+
+def test_unpatched_sdpa_leaks_across_documents_with_a_cache():
+    """The pitfall patchkit fixes: transformers' own packing detection is skipped when a cache exists."""
+    model = tiny_model(seed=7)
+    docs = doc_ids()
+    ids, pos, _ = pack(docs, [[0, 1]])
+    want = separate_logits(model, docs)[1]
+    with torch.no_grad():
+        leaky = model(input_ids=ids, position_ids=pos, use_cache=True).logits[0, 4:]
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            ours = model(input_ids=ids, position_ids=pos, use_cache=True).logits[0, 4:]
+    torch.testing.assert_close(ours, want, atol=2e-5, rtol=1e-4)
+    assert (leaky - want).abs().max() > 1e-3  # unpatched eager attends across the boundary
+
+
+def test_cu_seq_lens_kwargs_define_documents():
+    model = tiny_model(kv_heads=2, seed=8)
+    docs = doc_ids(1)
+    want = separate_logits(model, docs)
+    ids = torch.cat(docs)[None]
+    lengths = torch.tensor([len(d) for d in docs])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    # position_ids deliberately NOT restarting: cu_seq_lens alone must separate the documents
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        logits = model(
+            input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+            max_length_q=int(lengths.max()), max_length_k=int(lengths.max()), use_cache=False,
+        ).logits[0]
+    for got, exp in zip(torch.split(logits, lengths.tolist()), want):
+        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+
+
+def test_data_collator_with_flattening_trains_like_separate_documents():
+    collator_cls = pytest.importorskip("transformers").DataCollatorWithFlattening
+    model = tiny_model(seed=9)
+    docs = doc_ids(2)
+    features = [{"input_ids": d.tolist(), "labels": d.tolist()} for d in docs]
+    batch = collator_cls(return_position_ids=True)(features)
+    model.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    for d in docs:  # per-document losses, weighted as the flattened loss weighs them (by target count)
+        out = model(input_ids=d[None], labels=d[None])
+        (out.loss * (len(d) - 1)).backward()
+        loss_sum += out.loss.item() * (len(d) - 1)
+    want_grad = model.lm_head.weight.grad.clone() / sum(len(d) - 1 for d in docs)
+    model.zero_grad(set_to_none=True)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+        out.loss.backward()
+    assert out.loss.item() == pytest.approx(loss_sum / sum(len(d) - 1 for d in docs), rel=1e-5)
+    torch.testing.assert_close(model.lm_head.weight.grad, want_grad, atol=1e-6, rtol=1e-4)
