@@ -9,12 +9,12 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .attention import PatchState, make_attention_function, make_forward
+from . import attn_interface
+from .attention import PatchState, make_forward
+from .attn_interface import ATTENTION_NAME
 from .errors import PatchInputError, PatchTargetError
 from .masks import VarlenMask
 from .patching import Replacement
-
-ATTENTION_NAME = "patchkit"  # registered implementation name: no "flash" and no "/" (transformers 5.x rules)
 
 
 def modeling_llama() -> ModuleType:
@@ -53,11 +53,6 @@ def _update_causal_mask(self: nn.Module, attention_mask: Any, *args: Any, **kwar
     return VarlenMask(attention_mask)
 
 
-def _mask_function(*args: Any, attention_mask: Any = None, **kwargs: Any) -> VarlenMask:
-    """`AttentionMaskInterface` entry for the registered name: the 2D mask, wrapped."""
-    return VarlenMask(attention_mask)
-
-
 def class_replacements(state: PatchState) -> list[Replacement]:
     """Targets of a before-load patch: every LLaMA model built (or already built) runs through it."""
     mod = modeling_llama()
@@ -75,15 +70,6 @@ def class_replacements(state: PatchState) -> list[Replacement]:
             Replacement(mod.LlamaModel, "_update_causal_mask", _update_causal_mask, "LlamaModel._update_causal_mask")
         )
     return out
-
-
-def register_attention_name(state: PatchState) -> None:
-    """Register patchkit's attention and mask functions under ATTENTION_NAME (4.53+; additive, idempotent)."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, make_attention_function(state))
-    AttentionMaskInterface.register(ATTENTION_NAME, _mask_function)
 
 
 def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:
@@ -109,7 +95,7 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
     ]
     for base in bases:
         if uses_create_causal_mask(mod):
-            register_attention_name(state)
+            attn_interface.register()  # the mask function for ATTENTION_NAME; attention stays this instance's
             out.append(
                 Replacement(base.config, "_attn_implementation", ATTENTION_NAME, "config._attn_implementation")
             )

@@ -1,0 +1,76 @@
+"""The registered attention name: `attn_implementation="patchkit"` opts one model in, no global patch.
+
+transformers >= 4.53 dispatches attention through `AttentionInterface` and builds masks through
+`AttentionMaskInterface`, both keyed by `config._attn_implementation`. patchkit registers its varlen
+attention and a mask function under one name; the mask function hands attention the 2D key-padding
+mask (without it, a custom name silently receives no mask at all). The name has no "flash" and no "/",
+which transformers 5.x would take for a flash-attn build or a hub kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from .attention import PatchState, make_attention_function
+from .masks import VarlenMask
+
+ATTENTION_NAME = "patchkit"
+
+_options = {"backend": "auto", "strict": False}
+_state: Optional[PatchState] = None
+_function: Optional[Callable] = None
+
+
+def mask_function(*args: Any, attention_mask: Any = None, **kwargs: Any) -> VarlenMask:
+    """`AttentionMaskInterface` entry: the 2D mask, wrapped; never a (B, 1, N, N) tensor."""
+    return VarlenMask(attention_mask)
+
+
+def route_state() -> PatchState:
+    """The registered route's backend, chosen through the gates on first use (warning or raising as usual)."""
+    global _state, _function
+    if _state is None:
+        from . import gates
+        from .api import _choose_backend
+        from .backends import make_backend
+        from .registry import resolve
+
+        spec = resolve("llama2")
+        chosen, _ = _choose_backend(spec, _options["backend"], _options["strict"], gates.probe_environment(), None)
+        _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
+        _function = make_attention_function(_state)
+    return _state
+
+
+def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """`AttentionInterface` entry: q/k/v (B, H, S, D) after RoPE and cache update -> varlen attention."""
+    if _state is None or _function is None:
+        route_state()
+    return _function(module, query, key, value, attention_mask, **kwargs)
+
+
+def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bool:
+    """Register ATTENTION_NAME (idempotent); False when this transformers has no mask interface (< 4.53).
+
+    `backend` ("auto", "flash_attn", "sdpa") and `strict` configure the route; None keeps the current setting.
+    """
+    global _state, _function
+    from .backends import BACKEND_NAMES
+
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return False
+    wanted = {"backend": _options["backend"] if backend is None else backend,
+              "strict": _options["strict"] if strict is None else strict}
+    if wanted != _options:
+        _options.update(wanted)
+        _state = _function = None
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
+    return True

@@ -1,0 +1,80 @@
+"""attn_implementation="patchkit": a model opts in by name, padding is honoured, nothing global is patched."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from models import labels_for, padded_batch, tiny_config
+from transformers import LlamaForCausalLM
+
+import patchkit
+from patchkit import attn_interface
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(sys.modules["transformers.models.llama.modeling_llama"], "create_causal_mask"),
+    reason="AttentionMaskInterface needs transformers >= 4.53",
+)
+
+
+@pytest.fixture(autouse=True)
+def sdpa_route():
+    attn_interface.register(backend="sdpa")
+    yield
+    attn_interface.register(backend="auto", strict=False)  # back to the import-time default
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config(kv_heads=2)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def logits_and_grad(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    out.loss.backward()
+    return out.logits.detach(), model.lm_head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("route", ["from_pretrained", "config.json"])
+def test_registered_name_matches_eager_on_padded_batches(saved, route):
+    eager = LlamaForCausalLM.from_pretrained(saved, attn_implementation="eager")
+    if route == "config.json":
+        config = json.loads((saved / "config.json").read_text())
+        config["attn_implementation"] = patchkit.ATTENTION_NAME
+        (saved / "config.json").write_text(json.dumps(config))
+        ours = LlamaForCausalLM.from_pretrained(saved)
+    else:
+        ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
+    assert ours.config._attn_implementation == "patchkit"
+    assert "flash" not in patchkit.ATTENTION_NAME and "/" not in patchkit.ATTENTION_NAME
+    ids, mask = padded_batch("mixed")
+    before = attn_interface.route_state().calls
+    got, got_g = logits_and_grad(ours, ids, mask)
+    want, want_g = logits_and_grad(eager, ids, mask)
+    assert attn_interface.route_state().calls - before == 2  # both layers went through patchkit
+    assert patchkit.active_patches() == []  # no global patch
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got_g, want_g, atol=2e-5, rtol=1e-3)
+
+
+def test_registered_name_generates_like_eager(saved):
+    eager = LlamaForCausalLM.from_pretrained(saved, attn_implementation="eager")
+    ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(input_ids=ids, **kw), eager.generate(input_ids=ids, **kw))
+
+
+def test_auto_route_names_the_failed_gate_on_first_use(saved):
+    attn_interface.register(backend="auto")
+    ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
+    ids, mask = padded_batch("right")
+    with pytest.warns(RuntimeWarning, match="flash_attn_installed: FAILED.*sdpa backend instead"):
+        ours(input_ids=ids, attention_mask=mask)
+    assert attn_interface.route_state().backend.name == "sdpa"
