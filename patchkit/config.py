@@ -1,0 +1,122 @@
+"""Opt in by configuration: a dataclass for HfArgumentParser and PATCHKIT_* environment variables, one call each."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+from torch import nn
+
+from .api import PatchHandle, apply_patch
+from .backends import BACKEND_NAMES
+from .registry import ALIASES, PATCH_MODULES
+
+ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
+ENV_PATCH = "PATCHKIT_PATCH"
+ENV_BACKEND = "PATCHKIT_BACKEND"
+ENV_STRICT = "PATCHKIT_STRICT"
+ENV_VARS = (ENV_FLASH_ATTN, ENV_PATCH, ENV_BACKEND, ENV_STRICT)
+
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("0", "false", "no", "off", "")
+
+
+def patch_names() -> list[str]:
+    """Every accepted patch name: registered names, then aliases."""
+    return sorted(PATCH_MODULES) + sorted(ALIASES)
+
+
+def _check_choice(where: str, value: Any, allowed: list[str] | tuple[str, ...]) -> str:
+    """`value` if it is one of `allowed` (case-insensitive), else a ValueError naming `where` and the choices."""
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise ValueError(f"{where}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+
+
+def parse_bool(where: str, value: Any) -> bool:
+    """A boolean from a bool or a string such as "1"/"0", "true"/"false", "yes"/"no", "on"/"off"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_VALUES + FALSE_VALUES:
+        return value.strip().lower() in TRUE_VALUES
+    raise ValueError(
+        f"{where}={value!r} is not valid; allowed values: {', '.join(TRUE_VALUES)} (on) or "
+        f"{', '.join(v for v in FALSE_VALUES if v)} or empty (off)"
+    )
+
+
+@dataclasses.dataclass
+class PatchArguments:
+    """patchkit's options as a dataclass that merges into `HfArgumentParser` next to `TrainingArguments`.
+
+    Example:
+        parser = HfArgumentParser((ModelArguments, PatchArguments, TrainingArguments))
+        model_args, patch_args, training_args = parser.parse_args_into_dataclasses()
+        patchkit.config.apply_from_args(patch_args)  # before from_pretrained
+    """
+
+    flash_attn: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Patch LLaMA attention with patchkit's varlen (FlashAttention-style) kernels. Default off."},
+    )
+    patch: str = dataclasses.field(
+        default="llama2",
+        metadata={"help": "Which patchkit patch to apply: llama2 (KV cache, GQA; default) or llama1 (training only).",
+                  "choices": patch_names()},
+    )
+    attn_backend: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else sdpa with a warning), "
+                          "flash_attn, or sdpa. Default auto.",
+                  "choices": list(BACKEND_NAMES)},
+    )
+    patch_strict: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Raise instead of falling back to sdpa when a flash_attn gate fails. Default off."},
+    )
+
+    def __post_init__(self) -> None:
+        self.flash_attn = parse_bool("flash_attn", self.flash_attn)
+        self.patch_strict = parse_bool("patch_strict", self.patch_strict)
+        self.patch = _check_choice("patch", self.patch, patch_names())
+        self.attn_backend = _check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **defaults: Any) -> PatchArguments:
+        """Read PATCHKIT_FLASH_ATTN, PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_STRICT over `defaults`.
+
+        A bad value raises ValueError naming the variable and its allowed values.
+        """
+        env = os.environ if environ is None else environ
+        values = dict(defaults)
+        if ENV_FLASH_ATTN in env:
+            values["flash_attn"] = parse_bool(ENV_FLASH_ATTN, env[ENV_FLASH_ATTN])
+        if ENV_PATCH in env:
+            values["patch"] = _check_choice(ENV_PATCH, env[ENV_PATCH], patch_names())
+        if ENV_BACKEND in env:
+            values["attn_backend"] = _check_choice(ENV_BACKEND, env[ENV_BACKEND], BACKEND_NAMES)
+        if ENV_STRICT in env:
+            values["patch_strict"] = parse_bool(ENV_STRICT, env[ENV_STRICT])
+        return cls(**values)
+
+
+def apply_from_args(args: Any, model: Optional[nn.Module] = None) -> Optional[PatchHandle]:
+    """Apply the patch `args` ask for (a PatchArguments or any object with its fields); None when flash_attn is off.
+
+    `model=` patches that loaded instance only, as in `apply_patch`; default None patches the classes, so call it
+    before the model is loaded.
+    """
+    opts = args if isinstance(args, PatchArguments) else PatchArguments(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(PatchArguments) if hasattr(args, f.name)}
+    )
+    if not opts.flash_attn:
+        return None
+    return apply_patch(opts.patch, backend=opts.attn_backend, strict=opts.patch_strict, model=model)
+
+
+def apply_from_env(environ: Optional[Mapping[str, str]] = None, model: Optional[nn.Module] = None) -> Optional[
+    PatchHandle
+]:
+    """Apply the patch when PATCHKIT_FLASH_ATTN is on (with PATCHKIT_PATCH/BACKEND/STRICT); None when it is not set."""
+    return apply_from_args(PatchArguments.from_env(environ), model=model)

@@ -1,0 +1,129 @@
+"""`patchkit doctor`: what this machine has and which patch would apply with which backend, without patching."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import platform
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import __version__
+from . import gates as _gates
+from .registry import registered
+
+PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
+
+
+def package_version(name: str) -> Optional[str]:
+    """The installed distribution's version from its metadata (no import), or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gate_dict(gate: _gates.GateResult) -> dict[str, Any]:
+    return dataclasses.asdict(gate)
+
+
+def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
+    """Would this patch apply here, and with which backend under backend='auto'? The same gates apply_patch runs."""
+    tf_gate = _gates.transformers_gate(env, spec.supported, spec.name)
+    flash = _gates.flash_backend_gates(env, spec.flash_attn_min, spec.flash_attn_why)
+    failed = [g for g in flash if not g.passed]
+    if not tf_gate.passed:
+        applies, backend, why = False, None, tf_gate.describe()
+    elif failed:
+        applies, backend = True, "sdpa"
+        why = (f"flash_attn gates failed ({', '.join(g.name for g in failed)}): backend='auto' or 'flash_attn' "
+               "falls back to sdpa with a warning; strict=True would raise")
+    else:
+        applies, backend, why = True, "flash_attn", "every flash_attn gate passed"
+    return {
+        "name": spec.name,
+        "aliases": list(spec.aliases),
+        "description": spec.description,
+        "transformers": spec.transformers,
+        "applies": applies,
+        "backend": backend,
+        "why": why,
+        "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in flash],
+        "runtime_gates": "dtype (fp16/bf16 q/k/v, else cast with a warning) and head_dim <= "
+        f"{_gates.MAX_FLASH_HEAD_DIM} are checked per model/call"
+        + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
+    }
+
+
+def doctor() -> dict[str, Any]:
+    """Versions, hardware, the flash-attn import result and each patch's verdict, as a JSON-ready dict."""
+    start = time.perf_counter()
+    env = _gates.probe_environment()
+    versions = {"python": platform.python_version(), "patchkit": __version__}
+    versions.update({name: package_version(name) for name in PACKAGES})
+    versions["torch"] = env.torch_version
+    versions["cuda"] = torch.version.cuda
+    return {
+        "versions": versions,
+        "platform": platform.platform(),
+        "python_executable": sys.executable,
+        "hardware": {
+            "cuda_available": env.cuda_available,
+            "device_count": torch.cuda.device_count() if env.cuda_available else 0,
+            "gpu": env.device_name,
+            "compute_capability": ".".join(map(str, env.compute_capability)) if env.compute_capability else None,
+            "bf16_supported": env.bf16_supported,
+        },
+        "flash_attn": {
+            "installed": env.flash_attn_version is not None or not (env.flash_attn_error or "").startswith("not inst"),
+            "version": env.flash_attn_version,
+            "cuda_extension_imports": env.flash_attn_error is None and env.flash_attn_version is not None,
+            "error": env.flash_attn_error,
+        },
+        "patches": [evaluate_patch(spec, env) for spec in registered()],
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _row(label: str, value: Any) -> str:
+    return f"  {label:<20}{'-' if value is None else value}"
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """The human-readable report of `doctor()`."""
+    v, hw, fa = data["versions"], data["hardware"], data["flash_attn"]
+    cuda = v["cuda"] or "none (CPU build of torch)"
+    lines = [
+        f"patchkit doctor (patchkit {v['patchkit']}, {data['platform']})",
+        "versions",
+        _row("python", v["python"]),
+        _row("torch", v["torch"]),
+        _row("CUDA (torch build)", cuda),
+        _row("transformers", v["transformers"] or "not installed"),
+        _row("flash-attn", v["flash-attn"] or "not installed"),
+        _row("accelerate", v["accelerate"] or "not installed"),
+        _row("peft", v["peft"] or "not installed"),
+        "hardware",
+        _row("GPU", f"{hw['gpu']} (x{hw['device_count']})" if hw["cuda_available"] else "none (no CUDA device)"),
+        _row("compute capability", hw["compute_capability"] or "n/a (FlashAttention 2 needs >= 8.0)"),
+        _row("bf16 on GPU", "yes" if hw["bf16_supported"] else "no"),
+        "flash-attn CUDA extension",
+        "  " + ("imports: ok" if fa["cuda_extension_imports"] else f"does not import: {fa['error']}"),
+        "patches (backend='auto')",
+    ]
+    for p in data["patches"]:
+        verdict = f"applies, backend {p['backend']}" if p["applies"] else "does NOT apply"
+        alias = f" (alias {', '.join(p['aliases'])})" if p["aliases"] else ""
+        lines.append(f"  {p['name']}{alias}: {verdict}; transformers{p['transformers']}")
+        lines.append(f"    why: {p['why']}")
+        lines += [f"    - {_gates.GateResult(**g).describe()}" for g in p["gates"]]
+    lines.append(f"({data['seconds']:.2f} s)")
+    return "\n".join(lines)
+
+
+def exit_code(data: dict[str, Any]) -> int:
+    """0 when at least one patch applies here, else 1."""
+    return 0 if any(p["applies"] for p in data["patches"]) else 1

@@ -1,0 +1,160 @@
+"""Launcher: patch first, then run any training script as `__main__` on every rank (a train_mem.py for any script)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .api import PatchHandle
+from .backends import BACKEND_NAMES
+from .config import PatchArguments, apply_from_args, patch_names
+from .errors import PatchkitError
+
+# Usage:
+#   python -m patchkit.launch [--patch llama2] [--backend auto|flash_attn|sdpa] [--strict] SCRIPT.py [args...]
+#   python -m patchkit.launch [options] -m package.module [args...]
+#   torchrun --nproc_per_node 2 -m patchkit.launch --backend sdpa train.py --lr 1e-4
+#   accelerate launch --num_processes 2 -m patchkit.launch train.py --lr 1e-4
+# Options come before the script; everything after it reaches the script untouched. Defaults come from
+# PATCHKIT_PATCH, PATCHKIT_BACKEND and PATCHKIT_STRICT; PATCHKIT_FLASH_ATTN=0 (or --no-patch) runs the script
+# unpatched with the same command line.
+
+VALUE_OPTIONS = ("--patch", "--backend")
+FLAG_OPTIONS = ("--strict", "--no-strict", "--no-patch", "-h", "--help")
+
+
+@dataclass
+class Target:
+    """What to run after patching: a script path or a module name, and its own argv (untouched)."""
+
+    script: Optional[str] = None
+    module: Optional[str] = None
+    args: list[str] = field(default_factory=list)
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """The launcher's own options (parsed from the part of argv before the script)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [--patch NAME] [--backend {{{','.join(BACKEND_NAMES)}}}] [--strict] [--no-patch] "
+        "(SCRIPT.py | -m MODULE) [args ...]",
+        description="Apply a patchkit patch, then run SCRIPT.py (or -m MODULE) as __main__ with its arguments "
+        "untouched. Defaults come from PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_STRICT; PATCHKIT_FLASH_ATTN=0 "
+        "runs unpatched.",
+    )
+    parser.add_argument("--patch", choices=patch_names(), help="patch to apply (default llama2 or $PATCHKIT_PATCH)")
+    parser.add_argument("--backend", choices=BACKEND_NAMES, help="backend (default auto or $PATCHKIT_BACKEND)")
+    parser.add_argument("--strict", dest="strict", action="store_true", default=None,
+                        help="raise instead of falling back to sdpa when a flash_attn gate fails")
+    parser.add_argument("--no-strict", dest="strict", action="store_false", help="override PATCHKIT_STRICT=1")
+    parser.add_argument("--no-patch", action="store_true", help="run the script unpatched (like PATCHKIT_FLASH_ATTN=0)")
+    return parser
+
+
+def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], Target]:
+    """Split argv at the script (or -m MODULE): launcher options before it, the script's own argv after it."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            i += 1
+            break
+        if tok == "-m" or (tok.startswith("-m") and len(tok) > 2 and not tok.startswith("--")):
+            module = argv[i + 1] if tok == "-m" and i + 1 < len(argv) else tok[2:]
+            if not module:
+                parser.error("-m needs a module name")
+            return argv[:i], Target(module=module, args=argv[i + (2 if tok == "-m" else 1):])
+        if tok in VALUE_OPTIONS:
+            i += 2
+        elif tok in FLAG_OPTIONS or any(tok.startswith(o + "=") for o in VALUE_OPTIONS):
+            i += 1
+        elif tok.startswith("-"):
+            parser.error(f"unknown launcher option {tok!r}; launcher options go before the script, the script's own "
+                         "options after it")
+        else:
+            break
+    options = [t for t in argv[:i] if t != "--"]
+    if i >= len(argv):
+        parser.parse_args(options)  # --help exits here
+        parser.error("no script given: pass SCRIPT.py or -m MODULE after the launcher options")
+    return options, Target(script=argv[i], args=argv[i + 1:])
+
+
+def resolve_options(ns: argparse.Namespace) -> PatchArguments:
+    """Flags over PATCHKIT_* variables over defaults; the launcher itself opts in unless told not to."""
+    defaults = {"flash_attn": True}
+    args = PatchArguments.from_env(**defaults)
+    if ns.no_patch:
+        args.flash_attn = False
+    if ns.patch is not None:
+        args.patch = ns.patch
+    if ns.backend is not None:
+        args.attn_backend = ns.backend
+    if ns.strict is not None:
+        args.patch_strict = ns.strict
+    return args
+
+
+def rank_label() -> str:
+    """'rank R/W (local L)' from torchrun/accelerate variables, or 'single process'."""
+    rank, world, local = (os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if rank is None and local is None:
+        return "rank 0/1 (single process)"
+    return f"rank {rank if rank is not None else local}/{world or '?'} (local {local if local is not None else '?'})"
+
+
+def announce(handle: Optional[PatchHandle], args: PatchArguments, stream=None) -> None:
+    """One line per process on stderr: which rank, which patch, which backend (or that nothing was patched)."""
+    stream = stream or sys.stderr
+    if handle is None:
+        print(f"patchkit.launch: {rank_label()}: not patched (PATCHKIT_FLASH_ATTN=0 or --no-patch)", file=stream)
+    else:
+        print(
+            f"patchkit.launch: {rank_label()}: patch {handle.name!r} applied, backend {handle.backend!r} "
+            f"(requested {args.attn_backend!r}, strict={args.patch_strict})",
+            file=stream,
+        )
+    stream.flush()
+
+
+def run_target(target: Target) -> None:
+    """Run the script or module as `__main__`, with sys.argv and sys.path[0] set as `python` itself would."""
+    if target.module is not None:
+        sys.argv = [target.module, *target.args]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target.module, run_name="__main__", alter_sys=True)
+        return
+    script = target.script or ""
+    if not os.path.exists(script):
+        raise SystemExit(f"patchkit.launch: script not found: {script!r}")
+    sys.argv = [script, *target.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launch") -> int:
+    """Parse launcher options, patch (every rank), then run the target; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    options, target = split_argv(argv, parser)
+    ns = parser.parse_args(options)
+    try:
+        args = resolve_options(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        handle = apply_from_args(args)
+    except PatchkitError as exc:
+        print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    announce(handle, args)
+    run_target(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

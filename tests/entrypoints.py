@@ -1,0 +1,37 @@
+"""Run patchkit's entry points as a user would: a subprocess of this interpreter with no stray PATCHKIT_* variables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without PATCHKIT_* (so the caller's shell cannot change a test), one thread per process, + extra."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], cwd: Optional[Path] = None, env: Optional[dict[str, str]] = None,
+        timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run a command, capture text output, never raise on a non-zero exit (tests assert the code)."""
+    return subprocess.run(
+        [str(a) for a in args], cwd=cwd or REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def patchkit_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    """`patchkit ARGS...`, spelled `python -m patchkit.cli` so it works before the console script is installed."""
+    return run([sys.executable, "-m", "patchkit.cli", *args], **kw)
+
+
+def launch(*args: str, **kw) -> subprocess.CompletedProcess:
+    """`python -m patchkit.launch ARGS...`."""
+    return run([sys.executable, "-m", "patchkit.launch", *args], **kw)

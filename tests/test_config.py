@@ -1,0 +1,189 @@
+"""Opt-in by configuration: PatchArguments in HfArgumentParser, apply_from_args, and PATCHKIT_* variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from entrypoints import run
+from models import padded_batch, tiny_model
+from transformers import HfArgumentParser, TrainingArguments
+
+import patchkit
+from patchkit import PatchGateError
+from patchkit.config import PatchArguments, apply_from_args, apply_from_env
+from patchkit.gates import probe_environment
+
+FLASH_USABLE = probe_environment().flash_attn_error is None and probe_environment().cuda_available
+
+
+@dataclasses.dataclass
+class ModelArguments:
+    model_name_or_path: str = dataclasses.field(default="tiny", metadata={"help": "checkpoint"})
+
+
+@pytest.fixture(autouse=True)
+def reverted(monkeypatch):
+    """No PATCHKIT_* from the caller's shell; every patch reverted after the test."""
+    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    patchkit.revert_patch()
+
+
+def parse(*argv: str, tmp_path) -> tuple:
+    parser = HfArgumentParser((ModelArguments, PatchArguments, TrainingArguments))
+    return parser.parse_args_into_dataclasses([*argv, "--output_dir", str(tmp_path), "--report_to", "none"])
+
+
+def test_fields_do_not_clash_with_training_arguments():
+    ours = {f.name for f in dataclasses.fields(PatchArguments)}
+    assert ours == {"flash_attn", "patch", "attn_backend", "patch_strict"}
+    assert not ours & {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert all(f.metadata.get("help") for f in dataclasses.fields(PatchArguments))
+
+
+def test_hf_argument_parser_opt_in_patches_and_matches_eager(tmp_path):
+    _, patch_args, training_args = parse("--flash_attn", "--attn_backend", "sdpa", "--patch", "llama2",
+                                         tmp_path=tmp_path)
+    assert patch_args == PatchArguments(flash_attn=True, patch="llama2", attn_backend="sdpa", patch_strict=False)
+    assert training_args.output_dir == str(tmp_path)
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    handle = apply_from_args(patch_args)
+    assert handle is not None and handle.backend == "sdpa" and handle.check(model) == 2
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert handle.layers_patched == 2
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_hf_argument_parser_default_is_off(tmp_path):
+    _, patch_args, _ = parse(tmp_path=tmp_path)
+    assert patch_args.flash_attn is False
+    assert apply_from_args(patch_args) is None
+    assert patchkit.active_patches() == []
+
+
+def test_hf_argument_parser_rejects_a_bad_backend(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse("--flash_attn", "true", "--attn_backend", "gpu", tmp_path=tmp_path)
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+def test_dataclass_validates_when_built_in_code():
+    with pytest.raises(ValueError, match=r"attn_backend='gpu' is not valid; allowed values: auto, flash_attn, sdpa"):
+        PatchArguments(flash_attn=True, attn_backend="gpu")
+    with pytest.raises(ValueError, match=r"patch='gpt2' is not valid; allowed values: llama1, llama2, llama"):
+        PatchArguments(patch="gpt2")
+    assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
+
+
+def test_apply_from_args_accepts_any_namespace_and_a_model():
+    class Namespace:
+        flash_attn, patch, attn_backend, patch_strict = True, "llama2", "sdpa", False
+
+    model, other = tiny_model(), tiny_model()
+    handle = apply_from_args(Namespace(), model=model)
+    assert handle.check(model) == 2
+    with pytest.raises(patchkit.PatchTargetError):
+        handle.check(other)  # an instance patch does not leak
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_env_opt_in(monkeypatch, value):
+    monkeypatch.setenv("PATCHKIT_FLASH_ATTN", value)
+    monkeypatch.setenv("PATCHKIT_BACKEND", "sdpa")
+    monkeypatch.setenv("PATCHKIT_PATCH", "llama1")
+    handle = apply_from_env()
+    assert (handle.name, handle.backend, handle.options) == ("llama1", "sdpa", ("sdpa", False))
+    assert patchkit.active_patches() == [handle]
+
+
+@pytest.mark.parametrize("value", [None, "0", "false", "off", ""])
+def test_env_not_opted_in_returns_none(monkeypatch, value):
+    if value is not None:
+        monkeypatch.setenv("PATCHKIT_FLASH_ATTN", value)
+    monkeypatch.setenv("PATCHKIT_BACKEND", "sdpa")
+    assert apply_from_env() is None
+    assert patchkit.active_patches() == []
+
+
+def test_env_mapping_argument_instead_of_os_environ():
+    handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"})
+    assert handle.name == "llama2" and handle.backend == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
+        ("PATCHKIT_BACKEND", "cuda", "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, sdpa"),
+        ("PATCHKIT_PATCH", "mistral", "PATCHKIT_PATCH='mistral' is not valid; allowed values: llama1, llama2, llama"),
+        ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
+    ],
+)
+def test_env_bad_values_name_the_variable(var, value, message):
+    env = {"PATCHKIT_FLASH_ATTN": "1", var: value}
+    with pytest.raises(ValueError) as exc:
+        apply_from_env(env)
+    assert message in str(exc.value)
+    assert patchkit.active_patches() == []
+
+
+@pytest.mark.skipif(FLASH_USABLE, reason="flash-attn usable here: no fallback happens")
+def test_env_auto_falls_back_with_warning_and_strict_refuses():
+    with pytest.warns(RuntimeWarning, match="flash_attn_installed: FAILED"):
+        handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1"})
+    assert handle.backend == "sdpa"
+    handle.revert()
+    with pytest.raises(PatchGateError, match="Nothing was patched"):
+        apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_STRICT": "1"})
+    assert patchkit.active_patches() == []
+
+
+TRAIN_SCRIPT = '''
+import dataclasses, json
+import torch
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainingArguments
+import patchkit
+from patchkit.config import PatchArguments, apply_from_args
+
+@dataclasses.dataclass
+class ModelArguments:
+    hidden: int = 64
+
+model_args, patch_args, training_args = HfArgumentParser(
+    (ModelArguments, PatchArguments, TrainingArguments)).parse_args_into_dataclasses()
+handle = apply_from_args(patch_args)  # before the model is built
+config = LlamaConfig(vocab_size=97, hidden_size=model_args.hidden, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+model = LlamaForCausalLM(config)
+mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+model(input_ids=torch.randint(3, 97, (2, 8)), attention_mask=mask)
+print("RESULT " + json.dumps({"patch": handle and handle.name, "backend": handle and handle.backend,
+                              "layers": handle and handle.layers_patched, "lr": training_args.learning_rate}))
+'''
+
+
+def test_a_users_training_script_opts_in_from_its_command_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    proc = run([sys.executable, script, "--flash_attn", "true", "--attn_backend", "sdpa", "--patch", "llama1",
+                "--hidden", "32", "--learning_rate", "3e-4", "--output_dir", tmp_path / "out", "--report_to", "none"],
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    assert json.loads(line[7:]) == {"patch": "llama1", "backend": "sdpa", "layers": 2, "lr": 3e-4}
+
+
+def test_warning_free_when_sdpa_requested():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"}).backend == "sdpa"

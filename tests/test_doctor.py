@@ -1,0 +1,159 @@
+"""`patchkit doctor`: versions, hardware, the flash-attn import result and each patch's verdict, without patching."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import resource
+import time
+import warnings
+
+import pytest
+import torch
+import transformers
+from entrypoints import clean_env, patchkit_cli
+
+import patchkit
+from patchkit import doctor as doctor_module
+from patchkit import gates
+from patchkit.doctor import doctor, exit_code, format_report
+
+
+@pytest.fixture(autouse=True)
+def reverted():
+    yield
+    patchkit.revert_patch()
+
+
+def fake_flash_attn(root, version: str, extension_error: str = "") -> dict[str, str]:
+    """A `flash_attn` package (with dist-info) whose CUDA extension imports, or fails with `extension_error`."""
+    pkg = root / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    body = f"raise ImportError({extension_error!r})\n" if extension_error else "\n"
+    (root / "flash_attn_2_cuda.py").write_text(body)
+    info = root / f"flash_attn-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {version}\n")
+    return clean_env(PYTHONPATH=str(root))
+
+
+def test_doctor_text_report_runs_fast_and_names_everything():
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = patchkit_cli("doctor")
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # CPU seconds of the whole `patchkit doctor` process (interpreter, imports, probes): what it costs on an idle
+    # machine. Wall time is only bounded loosely, since other processes may share the CPU during the test run.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 10, f"doctor used {cpu:.1f} CPU seconds"
+    assert wall < 60, f"doctor took {wall:.1f} s"
+    out = proc.stdout
+    for text in ("python", torch.__version__, transformers.__version__, "flash-attn", "accelerate", "peft",
+                 "compute capability", "bf16 on GPU", "flash-attn CUDA extension", "llama1", "llama2 (alias llama)"):
+        assert text in out, text
+    if not torch.cuda.is_available():
+        assert "llama2 (alias llama): applies, backend sdpa" in out
+        assert "cuda_available: FAILED" in out and "GPU                 none" in out
+
+
+def test_doctor_json_matches_the_function_and_the_installed_packages():
+    proc = patchkit_cli("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    here = doctor()
+    for key in ("versions", "hardware", "flash_attn"):
+        assert data[key] == here[key], key
+    assert [p["name"] for p in data["patches"]] == ["llama1", "llama2"]
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["versions"]["transformers"] == transformers.__version__
+    assert data["versions"]["cuda"] == torch.version.cuda
+    for pkg in ("accelerate", "peft"):
+        try:
+            expected = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            expected = None
+        assert data["versions"][pkg] == expected
+    assert data["hardware"]["cuda_available"] == torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("name", ["llama1", "llama2"])
+def test_doctor_backend_is_the_one_apply_patch_chooses(name):
+    """The verdict is not a guess: apply_patch(backend='auto') picks the same backend, for the same reason."""
+    verdict = next(p for p in doctor()["patches"] if p["name"] == name)
+    assert patchkit.active_patches() == []  # doctor patched nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = patchkit.apply_patch(name)
+    assert any("uses the torch-native sdpa backend" in str(w.message) for w in caught) == (handle.backend == "sdpa")
+    assert verdict["applies"] and handle.backend == verdict["backend"]
+    failed_gates = [g["name"] for g in verdict["gates"] if not g["passed"]]
+    assert failed_gates == [g.name for g in handle.gates if not g.passed]
+
+
+def test_doctor_explains_an_undefined_symbol_import(tmp_path):
+    error = "/env/flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
+    proc = patchkit_cli("doctor", "--json", env=fake_flash_attn(tmp_path, "2.6.3", error))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    fa = data["flash_attn"]
+    assert data["versions"]["flash-attn"] == "2.6.3"
+    assert fa["installed"] is True and fa["cuda_extension_imports"] is False
+    assert "undefined symbol: _ZN3c104cuda9SetDeviceEi" in fa["error"]
+    assert "built against another torch/CUDA ABI" in fa["error"] and "reinstall a flash-attn wheel" in fa["error"]
+    assert "does not import: ImportError: /env/flash_attn_2_cuda" in format_report(data)
+    for p in data["patches"]:  # the extension does not load: no patch may pick flash_attn
+        assert p["backend"] == "sdpa" and "flash_attn_installed" in p["why"]
+
+
+def test_doctor_judges_each_patch_by_its_own_flash_attn_minimum(tmp_path):
+    """flash-attn 2.0.4 imports: llama1 (needs 2.0) passes the version gate, llama2 (needs 2.1) fails it."""
+    proc = patchkit_cli("doctor", "--json", env=fake_flash_attn(tmp_path, "2.0.4"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["flash_attn"] == {"installed": True, "version": "2.0.4", "cuda_extension_imports": True, "error": None}
+    gate = {p["name"]: {g["name"]: g["passed"] for g in p["gates"]} for p in data["patches"]}
+    assert gate["llama1"]["flash_attn_installed"] and gate["llama2"]["flash_attn_installed"]
+    assert gate["llama1"]["flash_attn_version"] is True
+    assert gate["llama2"]["flash_attn_version"] is False
+
+
+def simulated(monkeypatch, **changes) -> dict:
+    base = gates.Environment(
+        torch_version=torch.__version__, transformers_version=transformers.__version__, flash_attn_version="2.5.8",
+        flash_attn_error=None, cuda_available=True, device_name="NVIDIA A100-SXM4-40GB", compute_capability=(8, 0),
+        bf16_supported=True,
+    )
+    monkeypatch.setattr(gates, "probe_environment", lambda: dataclasses.replace(base, **changes))
+    return doctor()
+
+
+def test_doctor_on_a_simulated_ampere_gpu_picks_flash_attn(monkeypatch):
+    data = simulated(monkeypatch)
+    assert data["hardware"]["gpu"] == "NVIDIA A100-SXM4-40GB" and data["hardware"]["compute_capability"] == "8.0"
+    assert [(p["name"], p["applies"], p["backend"]) for p in data["patches"]] == [
+        ("llama1", True, "flash_attn"), ("llama2", True, "flash_attn")]
+    assert "applies, backend flash_attn" in format_report(data)
+
+
+def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
+    data = simulated(monkeypatch, device_name="Tesla T4", compute_capability=(7, 5), bf16_supported=False)
+    for p in data["patches"]:
+        assert p["backend"] == "sdpa" and "compute_capability" in p["why"]
+    assert "compute_capability: FAILED (required >= 8.0 (Ampere or newer); found 7.5)" in format_report(data)
+    assert exit_code(data) == 0
+
+
+def test_doctor_with_unsupported_transformers_says_no_patch_applies(monkeypatch):
+    data = simulated(monkeypatch, transformers_version="4.40.0")
+    assert all(not p["applies"] and p["backend"] is None for p in data["patches"])
+    assert "transformers_version: FAILED" in data["patches"][0]["why"]
+    assert "does NOT apply" in format_report(data)
+    assert exit_code(data) == 1
+
+
+def test_doctor_module_attribute_lookup_is_what_tests_patch():
+    assert doctor_module._gates is gates

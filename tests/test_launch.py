@@ -1,0 +1,212 @@
+"""The launcher (`python -m patchkit.launch`, `patchkit run`): patch first, then the user's script, argv untouched."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from entrypoints import clean_env, launch, patchkit_cli
+
+# A user's script: builds a tiny LLaMA *after* the launcher patched, runs a padded batch, checks the patch is live,
+# then reverts and checks the unpatched logits are the same. Prints one JSON line for the test.
+USER_SCRIPT = '''
+import json, os, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import patchkit
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=int(os.environ.get("KV_HEADS", "2")),
+                     pad_token_id=0, attn_implementation="eager")
+model = LlamaForCausalLM(config).eval()
+ids = torch.randint(3, 97, (3, 12))
+mask = torch.ones(3, 12, dtype=torch.long)
+mask[1, 8:] = 0   # right padding
+mask[2, :5] = 0   # left padding
+handles = patchkit.active_patches()
+info = {"argv": sys.argv, "name": __name__, "patches": [h.name for h in handles],
+        "backends": [h.backend for h in handles]}
+with torch.no_grad():
+    patched = model(input_ids=ids, attention_mask=mask).logits
+if handles:
+    info["live_layers"] = handles[0].check(model)
+    info["layers_run"] = handles[0].layers_patched
+    handles[0].revert()
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask).logits
+    info["max_diff_vs_eager"] = (patched - eager)[mask.bool()].abs().max().item()
+print("RESULT " + json.dumps(info))
+'''
+
+SCRIPT_ARGS = ["--backend", "eager", "--strict", "-m", "x", "--", "--patch=llama1", "positional with space"]
+
+
+@pytest.fixture
+def user_script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(USER_SCRIPT)
+    return path
+
+
+def result_of(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_launch_patches_before_the_script_and_leaves_its_argv_untouched(user_script, tmp_path):
+    proc = launch("--backend", "sdpa", user_script, *SCRIPT_ARGS, cwd=tmp_path)
+    info = result_of(proc)
+    assert info["argv"] == [str(user_script), *SCRIPT_ARGS]
+    assert info["name"] == "__main__"
+    assert info["patches"] == ["llama2"] and info["backends"] == ["sdpa"]
+    assert info["live_layers"] == 2 and info["layers_run"] == 2
+    assert info["max_diff_vs_eager"] < 1e-5
+    assert "patchkit.launch: rank 0/1 (single process): patch 'llama2' applied, backend 'sdpa'" in proc.stderr
+
+
+def test_patchkit_run_auto_falls_back_with_a_warning_naming_the_gate(user_script, tmp_path):
+    proc = patchkit_cli("run", user_script, "a", "--b", cwd=tmp_path)
+    info = result_of(proc)
+    assert info["argv"] == [str(user_script), "a", "--b"]
+    from patchkit.gates import probe_environment
+
+    if probe_environment().flash_attn_error is None and probe_environment().cuda_available:
+        pytest.skip("flash-attn usable here: auto picks flash_attn")
+    assert info["backends"] == ["sdpa"]
+    assert "RuntimeWarning" in proc.stderr and "flash_attn_installed: FAILED" in proc.stderr
+
+
+def test_environment_variables_choose_patch_and_backend(user_script, tmp_path):
+    env = clean_env(PATCHKIT_PATCH="llama1", PATCHKIT_BACKEND="sdpa", KV_HEADS="4")  # llama1: no GQA
+    proc = launch(user_script, env=env, cwd=tmp_path)
+    info = result_of(proc)
+    assert info["patches"] == ["llama1"] and info["backends"] == ["sdpa"] and info["live_layers"] == 2
+    assert info["max_diff_vs_eager"] < 1e-5
+    assert "patch 'llama1' applied, backend 'sdpa' (requested 'sdpa', strict=False)" in proc.stderr
+
+
+def test_strict_without_flash_attn_refuses_and_never_runs_the_script(user_script, tmp_path):
+    from patchkit.gates import probe_environment
+
+    if probe_environment().flash_attn_error is None and probe_environment().cuda_available:
+        pytest.skip("flash-attn usable here")
+    proc = launch("--strict", user_script, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "PatchGateError" in proc.stderr and "flash_attn_installed: FAILED" in proc.stderr
+    assert "Nothing was patched" in proc.stderr
+    assert "RESULT" not in proc.stdout
+
+
+def test_module_target_exit_code_and_rank_line(tmp_path):
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text(
+        "import json, sys, patchkit\n"
+        "print('RESULT ' + json.dumps({'argv': sys.argv[1:], 'name': __name__, "
+        "'patches': [h.name for h in patchkit.active_patches()]}))\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    proc = launch("--backend", "sdpa", "-m", "userpkg.train", "3", "--help", env=env, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    info = json.loads(line[len("RESULT "):])
+    assert info == {"argv": ["3", "--help"], "name": "__main__", "patches": ["llama2"]}
+    assert "patchkit.launch: rank 1/2 (local 1): patch 'llama2' applied, backend 'sdpa'" in proc.stderr
+
+
+# In-process runs of the same main() (fast): options, opt-out, bad values and usage errors.
+
+PROBE = (
+    "import json, sys, patchkit\n"
+    "json.dump([[h.name, h.backend] for h in patchkit.active_patches()], open(sys.argv[1], 'w'))\n"
+)
+
+
+@pytest.fixture
+def in_process(tmp_path, monkeypatch):
+    """Run launch.main() here: sys.argv/sys.path restored, patches reverted, PATCHKIT_* cleared."""
+    import patchkit
+    from patchkit import launch as launch_module
+
+    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script, out = tmp_path / "probe.py", tmp_path / "out.json"
+    script.write_text(PROBE)
+
+    def run(*options: str) -> list:
+        assert launch_module.main([*options, str(script), str(out)]) == 0
+        return json.loads(out.read_text())
+
+    yield run
+    patchkit.revert_patch()
+
+
+def test_launcher_options_override_environment(in_process, monkeypatch):
+    monkeypatch.setenv("PATCHKIT_PATCH", "llama1")
+    monkeypatch.setenv("PATCHKIT_BACKEND", "flash_attn")
+    monkeypatch.setenv("PATCHKIT_STRICT", "1")
+    assert in_process("--patch", "llama2", "--backend", "sdpa", "--no-strict") == [["llama2", "sdpa"]]
+
+
+def test_environment_alone_chooses(in_process, monkeypatch):
+    monkeypatch.setenv("PATCHKIT_PATCH", "llama")
+    monkeypatch.setenv("PATCHKIT_BACKEND", "SDPA")
+    assert in_process() == [["llama2", "sdpa"]]
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_opt_out_runs_the_script_unpatched(in_process, monkeypatch, capsys, how):
+    if how == "env":
+        monkeypatch.setenv("PATCHKIT_FLASH_ATTN", "0")
+    assert in_process(*(["--no-patch"] if how == "flag" else [])) == []
+    assert "rank 0/1 (single process): not patched" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "var,value,allowed",
+    [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, sdpa"), ("PATCHKIT_PATCH", "gpt2", "llama1, llama2, llama"),
+     ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_STRICT", "2", "1, true, yes, on")],
+)
+def test_bad_environment_values_are_rejected_naming_the_variable(in_process, monkeypatch, capsys, var, value, allowed):
+    import patchkit
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exc:
+        in_process()
+    assert exc.value.code == 2
+    assert f"{var}={value!r} is not valid; allowed values: {allowed}" in capsys.readouterr().err
+    assert patchkit.active_patches() == []
+
+
+def test_usage_errors(tmp_path, capsys, monkeypatch):
+    from patchkit.launch import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    cases = [
+        (["--backend", "sdpa"], 2, "no script given"), (["--bogus", "x.py"], 2, "unknown launcher option '--bogus'"),
+        (["--backend", "gpu", "x.py"], 2, "invalid choice: 'gpu'"), (["--help"], 0, "SCRIPT.py | -m MODULE"),
+    ]
+    for argv, code, text in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        out = capsys.readouterr()
+        assert exc.value.code == code and text in out.out + out.err, (argv, out)
+    with pytest.raises(SystemExit, match="script not found"):
+        main(["--no-patch", str(tmp_path / "missing.py")])
+def test_in_process_split_keeps_script_options(monkeypatch):
+    from patchkit.launch import build_parser, split_argv
+
+    parser = build_parser("t")
+    options, target = split_argv(["--patch=llama1", "--strict", "s.py", "--patch", "x", "-m", "y"], parser)
+    assert options == ["--patch=llama1", "--strict"]
+    assert (target.script, target.module, target.args) == ("s.py", None, ["--patch", "x", "-m", "y"])
+    options, target = split_argv(["-mpkg.mod", "--strict"], parser)
+    assert (options, target.module, target.args) == ([], "pkg.mod", ["--strict"])
+    assert sys.argv  # untouched by splitting
