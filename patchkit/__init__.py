@@ -1,11 +1,14 @@
 """patchkit: FlashAttention varlen kernels with 2D key-padding masks for HuggingFace LLaMA, by gated patches."""
 
+__version__ = "0.1.0"  # first: submodules (doctor) read it
+
 from .api import PatchHandle, active_patches, apply_patch, available_patches, revert_patch
 from .attn_interface import ATTENTION_NAME
 from .attn_interface import register as register_attention
+from .config import PatchArguments, apply_from_args, apply_from_env
+from .doctor import doctor
+from .dtypes import cast_for_training, default_dtype
 from .errors import PatchGateError, PatchInputError, PatchkitError, PatchTargetError
-
-__version__ = "0.1.0"
 
 try:  # attn_implementation="patchkit" works as soon as patchkit is imported (transformers >= 4.53)
     register_attention()
@@ -14,14 +17,20 @@ except Exception:  # noqa: BLE001 - a broken transformers must not make `import 
 
 __all__ = [
     "ATTENTION_NAME",
+    "PatchArguments",
     "PatchGateError",
     "PatchHandle",
     "PatchInputError",
     "PatchTargetError",
     "PatchkitError",
     "active_patches",
+    "apply_from_args",
+    "apply_from_env",
     "apply_patch",
     "available_patches",
+    "cast_for_training",
+    "default_dtype",
+    "doctor",
     "register_attention",
     "revert_patch",
 ]
