@@ -178,15 +178,25 @@ def test_available_patches_lists_the_registry():
     assert "model_config" in patches["llama1"]["gates"] and "compute_capability" in patches["llama2"]["gates"]
 
 
-def test_no_4d_mask_is_built_by_a_patched_model(monkeypatch):
-    """The mask builders that make (B, 1, N, N) masks are never called while the patch is active."""
-    import transformers.masking_utils as mu
-
-    calls = []
-    for name in ("sdpa_mask", "eager_mask"):
+def spy_on_4d_mask_builders(monkeypatch, calls: list) -> None:
+    """Record every call of the functions that build (B, 1, N, N) masks in this transformers version."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # 4.48-4.52: LlamaModel._update_causal_mask builds it with this static method
+        original = MOD.LlamaModel._prepare_4d_causal_attention_mask_with_cache_position
+        monkeypatch.setattr(MOD.LlamaModel, "_prepare_4d_causal_attention_mask_with_cache_position",
+                            staticmethod(lambda *a, **k: calls.append(1) or original(*a, **k)))
+        return
+    for name in ("sdpa_mask", "eager_mask"):  # 4.53+: masking_utils, dispatched by implementation name
         original = getattr(mu, name)
         monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name.split("_")[0],
                             lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
+
+
+def test_no_4d_mask_is_built_by_a_patched_model(monkeypatch):
+    """The mask builders that make (B, 1, N, N) masks are never called while the patch is active."""
+    calls = []
+    spy_on_4d_mask_builders(monkeypatch, calls)
     model = tiny_model()
     ids, mask = padded_batch("mixed")
     model(input_ids=ids, attention_mask=mask)

@@ -1,0 +1,238 @@
+"""Run patchkit's core tests under every era of the transformers range it supports.
+
+    python tests/matrix.py [--versions 4.48.3,5.0.0] [--tests PATH ...] [--cache-dir DIR] [-- PYTEST ARGS]
+
+Each version is installed once, with its own dependencies (tokenizers, huggingface_hub, ...), into
+`<cache-dir>/<version>` by `pip install --target` and put first on PYTHONPATH over the running interpreter,
+which provides torch and pytest. transformers does not depend on torch, so pip never pulls one; if a torch
+ever lands in a target dir it is deleted, so every version runs against the same torch. The version the
+running interpreter already has is run from the interpreter itself (no install). A summary table is printed
+at the end; the exit status is non-zero if any version failed to install, failed a test, or ran no test.
+Run by `make matrix`, never by the default `pytest` run (this file is not a test module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+# One version per era boundary of transformers>=4.48,<6 (see docs in transformers-eras.md):
+# 4.48 first single attention class / _update_causal_mask; 4.52 last _update_causal_mask; 4.53 create_causal_mask;
+# 4.55 last past_key_value; 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.0 major;
+# 5.4 cache_position gone; 5.23 the tested version.
+DEFAULT_VERSIONS = ["4.48.3", "4.52.4", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.4.0", "5.23.0"]
+DEFAULT_TESTS = [
+    "tests/test_equivalence.py",
+    "tests/test_generation.py",
+    "tests/test_packing.py",
+    "tests/test_mechanics.py",
+    "tests/test_gates.py",
+    "tests/test_flash_attn_contract.py",
+]
+MARKER = ".patchkit-matrix-installed"
+FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
+
+
+@dataclasses.dataclass
+class Result:
+    version: str
+    source: str = ""
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    problem: str = ""
+    log: Optional[Path] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.failed == 0 and self.errors == 0 and self.passed > 0
+
+
+def current_transformers() -> Optional[str]:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def remove_forbidden(target: Path) -> list[str]:
+    """Delete any torch (or its CUDA companions) pip put into a target dir; return what was removed."""
+    removed = []
+    for entry in sorted(target.iterdir()):
+        base = entry.name.split("-")[0].lower()
+        if base in FORBIDDEN or any(base.startswith(f"{name}_") for name in ("nvidia",)):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
+def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str]:
+    """Install transformers==version with its dependencies into cache/version (once). Returns (dir, problem)."""
+    target = cache / version
+    if (target / MARKER).exists():
+        return target, ""
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=cache))
+    log = cache / f"install-{version}.log"
+    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
+           "--target", str(staging), f"transformers=={version}"]
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        return None, f"pip install failed (exit {proc.returncode}); see {log}"
+    removed = remove_forbidden(staging)
+    if removed:
+        print(f"[matrix] {version}: removed {', '.join(removed)} from the target dir (torch comes from the venv)")
+    (staging / MARKER).write_text(f"transformers=={version}\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target, ""
+
+
+def environment(target: Optional[Path]) -> dict[str, str]:
+    env = dict(os.environ)
+    if target is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONNOUSERSITE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def probe(python: str, env: dict[str, str]) -> tuple[str, str]:
+    """The transformers and torch versions a child process really imports."""
+    code = "import torch, transformers; print(transformers.__version__); print(torch.__version__, torch.__file__)"
+    proc = subprocess.run([python, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return "", proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    lines = proc.stdout.strip().splitlines()
+    return lines[0], lines[1]
+
+
+def count_junit(path: Path, result: Result) -> None:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    for suite in suites:
+        tests = int(suite.get("tests", 0))
+        result.failed += int(suite.get("failures", 0))
+        result.errors += int(suite.get("errors", 0))
+        result.skipped += int(suite.get("skipped", 0))
+        result.passed += tests - int(suite.get("failures", 0)) - int(suite.get("errors", 0)) - int(
+            suite.get("skipped", 0)
+        )
+
+
+def run_version(version: str, target: Optional[Path], args: argparse.Namespace, logs: Path) -> Result:
+    result = Result(version, source="interpreter" if target is None else str(target))
+    env = environment(target)
+    found, torch_info = probe(args.python, env)
+    if found != version:
+        result.problem = f"imports transformers {found or '(failed: ' + torch_info + ')'}, expected {version}"
+        return result
+    junit = logs / f"junit-{version}.xml"
+    result.log = logs / f"pytest-{version}.log"
+    cmd = [args.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+           *args.tests, *args.pytest_args]
+    start = time.monotonic()
+    with open(result.log, "w") as fh:
+        fh.write(f"# transformers {found}; torch {torch_info}\n# {' '.join(cmd)}\n")
+        fh.flush()
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            result.problem = f"timed out after {args.timeout}s"
+            proc = None
+    result.seconds = time.monotonic() - start
+    if junit.exists():
+        count_junit(junit, result)
+    if proc is not None and proc.returncode not in (0, 1) and not result.problem:
+        result.problem = f"pytest exit {proc.returncode}"  # 2: interrupted/collection error, 5: no tests
+    return result
+
+
+def print_table(results: list[Result]) -> None:
+    rows = [("transformers", "passed", "failed", "skipped", "seconds", "status")]
+    for r in results:
+        status = "ok" if r.ok else (r.problem or "FAILED")
+        rows.append((r.version, str(r.passed), str(r.failed + r.errors), str(r.skipped), f"{r.seconds:.1f}", status))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print()
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--versions", default=",".join(DEFAULT_VERSIONS),
+                        help="comma-separated transformers versions (default: one per era boundary)")
+    parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths, relative to the repo")
+    parser.add_argument("--cache-dir", type=Path, default=REPO / ".matrix", help="install cache (default .matrix/)")
+    parser.add_argument("--python", default=sys.executable, help="interpreter with torch and pytest")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per version's test run")
+    parser.add_argument("--install-jobs", type=int, default=2, help="parallel pip installs")
+    parser.add_argument("--reinstall", action="store_true", help="ignore cached installs")
+    args = parser.parse_args(argv)
+    args.versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    args.pytest_args = extra
+    args.cache_dir = args.cache_dir.resolve()
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.reinstall:
+        for version in args.versions:
+            shutil.rmtree(args.cache_dir / version, ignore_errors=True)
+    here = current_transformers() if args.python == sys.executable else None
+    to_install = [v for v in args.versions if v != here]
+    logs = args.cache_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"[matrix] versions: {', '.join(args.versions)}; cache {args.cache_dir}")
+    targets: dict[str, tuple[Optional[Path], str]] = {v: (None, "") for v in args.versions if v == here}
+    with ThreadPoolExecutor(max(1, args.install_jobs)) as pool:
+        futures = {v: pool.submit(install, v, args.cache_dir, args.python) for v in to_install}
+        results = []
+        for version in args.versions:  # test each version as soon as its install is done
+            target, problem = futures[version].result() if version in futures else targets[version]
+            if problem:
+                result = Result(version, problem=problem)
+            else:
+                print(f"[matrix] {version}: running {len(args.tests)} test path(s) ...", flush=True)
+                result = run_version(version, target, args, logs)
+            status = "ok" if result.ok else f"FAILED {result.problem}".strip()
+            print(f"[matrix] {version}: {result.passed} passed, {result.failed + result.errors} failed, "
+                  f"{result.skipped} skipped in {result.seconds:.1f}s: {status}"
+                  + (f" (log {result.log})" if result.log and not result.ok else ""), flush=True)
+            results.append(result)
+    print_table(results)
+    bad = [r.version for r in results if not r.ok]
+    if bad:
+        print(f"\n[matrix] FAILED on: {', '.join(bad)} (logs in {logs})")
+        return 1
+    print(f"\n[matrix] all {len(results)} versions passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
