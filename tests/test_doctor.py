@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import resource
@@ -15,9 +16,11 @@ import transformers
 from entrypoints import clean_env, patchkit_cli
 
 import patchkit
-from patchkit import doctor as doctor_module
 from patchkit import gates
 from patchkit.doctor import doctor, exit_code, format_report
+
+# the module itself: `patchkit.doctor` is the function (patchkit.doctor() returns the report data)
+doctor_module = importlib.import_module("patchkit.doctor")
 
 
 @pytest.fixture(autouse=True)
