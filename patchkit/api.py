@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Optional
 
@@ -119,19 +118,8 @@ def _choose_backend(
     results = _gates.flash_backend_gates(env, spec.flash_attn_min, spec.flash_attn_why)
     if model is not None:
         results.append(_gates.head_dim_gate(_head_dim(model)))
-    failed = [g for g in results if not g.passed]
-    if not failed:
-        return "flash_attn", results
-    reasons = "; ".join(g.describe() for g in failed)
-    if strict:
-        raise PatchGateError(f"patch {spec.name!r}, backend {backend!r}: {reasons}. Nothing was patched.")
-    warnings.warn(
-        f"patchkit: the flash_attn backend is not available here ({reasons}). Patch {spec.name!r} uses the "
-        "torch-native sdpa backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return "sdpa", results
+    chosen = _gates.decide_backend(backend, strict, results, f"Patch {spec.name!r}", " Nothing was patched.")
+    return chosen, results
 
 
 def _head_dim(model: nn.Module) -> int:

@@ -6,11 +6,14 @@ import dataclasses
 import importlib
 import importlib.metadata
 import sys
+import warnings
 from typing import Optional
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from .errors import PatchGateError
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
@@ -197,3 +200,22 @@ def head_dim_gate(head_dim: int) -> GateResult:
 
 def first_failure(results: list[GateResult]) -> Optional[GateResult]:
     return next((r for r in results if not r.passed), None)
+
+
+def decide_backend(requested: str, strict: bool, results: list[GateResult], who: str, refusal: str = "") -> str:
+    """"flash_attn" when every flash gate passed; else raise (strict) or warn naming the gates and use "sdpa"."""
+    if requested == "sdpa":
+        return "sdpa"
+    failed = [g for g in results if not g.passed]
+    if not failed:
+        return "flash_attn"
+    reasons = "; ".join(g.describe() for g in failed)
+    if strict:
+        raise PatchGateError(f"{who}, backend {requested!r}: {reasons}.{refusal}")
+    warnings.warn(
+        f"patchkit: the flash_attn backend is not available here ({reasons}). {who} uses the torch-native sdpa "
+        "backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return "sdpa"

@@ -40,19 +40,7 @@ def resolve_backend(backend: str, strict: bool, head_dim: int) -> tuple[Backend,
         return make_backend("sdpa"), []
     results = _gates.flash_backend_gates(_gates.probe_environment(), FLASH_MIN, FLASH_WHY)
     results.append(_gates.head_dim_gate(head_dim))
-    failed = [g for g in results if not g.passed]
-    if not failed:
-        return make_backend("flash_attn"), results
-    reasons = "; ".join(g.describe() for g in failed)
-    if strict:
-        raise PatchGateError(f"VarlenSelfAttention, backend {backend!r}: {reasons}")
-    warnings.warn(
-        f"patchkit: the flash_attn backend is not available here ({reasons}). VarlenSelfAttention uses the "
-        "torch-native sdpa backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return make_backend("sdpa"), results
+    return make_backend(_gates.decide_backend(backend, strict, results, "VarlenSelfAttention")), results
 
 
 def _check_padding_mask(mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
