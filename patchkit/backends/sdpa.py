@@ -91,12 +91,15 @@ def _attend(
     if plain and not (causal and sq > sk):  # sq > sk: some queries see no key; the math path zeros them
         # Without an explicit mask SDPA takes its fused flash kernel: full causal (sq == sk) or a decode
         # step (sq == 1 sees every key). Only chunked prefill needs the bottom-right mask.
+        # 4D on purpose: on CPU, 3D (H, S, D) inputs skip the fused flash kernel for the math path (2.5x slower
+        # forward + backward at these sizes, torch 2.13); a leading batch of 1 reaches the fused kernel.
         needs_mask = causal and 1 < sq < sk
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=_visible(sq, sk, causal, window, q.device) if needs_mask else None,
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=_visible(sq, sk, causal, window, q.device) if needs_mask else None,
             dropout_p=dropout_p, is_causal=causal and sq == sk and sq > 1, scale=scale, enable_gqa=gqa,
         )
-        return out, None
+        return out.squeeze(0), None
     if gqa:
         k, v = k.repeat_interleave(h // k.shape[0], dim=0), v.repeat_interleave(h // v.shape[0], dim=0)
     return _attend_math(q, k, v, scale, causal, window, softcap, alibi, dropout_p)
