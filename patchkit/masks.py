@@ -158,8 +158,10 @@ def build_metadata(
         lengths = torch.diff(doc_starts, append=doc_starts.new_tensor([indices.numel()]))
         host, rows_with_tokens = _host_lengths(lengths, real_q.any(-1))
         packed = len(host) > sum(rows_with_tokens)
-        if sum(host) == batch * q_len and not packed:
+        every_token_real = sum(host) == batch * q_len
+        if every_token_real and not packed:
             return _dense(batch, q_len, kv_len, device)
+        indices = None if every_token_real else indices  # packed rows without padding: no gather, a reshape
         cu = cu_seqlens_from_lengths(lengths.to(torch.int32))
         return VarlenMetadata(
             batch, q_len, kv_len, indices, indices, cu, cu, max(host, default=0), max(host, default=0),

@@ -114,3 +114,14 @@ def test_data_collator_with_flattening_trains_like_separate_documents():
         out.loss.backward()
     assert out.loss.item() == pytest.approx(loss_sum / sum(len(d) - 1 for d in docs), rel=1e-5)
     torch.testing.assert_close(model.lm_head.weight.grad, want_grad, atol=1e-6, rtol=1e-4)
+
+
+def test_packed_rows_without_padding_skip_the_gather_but_keep_the_documents():
+    from patchkit.masks import build_metadata
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    meta = build_metadata(None, 1, 9, 9, torch.device("cpu"), position_ids=pos)
+    assert meta.packed and meta.indices_q is None and meta.indices_k is None
+    assert meta.seqlens_q == [3, 2, 4] and meta.cu_seqlens_q.tolist() == [0, 3, 5, 9] and meta.max_seqlen_q == 4
+    padded = build_metadata(torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 0]]), 1, 9, 9, torch.device("cpu"), pos)
+    assert padded.indices_q.tolist() == list(range(7)) and padded.seqlens_q == [3, 2, 2]
