@@ -104,6 +104,7 @@ if opts.expect_backend:
 if rank == 0:
     print("LOSSES " + json.dumps(losses), flush=True)
 if dist.is_initialized():
+    dist.barrier()  # no rank tears gloo down while its peer is still in flight (a gloo SIGABRT otherwise)
     dist.destroy_process_group()
 '''
 
