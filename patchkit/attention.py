@@ -51,34 +51,41 @@ class PatchState:
         return self.fallback
 
 
-def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
-    """The half dtype to run flash kernels in: autocast's, else pre-quantization, else the weights'."""
+def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dtype:
+    """The half dtype to run flash kernels in: autocast's, else the first half candidate, else bf16."""
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    for candidate in (
+    return next((c for c in candidates if c in HALF_DTYPES), torch.bfloat16)
+
+
+def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
+    """A LLaMA layer's compute dtype: autocast's, else pre-quantization, else the weights', else the config's."""
+    return half_dtype(
+        device_type,
         getattr(module.config, "_pre_quantization_dtype", None),
         getattr(module.q_proj, "weight", torch.empty(0)).dtype,
         getattr(module.config, "torch_dtype", None),
-    ):
-        if candidate in HALF_DTYPES:
-            return candidate
-    return torch.bfloat16
+    )
 
 
-def _half_inputs(state: PatchState, module: nn.Module, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """flash kernels take fp16/bf16: cast fp32 q/k/v with one warning, or refuse in strict mode."""
+def to_half(
+    tensors: tuple[torch.Tensor, ...], target: Callable[[], torch.dtype], strict: bool, who: str,
+    warn_once: Callable[[str, str], None],
+) -> tuple[torch.Tensor, ...]:
+    """flash kernels take fp16/bf16: cast fp32 q/k/v to `target()` with one warning, or refuse in strict mode."""
     gate = dtype_gate(tensors[0].dtype)
     if gate.passed:
         return tensors
-    if state.strict:
-        raise PatchGateError(f"patch {state.patch!r} on the flash_attn backend: {gate.describe()}")
-    target = compute_dtype(module, tensors[0].device.type)
-    state.warn_once(
+    if strict:
+        raise PatchGateError(f"{who} on the flash_attn backend: {gate.describe()}")
+    dtype = target()
+    warn_once(
         "dtype",
-        f"patchkit: q/k/v are {tensors[0].dtype} but flash-attn takes fp16/bf16; casting to {target} for the "
-        "attention kernel (output cast back). Load the model in half precision to avoid the cast.",
+        f"patchkit: q/k/v are {tensors[0].dtype} but flash-attn takes fp16/bf16; casting to {dtype} for the "
+        "attention kernel (output cast back). Load the model in half precision or run under torch.autocast "
+        "to avoid the cast.",
     )
-    return tuple(t.to(target) for t in tensors)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _gather(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
@@ -123,7 +130,10 @@ def varlen_core(
     backend = state.backend_for(module)
     in_dtype = q.dtype
     if backend.half_only:
-        q, k, v = _half_inputs(state, module, (q, k, v))
+        q, k, v = to_half(
+            (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
+            state.warn_once,
+        )
     if state.packing == QKV_PACKED:
         qkv = _gather(torch.stack((q, k, v), dim=2), meta.indices_q)
         out = backend.varlen_qkvpacked(qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True)

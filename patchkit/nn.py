@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from . import gates as _gates
+from .attention import half_dtype, to_half
 from .backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
 from .errors import PatchGateError, PatchInputError
-from .gates import HALF_DTYPES, GateResult
+from .gates import GateResult
 from .masks import VarlenMetadata, build_metadata
 from .padding import index_first_axis, pad_input
 
@@ -163,34 +164,16 @@ class VarlenSelfAttention(nn.Module):
         self._warn_once("device", f"patchkit: {gate.describe()}; VarlenSelfAttention uses the sdpa backend instead")
         return self._fallback
 
-    def _compute_dtype(self, device_type: str) -> torch.dtype:
-        """The half dtype for flash kernels: autocast's, else the projection weights', else bf16."""
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-        weight_dtype = self.in_proj.weight.dtype
-        return weight_dtype if weight_dtype in HALF_DTYPES else torch.bfloat16
-
-    def _half(self, qkv: torch.Tensor) -> torch.Tensor:
-        """flash kernels take fp16/bf16: cast fp32 q/k/v once per call with one warning, or refuse if strict."""
-        gate = _gates.dtype_gate(qkv.dtype)
-        if gate.passed:
-            return qkv
-        if self.strict:
-            raise PatchGateError(f"VarlenSelfAttention on the flash_attn backend: {gate.describe()}")
-        target = self._compute_dtype(qkv.device.type)
-        self._warn_once(
-            "dtype",
-            f"patchkit: q/k/v are {qkv.dtype} but flash-attn takes fp16/bf16; casting to {target} for the "
-            "attention kernel (output cast back). Run in half precision or under torch.autocast to avoid the cast.",
-        )
-        return qkv.to(target)
-
     def _attend(self, qkv: torch.Tensor, meta: VarlenMetadata, backend: Backend) -> torch.Tensor:
         """(nnz, (H + 2Hk) * D) projections -> (nnz, H, D) attention output, in the input dtype."""
         nnz, h, hk, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         in_dtype = qkv.dtype
         if backend.half_only:
-            qkv = self._half(qkv)
+            device_type, weight_dtype = qkv.device.type, self.in_proj.weight.dtype
+            (qkv,) = to_half(
+                (qkv,), lambda: half_dtype(device_type, weight_dtype), self.strict, "VarlenSelfAttention",
+                self._warn_once,
+            )
         dropout_p = self.dropout if self.training else 0.0
         options = {"dropout_p": dropout_p, "softmax_scale": self.softmax_scale, "causal": self.causal}
         if h == hk:
