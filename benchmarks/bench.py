@@ -249,11 +249,15 @@ def peak_rss_mib() -> float:
 
 
 def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> float:
-    """Seconds per step spent in patch glue: metadata build (timed in place) + gathers/repads (replayed fwd+bwd)."""
+    """Seconds per step spent in patch glue: metadata builds (timed in place) + gathers/repads (replayed fwd+bwd).
+
+    Both places that unpad are counted: once per model forward (`model_unpad`) and inside attention.
+    """
     import torch
 
     import patchkit.attention as pa
     import patchkit.masks as pm
+    import patchkit.model_unpad as pmu
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]
@@ -262,6 +266,10 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     def gather(x: Any, indices: Any) -> Any:
         calls.append(("gather", tuple(x.shape), indices, ()))
         return orig_gather(x, indices)
+
+    def index_first_axis(x: Any, indices: Any) -> Any:  # model_unpad's gathers: already flat
+        calls.append(("flat_gather", tuple(x.shape), indices, ()))
+        return x.index_select(0, indices)
 
     def pad(hidden: Any, indices: Any, batch: int, seqlen: int) -> Any:
         calls.append(("pad", tuple(hidden.shape), indices, (batch, seqlen)))
@@ -273,23 +281,29 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
         meta_time[0] += time.perf_counter() - t0
         return out
 
-    pa._gather, pa.pad_input, pm.build_metadata = gather, pad, build
+    hooks = [(pa, "_gather", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
+             (pmu, "index_first_axis", index_first_axis), (pmu, "pad_input", pad), (pmu, "build_metadata", build)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
+    for mod, name, fn in hooks:
+        setattr(mod, name, fn)
     try:
         with provider:
             run()
     finally:
-        pa._gather, pa.pad_input, pm.build_metadata = orig_gather, orig_pad, orig_build
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
     dtype = next(provider.model.parameters()).dtype
     device = next(provider.model.parameters()).device
 
     def replay() -> float:
         t0 = time.perf_counter()
         for kind, shape, indices, extra in calls:
+            x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
             if kind == "gather":
-                x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
                 y = orig_gather(x, indices)
+            elif kind == "flat_gather":
+                y = x.index_select(0, indices)
             else:
-                x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
                 y = orig_pad(x, indices, *extra)
             y.backward(torch.ones_like(y))
         return time.perf_counter() - t0

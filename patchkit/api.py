@@ -8,7 +8,7 @@ from typing import Any, Optional
 from torch import nn
 
 from . import gates as _gates
-from .attention import PatchState, is_patched_forward
+from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
@@ -88,6 +88,9 @@ class PatchHandle:
             f"patchkit patch {self.name!r} ({self.spec.description})",
             f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
             f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
+            f"  unpad:   {self.options[2]} ("
+            + ("once per model forward; the decoder runs on real tokens only" if self.options[2] == "model"
+               else "in each attention layer; hidden states keep their padded shape") + ")",
             "  gates:",
             *(f"    - {g.describe()}" for g in self.gates),
             "  replaced:",
@@ -130,7 +133,8 @@ def _head_dim(model: nn.Module) -> int:
 
 
 def apply_patch(
-    name: str = "llama2", *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None
+    name: str = "llama2", *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None,
+    unpad: str = "model",
 ) -> PatchHandle:
     """Patch LLaMA attention to run FlashAttention-style varlen kernels on 2D key-padding masks.
 
@@ -141,6 +145,10 @@ def apply_patch(
         strict: raise `PatchGateError` instead of falling back when a gate fails.
         model: patch this loaded instance only (PEFT/DDP/FSDP wrappers are looked through); default None
             patches the classes, so every LLaMA model built afterwards runs through the patch.
+        unpad: "model" (default) unpads a padded batch once per model forward, so embeddings, projections, MLP
+            and norms run on real tokens only (one packed row) and the outputs are repadded; it applies when no
+            KV cache is kept (use_cache=False, or training). "attention" unpads inside each attention layer
+            only, so the decoder layers and their hooks see the padded (B, S, H) shape.
 
     Returns:
         A `PatchHandle`: `.revert()`, a context manager, and `.report()`. Applying the same patch with the same
@@ -149,19 +157,22 @@ def apply_patch(
     spec = resolve(name)
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if unpad not in UNPAD_MODES:
+        raise ValueError(f"unknown unpad mode {unpad!r}; choose one of {', '.join(UNPAD_MODES)}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module (e.g. LlamaForCausalLM), got {type(model).__name__}")
 
     key = ("class",) if model is None else ("model", id(model))
-    options = (backend, strict)
+    options = (backend, strict, unpad)
     existing = _ACTIVE.get(key)
     if existing is not None:
         if existing.spec.name == spec.name and existing.options == options:
             return existing  # idempotent: twice == once
         raise PatchkitError(
-            f"patch {existing.name!r} (backend={existing.options[0]!r}, strict={existing.options[1]}) is already "
+            f"patch {existing.name!r} (backend={existing.options[0]!r}, strict={existing.options[1]}, "
+            f"unpad={existing.options[2]!r}) is already "
             f"applied to {'the LLaMA classes' if model is None else 'this model'}; call its handle's revert() "
             "(or patchkit.revert_patch()) before applying another."
         )
@@ -176,7 +187,7 @@ def apply_patch(
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
     chosen, backend_gates = _choose_backend(spec, backend, strict, env, model)
 
-    state = PatchState(spec.name, spec.packing, make_backend(chosen), strict)
+    state = PatchState(spec.name, spec.packing, make_backend(chosen), strict, unpad)
     replacements = spec.build_instance(state, model) if model is not None else spec.build_class(state)
     apply_replacements(replacements)
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)

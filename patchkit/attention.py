@@ -16,6 +16,7 @@ from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import index_first_axis, pad_input
 
+UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
 KV_PACKED = "kv"  # LLaMA-2: kv stacked, varlen kvpacked kernel, KV cache and GQA
 
@@ -28,6 +29,7 @@ class PatchState:
     packing: str
     backend: Backend
     strict: bool
+    unpad: str = "model"
     calls: int = 0
     layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)
     warned: set = dataclasses.field(default_factory=set)

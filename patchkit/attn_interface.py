@@ -25,7 +25,7 @@ _function: Optional[Callable] = None
 
 def mask_function(*args: Any, attention_mask: Any = None, **kwargs: Any) -> VarlenMask:
     """`AttentionMaskInterface` entry: the 2D mask, wrapped; never a (B, 1, N, N) tensor."""
-    return VarlenMask(attention_mask)
+    return VarlenMask.for_forward(attention_mask)
 
 
 def route_state() -> PatchState:

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 
 from .api import PatchHandle, apply_patch
+from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
 from .registry import ALIASES, PATCH_MODULES
 
@@ -16,7 +17,8 @@ ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
 ENV_PATCH = "PATCHKIT_PATCH"
 ENV_BACKEND = "PATCHKIT_BACKEND"
 ENV_STRICT = "PATCHKIT_STRICT"
-ENV_VARS = (ENV_FLASH_ATTN, ENV_PATCH, ENV_BACKEND, ENV_STRICT)
+ENV_UNPAD = "PATCHKIT_UNPAD"
+ENV_VARS = (ENV_FLASH_ATTN, ENV_PATCH, ENV_BACKEND, ENV_STRICT, ENV_UNPAD)
 
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off", "")
@@ -75,16 +77,23 @@ class PatchArguments:
         default=False,
         metadata={"help": "Raise instead of falling back to sdpa when a flash_attn gate fails. Default off."},
     )
+    patch_unpad: str = dataclasses.field(
+        default="model",
+        metadata={"help": "Where padding is removed: model (once per forward; the decoder runs on real tokens "
+                          "only; default) or attention (inside each attention layer).",
+                  "choices": list(UNPAD_MODES)},
+    )
 
     def __post_init__(self) -> None:
         self.flash_attn = parse_bool("flash_attn", self.flash_attn)
         self.patch_strict = parse_bool("patch_strict", self.patch_strict)
         self.patch = _check_choice("patch", self.patch, patch_names())
         self.attn_backend = _check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
+        self.patch_unpad = _check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **defaults: Any) -> PatchArguments:
-        """Read PATCHKIT_FLASH_ATTN, PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_STRICT over `defaults`.
+        """Read PATCHKIT_FLASH_ATTN, PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_STRICT, PATCHKIT_UNPAD over `defaults`.
 
         A bad value raises ValueError naming the variable and its allowed values.
         """
@@ -98,6 +107,8 @@ class PatchArguments:
             values["attn_backend"] = _check_choice(ENV_BACKEND, env[ENV_BACKEND], BACKEND_NAMES)
         if ENV_STRICT in env:
             values["patch_strict"] = parse_bool(ENV_STRICT, env[ENV_STRICT])
+        if ENV_UNPAD in env:
+            values["patch_unpad"] = _check_choice(ENV_UNPAD, env[ENV_UNPAD], UNPAD_MODES)
         return cls(**values)
 
 
@@ -112,11 +123,13 @@ def apply_from_args(args: Any, model: Optional[nn.Module] = None) -> Optional[Pa
     )
     if not opts.flash_attn:
         return None
-    return apply_patch(opts.patch, backend=opts.attn_backend, strict=opts.patch_strict, model=model)
+    return apply_patch(
+        opts.patch, backend=opts.attn_backend, strict=opts.patch_strict, model=model, unpad=opts.patch_unpad
+    )
 
 
 def apply_from_env(environ: Optional[Mapping[str, str]] = None, model: Optional[nn.Module] = None) -> Optional[
     PatchHandle
 ]:
-    """Apply the patch when PATCHKIT_FLASH_ATTN is on (with PATCHKIT_PATCH/BACKEND/STRICT); None when it is not set."""
+    """Apply the patch when PATCHKIT_FLASH_ATTN is on (with PATCHKIT_PATCH/BACKEND/STRICT/UNPAD); else None."""
     return apply_from_args(PatchArguments.from_env(environ), model=model)

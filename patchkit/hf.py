@@ -14,6 +14,7 @@ from .attention import PatchState, make_forward
 from .attn_interface import ATTENTION_NAME
 from .errors import PatchInputError, PatchTargetError
 from .masks import VarlenMask
+from .model_unpad import make_model_forward
 from .patching import Replacement
 
 
@@ -42,7 +43,7 @@ def make_create_causal_mask(original: Callable) -> Callable:
     def create_causal_mask(*args: Any, **kwargs: Any) -> VarlenMask:
         bound = signature.bind_partial(*args, **kwargs).arguments
         _refuse_mask_extras(bound)
-        return VarlenMask(bound.get("attention_mask"))
+        return VarlenMask.for_forward(bound.get("attention_mask"))
 
     create_causal_mask.__wrapped_original__ = original  # type: ignore[attr-defined]
     return create_causal_mask
@@ -50,7 +51,7 @@ def make_create_causal_mask(original: Callable) -> Callable:
 
 def _update_causal_mask(self: nn.Module, attention_mask: Any, *args: Any, **kwargs: Any) -> VarlenMask:
     """Replacement for `LlamaModel._update_causal_mask` (4.48-4.52): the 2D mask, wrapped."""
-    return VarlenMask(attention_mask)
+    return VarlenMask.for_forward(attention_mask)
 
 
 def class_replacements(state: PatchState) -> list[Replacement]:
@@ -58,6 +59,10 @@ def class_replacements(state: PatchState) -> list[Replacement]:
     mod = modeling_llama()
     forward = make_forward(state, mod.apply_rotary_pos_emb)
     out = [Replacement(mod.LlamaAttention, "forward", forward, "LlamaAttention.forward")]
+    if state.unpad == "model":
+        out.append(
+            Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward), "LlamaModel.forward")
+        )
     if uses_create_causal_mask(mod):
         out.append(
             Replacement(
@@ -94,6 +99,9 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
         for m in attentions
     ]
     for base in bases:
+        if state.unpad == "model":
+            wrapped = MethodType(make_model_forward(type(base).forward), base)
+            out.append(Replacement(base, "forward", wrapped, "LlamaModel.forward (unpad once per forward)"))
         if uses_create_causal_mask(mod):
             attn_interface.register()  # the mask function for ATTENTION_NAME; attention stays this instance's
             out.append(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .api import PatchHandle
+from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
 from .config import PatchArguments, apply_from_args, patch_names
 from .errors import PatchkitError
@@ -20,10 +21,10 @@ from .errors import PatchkitError
 #   torchrun --nproc_per_node 2 -m patchkit.launch --backend sdpa train.py --lr 1e-4
 #   accelerate launch --num_processes 2 -m patchkit.launch train.py --lr 1e-4
 # Options come before the script; everything after it reaches the script untouched. Defaults come from
-# PATCHKIT_PATCH, PATCHKIT_BACKEND and PATCHKIT_STRICT; PATCHKIT_FLASH_ATTN=0 (or --no-patch) runs the script
-# unpatched with the same command line.
+# PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_UNPAD and PATCHKIT_STRICT; PATCHKIT_FLASH_ATTN=0 (or --no-patch) runs
+# the script unpatched with the same command line.
 
-VALUE_OPTIONS = ("--patch", "--backend")
+VALUE_OPTIONS = ("--patch", "--backend", "--unpad")
 FLAG_OPTIONS = ("--strict", "--no-strict", "--no-patch", "-h", "--help")
 
 
@@ -40,14 +41,19 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     """The launcher's own options (parsed from the part of argv before the script)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        usage=f"{prog} [--patch NAME] [--backend {{{','.join(BACKEND_NAMES)}}}] [--strict] [--no-patch] "
+        usage=f"{prog} [--patch NAME] [--backend {{{','.join(BACKEND_NAMES)}}}] [--unpad {{model,attention}}] "
+        "[--strict] [--no-patch] "
         "(SCRIPT.py | -m MODULE) [args ...]",
         description="Apply a patchkit patch, then run SCRIPT.py (or -m MODULE) as __main__ with its arguments "
-        "untouched. Defaults come from PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_STRICT; PATCHKIT_FLASH_ATTN=0 "
+        "untouched. Defaults come from PATCHKIT_PATCH, PATCHKIT_BACKEND, PATCHKIT_UNPAD, PATCHKIT_STRICT; "
+        "PATCHKIT_FLASH_ATTN=0 "
         "runs unpatched.",
     )
     parser.add_argument("--patch", choices=patch_names(), help="patch to apply (default llama2 or $PATCHKIT_PATCH)")
     parser.add_argument("--backend", choices=BACKEND_NAMES, help="backend (default auto or $PATCHKIT_BACKEND)")
+    parser.add_argument("--unpad", choices=UNPAD_MODES,
+                        help="remove padding once per model forward (model) or in each attention layer (attention); "
+                        "default model or $PATCHKIT_UNPAD")
     parser.add_argument("--strict", dest="strict", action="store_true", default=None,
                         help="raise instead of falling back to sdpa when a flash_attn gate fails")
     parser.add_argument("--no-strict", dest="strict", action="store_false", help="override PATCHKIT_STRICT=1")
@@ -96,6 +102,8 @@ def resolve_options(ns: argparse.Namespace) -> PatchArguments:
         args.attn_backend = ns.backend
     if ns.strict is not None:
         args.patch_strict = ns.strict
+    if ns.unpad is not None:
+        args.patch_unpad = ns.unpad
     return args
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -110,11 +112,14 @@ def _from_cu_seqlens(
 
 
 def _document_starts(real: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """True at the first real token of each row and, for packed rows, wherever position_ids restart."""
+    """True at the first real token of each row and, for packed rows, wherever position_ids restart.
+
+    A restart is a position that does not increase (0 after 5, 0 after 0); gaps (0, 3, 6) stay one document.
+    """
     starts = real & (real.cumsum(-1) == 1)
     if position_ids is not None:
         pos = position_ids.expand(real.shape[0], -1)
-        restart = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
+        restart = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) <= 0
         starts = starts | (real & restart)
     return starts
 
@@ -188,15 +193,22 @@ class VarlenMask:
     """What the patched mask builder hands to every layer: the 2D mask, with metadata computed once.
 
     The first patched layer of a forward computes the metadata; the others reuse it. Nothing of size
-    (batch, 1, q_len, kv_len) is ever built.
+    (batch, 1, q_len, kv_len) is ever built. Inside `packed_forward(meta)` a builder given no mask hands the
+    layers `meta` itself: the model forward has already unpadded its batch into one packed row.
     """
 
     __slots__ = ("mask", "_key", "_meta")
 
-    def __init__(self, mask: Optional[torch.Tensor]) -> None:
+    def __init__(self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None) -> None:
         self.mask = check_mask(mask)
-        self._key: Optional[tuple] = None
-        self._meta: Optional[VarlenMetadata] = None
+        self._meta = meta
+        self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
+
+    @classmethod
+    def for_forward(cls, mask: Optional[torch.Tensor]) -> VarlenMask:
+        """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
+        meta = _PACKED_FORWARD.get()
+        return cls(mask, meta if mask is None else None)
 
     def metadata(
         self, batch: int, q_len: int, kv_len: int, device: torch.device,
@@ -216,6 +228,21 @@ class VarlenMask:
         return f"VarlenMask(mask={shape})"
 
 
+_PACKED_FORWARD: contextvars.ContextVar[Optional[VarlenMetadata]] = contextvars.ContextVar(
+    "patchkit_packed_forward", default=None
+)
+
+
+@contextlib.contextmanager
+def packed_forward(meta: VarlenMetadata) -> Iterator[None]:
+    """Within this block, mask builders given no mask describe the documents of one packed row by `meta`."""
+    token = _PACKED_FORWARD.set(meta)
+    try:
+        yield
+    finally:
+        _PACKED_FORWARD.reset(token)
+
+
 def as_varlen_mask(mask: Any) -> VarlenMask:
     """Wrap whatever reached attention (our VarlenMask, a 2D tensor, None) and refuse a 4D mask."""
-    return mask if isinstance(mask, VarlenMask) else VarlenMask(mask)
+    return mask if isinstance(mask, VarlenMask) else VarlenMask.for_forward(mask)

@@ -37,6 +37,7 @@ DEFAULT_TESTS = [
     "tests/test_equivalence.py",
     "tests/test_generation.py",
     "tests/test_packing.py",
+    "tests/test_model_unpad.py",
     "tests/test_mechanics.py",
     "tests/test_gates.py",
     "tests/test_flash_attn_contract.py",

@@ -29,7 +29,7 @@ class ModelArguments:
 @pytest.fixture(autouse=True)
 def reverted(monkeypatch):
     """No PATCHKIT_* from the caller's shell; every patch reverted after the test."""
-    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT"):
+    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT", "PATCHKIT_UNPAD"):
         monkeypatch.delenv(var, raising=False)
     yield
     patchkit.revert_patch()
@@ -42,7 +42,7 @@ def parse(*argv: str, tmp_path) -> tuple:
 
 def test_fields_do_not_clash_with_training_arguments():
     ours = {f.name for f in dataclasses.fields(PatchArguments)}
-    assert ours == {"flash_attn", "patch", "attn_backend", "patch_strict"}
+    assert ours == {"flash_attn", "patch", "attn_backend", "patch_strict", "patch_unpad"}
     assert not ours & {f.name for f in dataclasses.fields(TrainingArguments)}
     assert all(f.metadata.get("help") for f in dataclasses.fields(PatchArguments))
 
@@ -102,7 +102,7 @@ def test_env_opt_in(monkeypatch, value):
     monkeypatch.setenv("PATCHKIT_BACKEND", "sdpa")
     monkeypatch.setenv("PATCHKIT_PATCH", "llama1")
     handle = apply_from_env()
-    assert (handle.name, handle.backend, handle.options) == ("llama1", "sdpa", ("sdpa", False))
+    assert (handle.name, handle.backend, handle.options) == ("llama1", "sdpa", ("sdpa", False, "model"))
     assert patchkit.active_patches() == [handle]
 
 
@@ -113,6 +113,17 @@ def test_env_not_opted_in_returns_none(monkeypatch, value):
     monkeypatch.setenv("PATCHKIT_BACKEND", "sdpa")
     assert apply_from_env() is None
     assert patchkit.active_patches() == []
+
+
+def test_env_unpad_attention_keeps_the_model_forward():
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    original = LlamaModel.forward
+    handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa", "PATCHKIT_UNPAD": "attention"})
+    assert handle.options == ("sdpa", False, "attention") and LlamaModel.forward is original
+    handle.revert()
+    handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"})
+    assert handle.options[2] == "model" and LlamaModel.forward is not original
 
 
 def test_env_mapping_argument_instead_of_os_environ():
@@ -127,6 +138,7 @@ def test_env_mapping_argument_instead_of_os_environ():
         ("PATCHKIT_BACKEND", "cuda", "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, sdpa"),
         ("PATCHKIT_PATCH", "mistral", "PATCHKIT_PATCH='mistral' is not valid; allowed values: llama1, llama2, llama"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
+        ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),
     ],
 )
 def test_env_bad_values_name_the_variable(var, value, message):

@@ -8,6 +8,8 @@ import sys
 import pytest
 from entrypoints import clean_env, launch, patchkit_cli
 
+import patchkit
+
 # A user's script: builds a tiny LLaMA *after* the launcher patched, runs a padded batch, checks the patch is live,
 # then reverts and checks the unpatched logits are the same. Prints one JSON line for the test.
 USER_SCRIPT = '''
@@ -123,7 +125,7 @@ def test_module_target_exit_code_and_rank_line(tmp_path):
 
 PROBE = (
     "import json, sys, patchkit\n"
-    "json.dump([[h.name, h.backend] for h in patchkit.active_patches()], open(sys.argv[1], 'w'))\n"
+    "json.dump([[h.name, h.backend, h.options[2]] for h in patchkit.active_patches()], open(sys.argv[1], 'w'))\n"
 )
 
 
@@ -133,7 +135,7 @@ def in_process(tmp_path, monkeypatch):
     import patchkit
     from patchkit import launch as launch_module
 
-    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT"):
+    for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT", "PATCHKIT_UNPAD"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -152,13 +154,20 @@ def test_launcher_options_override_environment(in_process, monkeypatch):
     monkeypatch.setenv("PATCHKIT_PATCH", "llama1")
     monkeypatch.setenv("PATCHKIT_BACKEND", "flash_attn")
     monkeypatch.setenv("PATCHKIT_STRICT", "1")
-    assert in_process("--patch", "llama2", "--backend", "sdpa", "--no-strict") == [["llama2", "sdpa"]]
+    assert in_process("--patch", "llama2", "--backend", "sdpa", "--no-strict") == [["llama2", "sdpa", "model"]]
 
 
 def test_environment_alone_chooses(in_process, monkeypatch):
     monkeypatch.setenv("PATCHKIT_PATCH", "llama")
     monkeypatch.setenv("PATCHKIT_BACKEND", "SDPA")
-    assert in_process() == [["llama2", "sdpa"]]
+    assert in_process() == [["llama2", "sdpa", "model"]]
+
+
+def test_unpad_flag_overrides_environment(in_process, monkeypatch):
+    monkeypatch.setenv("PATCHKIT_UNPAD", "attention")
+    assert in_process("--backend", "sdpa") == [["llama2", "sdpa", "attention"]]
+    patchkit.revert_patch()  # the launcher leaves its patch applied for the script's lifetime
+    assert in_process("--backend", "sdpa", "--unpad", "model") == [["llama2", "sdpa", "model"]]
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])

@@ -125,3 +125,18 @@ def test_packed_rows_without_padding_skip_the_gather_but_keep_the_documents():
     assert meta.seqlens_q == [3, 2, 4] and meta.cu_seqlens_q.tolist() == [0, 3, 5, 9] and meta.max_seqlen_q == 4
     padded = build_metadata(torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 0]]), 1, 9, 9, torch.device("cpu"), pos)
     assert padded.indices_q.tolist() == list(range(7)) and padded.seqlens_q == [3, 2, 2]
+
+
+@pytest.mark.parametrize("mask_kind", [None, "right"])
+def test_positions_with_gaps_are_one_document_not_many(mask_kind):
+    """Only a position that does not increase starts a document: 0, 3, 6, ... is one sequence, as in eager."""
+    model = tiny_model(kv_heads=2, seed=7)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(12).mul(3).expand_as(ids)
+    mask = None if mask_kind is None else torch.tensor([[1] * 12, [1] * 8 + [0] * 4])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

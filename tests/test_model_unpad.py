@@ -1,0 +1,198 @@
+"""Unpad once per model forward: the decoder runs on real tokens only, and the results equal unpatched eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import labels_for, padded_batch, tiny_model
+
+import patchkit
+from patchkit import masks
+
+
+def layer_input_shapes(model) -> list[tuple[int, ...]]:
+    """Record the hidden-state shape every decoder layer (and so every MLP and projection) receives."""
+    shapes: list[tuple[int, ...]] = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple((args[0] if args else
+                                                                                kw["hidden_states"]).shape)),
+                                        with_kwargs=True)
+    return shapes
+
+
+def step(model, ids, mask, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), **kw)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same(got, want, got_g, want_g, mask):
+    real = mask.bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    assert got_g.keys() == want_g.keys()
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("patch,kv_heads", [("llama2", 4), ("llama2", 2), ("llama1", 4)])
+@pytest.mark.parametrize("kind", ["right", "left", "mixed"])
+@pytest.mark.parametrize("how", ["train_mode", "use_cache_false"])
+def test_decoder_runs_on_real_tokens_and_matches_eager(patch, kv_heads, kind, how):
+    model = tiny_model(kv_heads=kv_heads)
+    kw = {"use_cache": False} if how == "use_cache_false" else {}
+    if how == "train_mode":
+        model.train()  # attention_dropout is 0.0: deterministic
+    ids, mask = padded_batch(kind)
+    want, want_g = step(model, ids, mask, **kw)
+    shapes = layer_input_shapes(model)
+    with patchkit.apply_patch(patch, backend="sdpa"):
+        got, got_g = step(model, ids, mask, **kw)
+    nnz = int(mask.sum())
+    assert shapes == [(1, nnz, model.config.hidden_size)] * model.config.num_hidden_layers
+    assert got.logits.shape == want.logits.shape
+    assert_same(got, want, got_g, want_g, mask)
+
+
+def test_rows_whose_positions_continue_each_other_stay_separate():
+    """Row 0 ends at position 4 and left-padded row 1 starts at 5: packed, the positions run on unbroken.
+
+    Documents must come from the mask, not from position restarts, or row 1 would attend to row 0.
+    """
+    model = tiny_model(kv_heads=2, seed=3)
+    ids = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[1] * 5 + [0] * 5, [0] * 5 + [1] * 5])
+    want, want_g = step(model, ids, mask, use_cache=False)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, got_g = step(model, ids, mask, use_cache=False)
+    assert_same(got, want, got_g, want_g, mask)
+
+
+def test_inputs_embeds_and_every_hidden_state_are_repadded():
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("mixed")
+    real = mask.bool()
+    embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+
+    def run():
+        embeds.grad = None
+        out = model.model(inputs_embeds=embeds, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        (out.last_hidden_state * mask[..., None]).sum().backward()  # an objective on real tokens only
+        return out, embeds.grad.clone()
+
+    want, want_grad = run()
+    shapes = layer_input_shapes(model)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, got_grad = run()
+    assert shapes[0] == (1, int(mask.sum()), 64)
+    assert len(got.hidden_states) == len(want.hidden_states)
+    for g, w in zip(got.hidden_states, want.hidden_states):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g[real], w[real], atol=2e-5, rtol=1e-4)
+    assert got.last_hidden_state[~real].abs().max() == 0  # padding carries nothing
+    torch.testing.assert_close(got_grad[real], want_grad[real], atol=2e-5, rtol=1e-3)
+    assert got_grad[~real].abs().max() == 0
+
+
+def test_tuple_outputs_are_repadded():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    want = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = model.model(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=False)
+    assert isinstance(got, tuple) and got[0].shape == want.shape
+    torch.testing.assert_close(got[0][mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_with_model_unpad(reentrant):
+    model = tiny_model(kv_heads=2)
+    model.train()
+    ids, mask = padded_batch("left")
+    want, want_g = step(model, ids, mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    shapes = layer_input_shapes(model)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, got_g = step(model, ids, mask)
+    assert shapes and all(s[0] == 1 for s in shapes)
+    assert_same(got, want, got_g, want_g, mask)
+
+
+def test_a_forward_that_keeps_a_cache_stays_padded():
+    """Generation needs the cache in the padded layout: eval with use_cache keeps the per-layer path."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("left")
+    shapes = layer_input_shapes(model)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == ids.shape[1]
+    assert shapes == [tuple(ids.shape) + (64,)] * 2
+
+
+def test_training_mode_keeps_no_cache():
+    """In train mode the forward unpads even with use_cache=True, and returns no cache (nothing could use it)."""
+    model = tiny_model().train()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert out.past_key_values is None
+
+
+def test_unpad_attention_mode_keeps_padded_shapes_and_matches():
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("mixed")
+    want, want_g = step(model, ids, mask, use_cache=False)
+    original = type(model.model).forward
+    shapes = layer_input_shapes(model)
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad="attention") as handle:
+        assert type(model.model).forward is original
+        got, got_g = step(model, ids, mask, use_cache=False)
+        assert "unpad:   attention" in handle.report()
+    assert shapes == [tuple(ids.shape) + (64,)] * 2
+    assert_same(got, want, got_g, want_g, mask)
+
+
+def test_bad_unpad_mode_is_refused_and_patches_nothing():
+    original = type(tiny_model().model).forward
+    with pytest.raises(ValueError, match="unknown unpad mode 'layers'; choose one of model, attention"):
+        patchkit.apply_patch("llama2", backend="sdpa", unpad="layers")
+    assert type(tiny_model().model).forward is original and not patchkit.active_patches()
+
+
+def test_instance_patch_unpads_only_that_model():
+    model, other = tiny_model(kv_heads=2), tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    mine, theirs = layer_input_shapes(model), layer_input_shapes(other)
+    want, want_g = step(model, ids, mask, use_cache=False)
+    mine.clear()
+    with patchkit.apply_patch("llama2", backend="sdpa", model=model):
+        got, got_g = step(model, ids, mask, use_cache=False)
+        other(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert mine[0][0] == 1 and theirs[0] == tuple(ids.shape) + (64,)
+    assert_same(got, want, got_g, want_g, mask)
+
+
+def test_packed_context_is_reset_when_the_forward_raises():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        with pytest.raises(patchkit.PatchInputError, match="output_attentions=True"):
+            model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+        assert masks._PACKED_FORWARD.get() is None
+        # and the next forward (padded, with a cache) is not mistaken for a packed one
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    want = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    torch.testing.assert_close(out.logits[mask.bool()], want.logits[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_caller_position_ids_are_carried_into_the_packed_row():
+    """RoPE only sees distances, so default positions cannot tell; strided positions can."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("mixed")
+    positions = torch.arange(ids.shape[1]).mul(3).expand_as(ids)
+    want, want_g = step(model, ids, mask, use_cache=False, position_ids=positions)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, got_g = step(model, ids, mask, use_cache=False, position_ids=positions)
+    assert_same(got, want, got_g, want_g, mask)
