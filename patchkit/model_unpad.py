@@ -32,6 +32,8 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None
     if args.get("past_key_values") is not None or any(extra.get(k) is not None for k in FLASH_KWARGS):
         return None
+    if args.get("output_attentions") or extra.get("output_attentions"):
+        return None  # refused by the attention layers with the reason
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
         return None
     batch, seqlen = tokens.shape[:2]

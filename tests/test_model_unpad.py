@@ -177,9 +177,15 @@ def test_instance_patch_unpads_only_that_model():
 def test_packed_context_is_reset_when_the_forward_raises():
     model = tiny_model()
     ids, mask = padded_batch("right")
+    def boom(module, args):
+        assert masks._PACKED_FORWARD.get() is not None  # inside the packed forward
+        raise RuntimeError("boom")
+
+    hook = model.model.layers[1].register_forward_pre_hook(boom)
     with patchkit.apply_patch("llama2", backend="sdpa"):
-        with pytest.raises(patchkit.PatchInputError, match="output_attentions=True"):
-            model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        hook.remove()
         assert masks._PACKED_FORWARD.get() is None
         # and the next forward (padded, with a cache) is not mistaken for a packed one
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
@@ -196,3 +202,11 @@ def test_caller_position_ids_are_carried_into_the_packed_row():
     with patchkit.apply_patch("llama2", backend="sdpa"):
         got, got_g = step(model, ids, mask, use_cache=False, position_ids=positions)
     assert_same(got, want, got_g, want_g, mask)
+
+
+def test_output_attentions_is_refused_with_the_reason_on_the_packed_path_too():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        with pytest.raises(patchkit.PatchInputError, match="output_attentions=True cannot be served"):
+            model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
