@@ -41,7 +41,9 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # the per-layer path raises its clear shape error
     position_ids = args.get("position_ids")
     meta = build_metadata(check_mask(mask), batch, seqlen, seqlen, tokens.device, position_ids)
-    return meta if meta.indices_q is not None else None  # no padding: nothing to gain
+    if meta.indices_q is None or meta.nnz_q == 0:
+        return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
+    return meta
 
 
 def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:

@@ -210,3 +210,12 @@ def test_output_attentions_is_refused_with_the_reason_on_the_packed_path_too():
     with patchkit.apply_patch("llama2", backend="sdpa"):
         with pytest.raises(patchkit.PatchInputError, match="output_attentions=True cannot be served"):
             model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+
+
+def test_all_padding_batch_without_a_cache_does_not_crash():
+    model = tiny_model().train()
+    ids, mask = torch.randint(3, 90, (2, 8)), torch.zeros(2, 8, dtype=torch.long)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert logits.shape == (2, 8, 97) and torch.isfinite(logits).all()
+    assert handle.calls == model.config.num_hidden_layers
