@@ -261,15 +261,11 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]
-    orig_gather, orig_pad, orig_build = pa._gather, pa.pad_input, pm.build_metadata
+    orig_gather, orig_pad, orig_build = pa.unpad_rows, pa.pad_input, pm.build_metadata
 
     def gather(x: Any, indices: Any) -> Any:
         calls.append(("gather", tuple(x.shape), indices, ()))
         return orig_gather(x, indices)
-
-    def index_first_axis(x: Any, indices: Any) -> Any:  # model_unpad's gathers: already flat
-        calls.append(("flat_gather", tuple(x.shape), indices, ()))
-        return x.index_select(0, indices)
 
     def pad(hidden: Any, indices: Any, batch: int, seqlen: int) -> Any:
         calls.append(("pad", tuple(hidden.shape), indices, (batch, seqlen)))
@@ -281,8 +277,8 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
         meta_time[0] += time.perf_counter() - t0
         return out
 
-    hooks = [(pa, "_gather", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
-             (pmu, "index_first_axis", index_first_axis), (pmu, "pad_input", pad), (pmu, "build_metadata", build)]
+    hooks = [(pa, "unpad_rows", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
+             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pmu, "build_metadata", build)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
     for mod, name, fn in hooks:
         setattr(mod, name, fn)
@@ -301,8 +297,6 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
             x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
             if kind == "gather":
                 y = orig_gather(x, indices)
-            elif kind == "flat_gather":
-                y = x.index_select(0, indices)
             else:
                 y = orig_pad(x, indices, *extra)
             y.backward(torch.ones_like(y))

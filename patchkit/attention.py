@@ -14,7 +14,7 @@ from .backends import Backend, SdpaBackend
 from .errors import PatchGateError, PatchInputError
 from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from .masks import VarlenMetadata, as_varlen_mask
-from .padding import index_first_axis, pad_input
+from .padding import pad_input, unpad_rows
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
@@ -90,12 +90,6 @@ def to_half(
     return tuple(t.to(dtype) for t in tensors)
 
 
-def _gather(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
-    """(B, S, ...) -> (nnz, ...): a reshape when every token is real, else a differentiable gather."""
-    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    return flat if indices is None else index_first_axis(flat, indices)
-
-
 def varlen_core(
     state: PatchState,
     module: nn.Module,
@@ -137,12 +131,12 @@ def varlen_core(
             state.warn_once,
         )
     if state.packing == QKV_PACKED:
-        qkv = _gather(torch.stack((q, k, v), dim=2), meta.indices_q)
+        qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
         out = backend.varlen_qkvpacked(qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True)
     else:
-        kv = _gather(torch.stack((k, v), dim=2), meta.indices_k)
+        kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
         out = backend.varlen_kvpacked(
-            _gather(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True
+            unpad_rows(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True
         )
     out = out.to(in_dtype)
     if meta.indices_q is None:

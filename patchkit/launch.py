@@ -41,7 +41,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     """The launcher's own options (parsed from the part of argv before the script)."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        usage=f"{prog} [--patch NAME] [--backend {{{','.join(BACKEND_NAMES)}}}] [--unpad {{model,attention}}] "
+        usage=f"{prog} [--patch NAME] [--backend {{{','.join(BACKEND_NAMES)}}}] [--unpad {{{','.join(UNPAD_MODES)}}}] "
         "[--strict] [--no-patch] "
         "(SCRIPT.py | -m MODULE) [args ...]",
         description="Apply a patchkit patch, then run SCRIPT.py (or -m MODULE) as __main__ with its arguments "

@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .masks import VarlenMetadata, build_metadata, check_mask, packed_forward
-from .padding import index_first_axis, pad_input
+from .masks import VarlenMetadata, build_metadata, packed_forward
+from .padding import pad_input, unpad_rows
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
@@ -40,7 +40,7 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     if tuple(mask.shape) != (batch, seqlen):
         return None  # the per-layer path raises its clear shape error
     position_ids = args.get("position_ids")
-    meta = build_metadata(check_mask(mask), batch, seqlen, seqlen, tokens.device, position_ids)
+    meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
     if meta.indices_q is None or meta.nnz_q == 0:
         return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
     return meta
@@ -56,18 +56,14 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
     """input_ids / inputs_embeds and position_ids (B, S, ...) -> (1, nnz, ...) in place in `args`."""
-    indices = meta.indices_q
-    if indices is None:
-        raise ValueError("_unpad_inputs needs a batch with padding (indices_q)")
     for name in ("input_ids", "inputs_embeds"):
         x = args.get(name)
         if x is not None:
-            args[name] = index_first_axis(x.reshape(-1, *x.shape[2:]), indices).unsqueeze(0)
+            args[name] = unpad_rows(x, meta.indices_q).unsqueeze(0)
     positions = args.get("position_ids")
     if positions is None:  # transformers' default for a forward without past: 0..S-1 in every row
-        positions = torch.arange(meta.q_len, device=indices.device)
-    positions = positions.expand(meta.batch, meta.q_len)
-    args["position_ids"] = index_first_axis(positions.reshape(-1), indices).unsqueeze(0)
+        positions = torch.arange(meta.q_len, device=meta.cu_seqlens_q.device)
+    args["position_ids"] = unpad_rows(positions.expand(meta.batch, meta.q_len), meta.indices_q).unsqueeze(0)
     args["attention_mask"] = None
     args["use_cache"] = False
     if args.get("cache_position") is not None:

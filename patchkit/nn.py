@@ -14,7 +14,7 @@ from .backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
 from .errors import PatchGateError, PatchInputError
 from .gates import GateResult
 from .masks import VarlenMetadata, build_metadata
-from .padding import index_first_axis, pad_input
+from .padding import pad_input, unpad_rows
 
 FLASH_MIN = "2.0"
 FLASH_WHY = "the varlen API"
@@ -190,8 +190,7 @@ class VarlenSelfAttention(nn.Module):
         batch, seq, _ = x.shape
         mask = None if key_padding_mask is None else _check_padding_mask(key_padding_mask, batch, seq)
         meta = build_metadata(mask, batch, seq, seq, x.device)
-        flat = x.reshape(batch * seq, self.embed_dim)
-        tokens = flat if meta.indices_q is None else index_first_axis(flat, meta.indices_q)
+        tokens = unpad_rows(x, meta.indices_q)
         qkv = self.in_proj(tokens)
         if meta.nnz_q == 0:  # nothing is real: no kernel call; an empty slice keeps the graph (zero gradients)
             attn = qkv[:, : self.num_heads * self.head_dim]

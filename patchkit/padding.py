@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,12 @@ import torch.nn.functional as F
 def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Gather rows of `x` along its first axis (a differentiable `index_select`)."""
     return x.index_select(0, indices)
+
+
+def unpad_rows(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, S, ...) -> (nnz, ...): the real tokens' rows; a reshape when `indices` is None (every token real)."""
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return flat if indices is None else index_first_axis(flat, indices)
 
 
 def pad_input(hidden: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
