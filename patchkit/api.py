@@ -56,6 +56,7 @@ class PatchHandle:
         if not self.active:
             return
         restore_replacements(self.replacements)
+        self.state.revert_copies()
         self.active = False
         if _ACTIVE.get(self.key) is self:
             del _ACTIVE[self.key]
@@ -198,7 +199,14 @@ def apply_patch(
         except PatchTargetError:
             handle.revert()
             raise
+        weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
     return handle
+
+
+def _forget(key: tuple, handle_ref: weakref.ref) -> None:
+    handle = handle_ref()
+    if handle is not None and _ACTIVE.get(key) is handle:
+        del _ACTIVE[key]
 
 
 def revert_patch() -> int:

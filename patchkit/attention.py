@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
+from .arguments import check_call, check_family
 from .backends import Backend, SdpaBackend
 from .errors import PatchGateError, PatchInputError
 from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
@@ -33,7 +34,21 @@ class PatchState:
     calls: int = 0
     layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)
     warned: set = dataclasses.field(default_factory=set)
+    copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
     fallback = SdpaBackend()
+
+    def track_copy(self, module: nn.Module, attr: str) -> None:
+        """A deepcopy of an instance-patched module carries the patch: remember it so revert reaches it."""
+        self.copies.append((weakref.ref(module), attr))
+
+    def revert_copies(self) -> None:
+        """Take this state's patched methods off every deepcopy still alive."""
+        for ref, attr in self.copies:
+            module = ref()
+            if module is not None and getattr(vars(module).get(attr), "__func__", None) is not None:
+                if getattr(vars(module)[attr].__func__, "__patchkit_state__", None) is self:
+                    delattr(module, attr)
+        self.copies.clear()
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -102,6 +117,7 @@ def varlen_core(
     *,
     dropout: float,
     scaling: float,
+    fixed_cache: bool = False,
 ) -> torch.Tensor:
     """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero."""
     batch, q_len, heads, head_dim = q.shape
@@ -112,13 +128,17 @@ def varlen_core(
                 f"heads and {k.shape[2]} key/value heads (grouped-query attention). Use apply_patch('llama2'), "
                 "which supports GQA."
             )
-        if k.shape[1] != q_len:
-            raise PatchInputError(
-                f"patch 'llama1' is for training and prefill only: this call brings {k.shape[1] - q_len} past "
-                "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
-            )
-    vmask = as_varlen_mask(attention_mask)
-    meta: VarlenMetadata = vmask.metadata(batch, q_len, k.shape[1], q.device, position_ids, kwargs)
+    check_call(module, kwargs)
+    vmask = as_varlen_mask(attention_mask, fixed_cache)
+    kv_len = vmask.keys_in_use(q_len, k.shape[1], fixed_cache)
+    if kv_len != k.shape[1]:  # a static cache returns all its slots; the unfilled ones are never seen
+        k, v = k[:, :kv_len], v[:, :kv_len]
+    if state.packing == QKV_PACKED and kv_len != q_len:
+        raise PatchInputError(
+            f"patch 'llama1' is for training and prefill only: this call brings {kv_len - q_len} past "
+            "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
+        )
+    meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     state.calls += 1
     state.layers.add(module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
@@ -142,14 +162,6 @@ def varlen_core(
     if meta.indices_q is None:
         return out.view(batch, q_len, heads, -1)
     return pad_input(out, meta.indices_q, batch, q_len)
-
-
-def _trim_static_cache(k: torch.Tensor, v: torch.Tensor, attention_mask: Any, past: Any) -> tuple:
-    """A static cache returns all max_cache_len slots; the mask says how many are filled."""
-    mask = as_varlen_mask(attention_mask).mask
-    if mask is not None and k.shape[1] > mask.shape[-1] and getattr(past, "is_compileable", False):
-        return k[:, : mask.shape[-1]], v[:, : mask.shape[-1]]
-    return k, v
 
 
 def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
@@ -186,10 +198,11 @@ def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
         if past is not None:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = past.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_kwargs)
-            k, v = _trim_static_cache(k.transpose(1, 2), v.transpose(1, 2), attention_mask, past)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         out = varlen_core(
             state, self, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs,
             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+            fixed_cache=bool(getattr(past, "is_compileable", False)),
         )
         return self.o_proj(out.reshape(batch, q_len, -1)), None
 
@@ -197,13 +210,18 @@ def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
     return forward
 
 
-def make_attention_function(state: PatchState) -> Callable:
-    """The same attention in transformers' `AttentionInterface` signature (q/k/v as (B, H, S, D))."""
+def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Callable:
+    """The same attention in transformers' `AttentionInterface` signature (q/k/v as (B, H, S, D)).
+
+    transformers hands a registered name to any model that asks: families other than `model_types` are refused.
+    """
 
     def attention(
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
+        check_family(module, model_types)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         out = varlen_core(

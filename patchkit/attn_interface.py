@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from .attention import PatchState, make_attention_function
@@ -23,9 +24,22 @@ _state: Optional[PatchState] = None
 _function: Optional[Callable] = None
 
 
-def mask_function(*args: Any, attention_mask: Any = None, **kwargs: Any) -> VarlenMask:
-    """`AttentionMaskInterface` entry: the 2D mask, wrapped; never a (B, 1, N, N) tensor."""
-    return VarlenMask.for_forward(attention_mask)
+def mask_function(
+    *args: Any, attention_mask: Any = None, q_offset: Any = None, q_length: Optional[int] = None,
+    kv_length: Optional[int] = None, cache_position: Any = None, **kwargs: Any,
+) -> VarlenMask:
+    """`AttentionMaskInterface` entry: the 2D mask, wrapped, with where the queries sit; never a (B, 1, N, N) tensor.
+
+    transformers sizes the keys from the cache: a `kv_length` beyond `q_offset + q_length` means the cache returns
+    preallocated slots (a StaticCache), whose unfilled tail no query may see.
+    """
+    if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
+        q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
+    if q_offset is None:
+        return VarlenMask.for_forward(attention_mask)
+    past_len = int(q_offset)
+    fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length
+    return VarlenMask.for_forward(attention_mask, past_len, fixed)
 
 
 def route_state() -> PatchState:
@@ -35,12 +49,13 @@ def route_state() -> PatchState:
         from . import gates
         from .api import _choose_backend
         from .backends import make_backend
-        from .registry import resolve
+        from .registry import registered, resolve
 
         spec = resolve("llama2")
         chosen, _ = _choose_backend(spec, _options["backend"], _options["strict"], gates.probe_environment(), None)
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
-        _function = make_attention_function(_state)
+        model_types = {t for other in registered() for t in other.model_types}
+        _function = make_attention_function(_state, model_types)
     return _state
 
 

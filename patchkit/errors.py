@@ -17,3 +17,7 @@ class PatchTargetError(PatchkitError):
 
 class PatchInputError(PatchkitError, ValueError):
     """An input the patched attention cannot serve exactly (a 4D mask, a mask of the wrong length, ...)."""
+
+
+class PatchStateError(PatchkitError, AttributeError):
+    """patchkit's objects met code patchkit does not own: the patch changed while a forward was in flight."""

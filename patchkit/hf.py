@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from types import MethodType, ModuleType
+from types import ModuleType
 from typing import Any, Callable
 
 from torch import nn
 
 from . import attn_interface
 from .attention import PatchState, make_forward
-from .attn_interface import ATTENTION_NAME
 from .errors import PatchInputError, PatchTargetError
-from .masks import VarlenMask
-from .model_unpad import make_model_forward
-from .patching import Replacement
+from .masks import VarlenMask, cache_placement, refuse_4d
+from .model_unpad import make_lm_forward, make_model_forward
+from .patching import BoundPatch, Replacement
 
 
 def modeling_llama() -> ModuleType:
@@ -34,6 +33,11 @@ def _refuse_mask_extras(bound: dict) -> None:
                 f"create_causal_mask got {name}: a custom attention pattern that a key-padding mask cannot express. "
                 "patchkit refuses it rather than drop it; revert the patch for this model."
             )
+    if getattr(bound.get("config"), "is_causal", True) is False:
+        raise PatchInputError(
+            "this model's config sets is_causal=False (bidirectional attention), which patchkit's causal varlen "
+            "attention does not serve; revert the patch for this model."
+        )
 
 
 def make_create_causal_mask(original: Callable) -> Callable:
@@ -43,26 +47,36 @@ def make_create_causal_mask(original: Callable) -> Callable:
     def create_causal_mask(*args: Any, **kwargs: Any) -> VarlenMask:
         bound = signature.bind_partial(*args, **kwargs).arguments
         _refuse_mask_extras(bound)
-        return VarlenMask.for_forward(bound.get("attention_mask"))
+        past_len, fixed = cache_placement(bound.get("past_key_values"), bound.get("cache_position"))
+        refuse_4d(bound.get("attention_mask"), fixed)
+        return VarlenMask.for_forward(bound.get("attention_mask"), past_len, fixed)
 
     create_causal_mask.__wrapped_original__ = original  # type: ignore[attr-defined]
     return create_causal_mask
 
 
-def _update_causal_mask(self: nn.Module, attention_mask: Any, *args: Any, **kwargs: Any) -> VarlenMask:
-    """Replacement for `LlamaModel._update_causal_mask` (4.48-4.52): the 2D mask, wrapped."""
-    return VarlenMask.for_forward(attention_mask)
+def _update_causal_mask(
+    self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
+    past_key_values: Any = None, *args: Any, **kwargs: Any,
+) -> VarlenMask:
+    """Replacement for `LlamaModel._update_causal_mask` (4.48-4.52): the 2D mask, wrapped, and where the queries sit."""
+    past_len, fixed = cache_placement(past_key_values, cache_position)
+    refuse_4d(attention_mask, fixed)
+    return VarlenMask.for_forward(attention_mask, past_len, fixed)
 
 
 def class_replacements(state: PatchState) -> list[Replacement]:
     """Targets of a before-load patch: every LLaMA model built (or already built) runs through it."""
     mod = modeling_llama()
     forward = make_forward(state, mod.apply_rotary_pos_emb)
-    out = [Replacement(mod.LlamaAttention, "forward", forward, "LlamaAttention.forward")]
+    out = [
+        Replacement(mod.LlamaAttention, "forward", forward, "LlamaAttention.forward"),
+        Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
+                    "LlamaModel.forward"),
+    ]
     if state.unpad == "model":
-        out.append(
-            Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward), "LlamaModel.forward")
-        )
+        out.append(Replacement(mod.LlamaForCausalLM, "forward", make_lm_forward(mod.LlamaForCausalLM.forward),
+                               "LlamaForCausalLM.forward"))
     if uses_create_causal_mask(mod):
         out.append(
             Replacement(
@@ -83,7 +97,7 @@ def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:
 
 
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
-    """Targets of a loaded-instance patch: only this model's modules and config change."""
+    """Targets of a loaded-instance patch: only this model's modules change (its config only during a forward)."""
     mod = modeling_llama()
     attentions = find_modules(model, mod.LlamaAttention)
     bases = find_modules(model, mod.LlamaModel)
@@ -93,26 +107,24 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
             f"{type(model).__name__}: patched 0 layers. patchkit's LLaMA patches need transformers' "
             "LlamaForCausalLM/LlamaModel (not a trust_remote_code copy); nothing was patched."
         )
+
+    def bind(func: Any, module: nn.Module, attr: str, label: str) -> Replacement:
+        return Replacement(module, attr, BoundPatch(func, module, attr, state.track_copy), label)
+
     forward = make_forward(state, mod.apply_rotary_pos_emb)
-    out = [
-        Replacement(m, "forward", MethodType(forward, m), f"{type(m).__name__}.forward (layer {m.layer_idx})")
-        for m in attentions
-    ]
+    out = [bind(forward, m, "forward", f"{type(m).__name__}.forward (layer {m.layer_idx})") for m in attentions]
+    masks_by_name = uses_create_causal_mask(mod)
+    if masks_by_name:
+        attn_interface.register()  # the mask function for ATTENTION_NAME; attention stays this instance's
     for base in bases:
-        if state.unpad == "model":
-            wrapped = MethodType(make_model_forward(type(base).forward), base)
-            out.append(Replacement(base, "forward", wrapped, "LlamaModel.forward (unpad once per forward)"))
-        if uses_create_causal_mask(mod):
-            attn_interface.register()  # the mask function for ATTENTION_NAME; attention stays this instance's
-            out.append(
-                Replacement(base.config, "_attn_implementation", ATTENTION_NAME, "config._attn_implementation")
-            )
-        else:
-            out.append(
-                Replacement(
-                    base, "_update_causal_mask", MethodType(_update_causal_mask, base), "LlamaModel._update_causal_mask"
-                )
-            )
+        impl = base.config._attn_implementation if masks_by_name else None
+        wrapped = make_model_forward(type(base).forward, state.unpad, impl)
+        out.append(bind(wrapped, base, "forward", f"{type(base).__name__}.forward (unpad={state.unpad})"))
+        if not masks_by_name:
+            out.append(bind(_update_causal_mask, base, "_update_causal_mask", "LlamaModel._update_causal_mask"))
+    if state.unpad == "model":
+        for lm in find_modules(model, mod.LlamaForCausalLM):
+            out.append(bind(make_lm_forward(type(lm).forward), lm, "forward", f"{type(lm).__name__}.forward"))
     return out
 
 

@@ -9,13 +9,20 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from .errors import PatchInputError
+from .errors import PatchInputError, PatchStateError
 from .padding import cu_seqlens_from_lengths
 
 FOUR_D_MASK_MESSAGE = (
     "patchkit received a 4D attention mask of shape {shape}. A 4D mask (a custom attention pattern) cannot be "
     "expressed as a key-padding mask, so the varlen kernels cannot serve it exactly. Pass the 2D "
     "[batch, past + q_len] padding mask instead, or revert the patch (handle.revert()) for this model."
+)
+
+FOREIGN_USE_MESSAGE = (
+    "patchkit's key-padding mask reached attention code that patchkit does not own ({what}). The mask was built "
+    "under a patchkit patch, but this layer's attention is not patched: the patch was reverted or applied, or the "
+    "model's attention implementation changed, while this forward was in flight. Change patches between forwards, "
+    "not during one, and run the forward again."
 )
 
 
@@ -57,7 +64,7 @@ def check_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if not isinstance(mask, torch.Tensor):
         raise PatchInputError(f"attention_mask must be a tensor or None, got {type(mask).__name__}")
     if mask.dim() == 4:
-        raise PatchInputError(FOUR_D_MASK_MESSAGE.format(shape=tuple(mask.shape)))
+        raise PatchInputError(FOUR_D_MASK_MESSAGE.format(shape=tuple(mask.shape)) + four_d_cause(False))
     if mask.dim() != 2:
         raise PatchInputError(
             f"attention_mask must be 2D [batch, past + q_len] (1 = real token, 0 = padding); got shape "
@@ -111,17 +118,23 @@ def _from_cu_seqlens(
     )
 
 
-def _document_starts(real: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """True at the first real token of each row and, for packed rows, wherever position_ids restart.
+def _document_lengths(
+    real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Lengths of the documents among the real tokens at `indices` (row-major), in order.
 
-    A restart is a position that does not increase (0 after 5, 0 after 0); gaps (0, 3, 6) stay one document.
+    A document starts at the first real token of each row and, for packed rows, wherever a real token's
+    position does not increase over the previous *real* token of its row (0 after 5, 0 after 0): padding
+    between them is skipped, never compared. Gaps (0, 3, 6) stay one document.
     """
-    starts = real & (real.cumsum(-1) == 1)
+    rows = torch.div(indices, real.shape[1], rounding_mode="floor")
+    new = torch.ones_like(indices, dtype=torch.bool)
+    new[1:] = rows[1:] != rows[:-1]
     if position_ids is not None:
-        pos = position_ids.expand(real.shape[0], -1)
-        restart = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) <= 0
-        starts = starts | (real & restart)
-    return starts
+        pos = position_ids.expand(real.shape[0], -1).reshape(-1).index_select(0, indices)
+        new[1:] |= pos[1:] <= pos[:-1]
+    starts = torch.nonzero(new).flatten()
+    return torch.diff(starts, append=starts.new_tensor([indices.numel()]))
 
 
 def build_metadata(
@@ -139,8 +152,9 @@ def build_metadata(
     if mask is not None and tuple(mask.shape) != (batch, kv_len):
         raise PatchInputError(
             f"attention_mask has shape {tuple(mask.shape)} but this attention call has batch {batch} and "
-            f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len]; "
-            "do not prepend past columns to a mask that already has them"
+            f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] "
+            "(with a StaticCache, up to all max_cache_len slots); do not prepend past columns to a mask that "
+            "already has them"
         )
     if cu_seq_lens_q is not None:
         if mask is not None and not bool(mask.all()):
@@ -157,10 +171,8 @@ def build_metadata(
     real_k = mask if mask is not None else torch.ones(batch, kv_len, dtype=torch.bool, device=device)
     real_q = real_k[:, -q_len:]
     if q_len == kv_len:
-        starts = _document_starts(real_q, position_ids.to(device) if packing_hint else None)
         indices = torch.nonzero(real_q.reshape(-1)).flatten()
-        doc_starts = torch.nonzero(starts.reshape(-1).index_select(0, indices)).flatten()
-        lengths = torch.diff(doc_starts, append=doc_starts.new_tensor([indices.numel()]))
+        lengths = _document_lengths(real_q, indices, position_ids.to(device) if packing_hint else None)
         host, rows_with_tokens = _host_lengths(lengths, real_q.any(-1))
         packed = len(host) > sum(rows_with_tokens)
         every_token_real = sum(host) == batch * q_len
@@ -195,20 +207,54 @@ class VarlenMask:
     The first patched layer of a forward computes the metadata; the others reuse it. Nothing of size
     (batch, 1, q_len, kv_len) is ever built. Inside `packed_forward(meta)` a builder given no mask hands the
     layers `meta` itself: the model forward has already unpadded its batch into one packed row.
+
+    `past_len` is how many tokens the KV cache held when the mask was built (None: no cache, or unknown) and
+    `fixed_cache` whether the cache returns all its preallocated slots (a StaticCache): together they place
+    the queries, whatever length the mask has. Code that patchkit does not own gets a `PatchkitError`, not a
+    type error from deep inside torch, if this object ever reaches it.
     """
 
-    __slots__ = ("mask", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "_key", "_meta")
 
-    def __init__(self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None) -> None:
+    def __init__(
+        self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
+        fixed_cache: bool = False,
+    ) -> None:
         self.mask = check_mask(mask)
+        self.past_len = past_len
+        self.fixed_cache = fixed_cache
         self._meta = meta
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
     @classmethod
-    def for_forward(cls, mask: Optional[torch.Tensor]) -> VarlenMask:
+    def for_forward(
+        cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False
+    ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
-        meta = _PACKED_FORWARD.get()
-        return cls(mask, meta if mask is None else None)
+        meta = _PACKED_FORWARD.get() if mask is None else None
+        return cls(mask, meta, past_len, fixed_cache)
+
+    def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
+        """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.
+
+        A dynamic cache returns exactly past + q_len keys; a static one returns all its slots, and the queries
+        sit at `past_len`, not at the end of the mask. What cannot be placed is refused.
+        """
+        fixed = fixed_cache or self.fixed_cache
+        if self.past_len is not None:
+            used = self.past_len + q_len
+            if used > keys or (used < keys and not fixed):
+                raise PatchInputError(
+                    f"the KV cache returned {keys} keys, but this forward began with {self.past_len} cached tokens "
+                    f"and adds {q_len}, so {used} were expected: the cache changed during the forward (for example "
+                    "activation checkpointing recomputed a layer and appended its keys a second time). Pass "
+                    "use_cache=False when training or checkpointing with a cache."
+                )
+            return used
+        mask_len = keys if self.mask is None else self.mask.shape[-1]
+        if mask_len < keys and fixed:
+            return mask_len  # a static cache and a short mask: past + q_len columns, the queries at its end
+        return keys
 
     def metadata(
         self, batch: int, q_len: int, kv_len: int, device: torch.device,
@@ -217,15 +263,36 @@ class VarlenMask:
         key = (batch, q_len, kv_len)
         if self._meta is None or self._key != key:
             self._meta = build_metadata(
-                self.mask, batch, q_len, kv_len, device, position_ids,
+                self._mask_for(kv_len), batch, q_len, kv_len, device, position_ids,
                 fa_kwargs.get("cu_seq_lens_q"), fa_kwargs.get("cu_seq_lens_k"),
             )
             self._key = key
         return self._meta
 
+    def _mask_for(self, kv_len: int) -> Optional[torch.Tensor]:
+        """The mask's first `kv_len` columns when it also covers a static cache's unfilled slots."""
+        mask = self.mask
+        if mask is not None and mask.shape[-1] > kv_len and (self.fixed_cache and self.past_len is not None):
+            return mask[:, :kv_len]
+        return mask
+
     def __repr__(self) -> str:
         shape = None if self.mask is None else tuple(self.mask.shape)
-        return f"VarlenMask(mask={shape})"
+        return f"VarlenMask(mask={shape}, past_len={self.past_len})"
+
+    def _foreign_use(self, what: str) -> PatchStateError:
+        return PatchStateError(FOREIGN_USE_MESSAGE.format(what=what))
+
+    def __getattr__(self, name: str) -> Any:
+        raise self._foreign_use(f"attribute {name!r}")
+
+    def __getitem__(self, item: Any) -> Any:
+        raise self._foreign_use("indexing")
+
+    def __add__(self, other: Any) -> Any:
+        raise self._foreign_use("arithmetic")
+
+    __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __add__
 
 
 _PACKED_FORWARD: contextvars.ContextVar[Optional[VarlenMetadata]] = contextvars.ContextVar(
@@ -243,6 +310,43 @@ def packed_forward(meta: VarlenMetadata) -> Iterator[None]:
         _PACKED_FORWARD.reset(token)
 
 
-def as_varlen_mask(mask: Any) -> VarlenMask:
-    """Wrap whatever reached attention (our VarlenMask, a 2D tensor, None) and refuse a 4D mask."""
-    return mask if isinstance(mask, VarlenMask) else VarlenMask.for_forward(mask)
+def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[int, bool]:
+    """(tokens the KV cache held before this forward, whether it returns preallocated slots); once per forward.
+
+    `cache_position` (passed by transformers 4.48-5.3) is exact; otherwise the cache's own length is read.
+    """
+    if past_key_values is None:
+        return 0, False
+    fixed = bool(getattr(past_key_values, "is_compileable", False))
+    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        return int(cache_position.reshape(-1)[0]), fixed
+    offset = getattr(past_key_values, "get_query_offset", None) or past_key_values.get_seq_length
+    return int(offset()), fixed
+
+
+def as_varlen_mask(mask: Any, fixed_cache: bool = False) -> VarlenMask:
+    """Wrap whatever reached attention (our VarlenMask, a 2D tensor, None) and refuse a 4D mask with its cause."""
+    if isinstance(mask, VarlenMask):
+        return mask
+    refuse_4d(mask, fixed_cache)
+    return VarlenMask.for_forward(mask)
+
+
+def refuse_4d(mask: Any, fixed_cache: bool) -> None:
+    """A 4D mask cannot be served: say so, with its most likely cause."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        raise PatchInputError(FOUR_D_MASK_MESSAGE.format(shape=tuple(mask.shape)) + four_d_cause(fixed_cache))
+
+
+def four_d_cause(fixed_cache: bool) -> str:
+    """Why a 4D mask reached patched attention, as far as attention can tell."""
+    if fixed_cache:
+        return (
+            " Here the KV cache is a static kind (generate(cache_implementation='static', 'sliding_window', ...)):"
+            " generate() builds its 4D mask for such caches before the model runs, outside the patch. Use the "
+            "default dynamic cache (drop cache_implementation) with patchkit."
+        )
+    return (
+        " If you did not pass it yourself, it was built outside the patch: the patch was applied while this forward"
+        " was in flight, or the model's attention implementation was changed after the patch was applied."
+    )

@@ -1,18 +1,31 @@
-"""Unpad once per model forward: the whole decoder stack runs on real tokens only, as one packed row."""
+"""The patched model forwards: unpad once per forward (the decoder runs on real tokens only, as one packed row).
+
+The base model's wrapper also keeps no KV cache in training (so a recomputing checkpoint never grows one) and,
+for an instance patch, routes that model's masks to patchkit for the forward's duration only. The causal-LM
+wrapper keeps the packed path off a batch whose labels are predicted from padding positions.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from .errors import PatchInputError
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
+IGNORE_INDEX = -100
+ROUTE_NAME = "patchkit"  # the registered attention name (attn_interface.ATTENTION_NAME)
+
+_LABELS_FROM_PADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_labels_from_padding",
+                                                                             default=False)
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -34,6 +47,8 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None
     if args.get("output_attentions") or extra.get("output_attentions"):
         return None  # refused by the attention layers with the reason
+    if _LABELS_FROM_PADDING.get():
+        return None  # padding positions' logits feed the loss: the per-layer path computes them as transformers does
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
         return None
     batch, seqlen = tokens.shape[:2]
@@ -88,8 +103,8 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
     return repad(out)
 
 
-def make_model_forward(original: Callable) -> Callable:
-    """Wrap `LlamaModel.forward`: unpad its batch once, run the original on the packed row, repad its outputs."""
+def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable]:
+    """`original`'s signature, its **kwargs name, and a caller that passes a bound-arguments dict by keyword."""
     signature = inspect.signature(original)
     params = list(signature.parameters.values())
     var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
@@ -99,15 +114,88 @@ def make_model_forward(original: Callable) -> Callable:
         named = {k: v for k, v in arguments.items() if k not in (params[0].name, var_kw)}
         return original(self, **named, **arguments.get(var_kw, {}))
 
+    return signature, var_kw, call
+
+
+def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
+    """Training keeps no KV cache unless the caller brings one: a recomputing checkpoint cannot grow it twice."""
+    if module.training and args.get("past_key_values") is None and args.get("past_key_value") is None:
+        args["use_cache"] = False
+
+
+@contextlib.contextmanager
+def _route_masks(module: nn.Module, patched_impl: Optional[str]) -> Iterator[None]:
+    """Instance patch: this model's masks go to patchkit's mask function for this forward only (config untouched
+    outside it, so copies and pickles of the model carry no patchkit name). A changed implementation is refused."""
+    if patched_impl is None:
+        yield
+        return
+    config = module.config
+    current = config._attn_implementation
+    if current not in (patched_impl, ROUTE_NAME):
+        raise PatchInputError(
+            f"this model's attention implementation was changed to {current!r} after patchkit patched it (it was "
+            f"{patched_impl!r}; model.set_attn_implementation?). patchkit's patched layers would ignore that change. "
+            "Revert the patch first (handle.revert() or patchkit.revert_patch()), then change the implementation."
+        )
+    config._attn_implementation = ROUTE_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = current
+
+
+def make_model_forward(original: Callable, unpad: str, patched_impl: Optional[str] = None) -> Callable:
+    """Wrap a base model's forward: no cache in training; under unpad="model", unpad its batch once, run the
+    original on the packed row and repad its outputs. `patched_impl`: the instance's implementation at patch time."""
+    signature, var_kw, call = _bound_call(original)
+    takes_use_cache = "use_cache" in signature.parameters
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
-        meta = unpad_plan(self, arguments, arguments.get(var_kw, {}) if var_kw else {})
-        if meta is None:
-            return original(self, *args, **kwargs)
-        _unpad_inputs(arguments, meta)
-        with packed_forward(packed_row_metadata(meta)):
-            out = call(self, arguments)
+        if takes_use_cache:
+            _keep_no_cache_in_training(self, arguments)
+        extra = arguments.get(var_kw, {}) if var_kw else {}
+        meta = unpad_plan(self, arguments, extra) if unpad == "model" else None
+        with _route_masks(self, patched_impl):
+            if meta is None:
+                return call(self, arguments)
+            _unpad_inputs(arguments, meta)
+            with packed_forward(packed_row_metadata(meta)):
+                out = call(self, arguments)
         return repad_outputs(out, meta)
+
+    forward.__wrapped_original__ = original  # type: ignore[attr-defined]
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
+
+
+def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
+    """True when a loss term is predicted from a padding position (a real token after padding, labelled)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    pad = mask == 0
+    hits = []
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        hits.append(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
+    if isinstance(shift_labels, torch.Tensor) and shift_labels.shape == mask.shape:
+        hits.append(((shift_labels != IGNORE_INDEX) & pad).any())
+    return bool(torch.stack(hits).any()) if hits else False
+
+
+def make_lm_forward(original: Callable) -> Callable:
+    """Wrap a causal LM's forward: labels predicted from padding keep this batch off the packed path."""
+    signature, var_kw, _ = _bound_call(original)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        extra = arguments.get(var_kw, {}) if var_kw else {}
+        flag = labels_from_padding(arguments.get("attention_mask"), arguments.get("labels"), extra.get("shift_labels"))
+        token = _LABELS_FROM_PADDING.set(flag)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LABELS_FROM_PADDING.reset(token)
 
     forward.__wrapped_original__ = original  # type: ignore[attr-defined]
     forward.__signature__ = signature  # type: ignore[attr-defined]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any
+import inspect
+import weakref
+from typing import Any, Callable
 
 from .errors import PatchTargetError
 
 _MISSING = object()
+_FROM_CLASS = object()  # an instance attribute that was not there: revert deletes ours, the class's shows again
 
 
 @dataclasses.dataclass
@@ -21,11 +25,55 @@ class Replacement:
     original: Any = dataclasses.field(default=_MISSING, repr=False)
     had_own: bool = dataclasses.field(default=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # A loaded model's modules are held weakly: a handle must not keep a model alive after its user drops it.
+        if isinstance(self.new, BoundPatch):
+            self.owner = weakref.ref(self.owner)
+
+    def target(self) -> Any:
+        """The object whose attribute is replaced (None once a weakly held module is gone)."""
+        return self.owner() if isinstance(self.owner, weakref.ref) else self.owner
+
     def describe(self) -> str:
         if self.label:
             return self.label
-        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", None)
-        return f"{owner or type(self.owner).__name__}.{self.attr}"
+        owner = self.target()
+        name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None)
+        return f"{name or type(owner).__name__}.{self.attr}"
+
+
+class BoundPatch:
+    """A patched method bound to one module instance, set as that instance's attribute.
+
+    Unlike a bound method, it follows the module through `copy.deepcopy` *and* tells `on_copy`, so the patch's
+    revert reaches the copy too; and it pickles as the module's own original method, so a saved model loads and
+    runs unpatched where patchkit is not installed.
+    """
+
+    __slots__ = ("__func__", "__self__", "attr", "on_copy", "__weakref__")
+
+    def __init__(self, func: Callable, module: Any, attr: str, on_copy: Callable[[Any, str], None]) -> None:
+        self.__func__ = func
+        self.__self__ = module
+        self.attr = attr
+        self.on_copy = on_copy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.__func__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __deepcopy__(self, memo: dict) -> BoundPatch:
+        module = copy.deepcopy(self.__self__, memo)  # the copy under construction (already in memo)
+        new = BoundPatch(self.__func__, module, self.attr, self.on_copy)
+        self.on_copy(module, self.attr)
+        return new
+
+    def __reduce__(self) -> tuple:
+        return getattr, (self.__self__, self.attr)  # at load: the class's own (unpatched) method
 
 
 def _is_data_descriptor(owner: Any, attr: str) -> bool:
@@ -35,7 +83,7 @@ def _is_data_descriptor(owner: Any, attr: str) -> bool:
 
 def apply_replacements(replacements: list[Replacement]) -> None:
     """Check every target exists, then set them all; on any failure undo what was set and re-raise."""
-    missing = [r.describe() for r in replacements if not hasattr(r.owner, r.attr)]
+    missing = [r.describe() for r in replacements if not hasattr(r.target(), r.attr)]
     if missing:
         raise PatchTargetError(
             f"patch targets not found: {', '.join(missing)}. This transformers build does not have them; "
@@ -44,10 +92,18 @@ def apply_replacements(replacements: list[Replacement]) -> None:
     done: list[Replacement] = []
     try:
         for r in replacements:
-            own = vars(r.owner) if hasattr(r.owner, "__dict__") else {}
+            owner = r.target()
+            own = vars(owner) if hasattr(owner, "__dict__") else {}
             r.had_own = r.attr in own
-            r.original = own[r.attr] if r.had_own else getattr(r.owner, r.attr)
-            setattr(r.owner, r.attr, r.new)
+            if r.had_own:
+                r.original = own[r.attr]
+            elif isinstance(r.owner, weakref.ref) and not _is_data_descriptor(owner, r.attr):
+                r.original = _FROM_CLASS  # a bound method would hold the module the handle must not keep alive
+            else:
+                r.original = getattr(owner, r.attr)
+            setattr(owner, r.attr, r.new)
+            if isinstance(r.owner, weakref.ref):
+                r.new = None  # the module holds its patched method; the handle must not hold the module
             done.append(r)
     except BaseException:
         restore_replacements(done)
@@ -57,10 +113,11 @@ def apply_replacements(replacements: list[Replacement]) -> None:
 def restore_replacements(replacements: list[Replacement]) -> None:
     """Undo in reverse order: the original object goes back (identity), or the instance attribute goes away."""
     for r in reversed(replacements):
-        if r.original is _MISSING:
+        owner = r.target()
+        if r.original is _MISSING or owner is None:
             continue
-        if r.had_own or _is_data_descriptor(r.owner, r.attr):
-            setattr(r.owner, r.attr, r.original)
+        if r.had_own or _is_data_descriptor(owner, r.attr):
+            setattr(owner, r.attr, r.original)
         else:
-            delattr(r.owner, r.attr)
+            delattr(owner, r.attr)
         r.original = _MISSING

@@ -35,6 +35,7 @@ class PatchSpec:
     build_instance: Callable[[PatchState, nn.Module], list[Replacement]]
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
     aliases: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
 
     @property
     def supported(self) -> SpecifierSet:

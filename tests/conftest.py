@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _targets() -> dict[str, object]:
     mod = importlib.import_module("transformers.models.llama.modeling_llama")
-    found = {"forward": mod.LlamaAttention.__dict__["forward"], "model_forward": mod.LlamaModel.__dict__["forward"]}
+    found = {"forward": mod.LlamaAttention.__dict__["forward"], "model_forward": mod.LlamaModel.__dict__["forward"],
+             "lm_forward": mod.LlamaForCausalLM.__dict__["forward"]}
     if hasattr(mod, "create_causal_mask"):
         found["create_causal_mask"] = mod.create_causal_mask
     if "_update_causal_mask" in mod.LlamaModel.__dict__:

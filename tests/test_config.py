@@ -115,15 +115,15 @@ def test_env_not_opted_in_returns_none(monkeypatch, value):
     assert patchkit.active_patches() == []
 
 
-def test_env_unpad_attention_keeps_the_model_forward():
-    from transformers.models.llama.modeling_llama import LlamaModel
+def test_env_unpad_attention_reaches_the_patch():
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    original = LlamaModel.forward
+    original = LlamaForCausalLM.forward  # wrapped only by unpad="model" (its labels guard)
     handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa", "PATCHKIT_UNPAD": "attention"})
-    assert handle.options == ("sdpa", False, "attention") and LlamaModel.forward is original
+    assert handle.options == ("sdpa", False, "attention") and LlamaForCausalLM.forward is original
     handle.revert()
     handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"})
-    assert handle.options[2] == "model" and LlamaModel.forward is not original
+    assert handle.options[2] == "model" and LlamaForCausalLM.forward is not original
 
 
 def test_env_mapping_argument_instead_of_os_environ():

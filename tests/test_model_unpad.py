@@ -144,10 +144,8 @@ def test_unpad_attention_mode_keeps_padded_shapes_and_matches():
     model = tiny_model(kv_heads=2)
     ids, mask = padded_batch("mixed")
     want, want_g = step(model, ids, mask, use_cache=False)
-    original = type(model.model).forward
     shapes = layer_input_shapes(model)
     with patchkit.apply_patch("llama2", backend="sdpa", unpad="attention") as handle:
-        assert type(model.model).forward is original
         got, got_g = step(model, ids, mask, use_cache=False)
         assert "unpad:   attention" in handle.report()
     assert shapes == [tuple(ids.shape) + (64,)] * 2

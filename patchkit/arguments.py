@@ -1,0 +1,69 @@
+"""What transformers hands an attention function, and which of it patchkit honours: the rest is refused, never ignored.
+
+A registered attention name is global: transformers gives it to any model that asks (Mistral, Gemma2, BERT), each
+with its own arguments. An argument that changes the numbers and that patchkit does not implement must raise; an
+allow-list, not a deny-list, so an argument added by a future transformers is refused until someone decides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from torch import nn
+
+from .errors import PatchInputError
+
+# Read by patchkit (packing metadata); or inert: bookkeeping that does not change attention's numbers.
+HONOURED = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+INERT = frozenset({
+    "use_cache", "cache_position", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
+    "position_embeddings", "layer_idx", "token_type_ids", "num_items_in_batch", "output_router_logits",
+})
+
+WHY = {
+    "sliding_window": "a sliding-window attention (each query sees only the last N keys)",
+    "softcap": "attention-logit soft-capping (tanh on the scores)",
+    "s_aux": "attention sinks (extra softmax logits per head)",
+    "output_attentions": "the attention weights, which varlen kernels never form",
+    "head_mask": "a per-head mask on the attention weights",
+    "is_causal": "bidirectional (non-causal) attention",
+}
+
+
+def model_label(module: nn.Module) -> str:
+    """'MistralAttention (model_type 'mistral')' for error messages."""
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return f"{type(module).__name__} (model_type {model_type!r})"
+
+
+def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
+    what = WHY.get(name, "an argument patchkit's varlen attention does not implement")
+    return PatchInputError(
+        f"{model_label(module)} passes {name}={value!r} to its attention function: {what}. patchkit cannot serve "
+        f"it exactly, so it refuses rather than ignore it. Load this model with attn_implementation='sdpa' (or "
+        f"'eager'), or without the patch; see patchkit.available_patches() for the families patchkit serves."
+    )
+
+
+def check_call(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
+    """Refuse any argument that would change the result and that patchkit does not implement."""
+    if getattr(module, "is_causal", True) is False:
+        raise refuse(module, "is_causal", False)
+    for name, value in kwargs.items():
+        if name in HONOURED or name in INERT or value is None or value is False:
+            continue
+        if name == "is_causal" and value is True:
+            continue
+        raise refuse(module, name, value)
+
+
+def check_family(module: nn.Module, model_types: Iterable[str]) -> None:
+    """The registered name serves only the families patchkit has a patch for; any other model is refused."""
+    allowed = sorted(set(model_types))
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type not in allowed:
+        raise PatchInputError(
+            f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
+            f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "
+            "arguments do not show, so patchkit refuses rather than guess. Load it with attn_implementation='sdpa'."
+        )

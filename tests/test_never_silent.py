@@ -1,0 +1,280 @@
+"""Never silently wrong: each input that once gave wrong numbers is now exact, or refused with its cause and fix."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+
+import pytest
+import torch
+from models import VOCAB, padded_batch, tiny_model
+
+import patchkit
+from patchkit import PatchInputError, PatchkitError
+from patchkit.attention import is_patched_forward
+
+MOD = sys.modules["transformers.models.llama.modeling_llama"]
+needs_mask_interface = pytest.mark.skipif(
+    not hasattr(MOD, "create_causal_mask"), reason="AttentionMaskInterface needs transformers >= 4.53"
+)
+
+
+def static_cache(model, batch: int, max_len: int):
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:  # before 5.x the batch size and dtype are arguments
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, dtype=torch.float32)
+
+
+@torch.no_grad()
+def static_decode(model, ids, mask, steps: int, max_len: int, full_mask: bool):
+    """Prefill a left-padded prompt into a StaticCache, then decode `steps` tokens greedily; logits per step."""
+    batch, prompt = ids.shape
+    cache = static_cache(model, batch, max_len)
+    slots = torch.zeros(batch, max_len, dtype=mask.dtype)
+    slots[:, :prompt] = mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    step_mask = slots if full_mask else slots[:, :prompt]
+    out = model(input_ids=ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
+                use_cache=True)
+    logits, nxt, pos = [out.logits[:, -1]], out.logits[:, -1].argmax(-1, keepdim=True), positions[:, -1:]
+    for t in range(prompt, prompt + steps):
+        slots[:, t] = 1
+        pos = pos + 1
+        step_mask = slots if full_mask else slots[:, : t + 1]
+        out = model(input_ids=nxt, attention_mask=step_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])
+def test_static_cache_decode_places_queries_by_the_cache(full_mask):
+    """Item 1: a mask over all max_cache_len slots (0 for the unfilled tail) gave logits off by ~0.44."""
+    model = tiny_model(kv_heads=2, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_mask_longer_than_the_dynamic_cache_is_refused():
+    """The FastChat bug (past columns prepended again): refused, never read as other keys."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        doubled = torch.cat([torch.ones_like(mask), mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(PatchInputError, match="do not prepend past columns"):
+            model(input_ids=ids[:, -1:], attention_mask=doubled, past_key_values=out.past_key_values)
+
+
+def test_positions_across_a_padding_hole_stay_one_document():
+    """Item 3: mask [1,0,1,1,1,1] with positions [0,1,1,2,3,4] was split into two documents."""
+    model = tiny_model(kv_heads=2)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = torch.tensor([[0, 1, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for unpad in ("model", "attention"):
+            with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad):
+                got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            real = mask.bool()
+            torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+def test_labels_predicted_from_padding_match_the_unpatched_default_model(unpad):
+    """Item 4: with labels = input_ids where mask == 1, a left-padded row's first label is predicted from padding.
+
+    Unpatched transformers' own answer there depends on its attention implementation (eager and sdpa differ);
+    patchkit computes it exactly as transformers' default (sdpa) does, so the loss and every gradient match it.
+    """
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_revert_while_a_forward_is_in_flight_raises_a_patchkit_error():
+    """Item 5: a revert from inside a forward crashed deep in torch with a VarlenMask type error."""
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
+    hook = model.model.layers[0].register_forward_hook(lambda *a: handle.revert())
+    with pytest.raises(PatchkitError, match="patch was reverted or applied.*while this forward was in flight"):
+        model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    model(input_ids=ids, attention_mask=mask)  # the next forward runs unpatched
+
+
+def test_apply_while_a_forward_is_in_flight_raises_a_patchkit_error():
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    hook = model.model.layers[0].register_forward_hook(
+        lambda *a: patchkit.apply_patch("llama2", backend="sdpa") and None
+    )
+    with pytest.raises(PatchInputError, match="patch was applied while this forward was in flight"):
+        model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+
+
+@needs_mask_interface
+def test_set_attn_implementation_after_an_instance_patch_names_the_cause():
+    """Item 6: refused with the generic 4D-mask text, which named neither cause."""
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(PatchInputError, match=r"changed to 'sdpa' after patchkit patched it.*set_attn_implementation"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("cache", ["sliding_window", "static"])
+def test_generate_with_a_static_kind_of_cache_names_the_cause(cache):
+    model = tiny_model()
+    model.config.sliding_window = 8  # the sliding_window cache needs a window
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        with pytest.raises(PatchInputError, match="cache_implementation"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                           cache_implementation=cache)
+
+
+def test_deepcopy_of_an_instance_patched_model_is_patched_and_reverted_with_it():
+    """Item 7: the copy stayed patched after revert_patch(), and nothing could revert it."""
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    handle = patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    twin = copy.deepcopy(model)
+    assert handle.check(twin) == 2
+    with torch.no_grad():
+        got = twin(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    patchkit.revert_patch()
+    modules = [*twin.modules(), *model.modules()]
+    assert not any(is_patched_forward(vars(m).get("forward")) for m in modules if "forward" in vars(m))
+    assert twin.config._attn_implementation == model.config._attn_implementation == "eager"
+
+
+def test_a_saved_instance_patched_model_loads_and_runs_without_patchkit(tmp_path):
+    import subprocess
+
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    torch.save({"model": model, "ids": ids, "mask": mask}, tmp_path / "model.pt")
+    with torch.no_grad():
+        torch.save(model(input_ids=ids, attention_mask=mask).logits, tmp_path / "want.pt")
+    script = (
+        "import sys, torch; sys.modules['patchkit'] = None  # patchkit cannot be imported here\n"
+        f"d = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad(): got = d['model'](input_ids=d['ids'], attention_mask=d['mask']).logits\n"
+        f"want = torch.load({str(tmp_path / 'want.pt')!r}); real = d['mask'].bool()\n"
+        "torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4); print('LOADED', "
+        "d['model'].config._attn_implementation)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LOADED eager" in done.stdout
+
+
+def test_a_collected_model_leaves_no_handle():
+    model = tiny_model()
+    patchkit.apply_patch("llama2", model=model.model, backend="sdpa")  # a submodule: the patch binds to it
+    assert len(patchkit.active_patches()) == 1
+    del model
+    gc.collect()
+    assert patchkit.active_patches() == []
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_activation_checkpointing_in_training_is_served_whether_or_not_the_batch_has_padding(padded):
+    """Item 10: the recompute appended the keys to a DynamicCache again; the step failed or not by padding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right")
+    if not padded:
+        mask = torch.ones_like(mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = copy.deepcopy(model)
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    want.loss.backward()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MOD.LlamaDecoderLayer))
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache defaults to True
+        got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_a_cache_that_grows_during_the_forward_is_refused_with_the_real_cause():
+    """Under the registered name there is no model wrapper: the recompute's second append is refused, not blamed
+    on the mask."""
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right")
+    layer = model.model.layers[0].self_attn
+    from transformers import DynamicCache
+
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        original = layer.forward
+
+        def twice(*args, **kwargs):  # what a recomputing checkpoint does to a cache
+            original(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        layer.forward = twice
+        with pytest.raises(PatchInputError, match="cache changed during the forward.*use_cache=False"):
+            model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
+
+
+def tiny_family(kind: str):
+    """A tiny random model of another family, loaded with attn_implementation="patchkit"."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  attn_implementation=patchkit.ATTENTION_NAME)
+    torch.manual_seed(0)
+    if kind == "mistral-window":
+        return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=3, **common))
+    if kind == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **common))
+    if kind == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, attn_logit_softcapping=5.0,
+                                                    layer_types=["full_attention"], **common))
+    return tf.BertModel(tf.BertConfig(**common))
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("kind,match", [
+    ("mistral-window", r"MistralAttention \(model_type 'mistral'\) passes sliding_window=3"),
+    ("gemma2", r"Gemma2Attention \(model_type 'gemma2'\) passes softcap=5.0"),
+    ("bert", r"BertSelfAttention \(model_type 'bert'\) passes is_causal=False.*bidirectional"),
+    ("mistral", r"MistralAttention \(model_type 'mistral'\), a model family patchkit has no patch for"),
+])
+def test_registered_name_refuses_what_it_does_not_serve(kind, match):
+    """Item 2: the registered name reached Mistral (window), Gemma2 (softcap) and BERT and ran them silently wrong."""
+    model = tiny_family(kind)
+    ids, mask = padded_batch("right", batch=2)
+    with pytest.raises(PatchInputError, match=match):
+        model(input_ids=ids, attention_mask=mask)
