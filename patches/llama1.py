@@ -7,12 +7,13 @@ from torch import nn
 from patchkit import hf
 from patchkit.attention import QKV_PACKED
 from patchkit.gates import GateResult
+from patchkit.model_walk import model_config
 from patchkit.registry import PatchSpec
 
 
 def check_model(model: nn.Module) -> list[GateResult]:
     """qkvpacked needs as many K/V heads as query heads: a GQA config is refused, not failed in stack()."""
-    config = hf.model_config(model)
+    config = model_config(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return [
@@ -35,5 +36,6 @@ SPEC = PatchSpec(
     flash_attn_why="the varlen API",
     build_class=hf.class_replacements,
     build_instance=hf.instance_replacements,
+    attention_class=hf.attention_class,
     check_model=check_model,
 )

@@ -15,5 +15,6 @@ SPEC = PatchSpec(
     flash_attn_why="bottom-right causal alignment for the KV cache",
     build_class=hf.class_replacements,
     build_instance=hf.instance_replacements,
+    attention_class=hf.attention_class,
     aliases=("llama",),
 )

@@ -12,6 +12,7 @@ from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
+from .model_walk import find_modules, head_dim
 from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, registered, resolve
 
@@ -69,9 +70,7 @@ class PatchHandle:
 
     def check(self, model: nn.Module) -> int:
         """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
-        from .hf import find_modules, modeling_llama
-
-        layers = find_modules(model, modeling_llama().LlamaAttention)
+        layers = find_modules(model, self.spec.attention_class())
         live = [m for m in layers if is_patched_forward(m.forward) and _state_of(m.forward) is self.state]
         if not self.active or not live or len(live) != len(layers):
             raise PatchTargetError(
@@ -111,26 +110,6 @@ class PatchHandle:
 
 def _state_of(fn: Any) -> Optional[PatchState]:
     return getattr(getattr(fn, "__func__", fn), "__patchkit_state__", None)
-
-
-def _choose_backend(
-    spec: PatchSpec, backend: str, strict: bool, env: _gates.Environment, model: Optional[nn.Module]
-) -> tuple[str, list[GateResult]]:
-    """Resolve "auto"/"flash_attn"/"sdpa" against the gates: fall back with a warning, or raise if strict."""
-    if backend == "sdpa":
-        return "sdpa", []
-    results = _gates.flash_backend_gates(env, spec.flash_attn_min, spec.flash_attn_why)
-    if model is not None:
-        results.append(_gates.head_dim_gate(_head_dim(model)))
-    chosen = _gates.decide_backend(backend, strict, results, f"Patch {spec.name!r}", " Nothing was patched.")
-    return chosen, results
-
-
-def _head_dim(model: nn.Module) -> int:
-    from .hf import model_config
-
-    config = model_config(model)
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def apply_patch(
@@ -186,7 +165,10 @@ def apply_patch(
     failed = _gates.first_failure(model_gates)
     if failed is not None:
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
-    chosen, backend_gates = _choose_backend(spec, backend, strict, env, model)
+    chosen, backend_gates = _gates.choose_backend(
+        spec.name, spec.flash_attn_min, spec.flash_attn_why, backend, strict, env,
+        None if model is None or backend == "sdpa" else head_dim(model),
+    )
 
     state = PatchState(spec.name, spec.packing, make_backend(chosen), strict, unpad)
     replacements = spec.build_instance(state, model) if model is not None else spec.build_class(state)

@@ -14,8 +14,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from . import gates
 from .attention import PatchState, make_attention_function
+from .backends import BACKEND_NAMES, make_backend
 from .masks import VarlenMask
+from .registry import registered, resolve
 
 ATTENTION_NAME = "patchkit"
 
@@ -46,13 +49,11 @@ def route_state() -> PatchState:
     """The registered route's backend, chosen through the gates on first use (warning or raising as usual)."""
     global _state, _function
     if _state is None:
-        from . import gates
-        from .api import _choose_backend
-        from .backends import make_backend
-        from .registry import registered, resolve
-
         spec = resolve("llama2")
-        chosen, _ = _choose_backend(spec, _options["backend"], _options["strict"], gates.probe_environment(), None)
+        chosen, _ = gates.choose_backend(
+            spec.name, spec.flash_attn_min, spec.flash_attn_why, _options["backend"], _options["strict"],
+            gates.probe_environment(),
+        )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
         model_types = {t for other in registered() for t in other.model_types}
         _function = make_attention_function(_state, model_types)
@@ -72,8 +73,6 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     `backend` ("auto", "flash_attn", "sdpa") and `strict` configure the route; None keeps the current setting.
     """
     global _state, _function
-    from .backends import BACKEND_NAMES
-
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     try:

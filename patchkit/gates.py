@@ -219,3 +219,17 @@ def decide_backend(requested: str, strict: bool, results: list[GateResult], who:
         stacklevel=4,
     )
     return "sdpa"
+
+
+def choose_backend(
+    patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
+    head_dim: Optional[int] = None,
+) -> tuple[str, list[GateResult]]:
+    """Resolve "auto"/"flash_attn"/"sdpa" against the gates: fall back with a warning, or raise if strict."""
+    if backend == "sdpa":
+        return "sdpa", []
+    results = flash_backend_gates(env, flash_min, why)
+    if head_dim is not None:
+        results.append(head_dim_gate(head_dim))
+    chosen = decide_backend(backend, strict, results, f"Patch {patch!r}", " Nothing was patched.")
+    return chosen, results

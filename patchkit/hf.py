@@ -14,11 +14,17 @@ from .attention import PatchState, make_forward
 from .errors import PatchInputError, PatchTargetError
 from .masks import VarlenMask, cache_placement, refuse_4d
 from .model_unpad import make_lm_forward, make_model_forward
+from .model_walk import find_modules
 from .patching import BoundPatch, Replacement
 
 
 def modeling_llama() -> ModuleType:
     return importlib.import_module("transformers.models.llama.modeling_llama")
+
+
+def attention_class() -> type:
+    """The class of LLaMA's attention layers (one class from transformers 4.48)."""
+    return modeling_llama().LlamaAttention
 
 
 def uses_create_causal_mask(mod: ModuleType) -> bool:
@@ -91,11 +97,6 @@ def class_replacements(state: PatchState) -> list[Replacement]:
     return out
 
 
-def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:
-    """Every instance of `cls` inside `model`, through PEFT / DDP / FSDP wrappers (they are modules too)."""
-    return [m for m in model.modules() if isinstance(m, cls)]
-
-
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
     """Targets of a loaded-instance patch: only this model's modules change (its config only during a forward)."""
     mod = modeling_llama()
@@ -126,12 +127,3 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
         for lm in find_modules(model, mod.LlamaForCausalLM):
             out.append(bind(make_lm_forward(type(lm).forward), lm, "forward", f"{type(lm).__name__}.forward"))
     return out
-
-
-def model_config(model: nn.Module) -> Any:
-    """The LLaMA config inside `model`, looking through PEFT / DDP / FSDP wrappers."""
-    for m in model.modules():
-        config = getattr(m, "config", None)
-        if config is not None and hasattr(config, "num_attention_heads"):
-            return config
-    raise PatchTargetError(f"{type(model).__name__} has no module with a LLaMA config (num_attention_heads)")

@@ -33,6 +33,7 @@ class PatchSpec:
     flash_attn_why: str
     build_class: Callable[[PatchState], list[Replacement]]
     build_instance: Callable[[PatchState, nn.Module], list[Replacement]]
+    attention_class: Callable[[], type]  # the attention layer class whose instances run through the patch
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
