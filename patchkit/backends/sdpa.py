@@ -2,8 +2,9 @@
 
 Semantics kept (see flash-attn's `flash_attn_interface.py`): causal masks aligned bottom-right when
 q_len != kv_len, GQA/MQA with fewer K/V heads, `softmax_scale` defaulting to D ** -0.5, `window_size`,
-`softcap`, `alibi_slopes`, dropout, zeros (never NaN) for a query that sees no key, and the log-sum-exp
-returned with `return_attn_probs=True` (the third element, the dropout mask, is returned as None).
+`softcap`, `alibi_slopes`, dropout, zeros (never NaN) for a query that sees no key, the log-sum-exp
+returned with `return_attn_probs=True` (the third element, the dropout mask, is returned as None), and the
+paged KV cache of `flash_attn_varlen_func(..., block_table=...)` (see `paged.py`).
 
 Speed: each sequence goes to `F.scaled_dot_product_attention` without an explicit mask whenever its
 causal pattern allows (that reaches SDPA's fused flash kernels on CPU and GPU); only the rare patterns
@@ -17,6 +18,8 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .paged import gather_pages
 
 __all__ = [
     "flash_attn_func",
@@ -188,12 +191,17 @@ def flash_attn_varlen_func(
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
     return_attn_probs=False, block_table=None,
 ):
-    """q (Tq, H, D), k/v (Tk, Hk, D), int32 cu_seqlens (B+1,) -> out (Tq, H, D) [, lse (H, Tq), None]."""
-    if block_table is not None:
-        raise NotImplementedError("the sdpa backend has no paged KV cache (block_table)")
+    """q (Tq, H, D), k/v (Tk, Hk, D), int32 cu_seqlens (B+1,) -> out (Tq, H, D) [, lse (H, Tq), None].
+
+    With `block_table` (B, max_blocks_per_seq) int32, k/v are paged caches (num_blocks, page_block_size, Hk, D):
+    sequence b's keys are the first `cu_seqlens_k[b+1] - cu_seqlens_k[b]` tokens of its pages `block_table[b]`.
+    """
     _check(q, k, v)
+    seqlens_k = _lengths(cu_seqlens_k)
+    if block_table is not None:
+        k, v = gather_pages(k, v, block_table, seqlens_k)
     out, lse = varlen_attention(
-        q, k, v, _lengths(cu_seqlens_q), _lengths(cu_seqlens_k), dropout_p, softmax_scale, causal,
+        q, k, v, _lengths(cu_seqlens_q), seqlens_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, return_attn_probs,
     )
     return _result(out, lse, return_attn_probs)
