@@ -54,7 +54,7 @@ def _alibi_bias(slopes: torch.Tensor, sq: int, sk: int, causal: bool, device: to
     i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
     j = torch.arange(sk, device=device).unsqueeze(0)
     dist = (i - j).abs() if not causal else (i - j)
-    return -slopes.float().reshape(-1, 1, 1) * dist.float()
+    return -slopes.reshape(-1, 1, 1) * dist.to(slopes.dtype)
 
 
 def _attend_math(
@@ -63,11 +63,12 @@ def _attend_math(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference path for one sequence: q (H, sq, D), k/v (H, sk, D) -> out (H, sq, D), lse (H, sq) fp32."""
     sq, sk = q.shape[1], k.shape[1]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    compute = torch.promote_types(q.dtype, torch.float32)  # half types upcast; float64 stays float64
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     if alibi is not None:
-        scores = scores + _alibi_bias(alibi, sq, sk, causal, q.device)
+        scores = scores + _alibi_bias(alibi.to(compute), sq, sk, causal, q.device)
     visible = _visible(sq, sk, causal, window, q.device)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -78,8 +79,8 @@ def _attend_math(
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # rows that see no key: zeros, not NaN
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    out = torch.matmul(probs, v.float()).to(q.dtype)
-    return out, lse.masked_fill(torch.isneginf(lse), float("inf"))
+    out = torch.matmul(probs, v.to(compute)).to(q.dtype)
+    return out, lse.masked_fill(torch.isneginf(lse), float("inf")).float()
 
 
 def _attend(
