@@ -12,9 +12,9 @@ from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
-from .model_walk import find_modules, head_dim
+from .model_walk import find_modules, head_dim, model_config
 from .patching import Replacement, apply_replacements, restore_replacements
-from .registry import PatchSpec, registered, resolve
+from .registry import PatchSpec, for_model_type, registered, resolve
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 
@@ -70,20 +70,31 @@ class PatchHandle:
 
     def check(self, model: nn.Module) -> int:
         """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
-        layers = find_modules(model, self.spec.attention_class())
-        live = [m for m in layers if is_patched_forward(m.forward) and _state_of(m.forward) is self.state]
-        if not self.active or not live or len(live) != len(layers):
+        if self.spec.live_layers is not None:
+            live, total = self.spec.live_layers(model, self.state)
+        else:
+            layers = find_modules(model, self.spec.attention_class())
+            live = sum(1 for m in layers if is_patched_forward(m.forward) and _state_of(m.forward) is self.state)
+            total = len(layers)
+        if total == 0:
             raise PatchTargetError(
-                f"patch {self.name!r} is live in {len(live)} of {len(layers)} attention layers of "
+                f"{type(model).__name__} has no {self.spec.attention_class().__name__} layers: patch {self.name!r} "
+                f"serves model_type {', '.join(self.spec.model_types)}. apply_patch(model=...) picks the patch for "
+                "a model's own family."
+            )
+        if not self.active or not live or live != total:
+            raise PatchTargetError(
+                f"patch {self.name!r} is live in {live} of {total} attention layers of "
                 f"{type(model).__name__}"
                 + ("" if self.active else " (the patch was reverted)")
                 + ". Apply the patch before loading the model, or pass model= to patch this instance."
             )
-        return len(live)
+        return live
 
     def report(self) -> str:
         """What was applied, on which backend, every gate with its result, and what ran through it."""
-        where = "class (every LLaMA model)" if self._model is None else f"instance {type(self._model()).__name__}"
+        where = (f"class (every {self.spec.family} model)" if self._model is None
+                 else f"instance {type(self._model()).__name__}")
         lines = [
             f"patchkit patch {self.name!r} ({self.spec.description})",
             f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
@@ -113,13 +124,15 @@ def _state_of(fn: Any) -> Optional[PatchState]:
 
 
 def apply_patch(
-    name: str = "llama2", *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None,
+    name: Optional[str] = None, *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None,
     unpad: str = "model",
 ) -> PatchHandle:
-    """Patch LLaMA attention to run FlashAttention-style varlen kernels on 2D key-padding masks.
+    """Patch a model family's attention to run FlashAttention-style varlen kernels on 2D key-padding masks.
 
     Args:
-        name: "llama2" (default; alias "llama") or "llama1".
+        name: "llama2" (alias "llama") or "llama1", or a family by `model_type` ("mistral", "qwen2", "qwen3",
+            "gemma", "gemma2", "gemma3_text", "phi3"; see `available_patches()`). Default None: the patch for
+            `model.config.model_type` when `model` is given, else "llama2".
         backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the gate),
             "flash_attn" or "sdpa" (torch-native, exact, CPU or GPU).
         strict: raise `PatchGateError` instead of falling back when a gate fails.
@@ -134,7 +147,6 @@ def apply_patch(
         A `PatchHandle`: `.revert()`, a context manager, and `.report()`. Applying the same patch with the same
         options twice returns the same handle.
     """
-    spec = resolve(name)
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if unpad not in UNPAD_MODES:
@@ -143,8 +155,12 @@ def apply_patch(
         raise TypeError(f"strict must be True or False, got {strict!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module (e.g. LlamaForCausalLM), got {type(model).__name__}")
+    if name is None and model is not None:
+        spec = for_model_type(getattr(model_config(model), "model_type", None))
+    else:
+        spec = resolve("llama2" if name is None else name)
 
-    key = ("class",) if model is None else ("model", id(model))
+    key = ("class", spec.family) if model is None else ("model", id(model))
     options = (backend, strict, unpad)
     existing = _ACTIVE.get(key)
     if existing is not None:
@@ -153,8 +169,8 @@ def apply_patch(
         raise PatchkitError(
             f"patch {existing.name!r} (backend={existing.options[0]!r}, strict={existing.options[1]}, "
             f"unpad={existing.options[2]!r}) is already "
-            f"applied to {'the LLaMA classes' if model is None else 'this model'}; call its handle's revert() "
-            "(or patchkit.revert_patch()) before applying another."
+            f"applied to {'the ' + spec.family + ' classes' if model is None else 'this model'}; call its handle's "
+            "revert() (or patchkit.revert_patch()) before applying another."
         )
 
     env = _gates.probe_environment()
@@ -209,6 +225,7 @@ def available_patches() -> list[dict]:
         {
             "name": spec.name,
             "aliases": list(spec.aliases),
+            "model_types": list(spec.model_types),
             "description": spec.description,
             "transformers": spec.transformers,
             "flash_attn": f">={spec.flash_attn_min} ({spec.flash_attn_why})",

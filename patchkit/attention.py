@@ -32,9 +32,10 @@ class PatchState:
     strict: bool
     unpad: str = "model"
     calls: int = 0
-    layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)
+    layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)  # seen by eager calls
     warned: set = dataclasses.field(default_factory=set)
     copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
+    route_function: Optional[Callable] = None  # the attention function on this state, for routed families
     fallback = SdpaBackend()
 
     def track_copy(self, module: nn.Module, attr: str) -> None:
@@ -55,16 +56,19 @@ class PatchState:
             self.warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-    def backend_for(self, module: nn.Module) -> Backend:
-        """The backend for this layer: flash_attn unless its head_dim gate fails (then fallback or raise)."""
+    def backend_for(self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Backend:
+        """The backend for this layer: flash_attn unless its head_dim gate fails or it lacks the window or softcap
+        the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
         if not self.backend.half_only:
             return self.backend
         gate = head_dim_gate(module.head_dim)
-        if gate.passed:
+        reason = None if gate.passed else gate.describe()
+        reason = reason or self.backend.missing_feature(window, softcap)
+        if reason is None:
             return self.backend
         if self.strict:
-            raise PatchGateError(f"patch {self.patch!r}: {gate.describe()}")
-        self.warn_once("head_dim", f"patchkit: {gate.describe()}; these layers use the sdpa backend instead")
+            raise PatchGateError(f"patch {self.patch!r}: {reason}")
+        self.warn_once(reason, f"patchkit: {reason}; these layers use the sdpa backend instead")
         return self.fallback
 
 
@@ -77,10 +81,11 @@ def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dt
 
 def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
     """A LLaMA layer's compute dtype: autocast's, else pre-quantization, else the weights', else the config's."""
+    weight = next((p for p in module.parameters() if p.dim() > 1), None)  # q_proj, or a fused qkv_proj (Phi3)
     return half_dtype(
         device_type,
         getattr(module.config, "_pre_quantization_dtype", None),
-        getattr(module.q_proj, "weight", torch.empty(0)).dtype,
+        None if weight is None else weight.dtype,
         getattr(module.config, "torch_dtype", None),
     )
 
@@ -118,6 +123,8 @@ def varlen_core(
     dropout: float,
     scaling: float,
     fixed_cache: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero."""
     batch, q_len, heads, head_dim = q.shape
@@ -143,7 +150,18 @@ def varlen_core(
     state.layers.add(module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
         return q.new_zeros(batch, q_len, heads, v.shape[-1])
-    backend = state.backend_for(module)
+    if window != (-1, -1) and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:
+        raise PatchInputError(
+            f"{type(module).__name__} uses a sliding window and the KV cache is a static kind, whose sliding layers "
+            "keep a rolling buffer patchkit does not place; use the default dynamic cache with patchkit."
+        )
+    if window != (-1, -1) and meta.holes:
+        raise PatchInputError(
+            f"{type(module).__name__} uses a sliding window, and a row of this batch has padding between real "
+            "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
+            "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
+        )
+    backend = state.backend_for(module, window, softcap)
     in_dtype = q.dtype
     if backend.half_only:
         q, k, v = to_half(
@@ -152,11 +170,14 @@ def varlen_core(
         )
     if state.packing == QKV_PACKED:
         qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
-        out = backend.varlen_qkvpacked(qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True)
+        out = backend.varlen_qkvpacked(
+            qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window, softcap=softcap
+        )
     else:
         kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
         out = backend.varlen_kvpacked(
-            unpad_rows(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True
+            unpad_rows(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True,
+            window_size=window, softcap=softcap,
         )
     out = out.to(in_dtype)
     if meta.indices_q is None:
@@ -220,17 +241,25 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        window = sliding_window_size(kwargs.pop("sliding_window", None))
+        softcap = float(kwargs.pop("softcap", None) or 0.0)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         out = varlen_core(
-            state, module, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout, scaling=scale
+            state, module, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout, scaling=scale,
+            window=window, softcap=softcap,
         )
         return out, None
 
     attention.__patchkit_state__ = state  # type: ignore[attr-defined]
     return attention
+
+
+def sliding_window_size(sliding_window: Optional[int]) -> tuple[int, int]:
+    """transformers' `sliding_window=w` (a query sees keys less than w positions back) as flash-attn's window."""
+    return (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
 
 
 def is_patched_forward(fn: Any) -> bool:

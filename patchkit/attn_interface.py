@@ -18,6 +18,7 @@ from . import gates
 from .attention import PatchState, make_attention_function
 from .backends import BACKEND_NAMES, make_backend
 from .masks import VarlenMask
+from .model_unpad import ROUTED_STATE
 from .registry import registered, resolve
 
 ATTENTION_NAME = "patchkit"
@@ -29,7 +30,7 @@ _function: Optional[Callable] = None
 
 def mask_function(
     *args: Any, attention_mask: Any = None, q_offset: Any = None, q_length: Optional[int] = None,
-    kv_length: Optional[int] = None, cache_position: Any = None, **kwargs: Any,
+    kv_length: Optional[int] = None, kv_offset: int = 0, cache_position: Any = None, **kwargs: Any,
 ) -> VarlenMask:
     """`AttentionMaskInterface` entry: the 2D mask, wrapped, with where the queries sit; never a (B, 1, N, N) tensor.
 
@@ -40,9 +41,9 @@ def mask_function(
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask)
-    past_len = int(q_offset)
-    fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length
-    return VarlenMask.for_forward(attention_mask, past_len, fixed)
+    past_len, key_offset = int(q_offset), int(kv_offset)
+    fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
+    return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset)
 
 
 def route_state() -> PatchState:
@@ -55,16 +56,33 @@ def route_state() -> PatchState:
             gates.probe_environment(),
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
-        model_types = {t for other in registered() for t in other.model_types}
-        _function = make_attention_function(_state, model_types)
+        _function = make_attention_function(_state, served_model_types())
     return _state
 
 
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
-    """`AttentionInterface` entry: q/k/v (B, H, S, D) after RoPE and cache update -> varlen attention."""
+    """`AttentionInterface` entry: q/k/v (B, H, S, D) after RoPE and cache update -> varlen attention.
+
+    Inside a patched family's forward the patch's own state serves it; otherwise the registered route's.
+    """
+    routed = ROUTED_STATE.get()
+    if routed is not None:
+        return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)
     if _state is None or _function is None:
         route_state()
     return _function(module, query, key, value, attention_mask, **kwargs)
+
+
+def _function_for(state: PatchState) -> Callable:
+    """The attention function on `state` (built once per patch state)."""
+    function = state.route_function
+    if function is None:
+        function = state.route_function = make_attention_function(state, served_model_types())
+    return function
+
+
+def served_model_types() -> set[str]:
+    return {t for spec in registered() for t in spec.model_types}
 
 
 def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bool:

@@ -46,6 +46,7 @@ class VarlenMetadata:
     seqlens_q: list[int]
     seqlens_k: list[int]
     packed: bool = False
+    holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
 
     @property
     def nnz_q(self) -> int:
@@ -82,6 +83,11 @@ def _host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
         out.append(flat[start : start + n])
         start += n
     return out
+
+
+def _rises(real: torch.Tensor) -> torch.Tensor:
+    """Per row, how many runs of real tokens it has: more than one means a padding hole inside the row."""
+    return (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()
 
 
 def _dense(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
@@ -173,7 +179,7 @@ def build_metadata(
     if q_len == kv_len:
         indices = torch.nonzero(real_q.reshape(-1)).flatten()
         lengths = _document_lengths(real_q, indices, position_ids.to(device) if packing_hint else None)
-        host, rows_with_tokens = _host_lengths(lengths, real_q.any(-1))
+        host, rows_with_tokens, rises = _host_lengths(lengths, real_q.any(-1), _rises(real_q))
         packed = len(host) > sum(rows_with_tokens)
         every_token_real = sum(host) == batch * q_len
         if every_token_real and not packed:
@@ -182,12 +188,12 @@ def build_metadata(
         cu = cu_seqlens_from_lengths(lengths.to(torch.int32))
         return VarlenMetadata(
             batch, q_len, kv_len, indices, indices, cu, cu, max(host, default=0), max(host, default=0),
-            host, host, packed=packed,
+            host, host, packed=packed, holes=max(rises, default=0) > 1,
         )
 
     lens_q = real_q.sum(-1, dtype=torch.int32)
     lens_k = real_k.sum(-1, dtype=torch.int32)
-    host_q, host_k = _host_lengths(lens_q, lens_k)
+    host_q, host_k, rises = _host_lengths(lens_q, lens_k, _rises(real_k))
     dense_q = sum(host_q) == batch * q_len
     dense_k = sum(host_k) == batch * kv_len
     if dense_q and dense_k:
@@ -197,7 +203,7 @@ def build_metadata(
         None if dense_q else torch.nonzero(real_q.reshape(-1)).flatten(),
         None if dense_k else torch.nonzero(real_k.reshape(-1)).flatten(),
         cu_seqlens_from_lengths(lens_q), cu_seqlens_from_lengths(lens_k),
-        max(host_q, default=0), max(host_k, default=0), host_q, host_k,
+        max(host_q, default=0), max(host_k, default=0), host_q, host_k, holes=max(rises, default=0) > 1,
     )
 
 
@@ -214,35 +220,38 @@ class VarlenMask:
     type error from deep inside torch, if this object ever reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
-        fixed_cache: bool = False,
+        fixed_cache: bool = False, key_offset: int = 0,
     ) -> None:
         self.mask = check_mask(mask)
         self.past_len = past_len
         self.fixed_cache = fixed_cache
+        self.key_offset = key_offset  # the mask column of the first key the cache returns (a sliding-window cache)
         self._meta = meta
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
     @classmethod
     def for_forward(
-        cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False
+        cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False,
+        key_offset: int = 0,
     ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
         meta = _PACKED_FORWARD.get() if mask is None else None
-        return cls(mask, meta, past_len, fixed_cache)
+        return cls(mask, meta, past_len, fixed_cache, key_offset)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.
 
-        A dynamic cache returns exactly past + q_len keys; a static one returns all its slots, and the queries
-        sit at `past_len`, not at the end of the mask. What cannot be placed is refused.
+        A dynamic cache returns exactly past + q_len keys (a sliding-window cache: from `key_offset` on); a
+        static one returns all its slots, and the queries sit at `past_len`, not at the end of the mask. What
+        cannot be placed is refused.
         """
         fixed = fixed_cache or self.fixed_cache
         if self.past_len is not None:
-            used = self.past_len + q_len
+            used = self.past_len + q_len - self.key_offset
             if used > keys or (used < keys and not fixed):
                 raise PatchInputError(
                     f"the KV cache returned {keys} keys, but this forward began with {self.past_len} cached tokens "
@@ -270,11 +279,14 @@ class VarlenMask:
         return self._meta
 
     def _mask_for(self, kv_len: int) -> Optional[torch.Tensor]:
-        """The mask's first `kv_len` columns when it also covers a static cache's unfilled slots."""
+        """The mask columns of the keys in use: from `key_offset`, and short of a static cache's unfilled slots."""
         mask = self.mask
-        if mask is not None and mask.shape[-1] > kv_len and (self.fixed_cache and self.past_len is not None):
-            return mask[:, :kv_len]
-        return mask
+        if mask is None or self.past_len is None:
+            return mask
+        start = self.key_offset
+        if mask.shape[-1] > start + kv_len and self.fixed_cache:
+            return mask[:, start : start + kv_len]
+        return mask[:, start:] if start else mask
 
     def __repr__(self) -> str:
         shape = None if self.mask is None else tuple(self.mask.shape)

@@ -26,6 +26,8 @@ ROUTE_NAME = "patchkit"  # the registered attention name (attn_interface.ATTENTI
 
 _LABELS_FROM_PADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_labels_from_padding",
                                                                              default=False)
+# The patch whose forward is running: the registered attention name serves it on that patch's state.
+ROUTED_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("patchkit_routed_state", default=None)
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -124,30 +126,40 @@ def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
 
 
 @contextlib.contextmanager
-def _route_masks(module: nn.Module, patched_impl: Optional[str]) -> Iterator[None]:
-    """Instance patch: this model's masks go to patchkit's mask function for this forward only (config untouched
-    outside it, so copies and pickles of the model carry no patchkit name). A changed implementation is refused."""
-    if patched_impl is None:
+def _route_masks(module: nn.Module, patched_impl: Optional[str], route: Any) -> Iterator[None]:
+    """Send this forward's masks (and, with `route`, its attention) to patchkit's registered name.
+
+    Only for the forward's duration: outside it the config is untouched, so copies and pickles of the model carry
+    no patchkit name. `patched_impl` (an instance patch): the implementation at patch time; a change since then
+    (set_attn_implementation) is refused rather than ignored. `route`: the patch state the attention runs on.
+    """
+    if patched_impl is None and route is None:
         yield
         return
     config = module.config
     current = config._attn_implementation
-    if current not in (patched_impl, ROUTE_NAME):
+    if patched_impl is not None and current not in (patched_impl, ROUTE_NAME):
         raise PatchInputError(
             f"this model's attention implementation was changed to {current!r} after patchkit patched it (it was "
             f"{patched_impl!r}; model.set_attn_implementation?). patchkit's patched layers would ignore that change. "
             "Revert the patch first (handle.revert() or patchkit.revert_patch()), then change the implementation."
         )
+    token = ROUTED_STATE.set(route) if route is not None else None
     config._attn_implementation = ROUTE_NAME
     try:
         yield
     finally:
         config._attn_implementation = current
+        if token is not None:
+            ROUTED_STATE.reset(token)
 
 
-def make_model_forward(original: Callable, unpad: str, patched_impl: Optional[str] = None) -> Callable:
+def make_model_forward(
+    original: Callable, unpad: str, patched_impl: Optional[str] = None, route: Any = None
+) -> Callable:
     """Wrap a base model's forward: no cache in training; under unpad="model", unpad its batch once, run the
-    original on the packed row and repad its outputs. `patched_impl`: the instance's implementation at patch time."""
+    original on the packed row and repad its outputs. `patched_impl`: an instance's implementation at patch time;
+    `route`: the patch state that this forward's attention runs on through the registered name."""
     signature, var_kw, call = _bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
 
@@ -157,7 +169,7 @@ def make_model_forward(original: Callable, unpad: str, patched_impl: Optional[st
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
         meta = unpad_plan(self, arguments, extra) if unpad == "model" else None
-        with _route_masks(self, patched_impl):
+        with _route_masks(self, patched_impl, route):
             if meta is None:
                 return call(self, arguments)
             _unpad_inputs(arguments, meta)
@@ -167,6 +179,7 @@ def make_model_forward(original: Callable, unpad: str, patched_impl: Optional[st
 
     forward.__wrapped_original__ = original  # type: ignore[attr-defined]
     forward.__signature__ = signature  # type: ignore[attr-defined]
+    forward.__patchkit_route__ = route  # type: ignore[attr-defined]
     return forward
 
 

@@ -10,6 +10,7 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from .attention import PatchState
+from .errors import PatchTargetError
 from .gates import GateResult
 from .patching import Replacement
 
@@ -17,6 +18,13 @@ from .patching import Replacement
 PATCH_MODULES = {
     "llama1": "patchkit.patches.llama1",
     "llama2": "patchkit.patches.llama2",
+    "mistral": "patchkit.patches.mistral",
+    "qwen2": "patchkit.patches.qwen2",
+    "qwen3": "patchkit.patches.qwen3",
+    "gemma": "patchkit.patches.gemma",
+    "gemma2": "patchkit.patches.gemma2",
+    "gemma3_text": "patchkit.patches.gemma3",
+    "phi3": "patchkit.patches.phi3",
 }
 ALIASES = {"llama": "llama2"}
 
@@ -37,6 +45,12 @@ class PatchSpec:
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
+    live_layers: Optional[Callable[[nn.Module, PatchState], tuple[int, int]]] = None  # None: forwards replaced
+
+    @property
+    def family(self) -> str:
+        """What the patch's class-level targets belong to: patches of one family exclude each other."""
+        return self.model_types[0]
 
     @property
     def supported(self) -> SpecifierSet:
@@ -61,3 +75,15 @@ def resolve(name: str) -> PatchSpec:
 
 def registered() -> list[PatchSpec]:
     return [resolve(name) for name in PATCH_MODULES]
+
+
+def for_model_type(model_type: Optional[str]) -> PatchSpec:
+    """The patch serving `config.model_type` (llama2 for LLaMA); an unregistered family lists the served ones."""
+    for name in PATCH_MODULES:
+        spec = resolve(name)
+        if model_type in spec.model_types and name != "llama1":
+            return spec
+    served = sorted({t for name in PATCH_MODULES for t in resolve(name).model_types})
+    raise PatchTargetError(
+        f"no patch for model_type {model_type!r}: patchkit serves {', '.join(served)}. Nothing was patched."
+    )

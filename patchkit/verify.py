@@ -221,7 +221,7 @@ def verify(
         raise ValueError(f"dtype={dtype!r} is not valid; allowed values: {', '.join(DTYPES)}")
     spec = resolve(patch)
     half = dtype != "fp32"
-    if any(h.key == ("class",) for h in active_patches()):
+    if any(h.key == ("class", spec.family) for h in active_patches()):
         raise PatchkitError("verify compares against unpatched attention, but a patch is already applied to the LLaMA "
                             "classes; call patchkit.revert_patch() first")
     if strict:  # fail on the gates before building anything

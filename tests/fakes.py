@@ -30,7 +30,7 @@ class RecordingFlashAttn(types.ModuleType):
         self.__version__ = "2.8.3"
         self.calls: list[dict] = []
 
-    def _check(self, name, tensors, cu_q, cu_k, max_q, max_k, softmax_scale, causal, dropout_p):
+    def _check(self, name, tensors, cu_q, cu_k, max_q, max_k, softmax_scale, causal, dropout_p, kw=None):
         dtypes = {t.dtype for t in tensors}
         assert dtypes <= {torch.float16, torch.bfloat16} and len(dtypes) == 1, f"{name}: dtypes {dtypes}"
         assert all(t.stride(-1) == 1 for t in tensors), f"{name}: last dim not contiguous"
@@ -42,23 +42,24 @@ class RecordingFlashAttn(types.ModuleType):
         self.calls.append(
             dict(name=name, shapes=[tuple(t.shape) for t in tensors], dtype=tensors[0].dtype, cu_q=cu_q.tolist(),
                  cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, softmax_scale=softmax_scale, causal=causal,
-                 dropout_p=dropout_p)
+                 dropout_p=dropout_p, **(kw or {}))
         )
 
     def flash_attn_varlen_qkvpacked_func(self, qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                          causal=False, **kw):
         assert qkv.dim() == 4 and qkv.shape[1] == 3
         self._check("qkvpacked", [qkv], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
-                    dropout_p)
-        return sdpa.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal)
+                    dropout_p, kw)
+        return sdpa.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                                     **kw)
 
     def flash_attn_varlen_kvpacked_func(self, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         dropout_p=0.0, softmax_scale=None, causal=False, **kw):
         assert q.dim() == 3 and kv.dim() == 4 and kv.shape[1] == 2 and q.shape[1] % kv.shape[2] == 0
         self._check("kvpacked", [q, kv], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    causal, dropout_p)
+                    causal, dropout_p, kw)
         return sdpa.flash_attn_varlen_kvpacked_func(
-            q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal
+            q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, **kw
         )
 
 

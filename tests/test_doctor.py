@@ -70,7 +70,8 @@ def test_doctor_json_matches_the_function_and_the_installed_packages():
     here = doctor()
     for key in ("versions", "hardware", "flash_attn"):
         assert data[key] == here[key], key
-    assert [p["name"] for p in data["patches"]] == ["llama1", "llama2"]
+    assert [p["name"] for p in data["patches"]] == [spec["name"] for spec in patchkit.available_patches()]
+    assert [p["name"] for p in data["patches"]][:3] == ["llama1", "llama2", "mistral"]
     assert data["versions"]["torch"] == torch.__version__
     assert data["versions"]["transformers"] == transformers.__version__
     assert data["versions"]["cuda"] == torch.version.cuda
@@ -137,8 +138,10 @@ def simulated(monkeypatch, **changes) -> dict:
 def test_doctor_on_a_simulated_ampere_gpu_picks_flash_attn(monkeypatch):
     data = simulated(monkeypatch)
     assert data["hardware"]["gpu"] == "NVIDIA A100-SXM4-40GB" and data["hardware"]["compute_capability"] == "8.0"
-    assert [(p["name"], p["applies"], p["backend"]) for p in data["patches"]] == [
-        ("llama1", True, "flash_attn"), ("llama2", True, "flash_attn")]
+    verdicts = [(p["name"], p["applies"], p["backend"]) for p in data["patches"]]
+    assert verdicts[:3] == [
+        ("llama1", True, "flash_attn"), ("llama2", True, "flash_attn"), ("mistral", True, "flash_attn")]
+    assert all(applies and backend == "flash_attn" for _, applies, backend in verdicts)
     assert "applies, backend flash_attn" in format_report(data)
 
 

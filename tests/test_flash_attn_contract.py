@@ -102,3 +102,31 @@ def test_gpu_flash_attn_matches_eager_bf16(patch):
             ours = model16(input_ids=ids, attention_mask=mask).logits.float()
     real = mask.bool()
     assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3
+
+
+def test_windows_and_softcap_reach_the_kernel_or_fall_back_by_version(monkeypatch):
+    """Gemma2 (window on layer 0, softcap everywhere): flash-attn >= 2.6 gets both; 2.2 has neither: sdpa + warning."""
+    from families import WINDOW, family_model
+
+    fake = install_flash_double(monkeypatch)
+    model = family_model("gemma2").to(torch.bfloat16)
+    ids, mask = padded_batch("right")
+    truth_model = clone(model).float()
+    with torch.no_grad():
+        truth = truth_model(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits.float()
+        with patchkit.apply_patch("gemma2", strict=True):
+            ours = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert [c.get("window_size") for c in fake.calls] == [(WINDOW - 1, 0), None]
+    assert [c.get("softcap") for c in fake.calls] == [3.0, 3.0]
+    real = mask.bool()
+    assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3
+    fake.calls.clear()
+    fake.__version__ = "2.2.0"
+    with torch.no_grad(), patchkit.apply_patch("gemma2"):
+        with pytest.warns(RuntimeWarning, match=r"window_size needs flash-attn>=2.3.*sdpa backend instead"):
+            model(input_ids=ids, attention_mask=mask)
+    assert fake.calls == []
+    with patchkit.apply_patch("gemma2", strict=True):
+        with pytest.raises(PatchGateError, match="window_size needs flash-attn>=2.3"):
+            model(input_ids=ids, attention_mask=mask)

@@ -248,33 +248,60 @@ def test_a_cache_that_grows_during_the_forward_is_refused_with_the_real_cause():
             model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
 
 
-def tiny_family(kind: str):
-    """A tiny random model of another family, loaded with attn_implementation="patchkit"."""
+def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
+    """A tiny random model of another family, loaded with attn_implementation="patchkit" by default."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  attn_implementation=patchkit.ATTENTION_NAME)
+                  attn_implementation=implementation)
     torch.manual_seed(0)
     if kind == "mistral-window":
         return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=3, **common))
-    if kind == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=None, **common))
     if kind == "gemma2":
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, attn_logit_softcapping=5.0,
                                                     layer_types=["full_attention"], **common))
+    if kind == "starcoder2":
+        return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(num_key_value_heads=2, **common))
     return tf.BertModel(tf.BertConfig(**common))
 
 
 @needs_mask_interface
 @pytest.mark.parametrize("kind,match", [
-    ("mistral-window", r"MistralAttention \(model_type 'mistral'\) passes sliding_window=3"),
-    ("gemma2", r"Gemma2Attention \(model_type 'gemma2'\) passes softcap=5.0"),
     ("bert", r"BertSelfAttention \(model_type 'bert'\) passes is_causal=False.*bidirectional"),
-    ("mistral", r"MistralAttention \(model_type 'mistral'\), a model family patchkit has no patch for"),
+    ("starcoder2", r"Starcoder2Attention \(model_type 'starcoder2'\), a model family patchkit has no patch for"),
 ])
 def test_registered_name_refuses_what_it_does_not_serve(kind, match):
-    """Item 2: the registered name reached Mistral (window), Gemma2 (softcap) and BERT and ran them silently wrong."""
+    """Item 2: the registered name reached BERT and other families and ran them silently wrong."""
     model = tiny_family(kind)
     ids, mask = padded_batch("right", batch=2)
     with pytest.raises(PatchInputError, match=match):
         model(input_ids=ids, attention_mask=mask)
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("kind", ["mistral-window", "gemma2"])
+def test_registered_name_serves_windows_and_softcap_exactly(kind):
+    """Item 2: Mistral's sliding_window=3 (0.36 off) and Gemma2's softcap (0.32 off) are now exact."""
+    ours, eager = tiny_family(kind), tiny_family(kind, "eager")
+    ids, mask = padded_batch("mixed")
+    patchkit.register_attention(backend="sdpa")
+    try:
+        with torch.no_grad():
+            got = ours(input_ids=ids, attention_mask=mask).logits
+            want = eager(input_ids=ids, attention_mask=mask).logits
+    finally:
+        patchkit.register_attention(backend="auto")
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_an_unserved_argument_is_refused_by_name():
+    """The allow-list: an argument patchkit does not implement (attention sinks here) raises, never ignored."""
+    from patchkit.attention import make_attention_function
+    from patchkit.attn_interface import route_state
+
+    layer = tiny_model().model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16)
+    attention = make_attention_function(route_state(), {"llama"})
+    with pytest.raises(PatchInputError, match=r"LlamaAttention \(model_type 'llama'\) passes s_aux=.*attention sinks"):
+        attention(layer, q, q, q, None, s_aux=torch.zeros(4))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -19,13 +19,17 @@ class Backend(Protocol):
     half_only: bool
 
     def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
     def varlen_kvpacked(
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool,
+        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor: ...
+
+    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+        """Why this backend cannot run a window or softcap here (None: it can)."""
 
 
 class SdpaBackend:
@@ -35,19 +39,27 @@ class SdpaBackend:
     half_only = False
 
     def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         q, k, v = qkv.unbind(1)
-        out, _ = sdpa.varlen_attention(q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal)
+        out, _ = sdpa.varlen_attention(
+            q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap
+        )
         return out
 
     def varlen_kvpacked(
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool,
+        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         k, v = kv.unbind(1)
-        out, _ = sdpa.varlen_attention(q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal)
+        out, _ = sdpa.varlen_attention(
+            q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap
+        )
         return out
+
+    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+        return None
 
 
 def make_backend(name: str) -> Backend:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Optional
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from ..masks import VarlenMetadata
 
@@ -18,20 +20,46 @@ class FlashAttnBackend:
 
     def __init__(self, module: ModuleType | None = None) -> None:
         self._fa = module if module is not None else importlib.import_module("flash_attn")
+        self.version = getattr(self._fa, "__version__", None)
+
+    @staticmethod
+    def _features(window_size: tuple[int, int], softcap: float) -> dict:
+        """Only the arguments in use: a flash-attn older than a feature keeps working for models without it."""
+        out: dict = {}
+        if tuple(window_size) != (-1, -1):
+            out["window_size"] = tuple(window_size)
+        if softcap:
+            out["softcap"] = softcap
+        return out
+
+    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+        """flash-attn added sliding windows in 2.3 and softcap in 2.6."""
+        for feature, minimum in (("window_size", "2.3"), ("softcap", "2.6")):
+            if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
+                return f"flash_attn_version: {feature} needs flash-attn>={minimum} (found {self.version})"
+        return None
 
     def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         return self._fa.flash_attn_varlen_qkvpacked_func(
             qkv, meta.cu_seqlens_q, meta.max_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
-            causal=causal,
+            causal=causal, **self._features(window_size, softcap),
         )
 
     def varlen_kvpacked(
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool,
+        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         return self._fa.flash_attn_varlen_kvpacked_func(
             q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),
         )
+
+
+def _at_least(found: Optional[str], minimum: str) -> bool:
+    try:
+        return found is not None and Version(found) >= Version(minimum)
+    except InvalidVersion:
+        return False

@@ -1,0 +1,123 @@
+"""Padded and packed training steps per model family: patchkit against HF sdpa, in real tokens per second.
+
+Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
+batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the longest
+rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine hits
+both alike. Prints a table and writes a CSV.
+
+    python benchmarks/families.py [--families llama mistral qwen3] [--reps 5] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
+
+import patchkit  # noqa: E402
+
+TARGET = 1.4  # the padded training step of every family: at least 1.4x HF sdpa
+WINDOW = 256
+SIZE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+
+
+def build(family: str) -> torch.nn.Module:
+    """A random model of `family` at the benchmark size, HF sdpa attention, fp32."""
+    import transformers as tf
+
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**SIZE),
+        "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **SIZE),
+        "qwen2": lambda: tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, **SIZE),
+        "qwen3": lambda: tf.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=2, **SIZE),
+        "gemma2": lambda: tf.Gemma2Config(head_dim=32, sliding_window=WINDOW, **SIZE),
+        "phi3": lambda: tf.Phi3Config(sliding_window=WINDOW, **SIZE),
+    }
+    config = configs[family]()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().train()
+
+
+def timed_step(model: torch.nn.Module, batch: dict) -> float:
+    """Seconds for one forward + backward of the batch (loss over real tokens)."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    return time.perf_counter() - start
+
+
+def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
+    """Median step time of HF sdpa on the padded batch and of patchkit on the padded and packed batches."""
+    docs = make_tokens(lengths, SIZE["vocab_size"])
+    ids, mask, labels = padded_batch(docs)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
+    reference = build(family)
+    model = copy.deepcopy(reference)
+    patch = "llama2" if family == "llama" else family
+    times: dict[str, list[float]] = {"hf_sdpa padded": [], "patchkit padded": [], "patchkit packed": []}
+    handle = patchkit.apply_patch(patch, model=model, backend="sdpa")
+    try:
+        for rep in range(reps + 1):  # the first round warms up
+            got = {
+                "hf_sdpa padded": timed_step(reference, padded),
+                "patchkit padded": timed_step(model, padded),
+                "patchkit packed": timed_step(model, packed),
+            }
+            if rep:
+                for key, value in got.items():
+                    times[key].append(value)
+    finally:
+        handle.revert()
+    real = sum(lengths)
+    base = statistics.median(times["hf_sdpa padded"])
+    return [
+        dict(family=family, provider=key, median_s=round(statistics.median(v), 4),
+             real_tokens_per_s=round(real / statistics.median(v), 1), vs_hf_sdpa=round(base / statistics.median(v), 2))
+        for key, v in times.items()
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/families.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=["llama", "mistral", "qwen3"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the sequence lengths (0.25 for a smoke run)")
+    parser.add_argument("--csv", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    lengths = lognormal_lengths(8, args.scale)
+    print(f"batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; fp32, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}; {args.reps} alternating reps, medians")
+    rows = [row for family in args.families for row in measure(family, lengths, args.reps)]
+    print(f"{'family':<9}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF sdpa':>12}")
+    for row in rows:
+        print(f"{row['family']:<9}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
+              f"{row['vs_hf_sdpa']:>11.2f}x")
+    verdicts = [r for r in rows if r["provider"] == "patchkit padded"]
+    for row in verdicts:
+        status = "ok" if row["vs_hf_sdpa"] >= TARGET else "MISS"
+        print(f"target padded step >= {TARGET}x HF sdpa: {row['family']}: {row['vs_hf_sdpa']}x {status}")
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

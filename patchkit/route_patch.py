@@ -1,0 +1,96 @@
+"""One patch for every family whose attention goes through transformers' attention interface (4.53+).
+
+From transformers 4.48 each family's attention forward projects q, k, v, applies its own bias, q/k norms and
+RoPE, updates the cache, then calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with what differs
+(`sliding_window`, `softcap`, `scaling`); from 4.53 its masks go through `AttentionMaskInterface` by the same
+name. So patchkit replaces no attention code for these families: the base model's forward is wrapped to route
+that forward's masks and attention to patchkit's registered name (`attn_interface`), on the patch's own
+state, and to unpad once when no cache is kept. A family module declares its classes and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from . import attn_interface
+from .attention import KV_PACKED, PatchState
+from .errors import PatchTargetError
+from .model_unpad import make_lm_forward, make_model_forward
+from .model_walk import find_modules
+from .patching import BoundPatch, Replacement
+from .registry import PatchSpec
+
+ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
+
+
+def family_spec(
+    model_type: str, module: str, prefix: str, description: str, *, lm: str = "ForCausalLM", base: str = "Model",
+    attention: str = "Attention",
+) -> PatchSpec:
+    """The PatchSpec of a family served through the attention interface: `{prefix}Attention`, `{prefix}Model`."""
+
+    def classes() -> tuple[type, type, Optional[type]]:
+        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        return getattr(mod, prefix + attention), getattr(mod, prefix + base), getattr(mod, prefix + lm, None)
+
+    return PatchSpec(
+        name=model_type,
+        description=description,
+        packing=KV_PACKED,
+        transformers=ROUTE_TRANSFORMERS,
+        flash_attn_min="2.1",
+        flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
+        build_class=lambda state: class_replacements(state, classes),
+        build_instance=lambda state, model: instance_replacements(state, model, classes),
+        attention_class=lambda: classes()[0],
+        model_types=(model_type,),
+        live_layers=lambda model, state: live_layers(model, state, classes),
+    )
+
+
+def class_replacements(state: PatchState, classes: Callable) -> list[Replacement]:
+    """Before load: every model of the family routes through patchkit, whatever implementation it names."""
+    _, base, lm = classes()
+    attn_interface.register()
+    out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
+                       f"{base.__name__}.forward (routes masks and attention to patchkit)")]
+    if state.unpad == "model" and lm is not None:
+        out.append(Replacement(lm, "forward", make_lm_forward(lm.forward), f"{lm.__name__}.forward"))
+    return out
+
+
+def instance_replacements(state: PatchState, model: nn.Module, classes: Callable) -> list[Replacement]:
+    """A loaded instance: only its base model's (and LM's) forward change; the config only during a forward."""
+    attention, base, lm = classes()
+    bases = find_modules(model, base)
+    if not bases or not find_modules(model, attention):
+        raise PatchTargetError(
+            f"found no {base.__name__} with {attention.__name__} layers in {type(model).__name__}: patched 0 layers; "
+            "nothing was patched."
+        )
+    attn_interface.register()
+    out = []
+    for b in bases:
+        wrapped = make_model_forward(type(b).forward, state.unpad, b.config._attn_implementation, route=state)
+        out.append(Replacement(b, "forward", BoundPatch(wrapped, b, "forward", state.track_copy),
+                               f"{type(b).__name__}.forward (routes masks and attention to patchkit)"))
+    if state.unpad == "model" and lm is not None:
+        for m in find_modules(model, lm):
+            out.append(Replacement(m, "forward", BoundPatch(make_lm_forward(type(m).forward), m, "forward",
+                                                            state.track_copy), f"{type(m).__name__}.forward"))
+    return out
+
+
+def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple[int, int]:
+    """(attention layers whose base model routes through `state`, attention layers in `model`)."""
+    attention, base, _ = classes()
+    total = len(find_modules(model, attention))
+    live = sum(len(find_modules(b, attention)) for b in find_modules(model, base) if _routes(b.forward, state))
+    return live, total
+
+
+def _routes(forward: Any, state: PatchState) -> bool:
+    return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state

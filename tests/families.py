@@ -1,0 +1,33 @@
+"""Tiny random models of each family patchkit serves, with the family's special feature biting (no hub, CPU)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+from models import VOCAB
+
+WINDOW = 5  # shorter than every test batch, so sliding windows change the numbers
+
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"]
+
+
+def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """A 2-layer, hidden-32, GQA model of `model_type` in eval mode, eager attention, fp32."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager", pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+    windowed = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)  # layer 1 slides
+    builders = {
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(sliding_window=WINDOW, **common)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(attention_bias=True, **windowed, **common)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=8, **windowed, **common)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(head_dim=8, **common)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            head_dim=8, attn_logit_softcapping=3.0, sliding_window=WINDOW, query_pre_attn_scalar=6, **common)),
+        "gemma3_text": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"][:layers],
+            **common)),
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(sliding_window=WINDOW, partial_rotary_factor=0.5, **common)),
+    }
+    torch.manual_seed(seed)
+    return builders[model_type]().float().eval()

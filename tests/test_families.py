@@ -1,0 +1,124 @@
+"""Every family patchkit serves, with its special feature biting, equals its own unpatched eager model."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from families import FAMILIES, WINDOW, family_model
+from models import VOCAB, labels_for, padded_batch
+
+import patchkit
+from patchkit import PatchInputError, PatchTargetError
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(sys.modules.get("transformers.masking_utils"), "AttentionMaskInterface")
+    and not __import__("importlib").util.find_spec("transformers.masking_utils"),
+    reason="family patches need transformers >= 4.53",
+)
+
+
+def step(model, ids, mask, **kw):
+    """Logits and every parameter gradient of one padded training step (labels exclude padding)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def assert_same(got, want, mask):
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=3e-5, rtol=1e-4)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=3e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "mixed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_matches_eager(family, padding):
+    model = family_model(family).train()
+    ids, mask = padded_batch(padding)
+    want = step(model, ids, mask)
+    with patchkit.apply_patch(family, backend="sdpa") as handle:
+        got = step(model, ids, mask)
+        assert handle.check(model) == 2 and handle.layers_patched == 2
+    assert_same(got, want, mask)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_greedy_generation_crossing_the_window_matches_eager(family):
+    model = family_model(family, seed=1)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=3 * WINDOW, do_sample=False, pad_token_id=0)
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch(family, backend="sdpa") as handle:
+        got = model.generate(input_ids=ids, **kw)
+        assert handle.calls == 2 * 3 * WINDOW  # prefill and 14 decode steps, 2 layers each
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_rows_equal_documents_run_separately(family):
+    model = family_model(family, seed=2)
+    g = torch.Generator().manual_seed(3)
+    lengths = [9, 4, 7]
+    docs = [torch.randint(3, VOCAB, (1, n), generator=g) for n in lengths]
+    with torch.no_grad():
+        want = torch.cat([model(input_ids=d).logits for d in docs], 1)
+        packed = torch.cat(docs, 1)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        with patchkit.apply_patch(family, backend="sdpa"):
+            got = model(input_ids=packed, position_ids=positions).logits
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_registered_name_and_instance_patch_match_eager(family):
+    model = family_model(family, seed=4)
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    named = copy.deepcopy(model)
+    named.set_attn_implementation(patchkit.ATTENTION_NAME)
+    patchkit.register_attention(backend="sdpa")
+    try:
+        with torch.no_grad():
+            by_name = named(input_ids=ids, attention_mask=mask).logits
+    finally:
+        patchkit.register_attention(backend="auto")
+    handle = patchkit.apply_patch(model=model, backend="sdpa")  # the family picked by model_type
+    assert handle.name == family and handle.check(model) == 2
+    with torch.no_grad():
+        by_instance = model(input_ids=ids, attention_mask=mask).logits
+    handle.revert()
+    real = mask.bool()
+    torch.testing.assert_close(by_name[real], want[real], atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(by_instance[real], want[real], atol=3e-5, rtol=1e-4)
+
+
+def test_a_padding_hole_under_a_sliding_window_is_refused():
+    model = family_model("mistral")
+    ids, mask = padded_batch("right")
+    mask[0, 3:6] = 0  # padding between real tokens
+    with patchkit.apply_patch("mistral", backend="sdpa"):
+        with pytest.raises(PatchInputError, match="sliding window.*padding between real tokens"):
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_families_do_not_patch_each_other_and_unknown_types_are_refused():
+    llama_handle = patchkit.apply_patch("llama2", backend="sdpa")
+    mistral_handle = patchkit.apply_patch("mistral", backend="sdpa")  # different classes: both can be active
+    assert {h.name for h in patchkit.active_patches()} == {"llama2", "mistral"}
+    model = family_model("qwen2")
+    with pytest.raises(PatchTargetError, match="has no MistralAttention layers: patch 'mistral' serves"):
+        mistral_handle.check(model)
+    llama_handle.revert()
+    mistral_handle.revert()
+    bert = torch.nn.Module()
+    bert.config = type("C", (), {"model_type": "bert", "num_attention_heads": 2})()
+    with pytest.raises(PatchTargetError, match="no patch for model_type 'bert'.*mistral"):
+        patchkit.apply_patch(model=bert, backend="sdpa")
