@@ -12,6 +12,7 @@ from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
+from .liveness import live_layers
 from .model_walk import find_modules, head_dim, model_config
 from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, for_model_type, registered, resolve
@@ -46,10 +47,16 @@ class PatchHandle:
     @property
     def layers_patched(self) -> int:
         """Distinct attention layers that have run through this patch so far."""
-        return len(self.state.layers)
+        return live_layers(self.state)
+
+    @property
+    def layers_seen(self) -> int:
+        """Distinct attention layers ever seen, also those since garbage collected (eager calls)."""
+        return max(self.state.layers_seen, self.layers_patched)
 
     @property
     def calls(self) -> int:
+        """Attention calls through this patch outside torch.compile'd graphs (counting inside would recompile)."""
         return self.state.calls
 
     def revert(self) -> None:
@@ -106,7 +113,8 @@ class PatchHandle:
             *(f"    - {g.describe()}" for g in self.gates),
             "  replaced:",
             *(f"    - {r.describe()}" for r in self.replacements),
-            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls)",
+            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
+            + ("; compiled calls are not counted)" if self.state.compiled else ")"),
         ]
         return "\n".join(lines)
 

@@ -14,6 +14,7 @@ from .arguments import check_call, check_family
 from .backends import Backend, SdpaBackend
 from .errors import PatchGateError, PatchInputError
 from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
+from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
 
@@ -33,6 +34,9 @@ class PatchState:
     unpad: str = "model"
     calls: int = 0
     layers: weakref.WeakSet[nn.Module] = dataclasses.field(default_factory=weakref.WeakSet)  # seen by eager calls
+    layers_seen: int = 0  # distinct layers eager calls ever saw, collected ones included (the launcher's exit report)
+    mark: object = dataclasses.field(default_factory=object, repr=False)  # identity only: see liveness.record_call
+    compiled: bool = False  # a torch.compile'd call ran: count the layers by their mark (liveness.live_layers)
     warned: set = dataclasses.field(default_factory=set)
     copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
     route_function: Optional[Callable] = None  # the attention function on this state, for routed families
@@ -146,8 +150,7 @@ def varlen_core(
             "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
         )
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
-    state.calls += 1
-    state.layers.add(module)
+    record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
         return q.new_zeros(batch, q_len, heads, v.shape[-1])
     if window != (-1, -1) and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:

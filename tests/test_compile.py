@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from models import labels_for, padded_batch, tiny_model
 
@@ -25,3 +26,30 @@ def test_torch_compile_of_a_patched_model_matches_eager():
     real = mask.bool()
     torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(model.lm_head.weight.grad, want_grad, atol=2e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "unpad, training", [("model", True), ("attention", True), ("model", False)],
+    ids=["train-unpad-model", "train-unpad-attention", "eval-kv-cache"],
+)
+def test_compiled_report_counts_every_layer(unpad, training):
+    # Regression: when dynamo compiles one attention frame for every layer (a graph break in the decoder loop, as
+    # with per-layer unpadding, a KV cache or FSDP2), the report said 1 of 4 layers ran through the patch.
+    model = tiny_model(kv_heads=2, layers=4).train(training)
+    ids, mask = padded_batch("mixed")
+    labels = labels_for(ids, mask)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad) as handle:
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            out = compiled(input_ids=ids, attention_mask=mask, labels=labels)
+            if training:
+                out.loss.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert (handle.layers_patched, handle.check(model)) == (4, 4)
+        assert graphs[1] == graphs[2], f"a steady-state step recompiled: unique graphs {graphs}"
+        assert "attention layers through the patch: 4 (" in handle.report()
+        assert "compiled calls are not counted" in handle.report()

@@ -29,6 +29,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--expect-backend", default=None, help="the patch backend every rank must run; none: unpatched")
 parser.add_argument("--accelerate", action="store_true")
+parser.add_argument("--compile", default=None, help="torch.compile backend for the (wrapped) model; default: eager")
 opts = parser.parse_args()
 
 
@@ -75,6 +76,9 @@ else:
     rank, world, wrapped = 0, 1, model
     backward = torch.Tensor.backward
     total = lambda x: x  # noqa: E731
+
+if opts.compile:
+    wrapped = torch.compile(wrapped, backend=opts.compile)
 
 handles = patchkit.active_patches()
 if opts.expect_backend:
@@ -158,6 +162,18 @@ def test_torchrun_two_ranks_ddp_gloo(train_script, single_process_losses):
     proc = run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "patchkit.launch", "--backend", "sdpa", train_script, "--expect-backend", "sdpa", "--steps", str(STEPS)],
+        cwd=train_script.parent, env=clean_env(), timeout=240,
+    )
+    check_ranks_and_losses(proc, single_process_losses)
+
+
+def test_torchrun_two_ranks_ddp_compiled_counts_every_layer(train_script, single_process_losses):
+    # Regression: with per-layer unpadding, DDP + torch.compile runs one compiled attention frame for both layers,
+    # and the script's final `layers_patched == num_hidden_layers` check failed (the report said 1 layer).
+    proc = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "patchkit.launch", "--backend", "sdpa", "--unpad", "attention", train_script, "--expect-backend", "sdpa",
+         "--steps", str(STEPS), "--compile", "eager"],
         cwd=train_script.parent, env=clean_env(), timeout=240,
     )
     check_ranks_and_losses(proc, single_process_losses)

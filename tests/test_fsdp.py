@@ -123,3 +123,10 @@ def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert live == [(0, 2, 2, 2 * STEPS), (1, 2, 2, 2 * STEPS)]  # rank, layers run, layers live, calls
 
+
+def test_fsdp2_compiled_report_counts_every_layer(fsdp_script):
+    # Regression: under FSDP2 + torch.compile one compiled attention frame serves every layer, and the report
+    # counted 1 of 4 layers (dynamo dropped the WeakSet.add of layers 2-4).
+    losses, live = torchrun_fsdp2(fsdp_script, "--layers", "4", "--compile", "eager")
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
+    assert live == [(0, 4, 4, 0), (1, 4, 4, 0)]  # every call ran compiled: not counted (a counter would recompile)

@@ -1,0 +1,44 @@
+"""Which attention layers ran through a patch: counted so that torch.compile, FSDP and garbage collection cannot lie.
+
+Dynamo compiles one attention frame for all layers and replays its Python side effects from trace time: it drops
+a `WeakSet.add` once the set holds an item (torch 2.13), guards on (and recompiles for) any value it reads, such
+as a call counter, and a graph break inside the decoder loop makes it run the whole loop eagerly. An attribute
+store is replayed on the runtime object, so a compiled call only stores: the state's mark on the layer, and
+`compiled` on the state. Eager calls also count calls and remember the layers.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+LIVE_MARK = "_patchkit_live"  # every attention layer that ran through a patch holds that PatchState's `mark` here
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling  # <2.3
+
+
+def record_call(state: Any, module: nn.Module) -> None:
+    """One attention call of `module` through the patch whose state is `state`."""
+    setattr(module, LIVE_MARK, state.mark)
+    if _is_compiling():
+        state.compiled = True  # a constant store: no guard, no recompile; calls are not counted in graphs
+        return
+    state.calls += 1
+    if module not in state.layers:
+        state.layers.add(module)
+        state.layers_seen += 1
+
+
+def live_layers(state: Any) -> int:
+    """Distinct live attention layers that ran through `state`: `layers`, or once compiled calls ran, the marked ones.
+
+    Compiled calls leave no Python-side set, only each layer's mark, so count the objects that hold the mark:
+    module `__dict__`s (or modules whose attributes live inline). A report-time scan, never on the hot path.
+    """
+    if not state.compiled:
+        return len(state.layers)
+    holders = [r if type(r) is dict else r.__dict__ for r in gc.get_referrers(state.mark)
+               if type(r) is dict or isinstance(r, nn.Module)]
+    return len({id(d) for d in holders if d.get(LIVE_MARK) is state.mark})
