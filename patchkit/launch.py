@@ -129,6 +129,27 @@ def announce(handle: Optional[PatchHandle], args: PatchArguments, stream=None) -
     stream.flush()
 
 
+def report_at_exit(handle: Optional[PatchHandle], stream=None) -> None:
+    """At exit, one line per process: how many attention layers ran through the patch; loud when none did."""
+    if handle is None:
+        return
+    stream = stream or sys.stderr
+    if handle.layers_seen:
+        print(
+            f"patchkit.launch: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
+            f"{handle.name!r} ({handle.calls} calls, backend {handle.backend!r})",
+            file=stream,
+        )
+    else:
+        print(
+            f"patchkit.launch: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r}. "
+            "The script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
+            "model's attention was replaced by other code; it ran without patchkit.",
+            file=stream,
+        )
+    stream.flush()
+
+
 def run_target(target: Target) -> None:
     """Run the script or module as `__main__`, with sys.argv and sys.path[0] set as `python` itself would."""
     if target.module is not None:
@@ -160,7 +181,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     announce(handle, args)
-    run_target(target)
+    try:
+        run_target(target)
+    finally:
+        report_at_exit(handle)
     return 0
 
 

@@ -221,3 +221,13 @@ def test_in_process_split_keeps_script_options(monkeypatch):
     assert (options, target.module, target.args) == ([], "pkg.mod", ["--strict"])
     assert sys.argv  # untouched by splitting
 
+
+def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path):
+    proc = launch("--backend", "sdpa", str(user_script))
+    assert result_of(proc)["layers_run"] == 2
+    assert "2 attention layers ran through patch 'llama2'" in proc.stderr
+    idle = tmp_path / "idle.py"
+    idle.write_text("import sys\nprint('no model here')\nsys.exit(0)\n")
+    proc = launch("--backend", "sdpa", str(idle))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "WARNING: no attention layer ran through patch 'llama2'" in proc.stderr
