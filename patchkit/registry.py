@@ -25,6 +25,11 @@ PATCH_MODULES = {
     "gemma2": "patchkit.patches.gemma2",
     "gemma3_text": "patchkit.patches.gemma3",
     "phi3": "patchkit.patches.phi3",
+    "granite": "patchkit.patches.granite",
+    "starcoder2": "patchkit.patches.starcoder2",
+    "olmo2": "patchkit.patches.olmo2",
+    "smollm3": "patchkit.patches.smollm3",
+    "glm4": "patchkit.patches.glm4",
 }
 ALIASES = {"llama": "llama2"}
 

@@ -8,7 +8,8 @@ from models import VOCAB
 
 WINDOW = 5  # shorter than every test batch, so sliding windows change the numbers
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
+            "smollm3", "glm4"]
 
 
 def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -28,6 +29,13 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"][:layers],
             **common)),
         "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(sliding_window=WINDOW, partial_rotary_factor=0.5, **common)),
+        "granite": lambda: tf.GraniteForCausalLM(tf.GraniteConfig(
+            attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0, **common)),
+        "starcoder2": lambda: tf.Starcoder2ForCausalLM(tf.Starcoder2Config(sliding_window=WINDOW, **common)),
+        "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)),
+        "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
+            no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **common)),
+        "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(partial_rotary_factor=0.5, **common)),
     }
     torch.manual_seed(seed)
     return builders[model_type]().float().eval()

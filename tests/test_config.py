@@ -81,7 +81,7 @@ def test_hf_argument_parser_rejects_a_bad_backend(tmp_path, capsys):
 def test_dataclass_validates_when_built_in_code():
     with pytest.raises(ValueError, match=r"attn_backend='gpu' is not valid; allowed values: auto, flash_attn, sdpa"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
-    allowed = r"gemma, .*llama1, llama2, mistral, phi3, qwen2, qwen3, llama$"
+    allowed = r"gemma, .*llama1, llama2, mistral, .*qwen3, smollm3, starcoder2, llama$"
     with pytest.raises(ValueError, match=rf"patch='gpt2' is not valid; allowed values: {allowed}"):
         PatchArguments(patch="gpt2")
     assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
@@ -138,7 +138,7 @@ def test_env_mapping_argument_instead_of_os_environ():
     [
         ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
         ("PATCHKIT_BACKEND", "cuda", "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, sdpa"),
-        ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: gemma, .*qwen3, llama"),
+        ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: gemma, .*starcoder2, llama"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
         ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),
     ],

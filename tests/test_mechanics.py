@@ -128,7 +128,7 @@ def test_missing_target_patches_nothing(monkeypatch):
     "kwargs,error,match",
     [
         (dict(name="llama3"), ValueError, "unknown patch 'llama3'; available patches: gemma, .*llama1, llama2, "
-                                          "mistral, phi3, qwen2, qwen3, llama \\(= llama2\\)"),
+                                          "mistral, .*starcoder2, llama \\(= llama2\\)"),
         (dict(backend="flash"), ValueError, "unknown backend 'flash'; choose one of auto, flash_attn, sdpa"),
         (dict(strict="yes"), TypeError, "strict must be True or False"),
         (dict(model="path/to/model"), TypeError, "model= must be a loaded torch.nn.Module"),
@@ -172,7 +172,8 @@ def test_output_attentions_is_refused_with_the_reason():
 
 def test_available_patches_lists_the_registry():
     patches = {p["name"]: p for p in patchkit.available_patches()}
-    assert set(patches) == {"llama1", "llama2", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"}
+    assert set(patches) == {"llama1", "llama2", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                            "granite", "starcoder2", "olmo2", "smollm3", "glm4"}
     assert patches["llama2"]["aliases"] == ["llama"]
     assert patches["llama2"]["transformers"] == ">=4.48,<6" and patches["mistral"]["transformers"] == ">=4.53,<6"
     assert patches["gemma3_text"]["model_types"] == ["gemma3_text"]

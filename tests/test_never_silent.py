@@ -260,15 +260,15 @@ def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
     if kind == "gemma2":
         return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, attn_logit_softcapping=5.0,
                                                     layer_types=["full_attention"], **common))
-    if kind == "starcoder2":
-        return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(num_key_value_heads=2, **common))
+    if kind == "olmo":
+        return tf.OlmoForCausalLM(tf.OlmoConfig(num_key_value_heads=2, **common))
     return tf.BertModel(tf.BertConfig(**common))
 
 
 @needs_mask_interface
 @pytest.mark.parametrize("kind,match", [
     ("bert", r"BertSelfAttention \(model_type 'bert'\) passes is_causal=False.*bidirectional"),
-    ("starcoder2", r"Starcoder2Attention \(model_type 'starcoder2'\), a model family patchkit has no patch for"),
+    ("olmo", r"OlmoAttention \(model_type 'olmo'\), a model family patchkit has no patch for"),
 ])
 def test_registered_name_refuses_what_it_does_not_serve(kind, match):
     """Item 2: the registered name reached BERT and other families and ran them silently wrong."""
