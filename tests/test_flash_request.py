@@ -1,0 +1,137 @@
+"""attn_implementation="flash_attention_2" under the class patch on a machine where transformers cannot load flash-attn.
+
+The request is served by patchkit (one warning naming the backend) for LLaMA models, while the class patch is
+active, and only when transformers' own check refuses it; revert restores transformers' method (identity).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+
+import models
+import pytest
+import torch
+from entrypoints import REPO, clean_env, launch
+from models import padded_batch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+import patchkit
+from patchkit import flash_request
+from patchkit.gates import probe_environment
+
+# transformers >= 4.56 checks the request in this method, older versions in the classmethod
+CHECK = next(n for n in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2")
+             if n in vars(PreTrainedModel))
+SERVED = "attn_implementation='flash_attention_2' for LlamaForCausalLM is served by patchkit's 'sdpa' backend"
+NAME = flash_request.served_name()  # "patchkit" from transformers 4.53, "sdpa" before
+pytestmark = pytest.mark.skipif(probe_environment().flash_attn_error is None,
+                                reason="flash-attn imports here: transformers loads flash_attention_2 itself")
+
+
+def tiny_config(attn_implementation: str = "eager") -> LlamaConfig:
+    """tests/models.py's tiny LLaMA with another attn_implementation."""
+    config = models.tiny_config()
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def build(model_class: type, config):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = model_class(config)
+    return model, [str(w.message) for w in caught if "flash_attention_2" in str(w.message)]
+
+
+def test_without_the_patch_transformers_refuses():
+    with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
+        LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2"))
+
+
+def test_class_patch_serves_the_request_with_one_warning_and_matches_eager():
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(tiny_config()).eval()
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+    handle = patchkit.apply_patch(backend="sdpa")
+    config = tiny_config(attn_implementation="flash_attention_2")
+    model, messages = build(LlamaForCausalLM, config)
+    model.load_state_dict(reference.state_dict())
+    model.eval()
+    assert len(messages) == 1 and SERVED in messages[0], messages
+    assert "transformers cannot use flash-attn here (FlashAttention2 has been toggled on" in messages[0]
+    assert f"The model loads with attn_implementation={NAME!r}" in messages[0]
+    assert model.config._attn_implementation == NAME
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert handle.check(model) == 2 and handle.calls == 2
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_only_llama_models_and_only_flash_attention_2_are_let_through():
+    patchkit.apply_patch(backend="sdpa")
+    mistral = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=4, attn_implementation="flash_attention_2")
+    with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
+        build(MistralForCausalLM, mistral)  # patchkit serves no Mistral: transformers' answer, unchanged
+    with pytest.raises((ValueError, ImportError)):
+        LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_9"))
+
+
+@pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"), reason="transformers < 4.56")
+def test_set_attn_implementation_on_a_loaded_model_is_served_too():
+    patchkit.apply_patch(backend="sdpa")
+    model = LlamaForCausalLM(tiny_config())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_attn_implementation("flash_attention_2")
+    assert [SERVED in str(w.message) for w in caught].count(True) == 1
+    assert model.config._attn_implementation == NAME
+
+
+@pytest.mark.skipif(CHECK != "_check_and_adjust_attn_implementation", reason="the transformers >= 4.56 wrapper")
+def test_where_transformers_accepts_the_request_nothing_changes():
+    """A machine with a usable flash-attn: transformers' check passes, so its answer stands and nothing is said."""
+    state = patchkit.apply_patch(backend="sdpa").state
+    accepting = flash_request.make_check_and_adjust(lambda self, impl, *a, **k: impl, state, LlamaPreTrainedModel)
+    model = LlamaForCausalLM(tiny_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accepting(model, "flash_attention_2", is_init_check=True) == "flash_attention_2"
+
+
+def test_revert_restores_transformers_method():
+    before = vars(PreTrainedModel)[CHECK]
+    handle = patchkit.apply_patch(backend="sdpa")
+    assert vars(PreTrainedModel)[CHECK] is not before
+    assert f"PreTrainedModel.{CHECK} (serves 'flash_attention_2')" in handle.report()
+    handle.revert()
+    assert vars(PreTrainedModel)[CHECK] is before
+    with pytest.raises(ImportError):
+        LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_2"))
+
+
+def test_instance_patch_leaves_the_check_alone():
+    model = LlamaForCausalLM(tiny_config())
+    before = vars(PreTrainedModel)[CHECK]
+    patchkit.apply_patch(backend="sdpa", model=model)
+    assert vars(PreTrainedModel)[CHECK] is before
+
+
+def test_the_launcher_runs_a_flash_attention_2_script_unmodified(tmp_path):
+    """The issue's case: `patchkit run train.py` where train.py loads with attn_implementation="flash_attention_2"."""
+    scripts = REPO / "tests" / "user_scripts"
+    for name in ("forward.py", "attention_spy.py"):
+        (tmp_path / name).write_text((scripts / name).read_text())
+    proc = launch("--backend", "sdpa", tmp_path / "forward.py", "--attn", "flash_attention_2", cwd=tmp_path,
+                  env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count(SERVED) == 1
+    spy = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SPY "))[4:])
+    masks_counted = importlib.util.find_spec("transformers.masking_utils") is not None  # transformers >= 4.53
+    assert spy["padded_attention"] == 0 and spy["padded_masks"] == (0 if masks_counted else None)
+    assert spy["patches"] == [["llama2", "sdpa", 2]] and spy["impl"] == NAME
