@@ -8,7 +8,7 @@ TRANSFORMERS ?= transformers==5.23.0
 
 .PHONY: setup demo test lint matrix bench clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q "$(TRANSFORMERS)" -e ".[test]"

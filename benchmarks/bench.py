@@ -378,7 +378,8 @@ def worker_memory(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_worker(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
     """Run one configuration in a fresh interpreter; its last stdout line is the JSON result."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}  # no provider patched by the env
+    env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
     if proc.returncode != 0:
@@ -730,6 +731,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--mem-cap-gib", type=float, default=18.0, help="skip configs predicted to need more")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:  # the benchmark decides per provider what is patched; PATCHKIT_FLASH_ATTN must not patch HF's providers
+        from patchkit._autostart import stand_down
+
+        stand_down("benchmarks/bench.py")
+    except ImportError:
+        pass
     if args.worker:
         spec = json.loads(args.worker)
         fn = worker_throughput if spec["kind"] == "throughput" else worker_memory

@@ -18,6 +18,12 @@ from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, for_model_type, registered, resolve
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
+_applying = 0  # class patches being built now: building one imports transformers' LLaMA, which fires the startup hook
+
+
+def applying() -> bool:
+    """True while apply_patch builds a class patch (the PATCHKIT_FLASH_ATTN startup hook then leaves it to it)."""
+    return _applying > 0
 
 
 class PatchHandle:
@@ -35,6 +41,7 @@ class PatchHandle:
         self.options = options
         self._model = weakref.ref(model) if model is not None else None
         self.active = True
+        self.origin: Optional[str] = None  # set when patchkit applied it on its own (PATCHKIT_FLASH_ATTN)
 
     @property
     def name(self) -> str:
@@ -177,8 +184,9 @@ def apply_patch(
         raise PatchkitError(
             f"patch {existing.name!r} (backend={existing.options[0]!r}, strict={existing.options[1]}, "
             f"unpad={existing.options[2]!r}) is already "
-            f"applied to {'the ' + spec.family + ' classes' if model is None else 'this model'}; call its handle's "
-            "revert() (or patchkit.revert_patch()) before applying another."
+            f"applied to {'the ' + spec.family + ' classes' if model is None else 'this model'}"
+            + (f" ({existing.origin})" if existing.origin else "")
+            + "; call its handle's revert() (or patchkit.revert_patch()) before applying another."
         )
 
     env = _gates.probe_environment()
@@ -195,7 +203,7 @@ def apply_patch(
     )
 
     state = PatchState(spec.name, spec.packing, make_backend(chosen), strict, unpad)
-    replacements = spec.build_instance(state, model) if model is not None else spec.build_class(state)
+    replacements = spec.build_instance(state, model) if model is not None else _build_class(spec, state)
     apply_replacements(replacements)
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
     _ACTIVE[key] = handle
@@ -207,6 +215,15 @@ def apply_patch(
             raise
         weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
     return handle
+
+
+def _build_class(spec: PatchSpec, state: PatchState) -> list[Replacement]:
+    global _applying
+    _applying += 1
+    try:
+        return spec.build_class(state)
+    finally:
+        _applying -= 1
 
 
 def _forget(key: tuple, handle_ref: weakref.ref) -> None:

@@ -120,6 +120,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if command is None:
         print(f"patchkit: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
+    from ._autostart import stand_down
+
+    stand_down(f"patchkit {argv[0]}")  # each command decides about patching itself (verify compares unpatched)
     return command(argv[1:])
 
 

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ._autostart import stand_down
 from .api import PatchHandle
 from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
@@ -167,6 +168,7 @@ def run_target(target: Target) -> None:
 
 def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launch") -> int:
     """Parse launcher options, patch (every rank), then run the target; returns the exit code."""
+    stand_down("the launcher")  # it reads PATCHKIT_FLASH_ATTN itself: the startup hook must not apply a second patch
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     options, target = split_argv(argv, parser)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import os
 
-import pytest
+# A PATCHKIT_FLASH_ATTN exported in the caller's shell would make the startup hook patch every LLaMA model the
+# moment the tests import transformers' LLaMA; the tests apply and revert patches themselves.
+os.environ.pop("PATCHKIT_FLASH_ATTN", None)
 
-import patchkit
+import pytest  # noqa: E402
+
+import patchkit  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,0 +1,104 @@
+"""patchkit's interpreter-start hook (patchkit-startup.pth): opt in without `import patchkit`, free otherwise.
+
+The .pth file calls `install()` in every interpreter of the environment patchkit is installed in. It imports only
+the standard library and puts one finder on `sys.meta_path` that watches transformers' LLaMA module and runs a
+callback right after it has executed:
+
+- `transformers.models.llama.modeling_llama`: when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply
+  patchkit's class patch (`patchkit._autostart`) before any model can be built from the module. A process that
+  never imports transformers' LLaMA never imports torch or patchkit for it.
+
+It lives outside the `patchkit` package because importing `patchkit` imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing would double this module's cost at startup
+if TYPE_CHECKING:
+    from types import ModuleType
+    from typing import Any, Callable, Optional
+
+ENV = "PATCHKIT_FLASH_ATTN"
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off", "")
+MODELING_LLAMA = "transformers.models.llama.modeling_llama"
+
+_owner: Optional[str] = None  # who decides about patching in this process instead of PATCHKIT_FLASH_ATTN
+
+
+def requested(environ: Optional[dict] = None) -> Optional[bool]:
+    """PATCHKIT_FLASH_ATTN as on (True) or off (False, also when unset); None for a value that is neither."""
+    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    return True if value in ON else False if value in OFF else None
+
+
+def stand_down(owner: str) -> None:
+    """`owner` (the launcher, patchkit's own commands) decides about patching here: the LLaMA hook applies nothing."""
+    global _owner
+    _owner = owner
+
+
+def _apply_from_env(_module: ModuleType) -> None:
+    """PATCHKIT_FLASH_ATTN on: apply the class patch now. Errors (a bad value, a strict gate) fail this import."""
+    if _owner is not None or requested() is False:
+        return
+    from patchkit import _autostart
+
+    _autostart.apply_at_import()
+
+
+HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    MODELING_LLAMA: _apply_from_env,
+}
+
+
+def _wrap_exec(loader: Any, callback: Callable[[ModuleType], None]) -> bool:
+    """Run `callback(module)` after `loader` executes the module; the loader's own method is back afterwards."""
+    if "exec_module" in getattr(loader, "__dict__", {}):
+        return True  # already wrapped (the same loader found twice)
+    original = loader.exec_module
+
+    def exec_module(module: ModuleType) -> None:
+        try:
+            original(module)
+        finally:
+            vars(loader).pop("exec_module", None)
+        callback(module)
+
+    try:
+        loader.exec_module = exec_module
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+class PostImportFinder:
+    """A meta-path finder that finds nothing itself: other finders find a watched module, this one adds the callback."""
+
+    @classmethod
+    def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
+        callback = HOOKS.get(fullname)
+        if callback is None:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is cls or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module") or not _wrap_exec(spec.loader, callback):
+            print(f"patchkit: cannot watch the import of {fullname} (loader {spec.loader!r}); "
+                  f"{ENV} needs `patchkit.apply_from_env()` in this process", file=sys.stderr)
+        return spec
+
+
+def install() -> None:
+    """Put the finder first on sys.meta_path (idempotent: a .pth may be processed twice)."""
+    if PostImportFinder not in sys.meta_path:
+        sys.meta_path.insert(0, PostImportFinder)

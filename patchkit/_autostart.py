@@ -1,0 +1,53 @@
+"""PATCHKIT_FLASH_ATTN=1 alone: the class patch, applied when transformers' LLaMA module is imported, announced once.
+
+Called by the startup hook (`_patchkit_startup`, run from patchkit-startup.pth) right after
+`transformers.models.llama.modeling_llama` has executed. patchkit's own entry points that decide about patching
+themselves (the launcher, `patchkit verify`, `patchkit bench`) call `stand_down()` first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+from .api import PatchHandle, active_patches, applying
+from .config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
+
+ORIGIN = f"applied when transformers' LLaMA module was imported, because {ENV_FLASH_ATTN} is on"
+
+
+def stand_down(owner: str) -> None:
+    """`owner` decides about patching in this process: the startup hook will not apply anything."""
+    hook = sys.modules.get("_patchkit_startup")
+    if hook is not None:
+        hook.stand_down(owner)
+
+
+def announce(handle: PatchHandle, args: PatchArguments, stream: Any = None) -> None:
+    """The one line on stderr: which variable did it, which patch, which backend, which process."""
+    from .launch import rank_label
+
+    print(
+        f"patchkit: {ENV_FLASH_ATTN}={os.environ.get(ENV_FLASH_ATTN, '')}, {rank_label()}: patch {handle.name!r} "
+        f"applied to every LLaMA model in this process, backend {handle.backend!r} (requested {args.attn_backend!r}, "
+        f"strict={args.patch_strict}, unpad={args.patch_unpad!r})",
+        file=stream or sys.stderr,
+        flush=True,
+    )
+
+
+def apply_at_import() -> Optional[PatchHandle]:
+    """Apply the class patch PATCHKIT_* ask for, unless an explicit apply_patch in this process is doing it now."""
+    if applying():
+        return None  # apply_patch imported LLaMA itself: the explicit call decides, and applies once
+    args = PatchArguments.from_env()  # a bad value raises ValueError naming the variable: the import fails loudly
+    if not args.flash_attn:
+        return None
+    if any(h.key == ("class",) for h in active_patches()):
+        return None  # already applied in this process (same options: the same handle; else apply_patch says so)
+    handle = apply_from_args(args)
+    if handle is not None:
+        handle.origin = ORIGIN
+        announce(handle, args)
+    return handle

@@ -1,0 +1,167 @@
+"""Opt in without editing the script: PATCHKIT_FLASH_ATTN=1 alone patches every LLaMA model of the process.
+
+Each test runs a user's script (tests/user_scripts, which never import patchkit) in a fresh interpreter, so the
+startup hook that patchkit-startup.pth installs at interpreter start is what is under test.
+"""
+
+from __future__ import annotations
+
+import json
+import site
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from entrypoints import REPO, clean_env, run
+
+import _patchkit_startup
+
+SCRIPTS = REPO / "tests" / "user_scripts"
+APPLIED = "patch 'llama2' applied to every LLaMA model in this process"
+
+
+def spy_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))
+    return json.loads(line[len("SPY "):])
+
+
+def script(name: str, *args: str) -> list:
+    return [sys.executable, SCRIPTS / name, *args]
+
+
+def run_both(*jobs: tuple[list, dict]) -> list[subprocess.CompletedProcess]:
+    """Run a few user scripts side by side (each is a fresh interpreter: imports dominate)."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: run(job[0], cwd=SCRIPTS, env=clean_env(**job[1])), jobs))
+
+
+def test_the_pth_file_is_installed_next_to_the_packages():
+    dirs = [Path(d) for d in site.getsitepackages()]
+    found = [d / "patchkit-startup.pth" for d in dirs if (d / "patchkit-startup.pth").is_file()]
+    assert found, f"patchkit-startup.pth is not in {dirs}: reinstall patchkit (`pip install -e .`), see setup.py"
+    assert found[0].read_text() == "import _patchkit_startup; _patchkit_startup.install()\n"
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False), ("false", False), ("no", False),
+     ("off", False), ("", False), (None, False), ("maybe", None)],
+)
+def test_values_of_the_variable(value, expected):
+    environ = {} if value is None else {"PATCHKIT_FLASH_ATTN": value}
+    assert _patchkit_startup.requested(environ) is expected
+
+
+def test_a_process_that_never_imports_transformers_pays_nothing_heavy():
+    probe = ("import json, sys; print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('torch', 'transformers', 'patchkit')), '_patchkit_startup' in sys.modules, "
+             "any(getattr(f, '__name__', '') == 'PostImportFinder' for f in sys.meta_path)]))")
+    for env in ({}, {"PATCHKIT_FLASH_ATTN": "1"}):
+        proc = run([sys.executable, "-c", probe], env=clean_env(**env))
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == [[], True, True], env
+        assert proc.stderr == ""
+
+
+def test_env_alone_patches_an_hf_trainer_script_that_asks_for_flash_attention_2(tmp_path):
+    """Items 1 and 2 together: the usual GPU script, run unmodified on a machine without flash-attn."""
+    from patchkit.gates import probe_environment
+
+    if probe_environment().flash_attn_error is None:
+        pytest.skip("flash-attn imports here: transformers loads flash_attention_2 itself")
+    patched, control = run_both(
+        (script("train_trainer.py", "--attn", "flash_attention_2", "--output_dir", str(tmp_path / "a")),
+         {"PATCHKIT_FLASH_ATTN": "1"}),
+        (script("train_trainer.py", "--attn", "sdpa", "--output_dir", str(tmp_path / "b")), {}),
+    )
+    got, want = spy_of(patched), spy_of(control)
+    assert want["padded_attention"] > 0 and want["padded_masks"] > 0 and not want["patchkit_imported"]
+    assert got["padded_attention"] == 0 and got["padded_masks"] == 0, got
+    assert got["patches"] == [["llama2", "sdpa", 4]] and got["impl"] == "patchkit"  # 2 steps x 2 layers
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    err = patched.stderr
+    assert err.count(APPLIED) == 1 and "patchkit: PATCHKIT_FLASH_ATTN=1, rank 0/1 (single process)" in err
+    assert err.count("attn_implementation='flash_attention_2' for LlamaForCausalLM is served by patchkit's "
+                     "'sdpa' backend") == 1
+
+
+def test_a_bad_value_fails_the_llama_import_naming_the_variable():
+    proc = run(script("forward.py"), cwd=SCRIPTS, env=clean_env(PATCHKIT_FLASH_ATTN="maybe"))
+    assert proc.returncode != 0 and "SPY" not in proc.stdout
+    assert "ValueError: PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on" in proc.stderr
+
+
+def test_the_launcher_applies_once_and_its_options_win(tmp_path):
+    """The launcher reads the same variables itself; the startup hook stands down (no second patch, no clash)."""
+    user = tmp_path / "user.py"
+    user.write_text((SCRIPTS / "forward.py").read_text())
+    (tmp_path / "attention_spy.py").write_text((SCRIPTS / "attention_spy.py").read_text())
+    launch = [sys.executable, "-m", "patchkit.launch"]
+    patched, opted_out = run_both(
+        ([*launch, "--backend", "sdpa", "--unpad", "attention", user], {"PATCHKIT_FLASH_ATTN": "1"}),
+        ([*launch, "--no-patch", user], {"PATCHKIT_FLASH_ATTN": "1"}),
+    )
+    got = spy_of(patched)
+    assert got["padded_attention"] == 0 and got["patches"] == [["llama2", "sdpa", 2]]
+    assert "patchkit.launch: rank 0/1 (single process): patch 'llama2' applied, backend 'sdpa'" in patched.stderr
+    assert APPLIED not in patched.stderr
+    off = spy_of(opted_out)
+    assert off["padded_attention"] > 0 and off["patches"] == [] and APPLIED not in opted_out.stderr
+    assert "not patched (PATCHKIT_FLASH_ATTN=0 or --no-patch)" in opted_out.stderr
+
+
+EXPLICIT = '''
+import patchkit, torch
+from transformers.modeling_utils import PreTrainedModel
+names = ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2")  # >= 4.56, before
+check = next(n for n in names if n in vars(PreTrainedModel))
+before = vars(PreTrainedModel)[check]
+handle = patchkit.apply_patch(backend="sdpa")           # imports transformers' LLaMA: the startup hook fires inside
+from transformers.models.llama import modeling_llama as ml
+assert patchkit.active_patches() == [handle], patchkit.active_patches()
+assert patchkit.apply_from_env() is handle               # the variable asks for the same options: the same handle
+try:
+    patchkit.apply_patch(backend="sdpa", unpad="attention")
+except patchkit.PatchkitError as exc:
+    print("CLASH", exc)
+handle.revert()
+assert ml.LlamaAttention.forward.__qualname__ == "LlamaAttention.forward", ml.LlamaAttention.forward
+assert vars(PreTrainedModel)[check] is before
+print("OK")
+'''
+
+
+def test_an_explicit_apply_with_the_variable_set_patches_once(tmp_path):
+    path = tmp_path / "explicit.py"
+    path.write_text(EXPLICIT)
+    proc = run([sys.executable, path], env=clean_env(PATCHKIT_FLASH_ATTN="1", PATCHKIT_BACKEND="sdpa"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "OK" and APPLIED not in proc.stderr
+    assert "is already applied to the LLaMA classes; call its handle's revert()" in proc.stdout
+
+
+HOOK_FIRST = '''
+import transformers.models.llama.modeling_llama      # the startup hook applies the class patch here
+import patchkit
+(handle,) = patchkit.active_patches()
+print("ORIGIN", handle.origin)
+try:
+    patchkit.apply_patch(backend="sdpa", unpad="attention")
+except patchkit.PatchkitError as exc:
+    print("CLASH", exc)
+'''
+
+
+def test_a_different_explicit_apply_after_the_variable_applied_says_where_the_patch_came_from(tmp_path):
+    path = tmp_path / "hook_first.py"
+    path.write_text(HOOK_FIRST)
+    proc = run([sys.executable, path], env=clean_env(PATCHKIT_FLASH_ATTN="true", PATCHKIT_BACKEND="sdpa"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    origin = "applied when transformers' LLaMA module was imported, because PATCHKIT_FLASH_ATTN is on"
+    assert f"ORIGIN {origin}" in proc.stdout
+    assert (f"patch 'llama2' (backend='sdpa', strict=False, unpad='model') is already applied to the LLaMA classes "
+            f"({origin}); call its handle's revert()") in proc.stdout
+    assert proc.stderr.count(APPLIED) == 1
