@@ -1,9 +1,12 @@
 """patchkit's interpreter-start hook (patchkit-startup.pth): opt in without `import patchkit`, free otherwise.
 
 The .pth file calls `install()` in every interpreter of the environment patchkit is installed in. It imports only
-the standard library and puts one finder on `sys.meta_path` that watches transformers' LLaMA module and runs a
-callback right after it has executed:
+the standard library and puts one finder on `sys.meta_path` that watches three transformers modules and runs a
+callback right after each has executed:
 
+- `transformers.modeling_utils` and `transformers.masking_utils` (once both exist, transformers >= 4.53): register
+  `attn_implementation="patchkit"` as two small stubs that import patchkit on first use, so the name works in a
+  process that never imports patchkit (a TRL config, a config.json).
 - `transformers.models.llama.modeling_llama`: when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply
   patchkit's class patch (`patchkit._autostart`) before any model can be built from the module. A process that
   never imports transformers' LLaMA never imports torch or patchkit for it.
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
 ENV = "PATCHKIT_FLASH_ATTN"
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off", "")
+NAME = "patchkit"  # patchkit.attn_interface.ATTENTION_NAME
+MODELING_UTILS = "transformers.modeling_utils"
+MASKING_UTILS = "transformers.masking_utils"
 MODELING_LLAMA = "transformers.models.llama.modeling_llama"
 
 _owner: Optional[str] = None  # who decides about patching in this process instead of PATCHKIT_FLASH_ATTN
@@ -41,6 +47,37 @@ def stand_down(owner: str) -> None:
     _owner = owner
 
 
+def _attention(*args: Any, **kwargs: Any) -> Any:
+    """attn_implementation="patchkit" before patchkit was imported: importing it registers the real functions."""
+    from patchkit import attn_interface
+
+    return attn_interface._attention(*args, **kwargs)
+
+
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    """The mask function for the same name, loaded the same way."""
+    from patchkit import attn_interface
+
+    return attn_interface.mask_function(*args, **kwargs)
+
+
+def _register_name(_module: ModuleType) -> None:
+    """Register the name once both interfaces exist; "register both or neither", and never over patchkit's own."""
+    utils, masking = sys.modules.get(MODELING_UTILS), sys.modules.get(MASKING_UTILS)
+    if utils is None or masking is None or "patchkit.attn_interface" in sys.modules:
+        return  # not both yet, or patchkit is imported (or importing) and registers the real functions itself
+    attention_interface = getattr(utils, "AttentionInterface", None)
+    mask_interface = getattr(masking, "AttentionMaskInterface", None)
+    if attention_interface is None or mask_interface is None:
+        return  # transformers < 4.53, or modeling_utils still executing (its own hook comes later)
+    try:
+        attention_interface.register(NAME, _attention)
+        mask_interface.register(NAME, _mask)
+    except Exception as exc:  # noqa: BLE001 - a hook must never break `import transformers`; it says why instead
+        print(f"patchkit: could not register attn_implementation={NAME!r}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+
+
 def _apply_from_env(_module: ModuleType) -> None:
     """PATCHKIT_FLASH_ATTN on: apply the class patch now. Errors (a bad value, a strict gate) fail this import."""
     if _owner is not None or requested() is False:
@@ -51,6 +88,8 @@ def _apply_from_env(_module: ModuleType) -> None:
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
+    MODELING_UTILS: _register_name,
+    MASKING_UTILS: _register_name,
     MODELING_LLAMA: _apply_from_env,
 }
 
@@ -94,7 +133,7 @@ class PostImportFinder:
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module") or not _wrap_exec(spec.loader, callback):
             print(f"patchkit: cannot watch the import of {fullname} (loader {spec.loader!r}); "
-                  f"{ENV} needs `patchkit.apply_from_env()` in this process", file=sys.stderr)
+                  f"{ENV} and attn_implementation={NAME!r} need `import patchkit` in this process", file=sys.stderr)
         return spec
 
 

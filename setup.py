@@ -1,7 +1,7 @@
 """Build steps pyproject.toml cannot express: ship patchkit-startup.pth into site-packages, installed or editable.
 
 The .pth line runs at every interpreter start and imports only `_patchkit_startup` (standard library only), which
-makes PATCHKIT_FLASH_ATTN=1 work without `import patchkit`. A file at a
+makes PATCHKIT_FLASH_ATTN=1 and attn_implementation="patchkit" work without `import patchkit`. A file at a
 wheel's root lands in site-packages: `build_py` puts it there for `pip install .`; for `pip install -e .`
 setuptools builds the editable wheel from its own finder and .pth only (data files are not installed either), so
 `editable_wheel` adds the file to the finished wheel, with its RECORD line, and pip installs and uninstalls it like

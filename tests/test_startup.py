@@ -1,4 +1,4 @@
-"""Opt in without editing the script: PATCHKIT_FLASH_ATTN=1 alone patches every LLaMA model of the process.
+"""Opt in without editing the script: PATCHKIT_FLASH_ATTN=1 alone, and attn_implementation="patchkit" unimported.
 
 Each test runs a user's script (tests/user_scripts, which never import patchkit) in a fresh interpreter, so the
 startup hook that patchkit-startup.pth installs at interpreter start is what is under test.
@@ -6,6 +6,7 @@ startup hook that patchkit-startup.pth installs at interpreter start is what is 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import site
 import subprocess
@@ -19,6 +20,8 @@ from entrypoints import REPO, clean_env, run
 import _patchkit_startup
 
 SCRIPTS = REPO / "tests" / "user_scripts"
+needs_mask_interface = pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
+                                          reason="attn_implementation='patchkit' needs transformers >= 4.53")
 APPLIED = "patch 'llama2' applied to every LLaMA model in this process"
 
 
@@ -165,3 +168,32 @@ def test_a_different_explicit_apply_after_the_variable_applied_says_where_the_pa
     assert (f"patch 'llama2' (backend='sdpa', strict=False, unpad='model') is already applied to the LLaMA classes "
             f"({origin}); call its handle's revert()") in proc.stdout
     assert proc.stderr.count(APPLIED) == 1
+
+
+@needs_mask_interface
+def test_registered_name_works_without_importing_patchkit():
+    """Item 3: attn_implementation="patchkit" (a TRL model_init_kwargs, a config.json) with patchkit only installed.
+
+    The control run is transformers' default (sdpa) with PATCHKIT_FLASH_ATTN=0: off means off.
+    """
+    patched, control = run_both((script("forward.py", "--attn", "patchkit"), {}),
+                                (script("forward.py"), {"PATCHKIT_FLASH_ATTN": "0"}))
+    got, want = spy_of(patched), spy_of(control)
+    assert want["impl"] == "sdpa" and want["padded_attention"] > 0 and want["padded_masks"] > 0
+    assert not want["patchkit_imported"] and APPLIED not in control.stderr
+    assert got["impl"] == "patchkit" and got["padded_attention"] == 0 and got["padded_masks"] == 0
+    assert got["marks"] == {"loaded": False}  # loading the model did not import patchkit: the first forward did
+    assert got["patchkit_imported"] and got["patches"] == []  # the registered route: no global patch
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert "Specified `attn_implementation" not in patched.stderr
+
+
+@needs_mask_interface
+def test_registered_name_without_the_startup_hook_is_transformers_generic_error():
+    """`python -S` skips .pth files: the hook is what makes the name work (the README says so)."""
+    code = ("import sys; sys.path[:0] = " + repr([p for p in sys.path if p]) + "\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32, "
+            "num_attention_heads=2, vocab_size=16, attn_implementation='patchkit'))\n")
+    proc = run([sys.executable, "-S", "-c", code])
+    assert proc.returncode != 0 and 'Specified `attn_implementation="patchkit"` is not supported' in proc.stderr
