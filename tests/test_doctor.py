@@ -156,10 +156,14 @@ def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
 def test_doctor_with_unsupported_transformers_says_no_patch_applies(monkeypatch):
     data = simulated(monkeypatch, transformers_version="4.40.0")
     assert all(not p["applies"] and p["backend"] is None for p in data["patches"])
-    assert "transformers_version: FAILED" in data["patches"][0]["why"]
+    assert data["patches"][0]["why"] == "the transformers_version gate failed: no backend can help"
     assert "does NOT apply" in format_report(data)
     assert exit_code(data) == 1
 
 
-def test_doctor_module_attribute_lookup_is_what_tests_patch():
-    assert doctor_module._gates is gates
+def test_doctor_prints_a_failed_transformers_gate_once_per_patch(monkeypatch):
+    report = format_report(simulated(monkeypatch, transformers_version="4.40.0"))
+    blocks = report.split("\n  llama")[1:]  # one block per patch
+    assert len(blocks) == 2
+    for block in blocks:
+        assert block.count("transformers_version: FAILED") == 1 and "found 4.40.0" in block, block
