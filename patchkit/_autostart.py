@@ -7,13 +7,17 @@ themselves (the launcher, `patchkit verify`, `patchkit bench`) call `stand_down(
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import site
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from .api import PatchHandle, active_patches, applying
 from .config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
 
+PTH_NAME = "patchkit-startup.pth"
 ORIGIN = f"applied when transformers' LLaMA module was imported, because {ENV_FLASH_ATTN} is on"
 
 
@@ -51,3 +55,16 @@ def apply_at_import() -> Optional[PatchHandle]:
         handle.origin = ORIGIN
         announce(handle, args)
     return handle
+
+
+def startup_hook() -> dict[str, Any]:
+    """Where the startup hook is installed and whether it runs in this process (for `patchkit doctor`)."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()] if hasattr(site, "getsitepackages") else sys.path
+    pth = next((str(Path(d) / PTH_NAME) for d in dirs if (Path(d) / PTH_NAME).is_file()), None)
+    hook = sys.modules.get("_patchkit_startup")
+    return {
+        "pth": pth,
+        "module": importlib.util.find_spec("_patchkit_startup") is not None,
+        "active": hook is not None and any(f is getattr(hook, "PostImportFinder", None) for f in sys.meta_path),
+        ENV_FLASH_ATTN: os.environ.get(ENV_FLASH_ATTN),
+    }

@@ -60,6 +60,8 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
 
 def doctor() -> dict[str, Any]:
     """Versions, hardware, the flash-attn import result and each patch's verdict, as a JSON-ready dict."""
+    from ._autostart import startup_hook
+
     start = time.perf_counter()
     env = _gates.probe_environment()
     versions = {"python": platform.python_version(), "patchkit": __version__}
@@ -84,6 +86,7 @@ def doctor() -> dict[str, Any]:
             "error": env.flash_attn_error,
         },
         "patches": [evaluate_patch(spec, env) for spec in registered()],
+        "startup_hook": startup_hook(),
         "seconds": round(time.perf_counter() - start, 3),
     }
 
@@ -120,6 +123,14 @@ def format_report(data: dict[str, Any]) -> str:
         lines.append(f"  {p['name']}{alias}: {verdict}; transformers{p['transformers']}")
         lines.append(f"    why: {p['why']}")
         lines += [f"    - {_gates.GateResult(**g).describe()}" for g in p["gates"]]
+    hook = data["startup_hook"]
+    flag = hook["PATCHKIT_FLASH_ATTN"]
+    lines += [
+        "startup hook (PATCHKIT_FLASH_ATTN=1 and attn_implementation='patchkit' without `import patchkit`)",
+        _row(".pth file", hook["pth"] or "not installed (reinstall patchkit: pip install patchkit, or -e .)"),
+        _row("active here", "yes" if hook["active"] else "no"),
+        _row("PATCHKIT_FLASH_ATTN", "unset (off)" if flag is None else flag),
+    ]
     lines.append(f"({data['seconds']:.2f} s)")
     return "\n".join(lines)
 

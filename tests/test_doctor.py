@@ -167,3 +167,17 @@ def test_doctor_prints_a_failed_transformers_gate_once_per_patch(monkeypatch):
     assert len(blocks) == 2
     for block in blocks:
         assert block.count("transformers_version: FAILED") == 1 and "found 4.40.0" in block, block
+
+
+def test_doctor_reports_the_startup_hook(monkeypatch):
+    monkeypatch.setenv("PATCHKIT_FLASH_ATTN", "1")
+    data = doctor()
+    hook = data["startup_hook"]
+    assert hook["pth"] and hook["pth"].endswith("patchkit-startup.pth") and hook["module"] and hook["active"]
+    assert hook["PATCHKIT_FLASH_ATTN"] == "1"
+    report = format_report(data)
+    assert f"  .pth file           {hook['pth']}" in report and "  PATCHKIT_FLASH_ATTN 1" in report
+
+
+def test_doctor_module_attribute_lookup_is_what_tests_patch():
+    assert doctor_module._gates is gates
