@@ -5,7 +5,7 @@ __version__ = "0.1.0"  # first: submodules (doctor) read it
 from .api import PatchHandle, active_patches, apply_patch, available_patches, revert_patch
 from .attn_interface import ATTENTION_NAME
 from .attn_interface import register as register_attention
-from .config import PatchArguments, apply_from_args, apply_from_env
+from .config import PatchArguments, PatchOptions, apply_from_args, apply_from_env
 from .doctor import doctor
 from .dtypes import cast_for_training, default_dtype
 from .errors import PatchGateError, PatchInputError, PatchkitError, PatchTargetError
@@ -21,6 +21,7 @@ __all__ = [
     "PatchGateError",
     "PatchHandle",
     "PatchInputError",
+    "PatchOptions",
     "PatchTargetError",
     "PatchkitError",
     "active_patches",

@@ -48,9 +48,77 @@ def parse_bool(where: str, value: Any) -> bool:
     )
 
 
+def _flash_attn_field() -> Any:
+    return dataclasses.field(
+        default=False,
+        metadata={"help": "Patch LLaMA attention with patchkit's varlen (FlashAttention-style) kernels. Default off."},
+    )
+
+
+def _patch_field() -> Any:
+    return dataclasses.field(
+        default="llama2",
+        metadata={"help": "Which patchkit patch to apply: llama2 (KV cache, GQA; default) or llama1 (training only).",
+                  "choices": patch_names()},
+    )
+
+
+def _attn_backend_field() -> Any:
+    return dataclasses.field(
+        default="auto",
+        metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else sdpa with a warning), "
+                          "flash_attn, or sdpa. Default auto.",
+                  "choices": list(BACKEND_NAMES)},
+    )
+
+
+def _patch_strict_field() -> Any:
+    return dataclasses.field(
+        default=False,
+        metadata={"help": "Raise instead of falling back to sdpa when a flash_attn gate fails. Default off."},
+    )
+
+
+def _patch_unpad_field() -> Any:
+    return dataclasses.field(
+        default="model",
+        metadata={"help": "Where padding is removed: model (once per forward; the decoder runs on real tokens "
+                          "only; default) or attention (inside each attention layer).",
+                  "choices": list(UNPAD_MODES)},
+    )
+
+
+@dataclasses.dataclass
+class PatchOptions:
+    """PatchArguments without the on-switch, for scripts whose own arguments already define `--flash_attn`.
+
+    FastChat's `train_lora.py` (and many scripts modelled on it) has a `flash_attn` field in its TrainingArguments;
+    two `--flash_attn` options in one HfArgumentParser fail at parser build. Parse these options next to the
+    script's own flag, and give both to `apply_from_args`, which takes `flash_attn` from the script's arguments.
+
+    Example:
+        parser = HfArgumentParser((ModelArguments, TrainingArguments, PatchOptions))  # TrainingArguments.flash_attn
+        model_args, training_args, patch_opts = parser.parse_args_into_dataclasses()
+        patchkit.apply_from_args(training_args, patch_opts)  # before from_pretrained
+    """
+
+    patch: str = _patch_field()
+    attn_backend: str = _attn_backend_field()
+    patch_strict: bool = _patch_strict_field()
+    patch_unpad: str = _patch_unpad_field()
+
+    def __post_init__(self) -> None:
+        self.patch_strict = parse_bool("patch_strict", self.patch_strict)
+        self.patch = _check_choice("patch", self.patch, patch_names())
+        self.attn_backend = _check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
+        self.patch_unpad = _check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
+
+
 @dataclasses.dataclass
 class PatchArguments:
     """patchkit's options as a dataclass that merges into `HfArgumentParser` next to `TrainingArguments`.
+
+    A script whose own arguments define `flash_attn` uses `PatchOptions` instead (the same options, no on-switch).
 
     Example:
         parser = HfArgumentParser((ModelArguments, PatchArguments, TrainingArguments))
@@ -58,31 +126,11 @@ class PatchArguments:
         patchkit.config.apply_from_args(patch_args)  # before from_pretrained
     """
 
-    flash_attn: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "Patch LLaMA attention with patchkit's varlen (FlashAttention-style) kernels. Default off."},
-    )
-    patch: str = dataclasses.field(
-        default="llama2",
-        metadata={"help": "Which patchkit patch to apply: llama2 (KV cache, GQA; default) or llama1 (training only).",
-                  "choices": patch_names()},
-    )
-    attn_backend: str = dataclasses.field(
-        default="auto",
-        metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else sdpa with a warning), "
-                          "flash_attn, or sdpa. Default auto.",
-                  "choices": list(BACKEND_NAMES)},
-    )
-    patch_strict: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "Raise instead of falling back to sdpa when a flash_attn gate fails. Default off."},
-    )
-    patch_unpad: str = dataclasses.field(
-        default="model",
-        metadata={"help": "Where padding is removed: model (once per forward; the decoder runs on real tokens "
-                          "only; default) or attention (inside each attention layer).",
-                  "choices": list(UNPAD_MODES)},
-    )
+    flash_attn: bool = _flash_attn_field()
+    patch: str = _patch_field()
+    attn_backend: str = _attn_backend_field()
+    patch_strict: bool = _patch_strict_field()
+    patch_unpad: str = _patch_unpad_field()
 
     def __post_init__(self) -> None:
         self.flash_attn = parse_bool("flash_attn", self.flash_attn)
@@ -112,15 +160,29 @@ class PatchArguments:
         return cls(**values)
 
 
-def apply_from_args(args: Any, model: Optional[nn.Module] = None) -> Optional[PatchHandle]:
-    """Apply the patch `args` ask for (a PatchArguments or any object with its fields); None when flash_attn is off.
+def apply_from_args(args: Any, *more: Any, model: Optional[nn.Module] = None) -> Optional[PatchHandle]:
+    """Apply the patch the arguments ask for; None when `flash_attn` is off.
 
-    `model=` patches that loaded instance only, as in `apply_patch`; default None patches the classes, so call it
-    before the model is loaded.
+    Each field of PatchArguments is read from the first of `args, *more` that has it: a PatchArguments, the
+    script's own arguments with a `flash_attn` field plus a PatchOptions, or any namespace. `model=` patches that
+    loaded instance only, as in `apply_patch`; default None patches the classes, so call it before the model is
+    loaded. (A module given positionally, as `apply_from_args(args, model)` did before, is taken as `model=`.)
     """
-    opts = args if isinstance(args, PatchArguments) else PatchArguments(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(PatchArguments) if hasattr(args, f.name)}
-    )
+    sources = [s for s in (args, *more) if not isinstance(s, nn.Module)]
+    modules = [s for s in (args, *more) if isinstance(s, nn.Module)]
+    if modules:
+        if model is not None or len(modules) > 1 or not sources:
+            raise TypeError("apply_from_args takes argument objects positionally and one model, as model=")
+        model = modules[0]
+    if len(sources) == 1 and isinstance(sources[0], PatchArguments):
+        opts = sources[0]
+    else:
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(PatchArguments):
+            holder = next((s for s in sources if hasattr(s, f.name)), None)
+            if holder is not None:
+                values[f.name] = getattr(holder, f.name)
+        opts = PatchArguments(**values)
     if not opts.flash_attn:
         return None
     return apply_patch(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import re
@@ -10,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from entrypoints import run
+from entrypoints import REPO, run
 from models import padded_batch, tiny_model
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -201,3 +202,85 @@ def test_warning_free_when_sdpa_requested():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         assert apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"}).backend == "sdpa"
+
+
+@dataclasses.dataclass
+class FastChatTrainingArguments(TrainingArguments):
+    """FastChat train_lora.py's TrainingArguments: its own `flash_attn` flag (and a few other fields)."""
+
+    cache_dir: str = dataclasses.field(default=None)
+    model_max_length: int = dataclasses.field(default=512)
+    flash_attn: bool = False
+
+
+def test_patch_arguments_next_to_a_script_with_its_own_flag_clash_at_parser_build():
+    """Why PatchOptions exists: the README's PatchArguments path fails for FastChat-style scripts."""
+    with pytest.raises(argparse.ArgumentError, match="conflicting option strings: --flash_attn"):
+        HfArgumentParser((ModelArguments, FastChatTrainingArguments, PatchArguments))
+
+
+def test_patch_options_compose_with_the_scripts_own_flash_attn(tmp_path):
+    parser = HfArgumentParser((ModelArguments, FastChatTrainingArguments, patchkit.PatchOptions))
+    common = ["--output_dir", str(tmp_path), "--report_to", "none"]
+    _, training_args, opts = parser.parse_args_into_dataclasses(
+        ["--flash_attn", "True", "--attn_backend", "sdpa", "--patch_unpad", "attention", *common])
+    assert training_args.flash_attn is True and opts == patchkit.PatchOptions(attn_backend="sdpa",
+                                                                              patch_unpad="attention")
+    assert {f.name for f in dataclasses.fields(patchkit.PatchOptions)} == {"patch", "attn_backend", "patch_strict",
+                                                                            "patch_unpad"}
+    handle = apply_from_args(training_args, opts)  # flash_attn from the script's arguments, the rest from ours
+    assert (handle.name, handle.options) == ("llama2", ("sdpa", False, "attention"))
+    handle.revert()
+    _, training_args, opts = parser.parse_args_into_dataclasses(["--attn_backend", "sdpa", *common])
+    assert apply_from_args(training_args, opts) is None and patchkit.active_patches() == []
+
+
+def test_apply_from_args_reads_each_field_from_the_first_source_that_has_it():
+    class Script:
+        flash_attn, attn_backend = True, "sdpa"
+
+    opts = patchkit.PatchOptions(attn_backend="flash_attn", patch="llama1")
+    handle = apply_from_args(Script(), opts)  # attn_backend from Script (first), patch from opts
+    assert (handle.name, handle.backend) == ("llama1", "sdpa")
+
+
+def test_apply_from_args_still_takes_a_model_positionally():
+    model = tiny_model()
+    handle = apply_from_args(PatchArguments(flash_attn=True, attn_backend="sdpa"), model)
+    assert handle.check(model) == 2 and handle.key == ("model", id(model))
+    with pytest.raises(TypeError, match="one model, as model="):
+        apply_from_args(PatchArguments(flash_attn=True), model, model=model)
+
+
+FASTCHAT_SCRIPT = '''
+import dataclasses, sys
+import torch, transformers
+import attention_spy
+import patchkit
+
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):   # FastChat train_lora.py's
+    model_max_length: int = 512
+    flash_attn: bool = False
+
+parser = transformers.HfArgumentParser((TrainingArguments, patchkit.PatchOptions))
+training_args, patch_opts = parser.parse_args_into_dataclasses()
+patchkit.apply_from_args(training_args, patch_opts)      # was: if training_args.flash_attn: replace_llama_attn...()
+attention_spy.install()
+config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+model = transformers.LlamaForCausalLM(config)
+mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+model(input_ids=torch.randint(3, 97, (2, 8)), attention_mask=mask).logits.sum().backward()
+attention_spy.report()
+'''
+
+
+def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
+    (tmp_path / "train_lora.py").write_text(FASTCHAT_SCRIPT)
+    (tmp_path / "attention_spy.py").write_text((REPO / "tests" / "user_scripts" / "attention_spy.py").read_text())
+    proc = run([sys.executable, tmp_path / "train_lora.py", "--flash_attn", "True", "--attn_backend", "sdpa",
+                "--output_dir", tmp_path / "out", "--report_to", "none"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spy = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))[4:])
+    assert spy["padded_attention"] == 0 and spy["padded_masks"] == 0 and spy["patches"] == [["llama2", "sdpa", 2]]
