@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 import warnings
@@ -17,10 +18,11 @@ from .errors import PatchkitError
 
 USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
-  run     [--patch NAME] [--backend B] [--strict] SCRIPT.py [args...]  apply the patch, then run the script
-  doctor  [--json]                                                    versions, GPU, flash-attn, which patch applies
-  verify  [--patch NAME] [--dtype fp32|bf16|fp16] [--model PATH]      patched vs unpatched logits and gradients
-  bench   [bench.py options]                                          benchmarks/bench.py (source checkout only)
+  run     [--patch NAME] [--backend B] [--unpad model|attention] [--strict] [--no-patch]
+          (SCRIPT.py | -m MODULE) [args...]                      apply the patch, then run the script or module
+  doctor  [--json]                                               versions, GPU, flash-attn, which patch applies
+  verify  [--patch NAME] [--dtype fp32|bf16|fp16] [--model PATH] patched vs unpatched logits and gradients
+  bench   [--quick | --full] [--out DIR] [...]                   benchmarks/bench.py (source checkout only)
 
 `patchkit COMMAND --help` for each command's options.
 """
@@ -98,7 +100,8 @@ def cmd_bench(argv: list[str]) -> int:
     if not hasattr(module, "main"):
         print(f"patchkit bench: {path} has no main(argv) function", file=sys.stderr)
         return 2
-    code = module.main(argv)
+    takes_prog = "prog" in inspect.signature(module.main).parameters
+    code = module.main(argv, prog="patchkit bench") if takes_prog else module.main(argv)
     return code if isinstance(code, int) else 0
 
 

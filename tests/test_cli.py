@@ -28,6 +28,19 @@ def test_help_lists_every_command_in_a_real_run():
     assert proc.returncode == 0
     for command in ("run", "doctor", "verify", "bench"):
         assert f"\n  {command} " in proc.stdout
+    run_usage = proc.stdout.split("\n  run ")[1].split("\n  doctor ")[0]
+    for option in ("--patch NAME", "--backend B", "--unpad model|attention", "--strict", "--no-patch",
+                   "(SCRIPT.py | -m MODULE)"):
+        assert option in run_usage, option
+
+
+def test_help_lists_every_launcher_option():
+    """The summary in `patchkit --help` names each option `patchkit run --help` has."""
+    from patchkit.launch import build_parser
+
+    options = {s for a in build_parser("x")._actions for s in a.option_strings if s not in ("-h", "--help")}
+    for option in options - {"--no-strict"}:  # --no-strict only undoes PATCHKIT_STRICT
+        assert option in cli.USAGE, option
 
 
 def test_usage_errors(capsys):
@@ -77,6 +90,15 @@ def test_bench_forwards_every_argument_to_main(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "argv.json").read_text()) == ["--seq", "128", "--backend", "sdpa", "-o", "x.csv"]
 
 
+def test_bench_gets_its_command_name_when_main_takes_prog(tmp_path, monkeypatch):
+    bench = tmp_path / "bench.py"
+    out = str(tmp_path / "p.json")
+    bench.write_text(f"import json\ndef main(argv, prog=None):\n    json.dump(prog, open({out!r}, 'w'))\n")
+    monkeypatch.setattr(cli, "bench_script", lambda: bench)
+    assert cli.main(["bench"]) == 0
+    assert json.loads((tmp_path / "p.json").read_text()) == "patchkit bench"
+
+
 def test_bench_script_is_found_relative_to_the_repo():
     assert cli.bench_script() == REPO / "benchmarks" / "bench.py"
 
@@ -86,4 +108,5 @@ def test_real_bench_help_in_a_real_run():
         pytest.skip("benchmarks/bench.py not written yet")
     proc = patchkit_cli("bench", "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout.lower()
+    assert proc.stdout.startswith("usage: patchkit bench [-h]")
+    assert "--out OUT" in proc.stdout and "benchmarks/runs/<date-time>" in proc.stdout
