@@ -2,6 +2,9 @@
 
 __version__ = "0.1.0"  # first: submodules (doctor) read it
 
+import importlib
+from typing import Any
+
 from .api import PatchHandle, active_patches, apply_patch, available_patches, revert_patch
 from .attn_interface import ATTENTION_NAME
 from .attn_interface import register as register_attention
@@ -14,6 +17,14 @@ try:  # attn_implementation="patchkit" works as soon as patchkit is imported (tr
     register_attention()
 except Exception:  # noqa: BLE001 - a broken transformers must not make `import patchkit` fail
     pass
+
+
+def __getattr__(name: str) -> Any:
+    """`patchkit.nn` after a plain `import patchkit`, loaded on first use (it is not needed to patch a model)."""
+    if name == "nn":
+        return importlib.import_module(".nn", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ATTENTION_NAME",
