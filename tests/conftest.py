@@ -18,6 +18,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis profiles (tests/test_property.py): few derandomized examples for CI, many random with --runslow."""
+    try:
+        from hypothesis import settings
+    except ImportError:  # hypothesis is a test extra; test_property.py is skipped without it
+        return
+    settings.register_profile("patchkit", max_examples=300, deadline=None, derandomize=True, database=None)
+    settings.register_profile("patchkit-slow", max_examples=1000, deadline=None, database=None, print_blob=True)
+    settings.load_profile("patchkit-slow" if config.getoption("--runslow") else "patchkit")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--runslow"):
         return
