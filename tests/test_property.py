@@ -1,0 +1,402 @@
+"""Property: every input is served exactly (equal to unpatched eager on real tokens) or refused with PatchkitError.
+
+Hypothesis draws one `Case`: a batch (right, left, mixed padding, holes inside a row, all-padding rows, no padding,
+or packed rows of several documents), a position_ids convention (None, the generation convention
+`mask.cumsum(-1) - 1` with padding filled by 1, arange with padding positions kept), a cache (none, use_cache left
+to the model, a DynamicCache or a StaticCache fed prefill + chunks / decode steps, the StaticCache with a 2D mask
+over all max_cache_len slots or over past + q_len only), train or eval mode, MHA or GQA, and the route into
+patchkit (class patch with unpad "model" or "attention", instance patch, the registered attn_implementation).
+
+The reference is the unpatched eager model with the same weights: the same call in one forward (chunks and decode
+steps must add up to the single pass), and for packed rows each document run alone (unpatched transformers may
+let packed documents attend across each other; that is its bug, not the reference). In training mode the loss
+(labels exclude padding and positions predicted from padding or from another document) and every parameter's
+gradient must match too.
+
+A `patchkit.PatchkitError` is accepted only where `refusable` says the input cannot be served; any other refusal,
+any other exception, and any mismatch fail. Profiles (tests/conftest.py): a few derandomized examples by default,
+many random ones with --runslow.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from models import VOCAB, labels_for, tiny_model
+from transformers import DynamicCache, StaticCache
+
+import patchkit
+from patchkit import attn_interface
+
+MAX_SEQ = 12
+ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-4, 1e-3
+SINGLE, CACHED = ("none", "default"), ("dynamic", "static_short", "static_full")
+
+
+@functools.cache
+def base_model(kv_heads: int):
+    """One tiny model per head layout (MHA: 4 K/V heads, GQA: 2 of 4), built once; each example deep-copies it."""
+    return tiny_model(seed=11, kv_heads=kv_heads, heads=4, hidden=32, layers=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and far steadier on a shared machine (5x under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sdpa_route():
+    """The registered route runs on the sdpa backend here (no warning about flash-attn on CPU)."""
+    attn_interface.register(backend="sdpa")
+    yield
+    attn_interface.register(backend="auto", strict=False)  # the import-time default
+
+
+@dataclasses.dataclass
+class Case:
+    kv_heads: int
+    train: bool
+    route: str  # "class", "instance" (apply_patch(model=...)) or "registered" (attn_implementation="patchkit")
+    unpad: str  # "model" or "attention" (class and instance routes)
+    cache: str  # "none" (use_cache=False), "default" (left to the model), "dynamic", "static_short", "static_full"
+    chunks: list  # tokens per forward: one entry is a single forward (or a prefill), more are chunks/decode steps
+    extra_slots: int  # StaticCache slots beyond the sequence
+    extra: str  # "none", "output_attentions" or "4d_mask"
+    pos_kind: Optional[str]
+    ids: torch.Tensor
+    mask: Optional[torch.Tensor]  # None: no attention_mask argument at all (no padding anywhere)
+    positions: Optional[torch.Tensor]
+    docs: list  # packed rows: (row, start, length) of every document; [] for padded rows
+
+    def __repr__(self) -> str:
+        def show(t):
+            return None if t is None else t.tolist()
+
+        return (
+            f"Case(kv_heads={self.kv_heads}, train={self.train}, route={self.route!r}, unpad={self.unpad!r}, "
+            f"cache={self.cache!r}, chunks={self.chunks}, extra_slots={self.extra_slots}, extra={self.extra!r}, "
+            f"pos_kind={self.pos_kind!r}, docs={self.docs},\n     mask={show(self.mask)},\n"
+            f"     positions={show(self.positions)}, ids.shape={tuple(self.ids.shape)})"
+        )
+
+    @property
+    def real(self) -> torch.Tensor:
+        return torch.ones_like(self.ids, dtype=torch.bool) if self.mask is None else self.mask.bool()
+
+
+def refusable(case: Case) -> Optional[str]:
+    """Why patchkit may refuse this case, or None when the case can be served and must be.
+
+    - output_attentions=True: the varlen kernels never form the attention matrix.
+    - a 4D mask: an arbitrary attention pattern is not a key-padding mask (patchkit does not try to recognise the
+      causal + padding ones).
+    Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
+    0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
+    boundaries and must be served.
+    """
+    return {
+        "output_attentions": "output_attentions=True cannot be served by varlen kernels",
+        "4d_mask": "a 4D mask is not a key-padding mask",
+    }.get(case.extra)
+
+
+# ---------------------------------------------------------------------------------------------------- strategies
+
+ROW_KINDS = ("full", "right", "left", "gap", "holes", "empty")
+
+
+@st.composite
+def padded_rows(draw, batch: int, seq: int, allow_no_mask: bool):
+    """mask (B, S), position_ids or None, and the convention's name: padding of every kind, one kind per row."""
+    rows = []
+    for _ in range(batch):
+        kind = draw(st.sampled_from(ROW_KINDS))
+        if kind == "full":
+            row = [1] * seq
+        elif kind in ("right", "left"):
+            n = draw(st.integers(1, max(1, seq - 1)))
+            row = [1] * n + [0] * (seq - n) if kind == "right" else [0] * (seq - n) + [1] * n
+        elif kind == "gap" and seq >= 3:  # [pad] real.. pad.. real.. [pad]: one hole between two runs
+            lead = draw(st.integers(0, seq - 3))
+            first = draw(st.integers(1, seq - lead - 2))
+            hole = draw(st.integers(1, seq - lead - first - 1))
+            second = draw(st.integers(1, seq - lead - first - hole))
+            row = [0] * lead + [1] * first + [0] * hole + [1] * second
+            row += [0] * (seq - len(row))
+        elif kind in ("gap", "holes"):  # any pattern at all
+            row = [int(b) for b in draw(st.lists(st.booleans(), min_size=seq, max_size=seq))]
+        else:
+            row = [0] * seq
+        rows.append(row)
+    mask = torch.tensor(rows)
+    pos_kind = draw(st.sampled_from((None, "generation", "arange")))
+    if pos_kind is None:
+        positions = None
+    elif pos_kind == "generation":  # what generate() builds for a padded batch
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    else:  # arange, padding positions kept; an offset (a continued context) and transformers' (1, S) shape drawn
+        positions = torch.arange(seq) + draw(st.integers(0, 3))
+        positions = positions[None] if draw(st.booleans()) else positions.expand(batch, seq).clone()
+    if allow_no_mask and bool(mask.all()) and draw(st.booleans()):
+        mask = None  # no padding: no mask argument at all
+    return mask, positions, pos_kind
+
+
+@st.composite
+def packed_rows(draw, batch: int, allow_no_mask: bool):
+    """Rows of documents with positions restarting at 0, padding before, between and after them."""
+    fill = draw(st.sampled_from(("zero", "one", "continue")))  # what position_ids hold at padding
+    rows = []
+    for r in range(batch):
+        segments = []
+        left = draw(st.integers(0, 1))
+        if left:
+            segments.append(("pad", left))
+        for _ in range(draw(st.integers(1 if r == 0 else 0, 3))):
+            segments.append(("doc", draw(st.integers(1, 4))))
+            gap = draw(st.integers(0, 1))
+            if gap:
+                segments.append(("pad", gap))
+        rows.append(segments)
+    width = max(1, max(sum(n for _, n in segs) for segs in rows))
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    positions = torch.zeros(batch, width, dtype=torch.long)
+    docs = []
+    for r, segments in enumerate(rows):
+        at, last = 0, -1
+        for kind, n in segments + [("pad", width - sum(n for _, n in segments))]:
+            if kind == "doc":
+                mask[r, at : at + n] = 1
+                positions[r, at : at + n] = torch.arange(n)
+                docs.append((r, at, n))
+                last = n - 1
+            else:
+                for i in range(at, at + n):
+                    last = {"zero": 0, "one": 1, "continue": last + 1}[fill]
+                    positions[r, i] = last
+            at += n
+    if allow_no_mask and bool(mask.all()) and draw(st.booleans()):
+        mask = None
+    return mask, positions, docs, f"packed/{fill}"
+
+
+@st.composite
+def cases(draw, caches: tuple):
+    cache = draw(st.sampled_from(caches))
+    route = draw(st.sampled_from(("class", "instance", "registered")))
+    layout = draw(st.sampled_from(("padded", "packed")))
+    batch = draw(st.integers(1, 3))
+    docs = []
+    allow_no_mask = cache != "static_full"  # a mask over every slot needs a mask; no mask is static_short's case
+    if layout == "padded":
+        seq = draw(st.integers(1, MAX_SEQ))
+        mask, positions, pos_kind = draw(padded_rows(batch, seq, allow_no_mask))
+    else:
+        mask, positions, docs, pos_kind = draw(packed_rows(batch, allow_no_mask))
+        seq = positions.shape[-1]
+    chunks = [seq]
+    if cache in CACHED and layout == "padded":  # packed rows: a prefill only (a cache cannot keep the documents)
+        first = seq - draw(st.integers(0, seq - 1))
+        chunks, left = [first], seq - first
+        while left:
+            step = draw(st.integers(1, min(3, left)))
+            chunks.append(step)
+            left -= step
+    extras = ["none"] * 6 + ["output_attentions"] + (["4d_mask"] if cache in SINGLE else [])
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    return Case(
+        kv_heads=draw(st.sampled_from((4, 2))),
+        train=draw(st.booleans()),
+        route=route,
+        unpad=draw(st.sampled_from(("model", "attention"))) if route != "registered" else "-",
+        cache=cache,
+        chunks=chunks,
+        extra_slots=draw(st.integers(0, 3)) if cache.startswith("static") else 0,
+        extra=draw(st.sampled_from(extras)),
+        pos_kind=pos_kind,
+        ids=torch.randint(3, VOCAB, (batch, seq), generator=gen),
+        mask=mask,
+        positions=positions,
+        docs=docs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- running
+
+
+def labels(case: Case) -> torch.Tensor:
+    """labels_for(ids, mask), and for packed rows no target predicted from the previous document either."""
+    out = labels_for(case.ids, case.real.long())
+    for row, start, _ in case.docs:
+        out[row, start] = -100
+    return out
+
+
+def four_d_mask(case: Case) -> torch.Tensor:
+    """The eager-style additive (B, 1, S, S) mask of the same pattern: causal, key padding, same document."""
+    batch, seq = case.ids.shape
+    allowed = torch.ones(seq, seq).tril().bool()[None] & case.real[:, None, :]
+    if case.docs:
+        doc_of = torch.full((batch, seq), -1)
+        for n, (row, start, length) in enumerate(case.docs):
+            doc_of[row, start : start + length] = n
+        allowed &= doc_of[:, :, None] == doc_of[:, None, :]
+    zero = torch.zeros(batch, 1, seq, seq)
+    return zero.masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_case(model, case: Case, *, with_grad: bool):
+    """The case through `model` as the user would call it: logits (B, S, V), loss (or None) and gradients."""
+    kw = {"output_attentions": True} if case.extra == "output_attentions" else {}
+    if case.cache in SINGLE:
+        if case.cache == "none":
+            kw["use_cache"] = False
+        mask = four_d_mask(case) if case.extra == "4d_mask" else case.mask
+        model.zero_grad(set_to_none=True)
+        out = model(
+            input_ids=case.ids, attention_mask=mask, position_ids=case.positions,
+            labels=labels(case) if with_grad else None, **kw,
+        )
+        if kw.get("output_attentions"):
+            assert out.attentions is not None and all(a is not None for a in out.attentions), "attentions dropped"
+        if with_grad and out.loss is not None and torch.isfinite(out.loss):
+            out.loss.backward()
+            return out.logits.detach(), out.loss.detach(), grads_of(model)
+        return out.logits.detach(), None, {}
+    batch, seq = case.ids.shape
+    slots = seq + case.extra_slots
+    if case.cache == "dynamic":
+        cache = DynamicCache()
+    else:
+        cache = StaticCache(config=model.config, max_cache_len=slots)
+    logits, stop = [], 0
+    for n in case.chunks:
+        start, stop = stop, stop + n
+        mask = None
+        if case.mask is not None:
+            mask = case.mask[:, :stop]  # past + q_len columns
+            if case.cache == "static_full":  # every slot: 1 for a filled real slot, 0 for padding and the tail
+                mask = F.pad(mask, (0, slots - stop))
+        positions = None if case.positions is None else case.positions[:, start:stop]
+        out = model(
+            input_ids=case.ids[:, start:stop], attention_mask=mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, **kw,
+        )
+        logits.append(out.logits.detach())
+    return torch.cat(logits, dim=1), None, {}
+
+
+def reference(model, case: Case, *, with_grad: bool):
+    """Unpatched eager: the whole padded batch in one forward, or every packed document alone."""
+    model.zero_grad(set_to_none=True)
+    if not case.docs:
+        out = model(
+            input_ids=case.ids, attention_mask=case.mask, position_ids=case.positions, use_cache=False,
+            labels=labels(case) if with_grad else None,
+        )
+        if with_grad and torch.isfinite(out.loss):
+            out.loss.backward()
+            return out.logits.detach(), out.loss.detach(), grads_of(model)
+        return out.logits.detach(), None, {}
+    logits = torch.zeros(*case.ids.shape, VOCAB)
+    targets = int((labels(case) != -100).sum())
+    total = 0.0
+    for row, start, n in case.docs:
+        doc = case.ids[row, start : start + n][None]
+        out = model(input_ids=doc, use_cache=False, labels=doc if with_grad and n > 1 else None)
+        logits[row, start : start + n] = out.logits[0].detach()
+        if out.loss is not None:
+            total = total + out.loss * (n - 1) / targets  # the packed loss is the mean over all targets
+    if with_grad and targets:
+        total.backward()
+        return logits, total.detach(), grads_of(model)
+    return logits, None, {}
+
+
+def patched(model, case: Case):
+    """Apply the case's route; a context manager that puts everything back."""
+    if case.route == "registered":
+        return _Registered(model)
+    return patchkit.apply_patch(
+        "llama2", backend="sdpa", unpad=case.unpad, model=model if case.route == "instance" else None
+    )
+
+
+class _Registered:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_attn_implementation(patchkit.ATTENTION_NAME)
+
+    def __exit__(self, *exc) -> None:
+        self.model.set_attn_implementation("eager")
+
+
+def check(case: Case) -> None:
+    model = copy.deepcopy(base_model(case.kv_heads)).train(case.train)
+    with_grad = case.train and case.cache in SINGLE
+    with torch.set_grad_enabled(with_grad):
+        want_logits, want_loss, want_grads = reference(model, case, with_grad=with_grad)
+        try:
+            with patched(model, case):
+                got_logits, got_loss, got_grads = run_case(model, case, with_grad=with_grad)
+        except patchkit.PatchkitError as err:
+            assert refusable(case), f"refused an input that can be served: {type(err).__name__}: {err}"
+            return
+    real = case.real
+    assert got_logits.shape == want_logits.shape
+    torch.testing.assert_close(got_logits[real], want_logits[real], atol=ATOL, rtol=RTOL, msg=lambda m: f"logits: {m}")
+    if with_grad:
+        assert (got_loss is None) == (want_loss is None), (got_loss, want_loss)
+        if want_loss is not None:
+            torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5, msg=lambda m: f"loss: {m}")
+        assert got_grads.keys() == want_grads.keys()
+        for name, want in want_grads.items():
+            torch.testing.assert_close(
+                got_grads[name], want, atol=ATOL, rtol=GRAD_RTOL, msg=lambda m, name=name: f"grad {name}: {m}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------- properties
+
+
+@given(case=cases(SINGLE))
+def test_single_forward_is_served_exactly_or_refused(case):
+    """No cache kept (use_cache=False) or use_cache left to the model: logits, and in training loss and grads."""
+    check(case)
+
+
+@given(case=cases(("dynamic",)))
+def test_dynamic_cache_prefill_and_decode_are_served_exactly_or_refused(case):
+    """A DynamicCache: prefill, then chunks and decode steps whose logits add up to the single pass."""
+    check(case)
+
+
+@given(case=cases(("static_short",)))
+def test_static_cache_with_a_past_plus_q_len_mask_is_served_exactly_or_refused(case):
+    """A StaticCache, its 2D mask over past + q_len columns (or no mask at all): prefill, chunks, decode steps."""
+    check(case)
+
+
+@given(case=cases(("static_full",)))
+def test_static_cache_with_a_mask_over_every_slot_is_served_exactly_or_refused(case):
+    """A StaticCache, its 2D mask over all max_cache_len slots (1 filled real, 0 padding and the unfilled tail)."""
+    check(case)
+
