@@ -35,6 +35,7 @@ from transformers import DynamicCache, StaticCache
 
 import patchkit
 from patchkit import attn_interface
+from patchkit.masks import build_metadata
 
 MAX_SEQ = 12
 ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-4, 1e-3
@@ -400,3 +401,55 @@ def test_static_cache_with_a_mask_over_every_slot_is_served_exactly_or_refused(c
     """A StaticCache, its 2D mask over all max_cache_len slots (1 filled real, 0 padding and the unfilled tail)."""
     check(case)
 
+
+# ---------------------------------------------------------------------------------------------------- regressions
+# The two bugs the properties found first, pinned as plain tests that name them.
+
+
+def test_static_cache_decode_with_a_mask_over_every_slot_matches_eager():
+    """Known bug (1): a StaticCache's 2D mask covers all max_cache_len slots (1 filled, 0 the unfilled tail).
+
+    Decode steps must take their queries at the cache position, not from the mask's last q_len columns (the
+    unfilled tail: the new token is taken for padding, wrong logits, no error). Found by
+    test_static_cache_with_a_mask_over_every_slot_is_served_exactly_or_refused, shrunk to a one-token prefill
+    into StaticCache(max_cache_len=2) with the mask [[1, 0]].
+    """
+    model = tiny_model(seed=11, kv_heads=2, heads=4, hidden=32, layers=2)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1]])  # left padding, as generate() has it
+    slots = 12
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            cache = StaticCache(config=model.config, max_cache_len=slots)
+            prefill = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache).logits
+            steps = [
+                model(input_ids=ids[:, t : t + 1], attention_mask=F.pad(mask[:, : t + 1], (0, slots - t - 1)),
+                      past_key_values=cache).logits
+                for t in (6, 7)
+            ]
+    real = mask.bool()
+    torch.testing.assert_close(prefill[real[:, :6]], want[:, :6][real[:, :6]], atol=ATOL, rtol=RTOL)
+    for t, got in zip((6, 7), steps):
+        torch.testing.assert_close(got[:, 0], want[:, t], atol=ATOL, rtol=RTOL, msg=lambda m, t=t: f"decode {t}: {m}")
+
+
+def test_a_hole_beside_generation_positions_is_one_document():
+    """Known bug (3): mask [1,0,1,1,1,1] with the generation convention's positions [0,1,1,2,3,4] is one sequence.
+
+    A document restarts where a real token's position does not increase over the previous *real* token's; the
+    padding position beside it (filled with 1) must not count, or the row is split into [1] + [4] tokens and the
+    second part stops seeing the first. Found by test_single_forward_is_served_exactly_or_refused, shrunk to the
+    mask [[1, 0, 1]] with positions [[0, 1, 1]].
+    """
+    mask = torch.tensor([[1, 0, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    assert positions.tolist() == [[0, 1, 1, 2, 3, 4]]
+    assert build_metadata(mask, 1, 6, 6, torch.device("cpu"), positions).seqlens_q == [5]
+    model = tiny_model(seed=11, kv_heads=2, heads=4, hidden=32, layers=2)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=ATOL, rtol=RTOL)
