@@ -23,13 +23,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
-from hypothesis import strategies as st
 from models import VOCAB, labels_for, tiny_model
 from transformers import DynamicCache, StaticCache
 
@@ -37,14 +36,17 @@ import patchkit
 from patchkit import attn_interface
 from patchkit.masks import build_metadata
 
+given = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install -e .[test])").given
+st = pytest.importorskip("hypothesis.strategies")
+
 MAX_SEQ = 12
 ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-4, 1e-3
-SINGLE, CACHED = ("none", "default"), ("dynamic", "static_short", "static_full")
+SINGLE, CACHED = ("none", "default"), ("dynamic", "implicit", "static_short", "static_full")
 
 
 @functools.cache
 def base_model(kv_heads: int):
-    """One tiny model per head layout (MHA: 4 K/V heads, GQA: 2 of 4), built once; each example deep-copies it."""
+    """One tiny model per head layout (MHA 4, GQA 2, MQA 1 K/V heads of 4), built once; each example deep-copies it."""
     return tiny_model(seed=11, kv_heads=kv_heads, heads=4, hidden=32, layers=2)
 
 
@@ -69,12 +71,18 @@ def sdpa_route():
 class Case:
     kv_heads: int
     train: bool
+    checkpointing: bool  # gradient checkpointing (non-reentrant), training mode without a cache only
     route: str  # "class", "instance" (apply_patch(model=...)) or "registered" (attn_implementation="patchkit")
     unpad: str  # "model" or "attention" (class and instance routes)
-    cache: str  # "none" (use_cache=False), "default" (left to the model), "dynamic", "static_short", "static_full"
+    # "none" (use_cache=False), "default" (left to the model), "dynamic" (a DynamicCache passed in), "implicit"
+    # (use_cache=True, then each step gets the previous output's past_key_values), "static_short", "static_full"
+    cache: str
     chunks: list  # tokens per forward: one entry is a single forward (or a prefill), more are chunks/decode steps
     extra_slots: int  # StaticCache slots beyond the sequence
-    extra: str  # "none", "output_attentions" or "4d_mask"
+    extra: str  # "none", "output_attentions", "hidden_states" or "4d_mask"
+    embeds: bool  # inputs_embeds instead of input_ids
+    mask_dtype: str  # the dtype the 2D mask is passed in: "long", "bool" or "float"
+    cu_seq_lens: bool  # packed documents also described by cu_seq_lens_q/k (DataCollatorWithFlattening's kwargs)
     pos_kind: Optional[str]
     ids: torch.Tensor
     mask: Optional[torch.Tensor]  # None: no attention_mask argument at all (no padding anywhere)
@@ -86,8 +94,10 @@ class Case:
             return None if t is None else t.tolist()
 
         return (
-            f"Case(kv_heads={self.kv_heads}, train={self.train}, route={self.route!r}, unpad={self.unpad!r}, "
+            f"Case(kv_heads={self.kv_heads}, train={self.train}, checkpointing={self.checkpointing}, "
+            f"route={self.route!r}, unpad={self.unpad!r}, "
             f"cache={self.cache!r}, chunks={self.chunks}, extra_slots={self.extra_slots}, extra={self.extra!r}, "
+            f"embeds={self.embeds}, mask_dtype={self.mask_dtype!r}, cu_seq_lens={self.cu_seq_lens}, "
             f"pos_kind={self.pos_kind!r}, docs={self.docs},\n     mask={show(self.mask)},\n"
             f"     positions={show(self.positions)}, ids.shape={tuple(self.ids.shape)})"
         )
@@ -103,14 +113,24 @@ def refusable(case: Case) -> Optional[str]:
     - output_attentions=True: the varlen kernels never form the attention matrix.
     - a 4D mask: an arbitrary attention pattern is not a key-padding mask (patchkit does not try to recognise the
       causal + padding ones).
+    - steps after a padded prefill that made its own cache in training mode under unpad="model": that forward
+      runs packed and returns no cache (documented in the README), so the next step's mask is longer than its
+      keys and is refused.
     Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
     """
-    return {
-        "output_attentions": "output_attentions=True cannot be served by varlen kernels",
-        "4d_mask": "a 4D mask is not a key-padding mask",
-    }.get(case.extra)
+    if case.extra == "output_attentions":
+        return "output_attentions=True cannot be served by varlen kernels"
+    if case.extra == "4d_mask":
+        return "a 4D mask is not a key-padding mask"
+    prefill = None if case.mask is None else case.mask[:, : case.chunks[0]]
+    if (
+        case.cache == "implicit" and len(case.chunks) > 1 and case.train and case.route != "registered"
+        and case.unpad == "model" and prefill is not None and not bool(prefill.all()) and bool(prefill.any())
+    ):
+        return "a padded training forward keeps no cache under unpad='model'"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- strategies
@@ -142,7 +162,7 @@ def padded_rows(draw, batch: int, seq: int, allow_no_mask: bool):
             row = [0] * seq
         rows.append(row)
     mask = torch.tensor(rows)
-    pos_kind = draw(st.sampled_from((None, "generation", "arange")))
+    pos_kind = draw(st.sampled_from(("generation", None, "arange")))  # generation first: the usual, and the riskiest
     if pos_kind is None:
         positions = None
     elif pos_kind == "generation":  # what generate() builds for a padded batch
@@ -197,12 +217,14 @@ def packed_rows(draw, batch: int, allow_no_mask: bool):
 def cases(draw, caches: tuple):
     cache = draw(st.sampled_from(caches))
     route = draw(st.sampled_from(("class", "instance", "registered")))
-    layout = draw(st.sampled_from(("padded", "packed")))
+    # cached runs take packed rows as a prefill only: there, mostly padded rows with chunks and decode steps
+    layout = draw(st.sampled_from(("padded", "packed") if cache in SINGLE else ("padded",) * 3 + ("packed",)))
     batch = draw(st.integers(1, 3))
     docs = []
     allow_no_mask = cache != "static_full"  # a mask over every slot needs a mask; no mask is static_short's case
     if layout == "padded":
-        seq = draw(st.integers(1, MAX_SEQ))
+        tiny = draw(st.sampled_from((False,) * 4 + (True,)))  # the 1- and 2-token edges, now and then
+        seq = draw(st.integers(1, 2) if tiny else st.integers(3, MAX_SEQ))
         mask, positions, pos_kind = draw(padded_rows(batch, seq, allow_no_mask))
     else:
         mask, positions, docs, pos_kind = draw(packed_rows(batch, allow_no_mask))
@@ -215,17 +237,26 @@ def cases(draw, caches: tuple):
             step = draw(st.integers(1, min(3, left)))
             chunks.append(step)
             left -= step
-    extras = ["none"] * 6 + ["output_attentions"] + (["4d_mask"] if cache in SINGLE else [])
+    extras = ["none"] * 6 + ["output_attentions"] + (["hidden_states", "4d_mask"] if cache in SINGLE else [])
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    train = draw(st.booleans())
+    # one row of documents, no padding: what DataCollatorWithFlattening(return_flash_attn_kwargs=True) gives
+    cu_seq_lens = bool(docs) and batch == 1 and mask is None and cache in SINGLE and draw(st.booleans())
+    if cu_seq_lens and draw(st.booleans()):
+        positions, pos_kind = None, "packed/cu_seq_lens only"  # the kwargs alone must separate the documents
     return Case(
-        kv_heads=draw(st.sampled_from((4, 2))),
-        train=draw(st.booleans()),
+        kv_heads=draw(st.sampled_from((4, 2, 1))),
+        train=train,
+        checkpointing=train and cache in SINGLE and draw(st.booleans()),  # it turns caches off in training
         route=route,
         unpad=draw(st.sampled_from(("model", "attention"))) if route != "registered" else "-",
         cache=cache,
         chunks=chunks,
         extra_slots=draw(st.integers(0, 3)) if cache.startswith("static") else 0,
         extra=draw(st.sampled_from(extras)),
+        embeds=draw(st.booleans()),
+        mask_dtype=draw(st.sampled_from(("long", "bool", "float"))),
+        cu_seq_lens=cu_seq_lens,
         pos_kind=pos_kind,
         ids=torch.randint(3, VOCAB, (batch, seq), generator=gen),
         mask=mask,
@@ -262,30 +293,54 @@ def grads_of(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def tokens(model, case: Case, ids: torch.Tensor) -> dict:
+    """input_ids, or their embeddings as inputs_embeds (inside the graph: the embedding still gets its gradient)."""
+    return {"inputs_embeds": model.get_input_embeddings()(ids)} if case.embeds else {"input_ids": ids}
+
+
+def as_passed(case: Case, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    dtype = {"long": torch.long, "bool": torch.bool, "float": torch.float32}[case.mask_dtype]
+    return None if mask is None else mask.to(dtype)
+
+
+def packing_kwargs(case: Case) -> dict:
+    if not case.cu_seq_lens:
+        return {}
+    lengths = torch.tensor([n for _, _, n in case.docs])
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def run_case(model, case: Case, *, with_grad: bool):
-    """The case through `model` as the user would call it: logits (B, S, V), loss (or None) and gradients."""
+    """The case through `model` as the user would call it: (logits (B, S, V), hidden states or None), loss, grads."""
     kw = {"output_attentions": True} if case.extra == "output_attentions" else {}
+    if case.extra == "hidden_states":
+        kw["output_hidden_states"] = True
     if case.cache in SINGLE:
         if case.cache == "none":
             kw["use_cache"] = False
-        mask = four_d_mask(case) if case.extra == "4d_mask" else case.mask
+        mask = four_d_mask(case) if case.extra == "4d_mask" else as_passed(case, case.mask)
         model.zero_grad(set_to_none=True)
         out = model(
-            input_ids=case.ids, attention_mask=mask, position_ids=case.positions,
-            labels=labels(case) if with_grad else None, **kw,
+            **tokens(model, case, case.ids), attention_mask=mask, position_ids=case.positions,
+            labels=labels(case) if with_grad else None, **packing_kwargs(case), **kw,
         )
         if kw.get("output_attentions"):
             assert out.attentions is not None and all(a is not None for a in out.attentions), "attentions dropped"
+        hidden = None if out.hidden_states is None else [h.detach() for h in out.hidden_states]
         if with_grad and out.loss is not None and torch.isfinite(out.loss):
             out.loss.backward()
-            return out.logits.detach(), out.loss.detach(), grads_of(model)
-        return out.logits.detach(), None, {}
+            return (out.logits.detach(), hidden), out.loss.detach(), grads_of(model)
+        return (out.logits.detach(), hidden), None, {}
     batch, seq = case.ids.shape
     slots = seq + case.extra_slots
-    if case.cache == "dynamic":
-        cache = DynamicCache()
-    else:
-        cache = StaticCache(config=model.config, max_cache_len=slots)
+    cache = {
+        "dynamic": lambda: DynamicCache(),
+        "implicit": lambda: None,
+        "static_short": lambda: StaticCache(config=model.config, max_cache_len=slots),
+        "static_full": lambda: StaticCache(config=model.config, max_cache_len=slots),
+    }[case.cache]()
     logits, stop = [], 0
     for n in case.chunks:
         start, stop = stop, stop + n
@@ -296,11 +351,12 @@ def run_case(model, case: Case, *, with_grad: bool):
                 mask = F.pad(mask, (0, slots - stop))
         positions = None if case.positions is None else case.positions[:, start:stop]
         out = model(
-            input_ids=case.ids[:, start:stop], attention_mask=mask, position_ids=positions, past_key_values=cache,
-            use_cache=True, **kw,
+            **tokens(model, case, case.ids[:, start:stop]), attention_mask=as_passed(case, mask),
+            position_ids=positions, past_key_values=cache, use_cache=True, **kw,
         )
         logits.append(out.logits.detach())
-    return torch.cat(logits, dim=1), None, {}
+        cache = out.past_key_values if case.cache == "implicit" else cache
+    return (torch.cat(logits, dim=1), None), None, {}
 
 
 def reference(model, case: Case, *, with_grad: bool):
@@ -308,26 +364,27 @@ def reference(model, case: Case, *, with_grad: bool):
     model.zero_grad(set_to_none=True)
     if not case.docs:
         out = model(
-            input_ids=case.ids, attention_mask=case.mask, position_ids=case.positions, use_cache=False,
-            labels=labels(case) if with_grad else None,
+            **tokens(model, case, case.ids), attention_mask=case.mask, position_ids=case.positions, use_cache=False,
+            labels=labels(case) if with_grad else None, output_hidden_states=case.extra == "hidden_states",
         )
+        hidden = None if out.hidden_states is None else [h.detach() for h in out.hidden_states]
         if with_grad and torch.isfinite(out.loss):
             out.loss.backward()
-            return out.logits.detach(), out.loss.detach(), grads_of(model)
-        return out.logits.detach(), None, {}
+            return (out.logits.detach(), hidden), out.loss.detach(), grads_of(model)
+        return (out.logits.detach(), hidden), None, {}
     logits = torch.zeros(*case.ids.shape, VOCAB)
     targets = int((labels(case) != -100).sum())
     total = 0.0
     for row, start, n in case.docs:
         doc = case.ids[row, start : start + n][None]
-        out = model(input_ids=doc, use_cache=False, labels=doc if with_grad and n > 1 else None)
+        out = model(**tokens(model, case, doc), use_cache=False, labels=doc if with_grad and n > 1 else None)
         logits[row, start : start + n] = out.logits[0].detach()
         if out.loss is not None:
             total = total + out.loss * (n - 1) / targets  # the packed loss is the mean over all targets
     if with_grad and targets:
         total.backward()
-        return logits, total.detach(), grads_of(model)
-    return logits, None, {}
+        return (logits, None), total.detach(), grads_of(model)
+    return (logits, None), None, {}
 
 
 def patched(model, case: Case):
@@ -352,18 +409,29 @@ class _Registered:
 
 def check(case: Case) -> None:
     model = copy.deepcopy(base_model(case.kv_heads)).train(case.train)
+    if case.checkpointing:
+        with warnings.catch_warnings():  # 5.x renames it activation_checkpointing_enable; 4.x has only this name
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with_grad = case.train and case.cache in SINGLE
     with torch.set_grad_enabled(with_grad):
-        want_logits, want_loss, want_grads = reference(model, case, with_grad=with_grad)
+        (want_logits, want_hidden), want_loss, want_grads = reference(model, case, with_grad=with_grad)
         try:
             with patched(model, case):
-                got_logits, got_loss, got_grads = run_case(model, case, with_grad=with_grad)
+                (got_logits, got_hidden), got_loss, got_grads = run_case(model, case, with_grad=with_grad)
         except patchkit.PatchkitError as err:
             assert refusable(case), f"refused an input that can be served: {type(err).__name__}: {err}"
             return
     real = case.real
     assert got_logits.shape == want_logits.shape
     torch.testing.assert_close(got_logits[real], want_logits[real], atol=ATOL, rtol=RTOL, msg=lambda m: f"logits: {m}")
+    if want_hidden is not None:  # padded rows: every layer's hidden states on real tokens (packed: logits only)
+        assert got_hidden is not None and len(got_hidden) == len(want_hidden), "hidden states dropped"
+        for i, (got, want) in enumerate(zip(got_hidden, want_hidden)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(
+                got[real], want[real], atol=ATOL, rtol=RTOL, msg=lambda m, i=i: f"hidden state {i}: {m}"
+            )
     if with_grad:
         assert (got_loss is None) == (want_loss is None), (got_loss, want_loss)
         if want_loss is not None:
@@ -384,9 +452,10 @@ def test_single_forward_is_served_exactly_or_refused(case):
     check(case)
 
 
-@given(case=cases(("dynamic",)))
+@given(case=cases(("dynamic", "implicit")))
 def test_dynamic_cache_prefill_and_decode_are_served_exactly_or_refused(case):
-    """A DynamicCache: prefill, then chunks and decode steps whose logits add up to the single pass."""
+    """A DynamicCache (passed in, or made by the model and handed on): prefill, chunks and decode steps whose logits
+    add up to the single pass."""
     check(case)
 
 
