@@ -1,10 +1,12 @@
 """Property: every input is served exactly (equal to unpatched eager on real tokens) or refused with PatchkitError.
 
 Hypothesis draws one `Case`: a batch (right, left, mixed padding, holes inside a row, all-padding rows, no padding,
-or packed rows of several documents), a position_ids convention (None, the generation convention
-`mask.cumsum(-1) - 1` with padding filled by 1, arange with padding positions kept), a cache (none, use_cache left
-to the model, a DynamicCache or a StaticCache fed prefill + chunks / decode steps, the StaticCache with a 2D mask
-over all max_cache_len slots or over past + q_len only), train or eval mode, MHA or GQA, and the route into
+or packed rows of several documents, batch 1 to 3), a position_ids convention (None, the generation convention
+`mask.cumsum(-1) - 1` with padding filled by 1, arange with padding positions kept; packed rows restart at 0, their
+padding holding 0, 1 or continued positions, optionally with cu_seq_lens_q/k), a cache (none, use_cache left to the
+model, a DynamicCache passed in or made by the model and handed on, a StaticCache whose 2D mask covers past + q_len
+columns or every max_cache_len slot; prefill, then chunks and decode steps), train or eval mode (gradient
+checkpointing in training), MHA, GQA or MQA, input_ids or inputs_embeds, the mask's dtype, and the route into
 patchkit (class patch with unpad "model" or "attention", instance patch, the registered attn_implementation).
 
 The reference is the unpatched eager model with the same weights: the same call in one forward (chunks and decode
@@ -14,8 +16,9 @@ let packed documents attend across each other; that is its bug, not the referenc
 gradient must match too.
 
 A `patchkit.PatchkitError` is accepted only where `refusable` says the input cannot be served; any other refusal,
-any other exception, and any mismatch fail. Profiles (tests/conftest.py): a few derandomized examples by default,
-many random ones with --runslow.
+any other exception, and any mismatch fail. Profiles (tests/conftest.py): 200 derandomized examples per property
+by default (CI-reproducible), 1000 random ones with --runslow. The regression tests at the end pin the bugs the
+properties found first.
 """
 
 from __future__ import annotations
