@@ -525,3 +525,52 @@ def test_a_hole_beside_generation_positions_is_one_document():
         with patchkit.apply_patch("llama2", backend="sdpa"):
             got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=ATOL, rtol=RTOL)
+
+
+# Found by the properties beyond the two known bugs; strict xfail so the fix shows up as an XPASS to unmark.
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="StaticCache, no mask: keys not trimmed to the slots")
+def test_static_cache_without_a_mask_matches_eager():
+    """No attention_mask with a StaticCache: all max_cache_len slots reach the kernel as keys, bottom-right causal.
+
+    The queries then sit at the end of the slots and attend to the unfilled (zero) ones: wrong logits, no error.
+    Shrunk by test_static_cache_with_a_past_plus_q_len_mask_is_served_exactly_or_refused to one token into
+    StaticCache(max_cache_len=2).
+    """
+    model = tiny_model(seed=11, kv_heads=2, heads=4, hidden=32, layers=2)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            cache = StaticCache(config=model.config, max_cache_len=8)
+            got = torch.cat([model(input_ids=ids[:, :3], past_key_values=cache).logits]
+                            + [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in (3, 4)], 1)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.xfail(
+    strict=True, raises=(AssertionError, patchkit.PatchInputError),
+    reason="registered route + StaticCache: refused (short mask) or wrong (full mask)",
+)
+@pytest.mark.parametrize("mask_len", ["past_plus_q_len", "every_slot"])
+def test_registered_route_serves_a_static_cache(mask_len):
+    """attn_implementation="patchkit" receives all max_cache_len slots from transformers' attention and never trims.
+
+    A past + q_len mask is refused as if past columns had been prepended ("attention_mask has shape (1, 1) but ...
+    2 keys"); a mask over every slot gives wrong logits like known bug (1).
+    """
+    model = tiny_model(seed=11, kv_heads=2, heads=4, hidden=32, layers=2)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * 5, [0, 1, 1, 1, 1]])
+    slots = 8
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation(patchkit.ATTENTION_NAME)
+        cache = StaticCache(config=model.config, max_cache_len=slots)
+        got = []
+        for start, stop in ((0, 3), (3, 4), (4, 5)):
+            step_mask = mask[:, :stop] if mask_len == "past_plus_q_len" else F.pad(mask[:, :stop], (0, slots - stop))
+            got.append(model(input_ids=ids[:, start:stop], attention_mask=step_mask, past_key_values=cache).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(got, 1)[real], want[real], atol=ATOL, rtol=RTOL)
