@@ -85,6 +85,19 @@ def _host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
     return out
 
 
+def packing_restart_with_past(
+    mask: Optional[torch.Tensor], batch: int, q_len: int, position_ids: Optional[torch.Tensor], device: torch.device
+) -> bool:
+    """A chunk with a past whose positions restart among its real tokens holds a new packed document."""
+    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
+        return False
+    real_q = (torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None
+              else mask[:, -q_len:].to(device=device, dtype=torch.bool))
+    indices = torch.nonzero(real_q.reshape(-1)).flatten()
+    docs = _document_lengths(real_q, indices, position_ids.to(real_q.device))
+    return docs.numel() > int(real_q.any(-1).sum())
+
+
 def _rises(real: torch.Tensor) -> torch.Tensor:
     """Per row, how many runs of real tokens it has: more than one means a padding hole inside the row."""
     return (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()
@@ -170,6 +183,12 @@ def build_metadata(
         return _from_cu_seqlens(batch, q_len, kv_len, cu_seq_lens_q, cu_seq_lens_k)
 
     packing_hint = position_ids is not None and q_len == kv_len and position_ids.shape[-1] == q_len and q_len > 1
+    if q_len != kv_len and packing_restart_with_past(mask, batch, q_len, position_ids, device):
+        raise PatchInputError(
+            "position_ids restart inside a chunk that has a KV cache behind it: packed documents with a past would "
+            "see the previous documents' cached keys (unpatched transformers lets them, silently). Run packed rows "
+            "without a past (use_cache=False), or one document per row when generating."
+        )
     if mask is None and not packing_hint:
         return _dense(batch, q_len, kv_len, device)
 
@@ -250,6 +269,13 @@ class VarlenMask:
         cannot be placed is refused.
         """
         fixed = fixed_cache or self.fixed_cache
+        if self.past_len == 0 and not fixed and self.mask is not None and self.mask.shape[-1] > q_len == keys:
+            raise PatchInputError(
+                f"attention_mask covers {self.mask.shape[-1]} columns, but this forward brings no cached tokens and "
+                f"adds {q_len}. If its past_key_values came from a forward in training mode: patchkit keeps no KV "
+                "cache in training (call model.eval() to generate with a cache). Otherwise pass the mask of this "
+                "call's tokens only."
+            )
         if self.past_len is not None:
             used = self.past_len + q_len - self.key_offset
             if used > keys or (used < keys and not fixed):

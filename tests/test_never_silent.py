@@ -305,3 +305,24 @@ def test_an_unserved_argument_is_refused_by_name():
     attention = make_attention_function(route_state(), {"llama"})
     with pytest.raises(PatchInputError, match=r"LlamaAttention \(model_type 'llama'\) passes s_aux=.*attention sinks"):
         attention(layer, q, q, q, None, s_aux=torch.zeros(4))
+
+
+def test_packed_documents_behind_a_cache_are_refused():
+    """A chunk whose positions restart with a cache behind it: the new document would see the cached one."""
+    model = tiny_model(kv_heads=2)
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        out = model(input_ids=ids[:, :2], position_ids=torch.tensor([[0, 1]]), use_cache=True)
+        with pytest.raises(PatchInputError, match="position_ids restart inside a chunk that has a KV cache"):
+            model(input_ids=ids[:, 2:], position_ids=torch.tensor([[2, 0, 1]]), past_key_values=out.past_key_values)
+
+
+def test_a_cache_from_training_mode_is_explained_not_blamed_on_the_mask():
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask)  # training keeps no cache
+        assert out.past_key_values is None
+        longer = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(PatchInputError, match="patchkit keeps no KV cache in training.*model.eval"):
+            model(input_ids=ids[:, -1:], attention_mask=longer, past_key_values=out.past_key_values)

@@ -116,9 +116,8 @@ def refusable(case: Case) -> Optional[str]:
     - output_attentions=True: the varlen kernels never form the attention matrix.
     - a 4D mask: an arbitrary attention pattern is not a key-padding mask (patchkit does not try to recognise the
       causal + padding ones).
-    - steps after a padded prefill that made its own cache in training mode under unpad="model": that forward
-      runs packed and returns no cache (documented in the README), so the next step's mask is longer than its
-      keys and is refused.
+    - steps after a prefill that made its own cache in training mode: patchkit keeps no KV cache in training
+      (documented in the README), so the next step's mask is longer than its keys and is refused, naming that.
     Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
@@ -127,12 +126,8 @@ def refusable(case: Case) -> Optional[str]:
         return "output_attentions=True cannot be served by varlen kernels"
     if case.extra == "4d_mask":
         return "a 4D mask is not a key-padding mask"
-    prefill = None if case.mask is None else case.mask[:, : case.chunks[0]]
-    if (
-        case.cache == "implicit" and len(case.chunks) > 1 and case.train and case.route != "registered"
-        and case.unpad == "model" and prefill is not None and not bool(prefill.all()) and bool(prefill.any())
-    ):
-        return "a padded training forward keeps no cache under unpad='model'"
+    if case.cache == "implicit" and len(case.chunks) > 1 and case.train and case.route != "registered":
+        return "a training-mode forward keeps no KV cache"
     return None
 
 
@@ -527,10 +522,9 @@ def test_a_hole_beside_generation_positions_is_one_document():
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=ATOL, rtol=RTOL)
 
 
-# Found by the properties beyond the two known bugs; strict xfail so the fix shows up as an XPASS to unmark.
+# Found by the properties beyond the two known bugs.
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="StaticCache, no mask: keys not trimmed to the slots")
 def test_static_cache_without_a_mask_matches_eager():
     """No attention_mask with a StaticCache: all max_cache_len slots reach the kernel as keys, bottom-right causal.
 
@@ -549,10 +543,6 @@ def test_static_cache_without_a_mask_matches_eager():
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=(AssertionError, patchkit.PatchInputError),
-    reason="registered route + StaticCache: refused (short mask) or wrong (full mask)",
-)
 @pytest.mark.parametrize("mask_len", ["past_plus_q_len", "every_slot"])
 def test_registered_route_serves_a_static_cache(mask_len):
     """attn_implementation="patchkit" receives all max_cache_len slots from transformers' attention and never trims.
