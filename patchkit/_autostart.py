@@ -7,6 +7,7 @@ themselves (the launcher, `patchkit verify`, `patchkit bench`) call `stand_down(
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import site
@@ -48,12 +49,15 @@ def apply_at_import() -> Optional[PatchHandle]:
     args = PatchArguments.from_env()  # a bad value raises ValueError naming the variable: the import fails loudly
     if not args.flash_attn:
         return None
-    if any(h.key == ("class",) for h in active_patches()):
+    if any(h.key[0] == "class" for h in active_patches()):
         return None  # already applied in this process (same options: the same handle; else apply_patch says so)
     handle = apply_from_args(args)
     if handle is not None:
+        from .launch import report_at_exit
+
         handle.origin = ORIGIN
         announce(handle, args)
+        atexit.register(report_at_exit, handle)  # as the launcher does: loud if no layer ran through it
     return handle
 
 

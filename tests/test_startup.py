@@ -143,7 +143,7 @@ def test_an_explicit_apply_with_the_variable_set_patches_once(tmp_path):
     proc = run([sys.executable, path], env=clean_env(PATCHKIT_FLASH_ATTN="1", PATCHKIT_BACKEND="sdpa"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "OK" and APPLIED not in proc.stderr
-    assert "is already applied to the LLaMA classes; call its handle's revert()" in proc.stdout
+    assert "is already applied to the llama classes; call its handle's revert()" in proc.stdout
 
 
 HOOK_FIRST = '''
@@ -165,7 +165,7 @@ def test_a_different_explicit_apply_after_the_variable_applied_says_where_the_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     origin = "applied when transformers' LLaMA module was imported, because PATCHKIT_FLASH_ATTN is on"
     assert f"ORIGIN {origin}" in proc.stdout
-    assert (f"patch 'llama2' (backend='sdpa', strict=False, unpad='model') is already applied to the LLaMA classes "
+    assert (f"patch 'llama2' (backend='sdpa', strict=False, unpad='model') is already applied to the llama classes "
             f"({origin}); call its handle's revert()") in proc.stdout
     assert proc.stderr.count(APPLIED) == 1
 
