@@ -1,5 +1,7 @@
 """Padded and packed training steps per model family: patchkit against HF sdpa, in real tokens per second.
 
+HF's own attention for the baseline is sdpa, or eager for a family HF has no sdpa path for (Gemma2).
+
 Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
 batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the longest
 rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine hits
@@ -31,8 +33,8 @@ SIZE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_
             num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
 
 
-def build(family: str) -> torch.nn.Module:
-    """A random model of `family` at the benchmark size, HF sdpa attention, fp32."""
+def build(family: str) -> tuple[torch.nn.Module, str]:
+    """A random model of `family` at the benchmark size, fp32, and its HF attention: sdpa, else eager (Gemma2)."""
     import transformers as tf
 
     configs = {
@@ -41,13 +43,19 @@ def build(family: str) -> torch.nn.Module:
         "qwen2": lambda: tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, **SIZE),
         "qwen3": lambda: tf.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
                                         max_window_layers=2, **SIZE),
+        "gemma": lambda: tf.GemmaConfig(head_dim=32, **SIZE),
         "gemma2": lambda: tf.Gemma2Config(head_dim=32, sliding_window=WINDOW, **SIZE),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, **SIZE),
         "phi3": lambda: tf.Phi3Config(sliding_window=WINDOW, **SIZE),
     }
-    config = configs[family]()
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().train()
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        try:
+            model = tf.AutoModelForCausalLM.from_config(configs[family](), attn_implementation=implementation)
+        except ValueError:  # transformers has no sdpa path for this family (Gemma2's softcap)
+            continue
+        return model.float().train(), implementation
+    raise RuntimeError(f"{family}: no HF attention implementation loads")
 
 
 def timed_step(model: torch.nn.Module, batch: dict) -> float:
@@ -64,15 +72,16 @@ def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
     ids, mask, labels = padded_batch(docs)
     padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
     packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
-    reference = build(family)
+    reference, implementation = build(family)
     model = copy.deepcopy(reference)
     patch = "llama2" if family == "llama" else family
-    times: dict[str, list[float]] = {"hf_sdpa padded": [], "patchkit padded": [], "patchkit packed": []}
+    hf = f"hf_{implementation} padded"
+    times: dict[str, list[float]] = {hf: [], "patchkit padded": [], "patchkit packed": []}
     handle = patchkit.apply_patch(patch, model=model, backend="sdpa")
     try:
         for rep in range(reps + 1):  # the first round warms up
             got = {
-                "hf_sdpa padded": timed_step(reference, padded),
+                hf: timed_step(reference, padded),
                 "patchkit padded": timed_step(model, padded),
                 "patchkit packed": timed_step(model, packed),
             }
@@ -82,12 +91,16 @@ def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
     finally:
         handle.revert()
     real = sum(lengths)
-    base = statistics.median(times["hf_sdpa padded"])
-    return [
+    base = statistics.median(times[hf])
+    rows = [
         dict(family=family, provider=key, median_s=round(statistics.median(v), 4),
-             real_tokens_per_s=round(real / statistics.median(v), 1), vs_hf_sdpa=round(base / statistics.median(v), 2))
+             real_tokens_per_s=round(real / statistics.median(v), 1), vs_hf=round(base / statistics.median(v), 2))
         for key, v in times.items()
     ]
+    for row in rows:
+        print(f"{row['family']:<12}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
+              f"{row['vs_hf']:>11.2f}x", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,15 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     lengths = lognormal_lengths(8, args.scale)
     print(f"batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; fp32, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}; {args.reps} alternating reps, medians")
+    print(f"{'family':<12}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}")
     rows = [row for family in args.families for row in measure(family, lengths, args.reps)]
-    print(f"{'family':<9}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF sdpa':>12}")
-    for row in rows:
-        print(f"{row['family']:<9}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
-              f"{row['vs_hf_sdpa']:>11.2f}x")
-    verdicts = [r for r in rows if r["provider"] == "patchkit padded"]
-    for row in verdicts:
-        status = "ok" if row["vs_hf_sdpa"] >= TARGET else "MISS"
-        print(f"target padded step >= {TARGET}x HF sdpa: {row['family']}: {row['vs_hf_sdpa']}x {status}")
+    for row in (r for r in rows if r["provider"] == "patchkit padded"):
+        if args.scale != 1.0:
+            print(f"{row['family']}: {row['vs_hf']}x HF (target {TARGET}x stated for the full-size run: not judged)")
+            continue
+        status = "ok" if row["vs_hf"] >= TARGET else "MISS"
+        print(f"target padded step >= {TARGET}x HF (sdpa, or eager where HF has no sdpa): {row['family']}: "
+              f"{row['vs_hf']}x {status}")
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with args.csv.open("w", newline="") as f:
