@@ -15,7 +15,7 @@ from .errors import PatchInputError, PatchTargetError
 from .masks import VarlenMask, cache_placement, refuse_4d
 from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
-from .patching import BoundPatch, Replacement
+from .patching import Replacement, bound_replacement
 
 
 def modeling_llama() -> ModuleType:
@@ -110,7 +110,7 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
         )
 
     def bind(func: Any, module: nn.Module, attr: str, label: str) -> Replacement:
-        return Replacement(module, attr, BoundPatch(func, module, attr, state.track_copy), label)
+        return bound_replacement(func, module, attr, label, state.track_copy)
 
     forward = make_forward(state, mod.apply_rotary_pos_emb)
     out = [bind(forward, m, "forward", f"{type(m).__name__}.forward (layer {m.layer_idx})") for m in attentions]

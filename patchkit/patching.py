@@ -76,6 +76,13 @@ class BoundPatch:
         return getattr, (self.__self__, self.attr)  # at load: the class's own (unpatched) method
 
 
+def bound_replacement(
+    func: Callable, module: Any, attr: str, label: str, on_copy: Callable[[Any, str], None]
+) -> Replacement:
+    """Replace `module.attr` on this instance only by `func` bound to it (a `BoundPatch`)."""
+    return Replacement(module, attr, BoundPatch(func, module, attr, on_copy), label)
+
+
 def _is_data_descriptor(owner: Any, attr: str) -> bool:
     cls_attr = getattr(type(owner), attr, None)
     return hasattr(cls_attr, "__set__")

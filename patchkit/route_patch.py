@@ -20,7 +20,7 @@ from .attention import KV_PACKED, PatchState
 from .errors import PatchTargetError
 from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
-from .patching import BoundPatch, Replacement
+from .patching import Replacement, bound_replacement
 from .registry import PatchSpec
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
@@ -75,12 +75,13 @@ def instance_replacements(state: PatchState, model: nn.Module, classes: Callable
     out = []
     for b in bases:
         wrapped = make_model_forward(type(b).forward, state.unpad, b.config._attn_implementation, route=state)
-        out.append(Replacement(b, "forward", BoundPatch(wrapped, b, "forward", state.track_copy),
-                               f"{type(b).__name__}.forward (routes masks and attention to patchkit)"))
+        out.append(bound_replacement(wrapped, b, "forward",
+                                     f"{type(b).__name__}.forward (routes masks and attention to patchkit)",
+                                     state.track_copy))
     if state.unpad == "model" and lm is not None:
         for m in find_modules(model, lm):
-            out.append(Replacement(m, "forward", BoundPatch(make_lm_forward(type(m).forward), m, "forward",
-                                                            state.track_copy), f"{type(m).__name__}.forward"))
+            out.append(bound_replacement(make_lm_forward(type(m).forward), m, "forward",
+                                         f"{type(m).__name__}.forward", state.track_copy))
     return out
 
 
