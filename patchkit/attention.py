@@ -17,6 +17,7 @@ from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
+from .patching import BoundPatch
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
@@ -47,12 +48,12 @@ class PatchState:
         self.copies.append((weakref.ref(module), attr))
 
     def revert_copies(self) -> None:
-        """Take this state's patched methods off every deepcopy still alive."""
+        """Take this state's patched methods (every BoundPatch that reports its copies here) off each live deepcopy."""
         for ref, attr in self.copies:
             module = ref()
-            if module is not None and getattr(vars(module).get(attr), "__func__", None) is not None:
-                if getattr(vars(module)[attr].__func__, "__patchkit_state__", None) is self:
-                    delattr(module, attr)
+            patched = None if module is None else vars(module).get(attr)
+            if isinstance(patched, BoundPatch) and getattr(patched.on_copy, "__self__", None) is self:
+                delattr(module, attr)
         self.copies.clear()
 
     def warn_once(self, key: str, message: str) -> None:

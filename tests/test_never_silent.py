@@ -171,7 +171,12 @@ def test_deepcopy_of_an_instance_patched_model_is_patched_and_reverted_with_it()
     patchkit.revert_patch()
     modules = [*twin.modules(), *model.modules()]
     assert not any(is_patched_forward(vars(m).get("forward")) for m in modules if "forward" in vars(m))
+    # every instance-level method is gone from the copy too: attention, the base model's and the LM's forward
+    assert [type(m).__name__ for m in modules if "forward" in vars(m)] == []
     assert twin.config._attn_implementation == model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        after = twin(input_ids=ids, attention_mask=mask).logits  # the reverted copy runs as the unpatched model
+    torch.testing.assert_close(after[real], want[real], atol=2e-5, rtol=1e-4)
 
 
 def test_a_saved_instance_patched_model_loads_and_runs_without_patchkit(tmp_path):
