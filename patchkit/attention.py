@@ -131,7 +131,10 @@ def varlen_core(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero."""
+    """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero.
+
+    The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
+    """
     batch, q_len, heads, head_dim = q.shape
     if state.packing == QKV_PACKED:
         if k.shape[2] != heads:
@@ -140,7 +143,6 @@ def varlen_core(
                 f"heads and {k.shape[2]} key/value heads (grouped-query attention). Use apply_patch('llama2'), "
                 "which supports GQA."
             )
-    check_call(module, kwargs)
     vmask = as_varlen_mask(attention_mask, fixed_cache)
     kv_len = vmask.keys_in_use(q_len, k.shape[1], fixed_cache)
     if kv_len != k.shape[1]:  # a static cache returns all its slots; the unfilled ones are never seen
@@ -224,6 +226,7 @@ def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = past.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_kwargs)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
+        check_call(self, kwargs)
         out = varlen_core(
             state, self, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs,
             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,

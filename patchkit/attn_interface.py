@@ -18,10 +18,10 @@ from . import gates
 from .attention import PatchState, make_attention_function
 from .backends import BACKEND_NAMES, make_backend
 from .masks import VarlenMask
-from .model_unpad import ROUTED_STATE
+from .model_unpad import ROUTE_NAME, ROUTED_STATE
 from .registry import registered, resolve
 
-ATTENTION_NAME = "patchkit"
+ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 
 _options = {"backend": "auto", "strict": False}
 _state: Optional[PatchState] = None

@@ -22,7 +22,7 @@ from .padding import pad_input, unpad_rows
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 IGNORE_INDEX = -100
-ROUTE_NAME = "patchkit"  # the registered attention name (attn_interface.ATTENTION_NAME)
+ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attn_interface.ATTENTION_NAME)
 
 _LABELS_FROM_PADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_labels_from_padding",
                                                                              default=False)
