@@ -7,9 +7,10 @@ callback right after each has executed:
 - `transformers.modeling_utils` and `transformers.masking_utils` (once both exist, transformers >= 4.53): register
   `attn_implementation="patchkit"` as two small stubs that import patchkit on first use, so the name works in a
   process that never imports patchkit (a TRL config, a config.json).
-- `transformers.models.llama.modeling_llama`: when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply
-  patchkit's class patch (`patchkit._autostart`) before any model can be built from the module. A process that
-  never imports transformers' LLaMA never imports torch or patchkit for it.
+- the modeling module of every family patchkit serves (`FAMILY_MODULES`, `transformers.models.llama.modeling_llama`
+  and the others): when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply patchkit's class patch
+  (`patchkit._autostart`) before any model can be built from the module. A process that never imports such a
+  module never imports torch or patchkit for it.
 
 It lives outside the `patchkit` package because importing `patchkit` imports torch and transformers.
 """
@@ -31,6 +32,11 @@ NAME = "patchkit"  # patchkit.attn_interface.ATTENTION_NAME
 MODELING_UTILS = "transformers.modeling_utils"
 MASKING_UTILS = "transformers.masking_utils"
 MODELING_LLAMA = "transformers.models.llama.modeling_llama"
+# The modeling modules of the families patchkit serves (registry.PATCH_MODULES; a test keeps the two lists equal).
+FAMILY_MODULES = (MODELING_LLAMA, *(f"transformers.models.{m}.modeling_{m}" for m in (
+    "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "granite", "starcoder2", "olmo2", "smollm3",
+    "glm4",
+)))
 
 _owner: Optional[str] = None  # who decides about patching in this process instead of PATCHKIT_FLASH_ATTN
 
@@ -90,7 +96,7 @@ def _apply_from_env(_module: ModuleType) -> None:
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     MODELING_UTILS: _register_name,
     MASKING_UTILS: _register_name,
-    MODELING_LLAMA: _apply_from_env,
+    **{module: _apply_from_env for module in FAMILY_MODULES},
 }
 
 

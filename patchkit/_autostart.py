@@ -1,8 +1,9 @@
-"""PATCHKIT_FLASH_ATTN=1 alone: the class patch, applied when transformers' LLaMA module is imported, announced once.
+"""PATCHKIT_FLASH_ATTN=1 alone: the class patch, applied when a served family's modeling module is imported.
 
-Called by the startup hook (`_patchkit_startup`, run from patchkit-startup.pth) right after
-`transformers.models.llama.modeling_llama` has executed. patchkit's own entry points that decide about patching
-themselves (the launcher, `patchkit verify`, `patchkit bench`) call `stand_down()` first.
+Called by the startup hook (`_patchkit_startup`, run from patchkit-startup.pth) right after the modeling module of
+a family patchkit serves (`transformers.models.<family>.modeling_<family>`) has executed; announced once.
+patchkit's own entry points that decide about patching themselves (the launcher, `patchkit verify`,
+`patchkit bench`) call `stand_down()` first.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Optional
 
 from .api import PatchHandle, active_patches, applying
 from .config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
+from .group import PatchGroup
 
 PTH_NAME = "patchkit-startup.pth"
-ORIGIN = f"applied when transformers' LLaMA module was imported, because {ENV_FLASH_ATTN} is on"
+ORIGIN = f"applied when a served family's modeling module was imported, because {ENV_FLASH_ATTN} is on"
 
 
 def stand_down(owner: str) -> None:
@@ -29,20 +31,21 @@ def stand_down(owner: str) -> None:
         hook.stand_down(owner)
 
 
-def announce(handle: PatchHandle, args: PatchArguments, stream: Any = None) -> None:
+def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any = None) -> None:
     """The one line on stderr: which variable did it, which patch, which backend, which process."""
     from .launch import rank_label
 
+    scope = "every family patchkit serves" if isinstance(handle, PatchGroup) else f"every {handle.spec.family} model"
     print(
         f"patchkit: {ENV_FLASH_ATTN}={os.environ.get(ENV_FLASH_ATTN, '')}, {rank_label()}: patch {handle.name!r} "
-        f"applied to every LLaMA model in this process, backend {handle.backend!r} (requested {args.attn_backend!r}, "
+        f"applied to {scope} in this process, backend {handle.backend!r} (requested {args.attn_backend!r}, "
         f"strict={args.patch_strict}, unpad={args.patch_unpad!r})",
         file=stream or sys.stderr,
         flush=True,
     )
 
 
-def apply_at_import() -> Optional[PatchHandle]:
+def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
     """Apply the class patch PATCHKIT_* ask for, unless an explicit apply_patch in this process is doing it now."""
     if applying():
         return None  # apply_patch imported LLaMA itself: the explicit call decides, and applies once

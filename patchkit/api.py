@@ -5,19 +5,23 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+from packaging.version import Version
 from torch import nn
 
 from . import gates as _gates
+from . import unserved
 from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
+from .group import PatchGroup
 from .liveness import live_layers
 from .model_walk import find_modules, head_dim, model_config
 from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, for_model_type, registered, resolve
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
+_GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
 _applying = 0  # class patches being built now: building one imports transformers' LLaMA, which fires the startup hook
 
 
@@ -75,6 +79,8 @@ class PatchHandle:
         self.active = False
         if _ACTIVE.get(self.key) is self:
             del _ACTIVE[self.key]
+        if not any(key[0] == "class" for key in _ACTIVE):
+            unserved.detach()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -141,18 +147,19 @@ def _state_of(fn: Any) -> Optional[PatchState]:
 def apply_patch(
     name: Optional[str] = None, *, backend: str = "auto", strict: bool = False, model: Optional[nn.Module] = None,
     unpad: str = "model",
-) -> PatchHandle:
+) -> PatchHandle | PatchGroup:
     """Patch a model family's attention to run FlashAttention-style varlen kernels on 2D key-padding masks.
 
     Args:
         name: "llama2" (alias "llama") or "llama1", or a family by `model_type` ("mistral", "qwen2", "qwen3",
             "gemma", "gemma2", "gemma3_text", "phi3"; see `available_patches()`). Default None: the patch for
-            `model.config.model_type` when `model` is given, else "llama2".
+            `model.config.model_type` when `model` is given, else every registered family whose transformers
+            gate passes (returns a `PatchGroup`; the families skipped are named in its report).
         backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the gate),
             "flash_attn" or "sdpa" (torch-native, exact, CPU or GPU).
         strict: raise `PatchGateError` instead of falling back when a gate fails.
         model: patch this loaded instance only (PEFT/DDP/FSDP wrappers are looked through); default None
-            patches the classes, so every LLaMA model built afterwards runs through the patch.
+            patches the classes, so every model of the family built afterwards runs through the patch.
         unpad: "model" (default) unpads a padded batch once per model forward, so embeddings, projections, MLP
             and norms run on real tokens only (one packed row) and the outputs are repadded; it applies when no
             KV cache is kept (use_cache=False, or training). "attention" unpads inside each attention layer
@@ -170,11 +177,20 @@ def apply_patch(
         raise TypeError(f"strict must be True or False, got {strict!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module (e.g. LlamaForCausalLM), got {type(model).__name__}")
-    if name is None and model is not None:
+    if name is None and model is None:
+        return _apply_every_family(backend, strict, unpad)
+    if name is None:
         spec = for_model_type(getattr(model_config(model), "model_type", None))
     else:
-        spec = resolve("llama2" if name is None else name)
+        spec = resolve(name)
+    return _apply(spec, backend, strict, model, unpad)
 
+
+def _apply(
+    spec: PatchSpec, backend: str, strict: bool, model: Optional[nn.Module], unpad: str,
+    env: Optional[_gates.Environment] = None, chosen: Optional[tuple[str, list[GateResult]]] = None,
+) -> PatchHandle:
+    """Apply one patch (`chosen`: the backend a group already decided on, with its gates, so it warns once)."""
     key = ("class", spec.family) if model is None else ("model", id(model))
     options = (backend, strict, unpad)
     existing = _ACTIVE.get(key)
@@ -189,7 +205,7 @@ def apply_patch(
             + "; call its handle's revert() (or patchkit.revert_patch()) before applying another."
         )
 
-    env = _gates.probe_environment()
+    env = env or _gates.probe_environment()
     tf_gate = _gates.transformers_gate(env, spec.supported, spec.name)
     if not tf_gate.passed:
         raise PatchGateError(tf_gate.describe())
@@ -197,12 +213,12 @@ def apply_patch(
     failed = _gates.first_failure(model_gates)
     if failed is not None:
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
-    chosen, backend_gates = _gates.choose_backend(
+    chosen_name, backend_gates = chosen or _gates.choose_backend(
         spec.name, spec.flash_attn_min, spec.flash_attn_why, backend, strict, env,
         None if model is None or backend == "sdpa" else head_dim(model),
     )
 
-    state = PatchState(spec.name, spec.packing, make_backend(chosen), strict, unpad)
+    state = PatchState(spec.name, spec.packing, make_backend(chosen_name), strict, unpad)
     replacements = spec.build_instance(state, model) if model is not None else _build_class(spec, state)
     apply_replacements(replacements)
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
@@ -214,7 +230,58 @@ def apply_patch(
             handle.revert()
             raise
         weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
+    else:
+        unserved.attach(_served)
     return handle
+
+
+def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
+    """`apply_patch()` before load: every registered family whose transformers gate passes, one backend warning.
+
+    A family the installed transformers is outside of is skipped and named in the report (its models then say so
+    once when built); a conflict with a patch already applied reverts what this call applied, then raises.
+    """
+    global _applying
+    env = _gates.probe_environment()
+    specs, skipped = [], {}
+    for spec in registered():
+        if spec.name == "llama1":
+            continue  # LLaMA's default is llama2 (KV cache, GQA); llama1 is asked for by name
+        gate = _gates.transformers_gate(env, spec.supported, spec.name)
+        if gate.passed:
+            specs.append(spec)
+        else:
+            skipped[spec.name] = gate.describe()
+    if not specs:
+        raise PatchGateError(f"no patchkit patch serves the installed transformers: {'; '.join(skipped.values())}")
+    flash_min = max((s.flash_attn_min for s in specs), key=Version)
+    chosen = _gates.choose_backend(
+        f"every family ({', '.join(s.name for s in specs)})", flash_min, specs[0].flash_attn_why, backend, strict,
+        env,
+    )
+    handles, fresh = [], []
+    _applying += 1
+    try:
+        for spec in specs:
+            new = ("class", spec.family) not in _ACTIVE
+            handles.append(_apply(spec, backend, strict, None, unpad, env, chosen))
+            if new:
+                fresh.append(handles[-1])
+    except BaseException:
+        for handle in reversed(fresh):
+            handle.revert()
+        raise
+    finally:
+        _applying -= 1
+    global _GROUP
+    if _GROUP is None or list(_GROUP) != handles:
+        _GROUP = PatchGroup(handles, skipped)
+    return _GROUP  # the same families with the same options: the same group (twice == once)
+
+
+def _served() -> dict[type, str]:
+    """The attention classes the active class patches serve, with their model type (for `unserved`'s warning)."""
+    return {h.spec.attention_class(): h.spec.family for key, h in list(_ACTIVE.items()) if key[0] == "class"}
 
 
 def _build_class(spec: PatchSpec, state: PatchState) -> list[Replacement]:

@@ -11,6 +11,7 @@ from torch import nn
 from .api import PatchHandle, apply_patch
 from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
+from .group import GROUP_NAME, PatchGroup
 from .registry import ALIASES, PATCH_MODULES
 
 ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
@@ -25,8 +26,8 @@ FALSE_VALUES = ("0", "false", "no", "off", "")
 
 
 def patch_names() -> list[str]:
-    """Every accepted patch name: registered names, then aliases."""
-    return sorted(PATCH_MODULES) + sorted(ALIASES)
+    """Every accepted patch name: "all" (every family, the default), registered names, then aliases."""
+    return [GROUP_NAME, *sorted(PATCH_MODULES), *sorted(ALIASES)]
 
 
 def _check_choice(where: str, value: Any, allowed: list[str] | tuple[str, ...]) -> str:
@@ -57,8 +58,9 @@ def _flash_attn_field() -> Any:
 
 def _patch_field() -> Any:
     return dataclasses.field(
-        default="llama2",
-        metadata={"help": "Which patchkit patch to apply: llama2 (KV cache, GQA; default) or llama1 (training only).",
+        default=GROUP_NAME,
+        metadata={"help": "Which patchkit patch to apply: all (every family patchkit serves; default), a family by "
+                          "model_type (llama2 for LLaMA, mistral, qwen2, ...), or llama1 (LLaMA, training only).",
                   "choices": patch_names()},
     )
 
@@ -160,7 +162,9 @@ class PatchArguments:
         return cls(**values)
 
 
-def apply_from_args(args: Any, *more: Any, model: Optional[nn.Module] = None) -> Optional[PatchHandle]:
+def apply_from_args(
+    args: Any, *more: Any, model: Optional[nn.Module] = None
+) -> Optional[PatchHandle | PatchGroup]:
     """Apply the patch the arguments ask for; None when `flash_attn` is off.
 
     Each field of PatchArguments is read from the first of `args, *more` that has it: a PatchArguments, the
@@ -186,12 +190,13 @@ def apply_from_args(args: Any, *more: Any, model: Optional[nn.Module] = None) ->
     if not opts.flash_attn:
         return None
     return apply_patch(
-        opts.patch, backend=opts.attn_backend, strict=opts.patch_strict, model=model, unpad=opts.patch_unpad
+        None if opts.patch == GROUP_NAME else opts.patch, backend=opts.attn_backend, strict=opts.patch_strict,
+        model=model, unpad=opts.patch_unpad,
     )
 
 
-def apply_from_env(environ: Optional[Mapping[str, str]] = None, model: Optional[nn.Module] = None) -> Optional[
-    PatchHandle
-]:
+def apply_from_env(
+    environ: Optional[Mapping[str, str]] = None, model: Optional[nn.Module] = None
+) -> Optional[PatchHandle | PatchGroup]:
     """Apply the patch when PATCHKIT_FLASH_ATTN is on (with PATCHKIT_PATCH/BACKEND/STRICT/UNPAD); else None."""
     return apply_from_args(PatchArguments.from_env(environ), model=model)

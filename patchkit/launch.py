@@ -17,7 +17,8 @@ from .config import PatchArguments, apply_from_args, patch_names
 from .errors import PatchkitError
 
 # Usage:
-#   python -m patchkit.launch [--patch llama2] [--backend auto|flash_attn|sdpa] [--strict] SCRIPT.py [args...]
+#   python -m patchkit.launch [--patch all|llama2|mistral|...] [--backend auto|flash_attn|sdpa] [--strict] \
+#       SCRIPT.py [args...]
 #   python -m patchkit.launch [options] -m package.module [args...]
 #   torchrun --nproc_per_node 2 -m patchkit.launch --backend sdpa train.py --lr 1e-4
 #   accelerate launch --num_processes 2 -m patchkit.launch train.py --lr 1e-4
@@ -50,7 +51,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "PATCHKIT_FLASH_ATTN=0 "
         "runs unpatched.",
     )
-    parser.add_argument("--patch", choices=patch_names(), help="patch to apply (default llama2 or $PATCHKIT_PATCH)")
+    parser.add_argument("--patch", choices=patch_names(),
+                        help="patch to apply (default all: every family patchkit serves; or $PATCHKIT_PATCH)")
     parser.add_argument("--backend", choices=BACKEND_NAMES, help="backend (default auto or $PATCHKIT_BACKEND)")
     parser.add_argument("--unpad", choices=UNPAD_MODES,
                         help="remove padding once per model forward (model) or in each attention layer (attention); "

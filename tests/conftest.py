@@ -47,7 +47,7 @@ def _targets() -> dict[str, object]:
     if "_update_causal_mask" in mod.LlamaModel.__dict__:
         found["_update_causal_mask"] = mod.LlamaModel.__dict__["_update_causal_mask"]
     utils = importlib.import_module("transformers.modeling_utils").PreTrainedModel
-    for name in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2"):  # flash_request's
+    for name in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2", "post_init"):
         if name in vars(utils):
             found[name] = vars(utils)[name]
     return found

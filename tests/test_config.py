@@ -82,7 +82,7 @@ def test_hf_argument_parser_rejects_a_bad_backend(tmp_path, capsys):
 def test_dataclass_validates_when_built_in_code():
     with pytest.raises(ValueError, match=r"attn_backend='gpu' is not valid; allowed values: auto, flash_attn, sdpa"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
-    allowed = r"gemma, .*llama1, llama2, mistral, .*qwen3, smollm3, starcoder2, llama$"
+    allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, smollm3, starcoder2, llama$"
     with pytest.raises(ValueError, match=rf"patch='gpt2' is not valid; allowed values: {allowed}"):
         PatchArguments(patch="gpt2")
     assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
@@ -131,6 +131,9 @@ def test_env_unpad_attention_reaches_the_patch():
 
 def test_env_mapping_argument_instead_of_os_environ():
     handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"})
+    assert handle.name == "all" and handle.backend == "sdpa" and "mistral" in handle.model_types
+    handle.revert()
+    handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa", "PATCHKIT_PATCH": "llama"})
     assert handle.name == "llama2" and handle.backend == "sdpa"
 
 
@@ -139,7 +142,7 @@ def test_env_mapping_argument_instead_of_os_environ():
     [
         ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
         ("PATCHKIT_BACKEND", "cuda", "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, sdpa"),
-        ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: gemma, .*starcoder2, llama"),
+        ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: all, gemma, .*, llama"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
         ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),
     ],
@@ -229,7 +232,7 @@ def test_patch_options_compose_with_the_scripts_own_flash_attn(tmp_path):
     assert {f.name for f in dataclasses.fields(patchkit.PatchOptions)} == {"patch", "attn_backend", "patch_strict",
                                                                             "patch_unpad"}
     handle = apply_from_args(training_args, opts)  # flash_attn from the script's arguments, the rest from ours
-    assert (handle.name, handle.options) == ("llama2", ("sdpa", False, "attention"))
+    assert (handle.name, handle.options) == ("all", ("sdpa", False, "attention"))
     handle.revert()
     _, training_args, opts = parser.parse_args_into_dataclasses(["--attn_backend", "sdpa", *common])
     assert apply_from_args(training_args, opts) is None and patchkit.active_patches() == []

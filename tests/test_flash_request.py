@@ -57,7 +57,7 @@ def test_class_patch_serves_the_request_with_one_warning_and_matches_eager():
     ids, mask = padded_batch("mixed")
     with torch.no_grad():
         want = reference(input_ids=ids, attention_mask=mask).logits
-    handle = patchkit.apply_patch(backend="sdpa")
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
     config = tiny_config(attn_implementation="flash_attention_2")
     model, messages = build(LlamaForCausalLM, config)
     model.load_state_dict(reference.state_dict())
@@ -73,7 +73,7 @@ def test_class_patch_serves_the_request_with_one_warning_and_matches_eager():
 
 
 def test_only_llama_models_and_only_flash_attention_2_are_let_through():
-    patchkit.apply_patch(backend="sdpa")
+    patchkit.apply_patch("llama2", backend="sdpa")
     mistral = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=4, attn_implementation="flash_attention_2")
     with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
@@ -84,7 +84,7 @@ def test_only_llama_models_and_only_flash_attention_2_are_let_through():
 
 @pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"), reason="transformers < 4.56")
 def test_set_attn_implementation_on_a_loaded_model_is_served_too():
-    patchkit.apply_patch(backend="sdpa")
+    patchkit.apply_patch("llama2", backend="sdpa")
     model = LlamaForCausalLM(tiny_config())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -96,7 +96,7 @@ def test_set_attn_implementation_on_a_loaded_model_is_served_too():
 @pytest.mark.skipif(CHECK != "_check_and_adjust_attn_implementation", reason="the transformers >= 4.56 wrapper")
 def test_where_transformers_accepts_the_request_nothing_changes():
     """A machine with a usable flash-attn: transformers' check passes, so its answer stands and nothing is said."""
-    state = patchkit.apply_patch(backend="sdpa").state
+    state = patchkit.apply_patch("llama2", backend="sdpa").state
     accepting = flash_request.make_check_and_adjust(lambda self, impl, *a, **k: impl, state, LlamaPreTrainedModel)
     model = LlamaForCausalLM(tiny_config())
     with warnings.catch_warnings():
@@ -106,7 +106,7 @@ def test_where_transformers_accepts_the_request_nothing_changes():
 
 def test_revert_restores_transformers_method():
     before = vars(PreTrainedModel)[CHECK]
-    handle = patchkit.apply_patch(backend="sdpa")
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
     assert vars(PreTrainedModel)[CHECK] is not before
     assert f"PreTrainedModel.{CHECK} (serves 'flash_attention_2')" in handle.report()
     handle.revert()

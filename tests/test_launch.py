@@ -16,21 +16,22 @@ import patchkit
 USER_SCRIPT = '''
 import json, os, sys
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
 import patchkit
 
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=int(os.environ.get("KV_HEADS", "2")),
-                     pad_token_id=0, attn_implementation="eager")
-model = LlamaForCausalLM(config).eval()
+family = os.environ.get("FAMILY", "Llama")  # the class prefix: Llama, Mistral, ...
+config = getattr(transformers, family + "Config")(
+    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=int(os.environ.get("KV_HEADS", "2")), pad_token_id=0, attn_implementation="eager")
+model = getattr(transformers, family + "ForCausalLM")(config).eval()
 ids = torch.randint(3, 97, (3, 12))
 mask = torch.ones(3, 12, dtype=torch.long)
 mask[1, 8:] = 0   # right padding
 mask[2, :5] = 0   # left padding
-handles = patchkit.active_patches()
+handles = [h for h in patchkit.active_patches() if h.spec.family == config.model_type]  # this model's patch
 info = {"argv": sys.argv, "name": __name__, "patches": [h.name for h in handles],
-        "backends": [h.backend for h in handles]}
+        "backends": [h.backend for h in handles], "active": [h.name for h in patchkit.active_patches()]}
 with torch.no_grad():
     patched = model(input_ids=ids, attention_mask=mask).logits
 if handles:
@@ -67,7 +68,16 @@ def test_launch_patches_before_the_script_and_leaves_its_argv_untouched(user_scr
     assert info["patches"] == ["llama2"] and info["backends"] == ["sdpa"]
     assert info["live_layers"] == 2 and info["layers_run"] == 2
     assert info["max_diff_vs_eager"] < 1e-5
-    assert "patchkit.launch: rank 0/1 (single process): patch 'llama2' applied, backend 'sdpa'" in proc.stderr
+    assert "patchkit.launch: rank 0/1 (single process): patch 'all' applied, backend 'sdpa'" in proc.stderr
+
+
+@pytest.mark.parametrize("family,patch", [("Mistral", "mistral"), ("Qwen3", "qwen3")])
+def test_the_launcher_default_patches_whatever_family_the_script_loads(user_script, tmp_path, family, patch):
+    proc = launch("--backend", "sdpa", user_script, env=clean_env(FAMILY=family), cwd=tmp_path)
+    info = result_of(proc)
+    assert info["patches"] == [patch] and info["live_layers"] == 2 and info["layers_run"] == 2
+    assert info["max_diff_vs_eager"] < 1e-5 and "llama2" in info["active"]
+    assert "2 attention layers ran through patch 'all'" in proc.stderr
 
 
 def test_patchkit_run_auto_falls_back_with_a_warning_naming_the_gate(user_script, tmp_path):
@@ -118,8 +128,9 @@ def test_module_target_exit_code_and_rank_line(tmp_path):
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     info = json.loads(line[len("RESULT "):])
-    assert info == {"argv": ["3", "--help"], "name": "__main__", "patches": ["llama2"]}
-    assert "patchkit.launch: rank 1/2 (local 1): patch 'llama2' applied, backend 'sdpa'" in proc.stderr
+    assert info["argv"] == ["3", "--help"] and info["name"] == "__main__"
+    assert info["patches"][:2] == ["llama2", "mistral"]
+    assert "patchkit.launch: rank 1/2 (local 1): patch 'all' applied, backend 'sdpa'" in proc.stderr
 
 
 # In-process runs of the same main() (fast): options, opt-out, bad values and usage errors.
@@ -164,11 +175,17 @@ def test_environment_alone_chooses(in_process, monkeypatch):
     assert in_process() == [["llama2", "sdpa", "model"]]
 
 
+def every_family(got: list) -> set:
+    """The (backend, unpad) every family was patched with; the default patches every family, LLaMA first."""
+    assert got[0][0] == "llama2" and len(got) == len(patchkit.available_patches()) - 1  # all but llama1
+    return {tuple(entry[1:]) for entry in got}
+
+
 def test_unpad_flag_overrides_environment(in_process, monkeypatch):
     monkeypatch.setenv("PATCHKIT_UNPAD", "attention")
-    assert in_process("--backend", "sdpa") == [["llama2", "sdpa", "attention"]]
+    assert every_family(in_process("--backend", "sdpa")) == {("sdpa", "attention")}
     patchkit.revert_patch()  # the launcher leaves its patch applied for the script's lifetime
-    assert in_process("--backend", "sdpa", "--unpad", "model") == [["llama2", "sdpa", "model"]]
+    assert every_family(in_process("--backend", "sdpa", "--unpad", "model")) == {("sdpa", "model")}
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -181,7 +198,8 @@ def test_opt_out_runs_the_script_unpatched(in_process, monkeypatch, capsys, how)
 
 @pytest.mark.parametrize(
     "var,value,allowed",
-    [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, sdpa"), ("PATCHKIT_PATCH", "gpt2", "gemma, .*starcoder2, llama"),
+    [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, sdpa"),
+     ("PATCHKIT_PATCH", "gpt2", "all, gemma, .*starcoder2, llama"),
      ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_STRICT", "2", "1, true, yes, on")],
 )
 def test_bad_environment_values_are_rejected_naming_the_variable(in_process, monkeypatch, capsys, var, value, allowed):
@@ -225,9 +243,9 @@ def test_in_process_split_keeps_script_options(monkeypatch):
 def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path):
     proc = launch("--backend", "sdpa", str(user_script))
     assert result_of(proc)["layers_run"] == 2
-    assert "2 attention layers ran through patch 'llama2'" in proc.stderr
+    assert "2 attention layers ran through patch 'all'" in proc.stderr
     idle = tmp_path / "idle.py"
     idle.write_text("import sys\nprint('no model here')\nsys.exit(0)\n")
     proc = launch("--backend", "sdpa", str(idle))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "WARNING: no attention layer ran through patch 'llama2'" in proc.stderr
+    assert "WARNING: no attention layer ran through patch 'all'" in proc.stderr

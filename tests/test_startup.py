@@ -22,7 +22,7 @@ import _patchkit_startup
 SCRIPTS = REPO / "tests" / "user_scripts"
 needs_mask_interface = pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
                                           reason="attn_implementation='patchkit' needs transformers >= 4.53")
-APPLIED = "patch 'llama2' applied to every LLaMA model in this process"
+APPLIED = "patch 'all' applied to every family patchkit serves in this process"
 
 
 def spy_of(proc: subprocess.CompletedProcess) -> dict:
@@ -109,7 +109,7 @@ def test_the_launcher_applies_once_and_its_options_win(tmp_path):
     )
     got = spy_of(patched)
     assert got["padded_attention"] == 0 and got["patches"] == [["llama2", "sdpa", 2]]
-    assert "patchkit.launch: rank 0/1 (single process): patch 'llama2' applied, backend 'sdpa'" in patched.stderr
+    assert "patchkit.launch: rank 0/1 (single process): patch 'all' applied, backend 'sdpa'" in patched.stderr
     assert APPLIED not in patched.stderr
     off = spy_of(opted_out)
     assert off["padded_attention"] > 0 and off["patches"] == [] and APPLIED not in opted_out.stderr
@@ -122,9 +122,9 @@ from transformers.modeling_utils import PreTrainedModel
 names = ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2")  # >= 4.56, before
 check = next(n for n in names if n in vars(PreTrainedModel))
 before = vars(PreTrainedModel)[check]
-handle = patchkit.apply_patch(backend="sdpa")           # imports transformers' LLaMA: the startup hook fires inside
+handle = patchkit.apply_patch(backend="sdpa")           # imports every family's module: the startup hook fires inside
 from transformers.models.llama import modeling_llama as ml
-assert patchkit.active_patches() == [handle], patchkit.active_patches()
+assert patchkit.active_patches() == list(handle), patchkit.active_patches()
 assert patchkit.apply_from_env() is handle               # the variable asks for the same options: the same handle
 try:
     patchkit.apply_patch(backend="sdpa", unpad="attention")
@@ -149,7 +149,7 @@ def test_an_explicit_apply_with_the_variable_set_patches_once(tmp_path):
 HOOK_FIRST = '''
 import transformers.models.llama.modeling_llama      # the startup hook applies the class patch here
 import patchkit
-(handle,) = patchkit.active_patches()
+handle = patchkit.active_patches()[0]
 print("ORIGIN", handle.origin)
 try:
     patchkit.apply_patch(backend="sdpa", unpad="attention")
@@ -163,7 +163,7 @@ def test_a_different_explicit_apply_after_the_variable_applied_says_where_the_pa
     path.write_text(HOOK_FIRST)
     proc = run([sys.executable, path], env=clean_env(PATCHKIT_FLASH_ATTN="true", PATCHKIT_BACKEND="sdpa"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    origin = "applied when transformers' LLaMA module was imported, because PATCHKIT_FLASH_ATTN is on"
+    origin = "applied when a served family's modeling module was imported, because PATCHKIT_FLASH_ATTN is on"
     assert f"ORIGIN {origin}" in proc.stdout
     assert (f"patch 'llama2' (backend='sdpa', strict=False, unpad='model') is already applied to the llama classes "
             f"({origin}); call its handle's revert()") in proc.stdout

@@ -55,6 +55,7 @@ def report(**extra: Any) -> None:
         "padded_masks": sum(v for k, v in COUNTS.items() if k.startswith("mask:")) if MASKS_COUNTED[0] else None,
         "patchkit_imported": patchkit is not None,
         "marks": MARKS,
-        "patches": [[h.name, h.backend, h.calls] for h in handles],
+        "patches": [[h.name, h.backend, h.calls] for h in handles if h.calls],  # the patches that served calls
+        "active": sorted(h.name for h in handles),
         **extra,
     }), flush=True)

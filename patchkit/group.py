@@ -1,0 +1,106 @@
+"""One handle for `apply_patch()` with no name: every family's class patch, reverted, checked and reported together."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from torch import nn
+
+from .errors import PatchTargetError
+from .model_walk import model_config
+
+GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
+
+
+class PatchGroup:
+    """The class patches of every family that passed its gates, plus the families skipped and why.
+
+    It reads like a `PatchHandle` (name, backend, revert, context manager, report, layers counts), so the
+    launcher and the config flag treat one patch and every family alike.
+    """
+
+    def __init__(self, handles: list[Any], skipped: dict[str, str]) -> None:
+        self.handles = handles
+        self.skipped = skipped  # patch name -> the gate that kept it off
+
+    name = GROUP_NAME
+    key = ("group",)
+
+    @property
+    def backend(self) -> str:
+        return self.handles[0].backend
+
+    @property
+    def options(self) -> tuple:
+        """(backend requested, strict, unpad), as every family was applied with."""
+        return self.handles[0].options
+
+    @property
+    def active(self) -> bool:
+        return any(h.active for h in self.handles)
+
+    @property
+    def origin(self) -> Optional[str]:
+        return self.handles[0].origin
+
+    @origin.setter
+    def origin(self, value: Optional[str]) -> None:
+        for handle in self.handles:
+            handle.origin = value
+
+    @property
+    def model_types(self) -> list[str]:
+        return [t for h in self.handles for t in h.spec.model_types]
+
+    @property
+    def layers_patched(self) -> int:
+        return sum(h.layers_patched for h in self.handles)
+
+    @property
+    def layers_seen(self) -> int:
+        return sum(h.layers_seen for h in self.handles)
+
+    @property
+    def calls(self) -> int:
+        return sum(h.calls for h in self.handles)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.handles)
+
+    def handle_for(self, model: nn.Module) -> Any:
+        """The family handle serving `model`; a family outside the group raises `PatchTargetError`."""
+        model_type = getattr(model_config(model), "model_type", None)
+        for handle in self.handles:
+            if model_type in handle.spec.model_types:
+                return handle
+        why = next((r for n, r in self.skipped.items() if n == model_type), None)
+        raise PatchTargetError(
+            f"{type(model).__name__} (model_type {model_type!r}) is not served by this patch: "
+            + (why if why else f"patchkit patched {', '.join(self.model_types)}")
+        )
+
+    def check(self, model: nn.Module) -> int:
+        """The family handle's check: how many of `model`'s attention layers run through the patch."""
+        return self.handle_for(model).check(model)
+
+    def revert(self) -> None:
+        """Revert every family's patch (newest first); a second call does nothing."""
+        for handle in reversed(self.handles):
+            handle.revert()
+
+    def __enter__(self) -> PatchGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.revert()
+
+    def report(self) -> str:
+        lines = [f"patchkit patch {GROUP_NAME!r}: {len(self.handles)} families patched, {len(self.skipped)} skipped"]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines + [h.report() for h in self.handles])
+
+    __str__ = report
+
+    def __repr__(self) -> str:
+        return (f"PatchGroup(families={self.model_types!r}, backend={self.backend!r}, active={self.active}, "
+                f"layers_patched={self.layers_patched})")

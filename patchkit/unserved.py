@@ -1,0 +1,74 @@
+"""Say once when a model that no active class patch serves is built: it runs unpatched, never silently."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Callable, Optional
+
+from .patching import Replacement, apply_replacements, restore_replacements
+
+_installed: Optional[list[Replacement]] = None
+_warned: set[str] = set()  # model types already named in this process
+
+
+def _pretrained_model() -> type:
+    return importlib.import_module("transformers.modeling_utils").PreTrainedModel
+
+
+def why_unserved(model_type: Optional[str], families: str) -> str:
+    """Why `model_type` runs unpatched: no patch for it, the gate its patch fails, or its patch was not applied."""
+    from . import gates
+    from .errors import PatchTargetError
+    from .registry import for_model_type
+
+    try:
+        spec = for_model_type(model_type)
+    except PatchTargetError:
+        return f"patchkit has no patch for this family (the active patches serve {families})"
+    gate = gates.transformers_gate(gates.probe_environment(), spec.supported, spec.name)
+    if not gate.passed:
+        return f"its patch {spec.name!r} is off here: {gate.describe()}"
+    return (f"the active patches serve {families}; apply_patch({spec.name!r}) before loading, or "
+            "apply_patch(model=m) on the loaded model, patches it")
+
+
+def note(model: Any, served: dict[type, str]) -> None:
+    """Warn once per model type when `model` holds no attention layer of a served family (`served`: attention
+    class -> its model type); a composite whose language model is served (LLaVA) is served."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _warned or any(isinstance(m, tuple(served)) for m in model.modules()):
+        return
+    _warned.add(model_type)
+    families = ", ".join(sorted(set(served.values()))) or "no family"
+    warnings.warn(
+        f"patchkit: {type(model).__name__} (model_type {model_type!r}) runs unpatched, on transformers' own "
+        f"attention: {why_unserved(model_type, families)}.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def attach(served: Callable[[], dict[type, str]]) -> None:
+    """While a class patch is active, every model built checks its family against `served()` (idempotent)."""
+    global _installed
+    if _installed is not None:
+        return
+    cls = _pretrained_model()
+    original = cls.post_init
+
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        note(self, served())
+        return out
+
+    _installed = [Replacement(cls, "post_init", post_init, "PreTrainedModel.post_init (names unserved families)")]
+    apply_replacements(_installed)
+
+
+def detach() -> None:
+    """The last class patch is gone: models are built as transformers builds them."""
+    global _installed
+    if _installed is not None:
+        restore_replacements(_installed)
+        _installed = None

@@ -1,0 +1,119 @@
+"""`apply_patch()` with no name patches every family; a model no active class patch serves says so once."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+from families import family_model
+from models import padded_batch, tiny_model
+from test_families import assert_same, step
+from transformers import BertConfig, BertModel
+
+import _patchkit_startup
+import patchkit
+from patchkit import unserved
+from patchkit.errors import PatchkitError, PatchTargetError
+from patchkit.group import PatchGroup
+from patchkit.registry import registered
+
+SERVED = sorted({t for s in registered() for t in s.model_types})
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(unserved, "_warned", set())
+
+
+def unserved_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "runs unpatched" in str(w.message)]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "qwen3"])
+def test_no_name_patches_every_family_exactly(family):
+    model = tiny_model().train() if family == "llama" else family_model(family).train()
+    ids, mask = padded_batch("mixed")
+    want = step(model, ids, mask)
+    group = patchkit.apply_patch(backend="sdpa")
+    assert isinstance(group, PatchGroup) and sorted(group.model_types) == SERVED and not group.skipped
+    got = step(model, ids, mask)
+    assert group.check(model) == 2 and group.layers_patched == 2
+    assert_same(got, want, mask)
+    group.revert()
+    assert not group.active and patchkit.active_patches() == []
+
+
+def test_every_family_is_one_handle_per_family_and_applying_twice_is_once():
+    group = patchkit.apply_patch(backend="sdpa")
+    again = patchkit.apply_patch(backend="sdpa")
+    assert [h for h in again] == [h for h in group]  # the same handles
+    assert patchkit.apply_patch("mistral", backend="sdpa") is next(h for h in group if h.name == "mistral")
+    report = group.report()
+    assert "13 families patched, 0 skipped" in report and "patch 'gemma2'" in report and "patch 'llama2'" in report
+
+
+def test_a_conflicting_patch_leaves_nothing_of_the_group_behind():
+    mistral = patchkit.apply_patch("mistral", backend="sdpa", unpad="attention")
+    with pytest.raises(PatchkitError, match="'mistral' .* is already applied to the mistral classes"):
+        patchkit.apply_patch(backend="sdpa")
+    assert patchkit.active_patches() == [mistral]  # the families applied before the conflict were reverted
+
+
+def test_a_family_outside_the_group_is_named_by_check():
+    group = patchkit.apply_patch(backend="sdpa")
+    bert = BertModel(BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=64))
+    with pytest.raises(PatchTargetError, match="model_type 'bert'"):
+        group.check(bert)
+
+
+def test_an_unserved_model_under_a_class_patch_says_so_once():
+    patchkit.apply_patch("llama2", backend="sdpa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        family_model("mistral")
+        family_model("mistral", seed=1)
+        tiny_model()  # served: no warning
+    (message,) = unserved_warnings(caught)
+    assert "(model_type 'mistral') runs unpatched" in message
+    assert "apply_patch('mistral') before loading" in message
+
+
+def test_an_unregistered_family_under_every_family_says_so_once_and_runs_as_transformers_does():
+    config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64)
+    torch.manual_seed(0)
+    want_model = BertModel(config).eval()
+    ids, mask = padded_batch("right")
+    want = want_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    patchkit.apply_patch(backend="sdpa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        model = BertModel(config).eval()
+        BertModel(config)
+    (message,) = unserved_warnings(caught)
+    assert "model_type 'bert'" in message and "patchkit has no patch for this family" in message
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state, want)
+
+
+def test_the_warning_hook_is_gone_with_the_last_class_patch():
+    utils = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    original = utils.__dict__["post_init"]
+    first = patchkit.apply_patch("llama2", backend="sdpa")
+    second = patchkit.apply_patch("mistral", backend="sdpa")
+    first.revert()
+    assert utils.__dict__["post_init"] is not original  # mistral's class patch is still active
+    second.revert()
+    assert utils.__dict__["post_init"] is original
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        family_model("gemma")
+    assert unserved_warnings(caught) == []
+
+
+def test_the_startup_hook_watches_every_registered_family_module():
+    modules = {spec.attention_class().__module__ for spec in registered()}
+    assert set(_patchkit_startup.FAMILY_MODULES) == modules
