@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from patchkit import hf
+from patchkit import eras
 from patchkit.attention import QKV_PACKED
 from patchkit.gates import GateResult
 from patchkit.model_walk import model_config
@@ -31,11 +31,11 @@ SPEC = PatchSpec(
     name="llama1",
     description="LLaMA-1: flash_attn_varlen_qkvpacked_func on packed q/k/v; training and prefill, no past, no GQA",
     packing=QKV_PACKED,
-    transformers=">=4.48,<6",
+    transformers=eras.LLAMA_TRANSFORMERS,
     flash_attn_min="2.0",
     flash_attn_why="the varlen API",
-    build_class=hf.class_replacements,
-    build_instance=hf.instance_replacements,
-    attention_class=hf.attention_class,
+    build_class=eras.class_replacements,
+    build_instance=eras.instance_replacements,
+    attention_class=eras.attention_class,
     check_model=check_model,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from patchkit import hf
+from patchkit import eras
 from patchkit.attention import KV_PACKED
 from patchkit.registry import PatchSpec
 
@@ -10,11 +10,11 @@ SPEC = PatchSpec(
     name="llama2",
     description="LLaMA-2 family: flash_attn_varlen_kvpacked_func, KV cache and generation, GQA/MQA",
     packing=KV_PACKED,
-    transformers=">=4.48,<6",
+    transformers=eras.LLAMA_TRANSFORMERS,
     flash_attn_min="2.1",
     flash_attn_why="bottom-right causal alignment for the KV cache",
-    build_class=hf.class_replacements,
-    build_instance=hf.instance_replacements,
-    attention_class=hf.attention_class,
+    build_class=eras.class_replacements,
+    build_instance=eras.instance_replacements,
+    attention_class=eras.attention_class,
     aliases=("llama",),
 )

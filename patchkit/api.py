@@ -8,8 +8,8 @@ from typing import Any, Optional
 from packaging.version import Version
 from torch import nn
 
+from . import eras, unserved
 from . import gates as _gates
-from . import unserved
 from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
@@ -119,6 +119,9 @@ class PatchHandle:
             f"patchkit patch {self.name!r} ({self.spec.description})",
             f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
             f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
+            f"  transformers: {eras.installed_version()}"
+            + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
+               else ""),
             f"  unpad:   {self.options[2]} ("
             + ("once per model forward; the decoder runs on real tokens only" if self.options[2] == "model"
                else "in each attention layer; hidden states keep their padded shape") + ")",

@@ -348,6 +348,11 @@ def packed_forward(meta: VarlenMetadata) -> Iterator[None]:
         _PACKED_FORWARD.reset(token)
 
 
+def in_packed_forward() -> bool:
+    """True inside `packed_forward`: a mask builder handed a mask the model made up itself (all ones) ignores it."""
+    return _PACKED_FORWARD.get() is not None
+
+
 def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[int, bool]:
     """(tokens the KV cache held before this forward, whether it returns preallocated slots); once per forward.
 

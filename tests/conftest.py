@@ -39,13 +39,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _targets() -> dict[str, object]:
+    """Every object a LLaMA patch of any transformers era replaces (what this version has of them)."""
     mod = importlib.import_module("transformers.models.llama.modeling_llama")
-    found = {"forward": mod.LlamaAttention.__dict__["forward"], "model_forward": mod.LlamaModel.__dict__["forward"],
-             "lm_forward": mod.LlamaForCausalLM.__dict__["forward"]}
-    if hasattr(mod, "create_causal_mask"):
-        found["create_causal_mask"] = mod.create_causal_mask
-    if "_update_causal_mask" in mod.LlamaModel.__dict__:
-        found["_update_causal_mask"] = mod.LlamaModel.__dict__["_update_causal_mask"]
+    found: dict[str, object] = {}
+    for cls_name, attrs in (("LlamaAttention", ["forward"]), ("LlamaSdpaAttention", ["forward"]),
+                            ("LlamaFlashAttention2", ["forward"]), ("LlamaForCausalLM", ["forward"]),
+                            ("LlamaModel", ["forward", "_update_causal_mask", "_prepare_decoder_attention_mask"])):
+        cls = getattr(mod, cls_name, None)
+        for attr in attrs:
+            if cls is not None and attr in vars(cls):
+                found[f"{cls_name}.{attr}"] = vars(cls)[attr]
+    builders = ("create_causal_mask", "_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
+    for name in builders:
+        if hasattr(mod, name):
+            found[name] = getattr(mod, name)
     utils = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     for name in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2", "post_init"):
         if name in vars(utils):

@@ -27,13 +27,28 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from packaging.version import Version
+
 REPO = Path(__file__).resolve().parent.parent
-# One version per era boundary of transformers>=4.48,<6 (see docs in transformers-eras.md):
-# 4.48 first single attention class / _update_causal_mask; 4.52 last _update_causal_mask; 4.53 create_causal_mask;
-# 4.55 last past_key_value; 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.0 major;
-# 5.4 cache_position gone; 5.23 the tested version.
-DEFAULT_VERSIONS = ["4.48.3", "4.52.4", "4.53.3", "4.55.4", "4.56.2", "4.57.6", "5.0.0", "5.4.0", "5.23.0"]
+sys.path.insert(0, str(REPO))
+from patchkit.eras import ERAS  # noqa: E402  (the era table only; tests run in child processes)
+# One version per era boundary of transformers>=4.31,<6 (see patchkit/eras/__init__.py and transformers-eras.md):
+# 4.31 tuple cache, _prepare_decoder_attention_mask; 4.34 padding_mask, FA2 class; 4.35 module-level 4D helper;
+# 4.36 per-layer attention classes, Cache; 4.40 _update_causal_mask, rotary by position_ids; 4.46 position_embeddings;
+# 4.48 first single attention class; 4.52 last _update_causal_mask; 4.53 create_causal_mask;
+# 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.0 major; 5.23 the tested version.
+DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.40.2", "4.46.3", "4.48.3", "4.52.4", "4.53.3",
+                    "4.56.2", "4.57.6", "5.0.0", "5.23.0"]
+# Before 4.48 only the LLaMA patches exist, and the suite's other files use newer transformers APIs: the era tests
+# (padded logits and gradients, generation with a cache, GQA, packed rows, instance patches, the FastChat-era
+# Trainer script under the launcher) run there. From 4.48 the core test files run too.
+LEGACY_TESTS = ["tests/test_eras.py"]
+LEGACY_BEFORE = "4.48"
+# Trainer on transformers < 4.48 needs an accelerate (and a peft, which transformers imports when present) of its
+# era: today's releases import names those transformers lack. Installed without dependencies into the target dir.
+LEGACY_EXTRAS = ["accelerate==0.27.2", "peft==0.7.1"]
 DEFAULT_TESTS = [
+    "tests/test_eras.py",
     "tests/test_equivalence.py",
     "tests/test_generation.py",
     "tests/test_packing.py",
@@ -96,6 +111,14 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
     if proc.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
         return None, f"pip install failed (exit {proc.returncode}); see {log}"
+    if Version(version) < Version(LEGACY_BEFORE):
+        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-deps",
+               "--target", str(staging), *LEGACY_EXTRAS]
+        with open(log, "a") as fh:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            return None, f"pip install of {' '.join(LEGACY_EXTRAS)} failed (exit {proc.returncode}); see {log}"
     removed = remove_forbidden(staging)
     if removed:
         print(f"[matrix] {version}: removed {', '.join(removed)} from the target dir (torch comes from the venv)")
@@ -145,8 +168,9 @@ def run_version(version: str, target: Optional[Path], args: argparse.Namespace, 
         return result
     junit = logs / f"junit-{version}.xml"
     result.log = logs / f"pytest-{version}.log"
+    tests = LEGACY_TESTS if Version(version) < Version(LEGACY_BEFORE) and args.tests == DEFAULT_TESTS else args.tests
     cmd = [args.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *args.tests, *args.pytest_args]
+           *tests, *args.pytest_args]
     start = time.monotonic()
     with open(result.log, "w") as fh:
         fh.write(f"# transformers {found}; torch {torch_info}\n# {' '.join(cmd)}\n")
@@ -164,15 +188,21 @@ def run_version(version: str, target: Optional[Path], args: argparse.Namespace, 
     return result
 
 
+def era_of(version: str) -> str:
+    """The LLaMA patch's era (patchkit/eras) that serves `version`, as the summary names it."""
+    return next((f"era {e.name}" for e in ERAS if version in e), "outside every era")
+
+
 def print_table(results: list[Result]) -> None:
-    rows = [("transformers", "passed", "failed", "skipped", "seconds", "status")]
+    rows = [("transformers", "llama2 patch", "passed", "failed", "skipped", "seconds", "status")]
     for r in results:
         status = "ok" if r.ok else (r.problem or "FAILED")
-        rows.append((r.version, str(r.passed), str(r.failed + r.errors), str(r.skipped), f"{r.seconds:.1f}", status))
+        rows.append((r.version, era_of(r.version), str(r.passed), str(r.failed + r.errors), str(r.skipped),
+                     f"{r.seconds:.1f}", status))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
     for n, row in enumerate(rows):
-        cells = [c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.ljust(w) if i in (0, 1, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         print("  ".join(cells))
         if n == 0:
             print("  ".join("-" * w for w in widths))

@@ -1,0 +1,84 @@
+"""The transformers eras LLaMA's patch serves, and which module holds the patch targets of the installed one.
+
+| era | what changed there | targets |
+|---|---|---|
+| 4.31-4.35 | rotary inside attention, tuple KV cache, 3-tuple return; mask method, module-level from 4.35 | `legacy` |
+| 4.36-4.47 | per-layer attention classes, Cache objects; `_update_causal_mask` from 4.38 | `legacy` |
+| 4.48-5.x | one attention class, the attention interface; `create_causal_mask` from 4.53 | `patchkit.hf` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from torch import nn
+
+from .. import hf
+from ..attention import PatchState
+from ..patching import Replacement
+from . import legacy
+
+LLAMA_TRANSFORMERS = ">=4.31,<6"  # the union of the eras below
+
+
+@dataclasses.dataclass(frozen=True)
+class Era:
+    name: str
+    transformers: str
+    changes: str
+
+    def __contains__(self, version: str) -> bool:
+        return Version(version) in SpecifierSet(self.transformers)
+
+
+ERAS = (
+    Era("4.31-4.35", ">=4.31,<4.36", "rotary inside attention, tuple KV cache; the mask from "
+        "_prepare_decoder_attention_mask (4.31-4.34) or a module-level 4D helper (4.35)"),
+    Era("4.36-4.47", ">=4.36,<4.48", "per-layer attention classes (eager, sdpa, flash_attention_2), Cache objects; "
+        "module-level mask helpers (4.36-4.37), _update_causal_mask (4.38+)"),
+    Era("4.48+", ">=4.48,<6", "one attention class through the attention interface; _update_causal_mask "
+        "(4.48-4.52), create_causal_mask (4.53+)"),
+)
+
+
+def installed_version() -> str:
+    return importlib.import_module("transformers").__version__
+
+
+def installed_era() -> Era:
+    """The era of the installed transformers (the transformers gate has already refused one outside them all)."""
+    version = installed_version()
+    return next((era for era in ERAS if version in era), ERAS[-1])
+
+
+def _legacy() -> bool:
+    return installed_era() is not ERAS[-1]
+
+
+def attention_class() -> type:
+    """LLaMA's attention class: every version's other attention classes derive from it."""
+    return hf.modeling_llama().LlamaAttention
+
+
+def class_replacements(state: PatchState) -> list[Replacement]:
+    """The installed era's targets of a before-load patch."""
+    if _legacy():
+        return legacy.class_replacements(state, hf.modeling_llama())
+    return hf.class_replacements(state)
+
+
+def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
+    """The installed era's targets of a loaded-instance patch."""
+    if _legacy():
+        return legacy.instance_replacements(state, model, hf.modeling_llama())
+    return hf.instance_replacements(state, model)
+
+
+def describe() -> dict[str, Any]:
+    """The installed version and its era (for reports and doctor)."""
+    era = installed_era()
+    return {"transformers": installed_version(), "era": era.name, "changes": era.changes}

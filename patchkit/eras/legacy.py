@@ -1,0 +1,123 @@
+"""LLaMA's patch targets on transformers 4.31-4.47: the attention classes each version builds and its mask builder.
+
+Where the decoder mask is built, by the version that moved it (each replacement hands attention the 2D mask, wrapped
+in a VarlenMask, so no (B, 1, N, N) mask is ever built):
+- 4.31-4.34: the method `LlamaModel._prepare_decoder_attention_mask`.
+- 4.35-4.37: module-level helpers imported into `modeling_llama`: `_prepare_4d_causal_attention_mask`, plus
+  `_for_sdpa` from 4.36. Only a class patch can replace them (an instance patch is refused, naming why).
+- 4.38-4.47: the method `LlamaModel._update_causal_mask` (its signature changed at 4.38, 4.39, 4.40 and 4.41).
+From 4.36 the attention class is chosen per layer (`LLAMA_ATTENTION_CLASSES`: eager, sdpa, flash_attention_2),
+and each overrides `forward`: every one of them is patched, so the patch reaches the class the model built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import PatchState
+from ..errors import PatchGateError, PatchTargetError
+from ..masks import VarlenMask, in_packed_forward, refuse_4d
+from ..model_unpad import make_lm_forward, make_model_forward
+from ..model_walk import find_modules
+from ..patching import Replacement, bound_replacement
+from .legacy_attention import make_legacy_forward
+
+ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
+MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
+
+
+def _varlen_mask(attention_mask: Any, past_len: Any) -> VarlenMask:
+    """The 2D mask (None inside a packed forward: the model made an all-ones one up) and where the queries sit."""
+    refuse_4d(attention_mask, False)
+    return VarlenMask.for_forward(None if in_packed_forward() else attention_mask, past_len)
+
+
+def prepare_decoder_attention_mask(
+    self: nn.Module, attention_mask: Any, input_shape: Any, inputs_embeds: Any, past_key_values_length: int
+) -> VarlenMask:
+    """Replacement for `LlamaModel._prepare_decoder_attention_mask` (4.31-4.34)."""
+    return _varlen_mask(attention_mask, past_key_values_length)
+
+
+def prepare_4d_causal_attention_mask(
+    attention_mask: Any, input_shape: Any, inputs_embeds: Any, past_key_values_length: int, *args: Any, **kwargs: Any
+) -> VarlenMask:
+    """Replacement for `_prepare_4d_causal_attention_mask(_for_sdpa)` in `modeling_llama` (4.35-4.37)."""
+    return _varlen_mask(attention_mask, past_key_values_length)
+
+
+def update_causal_mask(
+    self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None, *args: Any,
+    **kwargs: Any,
+) -> VarlenMask:
+    """Replacement for `LlamaModel._update_causal_mask` (4.38-4.47): `cache_position` says where the queries sit."""
+    past = int(cache_position.reshape(-1)[0]) if isinstance(cache_position, torch.Tensor) and cache_position.numel() \
+        else None
+    return _varlen_mask(attention_mask, past)
+
+
+def attention_classes(mod: Any) -> list[type]:
+    """The LLaMA attention classes of this version that define their own forward."""
+    return [getattr(mod, n) for n in ATTENTION_CLASSES if hasattr(mod, n) and "forward" in vars(getattr(mod, n))]
+
+
+def _mask_method(mod: Any) -> tuple[str, Any]:
+    """The LlamaModel method building the mask in this version, or ("", None) when it is module-level (4.35-4.37)."""
+    if "_update_causal_mask" in vars(mod.LlamaModel):
+        return "_update_causal_mask", update_causal_mask
+    if any(hasattr(mod, name) for name in MODULE_LEVEL_BUILDERS):
+        return "", None
+    return "_prepare_decoder_attention_mask", prepare_decoder_attention_mask
+
+
+def _forward(state: PatchState, mod: Any) -> Any:
+    return make_legacy_forward(state, mod.apply_rotary_pos_emb, tuple_cache=not hasattr(mod, "LlamaSdpaAttention"))
+
+
+def class_replacements(state: PatchState, mod: Any) -> list[Replacement]:
+    """Before load: every LLaMA attention class of this version, the model forward and the mask builder."""
+    forward = _forward(state, mod)
+    out = [Replacement(cls, "forward", forward, f"{cls.__name__}.forward") for cls in attention_classes(mod)]
+    out.append(Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
+                           "LlamaModel.forward"))
+    if state.unpad == "model":
+        out.append(Replacement(mod.LlamaForCausalLM, "forward", make_lm_forward(mod.LlamaForCausalLM.forward),
+                               "LlamaForCausalLM.forward"))
+    attr, builder = _mask_method(mod)
+    if builder is not None:
+        return out + [Replacement(mod.LlamaModel, attr, builder, f"LlamaModel.{attr}")]
+    return out + [Replacement(mod, name, prepare_4d_causal_attention_mask, f"modeling_llama.{name}")
+                  for name in MODULE_LEVEL_BUILDERS if hasattr(mod, name)]
+
+
+def instance_replacements(state: PatchState, model: nn.Module, mod: Any) -> list[Replacement]:
+    """A loaded instance: its attention layers, its model forward and its mask method (refused at 4.35-4.37)."""
+    attr, builder = _mask_method(mod)
+    if builder is None:
+        raise PatchGateError(
+            "transformers 4.35-4.37 build LLaMA's decoder mask in a module-level function, which only a class patch "
+            "can replace: call patchkit.apply_patch('llama2') (or use the launcher) before the model is loaded. "
+            "Nothing was patched."
+        )
+    attentions = find_modules(model, mod.LlamaAttention)
+    bases = find_modules(model, mod.LlamaModel)
+    if not attentions or not bases:
+        raise PatchTargetError(
+            f"found {len(attentions)} LlamaAttention layers and {len(bases)} LlamaModel in {type(model).__name__}: "
+            "patched 0 layers; nothing was patched."
+        )
+    forward = _forward(state, mod)
+    out = [bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward (layer {i})", state.track_copy)
+           for i, m in enumerate(attentions)]
+    for base in bases:
+        out.append(bound_replacement(make_model_forward(type(base).forward, state.unpad), base, "forward",
+                                     f"{type(base).__name__}.forward (unpad={state.unpad})", state.track_copy))
+        out.append(bound_replacement(builder, base, attr, f"LlamaModel.{attr}", state.track_copy))
+    if state.unpad == "model":
+        for lm in find_modules(model, mod.LlamaForCausalLM):
+            out.append(bound_replacement(make_lm_forward(type(lm).forward), lm, "forward",
+                                         f"{type(lm).__name__}.forward", state.track_copy))
+    return out

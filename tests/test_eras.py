@@ -1,0 +1,140 @@
+"""The LLaMA patches on whatever transformers is installed (4.31 to 5.x), each against that version's own eager model.
+
+This file imports nothing newer than transformers 4.31 has, so the version matrix (`tests/matrix.py`, run by
+`.ci/run`) runs it on every era; on the newest version it runs with the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from models import labels_for, padded_batch, tiny_model
+from packaging.version import Version
+from test_packing import doc_ids, pack, separate_logits, unpack
+
+import patchkit
+from patchkit import eras
+from patchkit.errors import PatchGateError, PatchTargetError
+
+VERSION = Version(transformers.__version__)
+MODULE_LEVEL_MASK = Version("4.35") <= VERSION < Version("4.38")  # no instance patch there
+
+
+def step(model, ids, mask):
+    """Logits and every gradient of one padded training step (labels exclude padding)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got, want, mask):
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=2e-5, rtol=1e-4)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+@pytest.mark.parametrize("patch,kv_heads", [("llama2", 4), ("llama2", 2), ("llama1", 4)])
+@pytest.mark.parametrize("kind", ["right", "left", "mixed"])
+def test_padded_logits_and_gradients_match_this_versions_eager(patch, kv_heads, kind, unpad):
+    model = tiny_model(kv_heads=kv_heads).train()
+    ids, mask = padded_batch(kind)
+    want = step(model, ids, mask)
+    with patchkit.apply_patch(patch, backend="sdpa", unpad=unpad) as handle:
+        got = step(model, ids, mask)
+        assert handle.check(model) == 2 and handle.layers_patched == 2
+    assert_same(got, want, mask)
+
+
+@pytest.mark.skipif(VERSION < Version("4.36"), reason="one attention class before transformers 4.36")
+def test_the_sdpa_attention_class_the_model_builds_is_patched():
+    """4.36-4.47 build LlamaSdpaAttention by default: a patch of LlamaAttention.forward alone would miss it."""
+    eager = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("mixed")
+    want = step(eager, ids, mask)
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
+    model = transformers.LlamaForCausalLM(copy.deepcopy(eager.config)).train()
+    model.config._attn_implementation = "sdpa"  # for the record; the layers below are what counts
+    model.load_state_dict(eager.state_dict())
+    got = step(model, ids, mask)
+    assert handle.check(model) == 2
+    assert_same(got, want, mask)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_left_padded_greedy_generation_with_a_cache_matches_eager(kv_heads):
+    model = tiny_model(kv_heads=kv_heads, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, use_cache=True)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            assert handle.layers_patched == 2
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_packed_rows_equal_documents_run_separately(use_cache):
+    model = tiny_model(kv_heads=2, seed=7)
+    docs = doc_ids()
+    want = separate_logits(model, docs)
+    rows = [[0, 1], [2, 3]]
+    ids, pos, mask = pack(docs, rows)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=use_cache).logits
+    for got, exp in zip(unpack(logits, docs, rows), want):
+        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+
+
+def test_an_instance_patch_matches_eager_or_is_refused_naming_why():
+    model = tiny_model(kv_heads=2)
+    other = tiny_model(kv_heads=2, seed=1)
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        other_want = other(input_ids=ids, attention_mask=mask).logits
+    if MODULE_LEVEL_MASK:
+        with pytest.raises(PatchGateError, match="module-level function, which only a class patch can replace"):
+            patchkit.apply_patch("llama2", backend="sdpa", model=model)
+        assert patchkit.active_patches() == []
+        return
+    with torch.no_grad(), patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = model(input_ids=ids, attention_mask=mask).logits
+        assert handle.check(model) == 2
+        torch.testing.assert_close(other(input_ids=ids, attention_mask=mask).logits, other_want)  # untouched
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_a_model_whose_attention_never_ran_through_the_patch_is_an_error():
+    model = tiny_model()
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
+    assert handle.check(model) == 2
+    handle.revert()
+    with pytest.raises(PatchTargetError, match="live in 0 of 2 attention layers"):
+        handle.check(model)
+
+
+def test_the_report_names_the_installed_era():
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        report = handle.report()
+    era = eras.installed_era()
+    assert VERSION in [Version(v) for v in [transformers.__version__]] and f"era {era.name}" in report
+    assert transformers.__version__ in report
+
+
+def test_a_version_outside_every_era_is_refused_naming_it_and_the_range(monkeypatch):
+    from patchkit import gates
+
+    probe = gates.probe_environment
+    monkeypatch.setattr(gates, "probe_environment",
+                        lambda: probe().__class__(**{**vars(probe()), "transformers_version": "4.30.2"}))
+    with pytest.raises(PatchGateError, match=r"found 4\.30\.2.*supports transformers<6,>=4\.31"):
+        patchkit.apply_patch("llama2", backend="sdpa")
+    assert patchkit.active_patches() == []
