@@ -7,10 +7,14 @@ This file imports nothing newer than transformers 4.31 has, so the version matri
 from __future__ import annotations
 
 import copy
+import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from entrypoints import clean_env, launch, run
 from models import labels_for, padded_batch, tiny_model
 from packaging.version import Version
 from test_packing import doc_ids, pack, separate_logits, unpack
@@ -138,3 +142,29 @@ def test_a_version_outside_every_era_is_refused_naming_it_and_the_range(monkeypa
     with pytest.raises(PatchGateError, match=r"found 4\.30\.2.*supports transformers<6,>=4\.31"):
         patchkit.apply_patch("llama2", backend="sdpa")
     assert patchkit.active_patches() == []
+
+
+FASTCHAT = Path(__file__).parent / "user_scripts" / "fastchat_train.py"
+DATA = Path(__file__).parent.parent / "examples" / "data" / "instructions.jsonl"
+
+
+@pytest.mark.skipif(VERSION >= Version("5"), reason="it fails unpatched on 5.x: Trainer(tokenizer=) was removed")
+def test_a_fastchat_era_trainer_script_under_the_launcher_trains_like_unpatched(tmp_path):
+    """fschat-style train.py, unmodified: the launcher patches (every family it can) and the losses are unchanged."""
+    made = run([sys.executable, FASTCHAT, "--make_model", tmp_path / "model", DATA], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr[-3000:]
+    args = [FASTCHAT, "--model_name_or_path", tmp_path / "model", "--data_path", DATA, "--output_dir",
+            tmp_path / "out", "--max_steps", "3", "--per_device_train_batch_size", "8", "--learning_rate", "1e-3",
+            "--logging_steps", "1", "--model_max_length", "48", "--report_to", "none", "--save_strategy", "no",
+            "--seed", "0"]
+    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    unpatched = run([sys.executable, *args], cwd=tmp_path, env=env, timeout=600)
+    patched = launch("--backend", "sdpa", *args, cwd=tmp_path, env=env, timeout=600)
+
+    def losses(proc):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("LOSSES "))[7:])
+
+    want, got = losses(unpatched), losses(patched)
+    assert len(want) == 3 and got == pytest.approx(want, abs=2e-4)
+    assert "attention layers ran through patch 'all'" in patched.stderr and "WARNING" not in patched.stderr
