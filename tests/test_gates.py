@@ -62,8 +62,8 @@ def test_flash_attn_version_compared_as_versions_not_strings(monkeypatch):
 
 
 def test_transformers_outside_range_always_raises_naming_the_range(monkeypatch):
-    monkeypatch.setattr(gates, "probe_environment", lambda: env(transformers_version="4.36.2"))
-    with pytest.raises(PatchGateError, match=r"transformers<6,>=4.48.*found 4.36.2"):
+    monkeypatch.setattr(gates, "probe_environment", lambda: env(transformers_version="4.30.2"))
+    with pytest.raises(PatchGateError, match=r"transformers<6,>=4.31.*found 4.30.2"):
         patchkit.apply_patch("llama2", backend="sdpa")  # no backend can help: not even non-strict falls back
 
 

@@ -175,7 +175,7 @@ def test_available_patches_lists_the_registry():
     assert set(patches) == {"llama1", "llama2", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                             "granite", "starcoder2", "olmo2", "smollm3", "glm4"}
     assert patches["llama2"]["aliases"] == ["llama"]
-    assert patches["llama2"]["transformers"] == ">=4.48,<6" and patches["mistral"]["transformers"] == ">=4.53,<6"
+    assert patches["llama2"]["transformers"] == ">=4.31,<6" and patches["mistral"]["transformers"] == ">=4.53,<6"
     assert patches["gemma3_text"]["model_types"] == ["gemma3_text"]
     assert "2.1" in patches["llama2"]["flash_attn"] and "2.0" in patches["llama1"]["flash_attn"]
     assert "model_config" in patches["llama1"]["gates"] and "compute_capability" in patches["llama2"]["gates"]
