@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -18,6 +17,7 @@ from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
 from .patching import BoundPatch
+from .warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
@@ -59,7 +59,7 @@ class PatchState:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn_user(message)
 
     def backend_for(self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Backend:
         """The backend for this layer: flash_attn unless its head_dim gate fails or it lacks the window or softcap

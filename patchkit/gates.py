@@ -6,7 +6,6 @@ import dataclasses
 import importlib
 import importlib.metadata
 import sys
-import warnings
 from typing import Optional
 
 import torch
@@ -14,6 +13,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import PatchGateError
+from .warn import warn_user
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
@@ -212,11 +212,9 @@ def decide_backend(requested: str, strict: bool, results: list[GateResult], who:
     reasons = "; ".join(g.describe() for g in failed)
     if strict:
         raise PatchGateError(f"{who}, backend {requested!r}: {reasons}.{refusal}")
-    warnings.warn(
+    warn_user(
         f"patchkit: the flash_attn backend is not available here ({reasons}). {who} uses the torch-native sdpa "
         "backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
-        RuntimeWarning,
-        stacklevel=4,
     )
     return "sdpa"
 

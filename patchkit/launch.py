@@ -15,6 +15,7 @@ from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
 from .config import PatchArguments, apply_from_args, patch_names
 from .errors import PatchkitError
+from .warn import attributed_to
 
 # Usage:
 #   python -m patchkit.launch [--patch llama2] [--backend auto|flash_attn|sdpa] [--strict] SCRIPT.py [args...]
@@ -178,7 +179,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        handle = apply_from_args(args)
+        with attributed_to(target.script or target.module or "<launcher>"):
+            handle = apply_from_args(args)  # its warnings name the user's script, not the launcher's lines
     except PatchkitError as exc:
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

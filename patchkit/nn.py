@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -15,6 +14,7 @@ from .errors import PatchGateError, PatchInputError
 from .gates import GateResult
 from .masks import VarlenMetadata, build_metadata
 from .padding import pad_input, unpad_rows
+from .warn import warn_user
 
 FLASH_MIN = "2.0"
 FLASH_WHY = "the varlen API"
@@ -150,7 +150,7 @@ class VarlenSelfAttention(nn.Module):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn_user(message)
 
     def _backend_for(self, device: torch.device) -> Backend:
         """The chosen backend, unless it is flash_attn and the input is not on CUDA (fallback or raise)."""
