@@ -10,6 +10,7 @@ from torch import nn
 from . import gates as _gates
 from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
+from .choice import choose_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
 from .liveness import live_layers
@@ -117,7 +118,7 @@ class PatchHandle:
             + ("once per model forward; the decoder runs on real tokens only" if self.options[2] == "model"
                else "in each attention layer; hidden states keep their padded shape") + ")",
             "  gates:",
-            *(f"    - {g.describe()}" for g in self.gates),
+            *_gates.gate_lines(self.gates, "    "),
             "  replaced:",
             *(f"    - {r.describe()}" for r in self.replacements),
             f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
@@ -197,7 +198,7 @@ def apply_patch(
     failed = _gates.first_failure(model_gates)
     if failed is not None:
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
-    chosen, backend_gates = _gates.choose_backend(
+    chosen, backend_gates = choose_backend(
         spec.name, spec.flash_attn_min, spec.flash_attn_why, backend, strict, env,
         None if model is None or backend == "sdpa" else head_dim(model),
     )

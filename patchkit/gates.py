@@ -12,9 +12,6 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import PatchGateError
-from .warn import warn_user
-
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -43,11 +40,17 @@ class GateResult:
     required: str
     found: str
     fix: str = ""
+    backend: str = ""  # the backend this gate is for ("" for the patch's own gates)
 
     def describe(self) -> str:
         status = "ok" if self.passed else "FAILED"
         text = f"{self.name}: {status} (required {self.required}; found {self.found})"
         return text if self.passed or not self.fix else f"{text}. Fix: {self.fix}"
+
+    def brief(self, width: int = 48) -> str:
+        """'name: FAILED (found ...)', what was found cut to `width` characters: one reason in a one-line warning."""
+        found = self.found if len(self.found) <= width else self.found[: width - 3].rstrip() + "..."
+        return f"{self.name}: {'ok' if self.passed else 'FAILED'} (found {found})"
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -198,36 +201,16 @@ def head_dim_gate(head_dim: int) -> GateResult:
     )
 
 
+def gate_lines(results: list[GateResult], indent: str) -> list[str]:
+    """Every gate, those of each backend under the backend's name (several backends share gate names)."""
+    lines, backend = [], ""
+    for g in results:
+        if g.backend != backend:
+            backend = g.backend
+            lines.append(f"{indent}{backend} backend:")
+        lines.append(f"{indent}{'  ' if backend else ''}- {g.describe()}")
+    return lines
+
+
 def first_failure(results: list[GateResult]) -> Optional[GateResult]:
     return next((r for r in results if not r.passed), None)
-
-
-def decide_backend(requested: str, strict: bool, results: list[GateResult], who: str, refusal: str = "") -> str:
-    """"flash_attn" when every flash gate passed; else raise (strict) or warn naming the gates and use "sdpa"."""
-    if requested == "sdpa":
-        return "sdpa"
-    failed = [g for g in results if not g.passed]
-    if not failed:
-        return "flash_attn"
-    reasons = "; ".join(g.describe() for g in failed)
-    if strict:
-        raise PatchGateError(f"{who}, backend {requested!r}: {reasons}.{refusal}")
-    warn_user(
-        f"patchkit: the flash_attn backend is not available here ({reasons}). {who} uses the torch-native sdpa "
-        "backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
-    )
-    return "sdpa"
-
-
-def choose_backend(
-    patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
-    head_dim: Optional[int] = None,
-) -> tuple[str, list[GateResult]]:
-    """Resolve "auto"/"flash_attn"/"sdpa" against the gates: fall back with a warning, or raise if strict."""
-    if backend == "sdpa":
-        return "sdpa", []
-    results = flash_backend_gates(env, flash_min, why)
-    if head_dim is not None:
-        results.append(head_dim_gate(head_dim))
-    chosen = decide_backend(backend, strict, results, f"Patch {patch!r}", " Nothing was patched.")
-    return chosen, results

@@ -10,6 +10,7 @@ from torch import nn
 from . import gates as _gates
 from .attention import half_dtype, to_half
 from .backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
+from .choice import resolve
 from .errors import PatchGateError, PatchInputError
 from .gates import GateResult
 from .masks import VarlenMetadata, build_metadata
@@ -39,9 +40,8 @@ def resolve_backend(backend: str, strict: bool, head_dim: int) -> tuple[Backend,
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if backend == "sdpa":
         return make_backend("sdpa"), []
-    results = _gates.flash_backend_gates(_gates.probe_environment(), FLASH_MIN, FLASH_WHY)
-    results.append(_gates.head_dim_gate(head_dim))
-    return make_backend(_gates.decide_backend(backend, strict, results, "VarlenSelfAttention")), results
+    choice = resolve(backend, strict, _gates.probe_environment(), FLASH_MIN, FLASH_WHY, "VarlenSelfAttention", head_dim)
+    return make_backend(choice.backend), choice.gates
 
 
 def _check_padding_mask(mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:

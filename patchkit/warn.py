@@ -79,5 +79,5 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     globs = frame.f_globals
     warnings.warn_explicit(
         message, category, frame.f_code.co_filename, frame.f_lineno, module=globs.get("__name__", "<string>"),
-        registry=globs.setdefault("__warningregistry__", {}), module_globals=globs,
+        registry=globs.setdefault("__warningregistry__", {}),
     )

@@ -14,6 +14,8 @@ from transformers import LlamaForCausalLM
 
 import patchkit
 from patchkit import attn_interface, gates
+from patchkit.choice import MAX_WARNING_CHARS
+from patchkit.doctor import doctor, format_report
 from patchkit.warn import is_internal, user_frame
 
 NO_GPU = dict(flash_attn_version=None, flash_attn_error="not installed (No module named 'flash_attn')",
@@ -27,6 +29,35 @@ def caught(fn) -> list[warnings.WarningMessage]:
         warnings.simplefilter("always")
         fn()
     return [w for w in record if issubclass(w.category, RuntimeWarning) and "patchkit" in str(w.message)]
+
+
+def test_the_fallback_warning_is_one_short_line_and_the_report_keeps_every_gate(monkeypatch):
+    """What runs, the first reason, where to read more; the four failed gates with their fixes stay in the report."""
+    monkeypatch.setattr(gates, "probe_environment", lambda: env(**NO_GPU))
+    record = caught(lambda: patchkit.apply_patch("llama2"))
+    assert len(record) == 1
+    text = str(record[0].message)
+    assert len(text) <= MAX_WARNING_CHARS and "\n" not in text, (len(text), text)
+    assert text.startswith("patchkit: patch 'llama2' runs on the exact torch-native sdpa backend")
+    assert "not flash_attn: flash_attn_installed: FAILED" in text and "`patchkit doctor` explains" in text
+    assert "cuda_available" not in text  # the first reason only
+    report = patchkit.active_patches()[0].report()
+    failed = [g for g in patchkit.active_patches()[0].gates if not g.passed]
+    assert {g.name for g in failed} >= {"flash_attn_installed", "flash_attn_version", "cuda_available",
+                                        "compute_capability"}
+    for gate in failed:
+        assert gate.describe() in report and "Fix: " in gate.describe()
+
+
+def test_doctor_lists_every_gate_of_every_backend(monkeypatch):
+    monkeypatch.setattr(gates, "probe_environment", lambda: env(**NO_GPU))
+    data = doctor()
+    text = format_report(data)
+    llama2 = next(p for p in data["patches"] if p["name"] == "llama2")
+    names = [(g["backend"], g["name"]) for g in llama2["gates"]]
+    assert ("flash_attn", "flash_attn_installed") in names and ("flash_attn", "compute_capability") in names
+    for g in llama2["gates"]:
+        assert gates.GateResult(**g).describe() in text
 
 
 def test_apply_patch_warning_names_this_file(monkeypatch):
