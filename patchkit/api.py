@@ -149,9 +149,11 @@ def apply_patch(
         name: "llama2" (alias "llama") or "llama1", or a family by `model_type` ("mistral", "qwen2", "qwen3",
             "gemma", "gemma2", "gemma3_text", "phi3"; see `available_patches()`). Default None: the patch for
             `model.config.model_type` when `model` is given, else "llama2".
-        backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the gate),
-            "flash_attn" or "sdpa" (torch-native, exact, CPU or GPU).
-        strict: raise `PatchGateError` instead of falling back when a gate fails.
+        backend: "auto" (flash_attn when every gate passes, else torch_varlen, else sdpa, with one warning
+            naming the first failed gate of each), "flash_attn" (the flash-attn package), "torch_varlen" (torch's
+            own FlashAttention-2 varlen kernel, torch >= 2.10 on CUDA) or "sdpa" (torch-native, exact, CPU or GPU).
+        strict: raise `PatchGateError` instead of falling back when a gate fails (with "auto": when neither
+            flash_attn nor torch_varlen passes).
         model: patch this loaded instance only (PEFT/DDP/FSDP wrappers are looked through); default None
             patches the classes, so every LLaMA model built afterwards runs through the patch.
         unpad: "model" (default) unpads a padded batch once per model forward, so embeddings, projections, MLP

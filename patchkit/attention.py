@@ -61,14 +61,16 @@ class PatchState:
             self.warned.add(key)
             warn_user(message)
 
-    def backend_for(self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Backend:
-        """The backend for this layer: flash_attn unless its head_dim gate fails or it lacks the window or softcap
-        the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
+    def backend_for(
+        self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0
+    ) -> Backend:
+        """The backend for this layer: the kernel backend unless its head_dim gate fails or it lacks the window,
+        softcap or dropout the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
         if not self.backend.half_only:
             return self.backend
-        gate = head_dim_gate(module.head_dim)
+        gate = head_dim_gate(module.head_dim, self.backend.name)
         reason = None if gate.passed else gate.describe()
-        reason = reason or self.backend.missing_feature(window, softcap)
+        reason = reason or self.backend.missing_feature(window, softcap, dropout)
         if reason is None:
             return self.backend
         if self.strict:
@@ -104,7 +106,7 @@ def to_half(
     if gate.passed:
         return tensors
     if strict:
-        raise PatchGateError(f"{who} on the flash_attn backend: {gate.describe()}")
+        raise PatchGateError(f"{who} on a flash kernel backend: {gate.describe()}")
     dtype = target()
     warn_once(
         "dtype",
@@ -167,7 +169,7 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
-    backend = state.backend_for(module, window, softcap)
+    backend = state.backend_for(module, window, softcap, dropout)
     in_dtype = q.dtype
     if backend.half_only:
         q, k, v = to_half(

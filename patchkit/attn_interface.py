@@ -89,7 +89,8 @@ def served_model_types() -> set[str]:
 def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bool:
     """Register ATTENTION_NAME (idempotent); False when this transformers has no mask interface (< 4.53).
 
-    `backend` ("auto", "flash_attn", "sdpa") and `strict` configure the route; None keeps the current setting.
+    `backend` ("auto", "flash_attn", "torch_varlen", "sdpa") and `strict` configure the route; None keeps the
+    current setting.
     """
     global _state, _function
     if backend is not None and backend not in BACKEND_NAMES:

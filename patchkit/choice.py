@@ -10,7 +10,7 @@ from .errors import PatchGateError
 from .gates import Environment, GateResult
 from .warn import warn_user
 
-AUTO_ORDER = ("flash_attn",)  # backend="auto" tries these in turn, then the exact torch-native sdpa backend
+AUTO_ORDER = ("flash_attn", "torch_varlen")  # backend="auto" tries these in turn, then the exact sdpa backend
 MAX_WARNING_CHARS = 320  # the fallback warning is one line a person reads; the full list is in report() and doctor
 
 
@@ -25,11 +25,14 @@ def backend_gates(
     backend: str, env: Environment, flash_min: str, why: str, head_dim: Optional[int] = None
 ) -> list[GateResult]:
     """Every gate `backend` must pass on this machine, each tagged with the backend's name."""
-    if backend != "flash_attn":
+    if backend == "flash_attn":
+        results = _gates.flash_backend_gates(env, flash_min, why)
+    elif backend == "torch_varlen":
+        results = _gates.torch_varlen_backend_gates(env)
+    else:
         raise ValueError(f"no gates for backend {backend!r}")
-    results = _gates.flash_backend_gates(env, flash_min, why)
     if head_dim is not None:
-        results.append(_gates.head_dim_gate(head_dim))
+        results.append(_gates.head_dim_gate(head_dim, backend))
     return [dataclasses.replace(g, backend=backend) for g in results]
 
 
@@ -60,7 +63,7 @@ def fallback_message(who: str, choice: Choice) -> str:
     """One line: what runs, the first reason each better backend was passed over, and where the rest is."""
     reasons = "; ".join(f"not {g.backend}: {g.brief()}" for g in choice.passed_over)
     kind = "the exact torch-native sdpa backend" if choice.backend == "sdpa" else f"the {choice.backend} backend"
-    return f"patchkit: {who} runs on {kind} ({reasons}). `patchkit doctor` explains; report() lists every gate."
+    return f"patchkit: {who} runs on {kind} ({reasons}). `patchkit doctor` explains."
 
 
 def refusal_message(who: str, requested: str, choice: Choice, refusal: str = "") -> str:
@@ -90,6 +93,6 @@ def choose_backend(
     patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
     head_dim: Optional[int] = None,
 ) -> tuple[str, list[GateResult]]:
-    """A patch's backend: resolve "auto"/"flash_attn"/"sdpa" against the gates (warn, or raise if strict)."""
+    """A patch's backend: resolve "auto"/"flash_attn"/"torch_varlen"/"sdpa" against the gates (warn, or raise)."""
     choice = resolve(backend, strict, env, flash_min, why, f"patch {patch!r}", head_dim, " Nothing was patched.")
     return choice.backend, choice.gates

@@ -61,7 +61,8 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
         "why": why,
         "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in choice.gates],
         "runtime_gates": "dtype (fp16/bf16 q/k/v, else cast with a warning) and head_dim <= "
-        f"{_gates.MAX_FLASH_HEAD_DIM} are checked per model/call"
+        f"{_gates.MAX_FLASH_HEAD_DIM} (torch_varlen: a multiple of 8) are checked per model/call; a window, softcap "
+        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout)"
         + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
     }
 

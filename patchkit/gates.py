@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import sys
 from typing import Optional
 
@@ -14,6 +15,9 @@ from packaging.version import InvalidVersion, Version
 
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
+TORCH_VARLEN_MIN = (2, 10)  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2's varlen kernel inside torch
+# The keyword arguments patchkit passes to varlen_attn (torch 2.13's signature, where causal is window_size (-1, 0))
+TORCH_VARLEN_ARGS = ("scale", "window_size", "enable_gqa")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -29,6 +33,7 @@ class Environment:
     device_name: Optional[str]
     compute_capability: Optional[tuple[int, int]]
     bf16_supported: bool
+    torch_varlen_error: Optional[str] = None  # why torch's varlen_attn cannot be called as patchkit calls it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,7 @@ class GateResult:
         text = f"{self.name}: {status} (required {self.required}; found {self.found})"
         return text if self.passed or not self.fix else f"{text}. Fix: {self.fix}"
 
-    def brief(self, width: int = 48) -> str:
+    def brief(self, width: int = 44) -> str:
         """'name: FAILED (found ...)', what was found cut to `width` characters: one reason in a one-line warning."""
         found = self.found if len(self.found) <= width else self.found[: width - 3].rstrip() + "..."
         return f"{self.name}: {'ok' if self.passed else 'FAILED'} (found {found})"
@@ -85,6 +90,23 @@ def probe_flash_attn() -> tuple[Optional[str], Optional[str]]:
     return getattr(module, "__version__", None) or _package_version("flash-attn"), None
 
 
+def probe_torch_varlen(cuda: bool) -> Optional[str]:
+    """None when torch's `varlen_attn` takes the arguments patchkit passes (and, on CUDA, has its kernel built)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return f"no torch.nn.attention.varlen.varlen_attn ({exc})"
+    params = inspect.signature(varlen_attn).parameters
+    missing = [name for name in TORCH_VARLEN_ARGS if name not in params]
+    if missing or "is_causal" in params:
+        return (f"varlen_attn{inspect.signature(varlen_attn)} is not the signature patchkit calls (torch 2.13's: "
+                f"{', '.join(TORCH_VARLEN_ARGS)}, causal as window_size=(-1, 0))")
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    if cuda and not available():
+        return "this torch build has no FlashAttention kernel (torch.backends.cuda.is_flash_attention_available())"
+    return None
+
+
 def probe_environment() -> Environment:
     """Read the environment once; tests replace this function to simulate other machines."""
     flash_version, flash_error = probe_flash_attn()
@@ -99,6 +121,7 @@ def probe_environment() -> Environment:
         device_name=torch.cuda.get_device_name() if cuda else None,
         compute_capability=capability,  # type: ignore[arg-type]
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
+        torch_varlen_error=probe_torch_varlen(cuda),
     )
 
 
@@ -179,6 +202,38 @@ def flash_backend_gates(env: Environment, flash_min: str, why: str) -> list[Gate
     ]
 
 
+def torch_version_gate(env: Environment) -> GateResult:
+    """torch >= 2.10 ships varlen_attn (a pre-release of 2.10 counts as 2.10)."""
+    try:
+        ok = Version(env.torch_version).release[:2] >= TORCH_VARLEN_MIN
+    except InvalidVersion:
+        ok = False
+    need = ".".join(map(str, TORCH_VARLEN_MIN))
+    return GateResult(
+        "torch_version",
+        ok,
+        f"torch>={need} (torch.nn.attention.varlen)",
+        env.torch_version,
+        f"install torch>={need} with CUDA, or use backend='flash_attn' or 'sdpa'",
+    )
+
+
+def torch_varlen_api_gate(env: Environment) -> GateResult:
+    return GateResult(
+        "torch_varlen_api",
+        env.torch_varlen_error is None,
+        f"torch.nn.attention.varlen.varlen_attn({', '.join(TORCH_VARLEN_ARGS)}) with its FlashAttention kernel",
+        env.torch_varlen_error or "ok",
+        "install a CUDA build of a torch release whose varlen_attn has that signature (2.13 does), or use "
+        "backend='flash_attn' or 'sdpa'",
+    )
+
+
+def torch_varlen_backend_gates(env: Environment) -> list[GateResult]:
+    """Every gate the torch_varlen backend must pass on this machine (a failed cuda gate is named before the API's)."""
+    return [torch_version_gate(env), cuda_gate(env), compute_capability_gate(env), torch_varlen_api_gate(env)]
+
+
 def dtype_gate(dtype: torch.dtype) -> GateResult:
     """flash-attn kernels take fp16/bf16 only (checked per call, on the real q/k/v)."""
     return GateResult(
@@ -191,7 +246,16 @@ def dtype_gate(dtype: torch.dtype) -> GateResult:
     )
 
 
-def head_dim_gate(head_dim: int) -> GateResult:
+def head_dim_gate(head_dim: int, backend: str = "flash_attn") -> GateResult:
+    """flash-attn pads head_dim to a multiple of 8 itself; torch's varlen_attn gets only sizes it is known to take."""
+    if backend == "torch_varlen":
+        return GateResult(
+            "head_dim",
+            head_dim <= MAX_FLASH_HEAD_DIM and head_dim % 8 == 0,
+            f"head_dim <= {MAX_FLASH_HEAD_DIM} and a multiple of 8",
+            str(head_dim),
+            "torch's varlen_attn runs head_dim up to 256 in multiples of 8; use backend='flash_attn' or 'sdpa'",
+        )
     return GateResult(
         "head_dim",
         head_dim <= MAX_FLASH_HEAD_DIM,

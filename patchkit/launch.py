@@ -18,7 +18,7 @@ from .errors import PatchkitError
 from .warn import attributed_to
 
 # Usage:
-#   python -m patchkit.launch [--patch llama2] [--backend auto|flash_attn|sdpa] [--strict] SCRIPT.py [args...]
+#   python -m patchkit.launch [--patch llama2] [--backend auto|flash_attn|torch_varlen|sdpa] [--strict] SCRIPT.py ...
 #   python -m patchkit.launch [options] -m package.module [args...]
 #   torchrun --nproc_per_node 2 -m patchkit.launch --backend sdpa train.py --lr 1e-4
 #   accelerate launch --num_processes 2 -m patchkit.launch train.py --lr 1e-4

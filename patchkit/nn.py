@@ -77,8 +77,8 @@ class VarlenSelfAttention(nn.Module):
         bias: biases on the input and output projections; default True.
         head_dim: per-head size; default `embed_dim // num_heads`.
         softmax_scale: default `head_dim ** -0.5`.
-        backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the failed gate),
-            "flash_attn" or "sdpa"; default "auto".
+        backend: "auto" (flash_attn, else torch_varlen, else sdpa, with a warning naming the failed gates),
+            "flash_attn", "torch_varlen" or "sdpa"; default "auto".
         strict: raise `PatchGateError` instead of falling back or casting; default False.
     """
 
@@ -153,15 +153,18 @@ class VarlenSelfAttention(nn.Module):
             warn_user(message)
 
     def _backend_for(self, device: torch.device) -> Backend:
-        """The chosen backend, unless it is flash_attn and the input is not on CUDA (fallback or raise)."""
+        """The chosen backend, unless it is a kernel backend and the input is not on CUDA or needs dropout it lacks
+        (then the exact fallback with one warning, or raise in strict mode)."""
         if not self.backend.half_only:
             return self.backend
         gate = device_gate(device)
-        if gate.passed:
+        reason = None if gate.passed else gate.describe()
+        reason = reason or self.backend.missing_feature((-1, -1), 0.0, self.dropout if self.training else 0.0)
+        if reason is None:
             return self.backend
         if self.strict:
-            raise PatchGateError(f"VarlenSelfAttention on the flash_attn backend: {gate.describe()}")
-        self._warn_once("device", f"patchkit: {gate.describe()}; VarlenSelfAttention uses the sdpa backend instead")
+            raise PatchGateError(f"VarlenSelfAttention on the {self.backend.name} backend: {reason}")
+        self._warn_once(reason, f"patchkit: {reason}; VarlenSelfAttention uses the sdpa backend instead")
         return self._fallback
 
     def _attend(self, qkv: torch.Tensor, meta: VarlenMetadata, backend: Backend) -> torch.Tensor:

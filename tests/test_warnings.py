@@ -40,7 +40,8 @@ def test_the_fallback_warning_is_one_short_line_and_the_report_keeps_every_gate(
     assert len(text) <= MAX_WARNING_CHARS and "\n" not in text, (len(text), text)
     assert text.startswith("patchkit: patch 'llama2' runs on the exact torch-native sdpa backend")
     assert "not flash_attn: flash_attn_installed: FAILED" in text and "`patchkit doctor` explains" in text
-    assert "cuda_available" not in text  # the first reason only
+    assert "not torch_varlen: cuda_available: FAILED" in text
+    assert "compute_capability" not in text and "Fix" not in text  # each better backend's first reason only
     report = patchkit.active_patches()[0].report()
     failed = [g for g in patchkit.active_patches()[0].gates if not g.passed]
     assert {g.name for g in failed} >= {"flash_attn_installed", "flash_attn_version", "cuda_available",
@@ -56,6 +57,7 @@ def test_doctor_lists_every_gate_of_every_backend(monkeypatch):
     llama2 = next(p for p in data["patches"] if p["name"] == "llama2")
     names = [(g["backend"], g["name"]) for g in llama2["gates"]]
     assert ("flash_attn", "flash_attn_installed") in names and ("flash_attn", "compute_capability") in names
+    assert ("torch_varlen", "torch_varlen_api") in names and ("torch_varlen", "cuda_available") in names
     for g in llama2["gates"]:
         assert gates.GateResult(**g).describe() in text
 

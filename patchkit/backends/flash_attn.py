@@ -32,7 +32,7 @@ class FlashAttnBackend:
             out["softcap"] = softcap
         return out
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         """flash-attn added sliding windows in 2.3 and softcap in 2.6."""
         for feature, minimum in (("window_size", "2.3"), ("softcap", "2.6")):
             if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
