@@ -10,6 +10,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from ..masks import VarlenMetadata
+from .limits import check_index_range
 
 
 class FlashAttnBackend:
@@ -43,6 +44,7 @@ class FlashAttnBackend:
         self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
         return self._fa.flash_attn_varlen_qkvpacked_func(
             qkv, meta.cu_seqlens_q, meta.max_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
             causal=causal, **self._features(window_size, softcap),
@@ -52,6 +54,7 @@ class FlashAttnBackend:
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
         causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
         return self._fa.flash_attn_varlen_kvpacked_func(
             q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import PatchInputError
 from ..masks import VarlenMetadata
+from .limits import check_index_range
 
 
 def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -47,6 +48,7 @@ class TorchVarlenBackend:
         self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
         q, k, v = qkv.unbind(1)
         return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
 
@@ -54,6 +56,7 @@ class TorchVarlenBackend:
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
         causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
         k, v = kv.unbind(1)
         return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
 
