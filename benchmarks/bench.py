@@ -58,7 +58,12 @@ def predict_quadratic(points: list[tuple[int, float]], n: int) -> Optional[float
     return m0 * (n / n0) ** 2
 
 
-def mem_available_mib() -> float:
+def mem_available_mib(device: Any = None) -> float:
+    """Memory a step may still take: the GPU's free memory on CUDA, else the host's available memory."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0] / 2**20
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -70,14 +75,15 @@ def mem_available_mib() -> float:
 
 
 def run_suite(
-    mode: str, csv_path: Path, plots: Optional[Path], mem_cap_gib: float, log: Callable[[str], None]
+    mode: str, csv_path: Path, plots: Optional[Path], mem_cap_gib: float, log: Callable[[str], None],
+    device_name: str = "auto",
 ) -> Recorder:
     import torch
 
     sizes = MODES[mode]
-    device, dtype = device_and_dtype()
+    device, dtype = device_and_dtype(device_name)
     rec = Recorder(versions(), str(dtype).replace("torch.", ""), device.type, mode)
-    ok, skipped = probe_providers()
+    ok, skipped = probe_providers(device)
     patch_providers = [p for p in ok if p.startswith("patchkit_")]
     hf = [p for p in ok if p.startswith("hf_")]
     log(f"{mode} mode on {device.type} ({dtype}), {torch.get_num_threads()} threads, {platform.processor() or ''}; "
@@ -86,7 +92,8 @@ def run_suite(
     for name, why in skipped.items():
         rec.skip(name, "all", "", "", why)
 
-    base = {"model": sizes["model"], "reps": sizes["reps"], "decode_tokens": sizes["decode_tokens"]}
+    base = {"model": sizes["model"], "reps": sizes["reps"], "decode_tokens": sizes["decode_tokens"],
+            "device": device.type}
     lengths = lognormal_lengths(sizes["batch"], sizes["scale"])
     pf = padding_fraction(lengths)
     log(f"lognormal batch: lengths {lengths}, {sum(lengths)} real tokens, padding fraction {pf:.1%}")
@@ -98,7 +105,8 @@ def run_suite(
         provs += [(p, "packed_pos") for p in patch_providers] + [(p, "packed_cu") for p in patch_providers]
         provs += [(FLOOR, "packed_pos")]
         if tag and "gqa_providers" in sizes:
-            provs = [(p, lay) for p, lay in provs if p in sizes["gqa_providers"] and lay != "packed_cu"]
+            gqa = set(sizes["gqa_providers"]) | set(patch_providers)  # every patchkit backend that runs here
+            provs = [(p, lay) for p, lay in provs if p in gqa and lay != "packed_cu"]
         t0 = time.time()
         res = run_worker({**base, "kind": "throughput", "workload": "train", "lengths": lengths, "kv_heads": kv,
                           "providers": provs, "glue": True})
@@ -135,10 +143,10 @@ def run_suite(
     measured: dict[str, list[tuple[int, float]]] = {}
     for n in sizes["lengths"]:
         for p in hf + patch_providers:
-            if p == "hf_flash_attention_2" or p not in sizes.get("mem_providers", [p]):
+            if (p == "hf_flash_attention_2" and device.type != "cuda") or p not in sizes.get("mem_providers", [p]):
                 continue
             pred = predict_quadratic(measured.get(p, []), n)
-            cap = min(mem_cap_gib * 1024, mem_available_mib() - 2048)
+            cap = min(mem_cap_gib * 1024, mem_available_mib(device) - 2048)
             if pred is not None and pred > cap:
                 why = f"predicted {pred / 1024:.1f} GiB (quadratic from the last N) > cap {cap / 1024:.1f} GiB"
                 rec.skip(p, "long_peak_mem", n, "MiB", why)
@@ -159,6 +167,12 @@ def run_suite(
     if plots is not None:
         draw_plots(rec, plots, log)
     return rec
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def fresh_run_dir(root: Optional[Path] = None) -> Path:
@@ -196,6 +210,10 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     parser.add_argument("--plots", type=Path, default=None, help="directory for the PNG plots (default OUT)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--mem-cap-gib", type=float, default=18.0, help="skip configs predicted to need more")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: bf16 on the GPU with hf_flash_attention_2, hf_sdpa and patchkit's flash_attn, "
+                        "torch_varlen and sdpa backends (each that cannot run is skipped with the reason); cpu: fp32; "
+                        "auto (default): cuda when a CUDA device is present")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:  # the benchmark decides per provider what is patched; PATCHKIT_FLASH_ATTN must not patch HF's providers
@@ -209,10 +227,16 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
         fn = worker_throughput if spec["kind"] == "throughput" else worker_memory
         print(json.dumps(fn(spec)))
         return 0
+    if args.device == "cuda" and not cuda_available():
+        import torch
+
+        print(f"bench: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run. Run it on a "
+              "GPU machine, or without --device for the CPU benchmark.", flush=True)
+        return 0
     mode = "full" if args.full else "quick" if args.quick else "smoke" if args.smoke else "default"
     csv_path, plots = output_paths(args.out, args.csv, args.plots, args.no_plots)
     start = time.time()
-    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True))
+    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device)
     print_report(rec, lambda s: print(s, flush=True))
     print(f"\n{len(rec.rows)} rows appended to {csv_path}; total {time.time() - start:.0f}s", flush=True)
     return 0

@@ -6,13 +6,15 @@ from typing import Any, Callable, Optional
 
 from workloads import FLOOR, PAD
 
+PATCHKIT_BACKENDS = ("flash_attn", "torch_varlen", "sdpa")  # patchkit_<backend>, best first
 HF_PROVIDERS = {"hf_eager": "eager", "hf_sdpa": "sdpa", "hf_flash_attention_2": "flash_attention_2"}
 
 
-def device_and_dtype() -> tuple[Any, Any]:
+def device_and_dtype(device: Optional[str] = None) -> tuple[Any, Any]:
+    """(device, compute dtype): CUDA in bf16, else CPU in fp32; `device` None or "auto" takes CUDA when present."""
     import torch
 
-    if torch.cuda.is_available():
+    if device == "cuda" or (device in (None, "auto") and torch.cuda.is_available()):
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
 
@@ -109,23 +111,38 @@ def step_fn(provider: Provider, workload: str, data: dict[str, Any], decode_toke
     return run
 
 
-def probe_providers() -> tuple[list[str], dict[str, str]]:
-    """Which providers can run here: HF flash_attention_2 only if it loads; patchkit backends whose gates pass."""
+def probe_hf_flash(device: Any) -> Optional[str]:
+    """None when HF's flash_attention_2 loads and runs one forward on `device`, else why not."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if device.type != "cuda":
+        return "flash_attention_2 runs on CUDA only (this run is on the CPU)"
+    try:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          vocab_size=16, attn_implementation="flash_attention_2")
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+        model(input_ids=torch.ones(1, 4, dtype=torch.long, device=device))
+    except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def probe_providers(device: Any) -> tuple[list[str], dict[str, str]]:
+    """Which providers can run on `device`: HF flash_attention_2 if it loads; patchkit backends whose gates pass."""
     import patchkit
     from patchkit.errors import PatchkitError
 
     ok, skipped = ["hf_eager", "hf_sdpa"], {}
-    try:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          vocab_size=16, attn_implementation="flash_attention_2")
-        LlamaForCausalLM(cfg).to(torch.bfloat16)
+    why = probe_hf_flash(device)
+    if why is None:
         ok.append("hf_flash_attention_2")
-    except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
-        skipped["hf_flash_attention_2"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    for backend in ("flash_attn", "sdpa"):
+    else:
+        skipped["hf_flash_attention_2"] = why
+    for backend in PATCHKIT_BACKENDS:
+        if backend != "sdpa" and device.type != "cuda":
+            skipped[f"patchkit_{backend}"] = f"the {backend} backend runs on CUDA only (this run is on the CPU)"
+            continue
         try:
             patchkit.apply_patch("llama2", backend=backend, strict=True).revert()
             ok.append(f"patchkit_{backend}")

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 from workloads import FLOOR
 
+PATCHKIT_ORDER = ("patchkit_flash_attn", "patchkit_torch_varlen", "patchkit_sdpa")  # the first measured is judged
+
 # patchkit's performance targets (ratio bounds, glue share in %), stated for the default run's workloads and for
 # N = 8192 (benchmarks/README.md, "Targets")
 TARGETS = {"padded_vs_sdpa": 1.4, "padded_vs_eager": 2.5, "packed_vs_sdpa": 2.0, "floor_vs_packed": 1.1,
@@ -98,8 +100,9 @@ def ratio_table(rec: Recorder) -> list[tuple[str, str, str, str]]:
     have earned.
     """
     rows: list[tuple[str, str, str, str]] = []
-    sized = rec.mode in TARGET_MODES
-    not_sized = f"not judged ({rec.mode} run; target is for the default run)"
+    sized = rec.mode in TARGET_MODES and rec.device == "cpu"
+    not_sized = (f"not judged ({rec.mode} run; target is for the default run)" if rec.device == "cpu"
+                 else f"not judged ({rec.device} run; targets are for the CPU default run)")
 
     def ratio(
         label: str, num: Optional[float], den: Optional[float], target: float, higher: bool = True,
@@ -115,7 +118,7 @@ def ratio_table(rec: Recorder) -> list[tuple[str, str, str, str]]:
         verdict = ("PASS" if ok else "MISS") if judged else why
         rows.append((label, f"{r:.2f}x", f"{'>=' if higher else '<='} {target}x", verdict))
 
-    patch = next((p for p in ("patchkit_flash_attn", "patchkit_sdpa") if rec.get(p, "train_padded")), "patchkit_sdpa")
+    patch = next((p for p in PATCHKIT_ORDER if rec.get(p, "train_padded")), "patchkit_sdpa")
     for tag, title in (("", "MHA"), ("_gqa2", "GQA 2 K/V")):
         if rec.get("hf_sdpa", f"train_padded{tag}") is None:
             continue
@@ -139,6 +142,7 @@ def ratio_table(rec: Recorder) -> list[tuple[str, str, str, str]]:
                        else "PASS" if share <= bound else "MISS")
             rows.append((f"[{title}] patch glue share of the {lay} step", "n/a" if share is None else f"{share:.1f}%",
                          f"<= {bound:g}%", verdict))
+    rows += gpu_comparisons(rec, patch)
     dec = rec.get(patch, "prefill_decode")
     if dec is not None:
         ratio(f"prefill+decode: {patch} / hf_sdpa", dec, rec.get("hf_sdpa", "prefill_decode"), 1.0,
@@ -146,16 +150,35 @@ def ratio_table(rec: Recorder) -> list[tuple[str, str, str, str]]:
     ns = sorted({int(r["x"]) for r in rec.rows if r["workload"] == "long_peak_mem" and r["median"] != ""})
     n = TARGET_MEM_N if TARGET_MEM_N in ns else (ns[-1] if ns else None)
     if n is not None:
-        why = f"not judged (target is for N={TARGET_MEM_N}; this run's largest N is {n})"
+        why = (f"not judged (target is for N={TARGET_MEM_N}; this run's largest N is {n})" if rec.device == "cpu"
+               else not_sized)
         pk = rec.get(patch, "long_peak_mem", n)
         ratio(f"peak step memory N={n}: {patch} / hf_sdpa", pk, rec.get("hf_sdpa", "long_peak_mem", n),
-              TARGETS["mem_vs_sdpa"], False, judged=n == TARGET_MEM_N, why=why)
+              TARGETS["mem_vs_sdpa"], False, judged=n == TARGET_MEM_N and rec.device == "cpu", why=why)
         eager = rec.get("hf_eager", "long_peak_mem", n)
         label = f"peak step memory N={n}: {patch} / hf_eager"
         if eager is None and rec.get("hf_eager", "long_peak_mem_predicted", n) is not None:
             eager = rec.get("hf_eager", "long_peak_mem_predicted", n)
             label += " (eager predicted, not run)"
-        ratio(label, pk, eager, TARGETS["mem_vs_eager"], False, judged=n == TARGET_MEM_N, why=why)
+        ratio(label, pk, eager, TARGETS["mem_vs_eager"], False, judged=n == TARGET_MEM_N and rec.device == "cpu",
+              why=why)
+    return rows
+
+
+def gpu_comparisons(rec: Recorder, judged: str) -> list[tuple[str, str, str, str]]:
+    """On CUDA, every patchkit backend that ran against HF's flash_attention_2 and sdpa on the padded step (info,
+    no target); the `judged` backend's row against hf_sdpa is the target row above."""
+    rows = []
+    for tag, title in (("", "MHA"), ("_gqa2", "GQA 2 K/V")):
+        work = f"train_padded{tag}"
+        for ref in ("hf_flash_attention_2", "hf_sdpa"):
+            den = rec.get(ref, work)
+            for mine in PATCHKIT_ORDER:
+                num = rec.get(mine, work)
+                if rec.device == "cuda" and num is not None and den and (mine, ref) != (judged, "hf_sdpa"):
+                    paired = rec.paired((mine, work), (ref, work))
+                    r = paired if paired is not None else num / den
+                    rows.append((f"[{title}] padded train: {mine} / {ref}", f"{r:.2f}x", "-", "info (no target)"))
     return rows
 
 

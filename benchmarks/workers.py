@@ -92,7 +92,7 @@ def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
     """Round-robin timed runs of several providers on one workload, in this one process."""
     import torch
 
-    device, dtype = device_and_dtype()
+    device, dtype = device_and_dtype(spec.get("device"))
     cfg = spec["model"]
     docs = make_tokens(spec["lengths"], cfg["vocab"])
     real = sum(spec["lengths"]) + (len(docs) * spec["decode_tokens"] if spec["workload"] == "decode" else 0)
@@ -126,7 +126,7 @@ def worker_memory(spec: dict[str, Any]) -> dict[str, Any]:
     """One provider, one long padded batch (lengths N and N/2): peak memory of a forward + backward step."""
     import torch
 
-    device, dtype = device_and_dtype()
+    device, dtype = device_and_dtype(spec.get("device"))
     cfg = spec["model"]
     n = spec["n"]
     lengths = [n, n // 2]
