@@ -23,9 +23,11 @@ RUNS = HERE / "runs"  # every other run: a fresh folder per run (ignored by git)
 sys.path.insert(0, str(HERE))  # the sibling modules, also when `patchkit bench` loads this file by path
 
 from providers import device_and_dtype, probe_providers  # noqa: E402
-from report import Recorder, draw_plots, print_report, record_throughput  # noqa: E402
+from report import TARGETS, Recorder, draw_plots, print_report, ratio_table, record_throughput  # noqa: E402
 from workers import worker_memory, worker_throughput  # noqa: E402
 from workloads import FLOOR, MODES, lognormal_lengths, padded_lengths, padding_fraction  # noqa: E402
+
+__all__ = ["TARGETS", "Recorder", "main", "output_paths", "ratio_table", "run_suite"]  # what callers reach via bench
 
 
 def run_worker(spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
