@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.23.0
 
-.PHONY: setup demo test lint matrix bench clean
+.PHONY: setup demo test lint matrix bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ matrix: setup
 
 bench: setup
 	$(BIN)/patchkit bench
+
+# Every test marked gpu (flash_attn and torch_varlen against eager and sdpa, bf16), flash-attn from a wheel where one
+# exists, one summary line; exits 0 with a line saying why on a machine without CUDA. See tests/run_gpu.py.
+gpu-test: setup
+	$(BIN)/python tests/run_gpu.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
+from workloads import lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--quick", action="store_true", help="3 steps (for tests)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "flash_attn", "sdpa"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "flash_attn", "torch_varlen", "sdpa"))
     args = parser.parse_args(argv)
     if peft is None:
         print("examples/lora.py needs the peft package, which is not installed: pip install peft", file=sys.stderr)

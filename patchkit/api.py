@@ -12,6 +12,7 @@ from . import eras, unserved
 from . import gates as _gates
 from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
+from .choice import choose_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
 from .group import PatchGroup
@@ -126,7 +127,7 @@ class PatchHandle:
             + ("once per model forward; the decoder runs on real tokens only" if self.options[2] == "model"
                else "in each attention layer; hidden states keep their padded shape") + ")",
             "  gates:",
-            *(f"    - {g.describe()}" for g in self.gates),
+            *_gates.gate_lines(self.gates, "    "),
             "  replaced:",
             *(f"    - {r.describe()}" for r in self.replacements),
             f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
@@ -158,9 +159,11 @@ def apply_patch(
             "gemma", "gemma2", "gemma3_text", "phi3"; see `available_patches()`). Default None: the patch for
             `model.config.model_type` when `model` is given, else every registered family whose transformers
             gate passes (returns a `PatchGroup`; the families skipped are named in its report).
-        backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the gate),
-            "flash_attn" or "sdpa" (torch-native, exact, CPU or GPU).
-        strict: raise `PatchGateError` instead of falling back when a gate fails.
+        backend: "auto" (flash_attn when every gate passes, else torch_varlen, else sdpa, with one warning
+            naming the first failed gate of each), "flash_attn" (the flash-attn package), "torch_varlen" (torch's
+            own FlashAttention-2 varlen kernel, torch >= 2.10 on CUDA) or "sdpa" (torch-native, exact, CPU or GPU).
+        strict: raise `PatchGateError` instead of falling back when a gate fails (with "auto": when neither
+            flash_attn nor torch_varlen passes).
         model: patch this loaded instance only (PEFT/DDP/FSDP wrappers are looked through); default None
             patches the classes, so every model of the family built afterwards runs through the patch.
         unpad: "model" (default) unpads a padded batch once per model forward, so embeddings, projections, MLP
@@ -216,7 +219,7 @@ def _apply(
     failed = _gates.first_failure(model_gates)
     if failed is not None:
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
-    chosen_name, backend_gates = chosen or _gates.choose_backend(
+    chosen_name, backend_gates = chosen or choose_backend(
         spec.name, spec.flash_attn_min, spec.flash_attn_why, backend, strict, env,
         None if model is None or backend == "sdpa" else head_dim(model),
     )
@@ -258,7 +261,7 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
     if not specs:
         raise PatchGateError(f"no patchkit patch serves the installed transformers: {'; '.join(skipped.values())}")
     flash_min = max((s.flash_attn_min for s in specs), key=Version)
-    chosen = _gates.choose_backend(
+    chosen = choose_backend(
         f"every family ({', '.join(s.name for s in specs)})", flash_min, specs[0].flash_attn_why, backend, strict,
         env,
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -18,6 +17,7 @@ from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
 from .patching import BoundPatch
+from .warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
@@ -59,16 +59,18 @@ class PatchState:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn_user(message)
 
-    def backend_for(self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> Backend:
-        """The backend for this layer: flash_attn unless its head_dim gate fails or it lacks the window or softcap
-        the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
+    def backend_for(
+        self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0
+    ) -> Backend:
+        """The backend for this layer: the kernel backend unless its head_dim gate fails or it lacks the window,
+        softcap or dropout the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
         if not self.backend.half_only:
             return self.backend
-        gate = head_dim_gate(module.head_dim)
+        gate = head_dim_gate(module.head_dim, self.backend.name)
         reason = None if gate.passed else gate.describe()
-        reason = reason or self.backend.missing_feature(window, softcap)
+        reason = reason or self.backend.missing_feature(window, softcap, dropout)
         if reason is None:
             return self.backend
         if self.strict:
@@ -104,7 +106,7 @@ def to_half(
     if gate.passed:
         return tensors
     if strict:
-        raise PatchGateError(f"{who} on the flash_attn backend: {gate.describe()}")
+        raise PatchGateError(f"{who} on a flash kernel backend: {gate.describe()}")
     dtype = target()
     warn_once(
         "dtype",
@@ -167,7 +169,7 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
-    backend = state.backend_for(module, window, softcap)
+    backend = state.backend_for(module, window, softcap, dropout)
     in_dtype = q.dtype
     if backend.half_only:
         q, k, v = to_half(

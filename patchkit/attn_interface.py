@@ -17,6 +17,7 @@ from torch import nn
 from . import gates
 from .attention import PatchState, make_attention_function
 from .backends import BACKEND_NAMES, make_backend
+from .choice import choose_backend
 from .masks import VarlenMask
 from .model_unpad import ROUTE_NAME, ROUTED_STATE
 from .registry import registered, resolve
@@ -51,7 +52,7 @@ def route_state() -> PatchState:
     global _state, _function
     if _state is None:
         spec = resolve("llama2")
-        chosen, _ = gates.choose_backend(
+        chosen, _ = choose_backend(
             spec.name, spec.flash_attn_min, spec.flash_attn_why, _options["backend"], _options["strict"],
             gates.probe_environment(),
         )
@@ -88,7 +89,8 @@ def served_model_types() -> set[str]:
 def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bool:
     """Register ATTENTION_NAME (idempotent); False when this transformers has no mask interface (< 4.53).
 
-    `backend` ("auto", "flash_attn", "sdpa") and `strict` configure the route; None keeps the current setting.
+    `backend` ("auto", "flash_attn", "torch_varlen", "sdpa") and `strict` configure the route; None keeps the
+    current setting.
     """
     global _state, _function
     if backend is not None and backend not in BACKEND_NAMES:

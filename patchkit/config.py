@@ -68,8 +68,8 @@ def _patch_field() -> Any:
 def _attn_backend_field() -> Any:
     return dataclasses.field(
         default="auto",
-        metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else sdpa with a warning), "
-                          "flash_attn, or sdpa. Default auto.",
+        metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else torch_varlen, else sdpa, "
+                          "with a warning), flash_attn, torch_varlen, or sdpa. Default auto.",
                   "choices": list(BACKEND_NAMES)},
     )
 
@@ -77,7 +77,8 @@ def _attn_backend_field() -> Any:
 def _patch_strict_field() -> Any:
     return dataclasses.field(
         default=False,
-        metadata={"help": "Raise instead of falling back to sdpa when a flash_attn gate fails. Default off."},
+        metadata={"help": "Raise instead of falling back when a kernel backend's gate fails (auto: when neither "
+                          "flash_attn nor torch_varlen passes). Default off."},
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from . import __version__
 from . import gates as _gates
+from .choice import Choice, pick
 from .registry import registered
 
 PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
@@ -30,19 +31,26 @@ def _gate_dict(gate: _gates.GateResult) -> dict[str, Any]:
     return dataclasses.asdict(gate)
 
 
+def _why(choice: Choice) -> str:
+    """Why backend='auto' lands where it does: each better backend's failed gates, and what strict would do."""
+    if not choice.passed_over:
+        return f"every {choice.backend} gate passed"
+    failed = "; ".join(
+        f"{name} gates failed ({', '.join(g.name for g in choice.gates if g.backend == name and not g.passed)})"
+        for name in dict.fromkeys(g.backend for g in choice.passed_over)
+    )
+    strict = "strict=True would raise" if choice.backend == "sdpa" else "strict=True accepts it"
+    return f"{failed}: backend='auto' falls back to {choice.backend} with a warning; {strict}"
+
+
 def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
     """Would this patch apply here, and with which backend under backend='auto'? The same gates apply_patch runs."""
     tf_gate = _gates.transformers_gate(env, spec.supported, spec.name)
-    flash = _gates.flash_backend_gates(env, spec.flash_attn_min, spec.flash_attn_why)
-    failed = [g for g in flash if not g.passed]
+    choice = pick("auto", env, spec.flash_attn_min, spec.flash_attn_why)
     if not tf_gate.passed:  # the gate itself, with its fix, is listed once below
         applies, backend, why = False, None, "the transformers_version gate failed: no backend can help"
-    elif failed:
-        applies, backend = True, "sdpa"
-        why = (f"flash_attn gates failed ({', '.join(g.name for g in failed)}): backend='auto' or 'flash_attn' "
-               "falls back to sdpa with a warning; strict=True would raise")
     else:
-        applies, backend, why = True, "flash_attn", "every flash_attn gate passed"
+        applies, backend, why = True, choice.backend, _why(choice)
     return {
         "name": spec.name,
         "aliases": list(spec.aliases),
@@ -51,9 +59,10 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
         "applies": applies,
         "backend": backend,
         "why": why,
-        "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in flash],
+        "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in choice.gates],
         "runtime_gates": "dtype (fp16/bf16 q/k/v, else cast with a warning) and head_dim <= "
-        f"{_gates.MAX_FLASH_HEAD_DIM} are checked per model/call"
+        f"{_gates.MAX_FLASH_HEAD_DIM} (torch_varlen: a multiple of 8) are checked per model/call; a window, softcap "
+        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout)"
         + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
     }
 
@@ -122,7 +131,7 @@ def format_report(data: dict[str, Any]) -> str:
         alias = f" (alias {', '.join(p['aliases'])})" if p["aliases"] else ""
         lines.append(f"  {p['name']}{alias}: {verdict}; transformers{p['transformers']}")
         lines.append(f"    why: {p['why']}")
-        lines += [f"    - {_gates.GateResult(**g).describe()}" for g in p["gates"]]
+        lines += _gates.gate_lines([_gates.GateResult(**g) for g in p["gates"]], "    ")
     hook = data["startup_hook"]
     flag = hook["PATCHKIT_FLASH_ATTN"]
     lines += [

@@ -13,11 +13,11 @@ and nothing changes. Every other request, and every other model family, gets tra
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable
 
 from .attention import PatchState
 from .patching import Replacement
+from .warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
 
@@ -35,13 +35,11 @@ def served_name() -> str:
 def _serve(state: PatchState, model_class: str, refusal: BaseException) -> str:
     name = served_name()
     reason = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
-    warnings.warn(
+    warn_user(
         f"patchkit: attn_implementation={FLASH_REQUEST!r} for {model_class} is served by patchkit's "
         f"{state.backend.name!r} backend (the class patch serves every LLaMA model; exact varlen attention, no "
         f"(B, 1, N, N) mask): transformers cannot use flash-attn here ({reason}). The model loads with "
         f"attn_implementation={name!r}.",
-        RuntimeWarning,
-        stacklevel=3,
     )
     return name
 

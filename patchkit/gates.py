@@ -5,18 +5,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import sys
-import warnings
 from typing import Optional
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import PatchGateError
-
 MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
+TORCH_VARLEN_MIN = (2, 10)  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2's varlen kernel inside torch
+# The keyword arguments patchkit passes to varlen_attn (torch 2.13's signature, where causal is window_size (-1, 0))
+TORCH_VARLEN_ARGS = ("scale", "window_size", "enable_gqa")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -32,6 +33,7 @@ class Environment:
     device_name: Optional[str]
     compute_capability: Optional[tuple[int, int]]
     bf16_supported: bool
+    torch_varlen_error: Optional[str] = None  # why torch's varlen_attn cannot be called as patchkit calls it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +45,17 @@ class GateResult:
     required: str
     found: str
     fix: str = ""
+    backend: str = ""  # the backend this gate is for ("" for the patch's own gates)
 
     def describe(self) -> str:
         status = "ok" if self.passed else "FAILED"
         text = f"{self.name}: {status} (required {self.required}; found {self.found})"
         return text if self.passed or not self.fix else f"{text}. Fix: {self.fix}"
+
+    def brief(self, width: int = 44) -> str:
+        """'name: FAILED (found ...)', what was found cut to `width` characters: one reason in a one-line warning."""
+        found = self.found if len(self.found) <= width else self.found[: width - 3].rstrip() + "..."
+        return f"{self.name}: {'ok' if self.passed else 'FAILED'} (found {found})"
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -82,6 +90,23 @@ def probe_flash_attn() -> tuple[Optional[str], Optional[str]]:
     return getattr(module, "__version__", None) or _package_version("flash-attn"), None
 
 
+def probe_torch_varlen(cuda: bool) -> Optional[str]:
+    """None when torch's `varlen_attn` takes the arguments patchkit passes (and, on CUDA, has its kernel built)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        return f"no torch.nn.attention.varlen.varlen_attn ({exc})"
+    params = inspect.signature(varlen_attn).parameters
+    missing = [name for name in TORCH_VARLEN_ARGS if name not in params]
+    if missing or "is_causal" in params:
+        return (f"varlen_attn{inspect.signature(varlen_attn)} is not the signature patchkit calls (torch 2.13's: "
+                f"{', '.join(TORCH_VARLEN_ARGS)}, causal as window_size=(-1, 0))")
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    if cuda and not available():
+        return "this torch build has no FlashAttention kernel (torch.backends.cuda.is_flash_attention_available())"
+    return None
+
+
 def probe_environment() -> Environment:
     """Read the environment once; tests replace this function to simulate other machines."""
     flash_version, flash_error = probe_flash_attn()
@@ -96,6 +121,7 @@ def probe_environment() -> Environment:
         device_name=torch.cuda.get_device_name() if cuda else None,
         compute_capability=capability,  # type: ignore[arg-type]
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
+        torch_varlen_error=probe_torch_varlen(cuda),
     )
 
 
@@ -176,6 +202,38 @@ def flash_backend_gates(env: Environment, flash_min: str, why: str) -> list[Gate
     ]
 
 
+def torch_version_gate(env: Environment) -> GateResult:
+    """torch >= 2.10 ships varlen_attn (a pre-release of 2.10 counts as 2.10)."""
+    try:
+        ok = Version(env.torch_version).release[:2] >= TORCH_VARLEN_MIN
+    except InvalidVersion:
+        ok = False
+    need = ".".join(map(str, TORCH_VARLEN_MIN))
+    return GateResult(
+        "torch_version",
+        ok,
+        f"torch>={need} (torch.nn.attention.varlen)",
+        env.torch_version,
+        f"install torch>={need} with CUDA, or use backend='flash_attn' or 'sdpa'",
+    )
+
+
+def torch_varlen_api_gate(env: Environment) -> GateResult:
+    return GateResult(
+        "torch_varlen_api",
+        env.torch_varlen_error is None,
+        f"torch.nn.attention.varlen.varlen_attn({', '.join(TORCH_VARLEN_ARGS)}) with its FlashAttention kernel",
+        env.torch_varlen_error or "ok",
+        "install a CUDA build of a torch release whose varlen_attn has that signature (2.13 does), or use "
+        "backend='flash_attn' or 'sdpa'",
+    )
+
+
+def torch_varlen_backend_gates(env: Environment) -> list[GateResult]:
+    """Every gate the torch_varlen backend must pass on this machine (a failed cuda gate is named before the API's)."""
+    return [torch_version_gate(env), cuda_gate(env), compute_capability_gate(env), torch_varlen_api_gate(env)]
+
+
 def dtype_gate(dtype: torch.dtype) -> GateResult:
     """flash-attn kernels take fp16/bf16 only (checked per call, on the real q/k/v)."""
     return GateResult(
@@ -188,7 +246,16 @@ def dtype_gate(dtype: torch.dtype) -> GateResult:
     )
 
 
-def head_dim_gate(head_dim: int) -> GateResult:
+def head_dim_gate(head_dim: int, backend: str = "flash_attn") -> GateResult:
+    """flash-attn pads head_dim to a multiple of 8 itself; torch's varlen_attn gets only sizes it is known to take."""
+    if backend == "torch_varlen":
+        return GateResult(
+            "head_dim",
+            head_dim <= MAX_FLASH_HEAD_DIM and head_dim % 8 == 0,
+            f"head_dim <= {MAX_FLASH_HEAD_DIM} and a multiple of 8",
+            str(head_dim),
+            "torch's varlen_attn runs head_dim up to 256 in multiples of 8; use backend='flash_attn' or 'sdpa'",
+        )
     return GateResult(
         "head_dim",
         head_dim <= MAX_FLASH_HEAD_DIM,
@@ -198,38 +265,16 @@ def head_dim_gate(head_dim: int) -> GateResult:
     )
 
 
+def gate_lines(results: list[GateResult], indent: str) -> list[str]:
+    """Every gate, those of each backend under the backend's name (several backends share gate names)."""
+    lines, backend = [], ""
+    for g in results:
+        if g.backend != backend:
+            backend = g.backend
+            lines.append(f"{indent}{backend} backend:")
+        lines.append(f"{indent}{'  ' if backend else ''}- {g.describe()}")
+    return lines
+
+
 def first_failure(results: list[GateResult]) -> Optional[GateResult]:
     return next((r for r in results if not r.passed), None)
-
-
-def decide_backend(requested: str, strict: bool, results: list[GateResult], who: str, refusal: str = "") -> str:
-    """"flash_attn" when every flash gate passed; else raise (strict) or warn naming the gates and use "sdpa"."""
-    if requested == "sdpa":
-        return "sdpa"
-    failed = [g for g in results if not g.passed]
-    if not failed:
-        return "flash_attn"
-    reasons = "; ".join(g.describe() for g in failed)
-    if strict:
-        raise PatchGateError(f"{who}, backend {requested!r}: {reasons}.{refusal}")
-    warnings.warn(
-        f"patchkit: the flash_attn backend is not available here ({reasons}). {who} uses the torch-native sdpa "
-        "backend instead: exact, varlen, no O(N^2) mask, but without flash-attn's GPU kernels.",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    return "sdpa"
-
-
-def choose_backend(
-    patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
-    head_dim: Optional[int] = None,
-) -> tuple[str, list[GateResult]]:
-    """Resolve "auto"/"flash_attn"/"sdpa" against the gates: fall back with a warning, or raise if strict."""
-    if backend == "sdpa":
-        return "sdpa", []
-    results = flash_backend_gates(env, flash_min, why)
-    if head_dim is not None:
-        results.append(head_dim_gate(head_dim))
-    chosen = decide_backend(backend, strict, results, f"Patch {patch!r}", " Nothing was patched.")
-    return chosen, results

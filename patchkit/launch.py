@@ -15,10 +15,11 @@ from .attention import UNPAD_MODES
 from .backends import BACKEND_NAMES
 from .config import PatchArguments, apply_from_args, patch_names
 from .errors import PatchkitError
+from .warn import attributed_to
 
 # Usage:
-#   python -m patchkit.launch [--patch all|llama2|mistral|...] [--backend auto|flash_attn|sdpa] [--strict] \
-#       SCRIPT.py [args...]
+#   python -m patchkit.launch [--patch all|llama2|mistral|...] [--backend auto|flash_attn|torch_varlen|sdpa] \
+#       [--strict] SCRIPT.py [args...]
 #   python -m patchkit.launch [options] -m package.module [args...]
 #   torchrun --nproc_per_node 2 -m patchkit.launch --backend sdpa train.py --lr 1e-4
 #   accelerate launch --num_processes 2 -m patchkit.launch train.py --lr 1e-4
@@ -180,7 +181,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        handle = apply_from_args(args)
+        with attributed_to(target.script or target.module or "<launcher>"):
+            handle = apply_from_args(args)  # its warnings name the user's script, not the launcher's lines
     except PatchkitError as exc:
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

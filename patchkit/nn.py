@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -11,10 +10,12 @@ from torch import nn
 from . import gates as _gates
 from .attention import half_dtype, to_half
 from .backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
+from .choice import resolve
 from .errors import PatchGateError, PatchInputError
 from .gates import GateResult
 from .masks import VarlenMetadata, build_metadata
 from .padding import pad_input, unpad_rows
+from .warn import warn_user
 
 FLASH_MIN = "2.0"
 FLASH_WHY = "the varlen API"
@@ -39,9 +40,8 @@ def resolve_backend(backend: str, strict: bool, head_dim: int) -> tuple[Backend,
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if backend == "sdpa":
         return make_backend("sdpa"), []
-    results = _gates.flash_backend_gates(_gates.probe_environment(), FLASH_MIN, FLASH_WHY)
-    results.append(_gates.head_dim_gate(head_dim))
-    return make_backend(_gates.decide_backend(backend, strict, results, "VarlenSelfAttention")), results
+    choice = resolve(backend, strict, _gates.probe_environment(), FLASH_MIN, FLASH_WHY, "VarlenSelfAttention", head_dim)
+    return make_backend(choice.backend), choice.gates
 
 
 def _check_padding_mask(mask: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
@@ -77,8 +77,8 @@ class VarlenSelfAttention(nn.Module):
         bias: biases on the input and output projections; default True.
         head_dim: per-head size; default `embed_dim // num_heads`.
         softmax_scale: default `head_dim ** -0.5`.
-        backend: "auto" (flash_attn when every gate passes, else sdpa with a warning naming the failed gate),
-            "flash_attn" or "sdpa"; default "auto".
+        backend: "auto" (flash_attn, else torch_varlen, else sdpa, with a warning naming the failed gates),
+            "flash_attn", "torch_varlen" or "sdpa"; default "auto".
         strict: raise `PatchGateError` instead of falling back or casting; default False.
     """
 
@@ -150,18 +150,21 @@ class VarlenSelfAttention(nn.Module):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn_user(message)
 
     def _backend_for(self, device: torch.device) -> Backend:
-        """The chosen backend, unless it is flash_attn and the input is not on CUDA (fallback or raise)."""
+        """The chosen backend, unless it is a kernel backend and the input is not on CUDA or needs dropout it lacks
+        (then the exact fallback with one warning, or raise in strict mode)."""
         if not self.backend.half_only:
             return self.backend
         gate = device_gate(device)
-        if gate.passed:
+        reason = None if gate.passed else gate.describe()
+        reason = reason or self.backend.missing_feature((-1, -1), 0.0, self.dropout if self.training else 0.0)
+        if reason is None:
             return self.backend
         if self.strict:
-            raise PatchGateError(f"VarlenSelfAttention on the flash_attn backend: {gate.describe()}")
-        self._warn_once("device", f"patchkit: {gate.describe()}; VarlenSelfAttention uses the sdpa backend instead")
+            raise PatchGateError(f"VarlenSelfAttention on the {self.backend.name} backend: {reason}")
+        self._warn_once(reason, f"patchkit: {reason}; VarlenSelfAttention uses the sdpa backend instead")
         return self._fallback
 
     def _attend(self, qkv: torch.Tensor, meta: VarlenMetadata, backend: Backend) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import types
 
@@ -69,4 +70,58 @@ def install_flash_double(monkeypatch) -> RecordingFlashAttn:
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
     monkeypatch.setattr(gates, "probe_environment", lambda: GPU_ENV)
+    return fake
+
+
+NO_FLASH_GPU_ENV = env(flash_attn_version=None, flash_attn_error="not installed (No module named 'flash_attn')")
+
+
+class RecordingTorchVarlen:
+    """Stands in for torch's `varlen_attn` (CUDA only): binds each call to the installed torch's real signature,
+    checks what the kernel needs, records it, and computes what torch 2.13 computes with the sdpa reference."""
+
+    def __init__(self) -> None:
+        from torch.nn.attention import varlen
+
+        self.signature = inspect.signature(varlen.varlen_attn)
+        self.calls: list[dict] = []
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)  # TypeError on any argument torch's function does not take
+        bound.apply_defaults()
+        a = bound.arguments
+        q, k, v = a["query"], a["key"], a["value"]
+        cu_q, cu_k, max_q, max_k = a["cu_seq_q"], a["cu_seq_k"], a["max_q"], a["max_k"]
+        assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape, "q/k/v must be (T, H, D)"
+        assert {q.dtype, k.dtype, v.dtype} <= {torch.float16, torch.bfloat16} and q.dtype == k.dtype == v.dtype
+        assert all(t.stride(-1) == 1 for t in (q, k, v)), "last dim not contiguous"
+        assert q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+        for cu, total in ((cu_q, q.shape[0]), (cu_k, k.shape[0])):
+            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu[0] == 0 and cu[-1] == total, f"bad cu_seq {cu}"
+        assert cu_q.numel() == cu_k.numel()
+        assert isinstance(max_q, int) and max_q == int(cu_q.diff().max()), f"max_q {max_q}"
+        assert isinstance(max_k, int) and max_k == int(cu_k.diff().max()), f"max_k {max_k}"
+        window = a["window_size"]
+        assert isinstance(window, tuple) and len(window) == 2, f"window_size {window!r}: torch compares a tuple"
+        assert q.shape[1] % k.shape[1] == 0 and (a["enable_gqa"] or q.shape[1] == k.shape[1])
+        assert a["return_aux"] is None and a["seqused_k"] is None and a["block_table"] is None
+        assert isinstance(a["scale"], float)
+        is_causal = window == (-1, 0)  # torch 2.13's own rule (varlen.py): causal is exactly this window
+        self.calls.append(dict(shapes=[tuple(t.shape) for t in (q, k, v)], dtype=q.dtype, cu_q=cu_q.tolist(),
+                               cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, scale=a["scale"], window=window,
+                               enable_gqa=a["enable_gqa"]))
+        out, _ = sdpa.varlen_attention(
+            q, k, v, cu_q.diff().tolist(), cu_k.diff().tolist(), 0.0, a["scale"], is_causal,
+            (-1, -1) if is_causal else window,
+        )
+        return out
+
+
+def install_torch_varlen_double(monkeypatch, environment: gates.Environment = NO_FLASH_GPU_ENV) -> RecordingTorchVarlen:
+    """Put the double where the backend looks it up, and pretend to be an A100 without flash-attn."""
+    from torch.nn.attention import varlen
+
+    fake = RecordingTorchVarlen()
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    monkeypatch.setattr(gates, "probe_environment", lambda: environment)
     return fake

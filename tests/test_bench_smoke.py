@@ -57,3 +57,31 @@ def test_plots_and_ratio_table(smoke_run: tuple[Path, Path, str]) -> None:
     table = stdout.split("target (benchmarks/README.md, Targets)")[1]
     assert "not judged (smoke run; target is for the default run)" in table
     assert "PASS" not in table and "MISS" not in table  # a toy run cannot earn or miss a target
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device: --device cuda would run")
+def test_device_cuda_without_cuda_says_so_and_runs_nothing(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--device", "cuda", "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("bench: --device cuda: no CUDA device here") and not any(tmp_path.iterdir())
+
+
+def test_a_cuda_run_is_reported_against_hf_flash_attention_2_and_judged_by_no_cpu_target() -> None:
+    """A CUDA run's ratios: the best patchkit backend that ran, every backend against HF's two, no PASS/MISS."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from report import Recorder, ratio_table
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    rec = Recorder({"torch": "2.13.0", "transformers": "5.23.0", "patchkit": "0.1.0"}, "bfloat16", "cuda")
+    speeds = {"hf_eager": 1.0, "hf_sdpa": 2.0, "hf_flash_attention_2": 3.0, "patchkit_torch_varlen": 6.0,
+              "patchkit_sdpa": 2.5}
+    for provider, tokens in speeds.items():
+        rec.add(provider, "train_padded", 0.557, [tokens, tokens], "tokens/s")
+    rows = {label: (got, verdict) for label, got, _, verdict in ratio_table(rec)}
+    assert rows["[MHA] padded train: patchkit_torch_varlen / hf_sdpa"] == (
+        "3.00x", "not judged (cuda run; targets are for the CPU default run)")
+    assert rows["[MHA] padded train: patchkit_torch_varlen / hf_flash_attention_2"] == ("2.00x", "info (no target)")
+    assert rows["[MHA] padded train: patchkit_sdpa / hf_flash_attention_2"][0] == "0.83x"
+    assert not any(verdict in ("PASS", "MISS") for _, verdict in rows.values())

@@ -80,7 +80,8 @@ def test_hf_argument_parser_rejects_a_bad_backend(tmp_path, capsys):
 
 
 def test_dataclass_validates_when_built_in_code():
-    with pytest.raises(ValueError, match=r"attn_backend='gpu' is not valid; allowed values: auto, flash_attn, sdpa"):
+    allowed_backends = "auto, flash_attn, torch_varlen, sdpa"
+    with pytest.raises(ValueError, match=rf"attn_backend='gpu' is not valid; allowed values: {allowed_backends}"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
     allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, smollm3, starcoder2, llama$"
     with pytest.raises(ValueError, match=rf"patch='gpt2' is not valid; allowed values: {allowed}"):
@@ -141,7 +142,8 @@ def test_env_mapping_argument_instead_of_os_environ():
     "var,value,message",
     [
         ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
-        ("PATCHKIT_BACKEND", "cuda", "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, sdpa"),
+        ("PATCHKIT_BACKEND", "cuda",
+         "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, torch_varlen, sdpa"),
         ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: all, gemma, .*, llama"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
         ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),

@@ -9,7 +9,7 @@ import torch
 from ..masks import VarlenMetadata
 from . import sdpa
 
-BACKEND_NAMES = ("auto", "flash_attn", "sdpa")
+BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
 
 class Backend(Protocol):
@@ -28,8 +28,8 @@ class Backend(Protocol):
         causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
-        """Why this backend cannot run a window or softcap here (None: it can)."""
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
+        """Why this backend cannot run a window, softcap or attention dropout here (None: it can)."""
 
 
 class SdpaBackend:
@@ -58,16 +58,20 @@ class SdpaBackend:
         )
         return out
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         return None
 
 
 def make_backend(name: str) -> Backend:
-    """Instantiate a backend by its resolved name ("flash_attn" or "sdpa")."""
+    """Instantiate a backend by its resolved name ("flash_attn", "torch_varlen" or "sdpa")."""
     if name == "sdpa":
         return SdpaBackend()
     if name == "flash_attn":
         from .flash_attn import FlashAttnBackend
 
         return FlashAttnBackend()
+    if name == "torch_varlen":
+        from .torch_varlen import TorchVarlenBackend
+
+        return TorchVarlenBackend()
     raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")

@@ -10,6 +10,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from ..masks import VarlenMetadata
+from .limits import check_index_range
 
 
 class FlashAttnBackend:
@@ -32,7 +33,7 @@ class FlashAttnBackend:
             out["softcap"] = softcap
         return out
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float) -> Optional[str]:
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         """flash-attn added sliding windows in 2.3 and softcap in 2.6."""
         for feature, minimum in (("window_size", "2.3"), ("softcap", "2.6")):
             if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
@@ -43,6 +44,7 @@ class FlashAttnBackend:
         self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
         return self._fa.flash_attn_varlen_qkvpacked_func(
             qkv, meta.cu_seqlens_q, meta.max_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
             causal=causal, **self._features(window_size, softcap),
@@ -52,6 +54,7 @@ class FlashAttnBackend:
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
         causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
         return self._fa.flash_attn_varlen_kvpacked_func(
             q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),

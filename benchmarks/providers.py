@@ -1,0 +1,151 @@
+"""The ways the benchmark runs the model: HF attention implementations, patchkit on a backend, the SDPA floor."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from workloads import FLOOR, PAD
+
+PATCHKIT_BACKENDS = ("flash_attn", "torch_varlen", "sdpa")  # patchkit_<backend>, best first
+HF_PROVIDERS = {"hf_eager": "eager", "hf_sdpa": "sdpa", "hf_flash_attention_2": "flash_attention_2"}
+
+
+def device_and_dtype(device: Optional[str] = None) -> tuple[Any, Any]:
+    """(device, compute dtype): CUDA in bf16, else CPU in fp32; `device` None or "auto" takes CUDA when present."""
+    import torch
+
+    if device == "cuda" or (device in (None, "auto") and torch.cuda.is_available()):
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def build_model(cfg: dict[str, int], kv_heads: int, attn: str, device: Any, dtype: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=kv_heads,
+        max_position_embeddings=32768, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+_FLOOR_LENGTHS: list[int] = []
+
+
+def floor_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Optional[float] = None,
+                    dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
+    """Plain per-document SDPA on a packed row (B = 1): the cost floor of varlen attention, no patch glue."""
+    import torch.nn.functional as F
+
+    outs, start = [], 0
+    gqa = key.shape[1] != query.shape[1]
+    for n in _FLOOR_LENGTHS:
+        sl = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, sl], key[:, :, sl], value[:, :, sl], is_causal=True, scale=scaling, enable_gqa=gqa
+        ))
+        start += n
+    import torch
+
+    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+def register_floor() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLOOR, floor_attention)
+
+
+class Provider:
+    """One way of running the model: an HF attention implementation, patchkit with a backend, or the floor."""
+
+    def __init__(self, name: str, cfg: dict[str, int], kv_heads: int, device: Any, dtype: Any) -> None:
+        self.name = name
+        self.backend = name.split("_", 1)[1] if name.startswith("patchkit_") else None
+        attn = HF_PROVIDERS.get(name, FLOOR if name == FLOOR else "sdpa")
+        if name == FLOOR:
+            register_floor()
+        self.model = build_model(cfg, kv_heads, attn, device, dtype)
+        self.handle: Any = None
+
+    def __enter__(self) -> Provider:
+        if self.backend:
+            import patchkit
+
+            self.handle = patchkit.apply_patch("llama2", backend=self.backend, strict=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.revert()
+            self.handle = None
+
+
+def step_fn(provider: Provider, workload: str, data: dict[str, Any], decode_tokens: int) -> Callable[[], None]:
+    """A closure running one timed unit of work (a train step, or prefill + greedy decode)."""
+    import torch
+
+    model = provider.model
+    if workload == "decode":
+        model.eval()
+
+        def run() -> None:
+            with torch.no_grad():
+                model.generate(
+                    input_ids=data["input_ids"], attention_mask=data["attention_mask"], max_new_tokens=decode_tokens,
+                    min_new_tokens=decode_tokens, do_sample=False, pad_token_id=PAD,
+                )
+        return run
+
+    model.train()
+    kwargs = {k: v for k, v in data.items() if k not in ("docs",)}
+
+    def run() -> None:
+        global _FLOOR_LENGTHS
+        _FLOOR_LENGTHS = data["docs"]
+        model(**kwargs).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return run
+
+
+def probe_hf_flash(device: Any) -> Optional[str]:
+    """None when HF's flash_attention_2 loads and runs one forward on `device`, else why not."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if device.type != "cuda":
+        return "flash_attention_2 runs on CUDA only (this run is on the CPU)"
+    try:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          vocab_size=16, attn_implementation="flash_attention_2")
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+        model(input_ids=torch.ones(1, 4, dtype=torch.long, device=device))
+    except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def probe_providers(device: Any) -> tuple[list[str], dict[str, str]]:
+    """Which providers can run on `device`: HF flash_attention_2 if it loads; patchkit backends whose gates pass."""
+    import patchkit
+    from patchkit.errors import PatchkitError
+
+    ok, skipped = ["hf_eager", "hf_sdpa"], {}
+    why = probe_hf_flash(device)
+    if why is None:
+        ok.append("hf_flash_attention_2")
+    else:
+        skipped["hf_flash_attention_2"] = why
+    for backend in PATCHKIT_BACKENDS:
+        if backend != "sdpa" and device.type != "cuda":
+            skipped[f"patchkit_{backend}"] = f"the {backend} backend runs on CUDA only (this run is on the CPU)"
+            continue
+        try:
+            patchkit.apply_patch("llama2", backend=backend, strict=True).revert()
+            ok.append(f"patchkit_{backend}")
+        except PatchkitError as exc:
+            skipped[f"patchkit_{backend}"] = str(exc).splitlines()[0][:200]
+    return ok, skipped

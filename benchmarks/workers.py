@@ -1,0 +1,149 @@
+"""Worker side of the benchmark: one fresh process times providers round-robin, or measures one step's memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+from providers import Provider, device_and_dtype, step_fn
+from workloads import make_data, make_tokens
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def peak_rss_mib() -> float:
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024 / (1024 if sys.platform == "darwin" else 1)
+
+
+def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> float:
+    """Seconds per step spent in patch glue: metadata builds (timed in place) + gathers/repads (replayed fwd+bwd).
+
+    Both places that unpad are counted: once per model forward (`model_unpad`) and inside attention.
+    """
+    import torch
+
+    import patchkit.attention as pa
+    import patchkit.masks as pm
+    import patchkit.model_unpad as pmu
+
+    calls: list[tuple[str, tuple, Any, tuple]] = []
+    meta_time = [0.0]
+    orig_gather, orig_pad, orig_build = pa.unpad_rows, pa.pad_input, pm.build_metadata
+
+    def gather(x: Any, indices: Any) -> Any:
+        calls.append(("gather", tuple(x.shape), indices, ()))
+        return orig_gather(x, indices)
+
+    def pad(hidden: Any, indices: Any, batch: int, seqlen: int) -> Any:
+        calls.append(("pad", tuple(hidden.shape), indices, (batch, seqlen)))
+        return orig_pad(hidden, indices, batch, seqlen)
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = orig_build(*args, **kwargs)
+        meta_time[0] += time.perf_counter() - t0
+        return out
+
+    hooks = [(pa, "unpad_rows", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
+             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pmu, "build_metadata", build)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
+    for mod, name, fn in hooks:
+        setattr(mod, name, fn)
+    try:
+        with provider:
+            run()
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+    dtype = next(provider.model.parameters()).dtype
+    device = next(provider.model.parameters()).device
+
+    def replay() -> float:
+        t0 = time.perf_counter()
+        for kind, shape, indices, extra in calls:
+            x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+            if kind == "gather":
+                y = orig_gather(x, indices)
+            else:
+                y = orig_pad(x, indices, *extra)
+            y.backward(torch.ones_like(y))
+        return time.perf_counter() - t0
+
+    replay()
+    alloc = time.perf_counter()
+    # random inputs cost time that the real step does not spend: subtract their allocation
+    for _, shape, _, _ in calls:
+        torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    alloc = time.perf_counter() - alloc
+    return meta_time[0] + max(0.0, statistics.median(replay() for _ in range(reps)) - alloc)
+
+
+def worker_throughput(spec: dict[str, Any]) -> dict[str, Any]:
+    """Round-robin timed runs of several providers on one workload, in this one process."""
+    import torch
+
+    device, dtype = device_and_dtype(spec.get("device"))
+    cfg = spec["model"]
+    docs = make_tokens(spec["lengths"], cfg["vocab"])
+    real = sum(spec["lengths"]) + (len(docs) * spec["decode_tokens"] if spec["workload"] == "decode" else 0)
+    entries = []
+    for name, layout in spec["providers"]:
+        prov = Provider(name, cfg, spec["kv_heads"], device, dtype)
+        data = make_data(layout, docs, device)
+        entries.append((name, layout, prov, step_fn(prov, spec["workload"], data, spec["decode_tokens"])))
+    times: dict[str, list[float]] = {f"{n}|{lay}": [] for n, lay, _, _ in entries}
+    for rep in range(spec["reps"] + 1):  # rep 0 is the warm-up
+        for name, layout, prov, run in entries:
+            with prov:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            if rep:
+                times[f"{name}|{layout}"].append(dt)
+    glue = {}
+    if spec.get("glue"):
+        for name, layout, prov, run in entries:
+            if prov.backend and spec["workload"] == "train":
+                glue[f"{name}|{layout}"] = measure_glue(prov, run)
+    return {"times": times, "real_tokens": real, "glue": glue, "peak_mib": peak_rss_mib()}
+
+
+def worker_memory(spec: dict[str, Any]) -> dict[str, Any]:
+    """One provider, one long padded batch (lengths N and N/2): peak memory of a forward + backward step."""
+    import torch
+
+    device, dtype = device_and_dtype(spec.get("device"))
+    cfg = spec["model"]
+    n = spec["n"]
+    lengths = [n, n // 2]
+    docs = make_tokens(lengths, cfg["vocab"])
+    name, layout = spec["provider"], "padded"
+    prov = Provider(name, cfg, spec["kv_heads"], device, dtype)
+    data = make_data(layout, docs, device)
+    run = step_fn(prov, "train", data, 0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = current_rss_mib()
+    with prov:
+        t0 = time.perf_counter()
+        run()
+        dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_rss_mib()
+    return {"peak_mib": peak, "base_mib": base, "delta_mib": max(0.0, peak - base), "seconds": dt,
+            "real_tokens": sum(lengths)}

@@ -1,0 +1,74 @@
+"""The torch_varlen backend: FlashAttention-2's varlen kernel as torch ships it, for machines without flash-attn.
+
+`torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, CUDA only) takes what `flash_attn_varlen_func` takes,
+spelled torch's way (read from torch 2.13): `cu_seq_q`/`cu_seq_k` int32, `max_q`/`max_k`, `scale`,
+`enable_gqa` for fewer K/V heads, and `window_size`, where causal is `window_size=(-1, 0)` (there is no
+`is_causal` argument) and a causal sliding window is `(left, 0)`. It has no dropout (fixed at 0), no softcap and
+no ALiBi: a call that needs one of those falls back per call (`missing_feature`), as flash_attn's does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import PatchInputError
+from ..masks import VarlenMetadata
+from .limits import check_index_range
+
+
+def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """flash-attn's (causal, window_size) as torch's single `window_size`: causal is (left, 0), -1 unbounded."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        return (left if left >= 0 else -1, 0)
+    return (left, right)
+
+
+class TorchVarlenBackend:
+    """Runs `torch.nn.attention.varlen.varlen_attn` with patchkit's unpadding metadata."""
+
+    name = "torch_varlen"
+    half_only = True
+
+    def __init__(self, fn: Optional[Callable] = None) -> None:
+        self._varlen_attn = fn if fn is not None else importlib.import_module("torch.nn.attention.varlen").varlen_attn
+
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
+        """torch's varlen_attn has no softcap and no attention dropout (windows it has)."""
+        if softcap:
+            return f"torch_varlen: softcap is not an argument of torch {torch.__version__}'s varlen_attn"
+        if dropout_p:
+            return f"torch_varlen: attention dropout is fixed at 0 in torch {torch.__version__}'s varlen_attn"
+        return None
+
+    def varlen_qkvpacked(
+        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    ) -> torch.Tensor:
+        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
+        q, k, v = qkv.unbind(1)
+        return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
+
+    def varlen_kvpacked(
+        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
+        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    ) -> torch.Tensor:
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
+        k, v = kv.unbind(1)
+        return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
+    ) -> torch.Tensor:
+        """q (Tq, H, D), k/v (Tk, Hk, D) -> (Tq, H, D); what the kernel cannot honour is refused, never dropped."""
+        missing = self.missing_feature(window_size, softcap, dropout_p)
+        if missing is not None:  # backend_for falls back before this; a direct caller must not get wrong numbers
+            raise PatchInputError(f"{missing}; use backend='sdpa' (or flash_attn) for this call")
+        return self._varlen_attn(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            scale=softmax_scale, window_size=kernel_window(causal, window_size), enable_gqa=k.shape[1] != q.shape[1],
+        )

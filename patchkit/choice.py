@@ -1,0 +1,98 @@
+"""Which backend runs: the first GPU kernel backend whose gates all pass, else sdpa, said in one short warning."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from . import gates as _gates
+from .errors import PatchGateError
+from .gates import Environment, GateResult
+from .warn import warn_user
+
+AUTO_ORDER = ("flash_attn", "torch_varlen")  # backend="auto" tries these in turn, then the exact sdpa backend
+MAX_WARNING_CHARS = 320  # the fallback warning is one line a person reads; the full list is in report() and doctor
+
+
+def candidates(requested: str) -> tuple[str, ...]:
+    """The kernel backends a request tries, best first; sdpa needs no gate and ends every list."""
+    if requested == "auto":
+        return AUTO_ORDER
+    return () if requested == "sdpa" else (requested,)
+
+
+def backend_gates(
+    backend: str, env: Environment, flash_min: str, why: str, head_dim: Optional[int] = None
+) -> list[GateResult]:
+    """Every gate `backend` must pass on this machine, each tagged with the backend's name."""
+    if backend == "flash_attn":
+        results = _gates.flash_backend_gates(env, flash_min, why)
+    elif backend == "torch_varlen":
+        results = _gates.torch_varlen_backend_gates(env)
+    else:
+        raise ValueError(f"no gates for backend {backend!r}")
+    if head_dim is not None:
+        results.append(_gates.head_dim_gate(head_dim, backend))
+    return [dataclasses.replace(g, backend=backend) for g in results]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend chosen, every gate evaluated, and the first failed gate of each better backend passed over."""
+
+    backend: str
+    gates: list[GateResult]
+    passed_over: list[GateResult]
+
+
+def pick(
+    requested: str, env: Environment, flash_min: str, why: str, head_dim: Optional[int] = None
+) -> Choice:
+    """Evaluate every candidate's gates (all of them, for the report) and take the first that passes them all."""
+    evaluated = [(name, backend_gates(name, env, flash_min, why, head_dim)) for name in candidates(requested)]
+    chosen = next((name for name, results in evaluated if all(g.passed for g in results)), "sdpa")
+    passed_over = []
+    for name, results in evaluated:
+        if name == chosen:
+            break
+        passed_over.append(next(g for g in results if not g.passed))
+    return Choice(chosen, [g for _, results in evaluated for g in results], passed_over)
+
+
+def fallback_message(who: str, choice: Choice) -> str:
+    """One line: what runs, the first reason each better backend was passed over, and where the rest is."""
+    reasons = "; ".join(f"not {g.backend}: {g.brief()}" for g in choice.passed_over)
+    kind = "the exact torch-native sdpa backend" if choice.backend == "sdpa" else f"the {choice.backend} backend"
+    return f"patchkit: {who} runs on {kind} ({reasons}). `patchkit doctor` explains."
+
+
+def refusal_message(who: str, requested: str, choice: Choice, refusal: str = "") -> str:
+    """The strict-mode error: every failed gate of every backend tried, each with its fix."""
+    failed = "; ".join(f"{g.backend}: {g.describe()}" for g in choice.gates if not g.passed)
+    return f"{who[:1].upper()}{who[1:]}, backend {requested!r}: {failed}.{refusal}"
+
+
+def resolve(
+    requested: str, strict: bool, env: Environment, flash_min: str, why: str, who: str,
+    head_dim: Optional[int] = None, refusal: str = "",
+) -> Choice:
+    """Choose the backend; a fallback warns once at the user's line, or raises `PatchGateError` when strict.
+
+    Strict refuses what the request cannot get: a named backend whose gates fail, or "auto" with no kernel
+    backend left (a later kernel backend in AUTO_ORDER is accepted, with the warning).
+    """
+    choice = pick(requested, env, flash_min, why, head_dim)
+    if choice.passed_over and strict and (requested != "auto" or choice.backend == "sdpa"):
+        raise PatchGateError(refusal_message(who, requested, choice, refusal))
+    if choice.passed_over:
+        warn_user(fallback_message(who, choice))
+    return choice
+
+
+def choose_backend(
+    patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
+    head_dim: Optional[int] = None,
+) -> tuple[str, list[GateResult]]:
+    """A patch's backend: resolve "auto"/"flash_attn"/"torch_varlen"/"sdpa" against the gates (warn, or raise)."""
+    choice = resolve(backend, strict, env, flash_min, why, f"patch {patch!r}", head_dim, " Nothing was patched.")
+    return choice.backend, choice.gates

@@ -1,0 +1,83 @@
+"""patchkit's warnings point at the user's own line: the first frame outside patchkit, transformers and torch."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import sysconfig
+import warnings
+from types import FrameType
+from typing import Iterator, Optional
+
+# Frames of these modules are never the user's: the warning is attributed further out.
+INTERNAL_MODULES = ("patchkit", "patchkit.patches", "transformers", "torch", "_patchkit_startup")
+_where: list[tuple[str, int]] = []  # an explicit call site, set by the launcher (the user's script, line 1)
+_registry: dict = {}  # warn_explicit's once-per-location registry for explicit call sites
+
+
+def _module_root(name: str) -> Optional[str]:
+    """The folder of a package (or the file of a plain module) that is already imported, else None."""
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    path = os.path.abspath(path)
+    return os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
+
+
+def _internal_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(prefixes that are internal, site-packages prefixes that the stdlib prefix must not swallow)."""
+    roots = [r for r in map(_module_root, INTERNAL_MODULES) if r]
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)}
+    sites = {os.path.abspath(paths[k]) for k in ("purelib", "platlib") if paths.get(k)}
+    prefixes = tuple(r if r.endswith(".py") else r + os.sep for r in roots) + tuple(s + os.sep for s in stdlib)
+    return prefixes, tuple(s + os.sep for s in sites)
+
+
+def is_internal(filename: str, prefixes: tuple[str, ...], sites: tuple[str, ...]) -> bool:
+    """True for patchkit's, transformers', torch's and the standard library's frames (importlib's frozen ones too)."""
+    if filename.startswith("<frozen "):
+        return True
+    path = os.path.abspath(filename)
+    own = [p for p in prefixes if path == p or path.startswith(p)]
+    if not own:
+        return False
+    # A site-packages folder inside the stdlib folder holds third-party code: internal only by a package root.
+    longest = max(own, key=len)
+    return not any(path.startswith(s) and len(s) > len(longest) for s in sites)
+
+
+def user_frame(start: FrameType) -> Optional[FrameType]:
+    """The first frame from `start` outwards that is not internal (None when every frame is)."""
+    prefixes, sites = _internal_prefixes()
+    frame: Optional[FrameType] = start
+    while frame is not None and is_internal(frame.f_code.co_filename, prefixes, sites):
+        frame = frame.f_back
+    return frame
+
+
+@contextlib.contextmanager
+def attributed_to(filename: str, lineno: int = 1) -> Iterator[None]:
+    """Attribute patchkit's warnings inside the block to `filename:lineno` (the launcher: the user's script)."""
+    _where.append((filename, lineno))
+    try:
+        yield
+    finally:
+        _where.pop()
+
+
+def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn at the user's call site: the first stack frame outside patchkit, transformers, torch and the stdlib."""
+    if _where:
+        filename, lineno = _where[-1]
+        warnings.warn_explicit(message, category, filename, lineno, module="__main__", registry=_registry)
+        return
+    caller = sys._getframe(1)
+    frame = user_frame(caller) or caller
+    globs = frame.f_globals
+    warnings.warn_explicit(
+        message, category, frame.f_code.co_filename, frame.f_lineno, module=globs.get("__name__", "<string>"),
+        registry=globs.setdefault("__warningregistry__", {}),
+    )
