@@ -156,7 +156,7 @@ def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
 
 
 def test_doctor_with_unsupported_transformers_says_no_patch_applies(monkeypatch):
-    data = simulated(monkeypatch, transformers_version="4.40.0")
+    data = simulated(monkeypatch, transformers_version="4.30.0")
     assert all(not p["applies"] and p["backend"] is None for p in data["patches"])
     assert data["patches"][0]["why"] == "the transformers_version gate failed: no backend can help"
     assert "does NOT apply" in format_report(data)
@@ -164,14 +164,14 @@ def test_doctor_with_unsupported_transformers_says_no_patch_applies(monkeypatch)
 
 
 def test_doctor_prints_a_failed_transformers_gate_once_per_patch(monkeypatch):
-    report = format_report(simulated(monkeypatch, transformers_version="4.40.0"))
+    report = format_report(simulated(monkeypatch, transformers_version="4.30.0"))
     names = [p["name"] for p in patchkit.available_patches()]
     section = report.split("patches (backend='auto')")[1]
     alternatives = "|".join(names)
     blocks = re.split(rf"\n  (?=(?:{alternatives})[ :])", section)[1:]  # one block per patch and its gates
     assert len(blocks) == len(names)
     for block in blocks:
-        assert block.count("transformers_version: FAILED") == 1 and "found 4.40.0" in block, block
+        assert block.count("transformers_version: FAILED") == 1 and "found 4.30.0" in block, block
 
 
 def test_doctor_reports_the_startup_hook(monkeypatch):
