@@ -15,7 +15,7 @@ from .backends import BACKEND_NAMES, make_backend
 from .choice import choose_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
-from .group import PatchGroup
+from .group import GROUP_NAME, PatchGroup
 from .liveness import live_layers
 from .model_walk import find_modules, head_dim, model_config
 from .patching import Replacement, apply_replacements, restore_replacements
@@ -158,7 +158,8 @@ def apply_patch(
         name: "llama2" (alias "llama") or "llama1", or a family by `model_type` ("mistral", "qwen2", "qwen3",
             "gemma", "gemma2", "gemma3_text", "phi3"; see `available_patches()`). Default None: the patch for
             `model.config.model_type` when `model` is given, else every registered family whose transformers
-            gate passes (returns a `PatchGroup`; the families skipped are named in its report).
+            gate passes (returns a `PatchGroup`; the families skipped are named in its report). "all" means
+            the same.
         backend: "auto" (flash_attn when every gate passes, else torch_varlen, else sdpa, with one warning
             naming the first failed gate of each), "flash_attn" (the flash-attn package), "torch_varlen" (torch's
             own FlashAttention-2 varlen kernel, torch >= 2.10 on CUDA) or "sdpa" (torch-native, exact, CPU or GPU).
@@ -183,6 +184,8 @@ def apply_patch(
         raise TypeError(f"strict must be True or False, got {strict!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module (e.g. LlamaForCausalLM), got {type(model).__name__}")
+    if isinstance(name, str) and name.lower() == GROUP_NAME:
+        name = None  # "all" (the config and launcher default): every family, or the family of `model`
     if name is None and model is None:
         return _apply_every_family(backend, strict, unpad)
     if name is None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any, Callable, Optional
 
 from .patching import Replacement, apply_replacements, restore_replacements
+from .warn import warn_user
 
 _installed: Optional[list[Replacement]] = None
 _warned: set[str] = set()  # model types already named in this process
@@ -41,11 +41,9 @@ def note(model: Any, served: dict[type, str]) -> None:
         return
     _warned.add(model_type)
     families = ", ".join(sorted(set(served.values()))) or "no family"
-    warnings.warn(
+    warn_user(
         f"patchkit: {type(model).__name__} (model_type {model_type!r}) runs unpatched, on transformers' own "
-        f"attention: {why_unserved(model_type, families)}.",
-        RuntimeWarning,
-        stacklevel=3,
+        f"attention: {why_unserved(model_type, families)}."
     )
 
 

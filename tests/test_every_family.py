@@ -47,8 +47,8 @@ def test_no_name_patches_every_family_exactly(family):
 
 def test_every_family_is_one_handle_per_family_and_applying_twice_is_once():
     group = patchkit.apply_patch(backend="sdpa")
-    again = patchkit.apply_patch(backend="sdpa")
-    assert [h for h in again] == [h for h in group]  # the same handles
+    again = patchkit.apply_patch("all", backend="sdpa")
+    assert again is group  # "all" is the same request
     assert patchkit.apply_patch("mistral", backend="sdpa") is next(h for h in group if h.name == "mistral")
     report = group.report()
     assert "13 families patched, 0 skipped" in report and "patch 'gemma2'" in report and "patch 'llama2'" in report
@@ -78,6 +78,8 @@ def test_an_unserved_model_under_a_class_patch_says_so_once():
         tiny_model()  # served: no warning
     (message,) = unserved_warnings(caught)
     assert "(model_type 'mistral') runs unpatched" in message
+    (where,) = [w.filename for w in caught if "runs unpatched" in str(w.message)]
+    assert where.endswith("tests/families.py")  # the line that built the model, not patchkit's or transformers'
     assert "apply_patch('mistral') before loading" in message
 
 
