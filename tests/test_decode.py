@@ -62,12 +62,15 @@ CASES = [  # (patch, model builder, new tokens, unpatched references)
 ]
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-masked-call", "per-row-calls"])
 @pytest.mark.parametrize("patch, build, steps, references", CASES)
 def test_greedy_tokens_and_per_step_logits_match_unpatched_without_gathering_the_cache(
-    patch, build, steps, references, gathers
+    patch, build, steps, references, split, gathers, monkeypatch
 ):
     """Left-padded greedy generation (across the sliding window for Mistral and Gemma2): the same tokens, every
-    step's logits within fp32 rounding, and the only gathers are the prefill's (the prompt length, never a cache)."""
+    step's logits within fp32 rounding, and the only gathers are the prefill's (the prompt length, never a cache).
+    The tiny models never reach ROW_SPLIT_BYTES: `split` lowers it to 0 to run the per-row SDPA calls too."""
+    monkeypatch.setattr(decode, "ROW_SPLIT_BYTES", {"cpu": 0} if split else {})
     model = build()
     ids, mask = padded_batch("left", batch=3, seq=14)
     wanted = {name: generate(with_attention(model, name), ids, mask, steps) for name in references}

@@ -72,9 +72,9 @@ class SdpaBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
         dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
-        """A decode step on the padded cache: SDPA (or softcap's math) with the plan's per-row key mask."""
+        """A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.decode`'s plan."""
         return attend_padded_cache(
-            q, k, v, plan.mask(window_size), scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
+            q, k, v, plan, window_size, scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
         )
 
 
