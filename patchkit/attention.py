@@ -1,4 +1,4 @@
-"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad."""
+"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad (decode: decode.py)."""
 
 from __future__ import annotations
 
@@ -133,6 +133,9 @@ def varlen_core(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero.
+
+    A decode step (a few new tokens behind a cache) attends to the padded cache in place (`decode.py`) when the
+    backend can; everything else unpads, runs the varlen kernel and repads.
 
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
     """
