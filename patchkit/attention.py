@@ -1,4 +1,4 @@
-"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad."""
+"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad (decode: decode.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from .arguments import check_call, check_family
 from .backends import Backend, SdpaBackend
+from .decode import decode_attention
 from .errors import PatchGateError, PatchInputError
 from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from .liveness import record_call
@@ -135,6 +136,9 @@ def varlen_core(
 ) -> torch.Tensor:
     """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero.
 
+    A decode step (a few new tokens behind a cache) attends to the padded cache in place (`decode.py`) when the
+    backend can; everything else unpads, runs the varlen kernel and repads.
+
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
     """
     batch, q_len, heads, head_dim = q.shape
@@ -176,6 +180,13 @@ def varlen_core(
             (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
             state.warn_once,
         )
+    if state.packing == KV_PACKED:  # a decode step attends to the padded cache in place when the backend can
+        out = decode_attention(
+            backend, q, k, v, meta, dropout=dropout, scaling=scaling, window=window, softcap=softcap,
+            strict=state.strict, patch=state.patch, warn_once=state.warn_once,
+        )
+        if out is not None:
+            return out.to(in_dtype)
     if state.packing == QKV_PACKED:
         qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
         out = backend.varlen_qkvpacked(

@@ -47,6 +47,8 @@ class VarlenMetadata:
     seqlens_k: list[int]
     packed: bool = False
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
+    # patchkit.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
+    decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nnz_q(self) -> int:

@@ -8,6 +8,7 @@ import sys
 import types
 
 import torch
+from packaging.version import Version
 
 from patchkit import gates
 from patchkit.backends import sdpa
@@ -62,6 +63,42 @@ class RecordingFlashAttn(types.ModuleType):
         return sdpa.flash_attn_varlen_kvpacked_func(
             q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, **kw
         )
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+        """flash-attn >= 2.6.1's checks; row b attends to k_cache[b, cache_leftpad[b]:cache_seqlens[b]], causal
+        aligned bottom-right among those keys (its tests' reference), computed per row by the sdpa backend."""
+        if cache_leftpad is not None:
+            assert Version(self.__version__) >= Version("2.6.1"), "cache_leftpad passed to a flash-attn without it"
+        batch, seqlen_q, heads, _ = q.shape
+        assert q.dim() == k_cache.dim() == v_cache.dim() == 4 and k_cache.shape == v_cache.shape
+        assert k_cache.shape[0] == batch and heads % k_cache.shape[2] == 0
+        assert {q.dtype, k_cache.dtype, v_cache.dtype} <= {torch.float16, torch.bfloat16} and \
+            len({q.dtype, k_cache.dtype, v_cache.dtype}) == 1, "kvcache: dtypes"
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+        assert k is None and v is None and rotary_cos is None and block_table is None and cache_batch_idx is None
+        assert cache_seqlens.dtype == torch.int32 and tuple(cache_seqlens.shape) == (batch,)
+        ends = cache_seqlens.tolist()
+        starts = [0] * batch
+        if cache_leftpad is not None:
+            assert cache_leftpad.dtype == torch.int32 and tuple(cache_leftpad.shape) == (batch,)
+            starts = cache_leftpad.tolist()
+        assert all(0 <= s <= e <= k_cache.shape[1] for s, e in zip(starts, ends)), (starts, ends)
+        self.calls.append(dict(
+            name="kvcache", shapes=[tuple(q.shape), tuple(k_cache.shape)], dtype=q.dtype,
+            cache_seqlens=ends, cache_leftpad=None if cache_leftpad is None else starts,
+            storage=(k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()),
+            softmax_scale=softmax_scale, causal=causal,
+            **{key: val for key, val in (("window_size", tuple(window_size)), ("softcap", softcap))
+               if val not in ((-1, -1), 0.0)},
+        ))
+        rows = [sdpa.flash_attn_func(q[b : b + 1], k_cache[b : b + 1, s:e], v_cache[b : b + 1, s:e],
+                                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                     softcap=softcap)
+                for b, (s, e) in enumerate(zip(starts, ends))]
+        return torch.cat(rows)
 
 
 def install_flash_double(monkeypatch) -> RecordingFlashAttn:

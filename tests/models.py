@@ -51,3 +51,29 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Targets only where both the token and the position predicting it are real (left padding included)."""
     predicted_from_pad = torch.nn.functional.pad(mask[:, :-1] == 0, (1, 0))
     return ids.masked_fill((mask == 0) | predicted_from_pad, -100)
+
+
+@torch.no_grad()
+def decode_logits(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, feed: torch.Tensor | None = None,
+                  **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill a padded prompt into a DynamicCache, then `steps` one-token steps as generate() runs them.
+
+    Each step feeds the greedy token, or column t of `feed` (B, steps) (teacher forcing, so that two models are
+    compared on the same inputs). Returns the last-position logits of the prefill and every step (B, steps + 1, V)
+    and the tokens fed (B, steps).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                **kw)
+    logits, fed = [out.logits[:, -1]], []
+    for t in range(steps):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True) if feed is None else feed[:, t : t + 1]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        pos = mask.long().cumsum(-1)[:, -1:] - 1  # generate()'s position for the new token
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **kw)
+        logits.append(out.logits[:, -1])
+        fed.append(nxt)
+    return torch.stack(logits, 1), torch.cat(fed, 1)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
 from fakes import install_flash_double
-from models import clone, padded_batch, tiny_model
+from models import clone, decode_logits, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchGateError
@@ -47,18 +48,108 @@ def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads):
 
 
 def test_decode_calls_use_cache_lengths(monkeypatch):
+    """A decode step runs flash_attn_with_kvcache on the cache itself, row keys [cache_leftpad, cache_seqlens)."""
     fake = install_flash_double(monkeypatch)
     model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
     ids, mask = padded_batch("left", batch=3, seq=16)
     with patchkit.apply_patch("llama2", strict=True):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    decode = [c for c in fake.calls if c["shapes"][0][0] == 3]  # one query token per row
-    assert decode, "no decode step reached the kernel"
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+    decode = [c for c in fake.calls if c["name"] == "kvcache"]
+    assert len(decode) == 2 * model.config.num_hidden_layers  # every step after the prefill
+    assert all(c["name"] == "kvpacked" for c in fake.calls[: model.config.num_hidden_layers])  # prefill: varlen
     real = mask.sum(-1).tolist()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     first = decode[0]
-    assert first["cu_q"] == [0, 1, 2, 3]
-    assert first["cu_k"] == torch.tensor([0, *[n + 1 for n in real]]).cumsum(0).tolist()
-    assert first["max_q"] == 1 and first["max_k"] == max(real) + 1
+    assert first["shapes"] == [(3, 1, 4, head_dim), (3, 17, 2, head_dim)]
+    assert first["cache_seqlens"] == [17, 17, 17]
+    assert first["cache_leftpad"] == [16 - n for n in real]
+    assert first["causal"] is True and first["softmax_scale"] == pytest.approx(head_dim**-0.5)
+    cache = out.past_key_values.layers  # the last step read the cache where it lies: no copy, no gather
+    assert [c["storage"] for c in decode[-2:]] == [
+        (layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()) for layer in cache
+    ]
+
+
+def test_decode_per_step_logits_match_the_kernel_rule(monkeypatch):
+    """Teacher-forced decode steps: the kvcache path's error against fp32 is within 2x bf16 eager's own."""
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(kv_heads=2, dtype=torch.bfloat16, seed=8)
+    ids, mask = padded_batch("left", batch=4, seq=16)
+    feed = torch.randint(3, 90, (4, 6), generator=torch.Generator().manual_seed(2))
+    truth, _ = decode_logits(clone(model).float(), ids, mask, 6, feed)
+    eager, _ = decode_logits(model, ids, mask, 6, feed)
+    with patchkit.apply_patch("llama2", strict=True):
+        ours, _ = decode_logits(model, ids, mask, 6, feed)
+    assert sum(c["name"] == "kvcache" for c in fake.calls) == 6 * model.config.num_hidden_layers
+    assert (ours.float() - truth).abs().max() <= 2 * (eager.float() - truth).abs().max() + 1e-3
+
+
+def test_decode_on_a_flash_attn_without_cache_leftpad_gathers_with_one_warning_or_refuses(monkeypatch):
+    """cache_leftpad came in flash-attn 2.6.1: before it a left-padded decode step gathers the cache (the varlen
+    kernel, with the cache lengths), once warned; strict refuses; an unpadded batch needs no leftpad (2.2)."""
+    fake = install_flash_double(monkeypatch)
+    fake.__version__ = "2.6.0"
+    model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with patchkit.apply_patch("llama2"):
+        with pytest.warns(RuntimeWarning, match=r"cache_leftpad needs flash-attn>=2.6.1 \(found 2.6.0\)") as record:
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert sum("cache_leftpad" in str(w.message) for w in record) == 1
+    decode = [c for c in fake.calls if c["shapes"][0][0] == 3]  # one query token per row
+    assert decode and all(c["name"] == "kvpacked" for c in decode)
+    real = mask.sum(-1).tolist()
+    assert decode[0]["cu_q"] == [0, 1, 2, 3]
+    assert decode[0]["cu_k"] == torch.tensor([0, *[n + 1 for n in real]]).cumsum(0).tolist()
+    assert decode[0]["max_q"] == 1 and decode[0]["max_k"] == max(real) + 1
+    with patchkit.apply_patch("llama2", strict=True):
+        with pytest.raises(PatchGateError, match=r"cache_leftpad needs flash-attn>=2.6.1.*strict=False"):
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+        fake.calls.clear()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(mask), **kw)  # no padding: no leftpad
+    decode = [c for c in fake.calls if c["name"] == "kvcache"]
+    assert len(decode) == 2 * model.config.num_hidden_layers and decode[0]["cache_leftpad"] is None
+
+
+def test_decode_layouts_the_kernel_cannot_express_take_the_varlen_kernel(monkeypatch):
+    """A right-padded prompt leaves a hole before the new tokens, and a step that needs gradients has no kvcache
+    backward: both run the varlen kernel (exact), silently, since nothing is missing from the install."""
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
+    ids, mask = padded_batch("right", batch=3, seq=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad(), patchkit.apply_patch("llama2", strict=True):
+            decode_logits(model, ids, mask, 2)
+        assert [c["name"] for c in fake.calls] == ["kvpacked"] * 3 * model.config.num_hidden_layers
+        fake.calls.clear()
+        left, lmask = padded_batch("left", batch=3, seq=16)
+        with patchkit.apply_patch("llama2", strict=True):
+            out = model(input_ids=left, attention_mask=lmask, use_cache=True)
+            nxt = torch.cat([lmask, torch.ones_like(lmask[:, :1])], 1)
+            step = model(input_ids=left[:, :1], attention_mask=nxt, past_key_values=out.past_key_values)
+            step.logits.sum().backward()  # grad enabled, eval mode: the cache path declines
+    assert [c["name"] for c in fake.calls] == ["kvpacked"] * 2 * model.config.num_hidden_layers
+
+
+def test_decode_windows_and_softcap_reach_the_kvcache_kernel(monkeypatch):
+    """Gemma2 (window on layer 0, softcap everywhere), left-padded, across the window."""
+    from families import WINDOW, family_model
+
+    fake = install_flash_double(monkeypatch)
+    model = family_model("gemma2", seed=1).to(torch.bfloat16)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    feed = torch.randint(3, 90, (3, 2 * WINDOW), generator=torch.Generator().manual_seed(4))
+    truth, _ = decode_logits(clone(model).float(), ids, mask, 2 * WINDOW, feed)
+    eager, _ = decode_logits(model, ids, mask, 2 * WINDOW, feed)
+    with patchkit.apply_patch("gemma2", strict=True):
+        ours, _ = decode_logits(model, ids, mask, 2 * WINDOW, feed)
+    decode = [c for c in fake.calls if c["name"] == "kvcache"]
+    assert len(decode) == 2 * 2 * WINDOW
+    assert [c.get("window_size") for c in decode[:2]] == [(WINDOW - 1, 0), None]
+    assert all(c["softcap"] == 3.0 for c in decode)
+    assert (ours.float() - truth).abs().max() <= 2 * (eager.float() - truth).abs().max() + 1e-3
 
 
 def test_fp32_inputs_are_cast_with_one_warning_or_refused_when_strict(monkeypatch):

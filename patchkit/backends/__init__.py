@@ -6,6 +6,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from ..decode import DecodePlan, attend_padded_cache
 from ..masks import VarlenMetadata
 from . import sdpa
 
@@ -13,7 +14,13 @@ BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
 
 class Backend(Protocol):
-    """What a patched layer needs: flash-attn's two varlen entry points, fed with patchkit metadata."""
+    """What a patched layer needs: flash-attn's two varlen entry points, fed with patchkit metadata.
+
+    Optional (`patchkit.decode` looks them up with getattr; a backend without them runs decode steps through
+    `varlen_kvpacked` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
+    window_size, softcap)`, a decode step on the padded cache in place, returning None for a layout it cannot
+    take; and `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
+    """
 
     name: str
     half_only: bool
@@ -60,6 +67,15 @@ class SdpaBackend:
 
     def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         return None
+
+    def attend_kvcache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
+        dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.decode`'s plan."""
+        return attend_padded_cache(
+            q, k, v, plan, window_size, scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
+        )
 
 
 def make_backend(name: str) -> Backend:

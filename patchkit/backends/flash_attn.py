@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from packaging.version import InvalidVersion, Version
 
+from ..decode import DecodePlan
 from ..masks import VarlenMetadata
 from .limits import check_index_range
 
@@ -39,6 +40,35 @@ class FlashAttnBackend:
             if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
                 return f"flash_attn_version: {feature} needs flash-attn>={minimum} (found {self.version})"
         return None
+
+    def kvcache_missing(self, plan: DecodePlan) -> Optional[str]:
+        """`flash_attn_with_kvcache` came in 2.2 and its `cache_leftpad` (a left-padded batch) in 2.6.1."""
+        if plan.cache_seqlens is None:
+            return None  # a layout the kernel cannot express: attend_kvcache declines it, nothing to gate
+        feature, minimum = ("cache_leftpad", "2.6.1") if plan.cache_leftpad is not None else ("kvcache", "2.2")
+        if hasattr(self._fa, "flash_attn_with_kvcache") and _at_least(self.version, minimum):
+            return None
+        found = self.version
+        return f"flash_attn_version: flash_attn_with_kvcache with {feature} needs flash-attn>={minimum} (found {found})"
+
+    def attend_kvcache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
+        dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    ) -> Optional[torch.Tensor]:
+        """`flash_attn_with_kvcache` on the padded cache (B, K, Hk, D) in place, each row's keys [leftpad, K).
+
+        Declined (None, the varlen path runs) where the kernel would not be exact: a row with a padding hole or a
+        padding query, dropout, or a step that needs gradients (the kernel has no backward).
+        """
+        if plan.cache_seqlens is None or dropout_p or (torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad)):
+            return None
+        extra = self._features(window_size, softcap)
+        if plan.cache_leftpad is not None:
+            extra["cache_leftpad"] = plan.cache_leftpad
+        return self._fa.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=plan.cache_seqlens, softmax_scale=softmax_scale, causal=True, **extra
+        )
 
     def varlen_qkvpacked(
         self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,

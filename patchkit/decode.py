@@ -1,0 +1,200 @@
+"""Decode steps on the padded KV cache: a per-row key mask instead of gathering every cached key for each new token.
+
+The varlen path unpads the keys of every layer: for a decode step (a few new tokens behind a cache of K keys)
+that is a copy of the whole cache per layer per token, costlier than the attention itself. Here a step attends to
+the cache where it lies, (B, Hk, K, D) as transformers keeps it, with a boolean mask of shape (B, 1, q_len, K),
+linear in K, built once per model forward (`DecodePlan`, kept on the forward's `VarlenMetadata`).
+
+Semantics equal the varlen path's: key j of row b is visible to query i when it is real, not after the query
+(queries are the last q_len keys), and inside the layer's window. Windows count columns here and real tokens
+there; they agree because a window over a row with a padding hole is refused before this point. A padding query
+sees every key (so no row of the softmax is empty, no NaN) and its output is then set to zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .errors import PatchGateError
+from .masks import VarlenMetadata
+
+DECODE_MAX_Q = 16  # new tokens per row up to which a step with a past attends on the padded cache, unless packed
+# One new token per row on CPU: one SDPA call per row on its real keys (a view of the cache) instead of one masked
+# call over every slot, once the padding it skips outweighs the calls (about 30 us each on CPU, the time to read
+# this many bytes; measured on 2 cores, torch 2.13). GPUs read padding faster than they launch: never split there.
+ROW_SPLIT_BYTES = {"cpu": 256 * 1024}
+
+
+@dataclasses.dataclass(eq=False)
+class DecodePlan:
+    """Where a decode step's real keys and queries are, from the forward's metadata; shared by all its layers.
+
+    `visible` (B, 1, q_len, K) is None when every query sees every key (one new token, no padding anywhere).
+    `cache_seqlens` / `cache_leftpad` (B,) int32 describe each row's keys as one run [leftpad, K) for
+    flash-attn's `flash_attn_with_kvcache`; None when some row has a hole or a padding query (not expressible).
+    """
+
+    batch: int
+    q_len: int
+    kv_len: int
+    device: torch.device
+    visible: Optional[torch.Tensor]
+    real_q: Optional[torch.Tensor]  # (B, q_len, 1, 1) bool; None: every query is real
+    cache_seqlens: Optional[torch.Tensor]
+    cache_leftpad: Optional[torch.Tensor]  # None with cache_seqlens set: no row is padded
+    starts: Optional[list[int]] = None  # host: row b's keys are [starts[b], K), for a one-token step over such runs
+    _windowed: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def row_starts(self, window: tuple[int, int], k: torch.Tensor) -> Optional[list[int]]:
+        """Where each row's visible keys begin, when one SDPA call per row on them beats one masked call; else None."""
+        limit = ROW_SPLIT_BYTES.get(self.device.type)
+        if self.starts is None or limit is None:
+            return None
+        left = int(window[0])
+        starts = self.starts if left < 0 else [max(s, self.kv_len - 1 - left) for s in self.starts]
+        skipped = sum(starts) * k.shape[2] * k.shape[3] * k.element_size() * 2  # padding bytes of K and V not read
+        return starts if skipped >= limit * self.batch else None
+
+    def mask(self, window: tuple[int, int]) -> Optional[torch.Tensor]:
+        """The (B, 1, q_len, K) visibility for a layer with flash-attn's `window` ((-1, -1): none), built once."""
+        left = int(window[0])
+        if left < 0 or left >= self.kv_len - 1:
+            return self.visible  # the window reaches every key: nothing more to hide
+        if left not in self._windowed:
+            band = _columns(self.q_len, self.kv_len, self.device)
+            band = band[1] >= band[0] - left  # key j >= the query's column - left
+            visible = band[None, None] if self.visible is None else self.visible & band
+            if self.real_q is not None:
+                visible = visible | ~self.real_q[:, :, 0, 0][:, None, :, None]
+            self._windowed[left] = visible
+        return self._windowed[left]
+
+
+def is_decode_step(meta: VarlenMetadata) -> bool:
+    """A few new tokens per row behind a cache (chunked prefill beyond DECODE_MAX_Q keeps the varlen path)."""
+    return 0 < meta.q_len < meta.kv_len and meta.q_len <= DECODE_MAX_Q and not meta.packed
+
+
+def _columns(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the queries' key columns as (q_len, 1), the key columns as (1, K)): queries are the last q_len keys."""
+    keys = torch.arange(kv_len, device=device)
+    return keys[kv_len - q_len :, None], keys[None, :]
+
+
+def _real(indices: Optional[torch.Tensor], batch: int, width: int, device: torch.device) -> Optional[torch.Tensor]:
+    """(batch, width) bool of the real tokens from metadata indices; None when every token is real."""
+    if indices is None:
+        return None
+    real = torch.zeros(batch * width, dtype=torch.bool, device=device)
+    return real.index_fill_(0, indices, True).view(batch, width)
+
+
+def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
+    """The forward's decode plan: built by its first layer from the metadata, reused by the others."""
+    plan = meta.decode_plan
+    if isinstance(plan, DecodePlan):
+        return plan
+    batch, q_len, kv_len = meta.batch, meta.q_len, meta.kv_len
+    keys = _real(meta.indices_k, batch, kv_len, device)
+    queries = _real(meta.indices_q, batch, q_len, device)
+    query_cols, key_cols = _columns(q_len, kv_len, device)
+    visible = None
+    if keys is not None or q_len > 1:
+        causal = key_cols <= query_cols  # (q_len, K)
+        visible = causal[None] if keys is None else causal[None] & keys[:, None, :]
+        if queries is not None:
+            visible = visible | ~queries[:, :, None]
+        visible = visible.expand(batch, q_len, kv_len)[:, None]
+    seqlens = leftpad = None
+    if queries is None and not meta.holes:  # every row's keys are one run ending at the last column
+        seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+        if keys is not None:
+            leftpad = (kv_len - meta.cu_seqlens_k.diff()).to(device=device, dtype=torch.int32)
+    plan = DecodePlan(
+        batch, q_len, kv_len, device, visible, None if queries is None else queries[:, :, None, None], seqlens,
+        leftpad, [kv_len - n for n in meta.seqlens_k] if seqlens is not None and q_len == 1 else None,
+    )
+    meta.decode_plan = plan
+    return plan
+
+
+def decode_attention(
+    backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
+    dropout: float, scaling: float, window: tuple[int, int], softcap: float, strict: bool, patch: str,
+    warn_once: Callable[[str, str], None],
+) -> Optional[torch.Tensor]:
+    """A decode step on the padded cache: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D), padding zero.
+
+    None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
+    kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old
+    for this step (`kvcache_missing`) warns once and gathers, or raises in strict mode.
+    """
+    attend = getattr(backend, "attend_kvcache", None)
+    if attend is None or not is_decode_step(meta):
+        return None
+    plan = decode_plan(meta, q.device)
+    missing = getattr(backend, "kvcache_missing", None)
+    reason = missing(plan) if missing is not None else None
+    if reason is not None:
+        if strict:
+            raise PatchGateError(
+                f"patch {patch!r}: {reason}. Upgrade flash-attn, or apply the patch with strict=False to run these "
+                "steps through the varlen kernel on a gathered copy of the cache (exact, slower)."
+            )
+        warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
+        return None
+    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap)
+    if out is None or plan.real_q is None:
+        return out
+    return out.where(plan.real_q, out.new_zeros(()))
+
+
+def attend_padded_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, window: tuple[int, int], *, scale: float,
+    dropout_p: float, softcap: float,
+) -> torch.Tensor:
+    """Torch-native decode attention on the cache in place: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D).
+
+    SDPA with the plan's boolean mask and `enable_gqa` (no repeated K/V), or, for one token per row over a lot of
+    padding, SDPA per row on its real keys without a mask; softcap, which SDPA cannot apply, by the math of
+    transformers' eager attention with the query heads grouped over their K/V head (no repeat either).
+    """
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D): the cache's own layout
+    gqa = kh.shape[1] != qh.shape[1]
+    if softcap:
+        out = _softcap_attention(qh, kh, vh, plan.mask(window), scale, softcap, dropout_p)
+    elif (starts := plan.row_starts(window, k)) is not None:
+        out = torch.cat([
+            F.scaled_dot_product_attention(qh[b : b + 1], kh[b : b + 1, :, s:], vh[b : b + 1, :, s:],
+                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            for b, s in enumerate(starts)
+        ])
+    else:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=plan.mask(window), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+    return out.transpose(1, 2)
+
+
+def _softcap_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: Optional[torch.Tensor], scale: float, softcap: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """(B, H, q_len, D) x (B, Hk, K, D): scores capped by `softcap * tanh(s / softcap)`, softmax in fp32 (eager's)."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, dim), k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, kv_heads, group, q_len, kv_len)
+    if visible is not None:
+        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), v)
+    return out.view(batch, heads, q_len, -1)

@@ -1,0 +1,232 @@
+"""Decode steps attend to the padded KV cache in place: no gather of the cache, the unpatched model's numbers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from families import WINDOW, family_model
+from models import decode_logits, padded_batch, tiny_model
+from test_never_silent import static_decode
+
+import patchkit
+from patchkit import PatchInputError, decode, masks, padding
+from patchkit import attention as attention_module
+
+ATOL, RTOL = 2e-5, 1e-4
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """The row counts of every unpad gather (attention's unpad_rows, and any index_first_axis) while patched."""
+    seen: list[tuple[str, int]] = []
+    unpad_rows, index_first_axis = attention_module.unpad_rows, padding.index_first_axis
+
+    def counting_unpad(x, indices):
+        seen.append(("unpad_rows", x.shape[1]))  # (B, S, ...): S is the prompt, a chunk, or the cache length
+        return unpad_rows(x, indices)
+
+    def counting_gather(x, indices):
+        seen.append(("index_first_axis", x.shape[0]))
+        return index_first_axis(x, indices)
+
+    monkeypatch.setattr(attention_module, "unpad_rows", counting_unpad)
+    monkeypatch.setattr(padding, "index_first_axis", counting_gather)
+    return seen
+
+
+def prompt_only(gathers: list[tuple[str, int]], batch: int, seq: int) -> bool:
+    """Every gather was the prompt's ((B, seq) for unpad_rows, B * seq flat rows), none the cache's."""
+    return bool(gathers) and all(rows == (seq if name == "unpad_rows" else batch * seq) for name, rows in gathers)
+
+
+def generate(model, ids, mask, n):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def with_attention(model, implementation: str):
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+CASES = [  # (patch, model builder, new tokens, unpatched references)
+    pytest.param("llama2", lambda: tiny_model(kv_heads=4, seed=3), 32, ("eager", "sdpa"), id="llama2-mha"),
+    pytest.param("llama2", lambda: tiny_model(kv_heads=2, seed=3), 32, ("eager", "sdpa"), id="llama2-gqa"),
+    pytest.param("llama2", lambda: tiny_model(kv_heads=1, seed=3), 12, ("eager",), id="llama2-mqa"),
+    pytest.param("mistral", lambda: family_model("mistral", seed=1), 3 * WINDOW, ("eager", "sdpa"), id="mistral"),
+    pytest.param("gemma2", lambda: family_model("gemma2", seed=1), 3 * WINDOW, ("eager",), id="gemma2-softcap"),
+]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-masked-call", "per-row-calls"])
+@pytest.mark.parametrize("patch, build, steps, references", CASES)
+def test_greedy_tokens_and_per_step_logits_match_unpatched_without_gathering_the_cache(
+    patch, build, steps, references, split, gathers, monkeypatch
+):
+    """Left-padded greedy generation (across the sliding window for Mistral and Gemma2): the same tokens, every
+    step's logits within fp32 rounding, and the only gathers are the prefill's (the prompt length, never a cache).
+    The tiny models never reach ROW_SPLIT_BYTES: `split` lowers it to 0 to run the per-row SDPA calls too."""
+    monkeypatch.setattr(decode, "ROW_SPLIT_BYTES", {"cpu": 0} if split else {})
+    model = build()
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    wanted = {name: generate(with_attention(model, name), ids, mask, steps) for name in references}
+    with patchkit.apply_patch(patch, backend="sdpa") as handle:
+        tokens, logits = generate(model, ids, mask, steps)
+        assert handle.calls == model.config.num_hidden_layers * steps  # prefill and every step went through it
+    for name, (want_tokens, want_logits) in wanted.items():
+        assert torch.equal(tokens, want_tokens), name
+        torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=RTOL, msg=name)
+    assert prompt_only(gathers, 3, 14), gathers
+
+
+def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
+    model = tiny_model(kv_heads=2, layers=4, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    built = {"metadata": 0, "plan": 0}
+    build_metadata = masks.build_metadata
+
+    def counting_metadata(*args, **kwargs):
+        built["metadata"] += 1
+        return build_metadata(*args, **kwargs)
+
+    class CountingPlan(decode.DecodePlan):
+        def __init__(self, *args, **kwargs) -> None:
+            built["plan"] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(masks, "build_metadata", counting_metadata)
+    monkeypatch.setattr(decode, "DecodePlan", CountingPlan)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        decode_logits(model, ids, mask, 5)
+    assert built == {"metadata": 1 + 5, "plan": 5}  # prefill and each step once, not once per layer
+
+
+@pytest.mark.parametrize("kind", ["right", "mixed"])
+def test_holes_and_all_padding_rows_decode_exactly_with_zeros_not_nan(kind, gathers):
+    """A right-padded prompt leaves a hole before the new tokens (no window: served exactly); the mixed batch's last
+    row is all padding, and a step whose new token is padding too sees no real key: zeros, never NaN."""
+    model = tiny_model(kv_heads=2, seed=5)
+    ids, mask = padded_batch(kind, batch=4, seq=16)
+    feed = torch.randint(3, 90, (4, 4), generator=torch.Generator().manual_seed(1))
+    want, _ = decode_logits(model, ids, mask, 4, feed)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, _ = decode_logits(model, ids, mask, 4, feed)
+    last_real = mask[:, -1].bool()  # the prefill's last logits: a padding position in right-padded rows
+    torch.testing.assert_close(got[last_real, 0], want[last_real, 0], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=ATOL, rtol=RTOL)
+    assert prompt_only(gathers, 4, 16), gathers
+
+    attn_in: list[torch.Tensor] = []
+    hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: attn_in.append(a[0]))
+    step_mask = torch.cat([mask, torch.tensor([[1], [1], [1], [0]])], 1)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        step = model(input_ids=feed[:, :1], attention_mask=step_mask, past_key_values=out.past_key_values)
+    hook.remove()
+    want_step = model(input_ids=torch.cat([ids, feed[:, :1]], 1), attention_mask=step_mask).logits[:, -1].detach()
+    assert torch.isfinite(step.logits).all()
+    torch.testing.assert_close(step.logits[:3, -1], want_step[:3], atol=ATOL, rtol=RTOL)
+    if kind == "mixed":
+        assert torch.equal(attn_in[-1][3], torch.zeros_like(attn_in[-1][3]))  # the padding query's attention
+
+
+@pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])
+def test_static_cache_decode_takes_the_cache_path_exactly(full_mask, gathers):
+    """Greedy from a right-padded prompt starts at a padding position's logits, which patchkit zeroes: left only."""
+    model = tiny_model(kv_heads=2, seed=3)
+    ids, mask = padded_batch("left", batch=4, seq=16)
+    want = static_decode(model, ids, mask, steps=5, max_len=24, full_mask=full_mask)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = static_decode(model, ids, mask, steps=5, max_len=24, full_mask=full_mask)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert prompt_only(gathers, 4, 16), gathers
+
+
+def test_chunks_up_to_the_decode_limit_use_the_cache_and_longer_ones_the_varlen_path(gathers):
+    """A chunk of DECODE_MAX_Q new tokens behind a cache attends in place; one token more gathers (both exact)."""
+    model = tiny_model(kv_heads=2, seed=4)
+    limit = decode.DECODE_MAX_Q
+    ids, mask = padded_batch("left", batch=3, seq=14 + 2 * limit + 1)
+    position = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    want = model(input_ids=ids, attention_mask=mask, position_ids=position).logits.detach()
+    bounds = [(0, 14), (14, 14 + limit), (14 + limit, 14 + 2 * limit + 1)]
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        from transformers import DynamicCache
+
+        cache, chunks = DynamicCache(), []
+        for start, stop in bounds:
+            gathers.clear()
+            chunks.append(model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache,
+                                position_ids=position[:, start:stop], use_cache=True).logits)
+            layers = model.config.num_hidden_layers
+            if stop - start <= limit and start:
+                assert gathers == [], (start, stop, gathers)
+            else:  # the prefill, and a chunk over the limit: queries, then the keys of the whole cache, gathered
+                assert ("unpad_rows", stop) in gathers and len(gathers) >= 2 * layers, (start, stop, gathers)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(chunks, 1)[real], want[real], atol=ATOL, rtol=RTOL)
+
+
+def test_a_decode_step_with_gradients_matches_eager():
+    """The cache path is differentiable: a step's parameter gradients equal the unpatched model's."""
+    model = tiny_model(kv_heads=2, seed=6)
+    ids, mask = padded_batch("mixed", batch=4, seq=16)
+    step_mask = torch.cat([mask, torch.tensor([[1], [1], [1], [0]])], 1)
+    nxt = torch.randint(3, 90, (4, 1), generator=torch.Generator().manual_seed(3))
+
+    def grads(patched: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        handle = patchkit.apply_patch("llama2", backend="sdpa") if patched else None
+        with torch.no_grad():
+            past = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        logits = model(input_ids=nxt, attention_mask=step_mask, past_key_values=past).logits
+        logits[:3].square().mean().backward()  # the padding row's logits are not comparable: leave them out
+        if handle is not None:
+            handle.revert()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(False), grads(True)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=3e-5, rtol=1e-3, msg=name)
+
+
+def test_a_window_over_a_padding_hole_is_still_refused_when_decoding():
+    """Mistral counts padding columns inside its window, varlen kernels count real tokens: refused as before."""
+    model = family_model("mistral")
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    with patchkit.apply_patch("mistral", backend="sdpa"):
+        with pytest.raises(PatchInputError, match="sliding window.*padding between real tokens"):
+            decode_logits(model, ids, mask, 1)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_windows_over_a_full_cache_and_chunks_behind_a_sliding_one_match_eager(family, gathers):
+    """The window must hide keys when the cache keeps more than it: a DynamicCache made without the config keeps
+    every key, and a chunk of 3 new tokens behind a sliding cache sees window - 1 + 3 keys."""
+    model = family_model(family, seed=2)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    feed = torch.randint(3, 90, (3, 2 * WINDOW), generator=torch.Generator().manual_seed(5))
+    want, _ = decode_logits(model, ids, mask, 2 * WINDOW, feed)
+    with patchkit.apply_patch(family, backend="sdpa"):
+        got, _ = decode_logits(model, ids, mask, 2 * WINDOW, feed)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert prompt_only(gathers, 3, 14), gathers
+
+    full = torch.cat([ids, feed], 1)
+    full_mask = torch.cat([mask, torch.ones_like(feed)], 1)
+    position = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 1)
+    want = model(input_ids=full, attention_mask=full_mask, position_ids=position).logits.detach()
+    with torch.no_grad(), patchkit.apply_patch(family, backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position[:, :14], use_cache=True)
+        cache, chunks = out.past_key_values, [out.logits]
+        for start in range(14, full.shape[1], 3):
+            stop = min(start + 3, full.shape[1])
+            chunks.append(model(input_ids=full[:, start:stop], attention_mask=full_mask[:, :stop],
+                                position_ids=position[:, start:stop], past_key_values=cache).logits)
+    real = full_mask.bool()
+    torch.testing.assert_close(torch.cat(chunks, 1)[real], want[real], atol=ATOL, rtol=RTOL)
