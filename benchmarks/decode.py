@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import MODEL, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
+from workloads import MODEL, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
 
