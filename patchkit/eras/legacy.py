@@ -23,7 +23,7 @@ from ..masks import VarlenMask, in_packed_forward, refuse_4d
 from ..model_unpad import make_lm_forward, make_model_forward
 from ..model_walk import find_modules
 from ..patching import Replacement, bound_replacement
-from .legacy_attention import make_legacy_forward
+from .legacy_attention import make_legacy_forward, rotary_takes_position_ids
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
@@ -74,7 +74,10 @@ def _mask_method(mod: Any) -> tuple[str, Any]:
 
 
 def _forward(state: PatchState, mod: Any) -> Any:
-    return make_legacy_forward(state, mod.apply_rotary_pos_emb, tuple_cache=not hasattr(mod, "LlamaSdpaAttention"))
+    return make_legacy_forward(
+        state, mod.apply_rotary_pos_emb, tuple_cache=not hasattr(mod, "LlamaSdpaAttention"),
+        rotary_by_position_ids=rotary_takes_position_ids(mod.LlamaRotaryEmbedding),
+    )
 
 
 def class_replacements(state: PatchState, mod: Any) -> list[Replacement]:

@@ -34,11 +34,18 @@ def _past_length(module: nn.Module, past: Any, q_len: int) -> int:
     return past.get_usable_length(q_len, module.layer_idx)
 
 
-def _rotary(module: nn.Module, v: torch.Tensor, position_ids: Any, past: Any, embeddings: Any) -> tuple:
+def rotary_takes_position_ids(rotary_class: type) -> bool:
+    """True from 4.38, where `rotary_emb(v, position_ids)` replaced `rotary_emb(v, seq_len=...)`."""
+    return "position_ids" in inspect.signature(rotary_class.forward).parameters
+
+
+def _rotary(
+    module: nn.Module, v: torch.Tensor, position_ids: Any, past: Any, embeddings: Any, by_position_ids: bool
+) -> tuple:
     """cos, sin as this version's attention computes them."""
     if embeddings is not None:  # 4.43+
         return embeddings
-    if "position_ids" in inspect.signature(module.rotary_emb.forward).parameters:  # 4.38+
+    if by_position_ids:  # 4.38+
         return module.rotary_emb(v, position_ids)
     return module.rotary_emb(v, seq_len=v.shape[-2] + _past_length(module, past, v.shape[-2]))  # 4.31-4.37
 
@@ -63,8 +70,11 @@ def _cache_step(
     return k, v, past
 
 
-def make_legacy_forward(state: PatchState, apply_rotary: Callable, tuple_cache: bool) -> Callable:
-    """The replacement `forward` of LLaMA's attention classes for transformers 4.31-4.47 (`tuple_cache`: < 4.36)."""
+def make_legacy_forward(
+    state: PatchState, apply_rotary: Callable, tuple_cache: bool, rotary_by_position_ids: bool
+) -> Callable:
+    """The replacement `forward` of LLaMA's attention classes for transformers 4.31-4.47 (`tuple_cache`: < 4.36;
+    `rotary_by_position_ids`: >= 4.38), both decided once per version, not per call."""
 
     def forward(
         self: nn.Module,
@@ -89,7 +99,7 @@ def make_legacy_forward(state: PatchState, apply_rotary: Callable, tuple_cache: 
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = _rotary(self, v, position_ids, past_key_value, embeddings)
+        cos, sin = _rotary(self, v, position_ids, past_key_value, embeddings, rotary_by_position_ids)
         q, k = apply_rotary(q, k, cos, sin, position_ids)  # (B, H, S, D), as each version's own forward calls it
         cache_kwargs = {"sin": sin, "cos": cos, **({"cache_position": cache_position} if cache_position is not None
                                                     else {})}
