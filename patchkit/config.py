@@ -191,8 +191,7 @@ def apply_from_args(
     if not opts.flash_attn:
         return None
     return apply_patch(
-        None if opts.patch == GROUP_NAME else opts.patch, backend=opts.attn_backend, strict=opts.patch_strict,
-        model=model, unpad=opts.patch_unpad,
+        opts.patch, backend=opts.attn_backend, strict=opts.patch_strict, model=model, unpad=opts.patch_unpad,
     )
 
 

@@ -24,7 +24,6 @@ class PatchGroup:
         self.skipped = skipped  # patch name -> the gate that kept it off
 
     name = GROUP_NAME
-    key = ("group",)
 
     @property
     def backend(self) -> str:
