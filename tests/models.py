@@ -53,6 +53,24 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill((mask == 0) | predicted_from_pad, -100)
 
 
+def step(model, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[torch.Tensor, dict]:
+    """Logits and every parameter gradient of one padded training step (labels exclude padding)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def assert_same(got: tuple, want: tuple, mask: torch.Tensor, atol: float = 2e-5) -> None:
+    """Two `step` results agree: logits at real tokens (rtol 1e-4) and every gradient (rtol 1e-3), within `atol`."""
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=atol, rtol=1e-4)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=atol, rtol=1e-3, msg=name)
+
+
 @torch.no_grad()
 def decode_logits(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, feed: torch.Tensor | None = None,
                   **kw) -> tuple[torch.Tensor, torch.Tensor]:

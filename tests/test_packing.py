@@ -46,10 +46,11 @@ def unpack(logits, docs, rows):
     return [out[i] for i in range(len(docs))]
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
-    """Batch of 2 packed rows with padding; transformers 5.x makes a cache by default even here."""
+def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
+    """Two padded rows packing the four documents, under the patch, equal each document run alone unpatched.
+
+    Returns (model, packed ids, position_ids, each document's unpatched logits) for further checks.
+    """
     model = tiny_model(kv_heads=kv_heads, seed=7)
     docs = doc_ids()
     want = separate_logits(model, docs)
@@ -57,9 +58,18 @@ def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
     ids, pos, mask = pack(docs, rows)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
         logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=use_cache).logits
-        no_mask = model(input_ids=ids[:1, :7], position_ids=pos[:1, :7], use_cache=use_cache).logits
     for got, exp in zip(unpack(logits, docs, rows), want):
         torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+    return model, ids, pos, want
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
+    """Batch of 2 packed rows with padding; transformers 5.x makes a cache by default even here."""
+    model, ids, pos, want = check_packed_rows(kv_heads, use_cache)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        no_mask = model(input_ids=ids[:1, :7], position_ids=pos[:1, :7], use_cache=use_cache).logits
     torch.testing.assert_close(no_mask[0, 4:7], want[1], atol=2e-5, rtol=1e-4)
 
 
