@@ -17,7 +17,7 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_FLASH_HEAD_DIM = 256
 TORCH_VARLEN_MIN = (2, 10)  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2's varlen kernel inside torch
 # The keyword arguments patchkit passes to varlen_attn (torch 2.13's signature, where causal is window_size (-1, 0))
-TORCH_VARLEN_ARGS = ("scale", "window_size", "enable_gqa")
+TORCH_VARLEN_ARGS = ("scale", "window_size")  # enable_gqa (2.13) is used where present, see torch_varlen.py
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -99,7 +99,7 @@ def probe_torch_varlen(cuda: bool) -> Optional[str]:
     params = inspect.signature(varlen_attn).parameters
     missing = [name for name in TORCH_VARLEN_ARGS if name not in params]
     if missing or "is_causal" in params:
-        return (f"varlen_attn{inspect.signature(varlen_attn)} is not the signature patchkit calls (torch 2.13's: "
+        return (f"varlen_attn{inspect.signature(varlen_attn)} is not the signature patchkit calls (torch 2.11-2.13's: "
                 f"{', '.join(TORCH_VARLEN_ARGS)}, causal as window_size=(-1, 0))")
     available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     if cuda and not available():

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import sys
 import types
+from typing import Optional
 
 import torch
 from packaging.version import Version
@@ -117,10 +118,11 @@ class RecordingTorchVarlen:
     """Stands in for torch's `varlen_attn` (CUDA only): binds each call to the installed torch's real signature,
     checks what the kernel needs, records it, and computes what torch 2.13 computes with the sdpa reference."""
 
-    def __init__(self) -> None:
+    def __init__(self, signature: Optional[inspect.Signature] = None) -> None:
         from torch.nn.attention import varlen
 
-        self.signature = inspect.signature(varlen.varlen_attn)
+        self.signature = signature or inspect.signature(varlen.varlen_attn)
+        self.__signature__ = self.signature  # what inspect.signature(double) reports, as for the real function
         self.calls: list[dict] = []
 
     def __call__(self, *args, **kwargs):
@@ -140,13 +142,13 @@ class RecordingTorchVarlen:
         assert isinstance(max_k, int) and max_k == int(cu_k.diff().max()), f"max_k {max_k}"
         window = a["window_size"]
         assert isinstance(window, tuple) and len(window) == 2, f"window_size {window!r}: torch compares a tuple"
-        assert q.shape[1] % k.shape[1] == 0 and (a["enable_gqa"] or q.shape[1] == k.shape[1])
-        assert a["return_aux"] is None and a["seqused_k"] is None and a["block_table"] is None
+        assert q.shape[1] % k.shape[1] == 0 and (a.get("enable_gqa") or q.shape[1] == k.shape[1])
+        assert all(a.get(name) is None for name in ("return_aux", "seqused_k", "block_table"))
         assert isinstance(a["scale"], float)
         is_causal = window == (-1, 0)  # torch 2.13's own rule (varlen.py): causal is exactly this window
         self.calls.append(dict(shapes=[tuple(t.shape) for t in (q, k, v)], dtype=q.dtype, cu_q=cu_q.tolist(),
                                cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, scale=a["scale"], window=window,
-                               enable_gqa=a["enable_gqa"]))
+                               enable_gqa=a.get("enable_gqa")))
         out, _ = sdpa.varlen_attention(
             q, k, v, cu_q.diff().tolist(), cu_k.diff().tolist(), 0.0, a["scale"], is_causal,
             (-1, -1) if is_causal else window,
@@ -154,11 +156,13 @@ class RecordingTorchVarlen:
         return out
 
 
-def install_torch_varlen_double(monkeypatch, environment: gates.Environment = NO_FLASH_GPU_ENV) -> RecordingTorchVarlen:
+def install_torch_varlen_double(
+    monkeypatch, environment: gates.Environment = NO_FLASH_GPU_ENV, signature: Optional[inspect.Signature] = None,
+) -> RecordingTorchVarlen:
     """Put the double where the backend looks it up, and pretend to be an A100 without flash-attn."""
     from torch.nn.attention import varlen
 
-    fake = RecordingTorchVarlen()
+    fake = RecordingTorchVarlen(signature)
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     monkeypatch.setattr(gates, "probe_environment", lambda: environment)
     return fake

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -12,6 +13,14 @@ from models import clone, labels_for, padded_batch, tiny_model
 import patchkit
 from patchkit import PatchGateError, PatchInputError, gates
 from patchkit.backends.torch_varlen import TorchVarlenBackend, kernel_window
+
+
+def _varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature as an H100 printed it (no enable_gqa, seqused_k or block_table)."""
+
+
+TORCH_2_11 = inspect.signature(_varlen_attn_2_11)
 
 
 def within_bf16_error(ours: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor, real: torch.Tensor) -> None:
@@ -31,9 +40,10 @@ def test_auto_without_flash_attn_runs_torch_varlen_and_says_why(monkeypatch):
     assert "torch_varlen_api: ok" in report and "flash_attn_installed: FAILED" in report
 
 
+@pytest.mark.parametrize("torch_api", ["2.13", "2.11"])
 @pytest.mark.parametrize("patch,kv_heads", [("llama2", 2), ("llama1", 4)])
-def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads):
-    fake = install_torch_varlen_double(monkeypatch)
+def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads, torch_api):
+    fake = install_torch_varlen_double(monkeypatch, signature=TORCH_2_11 if torch_api == "2.11" else None)
     model = tiny_model(kv_heads=kv_heads, dtype=torch.bfloat16)
     ids, mask = padded_batch("mixed")
     with torch.no_grad():
@@ -48,9 +58,12 @@ def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads):
         assert call["cu_q"] == call["cu_k"] == torch.tensor([0, *lengths]).cumsum(0).tolist()
         assert call["max_q"] == call["max_k"] == max(lengths)
         assert call["window"] == (-1, 0)  # causal, torch's spelling
-        assert call["enable_gqa"] is (kv_heads != 4)
         assert call["scale"] == pytest.approx(head_dim**-0.5)
-        assert call["shapes"] == [(sum(lengths), 4, head_dim)] + 2 * [(sum(lengths), kv_heads, head_dim)]
+        if torch_api == "2.13":  # the kernel groups query heads itself
+            assert call["enable_gqa"] is (kv_heads != 4)
+            assert call["shapes"] == [(sum(lengths), 4, head_dim)] + 2 * [(sum(lengths), kv_heads, head_dim)]
+        else:  # no enable_gqa: K/V heads repeated over the real tokens only
+            assert call["enable_gqa"] is None and call["shapes"] == 3 * [(sum(lengths), 4, head_dim)]
     within_bf16_error(ours, eager, truth, mask.bool())
 
 

@@ -1,15 +1,17 @@
 """The torch_varlen backend: FlashAttention-2's varlen kernel as torch ships it, for machines without flash-attn.
 
 `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, CUDA only) takes what `flash_attn_varlen_func` takes,
-spelled torch's way (read from torch 2.13): `cu_seq_q`/`cu_seq_k` int32, `max_q`/`max_k`, `scale`,
-`enable_gqa` for fewer K/V heads, and `window_size`, where causal is `window_size=(-1, 0)` (there is no
-`is_causal` argument) and a causal sliding window is `(left, 0)`. It has no dropout (fixed at 0), no softcap and
-no ALiBi: a call that needs one of those falls back per call (`missing_feature`), as flash_attn's does.
+spelled torch's way (read from torch 2.11 and 2.13): `cu_seq_q`/`cu_seq_k` int32, `max_q`/`max_k`, `scale`,
+`enable_gqa` for fewer K/V heads (2.13; on 2.11 K/V heads are repeated over the real tokens), and `window_size`,
+where causal is `window_size=(-1, 0)` (there is no `is_causal` argument) and a causal sliding window is
+`(left, 0)`. It has no dropout (fixed at 0), no softcap and no ALiBi: a call that needs one of those falls back
+per call (`missing_feature`), as flash_attn's does.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -27,6 +29,14 @@ def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]
     return (left, right)
 
 
+def takes_enable_gqa(fn: Callable) -> bool:
+    """Whether this torch's varlen_attn groups query heads itself (2.13) or wants K/V heads repeated (2.11)."""
+    try:
+        return "enable_gqa" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class TorchVarlenBackend:
     """Runs `torch.nn.attention.varlen.varlen_attn` with patchkit's unpadding metadata."""
 
@@ -35,6 +45,7 @@ class TorchVarlenBackend:
 
     def __init__(self, fn: Optional[Callable] = None) -> None:
         self._varlen_attn = fn if fn is not None else importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        self._takes_gqa = takes_enable_gqa(self._varlen_attn)
 
     def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         """torch's varlen_attn has no softcap and no attention dropout (windows it has)."""
@@ -68,7 +79,14 @@ class TorchVarlenBackend:
         missing = self.missing_feature(window_size, softcap, dropout_p)
         if missing is not None:  # backend_for falls back before this; a direct caller must not get wrong numbers
             raise PatchInputError(f"{missing}; use backend='sdpa' (or flash_attn) for this call")
+        extra = {}
+        if k.shape[1] != q.shape[1]:
+            if self._takes_gqa:
+                extra["enable_gqa"] = True
+            else:  # torch 2.11's kernel wants equal heads: repeat K/V over the real tokens (what repeat_kv does)
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         return self._varlen_attn(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            scale=softmax_scale, window_size=kernel_window(causal, window_size), enable_gqa=k.shape[1] != q.shape[1],
+            scale=softmax_scale, window_size=kernel_window(causal, window_size), **extra,
         )
+
