@@ -87,6 +87,14 @@ def _host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
     return out
 
 
+def real_indices(real: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of `real`'s True entries, whose `count` the host already has: on CUDA without a device sync."""
+    flat = real.reshape(-1)
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(flat, size=count).flatten()
+    return torch.nonzero(flat).flatten()
+
+
 def packing_restart_with_past(
     mask: Optional[torch.Tensor], batch: int, q_len: int, position_ids: Optional[torch.Tensor], device: torch.device
 ) -> bool:
@@ -221,8 +229,8 @@ def build_metadata(
         return _dense(batch, q_len, kv_len, device)
     return VarlenMetadata(
         batch, q_len, kv_len,
-        None if dense_q else torch.nonzero(real_q.reshape(-1)).flatten(),
-        None if dense_k else torch.nonzero(real_k.reshape(-1)).flatten(),
+        None if dense_q else real_indices(real_q, sum(host_q)),
+        None if dense_k else real_indices(real_k, sum(host_k)),
         cu_seqlens_from_lengths(lens_q), cu_seqlens_from_lengths(lens_k),
         max(host_q, default=0), max(host_k, default=0), host_q, host_k, holes=max(rises, default=0) > 1,
     )

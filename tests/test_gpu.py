@@ -110,3 +110,27 @@ def test_packed_rows_never_attend_across_documents(backend):
         with patchkit.apply_patch("llama2", backend=backend, strict=True):
             ours = model(input_ids=row, position_ids=positions).logits[0]
     close_to_truth(ours, eager, truth, "packed logits")
+
+
+@pytest.mark.gpu
+def test_a_decode_steps_metadata_costs_one_host_sync():
+    """The lengths come to the host once; the indices are then taken at that known size, without a second sync."""
+    if not CUDA:
+        pytest.skip("needs a CUDA device")
+    import warnings
+
+    from patchkit.masks import build_metadata
+
+    mask = torch.ones(4, 40, dtype=torch.long, device="cuda")
+    mask[1, :7] = mask[3, :20] = 0  # left padding: the keys are not dense, the one new token of each row is
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            meta = build_metadata(mask, 4, 1, 40, mask.device)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert torch.equal(meta.indices_k, torch.nonzero(mask.reshape(-1)).flatten())
