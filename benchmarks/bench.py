@@ -236,6 +236,8 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
               "GPU machine, or without --device for the CPU benchmark.", flush=True)
         return 0
     mode = "full" if args.full else "quick" if args.quick else "smoke" if args.smoke else "default"
+    if mode == "default" and (args.device == "cuda" or (args.device == "auto" and cuda_available())):
+        mode = "cuda"  # the CPU default's toy model would time the host's launch overhead, not the GPU
     csv_path, plots = output_paths(args.out, args.csv, args.plots, args.no_plots)
     start = time.time()
     rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device)

@@ -27,6 +27,11 @@ MODES: dict[str, dict[str, Any]] = {
         "pad_len": 512, "lengths": [1024, 2048, 4096, 8192], "gqa": True, "decode": True,
         "gqa_providers": ["hf_sdpa", "patchkit_sdpa", FLOOR],  # eager and packed_cu on GQA only with --full
     },
+    "cuda": {  # --device cuda without --quick/--full: 1B-class layers (head_dim 128): the GPU is timed, not the host
+        "model": {"hidden": 2048, "layers": 4, "heads": 16, "intermediate": 5504, "vocab": 32000}, "reps": 5,
+        "batch": 16, "scale": 1.0, "decode_tokens": 32, "pad_fracs": [0.0, 0.25, 0.5, 0.75], "pad_len": 2048,
+        "lengths": [2048, 4096, 8192, 16384], "gqa": True, "decode": True,
+    },
     "full": {
         "model": MODEL, "reps": 7, "batch": 8, "scale": 1.0, "decode_tokens": 32,
         "pad_fracs": [0.0, 0.25, 0.5, 0.625, 0.75, 0.875], "pad_len": 1024,
