@@ -183,7 +183,7 @@ def varlen_core(
     if state.packing == KV_PACKED:  # a decode step attends to the padded cache in place when the backend can
         out = decode_attention(
             backend, q, k, v, meta, dropout=dropout, scaling=scaling, window=window, softcap=softcap,
-            strict=state.strict, patch=state.patch, warn_once=state.warn_once,
+            warn_once=state.warn_once,
         )
         if out is not None:
             return out.to(in_dtype)

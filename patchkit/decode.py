@@ -19,7 +19,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .errors import PatchGateError
 from .masks import VarlenMetadata
 
 DECODE_MAX_Q = 16  # new tokens per row up to which a step with a past attends on the padded cache, unless packed
@@ -124,14 +123,14 @@ def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
 
 def decode_attention(
     backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
-    dropout: float, scaling: float, window: tuple[int, int], softcap: float, strict: bool, patch: str,
-    warn_once: Callable[[str, str], None],
+    dropout: float, scaling: float, window: tuple[int, int], softcap: float, warn_once: Callable[[str, str], None],
 ) -> Optional[torch.Tensor]:
     """A decode step on the padded cache: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D), padding zero.
 
     None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
     kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old
-    for this step (`kvcache_missing`) warns once and gathers, or raises in strict mode.
+    for this step (`kvcache_missing`) warns once and gathers, in strict mode too: that is the same kernel, and exact,
+    on a copy of the cache (slower), not a fallback to another backend.
     """
     attend = getattr(backend, "attend_kvcache", None)
     if attend is None or not is_decode_step(meta):
@@ -140,11 +139,6 @@ def decode_attention(
     missing = getattr(backend, "kvcache_missing", None)
     reason = missing(plan) if missing is not None else None
     if reason is not None:
-        if strict:
-            raise PatchGateError(
-                f"patch {patch!r}: {reason}. Upgrade flash-attn, or apply the patch with strict=False to run these "
-                "steps through the varlen kernel on a gathered copy of the cache (exact, slower)."
-            )
         warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
         return None
     out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap)

@@ -97,7 +97,8 @@ def test_decode_per_step_logits_match_the_kernel_rule(monkeypatch):
 
 def test_decode_on_a_flash_attn_without_cache_leftpad_gathers_with_one_warning_or_refuses(monkeypatch):
     """cache_leftpad came in flash-attn 2.6.1: before it a left-padded decode step gathers the cache (the varlen
-    kernel, with the cache lengths), once warned; strict refuses; an unpadded batch needs no leftpad (2.2)."""
+    kernel, with the cache lengths), once warned, strict too (same kernel, exact: no fallback to refuse); an
+    unpadded batch needs no leftpad (2.2)."""
     fake = install_flash_double(monkeypatch)
     fake.__version__ = "2.6.0"
     model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
@@ -113,9 +114,12 @@ def test_decode_on_a_flash_attn_without_cache_leftpad_gathers_with_one_warning_o
     assert decode[0]["cu_q"] == [0, 1, 2, 3]
     assert decode[0]["cu_k"] == torch.tensor([0, *[n + 1 for n in real]]).cumsum(0).tolist()
     assert decode[0]["max_q"] == 1 and decode[0]["max_k"] == max(real) + 1
+    with patchkit.apply_patch("llama2"):
+        want = model.generate(input_ids=ids, attention_mask=mask, **kw)
     with patchkit.apply_patch("llama2", strict=True):
-        with pytest.raises(PatchGateError, match=r"cache_leftpad needs flash-attn>=2.6.1.*strict=False"):
-            model.generate(input_ids=ids, attention_mask=mask, **kw)
+        with pytest.warns(RuntimeWarning, match=r"cache_leftpad needs flash-attn>=2.6.1"):
+            got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        assert torch.equal(got, want)
         fake.calls.clear()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(mask), **kw)  # no padding: no leftpad
     decode = [c for c in fake.calls if c["name"] == "kvcache"]
