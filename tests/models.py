@@ -95,3 +95,13 @@ def decode_logits(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, feed
         logits.append(out.logits[:, -1])
         fed.append(nxt)
     return torch.stack(logits, 1), torch.cat(fed, 1)
+
+
+def cache_tensors(cache) -> list:
+    """Each layer's (keys, values): a layered DynamicCache (4.56+), its key_cache/value_cache lists before, or the
+    legacy tuple generate() hands back on 4.48-4.52 (the same tensors)."""
+    if isinstance(cache, tuple):
+        return [(k, v) for k, v in cache]
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))

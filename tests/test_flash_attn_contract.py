@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from fakes import install_flash_double
-from models import clone, decode_logits, padded_batch, tiny_model
+from models import cache_tensors, clone, decode_logits, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchGateError
@@ -69,16 +69,6 @@ def test_decode_calls_use_cache_lengths(monkeypatch):
     assert [c["storage"] for c in decode[-2:]] == [
         (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) for k, v in cache_tensors(out.past_key_values)
     ]
-
-
-def cache_tensors(cache) -> list:
-    """Each layer's (keys, values): a layered DynamicCache (4.56+), its key_cache/value_cache lists before, or the
-    legacy tuple generate() hands back on 4.48-4.52 (the same tensors)."""
-    if isinstance(cache, tuple):
-        return [(k, v) for k, v in cache]
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
 
 
 def test_decode_per_step_logits_match_the_kernel_rule(monkeypatch):
