@@ -37,21 +37,25 @@ def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
 def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMetadata]:
     """The padded batch's metadata when this forward can run packed, else None (run the original as is).
 
-    Packed needs a 2D mask with padding, no past and no cache to return (or training, where the cache is not
-    kept), and no caller-made packing (`cu_seq_lens_*`). Everything else, generation above all, keeps the
-    per-layer path, which is exact there too.
+    Packed needs a 2D mask with padding, no past, and no caller-made packing (`cu_seq_lens_*`). A cache to return
+    must be an empty DynamicCache (generate()'s prefill), filled padded by `filled_padded`. Everything else,
+    decode steps above all, keeps the per-layer path, which is exact there too.
     """
     mask = args.get("attention_mask")
     tokens = args.get("input_ids") if args.get("inputs_embeds") is None else args.get("inputs_embeds")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or tokens.dim() < 2:
         return None
-    if args.get("past_key_values") is not None or any(extra.get(k) is not None for k in FLASH_KWARGS):
+    if any(extra.get(k) is not None for k in FLASH_KWARGS):
         return None
     if args.get("output_attentions") or extra.get("output_attentions"):
         return None  # refused by the attention layers with the reason
     if _LABELS_FROM_PADDING.get():
         return None  # padding positions' logits feed the loss: the per-layer path computes them as transformers does
+    cache = args.get("past_key_values")
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
+        if not fillable_cache(cache):
+            return None  # no cache object to fill from the packed row (or one with a past): the per-layer path
+    elif cache is not None:
         return None
     batch, seqlen = tokens.shape[:2]
     if tuple(mask.shape) != (batch, seqlen):
@@ -71,6 +75,35 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
     )
 
 
+def fillable_cache(cache: Any) -> bool:
+    """An empty DynamicCache: a prefill can run on the packed row and write its keys and values back padded."""
+    return type(cache).__name__ == "DynamicCache" and callable(getattr(cache, "update", None)) and (
+        cache.get_seq_length() == 0
+    )
+
+
+@contextlib.contextmanager
+def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
+    """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D).
+
+    The cache then holds what transformers' padded prefill would store at every real position (zeros at padding,
+    which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
+    """
+    original = cache.update
+
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len).transpose(1, 2)
+                  for t in (key_states, value_states)]
+        original(*padded, layer_idx, *args, **kwargs)
+        return key_states, value_states
+
+    cache.update = update
+    try:
+        yield
+    finally:
+        del cache.update  # the class's own method again
+
+
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
     """input_ids / inputs_embeds and position_ids (B, S, ...) -> (1, nnz, ...) in place in `args`."""
     for name in ("input_ids", "inputs_embeds"):
@@ -82,7 +115,8 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
         positions = torch.arange(meta.q_len, device=meta.cu_seqlens_q.device)
     args["position_ids"] = unpad_rows(positions.expand(meta.batch, meta.q_len), meta.indices_q).unsqueeze(0)
     args["attention_mask"] = None
-    args["use_cache"] = False
+    if args.get("past_key_values") is None:
+        args["use_cache"] = False
     if args.get("cache_position") is not None:
         args["cache_position"] = None  # recomputed for the packed row
 
@@ -172,8 +206,10 @@ def make_model_forward(
         with _route_masks(self, patched_impl, route):
             if meta is None:
                 return call(self, arguments)
+            cache = arguments.get("past_key_values")
             _unpad_inputs(arguments, meta)
-            with packed_forward(packed_row_metadata(meta)):
+            filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
+            with packed_forward(packed_row_metadata(meta)), filling:
                 out = call(self, arguments)
         return repad_outputs(out, meta)
 

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 from families import WINDOW, family_model
-from models import decode_logits, padded_batch, tiny_model
+from models import cache_tensors, decode_logits, padded_batch, tiny_model
 from test_never_silent import static_decode
 
 import patchkit
-from patchkit import PatchInputError, decode, masks, padding
+from patchkit import PatchInputError, decode, masks, model_unpad, padding
 from patchkit import attention as attention_module
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -24,7 +24,8 @@ def gathers(monkeypatch):
     unpad_rows, index_first_axis = attention_module.unpad_rows, padding.index_first_axis
 
     def counting_unpad(x, indices):
-        seen.append(("unpad_rows", x.shape[1]))  # (B, S, ...): S is the prompt, a chunk, or the cache length
+        if indices is not None:  # a gather; without indices it is a reshape of rows already real (a packed row)
+            seen.append(("unpad_rows", x.shape[1]))  # (B, S, ...): S is the prompt, a chunk, or the cache length
         return unpad_rows(x, indices)
 
     def counting_gather(x, indices):
@@ -99,6 +100,7 @@ def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(masks, "build_metadata", counting_metadata)
+    monkeypatch.setattr(model_unpad, "build_metadata", counting_metadata)  # the packed prefill's, model-level
     monkeypatch.setattr(decode, "DecodePlan", CountingPlan)
     with patchkit.apply_patch("llama2", backend="sdpa"):
         decode_logits(model, ids, mask, 5)
@@ -165,7 +167,9 @@ def test_chunks_up_to_the_decode_limit_use_the_cache_and_longer_ones_the_varlen_
             layers = model.config.num_hidden_layers
             if stop - start <= limit and start:
                 assert gathers == [], (start, stop, gathers)
-            else:  # the prefill, and a chunk over the limit: queries, then the keys of the whole cache, gathered
+            elif not start:  # the prefill into an empty cache runs packed: the prompt's tokens gathered once
+                assert gathers and all(g == ("index_first_axis", 3 * stop) for g in gathers), gathers
+            else:  # a chunk over the limit: queries, then the keys of the whole cache, gathered
                 assert ("unpad_rows", stop) in gathers and len(gathers) >= 2 * layers, (start, stop, gathers)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(chunks, 1)[real], want[real], atol=ATOL, rtol=RTOL)
@@ -230,3 +234,27 @@ def test_windows_over_a_full_cache_and_chunks_behind_a_sliding_one_match_eager(f
                                 position_ids=position[:, start:stop], past_key_values=cache).logits)
     real = full_mask.bool()
     torch.testing.assert_close(torch.cat(chunks, 1)[real], want[real], atol=ATOL, rtol=RTOL)
+
+
+def test_a_prefill_into_an_empty_cache_runs_packed_and_fills_it_as_transformers_does():
+    """generate()'s prefill runs on real tokens only (model-level unpad); the cache gets each layer's keys and
+    values repadded, equal to the unpatched cache at every real position, and its own update method back."""
+    from transformers import DynamicCache
+
+    model = tiny_model(kv_heads=2, seed=5)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want_cache = DynamicCache()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, past_key_values=want_cache, use_cache=True).logits
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            cache = DynamicCache()
+            got = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    assert "update" not in vars(cache)
+    assert handle.calls == model.config.num_hidden_layers
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=ATOL, rtol=RTOL)
+    assert cache.get_seq_length() == want_cache.get_seq_length() == 14
+    for ours_kv, theirs_kv in zip(cache_tensors(cache), cache_tensors(want_cache), strict=True):
+        for ours, theirs in zip(ours_kv, theirs_kv):
+            assert ours.shape == theirs.shape
+            torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], atol=ATOL, rtol=RTOL)
