@@ -8,7 +8,7 @@ from typing import Any, Optional
 from packaging.version import Version
 from torch import nn
 
-from . import eras, unserved
+from . import eras, flash_request, unserved
 from . import gates as _gates
 from .attention import UNPAD_MODES, PatchState, is_patched_forward
 from .backends import BACKEND_NAMES, make_backend
@@ -82,6 +82,7 @@ class PatchHandle:
             del _ACTIVE[self.key]
         if not any(key[0] == "class" for key in _ACTIVE):
             unserved.detach()
+            flash_request.detach()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -130,6 +131,8 @@ class PatchHandle:
             *_gates.gate_lines(self.gates, "    "),
             "  replaced:",
             *(f"    - {r.describe()}" for r in self.replacements),
+            *(f"    - {label} (shared by the active class patches)" for label in
+              (flash_request.installed() if self._model is None and self.active else [])),
             f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
             + ("; compiled calls are not counted)" if self.state.compiled else ")"),
         ]
@@ -241,6 +244,7 @@ def _apply(
         weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
     else:
         unserved.attach(_served)
+        flash_request.attach(_serving)
     return handle
 
 
@@ -291,6 +295,13 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
 def _served() -> dict[type, str]:
     """The attention classes the active class patches serve, with their model type (for `unserved`'s warning)."""
     return {h.spec.attention_class(): h.spec.family for key, h in list(_ACTIVE.items()) if key[0] == "class"}
+
+
+def _serving(model_class: type) -> Optional[PatchState]:
+    """The state of the active class patch whose family `model_class` belongs to (by its config's model_type)."""
+    model_type = getattr(getattr(model_class, "config_class", None), "model_type", None)
+    return next((h.state for key, h in list(_ACTIVE.items())
+                 if key[0] == "class" and model_type in h.spec.model_types), None)
 
 
 def _build_class(spec: PatchSpec, state: PatchState) -> list[Replacement]:

@@ -3,23 +3,29 @@
 GPU training scripts ask for "flash_attention_2". transformers checks that request when a model is built
 (`PreTrainedModel._check_and_adjust_attn_implementation` from 4.56, the classmethod
 `_check_and_enable_flash_attn_2` before) and refuses it on a machine without a usable flash-attn, even though
-patchkit's class patch serves every LLaMA model whatever its config names. While the class patch is active, this
-wrapper lets such a request through for LLaMA models only, and only when transformers' own check refused it: the
-model loads with patchkit's registered name ("sdpa" before transformers 4.53, which has none), runs through the
-patch, and one warning says which patchkit backend serves it. Where flash-attn loads, transformers' check passes
-and nothing changes. Every other request, and every other model family, gets transformers' answer unchanged.
+patchkit's class patch serves every model of its family whatever its config names. While any class patch is active
+(transformers 4.48+), this wrapper lets such a request through for a model whose family an active class patch
+serves, and only when transformers' own check refused it: the model loads with patchkit's registered name ("sdpa"
+before transformers 4.53, which has none), runs through that patch, and one warning says which patchkit backend
+serves it. Where flash-attn loads, transformers' check passes and nothing changes. Every other request, and every
+family no active class patch serves, gets transformers' answer unchanged.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+from packaging.version import Version
 
 from .attention import PatchState
-from .patching import Replacement
+from .patching import Replacement, apply_replacements, restore_replacements
 from .warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
+Serving = Callable[[type], Optional[PatchState]]  # a model class -> the active class patch's state serving it
+
+_installed: Optional[list[Replacement]] = None
 
 
 def served_name() -> str:
@@ -37,14 +43,15 @@ def _serve(state: PatchState, model_class: str, refusal: BaseException) -> str:
     reason = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
     warn_user(
         f"patchkit: attn_implementation={FLASH_REQUEST!r} for {model_class} is served by patchkit's "
-        f"{state.backend.name!r} backend (the class patch serves every LLaMA model; exact varlen attention, no "
+        f"{state.backend.name!r} backend (the {state.patch!r} class patch serves every model of its family; exact "
+        f"varlen attention, no "
         f"(B, 1, N, N) mask): transformers cannot use flash-attn here ({reason}). The model loads with "
         f"attn_implementation={name!r}.",
     )
     return name
 
 
-def make_check_and_adjust(original: Callable, state: PatchState, served: type) -> Callable:
+def make_check_and_adjust(original: Callable, serving: Serving) -> Callable:
     """Wrap `PreTrainedModel._check_and_adjust_attn_implementation` (transformers >= 4.56)."""
 
     @functools.wraps(original)
@@ -52,14 +59,15 @@ def make_check_and_adjust(original: Callable, state: PatchState, served: type) -
         try:
             return original(self, attn_implementation, *args, **kwargs)
         except (ImportError, ValueError) as exc:
-            if attn_implementation != FLASH_REQUEST or not isinstance(self, served):
+            state = serving(type(self)) if attn_implementation == FLASH_REQUEST else None
+            if state is None:
                 raise
             return _serve(state, type(self).__name__, exc)
 
     return _check_and_adjust_attn_implementation
 
 
-def make_check_and_enable(original: classmethod, state: PatchState, served: type) -> classmethod:
+def make_check_and_enable(original: classmethod, serving: Serving) -> classmethod:
     """Wrap the classmethod `PreTrainedModel._check_and_enable_flash_attn_2` (transformers 4.48 to 4.55)."""
     func = original.__func__
 
@@ -68,7 +76,8 @@ def make_check_and_enable(original: classmethod, state: PatchState, served: type
         try:
             return func(cls, config, *args, **kwargs)
         except (ImportError, ValueError) as exc:
-            if not issubclass(cls, served):
+            state = serving(cls)
+            if state is None:
                 raise
             config._attn_implementation = _serve(state, cls.__name__, exc)
             return config
@@ -76,17 +85,41 @@ def make_check_and_enable(original: classmethod, state: PatchState, served: type
     return classmethod(_check_and_enable_flash_attn_2)
 
 
-def class_replacements(state: PatchState, served: type) -> list[Replacement]:
-    """The wrapper on transformers' PreTrainedModel, part of the class patch (reverted with it)."""
+def replacements(serving: Serving) -> list[Replacement]:
+    """The wrapper on transformers' PreTrainedModel check (none before 4.48, where no era of ours serves it)."""
+    import transformers
     from transformers.modeling_utils import PreTrainedModel
 
+    if Version(transformers.__version__).release < (4, 48):
+        return []
     if "_check_and_adjust_attn_implementation" in vars(PreTrainedModel):
         original = vars(PreTrainedModel)["_check_and_adjust_attn_implementation"]
-        new: Any = make_check_and_adjust(original, state, served)
+        new: Any = make_check_and_adjust(original, serving)
         attr = "_check_and_adjust_attn_implementation"
     elif "_check_and_enable_flash_attn_2" in vars(PreTrainedModel):
         attr = "_check_and_enable_flash_attn_2"
-        new = make_check_and_enable(vars(PreTrainedModel)[attr], state, served)
+        new = make_check_and_enable(vars(PreTrainedModel)[attr], serving)
     else:
         return []  # a transformers without either check: nothing refuses the request to wrap
     return [Replacement(PreTrainedModel, attr, new, f"PreTrainedModel.{attr} (serves {FLASH_REQUEST!r})")]
+
+
+def attach(serving: Serving) -> None:
+    """While any class patch is active, a refused flash_attention_2 request is served for its families (idempotent)."""
+    global _installed
+    if _installed is None:
+        _installed = replacements(serving)
+        apply_replacements(_installed)
+
+
+def detach() -> None:
+    """The last class patch is gone: transformers' own check again (identity)."""
+    global _installed
+    if _installed is not None:
+        restore_replacements(_installed)
+        _installed = None
+
+
+def installed() -> list[str]:
+    """What the wrapper replaced, for reports (empty when no class patch is active)."""
+    return [r.label for r in _installed or []]

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from . import attn_interface, flash_request
+from . import attn_interface
 from .attention import PatchState, make_forward
 from .errors import PatchInputError, PatchTargetError
 from .masks import VarlenMask, cache_placement, refuse_4d
@@ -94,7 +94,7 @@ def class_replacements(state: PatchState) -> list[Replacement]:
         out.append(
             Replacement(mod.LlamaModel, "_update_causal_mask", _update_causal_mask, "LlamaModel._update_causal_mask")
         )
-    return out + flash_request.class_replacements(state, mod.LlamaPreTrainedModel)
+    return out
 
 
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:

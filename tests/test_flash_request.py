@@ -1,7 +1,7 @@
 """attn_implementation="flash_attention_2" under the class patch on a machine where transformers cannot load flash-attn.
 
-The request is served by patchkit (one warning naming the backend) for LLaMA models, while the class patch is
-active, and only when transformers' own check refuses it; revert restores transformers' method (identity).
+The request is served by patchkit (one warning naming the backend) for a model whose family an active class patch
+serves, and only when transformers' own check refuses it; revert restores transformers' method (identity).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from entrypoints import REPO, clean_env, launch
 from models import padded_batch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.modeling_utils import PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
 import patchkit
 from patchkit import flash_request
@@ -72,14 +71,40 @@ def test_class_patch_serves_the_request_with_one_warning_and_matches_eager():
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
-def test_only_llama_models_and_only_flash_attention_2_are_let_through():
+def mistral_config(attn_implementation: str) -> MistralConfig:
+    return MistralConfig(vocab_size=models.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn_implementation)
+
+
+def test_only_served_families_and_only_flash_attention_2_are_let_through():
     patchkit.apply_patch("llama2", backend="sdpa")
-    mistral = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=4, attn_implementation="flash_attention_2")
     with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
-        build(MistralForCausalLM, mistral)  # patchkit serves no Mistral: transformers' answer, unchanged
+        build(MistralForCausalLM, mistral_config("flash_attention_2"))  # no Mistral patch active: unchanged
     with pytest.raises((ValueError, ImportError)):
         LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_9"))
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("transformers.masking_utils"), reason="families need 4.53")
+def test_every_active_family_is_served_mistral_too():
+    """`apply_patch()` patches every family: a Mistral script asking for flash_attention_2 runs through patchkit."""
+    torch.manual_seed(0)
+    reference = MistralForCausalLM(mistral_config("eager")).eval()
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask).logits
+    group = patchkit.apply_patch(backend="sdpa")
+    model, messages = build(MistralForCausalLM, mistral_config("flash_attention_2"))
+    model.load_state_dict(reference.state_dict())
+    model.eval()
+    assert len(messages) == 1, messages
+    assert "for MistralForCausalLM is served by patchkit's 'sdpa' backend (the 'mistral' class patch" in messages[0]
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    assert group.check(model) == 2
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+    group.revert()
+    with pytest.raises(ImportError, match="FlashAttention2 has been toggled on"):
+        build(MistralForCausalLM, mistral_config("flash_attention_2"))
 
 
 @pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"), reason="transformers < 4.56")
@@ -97,7 +122,7 @@ def test_set_attn_implementation_on_a_loaded_model_is_served_too():
 def test_where_transformers_accepts_the_request_nothing_changes():
     """A machine with a usable flash-attn: transformers' check passes, so its answer stands and nothing is said."""
     state = patchkit.apply_patch("llama2", backend="sdpa").state
-    accepting = flash_request.make_check_and_adjust(lambda self, impl, *a, **k: impl, state, LlamaPreTrainedModel)
+    accepting = flash_request.make_check_and_adjust(lambda self, impl, *a, **k: impl, lambda cls: state)
     model = LlamaForCausalLM(tiny_config())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
