@@ -57,6 +57,7 @@ DEFAULT_TESTS = [
     "tests/test_mechanics.py",
     "tests/test_gates.py",
     "tests/test_flash_attn_contract.py",
+    "tests/test_decode.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir

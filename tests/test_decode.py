@@ -9,12 +9,17 @@ import torch
 from families import WINDOW, family_model
 from models import cache_tensors, decode_logits, padded_batch, tiny_model
 from test_never_silent import static_decode
+from transformers.modeling_utils import PreTrainedModel
 
 import patchkit
 from patchkit import PatchInputError, decode, masks, model_unpad, padding
 from patchkit import attention as attention_module
 
 ATOL, RTOL = 2e-5, 1e-4
+# The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
+# on 4.48.3: StaticCache decode is refused with a misleading message and a Gemma2 window case fails (known, open).
+pytestmark = pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"),
+                                reason="the unpatched references need set_attn_implementation (transformers 4.56+)")
 
 
 @pytest.fixture
