@@ -19,13 +19,13 @@ from typing import Any, Callable, Optional
 from packaging.version import Version
 
 from .attention import PatchState
-from .patching import Replacement, apply_replacements, restore_replacements
+from .patching import Replacement, SharedInstall
 from .warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
 Serving = Callable[[type], Optional[PatchState]]  # a model class -> the active class patch's state serving it
 
-_installed: Optional[list[Replacement]] = None
+_hook = SharedInstall()
 
 
 def served_name() -> str:
@@ -106,20 +106,14 @@ def replacements(serving: Serving) -> list[Replacement]:
 
 def attach(serving: Serving) -> None:
     """While any class patch is active, a refused flash_attention_2 request is served for its families (idempotent)."""
-    global _installed
-    if _installed is None:
-        _installed = replacements(serving)
-        apply_replacements(_installed)
+    _hook.attach(lambda: replacements(serving))
 
 
 def detach() -> None:
     """The last class patch is gone: transformers' own check again (identity)."""
-    global _installed
-    if _installed is not None:
-        restore_replacements(_installed)
-        _installed = None
+    _hook.detach()
 
 
 def installed() -> list[str]:
     """What the wrapper replaced, for reports (empty when no class patch is active)."""
-    return [r.label for r in _installed or []]
+    return [r.label for r in _hook.replacements or []]

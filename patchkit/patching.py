@@ -128,3 +128,20 @@ def restore_replacements(replacements: list[Replacement]) -> None:
         else:
             delattr(owner, r.attr)
         r.original = _MISSING
+
+
+class SharedInstall:
+    """Replacements installed once while any class patch is active and removed with the last (both idempotent)."""
+
+    def __init__(self) -> None:
+        self.replacements: list[Replacement] | None = None
+
+    def attach(self, build: Callable[[], list[Replacement]]) -> None:
+        if self.replacements is None:
+            self.replacements = build()
+            apply_replacements(self.replacements)
+
+    def detach(self) -> None:
+        if self.replacements is not None:
+            restore_replacements(self.replacements)
+            self.replacements = None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Optional
 
-from .patching import Replacement, apply_replacements, restore_replacements
+from .patching import Replacement, SharedInstall
 from .warn import warn_user
 
-_installed: Optional[list[Replacement]] = None
+_hook = SharedInstall()
 _warned: set[str] = set()  # model types already named in this process
 
 
@@ -49,24 +49,21 @@ def note(model: Any, served: dict[type, str]) -> None:
 
 def attach(served: Callable[[], dict[type, str]]) -> None:
     """While a class patch is active, every model built checks its family against `served()` (idempotent)."""
-    global _installed
-    if _installed is not None:
-        return
-    cls = _pretrained_model()
-    original = cls.post_init
 
-    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        note(self, served())
-        return out
+    def build() -> list[Replacement]:
+        cls = _pretrained_model()
+        original = cls.post_init
 
-    _installed = [Replacement(cls, "post_init", post_init, "PreTrainedModel.post_init (names unserved families)")]
-    apply_replacements(_installed)
+        def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            note(self, served())
+            return out
+
+        return [Replacement(cls, "post_init", post_init, "PreTrainedModel.post_init (names unserved families)")]
+
+    _hook.attach(build)
 
 
 def detach() -> None:
     """The last class patch is gone: models are built as transformers builds them."""
-    global _installed
-    if _installed is not None:
-        restore_replacements(_installed)
-        _installed = None
+    _hook.detach()
