@@ -16,8 +16,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from packaging.version import Version
-
 from .attention import PatchState
 from .patching import Replacement, SharedInstall
 from .warn import warn_user
@@ -87,10 +85,11 @@ def make_check_and_enable(original: classmethod, serving: Serving) -> classmetho
 
 def replacements(serving: Serving) -> list[Replacement]:
     """The wrapper on transformers' PreTrainedModel check (none before 4.48, where no era of ours serves it)."""
-    import transformers
     from transformers.modeling_utils import PreTrainedModel
 
-    if Version(transformers.__version__).release < (4, 48):
+    from . import eras
+
+    if eras.legacy_installed():
         return []
     if "_check_and_adjust_attn_implementation" in vars(PreTrainedModel):
         original = vars(PreTrainedModel)["_check_and_adjust_attn_implementation"]

@@ -55,7 +55,8 @@ def installed_era() -> Era:
     return next((era for era in ERAS if version in era), ERAS[-1])
 
 
-def _legacy() -> bool:
+def legacy_installed() -> bool:
+    """An era before 4.48, where patchkit's own legacy forward serves LLaMA."""
     return installed_era() is not ERAS[-1]
 
 
@@ -66,14 +67,14 @@ def attention_class() -> type:
 
 def class_replacements(state: PatchState) -> list[Replacement]:
     """The installed era's targets of a before-load patch."""
-    if _legacy():
+    if legacy_installed():
         return legacy.class_replacements(state, hf.modeling_llama())
     return hf.class_replacements(state)
 
 
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
     """The installed era's targets of a loaded-instance patch."""
-    if _legacy():
+    if legacy_installed():
         return legacy.instance_replacements(state, model, hf.modeling_llama())
     return hf.instance_replacements(state, model)
 
