@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from providers import probe_providers  # noqa: E402
 from workloads import MODEL, MODES, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
@@ -37,13 +38,10 @@ PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa")
 
 
 def providers(device: torch.device) -> tuple[str, ...]:
-    """The CPU set, plus patchkit's torch_varlen backend on a GPU whose torch has it."""
-    if device.type != "cuda":
-        return PROVIDERS
-    from patchkit.gates import probe_environment, torch_varlen_backend_gates
-
-    ok = all(g.passed for g in torch_varlen_backend_gates(probe_environment()))
-    return PROVIDERS + (("patchkit_torch_varlen",) if ok else ())
+    """PROVIDERS, plus each other patchkit backend bench.py's probe finds usable here (torch_varlen on a GPU whose
+    torch has it); the flash-attn providers are left out, as `build` has no flash_attention_2 reference."""
+    ok, _ = probe_providers(device)
+    return PROVIDERS + tuple(p for p in ok if p not in PROVIDERS and "flash" not in p)
 
 
 def build(kv_heads: int, device: torch.device, cfg: dict[str, int]) -> dict[str, torch.nn.Module]:
