@@ -1,4 +1,8 @@
-"""patchkit's warnings point at the user's own line: the first frame outside patchkit, transformers and torch."""
+"""patchkit's warnings point at the user's own line: the first frame outside installed packages and the stdlib.
+
+Frameworks (TRL, accelerate, the HF Trainer) are installed packages too: a warning raised while TRL's trainer runs
+the model names the user's `trainer.train()` line, not TRL's.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ def _module_root(name: str) -> Optional[str]:
 
 
 def _internal_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(prefixes that are internal, site-packages prefixes that the stdlib prefix must not swallow)."""
+    """(internal package roots and the stdlib, site-packages folders: installed packages, frameworks included)."""
     roots = [r for r in map(_module_root, INTERNAL_MODULES) if r]
     paths = sysconfig.get_paths()
     stdlib = {os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)}
@@ -37,16 +41,14 @@ def _internal_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def is_internal(filename: str, prefixes: tuple[str, ...], sites: tuple[str, ...]) -> bool:
-    """True for patchkit's, transformers', torch's and the standard library's frames (importlib's frozen ones too)."""
+    """True for patchkit's, transformers', torch's, any installed package's (a framework's) and the standard
+    library's frames (importlib's frozen ones too)."""
     if filename.startswith("<frozen "):
         return True
     path = os.path.abspath(filename)
-    own = [p for p in prefixes if path == p or path.startswith(p)]
-    if not own:
-        return False
-    # A site-packages folder inside the stdlib folder holds third-party code: internal only by a package root.
-    longest = max(own, key=len)
-    return not any(path.startswith(s) and len(s) > len(longest) for s in sites)
+    if any(path.startswith(s) for s in sites):
+        return True
+    return any(path == p or path.startswith(p) for p in prefixes)
 
 
 def user_frame(start: FrameType) -> Optional[FrameType]:

@@ -107,6 +107,8 @@ def test_what_counts_as_internal():
     assert is_internal("<frozen importlib._bootstrap>", prefixes, ())
     assert not is_internal(__file__, prefixes, ())
     assert not is_internal("<string>", prefixes, ())  # python -c is the user's code
+    sites = ("/venv/lib/python3.11/site-packages/",)
+    assert is_internal("/venv/lib/python3.11/site-packages/trl/trainer/sft_trainer.py", prefixes, sites)  # a framework
     assert user_frame(sys._getframe()).f_code.co_filename == __file__
 
 
