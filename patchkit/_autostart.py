@@ -60,7 +60,8 @@ def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
 
         handle.origin = ORIGIN
         announce(handle, args)
-        atexit.register(report_at_exit, handle)  # as the launcher does: loud if no layer ran through it
+        # as the launcher does (loud if no layer ran through it), named for the variable that applied it
+        atexit.register(report_at_exit, handle, None, f"patchkit ({ENV_FLASH_ATTN})")
     return handle
 
 

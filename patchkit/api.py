@@ -67,6 +67,11 @@ class PatchHandle:
         return max(self.state.layers_seen, self.layers_patched)
 
     @property
+    def stepped_aside(self) -> dict[str, int]:
+        """Forwards run on transformers' own attention instead, by cause (see `patchkit.step_aside.CAUSES`)."""
+        return dict(self.state.stepped_aside)
+
+    @property
     def calls(self) -> int:
         """Attention calls through this patch outside torch.compile'd graphs (counting inside would recompile)."""
         return self.state.calls
@@ -135,6 +140,8 @@ class PatchHandle:
               (flash_request.installed() if self._model is None and self.active else [])),
             f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
             + ("; compiled calls are not counted)" if self.state.compiled else ")"),
+            "  forwards stepped aside to transformers' own attention: "
+            + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
         ]
         return "\n".join(lines)
 

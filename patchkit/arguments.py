@@ -13,11 +13,13 @@ from torch import nn
 
 from .errors import PatchInputError
 
-# Read by patchkit (packing metadata); or inert: bookkeeping that does not change attention's numbers.
-HONOURED = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+# Read by patchkit (packing metadata; `seq_idx` checked against it: documents.py); or inert: bookkeeping and loss
+# arguments that transformers' causal-LM forwards pass down through **kwargs, which do not change attention.
+HONOURED = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 INERT = frozenset({
     "use_cache", "cache_position", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
     "position_embeddings", "layer_idx", "token_type_ids", "num_items_in_batch", "output_router_logits",
+    "shift_labels", "labels",
 })
 
 WHY = {

@@ -18,6 +18,7 @@ from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
 from .patching import BoundPatch
+from .step_aside import is_stepping_aside, transformers_mask
 from .warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
@@ -40,6 +41,7 @@ class PatchState:
     mark: object = dataclasses.field(default_factory=object, repr=False)  # identity only: see liveness.record_call
     compiled: bool = False  # a torch.compile'd call ran: count the layers by their mark (liveness.live_layers)
     warned: set = dataclasses.field(default_factory=set)
+    stepped_aside: dict = dataclasses.field(default_factory=dict)  # cause -> forwards run on transformers' attention
     copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
     route_function: Optional[Callable] = None  # the attention function on this state, for routed families
     fallback = SdpaBackend()
@@ -204,8 +206,9 @@ def varlen_core(
     return pad_input(out, meta.indices_q, batch, q_len)
 
 
-def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
-    """Build the replacement `LlamaAttention.forward` for transformers >= 4.48 (one attention class)."""
+def make_forward(state: PatchState, apply_rotary: Callable, original: Callable) -> Callable:
+    """Build the replacement `LlamaAttention.forward` for transformers >= 4.48 (one attention class); `original`
+    serves the forwards patchkit steps aside for (`step_aside`: they hand it transformers' own mask)."""
 
     def forward(
         self: nn.Module,
@@ -215,6 +218,8 @@ def make_forward(state: PatchState, apply_rotary: Callable) -> Callable:
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
+        if transformers_mask(attention_mask) or is_stepping_aside():
+            return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         if args:  # 4.48-4.55 may pass past_key_value / cache_position positionally
             kwargs.update(zip(("past_key_value", "cache_position"), args))
         past = kwargs.pop("past_key_values", None)

@@ -9,6 +9,7 @@ which transformers 5.x would take for a flash-attn build or a hub kernel.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,8 +20,9 @@ from .attention import PatchState, make_attention_function
 from .backends import BACKEND_NAMES, make_backend
 from .choice import choose_backend
 from .masks import VarlenMask
-from .model_unpad import ROUTE_NAME, ROUTED_STATE
 from .registry import registered, resolve
+from .routing import ROUTE_NAME, ROUTED_STATE
+from .step_aside import step_aside, transformers_mask
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 
@@ -67,11 +69,19 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     Inside a patched family's forward the patch's own state serves it; otherwise the registered route's.
     """
     routed = ROUTED_STATE.get()
+    if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
+        step_aside(routed or route_state(), "custom_4d_mask", {}, {})
+        return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)
     if _state is None or _function is None:
         route_state()
     return _function(module, query, key, value, attention_mask, **kwargs)
+
+
+def family_eager_attention(module: nn.Module) -> Callable:
+    """transformers' own eager attention of `module`'s family (its softcap, sinks and scaling included)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def _function_for(state: PatchState) -> Callable:

@@ -63,6 +63,15 @@ class PatchGroup:
     def calls(self) -> int:
         return sum(h.calls for h in self.handles)
 
+    @property
+    def stepped_aside(self) -> dict[str, int]:
+        """Forwards every family ran on transformers' own attention instead, by cause."""
+        out: dict[str, int] = {}
+        for handle in self.handles:
+            for cause, n in handle.stepped_aside.items():
+                out[cause] = out.get(cause, 0) + n
+        return out
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self.handles)
 

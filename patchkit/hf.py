@@ -16,6 +16,8 @@ from .masks import VarlenMask, cache_placement, refuse_4d
 from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
 from .patching import Replacement, bound_replacement
+from .routing import current_method
+from .step_aside import is_stepping_aside
 
 
 def modeling_llama() -> ModuleType:
@@ -50,7 +52,9 @@ def make_create_causal_mask(original: Callable) -> Callable:
     """Replacement for `create_causal_mask` (4.53+): hand attention the 2D mask, never a 4D one."""
     signature = inspect.signature(original)
 
-    def create_causal_mask(*args: Any, **kwargs: Any) -> VarlenMask:
+    def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
+        if is_stepping_aside():
+            return original(*args, **kwargs)  # transformers' own mask for a forward patchkit steps aside for
         bound = signature.bind_partial(*args, **kwargs).arguments
         _refuse_mask_extras(bound)
         past_len, fixed = cache_placement(bound.get("past_key_values"), bound.get("cache_position"))
@@ -61,28 +65,34 @@ def make_create_causal_mask(original: Callable) -> Callable:
     return create_causal_mask
 
 
-def _update_causal_mask(
-    self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
-    past_key_values: Any = None, *args: Any, **kwargs: Any,
-) -> VarlenMask:
+def make_update_causal_mask(original: Callable) -> Callable:
     """Replacement for `LlamaModel._update_causal_mask` (4.48-4.52): the 2D mask, wrapped, and where the queries sit."""
-    past_len, fixed = cache_placement(past_key_values, cache_position)
-    refuse_4d(attention_mask, fixed)
-    return VarlenMask.for_forward(attention_mask, past_len, fixed)
+
+    def _update_causal_mask(
+        self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
+        past_key_values: Any = None, *args: Any, **kwargs: Any,
+    ) -> Any:
+        if is_stepping_aside():
+            return original(self, attention_mask, input_tensor, cache_position, past_key_values, *args, **kwargs)
+        past_len, fixed = cache_placement(past_key_values, cache_position)
+        refuse_4d(attention_mask, fixed)
+        return VarlenMask.for_forward(attention_mask, past_len, fixed)
+
+    return _update_causal_mask
 
 
 def class_replacements(state: PatchState) -> list[Replacement]:
     """Targets of a before-load patch: every LLaMA model built (or already built) runs through it."""
     mod = modeling_llama()
-    forward = make_forward(state, mod.apply_rotary_pos_emb)
+    forward = make_forward(state, mod.apply_rotary_pos_emb, mod.LlamaAttention.forward)
     out = [
         Replacement(mod.LlamaAttention, "forward", forward, "LlamaAttention.forward"),
-        Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
+        Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad, state=state),
                     "LlamaModel.forward"),
     ]
-    if state.unpad == "model":
-        out.append(Replacement(mod.LlamaForCausalLM, "forward", make_lm_forward(mod.LlamaForCausalLM.forward),
-                               "LlamaForCausalLM.forward"))
+    # the causal LM tells the base model's forward what of its call reads padding positions (step_aside)
+    out.append(Replacement(mod.LlamaForCausalLM, "forward", make_lm_forward(mod.LlamaForCausalLM.forward),
+                           "LlamaForCausalLM.forward"))
     if uses_create_causal_mask(mod):
         out.append(
             Replacement(
@@ -91,9 +101,8 @@ def class_replacements(state: PatchState) -> list[Replacement]:
             )
         )
     else:
-        out.append(
-            Replacement(mod.LlamaModel, "_update_causal_mask", _update_causal_mask, "LlamaModel._update_causal_mask")
-        )
+        update = make_update_causal_mask(mod.LlamaModel._update_causal_mask)
+        out.append(Replacement(mod.LlamaModel, "_update_causal_mask", update, "LlamaModel._update_causal_mask"))
     return out
 
 
@@ -112,18 +121,18 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
     def bind(func: Any, module: nn.Module, attr: str, label: str) -> Replacement:
         return bound_replacement(func, module, attr, label, state.track_copy)
 
-    forward = make_forward(state, mod.apply_rotary_pos_emb)
-    out = [bind(forward, m, "forward", f"{type(m).__name__}.forward (layer {m.layer_idx})") for m in attentions]
+    out = [bind(make_forward(state, mod.apply_rotary_pos_emb, current_method(m)), m, "forward",
+                f"{type(m).__name__}.forward (layer {m.layer_idx})") for m in attentions]
     masks_by_name = uses_create_causal_mask(mod)
     if masks_by_name:
         attn_interface.register()  # the mask function for ATTENTION_NAME; attention stays this instance's
     for base in bases:
         impl = base.config._attn_implementation if masks_by_name else None
-        wrapped = make_model_forward(type(base).forward, state.unpad, impl)
+        wrapped = make_model_forward(current_method(base), state.unpad, impl, state=state)
         out.append(bind(wrapped, base, "forward", f"{type(base).__name__}.forward (unpad={state.unpad})"))
         if not masks_by_name:
-            out.append(bind(_update_causal_mask, base, "_update_causal_mask", "LlamaModel._update_causal_mask"))
-    if state.unpad == "model":
-        for lm in find_modules(model, mod.LlamaForCausalLM):
-            out.append(bind(make_lm_forward(type(lm).forward), lm, "forward", f"{type(lm).__name__}.forward"))
+            update = make_update_causal_mask(current_method(base, "_update_causal_mask"))
+            out.append(bind(update, base, "_update_causal_mask", "LlamaModel._update_causal_mask"))
+    for lm in find_modules(model, mod.LlamaForCausalLM):  # what of its call reads padding positions (step_aside)
+        out.append(bind(make_lm_forward(current_method(lm)), lm, "forward", f"{type(lm).__name__}.forward"))
     return out

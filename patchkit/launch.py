@@ -133,22 +133,26 @@ def announce(handle: Optional[PatchHandle], args: PatchArguments, stream=None) -
     stream.flush()
 
 
-def report_at_exit(handle: Optional[PatchHandle], stream=None) -> None:
-    """At exit, one line per process: how many attention layers ran through the patch; loud when none did."""
+def report_at_exit(handle: Optional[PatchHandle], stream=None, who: str = "patchkit.launch") -> None:
+    """At exit, one line per process, named for the way in that applied the patch (`who`): how many attention
+    layers ran through it and how many forwards stepped aside; loud when none ran through it."""
     if handle is None:
         return
     stream = stream or sys.stderr
+    aside = ", ".join(f"{n} {cause}" for cause, n in handle.stepped_aside.items())
     if handle.layers_seen:
         print(
-            f"patchkit.launch: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
-            f"{handle.name!r} ({handle.calls} calls, backend {handle.backend!r})",
+            f"{who}: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
+            f"{handle.name!r} ({handle.calls} calls, backend {handle.backend!r}"
+            + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")"),
             file=stream,
         )
     else:
         print(
-            f"patchkit.launch: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r}. "
+            f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r}. "
             "The script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
-            "model's attention was replaced by other code; it ran without patchkit.",
+            "model's attention was replaced by other code; it ran without patchkit"
+            + (f" (forwards stepped aside to transformers' attention: {aside})." if aside else "."),
             file=stream,
         )
     stream.flush()

@@ -9,6 +9,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
+from .documents import check_seq_idx, document_lengths, has_packed_rows
 from .errors import PatchInputError, PatchStateError
 from .padding import cu_seqlens_from_lengths
 
@@ -21,8 +22,9 @@ FOUR_D_MASK_MESSAGE = (
 FOREIGN_USE_MESSAGE = (
     "patchkit's key-padding mask reached attention code that patchkit does not own ({what}). The mask was built "
     "under a patchkit patch, but this layer's attention is not patched: the patch was reverted or applied, or the "
-    "model's attention implementation changed, while this forward was in flight. Change patches between forwards, "
-    "not during one, and run the forward again."
+    "model's attention implementation changed, while this forward was in flight (or before the backward of a "
+    "gradient-checkpointed forward, which recomputes its layers). Change patches between steps, after backward, "
+    "and run the step again."
 )
 
 
@@ -103,9 +105,7 @@ def packing_restart_with_past(
         return False
     real_q = (torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None
               else mask[:, -q_len:].to(device=device, dtype=torch.bool))
-    indices = torch.nonzero(real_q.reshape(-1)).flatten()
-    docs = _document_lengths(real_q, indices, position_ids.to(real_q.device))
-    return docs.numel() > int(real_q.any(-1).sum())
+    return has_packed_rows(real_q, position_ids.to(device))
 
 
 def _rises(real: torch.Tensor) -> torch.Tensor:
@@ -147,25 +147,6 @@ def _from_cu_seqlens(
     )
 
 
-def _document_lengths(
-    real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """Lengths of the documents among the real tokens at `indices` (row-major), in order.
-
-    A document starts at the first real token of each row and, for packed rows, wherever a real token's
-    position does not increase over the previous *real* token of its row (0 after 5, 0 after 0): padding
-    between them is skipped, never compared. Gaps (0, 3, 6) stay one document.
-    """
-    rows = torch.div(indices, real.shape[1], rounding_mode="floor")
-    new = torch.ones_like(indices, dtype=torch.bool)
-    new[1:] = rows[1:] != rows[:-1]
-    if position_ids is not None:
-        pos = position_ids.expand(real.shape[0], -1).reshape(-1).index_select(0, indices)
-        new[1:] |= pos[1:] <= pos[:-1]
-    starts = torch.nonzero(new).flatten()
-    return torch.diff(starts, append=starts.new_tensor([indices.numel()]))
-
-
 def build_metadata(
     mask: Optional[torch.Tensor],
     batch: int,
@@ -192,8 +173,11 @@ def build_metadata(
             )
         return _from_cu_seqlens(batch, q_len, kv_len, cu_seq_lens_q, cu_seq_lens_k)
 
-    packing_hint = position_ids is not None and q_len == kv_len and position_ids.shape[-1] == q_len and q_len > 1
-    if q_len != kv_len and packing_restart_with_past(mask, batch, q_len, position_ids, device):
+    # transformers' rule (masking_utils): position_ids define packed documents only when no attention_mask is given;
+    # a 2D mask is padding only, and documents in its rows attend to each other (LLaMA-Factory's plain packing).
+    by_position = mask is None and position_ids is not None
+    packing_hint = by_position and q_len == kv_len and position_ids.shape[-1] == q_len and q_len > 1
+    if q_len != kv_len and by_position and packing_restart_with_past(mask, batch, q_len, position_ids, device):
         raise PatchInputError(
             "position_ids restart inside a chunk that has a KV cache behind it: packed documents with a past would "
             "see the previous documents' cached keys (unpatched transformers lets them, silently). Run packed rows "
@@ -207,7 +191,7 @@ def build_metadata(
     real_q = real_k[:, -q_len:]
     if q_len == kv_len:
         indices = torch.nonzero(real_q.reshape(-1)).flatten()
-        lengths = _document_lengths(real_q, indices, position_ids.to(device) if packing_hint else None)
+        lengths = document_lengths(real_q, indices, position_ids.to(device) if packing_hint else None)
         host, rows_with_tokens, rises = _host_lengths(lengths, real_q.any(-1), _rises(real_q))
         packed = len(host) > sum(rows_with_tokens)
         every_token_real = sum(host) == batch * q_len
@@ -311,6 +295,7 @@ class VarlenMask:
                 self._mask_for(kv_len), batch, q_len, kv_len, device, position_ids,
                 fa_kwargs.get("cu_seq_lens_q"), fa_kwargs.get("cu_seq_lens_k"),
             )
+            check_seq_idx(fa_kwargs.get("seq_idx"), self._meta)
             self._key = key
         return self._meta
 
@@ -333,6 +318,11 @@ class VarlenMask:
 
     def __getattr__(self, name: str) -> Any:
         raise self._foreign_use(f"attribute {name!r}")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        """A torch op given this mask (transformers' sdpa, say) raises patchkit's error, not a TypeError."""
+        raise PatchStateError(FOREIGN_USE_MESSAGE.format(what=f"torch {getattr(func, '__name__', func)}"))
 
     def __getitem__(self, item: Any) -> Any:
         raise self._foreign_use("indexing")

@@ -8,7 +8,6 @@ wrapper keeps the packed path off a batch whose labels are predicted from paddin
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Optional
@@ -19,15 +18,12 @@ from torch import nn
 from .errors import PatchInputError
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
+from .routing import ROUTE_NAME, routed
+from .step_aside import LM_CAUSE, forward_cause, right_padded_generation, step_aside, stepping_aside
 
-FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 IGNORE_INDEX = -100
-ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attn_interface.ATTENTION_NAME)
 
-_LABELS_FROM_PADDING: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_labels_from_padding",
-                                                                             default=False)
-# The patch whose forward is running: the registered attention name serves it on that patch's state.
-ROUTED_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("patchkit_routed_state", default=None)
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -49,8 +45,8 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None
     if args.get("output_attentions") or extra.get("output_attentions"):
         return None  # refused by the attention layers with the reason
-    if _LABELS_FROM_PADDING.get():
-        return None  # padding positions' logits feed the loss: the per-layer path computes them as transformers does
+    if LM_CAUSE.get() is not None:
+        return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
     cache = args.get("past_key_values")
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
         if not fillable_cache(cache):
@@ -64,7 +60,22 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
     if meta.indices_q is None or meta.nnz_q == 0:
         return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
+    if rope_reads_padded_length(module, mask, position_ids, seqlen):
+        return None
     return meta
+
+
+def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
+    """Dynamic and longrope RoPE pick their frequencies from the largest position in the batch, padding included:
+    when the packed row's largest position differs, the per-layer path keeps the padded positions (exact)."""
+    kinds = [getattr(m, "rope_type", "") for m in module.children()]
+    kinds = [k for kind in kinds for k in (kind.values() if isinstance(kind, dict) else [kind])]
+    if not any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+        return False
+    if position_ids is None:
+        return not bool(mask[:, -1].any())  # 0..S-1 in every row: the largest is S-1 only if a row reaches it
+    positions = position_ids.expand(mask.shape)
+    return bool(positions.max() != positions[mask.bool()].max())
 
 
 def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
@@ -170,38 +181,38 @@ def _route_masks(module: nn.Module, patched_impl: Optional[str], route: Any) -> 
     if patched_impl is None and route is None:
         yield
         return
-    config = module.config
-    current = config._attn_implementation
+    current = module.config._attn_implementation
     if patched_impl is not None and current not in (patched_impl, ROUTE_NAME):
         raise PatchInputError(
             f"this model's attention implementation was changed to {current!r} after patchkit patched it (it was "
             f"{patched_impl!r}; model.set_attn_implementation?). patchkit's patched layers would ignore that change. "
             "Revert the patch first (handle.revert() or patchkit.revert_patch()), then change the implementation."
         )
-    token = ROUTED_STATE.set(route) if route is not None else None
-    config._attn_implementation = ROUTE_NAME
-    try:
+    with routed(module.config, route):
         yield
-    finally:
-        config._attn_implementation = current
-        if token is not None:
-            ROUTED_STATE.reset(token)
 
 
 def make_model_forward(
-    original: Callable, unpad: str, patched_impl: Optional[str] = None, route: Any = None
+    original: Callable, unpad: str, patched_impl: Optional[str] = None, route: Any = None, state: Any = None
 ) -> Callable:
     """Wrap a base model's forward: no cache in training; under unpad="model", unpad its batch once, run the
     original on the packed row and repad its outputs. `patched_impl`: an instance's implementation at patch time;
-    `route`: the patch state that this forward's attention runs on through the registered name."""
+    `route`: the patch state that this forward's masks go to through the registered name. With a state (`route`
+    or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`)."""
     signature, var_kw, call = _bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
+    aside_state = state if state is not None else route
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
+        cause = forward_cause(self, arguments, extra) if aside_state is not None else None
+        if cause is not None:
+            step_aside(aside_state, cause, arguments, extra)
+            with stepping_aside(cause):
+                return call(self, arguments)
         meta = unpad_plan(self, arguments, extra) if unpad == "model" else None
         with _route_masks(self, patched_impl, route):
             if meta is None:
@@ -232,19 +243,27 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     return bool(torch.stack(hits).any()) if hits else False
 
 
+def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
+    """What of a causal LM's call reads transformers' values at padding positions: its labels, or its only logits."""
+    mask = arguments.get("attention_mask")
+    if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
+        return "labels_from_padding"
+    keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
+    return "right_padded_generation" if right_padded_generation(mask, keep) else None
+
+
 def make_lm_forward(original: Callable) -> Callable:
-    """Wrap a causal LM's forward: labels predicted from padding keep this batch off the packed path."""
+    """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions."""
     signature, var_kw, _ = _bound_call(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        flag = labels_from_padding(arguments.get("attention_mask"), arguments.get("labels"), extra.get("shift_labels"))
-        token = _LABELS_FROM_PADDING.set(flag)
+        token = LM_CAUSE.set(lm_cause(arguments, extra))
         try:
             return original(self, *args, **kwargs)
         finally:
-            _LABELS_FROM_PADDING.reset(token)
+            LM_CAUSE.reset(token)
 
     forward.__wrapped_original__ = original  # type: ignore[attr-defined]
     forward.__signature__ = signature  # type: ignore[attr-defined]

@@ -4,14 +4,15 @@ From transformers 4.48 each family's attention forward projects q, k, v, applies
 RoPE, updates the cache, then calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with what differs
 (`sliding_window`, `softcap`, `scaling`); from 4.53 its masks go through `AttentionMaskInterface` by the same
 name. So patchkit replaces no attention code for these families: the base model's forward is wrapped to route
-that forward's masks and attention to patchkit's registered name (`attn_interface`), on the patch's own
-state, and to unpad once when no cache is kept. A family module declares its classes and nothing else.
+that forward's masks to patchkit's registered name (`attn_interface`) and to unpad once when no cache is kept,
+and the attention forward routes each call given patchkit's mask to that name on the patch's own state, for
+the module's lifetime (`routing`: checkpoint recomputes included). A family module declares its classes.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -22,6 +23,7 @@ from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
 from .patching import Replacement, bound_replacement
 from .registry import PatchSpec
+from .routing import current_method, make_attention_forward, routes_to
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 
@@ -53,11 +55,13 @@ def family_spec(
 
 def class_replacements(state: PatchState, classes: Callable) -> list[Replacement]:
     """Before load: every model of the family routes through patchkit, whatever implementation it names."""
-    _, base, lm = classes()
+    attention, base, lm = classes()
     attn_interface.register()
     out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
-                       f"{base.__name__}.forward (routes masks and attention to patchkit)")]
-    if state.unpad == "model" and lm is not None:
+                       f"{base.__name__}.forward (routes masks to patchkit)"),
+           Replacement(attention, "forward", make_attention_forward(attention.forward, state),
+                       f"{attention.__name__}.forward (routes attention to patchkit)")]
+    if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", make_lm_forward(lm.forward), f"{lm.__name__}.forward"))
     return out
 
@@ -74,13 +78,16 @@ def instance_replacements(state: PatchState, model: nn.Module, classes: Callable
     attn_interface.register()
     out = []
     for b in bases:
-        wrapped = make_model_forward(type(b).forward, state.unpad, b.config._attn_implementation, route=state)
-        out.append(bound_replacement(wrapped, b, "forward",
-                                     f"{type(b).__name__}.forward (routes masks and attention to patchkit)",
+        wrapped = make_model_forward(current_method(b), state.unpad, b.config._attn_implementation, route=state)
+        out.append(bound_replacement(wrapped, b, "forward", f"{type(b).__name__}.forward (routes masks to patchkit)",
                                      state.track_copy))
-    if state.unpad == "model" and lm is not None:
+    for m in find_modules(model, attention):
+        out.append(bound_replacement(make_attention_forward(current_method(m), state), m, "forward",
+                                     f"{type(m).__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, routes "
+                                     "attention to patchkit)", state.track_copy))
+    if lm is not None:
         for m in find_modules(model, lm):
-            out.append(bound_replacement(make_lm_forward(type(m).forward), m, "forward",
+            out.append(bound_replacement(make_lm_forward(current_method(m)), m, "forward",
                                          f"{type(m).__name__}.forward", state.track_copy))
     return out
 
@@ -89,9 +96,6 @@ def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple
     """(attention layers whose base model routes through `state`, attention layers in `model`)."""
     attention, base, _ = classes()
     total = len(find_modules(model, attention))
-    live = sum(len(find_modules(b, attention)) for b in find_modules(model, base) if _routes(b.forward, state))
+    live = sum(1 for b in find_modules(model, base) if routes_to(b.forward, state)
+               for m in find_modules(b, attention) if routes_to(m.forward, state))
     return live, total
-
-
-def _routes(forward: Any, state: PatchState) -> bool:
-    return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state

@@ -120,14 +120,11 @@ def test_env_not_opted_in_returns_none(monkeypatch, value):
 
 
 def test_env_unpad_attention_reaches_the_patch():
-    from transformers.models.llama.modeling_llama import LlamaForCausalLM
-
-    original = LlamaForCausalLM.forward  # wrapped only by unpad="model" (its labels guard)
     handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa", "PATCHKIT_UNPAD": "attention"})
-    assert handle.options == ("sdpa", False, "attention") and LlamaForCausalLM.forward is original
+    assert handle.options == ("sdpa", False, "attention") and {h.state.unpad for h in handle} == {"attention"}
     handle.revert()
     handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"})
-    assert handle.options[2] == "model" and LlamaForCausalLM.forward is not original
+    assert handle.options[2] == "model" and {h.state.unpad for h in handle} == {"model"}
 
 
 def test_env_mapping_argument_instead_of_os_environ():

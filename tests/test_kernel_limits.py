@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fakes import RecordingFlashAttn
-from models import padded_batch, tiny_model
+from models import labels_for, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchInputError
@@ -21,7 +21,8 @@ from patchkit.masks import VarlenMetadata
 from patchkit.padding import unpad_input
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"}  # all patchkit may call
+# all that patchkit may call: the kernels
+KERNELS = {"flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"}
 OPTS = {"dropout_p": 0.0, "softmax_scale": 0.1, "causal": True}
 
 
@@ -131,9 +132,10 @@ def test_patchkit_reads_only_the_kernels_from_flash_attn(monkeypatch, arity, pat
     model = tiny_model(kv_heads=4, dtype=torch.bfloat16).train()
     ids, mask = padded_batch("mixed")
     with patchkit.apply_patch(patch, strict=True) as handle:
-        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
         if patch == "llama2":
-            model.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+            left_ids, left = padded_batch("left")  # generation pads left (right: patchkit steps aside)
+            model.eval().generate(input_ids=left_ids, attention_mask=left, max_new_tokens=2, do_sample=False,
                                   pad_token_id=0)
     assert handle.backend == "flash_attn" and fake.calls
     assert called == [], f"patchkit called flash-attn helpers {called}: their arity differs across versions"

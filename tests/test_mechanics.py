@@ -142,22 +142,20 @@ def test_bad_arguments_raise_clearly_and_change_nothing(kwargs, error, match):
     assert originals() == before and patchkit.active_patches() == []
 
 
-def test_4d_mask_is_refused_not_dropped():
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_4d_mask_is_served_by_transformers_attention_never_dropped(way):
+    """An all-zeros additive 4D mask means bidirectional attention: transformers' attention serves it exactly."""
     model = tiny_model()
     ids, mask = padded_batch("right")
     custom = torch.zeros(4, 1, 24, 24)
-    with patchkit.apply_patch("llama2", backend="sdpa"):
-        with pytest.raises(PatchInputError, match=r"4D attention mask of shape \(4, 1, 24, 24\).*2D"):
-            model(input_ids=ids, attention_mask=custom)
-        model(input_ids=ids, attention_mask=mask)  # the model still works afterwards
-
-
-def test_4d_mask_is_refused_by_an_instance_patch_too():
-    model = tiny_model()
-    ids, _ = padded_batch("right")
-    patchkit.apply_patch("llama2", model=model, backend="sdpa")
-    with pytest.raises(PatchInputError, match="4D attention mask"):
-        model(input_ids=ids, attention_mask=torch.zeros(4, 1, 24, 24))
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=custom).logits
+        handle = patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None)
+        got = model(input_ids=ids, attention_mask=custom).logits
+        assert handle.stepped_aside == {"custom_4d_mask": 1}
+        model(input_ids=ids, attention_mask=mask)  # a 2D mask runs patched again
+        assert handle.calls == 2
+    torch.testing.assert_close(got, want)
 
 
 def test_output_attentions_is_refused_with_the_reason():

@@ -202,12 +202,16 @@ def test_caller_position_ids_are_carried_into_the_packed_row():
     assert_same(got, want, got_g, want_g, mask)
 
 
-def test_output_attentions_is_refused_with_the_reason_on_the_packed_path_too():
+def test_output_attentions_steps_aside_from_the_packed_path_too():
     model = tiny_model()
     ids, mask = padded_batch("right")
-    with patchkit.apply_patch("llama2", backend="sdpa"):
-        with pytest.raises(patchkit.PatchInputError, match="output_attentions=True cannot be served"):
-            model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=mask, use_cache=False, output_attentions=True)
+            assert handle.stepped_aside == {"output_attentions": 1}
+    for a, b in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_all_padding_batch_without_a_cache_does_not_crash():

@@ -88,18 +88,19 @@ def test_positions_across_a_padding_hole_stay_one_document():
             torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("unpad", ["model", "attention"])
-def test_labels_predicted_from_padding_match_the_unpatched_default_model(unpad):
+def test_labels_predicted_from_padding_match_the_unpatched_model(unpad, attn):
     """Item 4: with labels = input_ids where mask == 1, a left-padded row's first label is predicted from padding.
 
     Unpatched transformers' own answer there depends on its attention implementation (eager and sdpa differ);
-    patchkit computes it exactly as transformers' default (sdpa) does, so the loss and every gradient match it.
+    patchkit steps aside for such a batch, so the loss and every gradient match the model's own implementation.
     """
     model = tiny_model(kv_heads=2).train()
+    model.set_attn_implementation(attn)
     ids, mask = padded_batch("left")
     labels = ids.masked_fill(mask == 0, -100)
     reference = copy.deepcopy(model)
-    reference.set_attn_implementation("sdpa")
     want = reference(input_ids=ids, attention_mask=mask, labels=labels)
     want.loss.backward()
     with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad):
@@ -122,15 +123,20 @@ def test_revert_while_a_forward_is_in_flight_raises_a_patchkit_error():
     model(input_ids=ids, attention_mask=mask)  # the next forward runs unpatched
 
 
-def test_apply_while_a_forward_is_in_flight_raises_a_patchkit_error():
+def test_apply_while_a_forward_is_in_flight_finishes_it_on_transformers_attention():
+    """The layers after the apply get transformers' own mask, so they run transformers' own attention: exact."""
     model = tiny_model()
     ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
     hook = model.model.layers[0].register_forward_hook(
         lambda *a: patchkit.apply_patch("llama2", backend="sdpa") and None
     )
-    with pytest.raises(PatchInputError, match="patch was applied while this forward was in flight"):
-        model(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
     hook.remove()
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+    assert patchkit.active_patches()[0].calls == 0  # the next forward runs patched
 
 
 @needs_mask_interface
@@ -145,14 +151,19 @@ def test_set_attn_implementation_after_an_instance_patch_names_the_cause():
 
 
 @pytest.mark.parametrize("cache", ["sliding_window", "static"])
-def test_generate_with_a_static_kind_of_cache_names_the_cause(cache):
+def test_generate_with_a_static_kind_of_cache_steps_aside_naming_the_cause(cache):
+    """generate() builds a 4D mask for these caches before the model runs: transformers' attention serves it."""
     model = tiny_model()
     model.config.sliding_window = 8  # the sliding_window cache needs a window
     ids, mask = padded_batch("left", batch=2, seq=14)
-    with patchkit.apply_patch("llama2", backend="sdpa"):
-        with pytest.raises(PatchInputError, match="cache_implementation"):
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
-                           cache_implementation=cache)
+    kw = dict(attention_mask=mask, max_new_tokens=2, pad_token_id=0, do_sample=False, cache_implementation=cache)
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = model.generate(input_ids=ids, **kw)
+        counted = handle.stepped_aside
+    assert torch.equal(got, want)
+    if counted:  # the versions whose generate() builds the 4D mask itself
+        assert set(counted) == {"custom_4d_mask"}
 
 
 def test_deepcopy_of_an_instance_patched_model_is_patched_and_reverted_with_it():

@@ -1,4 +1,5 @@
-"""Packed rows (several documents per row) never attend across documents and equal the documents run alone."""
+"""Packed rows (several documents per row, no attention_mask) never attend across documents and equal the documents
+run alone; a 2D attention_mask is padding only, as in transformers, and its rows' documents attend to each other."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def unpack(logits, docs, rows):
 
 
 def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
-    """Two padded rows packing the four documents, under the patch, equal each document run alone unpatched.
+    """Two rows packing the four documents, padded as TRL's padding-free collator pads them (no mask, each padding
+    position a restart at 0), under the patch, equal each document run alone unpatched.
 
     Returns (model, packed ids, position_ids, each document's unpatched logits) for further checks.
     """
@@ -55,9 +57,9 @@ def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
     docs = doc_ids()
     want = separate_logits(model, docs)
     rows = [[0, 1], [2, 3]]
-    ids, pos, mask = pack(docs, rows)
+    ids, pos, _ = pack(docs, rows)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
-        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=use_cache).logits
+        logits = model(input_ids=ids, position_ids=pos, use_cache=use_cache).logits
     for got, exp in zip(unpack(logits, docs, rows), want):
         torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
     return model, ids, pos, want
@@ -66,11 +68,29 @@ def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
-    """Batch of 2 packed rows with padding; transformers 5.x makes a cache by default even here."""
+    """Batch of 2 packed rows with padding positions; transformers 5.x makes a cache by default even here."""
     model, ids, pos, want = check_packed_rows(kv_heads, use_cache)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
         no_mask = model(input_ids=ids[:1, :7], position_ids=pos[:1, :7], use_cache=use_cache).logits
     torch.testing.assert_close(no_mask[0, 4:7], want[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_restarting_positions_under_a_2d_mask_attend_across_documents_as_in_transformers(attn):
+    """LLaMA-Factory's plain packing: an all-ones (or padded) mask with restarting position_ids. transformers reads
+    documents from position_ids only without a mask, so the documents see each other; patched, the same numbers."""
+    model = tiny_model(kv_heads=2, seed=7)
+    model.set_attn_implementation(attn)
+    docs = doc_ids()
+    rows = [[0, 1], [2, 3]]
+    ids, pos, mask = pack(docs, rows)
+    for m in (mask, torch.ones_like(mask)):
+        with torch.no_grad():
+            want = model(input_ids=ids, position_ids=pos, attention_mask=m).logits
+            with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+                got = model(input_ids=ids, position_ids=pos, attention_mask=m).logits
+                assert handle.calls == 2 and not handle.stepped_aside
+        torch.testing.assert_close(got[m.bool()], want[m.bool()], atol=2e-5, rtol=1e-4)
 
 
 def test_unpatched_sdpa_leaks_across_documents_with_a_cache():
@@ -134,7 +154,7 @@ def test_packed_rows_without_padding_skip_the_gather_but_keep_the_documents():
     assert meta.packed and meta.indices_q is None and meta.indices_k is None
     assert meta.seqlens_q == [3, 2, 4] and meta.cu_seqlens_q.tolist() == [0, 3, 5, 9] and meta.max_seqlen_q == 4
     padded = build_metadata(torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0, 0]]), 1, 9, 9, torch.device("cpu"), pos)
-    assert padded.indices_q.tolist() == list(range(7)) and padded.seqlens_q == [3, 2, 2]
+    assert padded.indices_q.tolist() == list(range(7)) and padded.seqlens_q == [7]  # a mask: padding only
 
 
 @pytest.mark.parametrize("mask_kind", [None, "right"])

@@ -113,19 +113,18 @@ class Case:
 def refusable(case: Case) -> Optional[str]:
     """Why patchkit may refuse this case, or None when the case can be served and must be.
 
-    - output_attentions=True: the varlen kernels never form the attention matrix.
-    - a 4D mask: an arbitrary attention pattern is not a key-padding mask (patchkit does not try to recognise the
-      causal + padding ones).
+    - output_attentions=True with packed documents: patchkit steps aside for it (transformers' own attention runs
+      it), which would let packed documents attend to each other. Without packing it must be served (stepped
+      aside, exactly); so must a 4D mask, whose pattern here keeps the documents apart itself.
     - steps after a prefill that made its own cache in training mode: patchkit keeps no KV cache in training
       (documented in the README), so the next step's mask is longer than its keys and is refused, naming that.
     Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
     """
-    if case.extra == "output_attentions":
-        return "output_attentions=True cannot be served by varlen kernels"
-    if case.extra == "4d_mask":
-        return "a 4D mask is not a key-padding mask"
+    if case.extra == "output_attentions" and (separate_documents(case) or case.route == "registered"):
+        return ("output_attentions=True with packed documents (transformers' attention would mix them), or through "
+                "the registered name, which has no transformers attention of the model's own to step aside to")
     if case.cache == "implicit" and len(case.chunks) > 1 and case.train and case.route != "registered":
         return "a training-mode forward keeps no KV cache"
     return None
@@ -278,7 +277,7 @@ def four_d_mask(case: Case) -> torch.Tensor:
     """The eager-style additive (B, 1, S, S) mask of the same pattern: causal, key padding, same document."""
     batch, seq = case.ids.shape
     allowed = torch.ones(seq, seq).tril().bool()[None] & case.real[:, None, :]
-    if case.docs:
+    if separate_documents(case):
         doc_of = torch.full((batch, seq), -1)
         for n, (row, start, length) in enumerate(case.docs):
             doc_of[row, start : start + length] = n
@@ -357,10 +356,16 @@ def run_case(model, case: Case, *, with_grad: bool):
     return (torch.cat(logits, dim=1), None), None, {}
 
 
+def separate_documents(case: Case) -> bool:
+    """Packed documents that must not see each other: cu_seq_lens, or restarting position_ids without a mask (a 2D
+    mask is padding only, as in transformers, and its rows' documents attend to each other)."""
+    return bool(case.docs) and (case.mask is None or case.cu_seq_lens)
+
+
 def reference(model, case: Case, *, with_grad: bool):
     """Unpatched eager: the whole padded batch in one forward, or every packed document alone."""
     model.zero_grad(set_to_none=True)
-    if not case.docs:
+    if not separate_documents(case):
         out = model(
             **tokens(model, case, case.ids), attention_mask=case.mask, position_ids=case.positions, use_cache=False,
             labels=labels(case) if with_grad else None, output_hidden_states=case.extra == "hidden_states",

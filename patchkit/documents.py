@@ -1,0 +1,88 @@
+"""Which document each token belongs to: position_ids restarts, and TRL's `seq_idx` checked against them.
+
+Padding-free collators (TRL's) pass `seq_idx` beside `position_ids` and `cu_seq_lens_*`, for the short convolutions
+of linear-attention layers. Attention takes its documents from the other two; a `seq_idx` that disagrees with them
+would mean the caller meant other documents, so it is refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .errors import PatchInputError
+
+if TYPE_CHECKING:
+    from .masks import VarlenMetadata
+
+
+def document_lengths(
+    real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Lengths of the documents among the real tokens at `indices` (row-major), in order.
+
+    A document starts at the first real token of each row and, for packed rows, wherever a real token's
+    position does not increase over the previous *real* token of its row (0 after 5, 0 after 0): padding
+    between them is skipped, never compared. Gaps (0, 3, 6) stay one document.
+    """
+    rows = torch.div(indices, real.shape[1], rounding_mode="floor")
+    new = torch.ones_like(indices, dtype=torch.bool)
+    new[1:] = rows[1:] != rows[:-1]
+    if position_ids is not None:
+        pos = position_ids.expand(real.shape[0], -1).reshape(-1).index_select(0, indices)
+        new[1:] |= pos[1:] <= pos[:-1]
+    starts = torch.nonzero(new).flatten()
+    return torch.diff(starts, append=starts.new_tensor([indices.numel()]))
+
+
+def has_packed_rows(mask: Optional[torch.Tensor], position_ids: Any) -> bool:
+    """A row holds several documents: its real tokens' position_ids restart (`document_lengths`)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return False
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        return False
+    batch, seqlen = (position_ids.shape if mask is None else mask.shape)
+    real = (torch.ones(batch, seqlen, dtype=torch.bool, device=position_ids.device) if mask is None
+            else mask.to(device=position_ids.device, dtype=torch.bool))
+    if position_ids.shape[-1] != seqlen:
+        return False
+    indices = torch.nonzero(real.reshape(-1)).flatten()
+    return document_lengths(real, indices, position_ids).numel() > int(real.any(-1).sum())
+
+
+def seq_idx_lengths(seq_idx: torch.Tensor, batch: int, q_len: int, indices: Optional[torch.Tensor]) -> list[int]:
+    """Lengths of the runs of equal `seq_idx` over the real tokens (row-major), a new run at each row's start."""
+    flat = seq_idx.to(torch.int64).expand(batch, q_len).reshape(-1)
+    rows = torch.arange(batch * q_len, device=flat.device).div(q_len, rounding_mode="floor")
+    if indices is not None:
+        flat, rows = flat.index_select(0, indices), rows.index_select(0, indices)
+    if flat.numel() == 0:
+        return []
+    new = torch.ones_like(flat, dtype=torch.bool)
+    new[1:] = (flat[1:] != flat[:-1]) | (rows[1:] != rows[:-1])
+    starts = torch.nonzero(new).flatten()
+    return torch.diff(starts, append=starts.new_tensor([flat.numel()])).tolist()
+
+
+def check_seq_idx(seq_idx: Optional[torch.Tensor], meta: VarlenMetadata) -> None:
+    """Refuse a `seq_idx` whose documents differ from those of the mask, `position_ids` or `cu_seq_lens_*`."""
+    if not isinstance(seq_idx, torch.Tensor) or not meta.same_qk:
+        return
+    if seq_idx.shape[-1] != meta.q_len or seq_idx.numel() not in (meta.q_len, meta.batch * meta.q_len):
+        raise PatchInputError(
+            f"seq_idx has shape {tuple(seq_idx.shape)} but this forward has {meta.batch} rows of {meta.q_len} "
+            "tokens; pass the seq_idx your collator built for this batch (one index per token)."
+        )
+    lengths = seq_idx_lengths(seq_idx, meta.batch, meta.q_len, meta.indices_q)
+    if lengths != list(meta.seqlens_q):
+        raise PatchInputError(
+            f"seq_idx names documents of lengths {_short(lengths)}, but position_ids / cu_seq_lens_q / the "
+            f"attention mask give {_short(meta.seqlens_q)}. Attention follows the latter, so patchkit refuses "
+            "rather than guess which one you meant: build seq_idx, position_ids and cu_seq_lens from the same "
+            "documents (TRL's padding-free collator does)."
+        )
+
+
+def _short(lengths: list[int]) -> str:
+    return str(lengths) if len(lengths) <= 8 else f"[{', '.join(map(str, lengths[:8]))}, ...] ({len(lengths)})"

@@ -1,0 +1,90 @@
+"""A patched family's attention is patchkit's for the module's lifetime, not for the span of one model forward.
+
+Gradient checkpointing recomputes a decoder layer in backward, after the model's forward has returned; hooks and
+re-entrant calls run a layer outside it too. So each patched attention module's own forward routes its call to
+patchkit's registered attention name, on the patch's state, whenever the mask it receives is patchkit's
+(`VarlenMask`), and the recompute sees the same mask object, with the same metadata, as the forward did. A mask
+transformers built itself (a forward patchkit stepped aside for) goes to transformers' own attention, untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from typing import Any, Callable, Iterator, Optional
+
+from torch import nn
+
+from .masks import VarlenMask
+
+ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attn_interface.ATTENTION_NAME)
+
+# The patch whose attention call is running: the registered attention name serves it on that patch's state.
+ROUTED_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("patchkit_routed_state", default=None)
+
+
+@contextlib.contextmanager
+def routed(config: Any, state: Any) -> Iterator[None]:
+    """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`."""
+    current = config._attn_implementation
+    token = ROUTED_STATE.set(state) if state is not None else None
+    config._attn_implementation = ROUTE_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = current
+        if token is not None:
+            ROUTED_STATE.reset(token)
+
+
+def current_method(module: nn.Module, attr: str = "forward") -> Callable:
+    """`module.attr` as a function of (self, ...): the instance's own (a framework's `model.forward = ...`) if it
+    has one, else its class's; what an instance patch wraps and what its revert puts back."""
+    own = vars(module).get(attr)
+    if own is None:
+        return getattr(type(module), attr)
+
+    def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return own(*args, **kwargs)
+
+    signature = inspect.signature(own)
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    method.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])  # type: ignore
+    method.__wrapped_original__ = own  # type: ignore[attr-defined]
+    return method
+
+
+def mask_argument(original: Callable) -> Callable[[tuple, dict], Any]:
+    """A reader of the `attention_mask` argument of a call of `original` (positional or keyword), built once."""
+    names = list(inspect.signature(original).parameters)
+    index = names.index("attention_mask") - 1 if "attention_mask" in names else None  # after self
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        if "attention_mask" in kwargs:
+            return kwargs["attention_mask"]
+        return args[index] if index is not None and index < len(args) else None
+
+    return read
+
+
+def make_attention_forward(original: Callable, state: Any) -> Callable:
+    """Wrap a family's attention forward: a call given patchkit's mask runs on `state` through the registered name
+    (the family's own projections, norms, RoPE and cache update first); any other mask, transformers' attention."""
+    read_mask = mask_argument(original)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(read_mask(args, kwargs), VarlenMask):
+            return original(self, *args, **kwargs)
+        with routed(self.config, state):
+            return original(self, *args, **kwargs)
+
+    forward.__wrapped_original__ = original  # type: ignore[attr-defined]
+    forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    forward.__patchkit_route__ = state  # type: ignore[attr-defined]
+    return forward
+
+
+def routes_to(forward: Any, state: Any) -> Optional[bool]:
+    """True when `forward` (bound or not) is a routing wrapper on `state`."""
+    return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state

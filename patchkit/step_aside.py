@@ -1,0 +1,119 @@
+"""Where the varlen path cannot give transformers' numbers, patchkit steps aside for that forward.
+
+transformers' own masks and attention then run it, exact by construction, with one warning per cause (what, and
+what would keep the forward patched) and a count in the handle's report; `strict=True` refuses instead. The
+decision is made once, at the base model's forward, and it travels with the mask: a stepped-aside forward's
+layers receive transformers' own mask, so a checkpoint recompute in backward steps aside too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .documents import has_packed_rows
+from .errors import PatchInputError
+
+# cause -> (what the forward asks for, what would keep it patched)
+CAUSES = {
+    "labels_from_padding": (
+        "a label is predicted from a padding position (labels not -100 at padding, or right after left padding), "
+        "and transformers computes those positions' logits, which varlen kernels skip",
+        "set labels to -100 at padding and at the first real token after left padding (TRL's and transformers' "
+        "collators do)",
+    ),
+    "right_padded_generation": (
+        "generate() on a right-padded prompt reads a short row's next token from a padding position, which "
+        "varlen kernels skip",
+        "pad prompts on the left for generation (tokenizer.padding_side = 'left')",
+    ),
+    "custom_4d_mask": (
+        "the model was given a 4D attention mask (a custom attention pattern, or one generate() built before the "
+        "model ran, as it does for static and sliding-window caches), which a key-padding mask cannot express",
+        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
+    ),
+    "output_attentions": (
+        "output_attentions=True (on the call or the config) asks for the attention weights, which varlen kernels "
+        "never form",
+        "leave output_attentions off",
+    ),
+}
+
+_STEPPING_ASIDE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("patchkit_step_aside", default=None)
+# A cause found by the causal-LM forward (it sees the labels and logits_to_keep) for the base model's forward.
+LM_CAUSE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("patchkit_lm_cause", default=None)
+
+
+def step_aside(state: Any, cause: str, arguments: dict, extra: dict) -> None:
+    """Count one forward stepped aside for `cause` and warn once per cause; strict mode refuses it instead, and so
+    does a batch of packed documents, which transformers' attention would let see each other (no exact path)."""
+    what, fix = CAUSES[cause]
+    if cause != "custom_4d_mask" and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
+        raise PatchInputError(
+            f"patch {state.patch!r}: {what}, in a batch of packed documents (position_ids restarting inside a row, "
+            "or cu_seq_lens). transformers' own attention would let those documents attend to each other, and "
+            f"patchkit's varlen path cannot serve the request, so no path gives exact numbers. {fix[0].upper()}"
+            f"{fix[1:]}, or give each document its own row."
+        )
+    if state.strict:
+        raise PatchInputError(
+            f"patch {state.patch!r} (strict=True): {what}. patchkit would run this forward on transformers' own "
+            f"attention; strict refuses instead. To stay patched: {fix}."
+        )
+    state.stepped_aside[cause] = state.stepped_aside.get(cause, 0) + 1
+    state.warn_once(
+        f"aside:{cause}",
+        f"patchkit: {what}; such forwards run on transformers' own attention (exact; counted in the report). To "
+        f"stay patched: {fix}.",
+    )
+
+
+def packed_call(arguments: dict, extra: dict) -> bool:
+    """Packed documents: cu_seq_lens, or position_ids restarting inside a row of a call without a mask."""
+    if any(extra.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        return True
+    if arguments.get("attention_mask") is not None:
+        return False  # a 2D mask is padding only (transformers' rule): its rows' documents attend to each other
+    return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
+
+
+@contextlib.contextmanager
+def stepping_aside(cause: str) -> Iterator[None]:
+    """Within the block (one model forward), patched mask builders and attention hand over to transformers'."""
+    token = _STEPPING_ASIDE.set(cause)
+    try:
+        yield
+    finally:
+        _STEPPING_ASIDE.reset(token)
+
+
+def is_stepping_aside() -> bool:
+    return _STEPPING_ASIDE.get() is not None
+
+
+def transformers_mask(mask: Any) -> bool:
+    """A mask transformers built itself (4D): the layer it reaches belongs to a forward patchkit stepped aside for."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4
+
+
+def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
+    """Why the base model's forward with these arguments cannot run patched exactly, or None."""
+    lm_cause = LM_CAUSE.get()
+    if lm_cause is not None:
+        return lm_cause
+    if transformers_mask(arguments.get("attention_mask")):
+        return "custom_4d_mask"
+    wanted = arguments.get("output_attentions", extra.get("output_attentions"))
+    if wanted is None:
+        wanted = getattr(module.config, "output_attentions", False)
+    return "output_attentions" if wanted else None
+
+
+def right_padded_generation(mask: Any, logits_to_keep: Any) -> bool:
+    """generate()'s prefill (logits of the last position only) where some row's last position is padding."""
+    if logits_to_keep != 1 or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
+        return False
+    return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())

@@ -1,0 +1,96 @@
+"""Gradient checkpointing recomputes layers in backward, outside the forward: every family, every way in, exact."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from entrypoints import clean_env, launch, run
+from families import FAMILIES, family_model
+from models import assert_same, padded_batch, step, tiny_model
+from test_families import ATOL
+
+import patchkit
+from patchkit.errors import PatchStateError
+
+SCRIPT = Path(__file__).parent / "user_scripts" / "checkpoint_train.py"
+
+
+def model_of(family: str, attn: str) -> torch.nn.Module:
+    """The family's tiny model on `attn` (gemma2 has no sdpa: eager)."""
+    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
+    model.set_attn_implementation("eager" if family == "gemma2" else attn)
+    return model.train()
+
+
+def checkpointed(model: torch.nn.Module, reentrant: bool) -> torch.nn.Module:
+    """Checkpoint every decoder layer, as TRL and LLaMA-Factory do by default (5.x renamed the method)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": reentrant})
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("way", ["class", "instance"])
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_checkpointed_step_matches_unpatched(family, way, reentrant):
+    """Logits and every gradient equal the unpatched model's; the recompute ran through the patch (4 calls)."""
+    model = checkpointed(model_of(family, "sdpa" if reentrant else "eager"), reentrant)
+    ids, mask = padded_batch("mixed")
+    want = step(model, ids, mask)
+    handle = patchkit.apply_patch(family, backend="sdpa") if way == "class" else patchkit.apply_patch(
+        model=model, backend="sdpa")
+    got = step(model, ids, mask)
+    assert handle.calls == 4  # 2 layers in the forward, 2 recomputed in backward
+    handle.revert()
+    assert_same(got, want, mask, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_revert_before_backward_raises_a_patchkit_error_naming_the_recompute(family):
+    """The mask of a patched forward never reaches transformers' sdpa as a raw TypeError."""
+    model = checkpointed(model_of(family, "sdpa"), reentrant=False)
+    ids, mask = padded_batch("right")
+    handle = patchkit.apply_patch(family, backend="sdpa")
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    handle.revert()
+    with pytest.raises(PatchStateError, match="before the backward of a gradient-checkpointed forward"):
+        loss.backward()
+
+
+def test_a_checkpointed_deepcopy_of_an_instance_patch_is_reverted_with_it():
+    model = checkpointed(model_of("qwen2", "sdpa"), reentrant=False)
+    handle = patchkit.apply_patch(model=model, backend="sdpa")
+    copied = copy.deepcopy(model)
+    ids, mask = padded_batch("left")
+    got = step(copied, ids, mask)
+    handle.revert()
+    assert all("forward" not in vars(m) for m in copied.modules())
+    assert_same(got, step(copied, ids, mask), mask, atol=ATOL)
+
+
+def losses(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+def test_env_var_and_launcher_train_with_checkpointing_as_unpatched(family, tmp_path):
+    """An unmodified script with checkpointing on: the same three losses unpatched, under PATCHKIT_FLASH_ATTN=1 and
+    under the launcher, both reentrant and not."""
+    for reentrant in ("0", "1"):
+        env = dict(FAMILY=family, REENTRANT=reentrant)
+        plain = losses(run([sys.executable, SCRIPT], env=clean_env(**env), cwd=tmp_path))
+        env_proc = run([sys.executable, SCRIPT], env=clean_env(PATCHKIT_FLASH_ATTN="1", **env), cwd=tmp_path)
+        launcher_proc = launch("--backend", "sdpa", SCRIPT, env=clean_env(**env), cwd=tmp_path)
+        for got in (losses(env_proc), losses(launcher_proc)):
+            assert got["calls"] == 3 * 4  # three steps of 2 layers, each recomputed once
+            assert got["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+        # the exit line names the way in that applied the patch
+        assert "patchkit (PATCHKIT_FLASH_ATTN): rank 0/1 (single process): 2 attention layers ran" in env_proc.stderr
+        assert "patchkit.launch:" not in env_proc.stderr
+        assert "patchkit.launch: rank 0/1 (single process): 2 attention layers ran" in launcher_proc.stderr

@@ -1,0 +1,194 @@
+"""What real training loops pass and read: labels at padding, right-padded generate(), dynamic RoPE, seq_idx,
+shift_labels, a framework's own `model.forward`. Each is exact against the unpatched model or refused by name."""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from families import family_model
+from models import VOCAB, padded_batch, tiny_model
+
+import patchkit
+from patchkit import PatchInputError
+
+
+def model_of(family: str, attn: str = "eager") -> torch.nn.Module:
+    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def loss_and_grads(model, **batch) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def aside_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "transformers' own attention (exact" in str(w.message)]
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gemma", "eager")])
+def test_labels_at_padding_step_aside_exactly_warned_once_and_counted(family, attn, way):
+    """labels = input_ids (a script that forgets -100): the loss reads logits at padding positions."""
+    model = model_of(family, attn).train()
+    ids, mask = padded_batch("right")
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids)
+    want = loss_and_grads(model, **batch)
+    handle = patchkit.apply_patch(family, backend="sdpa") if way == "class" else patchkit.apply_patch(
+        model=model, backend="sdpa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = loss_and_grads(model, **batch)
+        loss_and_grads(model, **batch)
+    (message,) = aside_warnings(caught)
+    assert "predicted from a padding position" in message and "-100" in message
+    assert caught[0].filename == __file__  # the user's line
+    assert handle.stepped_aside == {"labels_from_padding": 2} and "2 (labels_from_padding)" in handle.report()
+    handle.revert()
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_labels_at_padding_under_checkpointing_step_aside_in_the_recompute_too():
+    model = model_of("mistral", "sdpa").train()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    ids, mask = padded_batch("right")
+    want = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=ids)
+    with patchkit.apply_patch("mistral", backend="sdpa") as handle:
+        got = loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=ids)
+        assert handle.calls == 0 and handle.stepped_aside == {"labels_from_padding": 1}
+    torch.testing.assert_close(got[0], want[0])
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], msg=name)
+
+
+def test_strict_refuses_labels_at_padding_naming_the_cause_and_the_fix():
+    model = model_of("llama").train()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True):
+        with pytest.raises(PatchInputError, match="strict=True.*predicted from a padding position.*-100"):
+            model(input_ids=ids, attention_mask=mask, labels=ids)
+        labels = ids.masked_fill(mask == 0, -100)
+        model(input_ids=ids, attention_mask=mask, labels=labels)  # -100 at padding: served, no refusal
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "granite"])
+def test_right_padded_generate_steps_aside_for_the_prefill_only(family):
+    model = model_of(family, "sdpa")
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch(family, backend="sdpa") as handle:
+        got = model.generate(input_ids=ids, **kw)
+        assert handle.stepped_aside == {"right_padded_generation": 1}
+        assert handle.calls == 2 * 5  # the 5 decode steps after the prefill ran through the patch
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama-dynamic", "phi3-longrope"])
+def test_dynamic_rope_on_a_right_padded_batch_keeps_the_padded_length(family):
+    """The largest position (padding included) picks the frequencies: 40 > 32 originals, the longest real row 30."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    if family == "llama-dynamic":
+        config = tf.LlamaConfig(max_position_embeddings=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                                **common)
+        model = tf.LlamaForCausalLM(config)
+    else:
+        factors = [1.0 + 0.1 * i for i in range(4)]  # head_dim 8, partial rotary 1.0: 4 frequencies
+        config = tf.Phi3Config(max_position_embeddings=128, original_max_position_embeddings=32,
+                               rope_scaling={"type": "longrope", "short_factor": factors,
+                                             "long_factor": [2 * f for f in factors]}, **common)
+        model = tf.Phi3ForCausalLM(config)
+    model.eval()
+    ids = torch.randint(3, VOCAB, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[0, 30:] = 0
+    mask[1, 20:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            assert handle.calls == 2
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_shift_labels_and_num_items_in_batch_pass_through_to_the_loss():
+    model = model_of("qwen2", "sdpa").train()
+    ids, mask = padded_batch("right")
+    labels = ids.masked_fill(mask == 0, -100)
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift,
+                 num_items_in_batch=torch.tensor(int((shift != -100).sum())))
+    want = loss_and_grads(model, **batch)
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = loss_and_grads(model, **batch)
+        assert group.calls == 2
+    torch.testing.assert_close(got[0], want[0])
+
+
+def packed(lengths: list[int]) -> dict:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
+    return dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                max_length_k=max(lengths), seq_idx=seq_idx)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_seq_idx_of_a_padding_free_batch_is_honoured_and_checked(family):
+    """TRL's padding-free collator passes seq_idx with position_ids and cu_seq_lens: served exactly when they agree,
+    refused by name when they do not."""
+    model = model_of(family)
+    batch = packed([6, 3, 7])
+    lengths = [6, 3, 7]
+    with torch.no_grad():
+        want = torch.cat([model(input_ids=d).logits for d in batch["input_ids"].split(lengths, 1)], 1)
+        with patchkit.apply_patch(family, backend="sdpa"):
+            got = model(**batch).logits
+            batch["seq_idx"] = torch.zeros_like(batch["seq_idx"])  # one document: disagrees
+            with pytest.raises(PatchInputError, match=r"seq_idx names documents of lengths \[16\].*\[6, 3, 7\]"):
+                model(**batch)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_instance_patch_wraps_the_forward_a_framework_set_and_revert_restores_it(family):
+    """TRL 1.16 sets model.forward = MethodType(_fused_forward, model); the patch wraps that, not the class's."""
+    model = model_of(family, "sdpa")
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def fused_forward(self, *args, fused_lm_head=False, **kwargs):
+        out = original_forward(*args, **kwargs)
+        if fused_lm_head:
+            out.logits = out.logits.log_softmax(-1)
+        return out
+
+    model.forward = own = types.MethodType(fused_forward, model)
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, fused_lm_head=True).logits
+        handle = patchkit.apply_patch(model=model, backend="sdpa")
+        got = model(input_ids=ids, attention_mask=mask, fused_lm_head=True).logits
+        assert handle.calls == 2
+    handle.revert()
+    assert model.forward is own
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
