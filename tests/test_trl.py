@@ -1,0 +1,163 @@
+"""TRL's SFTTrainer under patchkit: a few steps per family and mode, per-step losses equal to the unpatched run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch
+from entrypoints import clean_env, launch, run
+from families import family_model
+from models import VOCAB, tiny_model
+
+import patchkit
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft.py"
+STEPS = 3
+LAYERS = 2
+FAMILIES = ["llama", "qwen2", "mistral"]  # mistral: sliding_window=5 on rows of 7 to 20 tokens (EOS included)
+LENGTHS = (6, 14, 9, 19, 7, 12)  # words per row, before TRL appends EOS; each row twice: a dozen examples
+MODES = {  # SFTConfig fields per mode; everything else is TRL's default (gradient checkpointing on)
+    "padded": {},  # DataCollatorForLanguageModeling, right padding, 2D attention mask
+    "padding_free": {"padding_free": True, "max_length": None},  # one row, position_ids restart, cu_seq_lens kwargs
+    "packing": {"packing": True, "max_length": 32},  # bfd packing, which implies padding-free
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on tiny matrices more threads only spin (8x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' vocabulary: '<pad>' 0, '<s>' 1, '</s>' 2, 'w3' ... 'w96'."""
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, VOCAB)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w3"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def dataset() -> Dataset:
+    """A dozen short text examples of random words (TRL tokenizes them and appends EOS)."""
+    g = torch.Generator().manual_seed(1)
+    rows = [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g)) for n in LENGTHS]
+    return Dataset.from_dict({"text": rows * 2})
+
+
+def build(family: str) -> torch.nn.Module:
+    """The family's tiny 2-layer GQA model, seeded, eager attention, fp32 (the sliding window bites for mistral)."""
+    return tiny_model(kv_heads=2, layers=LAYERS) if family == "llama" else family_model(family, layers=LAYERS)
+
+
+def sft_losses(model: torch.nn.Module, tmp_path: Path, before_trainer: Optional[Callable] = None,
+               peft_config: Optional[LoraConfig] = None, **fields) -> list[float]:
+    """Per-step training losses of STEPS SFTTrainer steps: fp32 on CPU, TRL's defaults otherwise."""
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
+                     bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                     dataloader_num_workers=0, disable_tqdm=True, **fields)
+    assert args.gradient_checkpointing  # TRL's default, kept
+    if before_trainer is not None:
+        before_trainer(model)
+    torch.manual_seed(0)  # LoRA's A matrices are drawn when the trainer wraps the model
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset(), processing_class=tokenizer(),
+                         peft_config=peft_config)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == STEPS
+    return losses
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert got == pytest.approx(want, abs=1e-5), f"patched {got} != unpatched {want}"
+
+
+def assert_ran_through_patch(handle: patchkit.PatchHandle) -> None:
+    """Every layer's attention in every step ran through the patch: its forward and its checkpointed recompute."""
+    assert handle.calls == STEPS * LAYERS * 2, handle.report()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_class_patch_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
+    """`apply_patch(backend="sdpa")` before the model is built: the same losses in each collator mode."""
+    want = sft_losses(build(family), tmp_path, **MODES[mode])
+    handle = patchkit.apply_patch(backend="sdpa")
+    try:
+        got = sft_losses(build(family), tmp_path, **MODES[mode])
+        assert_ran_through_patch(handle)
+    finally:
+        handle.revert()
+    assert_same_losses(got, want)
+
+
+def lora() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      task_type="CAUSAL_LM")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_lora_matches_unpatched(family: str, tmp_path: Path) -> None:
+    """LoRA through `peft_config` (TRL wraps the model in a PeftModel and makes the inputs require grad)."""
+    want = sft_losses(build(family), tmp_path, peft_config=lora())
+    handle = patchkit.apply_patch(backend="sdpa")
+    try:
+        got = sft_losses(build(family), tmp_path, peft_config=lora())
+        assert_ran_through_patch(handle)
+    finally:
+        handle.revert()
+    assert_same_losses(got, want)
+
+
+@pytest.mark.parametrize("mode", ["padded", "packing"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_instance_patch_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
+    """`apply_patch(model=model)` before the trainer is built (TRL then wraps `model.forward` in its fused LM head)."""
+    want = sft_losses(build(family), tmp_path, **MODES[mode])
+    handles: list[patchkit.PatchHandle] = []
+    try:
+        patch = lambda m: handles.append(patchkit.apply_patch(model=m, backend="sdpa"))  # noqa: E731
+        got = sft_losses(build(family), tmp_path, patch, **MODES[mode])
+        assert_ran_through_patch(handles[0])
+    finally:
+        for handle in handles:
+            handle.revert()
+    assert_same_losses(got, want)
+
+
+def script_result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+def test_env_var_and_launcher_run_an_unmodified_trl_script_as_unpatched(tmp_path: Path) -> None:
+    """The user script (padded, then packed) unpatched, under PATCHKIT_FLASH_ATTN=1 and under the launcher: the same
+    losses (Mistral, window 5). The three processes run side by side."""
+    env = dict(FAMILY="Mistral")
+    with ThreadPoolExecutor(3) as pool:
+        python = [sys.executable, SCRIPT]
+        procs = [pool.submit(run, python, env=clean_env(**env), cwd=tmp_path),
+                 pool.submit(run, python, env=clean_env(PATCHKIT_FLASH_ATTN="1", **env), cwd=tmp_path),
+                 pool.submit(launch, "--backend", "sdpa", SCRIPT, env=clean_env(**env), cwd=tmp_path)]
+        plain, by_env, by_launcher = (script_result(p.result()) for p in procs)
+    assert plain["calls"] == 0
+    for got in (by_env, by_launcher):
+        assert got["calls"] == 2 * STEPS * LAYERS * 2  # two runs; forward + checkpointed recompute, every layer
+        for mode in ("padded", "packing"):
+            assert_same_losses(got["losses"][mode], plain["losses"][mode])
