@@ -169,7 +169,7 @@ def varlen_core(
             f"{type(module).__name__} uses a sliding window and the KV cache is a static kind, whose sliding layers "
             "keep a rolling buffer patchkit does not place; use the default dynamic cache with patchkit."
         )
-    if window != (-1, -1) and meta.holes:
+    if window != (-1, -1) and meta.holes and window[0] + 1 < kv_len:  # a window as long as the keys never bites
         raise PatchInputError(
             f"{type(module).__name__} uses a sliding window, and a row of this batch has padding between real "
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "

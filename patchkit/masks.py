@@ -108,6 +108,11 @@ def packing_restart_with_past(
     return has_packed_rows(real_q, position_ids.to(device))
 
 
+def has_holes(mask: torch.Tensor) -> bool:
+    """Some row of the 2D mask has padding between real tokens (one host sync)."""
+    return bool((_rises(mask.bool()) > 1).any())
+
+
 def _rises(real: torch.Tensor) -> torch.Tensor:
     """Per row, how many runs of real tokens it has: more than one means a padding hole inside the row."""
     return (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()

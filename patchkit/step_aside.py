@@ -16,6 +16,7 @@ import torch
 
 from .documents import has_packed_rows
 from .errors import PatchInputError
+from .masks import has_holes
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
@@ -32,8 +33,14 @@ CAUSES = {
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern, or one generate() built before the "
-        "model ran, as it does for static and sliding-window caches), which a key-padding mask cannot express",
+        "model ran, as it does for static and sliding-window caches and continuous batching), which a key-padding "
+        "mask cannot express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
+    ),
+    "window_over_padding_hole": (
+        "a sliding window over a row with padding between real tokens (generate() on a right-padded prompt makes "
+        "one): transformers counts the padding columns inside the window, varlen kernels count real tokens only",
+        "pad on one side only (left for generation), or pack documents with position_ids and no mask",
     ),
     "output_attentions": (
         "output_attentions=True (on the call or the config) asks for the attention weights, which varlen kernels "
@@ -109,11 +116,34 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted is None:
         wanted = getattr(module.config, "output_attentions", False)
-    return "output_attentions" if wanted else None
+    if wanted:
+        return "output_attentions"
+    return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The config's sliding window where some layer uses it (generously: a false positive only steps aside)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def window_over_hole(config: Any, mask: Any) -> bool:
+    """A window shorter than the mask over a row with a padding hole: the one window varlen kernels cannot place."""
+    window = sliding_window(config)
+    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or window >= mask.shape[-1]:
+        return False
+    return has_holes(mask)
 
 
 def right_padded_generation(mask: Any, logits_to_keep: Any) -> bool:
     """generate()'s prefill (logits of the last position only) where some row's last position is padding."""
-    if logits_to_keep != 1 or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
+    if not isinstance(logits_to_keep, int) or logits_to_keep != 1:  # continuous batching passes indices
+        return False
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
     return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())

@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 import sysconfig
+import threading
 import warnings
 from types import FrameType
 from typing import Iterator, Optional
@@ -70,6 +71,15 @@ def attributed_to(filename: str, lineno: int = 1) -> Iterator[None]:
         _where.pop()
 
 
+def _main_thread_user_frame() -> Optional[FrameType]:
+    """In a worker thread (transformers' continuous batching) no frame is the user's: the main thread's user line."""
+    main = threading.main_thread()
+    if threading.current_thread() is main:
+        return None
+    frame = sys._current_frames().get(main.ident)
+    return None if frame is None else user_frame(frame)
+
+
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warn at the user's call site: the first stack frame outside patchkit, transformers, torch and the stdlib."""
     if _where:
@@ -77,7 +87,7 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
         warnings.warn_explicit(message, category, filename, lineno, module="__main__", registry=_registry)
         return
     caller = sys._getframe(1)
-    frame = user_frame(caller) or caller
+    frame = user_frame(caller) or _main_thread_user_frame() or caller
     globs = frame.f_globals
     warnings.warn_explicit(
         message, category, frame.f_code.co_filename, frame.f_lineno, module=globs.get("__name__", "<string>"),

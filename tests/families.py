@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers as tf
-from models import VOCAB
+from models import VOCAB, tiny_model
+from packaging.version import Version
+
+FAMILIES_FROM = "4.53"  # the family patches need transformers' mask interface
 
 WINDOW = 5  # shorter than every test batch, so sliding windows change the numbers
 
@@ -39,3 +43,22 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
     }
     torch.manual_seed(seed)
     return builders[model_type]().float().eval()
+
+
+def set_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
+    """`model.set_attn_implementation` (4.54+), else the config field the one attention class reads (4.48+)."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(attn)
+    else:
+        model.config._attn_implementation = attn
+    return model
+
+
+def any_model(family: str, attn: str = "eager") -> torch.nn.Module:
+    """LLaMA (2 K/V heads) or `family_model(family)` on `attn` (gemma2 has no sdpa: eager), in eval mode; a family
+    this transformers has no patch for skips the test."""
+    if family != "llama" and Version(tf.__version__) < Version(FAMILIES_FROM):
+        pytest.skip(f"family patches need transformers >= {FAMILIES_FROM}")
+    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
+    return set_attention(model, "eager" if family == "gemma2" else attn)

@@ -48,6 +48,16 @@ LEGACY_BEFORE = "4.48"
 # Trainer on transformers < 4.48 needs an accelerate (and a peft, which transformers imports when present) of its
 # era: today's releases import names those transformers lack. Installed without dependencies into the target dir.
 LEGACY_EXTRAS = ["accelerate==0.27.2", "peft==0.7.1"]
+# TRL (a test extra) brings today's datasets into the venv, which imports names huggingface_hub has only from 1.0:
+# transformers 4.x's Trainer imports datasets when present, so its era's huggingface_hub gets a datasets it can load.
+HUB_1_FROM = "5.0"
+ERA_DATASETS = ["datasets==4.0.0"]
+
+
+def era_extras(version: str) -> list[str]:
+    """What a transformers version's target dir needs beside it, installed without dependencies."""
+    extras = LEGACY_EXTRAS if Version(version) < Version(LEGACY_BEFORE) else []
+    return extras + (ERA_DATASETS if Version(version) < Version(HUB_1_FROM) else [])
 DEFAULT_TESTS = [
     "tests/test_eras.py",
     "tests/test_equivalence.py",
@@ -58,6 +68,10 @@ DEFAULT_TESTS = [
     "tests/test_gates.py",
     "tests/test_flash_attn_contract.py",
     "tests/test_decode.py",
+    "tests/test_families.py",
+    "tests/test_checkpointing.py",
+    "tests/test_training_loops.py",
+    "tests/test_step_aside.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
@@ -113,14 +127,15 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
     if proc.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
         return None, f"pip install failed (exit {proc.returncode}); see {log}"
-    if Version(version) < Version(LEGACY_BEFORE):
+    extras = era_extras(version)
+    if extras:
         cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-deps",
-               "--target", str(staging), *LEGACY_EXTRAS]
+               "--target", str(staging), *extras]
         with open(log, "a") as fh:
             proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
-            return None, f"pip install of {' '.join(LEGACY_EXTRAS)} failed (exit {proc.returncode}); see {log}"
+            return None, f"pip install of {' '.join(extras)} failed (exit {proc.returncode}); see {log}"
     removed = remove_forbidden(staging)
     if removed:
         print(f"[matrix] {version}: removed {', '.join(removed)} from the target dir (torch comes from the venv)")

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
-from families import FAMILIES, WINDOW, family_model
+from families import FAMILIES, WINDOW, family_model, set_attention
 from models import VOCAB, assert_same, padded_batch, step
 
 import patchkit
-from patchkit import PatchInputError, PatchTargetError
+from patchkit import PatchTargetError
 
 pytestmark = pytest.mark.skipif(
     not hasattr(sys.modules.get("transformers.masking_utils"), "AttentionMaskInterface")
@@ -69,7 +69,7 @@ def test_registered_name_and_instance_patch_match_eager(family):
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
     named = copy.deepcopy(model)
-    named.set_attn_implementation(patchkit.ATTENTION_NAME)
+    set_attention(named, patchkit.ATTENTION_NAME)
     patchkit.register_attention(backend="sdpa")
     try:
         with torch.no_grad():
@@ -86,13 +86,21 @@ def test_registered_name_and_instance_patch_match_eager(family):
     torch.testing.assert_close(by_instance[real], want[real], atol=3e-5, rtol=1e-4)
 
 
-def test_a_padding_hole_under_a_sliding_window_is_refused():
+def test_a_padding_hole_under_a_sliding_window_steps_aside_unless_the_window_cannot_bite():
+    """transformers counts padding columns inside the window, varlen kernels real tokens: a window shorter than the
+    mask steps aside (exact); one as long as the mask changes nothing and runs patched."""
     model = family_model("mistral")
     ids, mask = padded_batch("right")
     mask[0, 3:6] = 0  # padding between real tokens
-    with patchkit.apply_patch("mistral", backend="sdpa"):
-        with pytest.raises(PatchInputError, match="sliding window.*padding between real tokens"):
-            model(input_ids=ids, attention_mask=mask)
+    for window, aside in ((WINDOW, 1), (24, 0)):
+        model.config.sliding_window = window
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask).logits
+            with patchkit.apply_patch("mistral", backend="sdpa") as handle:
+                got = model(input_ids=ids, attention_mask=mask).logits
+                assert handle.stepped_aside.get("window_over_padding_hole", 0) == aside
+                assert handle.calls == 2 * (1 - aside)
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)
 
 
 def test_families_do_not_patch_each_other_and_unknown_types_are_refused():

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from families import set_attention
 from models import VOCAB, padded_batch, tiny_model
 
 import patchkit
@@ -96,8 +97,7 @@ def test_labels_predicted_from_padding_match_the_unpatched_model(unpad, attn):
     Unpatched transformers' own answer there depends on its attention implementation (eager and sdpa differ);
     patchkit steps aside for such a batch, so the loss and every gradient match the model's own implementation.
     """
-    model = tiny_model(kv_heads=2).train()
-    model.set_attn_implementation(attn)
+    model = set_attention(tiny_model(kv_heads=2).train(), attn)
     ids, mask = padded_batch("left")
     labels = ids.masked_fill(mask == 0, -100)
     reference = copy.deepcopy(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import set_attention
 from models import tiny_model
 
 import patchkit
@@ -79,8 +80,7 @@ def test_packed_rows_equal_documents_run_separately(use_cache, kv_heads):
 def test_restarting_positions_under_a_2d_mask_attend_across_documents_as_in_transformers(attn):
     """LLaMA-Factory's plain packing: an all-ones (or padded) mask with restarting position_ids. transformers reads
     documents from position_ids only without a mask, so the documents see each other; patched, the same numbers."""
-    model = tiny_model(kv_heads=2, seed=7)
-    model.set_attn_implementation(attn)
+    model = set_attention(tiny_model(kv_heads=2, seed=7), attn)
     docs = doc_ids()
     rows = [[0, 1], [2, 3]]
     ids, pos, mask = pack(docs, rows)

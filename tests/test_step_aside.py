@@ -7,17 +7,11 @@ import warnings
 
 import pytest
 import torch
-from families import family_model
-from models import padded_batch, tiny_model
+from families import any_model
+from models import padded_batch
 
 import patchkit
 from patchkit import PatchInputError
-
-
-def model_of(family: str, attn: str = "eager") -> torch.nn.Module:
-    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
-    model.set_attn_implementation(attn)
-    return model
 
 
 def patch(family: str, way: str, model: torch.nn.Module, **kw):
@@ -34,7 +28,7 @@ def aside_messages(caught) -> list[str]:
 @pytest.mark.parametrize("where", ["call", "config"])
 def test_output_attentions_steps_aside_with_the_weights(family, way, where):
     """From the call or from the config: the weights come back equal to unpatched, never an empty tuple."""
-    model = model_of(family)
+    model = any_model(family)
     ids, mask = padded_batch("mixed")
     kw = {"output_attentions": True} if where == "call" else {}
     if where == "config":
@@ -59,7 +53,7 @@ def test_output_attentions_steps_aside_with_the_weights(family, way, where):
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_a_callers_4d_mask_steps_aside_exactly(family):
     """A custom pattern (here: each row also hides key 2 from every query after it)."""
-    model = model_of(family)
+    model = any_model(family)
     ids, mask = padded_batch("right")
     causal = torch.ones(24, 24).tril().bool()
     custom = causal[None, None] & mask.bool()[:, None, None, :]
@@ -75,8 +69,25 @@ def test_a_callers_4d_mask_steps_aside_exactly(family):
 
 
 def test_strict_refuses_output_attentions_naming_the_cause():
-    model = model_of("mistral")
+    model = any_model("mistral")
     ids, mask = padded_batch("right")
     with patchkit.apply_patch("mistral", backend="sdpa", strict=True):
         with pytest.raises(PatchInputError, match="strict=True.*output_attentions=True.*leave output_attentions off"):
             model(input_ids=ids, attention_mask=mask, output_attentions=True)
+
+
+def test_paged_generation_runs_as_unpatched():
+    """Continuous batching (cache_implementation="paged") hands the layers its own 4D mask: stepped aside, exact,
+    instead of an error transformers would log and swallow (the prompts back with no new tokens)."""
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="paged")
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model.generate(input_ids=ids, **kw)
+        assert set(group.stepped_aside) == {"custom_4d_mask"}
+    (where,) = {w.filename for w in caught if "transformers' own attention" in str(w.message)}
+    assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
+    assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
