@@ -71,6 +71,9 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     routed = ROUTED_STATE.get()
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         step_aside(routed or route_state(), "custom_4d_mask", {}, {})
+        if attention_mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
         return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)

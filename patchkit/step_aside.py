@@ -111,8 +111,9 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     lm_cause = LM_CAUSE.get()
     if lm_cause is not None:
         return lm_cause
-    if transformers_mask(arguments.get("attention_mask")):
-        return "custom_4d_mask"
+    mask = arguments.get("attention_mask")
+    if transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values()))):
+        return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted is None:
         wanted = getattr(module.config, "output_attentions", False)

@@ -3,11 +3,12 @@ unpatched, one warning per cause naming it and the fix, a count in the report; s
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
-from families import any_model
+from families import any_model, set_attention
 from models import padded_batch
 
 import patchkit
@@ -91,3 +92,34 @@ def test_paged_generation_runs_as_unpatched():
     (where,) = {w.filename for w in caught if "transformers' own attention" in str(w.message)}
     assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
     assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "phi3"])
+def test_static_cache_generation_of_every_kind_of_family_runs_as_unpatched(family):
+    """generate() hands the model its precomputed masks (a dict per layer type for windowed families): the whole
+    forward steps aside, so each layer gets transformers' own mask with transformers' own attention."""
+    model = any_model(family, "sdpa")
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = model.generate(input_ids=ids, **kw)
+        assert group.calls == 0 and set(group.stepped_aside) <= {"custom_4d_mask"}
+    assert torch.equal(got, want)
+
+
+def test_a_boolean_4d_mask_through_the_registered_name_steps_aside_exactly():
+    """attn_implementation="patchkit" has no attention of the model's own: the family's eager attention serves a
+    caller's 4D mask, sdpa's boolean format converted to eager's additive one."""
+    model = any_model("qwen2", "sdpa")  # the implementation whose format a boolean mask is
+    ids, mask = padded_batch("right")
+    allowed = torch.ones(24, 24).tril().bool()[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=allowed).logits
+        patchkit.register_attention(backend="sdpa")
+        try:
+            named = set_attention(copy.deepcopy(model), patchkit.ATTENTION_NAME)
+            got = named(input_ids=ids, attention_mask=allowed).logits
+        finally:
+            patchkit.register_attention(backend="auto")
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
