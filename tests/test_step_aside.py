@@ -84,7 +84,10 @@ def test_paged_generation_runs_as_unpatched():
     ids, mask = padded_batch("left", batch=2, seq=14)
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
               cache_implementation="paged")
-    want = model.generate(input_ids=ids, **kw)
+    try:
+        want = model.generate(input_ids=ids, **kw)
+    except ValueError as err:  # transformers before continuous batching
+        pytest.skip(f"no paged cache in this transformers: {err}")
     with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = model.generate(input_ids=ids, **kw)
