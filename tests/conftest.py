@@ -1,4 +1,4 @@
-"""Shared fixtures: every test starts and ends with transformers' LLaMA objects unpatched."""
+"""Shared fixtures: every test starts and ends with every served family's transformers objects unpatched."""
 
 from __future__ import annotations
 
@@ -39,20 +39,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _targets() -> dict[str, object]:
-    """Every object a LLaMA patch of any transformers era replaces (what this version has of them)."""
-    mod = importlib.import_module("transformers.models.llama.modeling_llama")
+    """Every object a patch of any registered family, in any transformers era, may replace (what this version has
+    of them): each modeling module's module classes' forwards and mask builders, its module-level mask helpers, and
+    the PreTrainedModel hooks the class patches share."""
+    from torch import nn
+
+    from patchkit.registry import registered
+
     found: dict[str, object] = {}
-    for cls_name, attrs in (("LlamaAttention", ["forward"]), ("LlamaSdpaAttention", ["forward"]),
-                            ("LlamaFlashAttention2", ["forward"]), ("LlamaForCausalLM", ["forward"]),
-                            ("LlamaModel", ["forward", "_update_causal_mask", "_prepare_decoder_attention_mask"])):
-        cls = getattr(mod, cls_name, None)
-        for attr in attrs:
-            if cls is not None and attr in vars(cls):
-                found[f"{cls_name}.{attr}"] = vars(cls)[attr]
-    builders = ("create_causal_mask", "_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
-    for name in builders:
-        if hasattr(mod, name):
-            found[name] = getattr(mod, name)
+    modules = {"transformers.models.llama.modeling_llama"}
+    for spec in registered():
+        try:
+            modules.add(spec.attention_class().__module__)
+        except (ImportError, AttributeError):  # a family this transformers does not have
+            continue
+    methods = ("forward", "_update_causal_mask", "_prepare_decoder_attention_mask")
+    for name in sorted(modules):
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__ == name:
+                found.update({f"{name}.{attr}.{m}": vars(obj)[m] for m in methods if m in vars(obj)})
+            elif attr.startswith(("create_", "_prepare_4d")) and callable(obj):
+                found[f"{name}.{attr}"] = obj
     utils = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     for name in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2", "post_init"):
         if name in vars(utils):
@@ -67,4 +75,5 @@ def clean_patches():
     yield
     patchkit.revert_patch()
     after = _targets()
-    assert all(after[k] is before[k] for k in before), "a test left LLaMA objects patched"
+    left = sorted(k for k in before if after.get(k) is not before[k])
+    assert not left, f"a test left objects patched: {left}"

@@ -12,8 +12,8 @@ from test_never_silent import static_decode
 from transformers.modeling_utils import PreTrainedModel
 
 import patchkit
-from patchkit import PatchInputError, decode, masks, model_unpad, padding
 from patchkit import attention as attention_module
+from patchkit import decode, masks, model_unpad, padding
 
 ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
@@ -204,13 +204,17 @@ def test_a_decode_step_with_gradients_matches_eager():
         torch.testing.assert_close(got[name], want[name], atol=3e-5, rtol=1e-3, msg=name)
 
 
-def test_a_window_over_a_padding_hole_is_still_refused_when_decoding():
-    """Mistral counts padding columns inside its window, varlen kernels count real tokens: refused as before."""
+def test_a_window_over_a_padding_hole_steps_aside_when_decoding():
+    """Mistral counts padding columns inside its window, varlen kernels count real tokens: the decode step (whose mask
+    has the right-padded prompt's hole) runs on transformers' attention, exactly."""
     model = family_model("mistral")
     ids, mask = padded_batch("right", batch=3, seq=14)
-    with patchkit.apply_patch("mistral", backend="sdpa"):
-        with pytest.raises(PatchInputError, match="sliding window.*padding between real tokens"):
-            decode_logits(model, ids, mask, 1)
+    want, fed = decode_logits(model, ids, mask, 2)
+    with patchkit.apply_patch("mistral", backend="sdpa") as handle:
+        got, _ = decode_logits(model, ids, mask, 2, fed)
+        assert handle.stepped_aside == {"window_over_padding_hole": 2}
+    # the prefill's last column is padding for the short rows (zeros patched; generate() steps aside for it)
+    torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
