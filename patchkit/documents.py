@@ -86,3 +86,28 @@ def check_seq_idx(seq_idx: Optional[torch.Tensor], meta: VarlenMetadata) -> None
 
 def _short(lengths: list[int]) -> str:
     return str(lengths) if len(lengths) <= 8 else f"[{', '.join(map(str, lengths[:8]))}, ...] ({len(lengths)})"
+
+
+def block_diagonal_documents(mask: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
+    """A 4D mask that is causal attention within contiguous documents of each row, padding masked and on one side
+    (LLaMA-Factory's `neat_packing` mask): (cu_seqlens over every token, each padding token a document of its own,
+    longest document), so the varlen path serves it exactly; else None."""
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    seqlen = allowed.shape[-1]
+    real = allowed.diagonal(dim1=-2, dim2=-1)
+    idx = torch.arange(seqlen, device=mask.device)
+    starts = real & (allowed.to(torch.int8).argmax(-1) == idx)  # a real token whose first visible key is itself
+    doc = starts.cumsum(-1)
+    expected = (real[:, :, None] & real[:, None, :] & (idx[:, None] >= idx[None, :])
+                & (doc[:, :, None] == doc[:, None, :]))
+    runs = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()  # runs of real tokens per row
+    if not bool(torch.equal(expected, allowed & real[:, :, None]) and (runs <= 1).all()):
+        return None
+    boundary = (starts | ~real).reshape(-1)
+    boundary[:: seqlen] = True  # every row starts a segment
+    first = torch.nonzero(boundary).flatten()
+    lengths = torch.diff(first, append=first.new_tensor([boundary.numel()]))
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return cu, int(lengths.max())

@@ -207,7 +207,7 @@ def make_model_forward(
         arguments = signature.bind(self, *args, **kwargs).arguments
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
-        extra = arguments.get(var_kw, {}) if var_kw else {}
+        extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
         if cause is not None:
             step_aside(aside_state, cause, arguments, extra)
@@ -231,7 +231,11 @@ def make_model_forward(
 
 
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
-    """True when a loss term is predicted from a padding position (a real token after padding, labelled)."""
+    """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
+    mask's real tokens are those that see themselves."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
+        mask = mask[:, 0].diagonal(dim1=-2, dim2=-1) if mask.dtype == torch.bool else (
+            mask[:, 0].diagonal(dim1=-2, dim2=-1) == 0)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
     pad = mask == 0

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .documents import has_packed_rows
+from .documents import block_diagonal_documents, has_packed_rows
 from .errors import PatchInputError
 from .masks import has_holes
 
@@ -111,15 +111,32 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     lm_cause = LM_CAUSE.get()
     if lm_cause is not None:
         return lm_cause
-    mask = arguments.get("attention_mask")
-    if transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values()))):
-        return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted is None:
         wanted = getattr(module.config, "output_attentions", False)
     if wanted:
         return "output_attentions"
+    mask = arguments.get("attention_mask")
+    if transformers_mask(mask) and not documents_from_4d_mask(arguments, extra):
+        return "custom_4d_mask"
+    if isinstance(mask, dict) and any(map(transformers_mask, mask.values())):
+        return "custom_4d_mask"  # generate()'s precomputed masks per layer type (static caches, Gemma3)
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def documents_from_4d_mask(arguments: dict, extra: dict) -> bool:
+    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: hand them to
+    the varlen path as cu_seq_lens (in `arguments` / `extra`, in place) instead of stepping aside."""
+    cache = arguments.get("past_key_values")
+    if (cache is not None and cache.get_seq_length() > 0) or extra.get("cu_seq_lens_q") is not None:
+        return False
+    found = block_diagonal_documents(arguments["attention_mask"])
+    if found is None:
+        return False
+    cu, longest = found
+    arguments["attention_mask"] = None
+    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return True
 
 
 def sliding_window(config: Any) -> Optional[int]:

@@ -126,3 +126,39 @@ def test_a_boolean_4d_mask_through_the_registered_name_steps_aside_exactly():
         finally:
             patchkit.register_attention(backend="auto")
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def neat_packing_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """LLaMA-Factory's prepare_4d_attention_mask: document ids (0 = padding) -> an additive (B, 1, S, S) mask that
+    lets each token see the earlier tokens of its own document only."""
+    seq = doc_ids.shape[-1]
+    same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, None, :] != 0)
+    allowed = same & torch.ones(seq, seq).tril().bool()
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_block_diagonal_causal_4d_mask_runs_patched_as_packed_documents(family):
+    """neat_packing without flash-attn: the varlen path serves it (documents as cu_seq_lens), the same loss and
+    gradients as transformers' attention on the 4D mask, and nothing steps aside."""
+    model = any_model(family, "sdpa").train()
+    doc_ids = torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0], [1, 1, 1, 1, 1, 2, 2, 2, 0, 0, 0]])
+    ids = torch.randint(3, 90, doc_ids.shape, generator=torch.Generator().manual_seed(4))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 4, 0, 1, 2, 0, 0, 0]])
+    labels = ids.masked_fill(doc_ids == 0, -100)
+    batch = dict(input_ids=ids, attention_mask=neat_packing_mask(doc_ids), position_ids=positions, labels=labels)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run()
+    with patchkit.apply_patch(family, backend="sdpa") as handle:
+        got = run()
+        assert handle.calls == 2 and not handle.stepped_aside
+    real = doc_ids != 0
+    torch.testing.assert_close(got[0][real], want[0][real], atol=3e-5, rtol=1e-4)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=3e-5, rtol=1e-3, msg=name)
