@@ -7,7 +7,9 @@ would mean the caller meant other documents, so it is refused by name rather tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -15,6 +17,24 @@ from .errors import PatchInputError
 
 if TYPE_CHECKING:
     from .masks import VarlenMetadata
+
+# transformers 4.31-4.37 make an all-ones mask up when the caller gives none: the caller's own choice, per forward.
+_CALLER_GAVE_NO_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_no_mask", default=False)
+
+
+@contextlib.contextmanager
+def callers_mask(mask: Any) -> Iterator[None]:
+    """Within the block (one model forward), remember whether its caller gave no attention_mask."""
+    token = _CALLER_GAVE_NO_MASK.set(mask is None)
+    try:
+        yield
+    finally:
+        _CALLER_GAVE_NO_MASK.reset(token)
+
+
+def caller_gave_no_mask() -> bool:
+    """True inside a forward whose caller gave no attention_mask: position_ids may define its documents."""
+    return _CALLER_GAVE_NO_MASK.get()
 
 
 def document_lengths(

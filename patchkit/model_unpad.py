@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from .documents import callers_mask
 from .errors import PatchInputError
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
@@ -214,7 +215,7 @@ def make_model_forward(
             with stepping_aside(cause):
                 return call(self, arguments)
         meta = unpad_plan(self, arguments, extra) if unpad == "model" else None
-        with _route_masks(self, patched_impl, route):
+        with _route_masks(self, patched_impl, route), callers_mask(arguments.get("attention_mask")):
             if meta is None:
                 return call(self, arguments)
             cache = arguments.get("past_key_values")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..attention import PatchState
+from ..documents import caller_gave_no_mask
 from ..errors import PatchGateError, PatchTargetError
 from ..masks import VarlenMask, in_packed_forward, refuse_4d
 from ..model_unpad import make_lm_forward, make_model_forward
@@ -30,9 +31,11 @@ MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causa
 
 
 def _varlen_mask(attention_mask: Any, past_len: Any) -> VarlenMask:
-    """The 2D mask (None inside a packed forward: the model made an all-ones one up) and where the queries sit."""
+    """The 2D mask (None where the model made an all-ones one up: inside a packed forward, or the caller gave none,
+    so that position_ids define documents as they do without a mask) and where the queries sit."""
     refuse_4d(attention_mask, False)
-    return VarlenMask.for_forward(None if in_packed_forward() else attention_mask, past_len)
+    made_up = in_packed_forward() or caller_gave_no_mask()
+    return VarlenMask.for_forward(None if made_up else attention_mask, past_len)
 
 
 def prepare_decoder_attention_mask(
