@@ -112,6 +112,36 @@ def remove_forbidden(target: Path) -> list[str]:
     return removed
 
 
+DATASETS_STUB = '''"""Stand-in for `datasets` where its era's huggingface_hub cannot import a real one (old eras).
+
+transformers' Trainer imports datasets when it is installed and only tests isinstance against these classes; the
+tests hand it lists.
+"""
+
+__version__ = "0.0.0"
+
+
+class Dataset:
+    pass
+
+
+class IterableDataset:
+    pass
+'''
+
+
+def loadable_datasets(target: Path, python: str) -> bool:
+    """Whether `import datasets` works beside this target dir's huggingface_hub; if not, a stand-in replaces it."""
+    env = dict(os.environ, PYTHONPATH=str(target), PYTHONNOUSERSITE="1")
+    if subprocess.run([python, "-c", "import datasets"], env=env, capture_output=True).returncode == 0:
+        return True
+    for entry in target.glob("datasets*"):
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    (target / "datasets").mkdir()
+    (target / "datasets" / "__init__.py").write_text(DATASETS_STUB)
+    return False
+
+
 def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str]:
     """Install transformers==version with its dependencies into cache/version (once). Returns (dir, problem)."""
     target = cache / version
@@ -136,6 +166,8 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
         if proc.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
             return None, f"pip install of {' '.join(extras)} failed (exit {proc.returncode}); see {log}"
+    if extras and not loadable_datasets(staging, python):
+        print(f"[matrix] {version}: its huggingface_hub cannot import datasets; a stand-in takes its place")
     removed = remove_forbidden(staging)
     if removed:
         print(f"[matrix] {version}: removed {', '.join(removed)} from the target dir (torch comes from the venv)")
