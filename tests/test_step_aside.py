@@ -88,13 +88,17 @@ def test_paged_generation_runs_as_unpatched():
         want = model.generate(input_ids=ids, **kw)
     except ValueError as err:  # transformers before continuous batching
         pytest.skip(f"no paged cache in this transformers: {err}")
+    if want.shape[-1] <= ids.shape[-1]:
+        pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
     with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = model.generate(input_ids=ids, **kw)
-        assert set(group.stepped_aside) == {"custom_4d_mask"}
-    (where,) = {w.filename for w in caught if "transformers' own attention" in str(w.message)}
-    assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
+        aside = group.stepped_aside
     assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
+    if aside:  # the versions whose continuous batching hands the layers a 4D mask (5.x after 5.0)
+        assert set(aside) == {"custom_4d_mask"}
+        (where,) = {w.filename for w in caught if "transformers' own attention" in str(w.message)}
+        assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text", "phi3"])
