@@ -19,6 +19,7 @@ from typing import Any, Optional
 from .api import PatchHandle, active_patches, applying
 from .config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
 from .group import PatchGroup
+from .process_report import rank_label, report_at_exit
 
 PTH_NAME = "patchkit-startup.pth"
 ORIGIN = f"applied when a served family's modeling module was imported, because {ENV_FLASH_ATTN} is on"
@@ -33,8 +34,6 @@ def stand_down(owner: str) -> None:
 
 def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any = None) -> None:
     """The one line on stderr: which variable did it, which patch, which backend, which process."""
-    from .launch import rank_label
-
     scope = "every family patchkit serves" if isinstance(handle, PatchGroup) else f"every {handle.spec.family} model"
     print(
         f"patchkit: {ENV_FLASH_ATTN}={os.environ.get(ENV_FLASH_ATTN, '')}, {rank_label()}: patch {handle.name!r} "
@@ -56,8 +55,6 @@ def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
         return None  # already applied in this process (same options: the same handle; else apply_patch says so)
     handle = apply_from_args(args)
     if handle is not None:
-        from .launch import report_at_exit
-
         handle.origin = ORIGIN
         announce(handle, args)
         # as the launcher does (loud if no layer ran through it), named for the variable that applied it
