@@ -249,12 +249,14 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
 
 
 def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
-    """What of a causal LM's call reads transformers' values at padding positions: its labels, or its only logits."""
+    """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
+    token (its prefill; a plain forward's logits at padding are zeros, as documented)."""
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
+    cache = arguments.get("past_key_values", extra.get("past_key_values"))
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
-    return "right_padded_generation" if right_padded_generation(mask, keep) else None
+    return "right_padded_generation" if right_padded_generation(mask, cache, keep) else None
 
 
 def make_lm_forward(original: Callable) -> Callable:

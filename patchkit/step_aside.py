@@ -27,8 +27,8 @@ CAUSES = {
         "collators do)",
     ),
     "right_padded_generation": (
-        "generate() on a right-padded prompt reads a short row's next token from a padding position, which "
-        "varlen kernels skip",
+        "generate() on a right-padded prompt reads a short row's next token from a padding position, which varlen "
+        "kernels skip",
         "pad prompts on the left for generation (tokenizer.padding_side = 'left')",
     ),
     "custom_4d_mask": (
@@ -158,10 +158,14 @@ def window_over_hole(config: Any, mask: Any) -> bool:
     return has_holes(mask)
 
 
-def right_padded_generation(mask: Any, logits_to_keep: Any) -> bool:
-    """generate()'s prefill (logits of the last position only) where some row's last position is padding."""
-    if not isinstance(logits_to_keep, int) or logits_to_keep != 1:  # continuous batching passes indices
-        return False
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
+def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any) -> bool:
+    """generate()'s prefill (a dynamic KV cache passed in, still empty, and the `logits_to_keep` that generate()
+    always passes, 1 or 0) where some row's last position is padding: that row's next token is read there."""
+    if cache is None or logits_to_keep is None or getattr(cache, "is_compileable", False):
+        return False  # not generate(); a static cache's mask covers its unfilled slots
+    if not isinstance(logits_to_keep, int) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False  # continuous batching passes a tensor of indices and its own mask
+    length = getattr(cache, "get_seq_length", None)
+    if length is None or length() != 0 or mask.shape[-1] < 2:
         return False
     return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())

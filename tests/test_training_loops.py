@@ -87,12 +87,15 @@ def test_right_padded_generate_under_a_sliding_window_steps_aside_for_every_step
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("keep", [None, 0], ids=["default", "logits_to_keep=0"])
 @pytest.mark.parametrize("family", ["llama", "gemma", "granite"])
-def test_right_padded_generate_steps_aside_for_the_prefill_only(family):
+def test_right_padded_generate_steps_aside_for_the_prefill_only(family, keep):
+    """Whatever logits_to_keep says (generate() passes 1 unless told 0), the prefill into generate()'s cache reads a
+    short row's next token at padding: it steps aside, and the decode steps run patched."""
     model = any_model(family, "sdpa")
     ids, mask = padded_batch("right", batch=3, seq=14)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
-              return_dict_in_generate=True)
+              return_dict_in_generate=True, **({} if keep is None else {"logits_to_keep": keep}))
     want = model.generate(input_ids=ids, **kw)
     with patchkit.apply_patch(family, backend="sdpa") as handle:
         got = model.generate(input_ids=ids, **kw)
@@ -101,6 +104,18 @@ def test_right_padded_generate_steps_aside_for_the_prefill_only(family):
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_a_plain_forward_keeping_the_last_logits_is_not_generation():
+    """transformers' test_forward_with_logits_to_keep: logits_to_keep=1 equals the last column of the full logits
+    (zeros at a padding column under unpad="model", as documented), both patched, nothing stepped aside."""
+    model = any_model("qwen2", "sdpa")
+    ids, mask = padded_batch("right")
+    with torch.no_grad(), patchkit.apply_patch(backend="sdpa") as group:
+        full = model(input_ids=ids, attention_mask=mask, logits_to_keep=0).logits
+        last = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+        assert group.calls == 4 and not group.stepped_aside
+    torch.testing.assert_close(last, full[:, -1:])
 
 
 @pytest.mark.parametrize("family", ["llama-dynamic", "phi3-longrope"])
