@@ -20,11 +20,11 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 test: setup
-	$(BIN)/ruff check patchkit patches tests examples benchmarks
+	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check patchkit patches tests examples benchmarks
+	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 
 # The transformers version matrix (slow: one install per version); see tests/matrix.py.
 matrix: setup
