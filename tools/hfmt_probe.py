@@ -63,5 +63,5 @@ def pytest_runtest_protocol(item, nextitem):
     }
     if _OUT:
         with open(_OUT, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\\n")
+            fh.write(json.dumps(record) + "\n")
     return result
