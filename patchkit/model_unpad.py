@@ -20,7 +20,14 @@ from .errors import PatchInputError
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
 from .routing import ROUTE_NAME, routed
-from .step_aside import LM_CAUSE, forward_cause, right_padded_generation, step_aside, stepping_aside
+from .step_aside import (
+    LM_CAUSE,
+    documents_from_4d_mask,
+    forward_cause,
+    right_padded_generation,
+    step_aside,
+    stepping_aside,
+)
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 IGNORE_INDEX = -100
@@ -210,6 +217,8 @@ def make_model_forward(
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
+        if cause == "custom_4d_mask" and documents_from_4d_mask(arguments, extra):
+            cause = None  # a block-diagonal causal 4D mask, now cu_seq_lens: packed documents, served patched
         if cause is not None:
             step_aside(aside_state, cause, arguments, extra)
             with stepping_aside(cause):

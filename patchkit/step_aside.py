@@ -117,20 +117,20 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if wanted:
         return "output_attentions"
     mask = arguments.get("attention_mask")
-    if transformers_mask(mask) and not documents_from_4d_mask(arguments, extra):
-        return "custom_4d_mask"
-    if isinstance(mask, dict) and any(map(transformers_mask, mask.values())):
-        return "custom_4d_mask"  # generate()'s precomputed masks per layer type (static caches, Gemma3)
+    if transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values()))):
+        return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
 
 
 def documents_from_4d_mask(arguments: dict, extra: dict) -> bool:
     """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: hand them to
     the varlen path as cu_seq_lens (in `arguments` / `extra`, in place) instead of stepping aside."""
-    cache = arguments.get("past_key_values")
-    if (cache is not None and cache.get_seq_length() > 0) or extra.get("cu_seq_lens_q") is not None:
+    cache, mask = arguments.get("past_key_values"), arguments.get("attention_mask")
+    if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
+        return False  # a dict of masks per layer type is generate()'s, never packed documents
+    if cache is not None and cache.get_seq_length() > 0:
         return False
-    found = block_diagonal_documents(arguments["attention_mask"])
+    found = block_diagonal_documents(mask)
     if found is None:
         return False
     cu, longest = found
