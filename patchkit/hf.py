@@ -17,7 +17,7 @@ from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
 from .patching import Replacement, bound_replacement
 from .routing import current_method
-from .step_aside import is_stepping_aside
+from .step_aside import is_stepping_aside, transformers_mask
 
 
 def modeling_llama() -> ModuleType:
@@ -53,12 +53,13 @@ def make_create_causal_mask(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
     def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
-        if is_stepping_aside():
-            return original(*args, **kwargs)  # transformers' own mask for a forward patchkit steps aside for
         bound = signature.bind_partial(*args, **kwargs).arguments
+        # a 4D mask made before the model ran (read first: a compiled static-cache step reads no contextvar), or a
+        # forward patchkit steps aside for: transformers' own mask
+        if transformers_mask(bound.get("attention_mask")) or is_stepping_aside():
+            return original(*args, **kwargs)
         _refuse_mask_extras(bound)
         past_len, fixed = cache_placement(bound.get("past_key_values"), bound.get("cache_position"))
-        refuse_4d(bound.get("attention_mask"), fixed)
         return VarlenMask.for_forward(bound.get("attention_mask"), past_len, fixed)
 
     create_causal_mask.__wrapped_original__ = original  # type: ignore[attr-defined]

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 LIVE_MARK = "_patchkit_live"  # every attention layer that ran through a patch holds that PatchState's `mark` here
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling  # <2.3
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling  # <2.3
 
 
 def record_call(state: Any, module: nn.Module) -> None:
     """One attention call of `module` through the patch whose state is `state`."""
     setattr(module, LIVE_MARK, state.mark)
-    if _is_compiling():
+    if is_compiling():
         state.compiled = True  # a constant store: no guard, no recompile; calls are not counted in graphs
         return
     state.calls += 1

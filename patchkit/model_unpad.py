@@ -17,6 +17,7 @@ from torch import nn
 
 from .documents import callers_mask
 from .errors import PatchInputError
+from .liveness import is_compiling
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
 from .routing import ROUTE_NAME, routed
@@ -27,6 +28,7 @@ from .step_aside import (
     right_padded_generation,
     step_aside,
     stepping_aside,
+    transformers_made,
 )
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
@@ -216,6 +218,8 @@ def make_model_forward(
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
+        if is_compiling() and transformers_made(arguments.get("attention_mask")):
+            return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
         if cause == "custom_4d_mask" and documents_from_4d_mask(arguments, extra):
             cause = None  # a block-diagonal causal 4D mask, now cu_seq_lens: packed documents, served patched
@@ -275,7 +279,10 @@ def make_lm_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(self, *args, **kwargs).arguments
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        token = LM_CAUSE.set(lm_cause(arguments, extra))
+        cause = lm_cause(arguments, extra)
+        if cause is None and (is_compiling() or LM_CAUSE.get() is None):
+            return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
+        token = LM_CAUSE.set(cause)
         try:
             return original(self, *args, **kwargs)
         finally:

@@ -106,6 +106,11 @@ def transformers_mask(mask: Any) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 4
 
 
+def transformers_made(mask: Any) -> bool:
+    """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
+    return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
+
+
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """Why the base model's forward with these arguments cannot run patched exactly, or None."""
     lm_cause = LM_CAUSE.get()
@@ -116,8 +121,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         wanted = getattr(module.config, "output_attentions", False)
     if wanted:
         return "output_attentions"
-    mask = arguments.get("attention_mask")
-    if transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values()))):
+    if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
 
