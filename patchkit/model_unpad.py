@@ -269,7 +269,8 @@ def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
         return "labels_from_padding"
     cache = arguments.get("past_key_values", extra.get("past_key_values"))
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
-    return "right_padded_generation" if right_padded_generation(mask, cache, keep) else None
+    position = arguments.get("cache_position", extra.get("cache_position"))
+    return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
 
 
 def make_lm_forward(original: Callable) -> Callable:

@@ -162,14 +162,20 @@ def window_over_hole(config: Any, mask: Any) -> bool:
     return has_holes(mask)
 
 
-def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any) -> bool:
-    """generate()'s prefill (a dynamic KV cache passed in, still empty, and the `logits_to_keep` that generate()
-    always passes, 1 or 0) where some row's last position is padding: that row's next token is read there."""
-    if cache is None or logits_to_keep is None or getattr(cache, "is_compileable", False):
-        return False  # not generate(); a static cache's mask covers its unfilled slots
-    if not isinstance(logits_to_keep, int) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return False  # continuous batching passes a tensor of indices and its own mask
-    length = getattr(cache, "get_seq_length", None)
-    if length is None or length() != 0 or mask.shape[-1] < 2:
+def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_position: Any = None) -> bool:
+    """generate()'s prefill where some row's last position is padding: that row's next token is read there.
+
+    generate() always passes `logits_to_keep` (1, or 0 when told) and either its empty dynamic cache (5.4+) or a
+    `cache_position` from 0 (up to 5.3, which lets the model make the cache); a plain forward passes neither.
+    """
+    if logits_to_keep is None or not isinstance(logits_to_keep, int) or getattr(cache, "is_compileable", False):
+        return False  # not generate(); continuous batching passes a tensor; a static cache's mask covers its slots
+    if cache is not None:
+        length = getattr(cache, "get_seq_length", None)
+        if length is None or length() != 0:
+            return False
+    elif not (isinstance(cache_position, torch.Tensor) and cache_position.numel() and int(cache_position[0]) == 0):
+        return False
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
     return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())
