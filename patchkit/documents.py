@@ -108,13 +108,23 @@ def _short(lengths: list[int]) -> str:
     return str(lengths) if len(lengths) <= 8 else f"[{', '.join(map(str, lengths[:8]))}, ...] ({len(lengths)})"
 
 
+def allowed_keys(mask: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, Q, K) mask, boolean (True: attend) or additive (0: attend), as (B, Q, K) booleans."""
+    return mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+
+
+def real_tokens_of_4d(mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) booleans: the tokens of a square 4D mask that see themselves, i.e. the real ones."""
+    return allowed_keys(mask).diagonal(dim1=-2, dim2=-1)
+
+
 def block_diagonal_documents(mask: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
     """A 4D mask that is causal attention within contiguous documents of each row, padding masked and on one side
     (LLaMA-Factory's `neat_packing` mask): (cu_seqlens over every token, each padding token a document of its own,
     longest document), so the varlen path serves it exactly; else None."""
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
         return None
-    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    allowed = allowed_keys(mask)
     seqlen = allowed.shape[-1]
     real = allowed.diagonal(dim1=-2, dim2=-1)
     idx = torch.arange(seqlen, device=mask.device)

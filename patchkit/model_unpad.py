@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .documents import callers_mask
+from .documents import callers_mask, real_tokens_of_4d
 from .errors import PatchInputError
 from .liveness import is_compiling
 from .masks import VarlenMetadata, build_metadata, packed_forward
@@ -248,8 +248,7 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
     mask's real tokens are those that see themselves."""
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
-        mask = mask[:, 0].diagonal(dim1=-2, dim2=-1) if mask.dtype == torch.bool else (
-            mask[:, 0].diagonal(dim1=-2, dim2=-1) == 0)
+        mask = real_tokens_of_4d(mask)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
     pad = mask == 0

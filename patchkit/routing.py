@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -85,6 +85,6 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
     return forward
 
 
-def routes_to(forward: Any, state: Any) -> Optional[bool]:
+def routes_to(forward: Any, state: Any) -> bool:
     """True when `forward` (bound or not) is a routing wrapper on `state`."""
     return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state
