@@ -31,22 +31,53 @@ _state: Optional[PatchState] = None
 _function: Optional[Callable] = None
 
 
-def mask_function(
-    *args: Any, attention_mask: Any = None, q_offset: Any = None, q_length: Optional[int] = None,
-    kv_length: Optional[int] = None, kv_offset: int = 0, cache_position: Any = None, **kwargs: Any,
-) -> VarlenMask:
+def mask_function(*args: Any, **kwargs: Any) -> Any:
     """`AttentionMaskInterface` entry: the 2D mask, wrapped, with where the queries sit; never a (B, 1, N, N) tensor.
 
     transformers sizes the keys from the cache: a `kv_length` beyond `q_offset + q_length` means the cache returns
-    preallocated slots (a StaticCache), whose unfilled tail no query may see.
+    preallocated slots (a StaticCache), whose unfilled tail no query may see. A pattern beyond causal, sliding and
+    packed (`beyond_causal`) gets transformers' own eager mask, which the attention entry steps aside for.
     """
+    if beyond_causal(kwargs.get("mask_function")):
+        from transformers.masking_utils import eager_mask
+
+        mask = eager_mask(*args, **kwargs)
+        mask.patchkit_cause = "custom_mask_pattern"  # read by `_attention`: the cause it steps aside for
+        return mask
+    attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
+    q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask)
-    past_len, key_offset = int(q_offset), int(kv_offset)
+    past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
     return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset)
+
+
+# transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
+# causal, a sliding window over it, packed documents; and the combinators that only join or shift them
+EXPRESSIBLE = {"causal_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+               "packed_sequence_mask_function.<locals>.inner_mask"}
+JOINING = {"and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
+           "add_offsets_to_mask_function.<locals>.inner_mask"}
+
+
+def beyond_causal(function: Any) -> bool:
+    """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
+    bidirectional span, a caller's and_mask_function, chunked attention): read from its closures, no tensor work."""
+    if function is None:
+        return False
+    if getattr(function, "__module__", None) != "transformers.masking_utils":
+        return True
+    name = function.__qualname__
+    if name in EXPRESSIBLE:
+        return False
+    if name not in JOINING:
+        return True
+    parts = [c.cell_contents for c in function.__closure__ or ()]
+    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,)) if callable(f)]
+    return any(beyond_causal(f) for f in parts)
 
 
 def route_state() -> PatchState:
@@ -70,7 +101,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     """
     routed = ROUTED_STATE.get()
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
-        step_aside(routed or route_state(), "custom_4d_mask", {}, {})
+        cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
+        step_aside(routed or route_state(), cause, {}, {})
         if attention_mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min)

@@ -37,6 +37,12 @@ CAUSES = {
         "mask cannot express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
     ),
+    "custom_mask_pattern": (
+        "transformers was asked for a mask beyond causal and padding (a bidirectional span such as an image's "
+        "tokens, or an or_mask_function / and_mask_function / block_sequence_ids), which a key-padding mask cannot "
+        "express",
+        "not possible for this pattern, which needs transformers' attention",
+    ),
     "window_over_padding_hole": (
         "a sliding window over a row with padding between real tokens (generate() on a right-padded prompt makes "
         "one): transformers counts the padding columns inside the window, varlen kernels count real tokens only",

@@ -4,6 +4,7 @@ unpatched, one warning per cause naming it and the fix, a count in the report; s
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -13,6 +14,8 @@ from models import padded_batch
 
 import patchkit
 from patchkit import PatchInputError
+from patchkit.masks import VarlenMask
+from patchkit.routing import routed
 
 
 def patch(family: str, way: str, model: torch.nn.Module, **kw):
@@ -166,3 +169,38 @@ def test_a_block_diagonal_causal_4d_mask_runs_patched_as_packed_documents(family
     torch.testing.assert_close(got[0][real], want[0][real], atol=3e-5, rtol=1e-4)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], atol=3e-5, rtol=1e-3, msg=name)
+
+
+def _create_causal_mask(model: torch.nn.Module, mask: torch.Tensor, **extra) -> object:
+    """transformers' create_causal_mask for `model`'s config, with the argument names of the installed version."""
+    masking_utils = pytest.importorskip("transformers.masking_utils", reason="masks by interface: transformers 4.53+")
+    params = inspect.signature(masking_utils.create_causal_mask).parameters
+    embeds = torch.zeros(*mask.shape, model.config.hidden_size)
+    kw = {"config": model.config, "attention_mask": mask, "past_key_values": None,
+          "input_embeds" if "input_embeds" in params else "inputs_embeds": embeds}
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(mask.shape[1])
+    return masking_utils.create_causal_mask(**kw, **extra)
+
+
+@pytest.mark.parametrize("extra", ["or_mask_function", "and_mask_function"])
+def test_a_mask_pattern_beyond_causal_gets_transformers_mask_and_attention(extra):
+    """A pattern a key-padding mask cannot express (here: keys 0-3 seen by every query, as an image prefix, or
+    key 2 hidden) in a routed forward: transformers' own mask and attention, exact, counted by its cause."""
+    model = any_model("llama")
+    ids, mask = padded_batch("right")
+    pattern = {"or_mask_function": lambda b, h, q, k: k < 4, "and_mask_function": lambda b, h, q, k: k != 2}[extra]
+    layer = model.model.layers[0].self_attn
+    hidden = torch.randn(*ids.shape, model.config.hidden_size)
+    cos_sin = model.model.rotary_emb(hidden, torch.arange(ids.shape[1])[None])
+    with torch.no_grad():
+        want_mask = _create_causal_mask(model, mask, **{extra: pattern})
+        want = layer(hidden, cos_sin, want_mask)[0]
+        with patchkit.apply_patch("llama", backend="sdpa") as handle, routed(model.config, handle.state):
+            plain = _create_causal_mask(model, mask)
+            got_mask = _create_causal_mask(model, mask, **{extra: pattern})
+            got = layer(hidden, cos_sin, got_mask)[0]
+            assert handle.stepped_aside == {"custom_mask_pattern": 1} and handle.calls == 0
+    assert isinstance(plain, VarlenMask)
+    torch.testing.assert_close(got_mask, want_mask)
+    torch.testing.assert_close(got, want)
