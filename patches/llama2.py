@@ -16,5 +16,6 @@ SPEC = PatchSpec(
     build_class=eras.class_replacements,
     build_instance=eras.instance_replacements,
     attention_class=eras.attention_class,
+    live_layers=eras.live_layers,
     aliases=("llama",),
 )

@@ -10,14 +10,14 @@ from torch import nn
 
 from . import eras, flash_request, unserved
 from . import gates as _gates
-from .attention import UNPAD_MODES, PatchState, is_patched_forward
+from .attention import UNPAD_MODES, PatchState
 from .backends import BACKEND_NAMES, make_backend
 from .choice import choose_backend
 from .errors import PatchGateError, PatchkitError, PatchTargetError
 from .gates import GateResult
 from .group import GROUP_NAME, PatchGroup
 from .liveness import live_layers
-from .model_walk import find_modules, head_dim, model_config
+from .model_walk import head_dim, model_config
 from .patching import Replacement, apply_replacements, restore_replacements
 from .registry import PatchSpec, for_model_type, registered, resolve
 
@@ -97,12 +97,7 @@ class PatchHandle:
 
     def check(self, model: nn.Module) -> int:
         """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
-        if self.spec.live_layers is not None:
-            live, total = self.spec.live_layers(model, self.state)
-        else:
-            layers = find_modules(model, self.spec.attention_class())
-            live = sum(1 for m in layers if is_patched_forward(m.forward) and _state_of(m.forward) is self.state)
-            total = len(layers)
+        live, total = self.spec.live_layers(model, self.state)
         if total == 0:
             raise PatchTargetError(
                 f"{type(model).__name__} has no {self.spec.attention_class().__name__} layers: patch {self.name!r} "
@@ -152,10 +147,6 @@ class PatchHandle:
             f"PatchHandle(name={self.name!r}, backend={self.backend!r}, active={self.active}, "
             f"layers_patched={self.layers_patched})"
         )
-
-
-def _state_of(fn: Any) -> Optional[PatchState]:
-    return getattr(getattr(fn, "__func__", fn), "__patchkit_state__", None)
 
 
 def apply_patch(

@@ -18,7 +18,6 @@ from .liveness import record_call
 from .masks import VarlenMetadata, as_varlen_mask
 from .padding import pad_input, unpad_rows
 from .patching import BoundPatch
-from .step_aside import is_stepping_aside, transformers_mask
 from .warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
@@ -206,56 +205,6 @@ def varlen_core(
     return pad_input(out, meta.indices_q, batch, q_len)
 
 
-def make_forward(state: PatchState, apply_rotary: Callable, original: Callable) -> Callable:
-    """Build the replacement `LlamaAttention.forward` for transformers >= 4.48 (one attention class); `original`
-    serves the forwards patchkit steps aside for (`step_aside`: they hand it transformers' own mask)."""
-
-    def forward(
-        self: nn.Module,
-        hidden_states: torch.Tensor,
-        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        attention_mask: Any = None,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        if transformers_mask(attention_mask) or is_stepping_aside():
-            return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-        if args:  # 4.48-4.55 may pass past_key_value / cache_position positionally
-            kwargs.update(zip(("past_key_value", "cache_position"), args))
-        past = kwargs.pop("past_key_values", None)
-        past = kwargs.pop("past_key_value", None) if past is None else past
-        if kwargs.get("output_attentions"):
-            raise PatchInputError(
-                "output_attentions=True cannot be served by patchkit's varlen attention (the kernels never form "
-                "the attention matrix). Call handle.revert() and load with attn_implementation='eager' for that run."
-            )
-        if position_embeddings is None:
-            raise PatchInputError(
-                "patchkit's LLaMA patch needs position_embeddings from the model (transformers >= 4.48)"
-            )
-        batch, q_len = hidden_states.shape[:2]
-        shape = (batch, q_len, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape)
-        k = self.k_proj(hidden_states).view(shape)
-        v = self.v_proj(hidden_states).view(shape)
-        cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=2)  # (B, S, H, D): no transposes needed
-        if past is not None:
-            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
-            k, v = past.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_idx, cache_kwargs)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        check_call(self, kwargs)
-        out = varlen_core(
-            state, self, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs,
-            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-            fixed_cache=bool(getattr(past, "is_compileable", False)),
-        )
-        return self.o_proj(out.reshape(batch, q_len, -1)), None
-
-    forward.__patchkit_state__ = state  # type: ignore[attr-defined]
-    return forward
-
-
 def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Callable:
     """The same attention in transformers' `AttentionInterface` signature (q/k/v as (B, H, S, D)).
 
@@ -278,15 +227,9 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
         )
         return out, None
 
-    attention.__patchkit_state__ = state  # type: ignore[attr-defined]
     return attention
 
 
 def sliding_window_size(sliding_window: Optional[int]) -> tuple[int, int]:
     """transformers' `sliding_window=w` (a query sees keys less than w positions back) as flash-attn's window."""
     return (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)
-
-
-def is_patched_forward(fn: Any) -> bool:
-    """True for a forward built by `make_forward` (bound or not)."""
-    return hasattr(getattr(fn, "__func__", fn), "__patchkit_state__")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import gates
+from .arguments import check_family
 from .attention import PatchState, make_attention_function
 from .backends import BACKEND_NAMES, make_backend
 from .choice import choose_backend
@@ -52,7 +53,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         return VarlenMask.for_forward(attention_mask)
     past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
-    return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset)
+    return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
 
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
@@ -101,6 +102,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     """
     routed = ROUTED_STATE.get()
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
+        check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
         step_aside(routed or route_state(), cause, {}, {})
         if attention_mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
@@ -129,6 +131,17 @@ def _function_for(state: PatchState) -> Callable:
 
 def served_model_types() -> set[str]:
     return {t for spec in registered() for t in spec.model_types}
+
+
+def register_route() -> bool:
+    """What a patch's route needs: the attention entry under ATTENTION_NAME (transformers 4.48+, a plain dict up to
+    4.49) and, from 4.53, the mask entry; True when masks go through the interface."""
+    if register():
+        return True
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS[ATTENTION_NAME] = _attention  # 4.48-4.52: masks from the patched _update_causal_mask
+    return False
 
 
 def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bool:

@@ -234,19 +234,22 @@ class VarlenMask:
 
     `past_len` is how many tokens the KV cache held when the mask was built (None: no cache, or unknown) and
     `fixed_cache` whether the cache returns all its preallocated slots (a StaticCache): together they place
-    the queries, whatever length the mask has. Code that patchkit does not own gets a `PatchkitError`, not a
-    type error from deep inside torch, if this object ever reaches it.
+    the queries, whatever length the mask has. `slots`: the key count transformers sized the mask for, when
+    `fixed_cache` was read from it (the mask interface): a layer handed fewer keys has no such cache. Code that
+    patchkit does not own gets a `PatchkitError`, not a type error from deep inside torch, if this object ever
+    reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
-        fixed_cache: bool = False, key_offset: int = 0,
+        fixed_cache: bool = False, key_offset: int = 0, slots: Optional[int] = None,
     ) -> None:
         self.mask = check_mask(mask)
         self.past_len = past_len
         self.fixed_cache = fixed_cache
+        self.slots = slots
         self.key_offset = key_offset  # the mask column of the first key the cache returns (a sliding-window cache)
         self._meta = meta
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
@@ -254,11 +257,11 @@ class VarlenMask:
     @classmethod
     def for_forward(
         cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False,
-        key_offset: int = 0,
+        key_offset: int = 0, slots: Optional[int] = None,
     ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
         meta = _PACKED_FORWARD.get() if mask is None else None
-        return cls(mask, meta, past_len, fixed_cache, key_offset)
+        return cls(mask, meta, past_len, fixed_cache, key_offset, slots)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.
@@ -267,7 +270,8 @@ class VarlenMask:
         static one returns all its slots, and the queries sit at `past_len`, not at the end of the mask. What
         cannot be placed is refused.
         """
-        fixed = fixed_cache or self.fixed_cache
+        # sized for preallocated slots, but a layer handed another key count has no such cache
+        fixed = fixed_cache or (self.fixed_cache and self.slots in (None, keys))
         if self.past_len == 0 and not fixed and self.mask is not None and self.mask.shape[-1] > q_len == keys:
             raise PatchInputError(
                 f"attention_mask covers {self.mask.shape[-1]} columns, but this forward brings no cached tokens and "

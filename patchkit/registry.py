@@ -47,10 +47,10 @@ class PatchSpec:
     build_class: Callable[[PatchState], list[Replacement]]
     build_instance: Callable[[PatchState, nn.Module], list[Replacement]]
     attention_class: Callable[[], type]  # the attention layer class whose instances run through the patch
+    live_layers: Callable[[nn.Module, PatchState], tuple[int, int]]  # (layers through the patch, layers)
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
-    live_layers: Optional[Callable[[nn.Module, PatchState], tuple[int, int]]] = None  # None: forwards replaced
 
     @property
     def family(self) -> str:

@@ -1,29 +1,32 @@
-"""One patch for every family whose attention goes through transformers' attention interface (4.53+).
+"""One patch for every family on transformers 4.48+ (LLaMA's included): the builder of its replacements.
 
 From transformers 4.48 each family's attention forward projects q, k, v, applies its own bias, q/k norms and
 RoPE, updates the cache, then calls `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with what differs
 (`sliding_window`, `softcap`, `scaling`); from 4.53 its masks go through `AttentionMaskInterface` by the same
-name. So patchkit replaces no attention code for these families: the base model's forward is wrapped to route
-that forward's masks to patchkit's registered name (`attn_interface`) and to unpad once when no cache is kept,
-and the attention forward routes each call given patchkit's mask to that name on the patch's own state, for
-the module's lifetime (`routing`: checkpoint recomputes included). A family module declares its classes.
+name (4.48-4.52: the base model's `_update_causal_mask`, replaced here). So patchkit replaces no attention code:
+the base model's forward is wrapped to route that forward's masks to patchkit's registered name
+(`attn_interface`) and to unpad once when no cache is kept, and the attention forward routes each call given
+patchkit's mask to that name on the patch's own state, for the module's lifetime (`routing`: checkpoint
+recomputes included). A family module declares its classes.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
 from . import attn_interface
 from .attention import KV_PACKED, PatchState
 from .errors import PatchTargetError
+from .masks import VarlenMask, cache_placement, refuse_4d
 from .model_unpad import make_lm_forward, make_model_forward
 from .model_walk import find_modules
 from .patching import Replacement, bound_replacement
 from .registry import PatchSpec
 from .routing import current_method, make_attention_forward, routes_to
+from .step_aside import is_stepping_aside
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 
@@ -56,13 +59,16 @@ def family_spec(
 def class_replacements(state: PatchState, classes: Callable) -> list[Replacement]:
     """Before load: every model of the family routes through patchkit, whatever implementation it names."""
     attention, base, lm = classes()
-    attn_interface.register()
+    by_interface = attn_interface.register_route()
     out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
                        f"{base.__name__}.forward (routes masks to patchkit)"),
            Replacement(attention, "forward", make_attention_forward(attention.forward, state),
                        f"{attention.__name__}.forward (routes attention to patchkit)")]
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", make_lm_forward(lm.forward), f"{lm.__name__}.forward"))
+    if not by_interface:
+        update = make_update_causal_mask(base._update_causal_mask)
+        out.append(Replacement(base, "_update_causal_mask", update, f"{base.__name__}._update_causal_mask"))
     return out
 
 
@@ -75,12 +81,16 @@ def instance_replacements(state: PatchState, model: nn.Module, classes: Callable
             f"found no {base.__name__} with {attention.__name__} layers in {type(model).__name__}: patched 0 layers; "
             "nothing was patched."
         )
-    attn_interface.register()
+    by_interface = attn_interface.register_route()
     out = []
     for b in bases:
         wrapped = make_model_forward(current_method(b), state.unpad, b.config._attn_implementation, route=state)
         out.append(bound_replacement(wrapped, b, "forward", f"{type(b).__name__}.forward (routes masks to patchkit)",
                                      state.track_copy))
+        if not by_interface:
+            update = make_update_causal_mask(current_method(b, "_update_causal_mask"))
+            out.append(bound_replacement(update, b, "_update_causal_mask", f"{type(b).__name__}._update_causal_mask",
+                                         state.track_copy))
     for m in find_modules(model, attention):
         out.append(bound_replacement(make_attention_forward(current_method(m), state), m, "forward",
                                      f"{type(m).__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, routes "
@@ -99,3 +109,20 @@ def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple
     live = sum(1 for b in find_modules(model, base) if routes_to(b.forward, state)
                for m in find_modules(b, attention) if routes_to(m.forward, state))
     return live, total
+
+
+def make_update_causal_mask(original: Callable) -> Callable:
+    """The mask entry of transformers 4.48-4.52 (no mask interface): `_update_causal_mask` hands attention the 2D
+    mask, wrapped, with where the queries sit."""
+
+    def _update_causal_mask(
+        self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
+        past_key_values: Any = None, *args: Any, **kwargs: Any,
+    ) -> Any:
+        if is_stepping_aside():
+            return original(self, attention_mask, input_tensor, cache_position, past_key_values, *args, **kwargs)
+        past_len, fixed = cache_placement(past_key_values, cache_position)
+        refuse_4d(attention_mask, fixed)
+        return VarlenMask.for_forward(attention_mask, past_len, fixed)
+
+    return _update_causal_mask

@@ -88,3 +88,8 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
 def routes_to(forward: Any, state: Any) -> bool:
     """True when `forward` (bound or not) is a routing wrapper on `state`."""
     return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state
+
+
+def is_patched_forward(forward: Any) -> bool:
+    """True when `forward` (bound or not) is one of patchkit's attention or model forwards on some patch state."""
+    return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is not None

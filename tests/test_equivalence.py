@@ -7,6 +7,7 @@ import torch
 from models import clone, labels_for, padded_batch, tiny_model
 
 import patchkit
+from patchkit.masks import VarlenMask
 
 
 def run(model, ids, mask, train: bool = True):
@@ -49,7 +50,7 @@ def test_all_padding_row_is_zero_not_nan():
         attn_out, _ = layer.self_attn(
             layer.input_layernorm(model.model.embed_tokens(ids)),
             position_embeddings=model.model.rotary_emb(model.model.embed_tokens(ids), torch.arange(24)[None]),
-            attention_mask=mask,
+            attention_mask=VarlenMask.for_forward(mask),  # what the patched model hands its layers
         )
     assert attn_out[-1].abs().max() == 0
 

@@ -10,9 +10,10 @@ import torch
 from models import padded_batch, tiny_model
 
 import patchkit
-from patchkit import PatchInputError, PatchkitError, PatchTargetError, hf
-from patchkit.attention import is_patched_forward
+from patchkit import PatchInputError, PatchkitError, PatchTargetError, eras
+from patchkit.masks import VarlenMask
 from patchkit.patching import Replacement
+from patchkit.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 
@@ -115,7 +116,7 @@ def test_missing_target_patches_nothing(monkeypatch):
     spec = patchkit.registry.resolve("llama2")
 
     def with_a_missing_target(state):
-        return [*hf.class_replacements(state), Replacement(MOD.LlamaModel, "_no_such_method", None)]
+        return [*eras.class_replacements(state), Replacement(MOD.LlamaModel, "_no_such_method", None)]
 
     broken = dataclasses.replace(spec, build_class=with_a_missing_target)
     monkeypatch.setattr(patchkit.api, "resolve", lambda name: broken)
@@ -159,14 +160,15 @@ def test_4d_mask_is_served_by_transformers_attention_never_dropped(way):
 
 
 def test_output_attentions_is_refused_with_the_reason():
+    """A layer called on its own with patchkit's mask (the model's forward steps aside for it: test_step_aside)."""
     model = tiny_model()
     ids, mask = padded_batch("right")
     layer = model.model.layers[0].self_attn
     h = model.model.embed_tokens(ids)
     pe = model.model.rotary_emb(h, torch.arange(24)[None])
     with patchkit.apply_patch("llama2", backend="sdpa"):
-        with pytest.raises(PatchInputError, match="output_attentions=True cannot be served"):
-            layer(h, position_embeddings=pe, attention_mask=mask, output_attentions=True)
+        with pytest.raises(PatchInputError, match="passes output_attentions=True.*attention weights"):
+            layer(h, position_embeddings=pe, attention_mask=VarlenMask.for_forward(mask), output_attentions=True)
 
 
 def test_available_patches_lists_the_registry():

@@ -4,7 +4,7 @@
 |---|---|---|
 | 4.31-4.35 | rotary inside attention, tuple KV cache, 3-tuple return; mask method, module-level from 4.35 | `legacy` |
 | 4.36-4.47 | per-layer attention classes, Cache objects; `_update_causal_mask` from 4.38 | `legacy` |
-| 4.48-5.x | one attention class, the attention interface; `create_causal_mask` from 4.53 | `patchkit.hf` |
+| 4.48-5.x | one attention class, the attention interface; `create_causal_mask` from 4.53 | `route_patch` |
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-from .. import hf
+from .. import route_patch
 from ..attention import PatchState
+from ..model_walk import find_modules
 from ..patching import Replacement
+from ..routing import routes_to
 from . import legacy
 
 LLAMA_TRANSFORMERS = ">=4.31,<6"  # the union of the eras below
@@ -60,23 +62,41 @@ def legacy_installed() -> bool:
     return installed_era() is not ERAS[-1]
 
 
+def modeling_llama() -> Any:
+    return importlib.import_module("transformers.models.llama.modeling_llama")
+
+
 def attention_class() -> type:
     """LLaMA's attention class: every version's other attention classes derive from it."""
-    return hf.modeling_llama().LlamaAttention
+    return modeling_llama().LlamaAttention
+
+
+def llama_classes() -> tuple[type, type, type]:
+    """LLaMA's attention, base model and causal LM: what the family route patches from 4.48."""
+    mod = modeling_llama()
+    return mod.LlamaAttention, mod.LlamaModel, mod.LlamaForCausalLM
 
 
 def class_replacements(state: PatchState) -> list[Replacement]:
     """The installed era's targets of a before-load patch."""
     if legacy_installed():
-        return legacy.class_replacements(state, hf.modeling_llama())
-    return hf.class_replacements(state)
+        return legacy.class_replacements(state, modeling_llama())
+    return route_patch.class_replacements(state, llama_classes)
 
 
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
     """The installed era's targets of a loaded-instance patch."""
     if legacy_installed():
-        return legacy.instance_replacements(state, model, hf.modeling_llama())
-    return hf.instance_replacements(state, model)
+        return legacy.instance_replacements(state, model, modeling_llama())
+    return route_patch.instance_replacements(state, model, llama_classes)
+
+
+def live_layers(model: nn.Module, state: PatchState) -> tuple[int, int]:
+    """(LLaMA attention layers that run through `state`, LLaMA attention layers in `model`)."""
+    if not legacy_installed():
+        return route_patch.live_layers(model, state, llama_classes)
+    layers = find_modules(model, attention_class())
+    return sum(1 for m in layers if routes_to(m.forward, state)), len(layers)
 
 
 def describe() -> dict[str, Any]:

@@ -112,5 +112,5 @@ def make_legacy_forward(
         )
         return self.o_proj(out.reshape(batch, q_len, -1)), None, present
 
-    forward.__patchkit_state__ = state  # type: ignore[attr-defined]
+    forward.__patchkit_route__ = state  # type: ignore[attr-defined]
     return forward
