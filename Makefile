@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.23.0
 
-.PHONY: setup demo test lint matrix bench gpu-test clean
+.PHONY: setup demo test lint matrix sp-test bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,20 @@ lint: setup
 matrix: setup
 	$(BIN)/python tests/matrix.py
 
+# DeepSpeed Ulysses sequence parallelism on two gloo ranks (tests/test_sequence_parallel.py). DeepSpeed is an sdist:
+# built against the venv's torch (no build isolation, so no other torch is pulled), into .sp/ beside the venv, not
+# into it; its JIT comm op (first run, ~40 s) needs a C++ compiler and the ninja installed there.
+SP_DIR := .sp
+DEEPSPEED ?= deepspeed==0.19.8
+$(SP_DIR)/.installed: setup
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --target $(SP_DIR) --no-deps --no-build-isolation "$(DEEPSPEED)" \
+		einops hjson msgpack ninja py-cpuinfo
+	touch $@
+
+sp-test: $(SP_DIR)/.installed
+	PYTHONPATH=$(CURDIR)/$(SP_DIR) PATH=$(CURDIR)/$(SP_DIR)/bin:$$PATH $(BIN)/python -m pytest -q \
+		tests/test_sequence_parallel.py
+
 bench: setup
 	$(BIN)/patchkit bench
 
@@ -39,4 +53,4 @@ gpu-test: setup
 	$(BIN)/python tests/run_gpu.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SP_DIR) *.egg-info .pytest_cache .ruff_cache

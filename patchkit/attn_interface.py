@@ -22,7 +22,8 @@ from .backends import BACKEND_NAMES, make_backend
 from .choice import choose_backend
 from .masks import VarlenMask
 from .registry import registered, resolve
-from .routing import ROUTE_NAME, ROUTED_STATE
+from .routing import ROUTE, ROUTE_NAME
+from .sequence_parallel import through_ulysses
 from .step_aside import step_aside, transformers_mask
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
@@ -100,7 +101,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
 
     Inside a patched family's forward the patch's own state serves it; otherwise the registered route's.
     """
-    routed = ROUTED_STATE.get()
+    route = ROUTE.get()
+    routed = None if route is None else route.state
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
@@ -110,6 +112,9 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
                 ~attention_mask, torch.finfo(query.dtype).min)
         return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
+        if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention
+            return through_ulysses(route.ulysses, _function_for(routed), module, query, key, value, attention_mask,
+                                   **kwargs)
         return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)
     if _state is None or _function is None:
         route_state()

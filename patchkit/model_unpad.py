@@ -21,6 +21,7 @@ from .liveness import is_compiling
 from .masks import VarlenMetadata, build_metadata, packed_forward
 from .padding import pad_input, unpad_rows
 from .routing import ROUTE_NAME, routed
+from .sequence_parallel import ulysses_wrapper
 from .step_aside import (
     LM_CAUSE,
     documents_from_4d_mask,
@@ -227,7 +228,9 @@ def make_model_forward(
             step_aside(aside_state, cause, arguments, extra)
             with stepping_aside(cause):
                 return call(self, arguments)
-        meta = unpad_plan(self, arguments, extra) if unpad == "model" else None
+        # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
+        whole = unpad == "model" and ulysses_wrapper(self.config._attn_implementation) is None
+        meta = unpad_plan(self, arguments, extra) if whole else None
         with _route_masks(self, patched_impl, route), callers_mask(arguments.get("attention_mask")):
             if meta is None:
                 return call(self, arguments)

@@ -11,31 +11,52 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
 from .masks import VarlenMask
+from .sequence_parallel import refuse_unfound, ulysses_active, ulysses_wrapper
 
 ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attn_interface.ATTENTION_NAME)
 
-# The patch whose attention call is running: the registered attention name serves it on that patch's state.
-ROUTED_STATE: contextvars.ContextVar[Any] = contextvars.ContextVar("patchkit_routed_state", default=None)
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What a routed call carries: the patch state serving it, and the sequence-parallel wrapper (DeepSpeed
+    Ulysses) registered under the model's own attention name, which the call must go through."""
+
+    state: Any
+    ulysses: Optional[Callable] = None
+
+
+# The route of the attention call that is running: the registered attention name serves it on that patch's state.
+ROUTE: contextvars.ContextVar[Optional[Route]] = contextvars.ContextVar("patchkit_route", default=None)
 
 
 @contextlib.contextmanager
 def routed(config: Any, state: Any) -> Iterator[None]:
     """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`."""
     current = config._attn_implementation
-    token = ROUTED_STATE.set(state) if state is not None else None
+    token = None
+    if state is not None:
+        outer = ROUTE.get()
+        if outer is not None and current == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
+            ulysses = outer.ulysses
+        else:  # under patchkit's own name transformers finds a wrapper itself
+            ulysses = None if current == ROUTE_NAME else ulysses_wrapper(current)
+            if ulysses is None and current != ROUTE_NAME and ulysses_active():
+                raise refuse_unfound(current)
+        token = ROUTE.set(Route(state, ulysses))
     config._attn_implementation = ROUTE_NAME
     try:
         yield
     finally:
         config._attn_implementation = current
         if token is not None:
-            ROUTED_STATE.reset(token)
+            ROUTE.reset(token)
 
 
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:

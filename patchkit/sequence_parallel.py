@@ -1,0 +1,86 @@
+"""DeepSpeed Ulysses sequence parallelism: patchkit's attention runs as the core of its wrapper, never around it.
+
+`UlyssesSPAttentionHF.register_with_transformers(..., core_attn_implementation=NAME)` (DeepSpeed >= 0.19) puts a
+wrapper under NAME in transformers' attention interface: it all-to-alls q/k/v from sequence shards to head shards,
+drops the shard's mask, gathers `position_ids` and calls the function it wrapped on the whole sequence. A class
+patch routes a model's attention to patchkit's own name, which would go round that wrapper and attend within each
+rank's shard, silently. So a route remembers the wrapper under the model's name and calls it with patchkit's
+attention as its core (documents from the gathered `position_ids`), and the model-level unpad stands aside: every
+rank must keep its equal-length shard. Nothing here imports DeepSpeed: a wrapper exists only once it is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+from .errors import PatchInputError
+
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+SHARD_LOCAL = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # sliced per rank by the data adapter: not global
+
+
+def ulysses_of(function: Any, depth: int = 4) -> Optional[Any]:
+    """The `UlyssesSPAttentionHF` that `function` (a registered attention function) wraps, or None; found in its
+    closure, also through a few layers of a caller's own wrappers (closures, `__wrapped__`)."""
+    cls = getattr(sys.modules.get(ULYSSES_MODULE), "UlyssesSPAttentionHF", None)
+    if cls is None or depth == 0 or not callable(function):
+        return None
+    inner = [c.cell_contents for c in getattr(function, "__closure__", None) or () if _filled(c)]
+    inner += [getattr(function, "__wrapped__", None)]
+    found = next((x for x in inner if isinstance(x, cls)), None)
+    if found is not None:
+        return found
+    return next((u for u in (ulysses_of(x, depth - 1) for x in inner if callable(x)) if u is not None), None)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
+
+
+def ulysses_wrapper(name: Optional[str]) -> Optional[Callable]:
+    """The Ulysses wrapper registered under attention name `name`, or None (always None before DeepSpeed loads)."""
+    if not name or ULYSSES_MODULE not in sys.modules:
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS.get(name)
+    return function if ulysses_of(function) is not None else None
+
+
+def ulysses_active() -> bool:
+    """DeepSpeed's sequence-parallel group is set up (register_with_transformers ran in this process)."""
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    return getattr(state, "_SEQUENCE_PARALLEL_GROUP", None) is not None
+
+
+def refuse_unfound(name: str) -> PatchInputError:
+    return PatchInputError(
+        f"DeepSpeed Ulysses sequence parallelism is set up in this process, but the attention function registered "
+        f"under this model's implementation {name!r} is not its wrapper (nor wraps it through __wrapped__ or a "
+        "closure), so patchkit cannot run inside it and would attend within each rank's shard only. Register "
+        "Ulysses with core_attn_implementation equal to the model's attn_implementation, and wrap its function, "
+        "if at all, with functools.wraps."
+    )
+
+
+def through_ulysses(wrapper: Callable, core: Callable, module: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call `wrapper` (its all-to-alls, on every rank) with `core` as the attention it wraps, for this call only."""
+    given = [k for k in SHARD_LOCAL if kwargs.get(k) is not None]
+    if given:
+        raise PatchInputError(
+            f"{', '.join(given)} reached attention under DeepSpeed Ulysses sequence parallelism, where they describe "
+            "one rank's shard, not the gathered sequence. Pack documents with position_ids restarting at 0 "
+            "(Ulysses gathers them) and leave cu_seq_lens out."
+        )
+    uattn = ulysses_of(wrapper)
+    wrapped = uattn.attn
+    uattn.attn = core
+    try:
+        return wrapper(module, *args, **kwargs)
+    finally:
+        uattn.attn = wrapped

@@ -1,0 +1,147 @@
+"""DeepSpeed Ulysses sequence parallelism (ALST) on two gloo ranks: each way into patchkit against one process.
+
+`UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation=NAME)` replaces
+`ALL_ATTENTION_FUNCTIONS[NAME]` with a wrapper that all-to-alls q/k/v from sequence shards to head shards, drops the
+attention mask and gathers position_ids, so that NAME's function sees the whole sequence. Each case runs
+tests/user_scripts/ulysses_sp.py in its own `torch.distributed.run` pair (a collective size mismatch aborts a rank)
+and compares its loss and every gradient with the same script run as one plain process on the full sequence,
+unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
+every rank (a patch that goes round it leaves each rank's attention shard-local, silently).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from entrypoints import REPO, clean_env
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed not installed (Ulysses SP needs deepspeed >= 0.19)")
+
+SCRIPT = REPO / "tests" / "user_scripts" / "ulysses_sp.py"
+FAMILIES = ["llama", "qwen2"]
+WAYS = ["interface", "class", "env", "both"]  # both: the class patch on a model loaded with "patchkit"
+DATA = ["packed", "padded"]
+SP = 2
+# The first start builds DeepSpeed's CPU shared-memory comm op (a JIT C++ build, cached in ~/.cache/torch_extensions,
+# about 40 s on 2 cores); later starts take about 8 s.
+TIMEOUT = 420
+LOSS_ATOL = 1e-6
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # fp32 noise: the reorderings measured are < 1e-7 absolute
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(args: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout end that group (torchrun and its ranks) and fail."""
+    proc = subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, args))} ran past {timeout} s\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[dict, dict, float]:
+    """The script's JSON and gradients (rank 0), and the wall time; asserts it exited cleanly."""
+    out, grads = tmp / f"{family}-{way}-{data}-{world}.json", tmp / f"{family}-{way}-{data}-{world}.pt"
+    script = [SCRIPT, family, way, data, out, "--grads", grads]
+    env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
+    if world == 1:
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script]
+    start = time.perf_counter()
+    proc = run_group(cmd, env)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0 and out.exists(), (
+        f"{family}/{way}/{data} on {world} process(es) exited {proc.returncode}:\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text()), torch.load(grads), seconds
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One process, the full sequence, unpatched sdpa: per (family, data), computed on first use."""
+    tmp, cache = tmp_path_factory.mktemp("ulysses_ref"), {}
+
+    def get(family: str, data: str) -> tuple[dict, dict]:
+        if (family, data) not in cache:
+            result, grads, _ = run_script(tmp, family, "none", data, 1)
+            cache[family, data] = (result, grads)
+        return cache[family, data]
+
+    return get
+
+
+def grad_diff(got: dict, want: dict) -> tuple[float, list[str]]:
+    """The largest absolute gradient difference, and the parameters outside fp32 noise."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    worst, off = 0.0, []
+    for name, w in want.items():
+        g = got[name]
+        worst = max(worst, (g - w).abs().max().item())
+        if not torch.allclose(g, w, atol=GRAD_ATOL, rtol=GRAD_RTOL):
+            off.append(name)
+    return worst, off
+
+
+@pytest.mark.parametrize("data", DATA)
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ulysses_two_ranks_equal_one_process(family, way, data, references, tmp_path):
+    ref, ref_grads = references(family, data)
+    got, grads, seconds = run_script(tmp_path, family, way, data, SP)
+    worst, off = grad_diff(grads, ref_grads)
+    ranks = got["ranks"]
+    summary = (
+        f"{family}/{way}/{data}: loss 1-proc {ref['loss']:.9f} sp{SP} {got['loss']:.9f} "
+        f"(diff {abs(got['loss'] - ref['loss']):.2e}); max grad diff {worst:.2e} ({len(off)} of {len(grads)} "
+        f"parameters outside fp32 noise); Ulysses wrapper calls per rank "
+        f"{[r['ulysses']['wrapper_calls'] for r in ranks]}, core q lengths "
+        f"{[sorted(set(r['ulysses']['core_q_lens'])) for r in ranks]}; "
+        f"attention calls {[r['attention_calls'] for r in ranks]}; "
+        f"config._attn_implementation={got['config_attn_implementation']!r}; {seconds:.1f} s"
+    )
+    print(summary)
+    problems = []
+    if not got["ulysses_wrapper_ran"]:
+        problems.append("the Ulysses wrapper did not run on every rank")
+    if abs(got["loss"] - ref["loss"]) > LOSS_ATOL:
+        problems.append("the loss differs from one process")
+    if off:
+        problems.append(f"gradients differ: {off[:4]}")
+    if way != "interface" and not all(any(p["calls"] for p in r["patchkit_active"]) for r in ranks):
+        problems.append("patchkit's attention did not run on every rank")
+    assert not problems, "; ".join(problems) + "\n" + summary
+
+
+@pytest.mark.parametrize("data", DATA)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_class_patch_equals_reference(family, data, references, tmp_path):
+    # The harness's own check: on one process the class patch matches unpatched sdpa, so a two-rank difference is
+    # sequence parallelism's, not the data's or the patch's.
+    ref, ref_grads = references(family, data)
+    got, grads, _ = run_script(tmp_path, family, "class", data, 1)
+    assert got["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
+    worst, off = grad_diff(grads, ref_grads)
+    assert not off, (worst, off)
+    assert any(p["calls"] > 0 for p in got["ranks"][0]["patchkit_active"]), got["ranks"][0]["patchkit_active"]

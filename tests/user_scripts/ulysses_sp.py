@@ -1,0 +1,246 @@
+"""A user's DeepSpeed Ulysses (ALST) sequence-parallel training step, or the one-process reference it must equal.
+
+Run under `torchrun --nproc_per_node=N` (gloo, CPU): every rank holds the same tiny random model and a 1/N shard of
+the sequence, `UlyssesSPAttentionHF.register_with_transformers` wraps the attention function registered under the
+model's attention implementation, and the loss is aggregated across the SP ranks as transformers' Trainer does
+(`deepspeed_sp_compute_loss`: each rank's mean loss over its shard, weighted by its label count, through a
+differentiable all_gather) and the gradients are averaged over the ranks as the DeepSpeed engine does. Run as one
+plain process it computes the same step on the full sequence without Ulysses: the reference.
+
+    python ulysses_sp.py FAMILY WAY DATA OUT.json [--grads OUT.pt]
+    torchrun --nproc_per_node 2 ulysses_sp.py FAMILY WAY DATA OUT.json [--grads OUT.pt]
+
+FAMILY: llama, qwen2. WAY: how patchkit comes in: `interface` (attn_implementation="patchkit"), `class`
+(patchkit.apply_patch() before the model is built), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller: the startup
+hook patches), `both` (the class patch and attn_implementation="patchkit"), `none` (unpatched sdpa).
+DATA: `padded` (two right-padded rows, a 2D attention_mask) or `packed` (one row of several documents told apart by
+position_ids, no mask).
+
+Rank 0 writes OUT.json: the loss, per-parameter gradient norms and sums, how often the Ulysses wrapper and the
+core function it wraps ran (and the sequence lengths the core saw), every rank's attention calls by registered name,
+and patchkit's active patches and counters; --grads saves every gradient (torch.save) for an exact comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers as tf
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import patchkit
+from patchkit import attn_interface
+
+T0 = time.perf_counter()
+parser = argparse.ArgumentParser()
+parser.add_argument("family", choices=["llama", "qwen2"])
+parser.add_argument("way", choices=["interface", "class", "env", "both", "none"])
+parser.add_argument("data", choices=["padded", "packed"])
+parser.add_argument("out")
+parser.add_argument("--grads", default=None, help="torch.save every parameter's gradient here (rank 0)")
+parser.add_argument("--seed", type=int, default=0)
+opts = parser.parse_args()
+
+if opts.way == "env" and os.environ.get("PATCHKIT_FLASH_ATTN") != "1":
+    sys.exit("way 'env' needs PATCHKIT_FLASH_ATTN=1 in the environment (the startup hook applies the patch)")
+if opts.way != "env" and os.environ.get("PATCHKIT_FLASH_ATTN", "0") not in ("", "0"):
+    sys.exit(f"way {opts.way!r} must run without PATCHKIT_FLASH_ATTN")
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+VOCAB = 97
+IGNORE = -100
+
+# ---------------------------------------------------------------- distributed and Ulysses (only with WORLD > 1)
+if WORLD > 1:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    deepspeed.init_distributed(dist_backend="gloo")
+RANK = int(os.environ.get("RANK", "0"))
+
+# ---------------------------------------------------------------- the way in, the model
+if opts.way in ("class", "both"):
+    handle = patchkit.apply_patch()  # before the model is built, as the README says
+attn = {"interface": "patchkit", "both": "patchkit"}.get(opts.way, "sdpa")
+common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              attn_implementation=attn)
+torch.manual_seed(opts.seed)
+if opts.family == "llama":
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+else:
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(attention_bias=True, **common))
+model = model.float().train()
+config_impl = model.config._attn_implementation  # what register_with_transformers compares its core name with
+
+
+# ---------------------------------------------------------------- the global batch (the same on every rank)
+def global_batch() -> dict:
+    g = torch.Generator().manual_seed(100 + opts.seed)
+    if opts.data == "padded":
+        # two rows of 16, right padded (the collator's default side), positions 0..15 in every row as the Ulysses
+        # docs ask; rank 0's half holds 16 real tokens, rank 1's 9: the shards differ in real-token count
+        seq, lengths = 16, [16, 9]
+        ids = torch.randint(3, VOCAB, (len(lengths), seq), generator=g)
+        mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = ids.masked_fill(mask == 0, IGNORE)
+        positions = torch.arange(seq).expand(len(lengths), seq).clone()
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+    # one row of 24: documents of 5, 9, 6 and 4 tokens; the second crosses the middle (the shard boundary at sp 2)
+    docs = [5, 9, 6, 4]
+    ids = torch.randint(3, VOCAB, (1, sum(docs)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    labels = ids.masked_fill(positions == 0, IGNORE)  # no document predicts the next one's first token
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def shard(batch: dict, rank: int, world: int) -> dict:
+    """What UlyssesSPDataLoaderAdapter hands each rank: labels shifted on the full sequence, then every tensor cut
+    along the sequence into `world` equal parts."""
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    batch["shift_labels"] = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].contiguous()
+    seq = batch["input_ids"].shape[1]
+    if seq % world:
+        raise SystemExit(f"sequence length {seq} is not a multiple of the SP size {world}")
+    chunk = seq // world
+    return {k: v[:, chunk * rank: chunk * (rank + 1)].contiguous() for k, v in batch.items()}
+
+
+batch = shard(global_batch(), RANK, WORLD)
+
+# ---------------------------------------------------------------- spies: which registered name ran, at what length
+calls: collections.Counter = collections.Counter()  # "name:q_len" -> calls, every registered name this run reaches
+ulysses = {"registered": False, "core_name": None, "wrapper_calls": 0, "core_calls": 0, "core_q_lens": [],
+           "core_masks": [], "core_position_ids_len": []}
+
+
+def spy_name(name: str) -> None:
+    inner = ALL_ATTENTION_FUNCTIONS[name]
+
+    def spy(module, query, *args, **kwargs):
+        calls[f"{name}:{query.shape[2]}"] += 1
+        return inner(module, query, *args, **kwargs)
+
+    spy.__wrapped__ = inner
+    ALL_ATTENTION_FUNCTIONS[name] = spy
+
+
+if WORLD > 1:
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=config_impl, sequence_parallel_size=WORLD,
+        micro_batch_size=batch["input_ids"].shape[0], seq_length_is_variable=True,
+    )
+    sp_group = mpu.get_sequence_parallel_group()
+    wrapper = ALL_ATTENTION_FUNCTIONS[config_impl]
+    # the UlyssesSPAttentionHF instance lives in the wrapper's closure: count what it hands the core function
+    cells = [c.cell_contents for c in wrapper.__closure__ or ()]
+    uattn = next(c for c in cells if isinstance(c, UlyssesSPAttentionHF))
+    core = uattn.attn
+
+    def core_spy(module, query, key, value, attention_mask, *args, **kwargs):
+        ulysses["core_calls"] += 1
+        ulysses["core_q_lens"].append(query.shape[2])
+        ulysses["core_masks"].append(type(attention_mask).__name__)
+        pos = kwargs.get("position_ids")
+        ulysses["core_position_ids_len"].append(None if pos is None else pos.shape[-1])
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    uattn.attn = core_spy
+
+    @functools.wraps(wrapper)  # the convention patchkit follows to find Ulysses under a caller's own wrapper
+    def counting_wrapper(*args, **kwargs):
+        ulysses["wrapper_calls"] += 1
+        return wrapper(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[config_impl] = counting_wrapper
+    ulysses.update(registered=True, core_name=config_impl, wrapper_qualname=wrapper.__qualname__,
+                   core_function=f"{getattr(core, '__module__', '?')}.{getattr(core, '__qualname__', core)}")
+for name in sorted({"patchkit", "sdpa", config_impl}):
+    spy_name(name)
+
+# ---------------------------------------------------------------- one training step
+model.zero_grad(set_to_none=True)
+inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
+out = model(**inputs, labels=batch["shift_labels"], shift_labels=batch["shift_labels"], use_cache=False)
+good = (batch["shift_labels"] != IGNORE).sum()
+if WORLD > 1:
+    # transformers' deepspeed_sp_compute_loss: differentiable, weighted per-shard-loss aggregation across SP ranks
+    losses = torch.distributed.nn.functional.all_gather(out.loss, group=sp_group)
+    goods = torch.distributed.nn.functional.all_gather(good, group=sp_group)
+    losses, goods = torch.stack(losses), torch.stack(goods)
+    has = goods > 0
+    loss = (torch.where(has, losses, torch.zeros_like(losses)) * goods).sum() / goods.sum().clamp(min=1)
+else:
+    loss = out.loss
+loss.backward()
+if WORLD > 1:
+    # the DeepSpeed engine averages gradients over its (sequence-)data-parallel group; here that is the SP group:
+    # each rank's gradient holds sp_size times its shard's part (the all_gather's backward sums the ranks' copies)
+    for p in model.parameters():
+        if p.grad is not None:
+            torch.distributed.all_reduce(p.grad, group=sp_group)
+            p.grad /= WORLD
+
+# ---------------------------------------------------------------- report
+grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def patch_counters() -> list:
+    rows = []
+    for h in patchkit.active_patches():
+        rows.append({"name": h.name, "backend": h.backend, "calls": h.calls, "layers_patched": h.layers_patched,
+                     "stepped_aside": dict(h.stepped_aside), "origin": getattr(h, "origin", None)})
+    return rows
+
+
+mine = {
+    "rank": RANK,
+    "attention_calls": dict(sorted(calls.items())),
+    "ulysses": ulysses,
+    "patchkit_active": patch_counters(),
+    "patchkit_route_calls": None if attn_interface._state is None else attn_interface._state.calls,
+    "local_loss": out.loss.item(),
+    "local_good_tokens": int(good),
+    "local_seq": batch["input_ids"].shape[1],
+}
+if WORLD > 1:
+    every = [None] * WORLD
+    torch.distributed.all_gather_object(every, mine, group=sp_group)
+else:
+    every = [mine]
+if RANK == 0:
+    result = {
+        "family": opts.family, "way": opts.way, "data": opts.data, "world": WORLD,
+        "transformers": tf.__version__, "torch": torch.__version__,
+        "deepspeed": __import__("deepspeed").__version__ if WORLD > 1 else None,
+        "config_attn_implementation": config_impl,
+        "loss": loss.item(),
+        "good_tokens": sum(r["local_good_tokens"] for r in every),
+        "grad_norm": torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item(),
+        "grad_norms": {n: g.norm().item() for n, g in grads.items()},
+        "grad_sums": {n: g.sum().item() for n, g in grads.items()},
+        "ulysses_wrapper_ran": all(r["ulysses"]["wrapper_calls"] > 0 for r in every) if WORLD > 1 else None,
+        "ranks": every,
+        "seconds": time.perf_counter() - T0,
+    }
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=1)
+    if opts.grads:
+        torch.save(grads, opts.grads)
+    print(f"ULYSSES_SP family={opts.family} way={opts.way} data={opts.data} world={WORLD} loss={result['loss']:.9f} "
+          f"wrapper_ran={result['ulysses_wrapper_ran']}", flush=True)
+if WORLD > 1:
+    torch.distributed.barrier()  # no rank tears gloo down while its peer is still in flight
+    torch.distributed.destroy_process_group()
