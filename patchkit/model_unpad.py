@@ -161,18 +161,43 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
     return repad(out)
 
 
-def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable]:
-    """`original`'s signature, its **kwargs name, and a caller that passes a bound-arguments dict by keyword."""
+def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable, Callable]:
+    """`original`'s signature, its **kwargs name, a binder of a call's arguments to a dict, and a caller that passes
+    such a dict by keyword.
+
+    The binder reads plain lists made here, never `signature.parameters` (a mapping proxy, which TorchDynamo refuses
+    to read after a dict of the frame was mutated, e.g. by transformers' `can_return_tuple`: a fullgraph compile
+    fails); like `Signature.bind` it applies no defaults, and leaves what it cannot place to `Signature.bind`.
+    """
     signature = inspect.signature(original)
     params = list(signature.parameters.values())
     var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    by_name = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    simple = all(p.kind is not p.VAR_POSITIONAL for p in params)
+
+    def bind(self: nn.Module, args: tuple, kwargs: dict) -> dict:
+        if not simple or len(args) >= len(positional):
+            return dict(signature.bind(self, *args, **kwargs).arguments)
+        arguments = dict(zip(positional, (self, *args)))
+        extra = {}
+        for name, value in kwargs.items():
+            if name in by_name and name not in arguments:
+                arguments[name] = value
+            elif var_kw is not None and name not in arguments and name not in by_name:
+                extra[name] = value
+            else:
+                return dict(signature.bind(self, *args, **kwargs).arguments)  # its TypeError, word for word
+        if extra:
+            arguments[var_kw] = extra
+        return arguments
 
     def call(self: nn.Module, arguments: dict) -> Any:
         # by keyword: transformers 5.x decorators fill some arguments (use_cache) in by keyword themselves
         named = {k: v for k, v in arguments.items() if k not in (params[0].name, var_kw)}
         return original(self, **named, **arguments.get(var_kw, {}))
 
-    return signature, var_kw, call
+    return signature, var_kw, bind, call
 
 
 def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
@@ -210,12 +235,12 @@ def make_model_forward(
     original on the packed row and repad its outputs. `patched_impl`: an instance's implementation at patch time;
     `route`: the patch state that this forward's masks go to through the registered name. With a state (`route`
     or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`)."""
-    signature, var_kw, call = _bound_call(original)
+    signature, var_kw, bind, call = _bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
     aside_state = state if state is not None else route
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(self, *args, **kwargs).arguments
+        arguments = bind(self, args, kwargs)
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
@@ -277,10 +302,10 @@ def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
 
 def make_lm_forward(original: Callable) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions."""
-    signature, var_kw, _ = _bound_call(original)
+    signature, var_kw, bind, _ = _bound_call(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(self, *args, **kwargs).arguments
+        arguments = bind(self, args, kwargs)
         extra = arguments.get(var_kw, {}) if var_kw else {}
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or LM_CAUSE.get() is None):

@@ -58,3 +58,27 @@ def test_compiled_report_counts_every_layer(unpad, training):
         assert graphs[1] == graphs[2], f"a steady-state step recompiled: unique graphs {graphs}"
         assert "attention layers through the patch: 4 (" in handle.report()
         assert "compiled calls are not counted" in handle.report()
+
+
+def test_fullgraph_compile_through_a_wrapper_that_pops_from_its_kwargs():
+    """transformers' `can_return_tuple` pops from the compiled frame's kwargs before the base model's forward:
+    Dynamo then refuses to read a mapping proxy, so a wrapper that bound its arguments with `Signature.bind`
+    failed the fullgraph compile (transformers' Gemma3 vision-to-text fullgraph generate test, patched). The mask
+    here is 4D, as generate() makes for a static cache: the compiled forward runs transformers' own attention."""
+    model = any_model("qwen2", "sdpa")
+    ids, mask = padded_batch("left")
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+    mask4d = causal[None, None] & mask.bool()[:, None, None, :]
+
+    def step(kwargs: dict) -> torch.Tensor:
+        kwargs.pop("return_dict", None)
+        return model.model(**kwargs).last_hidden_state
+
+    with torch.no_grad():
+        want = step({"input_ids": ids, "attention_mask": mask4d})
+        torch._dynamo.reset()
+        with patchkit.apply_patch("qwen2", backend="sdpa"):
+            got = torch.compile(step, backend="eager", fullgraph=True)(
+                {"input_ids": ids, "attention_mask": mask4d, "return_dict": True})
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)
