@@ -9,7 +9,7 @@ callback right after each has executed:
   process that never imports patchkit (a TRL config, a config.json).
 - the modeling module of every family patchkit serves (`FAMILY_MODULES`, `transformers.models.llama.modeling_llama`
   and the others): when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply patchkit's class patch
-  (`patchkit._autostart`) before any model can be built from the module. A process that never imports such a
+  (`patchkit.entry.autostart`) before any model can be built from the module. A process that never imports such a
   module never imports torch or patchkit for it.
 
 It lives outside the `patchkit` package because importing `patchkit` imports torch and transformers.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 ENV = "PATCHKIT_FLASH_ATTN"
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off", "")
-NAME = "patchkit"  # patchkit.attn_interface.ATTENTION_NAME
+NAME = "patchkit"  # patchkit.hooks.attention_interface.ATTENTION_NAME
 MODELING_UTILS = "transformers.modeling_utils"
 MASKING_UTILS = "transformers.masking_utils"
 MODELING_LLAMA = "transformers.models.llama.modeling_llama"
@@ -55,22 +55,22 @@ def stand_down(owner: str) -> None:
 
 def _attention(*args: Any, **kwargs: Any) -> Any:
     """attn_implementation="patchkit" before patchkit was imported: importing it registers the real functions."""
-    from patchkit import attn_interface
+    from patchkit.hooks import attention_interface
 
-    return attn_interface._attention(*args, **kwargs)
+    return attention_interface._attention(*args, **kwargs)
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
     """The mask function for the same name, loaded the same way."""
-    from patchkit import attn_interface
+    from patchkit.hooks import attention_interface
 
-    return attn_interface.mask_function(*args, **kwargs)
+    return attention_interface.mask_function(*args, **kwargs)
 
 
 def _register_name(_module: ModuleType) -> None:
     """Register the name once both interfaces exist; "register both or neither", and never over patchkit's own."""
     utils, masking = sys.modules.get(MODELING_UTILS), sys.modules.get(MASKING_UTILS)
-    if utils is None or masking is None or "patchkit.attn_interface" in sys.modules:
+    if utils is None or masking is None or "patchkit.hooks.attention_interface" in sys.modules:
         return  # not both yet, or patchkit is imported (or importing) and registers the real functions itself
     attention_interface = getattr(utils, "AttentionInterface", None)
     mask_interface = getattr(masking, "AttentionMaskInterface", None)
@@ -88,9 +88,9 @@ def _apply_from_env(_module: ModuleType) -> None:
     """PATCHKIT_FLASH_ATTN on: apply the class patch now. Errors (a bad value, a strict gate) fail this import."""
     if _owner is not None or requested() is False:
         return
-    from patchkit import _autostart
+    from patchkit.entry import autostart
 
-    _autostart.apply_at_import()
+    autostart.apply_at_import()
 
 
 HOOKS: dict[str, Callable[[ModuleType], None]] = {

@@ -219,7 +219,7 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:  # the benchmark decides per provider what is patched; PATCHKIT_FLASH_ATTN must not patch HF's providers
-        from patchkit._autostart import stand_down
+        from patchkit.entry.autostart import stand_down
 
         stand_down("benchmarks/bench.py")
     except ImportError:

@@ -32,9 +32,9 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     """
     import torch
 
-    import patchkit.attention as pa
-    import patchkit.masks as pm
-    import patchkit.model_unpad as pmu
+    import patchkit.forward.masks as pm
+    import patchkit.forward.varlen as pa
+    import patchkit.hooks.model_forward as pmu
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]

@@ -4,6 +4,6 @@ The scale arrives as `scaling`, the cap as `softcap` (flash-attn >= 2.6 on the f
 as `sliding_window` on the sliding layers.
 """
 
-from patchkit.route_patch import family_spec
+from patchkit.hooks.family_route import family_spec
 
 SPEC = family_spec("gemma2", "gemma2", "Gemma2", "Gemma2: softcap, query_pre_attn_scalar, alternating window")

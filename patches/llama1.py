@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from patchkit import eras
-from patchkit.attention import QKV_PACKED
+from patchkit.forward.varlen import QKV_PACKED
 from patchkit.gates import GateResult
-from patchkit.model_walk import model_config
+from patchkit.hooks.model_walk import model_config
 from patchkit.registry import PatchSpec
 
 

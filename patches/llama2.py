@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from patchkit import eras
-from patchkit.attention import KV_PACKED
+from patchkit.forward.varlen import KV_PACKED
 from patchkit.registry import PatchSpec
 
 SPEC = PatchSpec(

@@ -4,6 +4,6 @@ transformers hands the window to the attention function as `sliding_window`; pat
 `window_size=(w - 1, 0)` (flash-attn >= 2.3 on the flash_attn backend), exact across a dynamic KV cache.
 """
 
-from patchkit.route_patch import family_spec
+from patchkit.hooks.family_route import family_spec
 
 SPEC = family_spec("mistral", "mistral", "Mistral", "Mistral: sliding window on every layer")

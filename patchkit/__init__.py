@@ -1,17 +1,17 @@
-"""patchkit: FlashAttention varlen kernels with 2D key-padding masks for HuggingFace LLaMA, by gated patches."""
+"""patchkit: FlashAttention varlen kernels with 2D key-padding masks for LLaMA-class transformers families."""
 
-__version__ = "0.1.0"  # first: submodules (doctor) read it
+__version__ = "0.1.0"
 
 import importlib
 from typing import Any
 
-from .api import PatchHandle, active_patches, apply_patch, available_patches, revert_patch
-from .attn_interface import ATTENTION_NAME
-from .attn_interface import register as register_attention
-from .config import PatchArguments, PatchOptions, apply_from_args, apply_from_env
-from .doctor import doctor
-from .dtypes import cast_for_training, default_dtype
-from .errors import PatchGateError, PatchInputError, PatchkitError, PatchTargetError
+from patchkit.api import PatchHandle, active_patches, apply_patch, available_patches, revert_patch
+from patchkit.dtypes import cast_for_training, default_dtype
+from patchkit.entry.config import PatchArguments, PatchOptions, apply_from_args, apply_from_env
+from patchkit.entry.doctor import doctor
+from patchkit.errors import PatchGateError, PatchInputError, PatchkitError, PatchTargetError
+from patchkit.hooks.attention_interface import ATTENTION_NAME
+from patchkit.hooks.attention_interface import register as register_attention
 
 try:  # attn_implementation="patchkit" works as soon as patchkit is imported (transformers >= 4.53)
     register_attention()

@@ -8,18 +8,19 @@ from typing import Any, Optional
 from packaging.version import Version
 from torch import nn
 
-from . import eras, flash_request, unserved
-from . import gates as _gates
-from .attention import UNPAD_MODES, PatchState
-from .backends import BACKEND_NAMES, make_backend
-from .choice import choose_backend
-from .errors import PatchGateError, PatchkitError, PatchTargetError
-from .gates import GateResult
-from .group import GROUP_NAME, PatchGroup
-from .liveness import live_layers
-from .model_walk import head_dim, model_config
-from .patching import Replacement, apply_replacements, restore_replacements
-from .registry import PatchSpec, for_model_type, registered, resolve
+from patchkit import eras
+from patchkit import gates as _gates
+from patchkit.backends import BACKEND_NAMES, make_backend
+from patchkit.backends.choice import choose_backend
+from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
+from patchkit.forward.liveness import live_layers
+from patchkit.forward.varlen import UNPAD_MODES, PatchState
+from patchkit.gates import GateResult
+from patchkit.group import GROUP_NAME, PatchGroup
+from patchkit.hooks import flash_request, unserved
+from patchkit.hooks.model_walk import head_dim, model_config
+from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
+from patchkit.registry import PatchSpec, for_model_type, registered, resolve
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
@@ -68,7 +69,7 @@ class PatchHandle:
 
     @property
     def stepped_aside(self) -> dict[str, int]:
-        """Forwards run on transformers' own attention instead, by cause (see `patchkit.step_aside.CAUSES`)."""
+        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.step_aside.CAUSES`)."""
         return dict(self.state.stepped_aside)
 
     @property

@@ -6,8 +6,8 @@ from typing import Any, Iterator, Optional
 
 from torch import nn
 
-from .errors import PatchTargetError
-from .model_walk import model_config
+from patchkit.errors import PatchTargetError
+from patchkit.hooks.model_walk import model_config
 
 GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
 

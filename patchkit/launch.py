@@ -9,14 +9,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ._autostart import stand_down
-from .api import PatchHandle
-from .attention import UNPAD_MODES
-from .backends import BACKEND_NAMES
-from .config import PatchArguments, apply_from_args, patch_names
-from .errors import PatchkitError
-from .process_report import rank_label, report_at_exit
-from .warn import attributed_to
+from patchkit.api import PatchHandle
+from patchkit.backends import BACKEND_NAMES
+from patchkit.entry.autostart import stand_down
+from patchkit.entry.config import PatchArguments, apply_from_args, patch_names
+from patchkit.entry.process_report import rank_label, report_at_exit
+from patchkit.errors import PatchkitError
+from patchkit.forward.varlen import UNPAD_MODES
+from patchkit.warn import attributed_to
 
 # Usage:
 #   python -m patchkit.launch [--patch all|llama2|mistral|...] [--backend auto|flash_attn|torch_varlen|sdpa] \

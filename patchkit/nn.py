@@ -7,15 +7,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import gates as _gates
-from .attention import half_dtype, to_half
-from .backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
-from .choice import resolve
-from .errors import PatchGateError, PatchInputError
-from .gates import GateResult
-from .masks import VarlenMetadata, build_metadata
-from .padding import pad_input, unpad_rows
-from .warn import warn_user
+from patchkit import gates as _gates
+from patchkit.backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
+from patchkit.backends.choice import resolve
+from patchkit.errors import PatchGateError, PatchInputError
+from patchkit.forward.masks import VarlenMetadata, build_metadata
+from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.forward.varlen import half_dtype, to_half
+from patchkit.gates import GateResult
+from patchkit.warn import warn_user
 
 FLASH_MIN = "2.0"
 FLASH_WHY = "the varlen API"

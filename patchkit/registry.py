@@ -9,10 +9,10 @@ from typing import Callable, Optional
 from packaging.specifiers import SpecifierSet
 from torch import nn
 
-from .attention import PatchState
-from .errors import PatchTargetError
-from .gates import GateResult
-from .patching import Replacement
+from patchkit.errors import PatchTargetError
+from patchkit.forward.varlen import PatchState
+from patchkit.gates import GateResult
+from patchkit.hooks.patching import Replacement
 
 # name -> module holding its SPEC; modules are imported on first use.
 PATCH_MODULES = {

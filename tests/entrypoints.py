@@ -28,8 +28,8 @@ def run(args: list[str], cwd: Optional[Path] = None, env: Optional[dict[str, str
 
 
 def patchkit_cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    """`patchkit ARGS...`, spelled `python -m patchkit.cli` so it works before the console script is installed."""
-    return run([sys.executable, "-m", "patchkit.cli", *args], **kw)
+    """`patchkit ARGS...`, spelled `python -m patchkit.entry.cli` so it works before the console script is installed."""
+    return run([sys.executable, "-m", "patchkit.entry.cli", *args], **kw)
 
 
 def launch(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import pytest
 from entrypoints import REPO, patchkit_cli, run
 
 import patchkit
-from patchkit import cli
+from patchkit.entry import cli
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 import patchkit
 from patchkit import PatchGateError
-from patchkit.config import PatchArguments, apply_from_args, apply_from_env
+from patchkit.entry.config import PatchArguments, apply_from_args, apply_from_env
 from patchkit.gates import probe_environment
 
 FLASH_USABLE = probe_environment().flash_attn_error is None and probe_environment().cuda_available
@@ -170,7 +170,7 @@ import dataclasses, json
 import torch
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainingArguments
 import patchkit
-from patchkit.config import PatchArguments, apply_from_args
+from patchkit.entry.config import PatchArguments, apply_from_args
 
 @dataclasses.dataclass
 class ModelArguments:

@@ -12,8 +12,9 @@ from test_never_silent import static_decode
 from transformers.modeling_utils import PreTrainedModel
 
 import patchkit
-from patchkit import attention as attention_module
-from patchkit import decode, masks, model_unpad, padding
+from patchkit.forward import decode, masks, padding
+from patchkit.forward import varlen as attention_module
+from patchkit.hooks import model_forward
 
 ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
@@ -105,7 +106,7 @@ def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(masks, "build_metadata", counting_metadata)
-    monkeypatch.setattr(model_unpad, "build_metadata", counting_metadata)  # the packed prefill's, model-level
+    monkeypatch.setattr(model_forward, "build_metadata", counting_metadata)  # the packed prefill's, model-level
     monkeypatch.setattr(decode, "DecodePlan", CountingPlan)
     with patchkit.apply_patch("llama2", backend="sdpa"):
         decode_logits(model, ids, mask, 5)

@@ -18,10 +18,10 @@ from entrypoints import clean_env, patchkit_cli
 
 import patchkit
 from patchkit import gates
-from patchkit.doctor import doctor, exit_code, format_report
+from patchkit.entry.doctor import doctor, exit_code, format_report
 
-# the module itself: `patchkit.doctor` is the function (patchkit.doctor() returns the report data)
-doctor_module = importlib.import_module("patchkit.doctor")
+# the module itself: `patchkit.entry.doctor` is the function (patchkit.entry.doctor() returns the report data)
+doctor_module = importlib.import_module("patchkit.entry.doctor")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import torch
 from models import clone, labels_for, padded_batch, tiny_model
 
 import patchkit
-from patchkit.masks import VarlenMask
+from patchkit.forward.masks import VarlenMask
 
 
 def run(model, ids, mask, train: bool = True):

@@ -14,9 +14,9 @@ from transformers import BertConfig, BertModel
 
 import _patchkit_startup
 import patchkit
-from patchkit import unserved
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.group import PatchGroup
+from patchkit.hooks import unserved
 from patchkit.registry import registered
 
 SERVED = sorted({t for s in registered() for t in s.model_types})

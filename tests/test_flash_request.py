@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers.modeling_utils import PreTrainedModel
 
 import patchkit
-from patchkit import flash_request
 from patchkit.gates import probe_environment
+from patchkit.hooks import flash_request
 
 # transformers >= 4.56 checks the request in this method, older versions in the classmethod
 CHECK = next(n for n in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2")

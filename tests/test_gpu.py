@@ -13,7 +13,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 
 import patchkit
 from patchkit import gates
-from patchkit.choice import backend_gates
+from patchkit.backends.choice import backend_gates
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["flash_attn", "torch_varlen"]
@@ -119,7 +119,7 @@ def test_a_decode_steps_metadata_costs_one_host_sync():
         pytest.skip("needs a CUDA device")
     import warnings
 
-    from patchkit.masks import build_metadata
+    from patchkit.forward.masks import build_metadata
 
     mask = torch.ones(4, 40, dtype=torch.long, device="cuda")
     mask[1, :7] = mask[3, :20] = 0  # left padding: the keys are not dense, the one new token of each row is

@@ -17,8 +17,8 @@ from patchkit import PatchInputError
 from patchkit.backends.flash_attn import FlashAttnBackend
 from patchkit.backends.limits import INT32_LIMIT, rounded_head_dim
 from patchkit.backends.torch_varlen import TorchVarlenBackend
-from patchkit.masks import VarlenMetadata
-from patchkit.padding import unpad_input
+from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.padding import unpad_input
 
 ROOT = Path(__file__).resolve().parents[1]
 # all that patchkit may call: the kernels

@@ -11,9 +11,9 @@ from models import padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchInputError, PatchkitError, PatchTargetError, eras
-from patchkit.masks import VarlenMask
-from patchkit.patching import Replacement
-from patchkit.routing import is_patched_forward
+from patchkit.forward.masks import VarlenMask
+from patchkit.hooks.patching import Replacement
+from patchkit.hooks.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 

@@ -7,7 +7,7 @@ import torch
 from models import labels_for, padded_batch, tiny_model
 
 import patchkit
-from patchkit import masks
+from patchkit.forward import masks
 
 
 def layer_input_shapes(model) -> list[tuple[int, ...]]:

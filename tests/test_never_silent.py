@@ -13,7 +13,7 @@ from models import VOCAB, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchInputError
-from patchkit.routing import is_patched_forward
+from patchkit.hooks.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 needs_mask_interface = pytest.mark.skipif(
@@ -320,8 +320,8 @@ def test_registered_name_serves_windows_and_softcap_exactly(kind):
 
 def test_an_unserved_argument_is_refused_by_name():
     """The allow-list: an argument patchkit does not implement (attention sinks here) raises, never ignored."""
-    from patchkit.attention import make_attention_function
-    from patchkit.attn_interface import route_state
+    from patchkit.forward.varlen import make_attention_function
+    from patchkit.hooks.attention_interface import route_state
 
     layer = tiny_model().model.layers[0].self_attn
     q = torch.randn(1, 4, 3, 16)

@@ -147,7 +147,7 @@ def test_data_collator_with_flattening_trains_like_separate_documents():
 
 
 def test_packed_rows_without_padding_skip_the_gather_but_keep_the_documents():
-    from patchkit.masks import build_metadata
+    from patchkit.forward.masks import build_metadata
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     meta = build_metadata(None, 1, 9, 9, torch.device("cpu"), position_ids=pos)

@@ -36,8 +36,8 @@ from models import VOCAB, labels_for, tiny_model
 from transformers import DynamicCache, StaticCache
 
 import patchkit
-from patchkit import attn_interface
-from patchkit.masks import build_metadata
+from patchkit.forward.masks import build_metadata
+from patchkit.hooks import attention_interface
 
 given = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install -e .[test])").given
 st = pytest.importorskip("hypothesis.strategies")
@@ -65,9 +65,9 @@ def one_thread():
 @pytest.fixture(scope="module", autouse=True)
 def sdpa_route():
     """The registered route runs on the sdpa backend here (no warning about flash-attn on CPU)."""
-    attn_interface.register(backend="sdpa")
+    attention_interface.register(backend="sdpa")
     yield
-    attn_interface.register(backend="auto", strict=False)  # the import-time default
+    attention_interface.register(backend="auto", strict=False)  # the import-time default
 
 
 @dataclasses.dataclass

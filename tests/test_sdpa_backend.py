@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from patchkit.backends import sdpa
-from patchkit.padding import pad_input, unpad_input
+from patchkit.forward.padding import pad_input, unpad_input
 
 
 def varlen_inputs(lens_q, lens_k, h=4, hk=2, d=16, dtype=torch.float32, seed=0):

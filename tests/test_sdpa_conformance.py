@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from patchkit.backends import sdpa
-from patchkit.padding import pad_input, unpad_input
+from patchkit.forward.padding import pad_input, unpad_input
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -14,8 +14,8 @@ from models import padded_batch
 
 import patchkit
 from patchkit import PatchInputError
-from patchkit.masks import VarlenMask
-from patchkit.routing import routed
+from patchkit.forward.masks import VarlenMask
+from patchkit.hooks.routing import routed
 
 
 def patch(family: str, way: str, model: torch.nn.Module, **kw):

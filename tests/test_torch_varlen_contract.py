@@ -150,7 +150,7 @@ def test_the_backend_refuses_what_its_kernel_cannot_honour():
     backend = TorchVarlenBackend(fn=lambda *a, **k: pytest.fail("the kernel must not run"))
     q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
     kv = torch.zeros(4, 2, 2, 8, dtype=torch.bfloat16)
-    meta = patchkit.masks.build_metadata(None, 1, 4, 4, q.device)
+    meta = patchkit.forward.masks.build_metadata(None, 1, 4, 4, q.device)
     for extra in (dict(softcap=3.0), dict(dropout_p=0.1)):
         opts = {"dropout_p": 0.0, "softmax_scale": 0.3, "causal": True, **extra}
         with pytest.raises(PatchInputError):

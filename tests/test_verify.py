@@ -11,8 +11,8 @@ from models import tiny_model
 
 import patchkit
 from patchkit.backends import SdpaBackend
+from patchkit.entry.verify import FP32_RTOL, HALF_FACTOR, verify
 from patchkit.gates import probe_environment
-from patchkit.verify import FP32_RTOL, HALF_FACTOR, verify
 
 FLASH_USABLE = probe_environment().flash_attn_error is None and probe_environment().cuda_available
 CHECKS = ["right padding: logits", "right padding: gradients", "left padding: logits", "left padding: gradients",
@@ -114,7 +114,7 @@ def test_cli_verify_local_checkpoint_json(tmp_path):
 
 def test_cli_verify_exits_one_when_a_tolerance_is_exceeded(tmp_path):
     script = tmp_path / "broken_verify.py"
-    script.write_text(BREAK_CAUSAL + "import sys\nfrom patchkit.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    script.write_text(BREAK_CAUSAL + "import sys\nfrom patchkit.entry.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     proc = run([sys.executable, script, "verify", "--backend", "sdpa", "--patch", "llama1"], cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "FAIL" in proc.stdout and "=> FAIL" in proc.stdout
@@ -129,7 +129,7 @@ def test_cli_verify_strict_flash_attn_is_a_clear_error_not_a_table():
 
 
 def test_cli_verify_rejects_a_bad_dtype(capsys):
-    from patchkit.cli import main
+    from patchkit.entry.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["verify", "--dtype", "fp8"])

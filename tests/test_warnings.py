@@ -13,9 +13,10 @@ from models import padded_batch, tiny_config, tiny_model
 from transformers import LlamaForCausalLM
 
 import patchkit
-from patchkit import attn_interface, gates
-from patchkit.choice import MAX_WARNING_CHARS
-from patchkit.doctor import doctor, format_report
+from patchkit import gates
+from patchkit.backends.choice import MAX_WARNING_CHARS
+from patchkit.entry.doctor import doctor, format_report
+from patchkit.hooks import attention_interface
 from patchkit.warn import is_internal, user_frame
 
 NO_GPU = dict(flash_attn_version=None, flash_attn_error="not installed (No module named 'flash_attn')",
@@ -83,20 +84,20 @@ def test_a_per_call_warning_names_the_line_that_ran_the_model(monkeypatch):
 def test_registered_name_warning_names_this_file(monkeypatch, tmp_path, load):
     """attn_implementation="patchkit": the backend is chosen on the first forward, many frames inside transformers."""
     monkeypatch.setattr(gates, "probe_environment", lambda: env(**NO_GPU))
-    attn_interface.register(backend="sdpa")
-    attn_interface.register(backend="auto")  # a fresh route: its backend is chosen again on first use
+    attention_interface.register(backend="sdpa")
+    attention_interface.register(backend="auto")  # a fresh route: its backend is chosen again on first use
     if load == "from_config":
-        model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation=attn_interface.ATTENTION_NAME)
+        model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation=attention_interface.ATTENTION_NAME)
     else:
         torch.manual_seed(0)
         LlamaForCausalLM(tiny_config()).save_pretrained(tmp_path)
-        model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=attn_interface.ATTENTION_NAME)
+        model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=attention_interface.ATTENTION_NAME)
     ids, mask = padded_batch("right")
     try:
         record = caught(lambda: model(input_ids=ids, attention_mask=mask))
     finally:
-        attn_interface.register(backend="sdpa")
-        attn_interface.register(backend="auto")
+        attention_interface.register(backend="sdpa")
+        attention_interface.register(backend="auto")
     assert len(record) == 1
     assert record[0].filename == __file__, record[0].filename
 

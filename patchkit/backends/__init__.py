@@ -6,9 +6,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from ..decode import DecodePlan, attend_padded_cache
-from ..masks import VarlenMetadata
-from . import sdpa
+from patchkit.backends import sdpa
+from patchkit.forward.decode import DecodePlan, attend_padded_cache
+from patchkit.forward.masks import VarlenMetadata
 
 BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
@@ -16,7 +16,7 @@ BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 class Backend(Protocol):
     """What a patched layer needs: flash-attn's two varlen entry points, fed with patchkit metadata.
 
-    Optional (`patchkit.decode` looks them up with getattr; a backend without them runs decode steps through
+    Optional (`patchkit.forward.decode` looks them up with getattr; a backend without them runs decode steps through
     `varlen_kvpacked` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
     window_size, softcap)`, a decode step on the padded cache in place, returning None for a layout it cannot
     take; and `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
@@ -72,7 +72,7 @@ class SdpaBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
         dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
-        """A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.decode`'s plan."""
+        """A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.forward.decode`'s plan."""
         return attend_padded_cache(
             q, k, v, plan, window_size, scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
         )
@@ -83,11 +83,11 @@ def make_backend(name: str) -> Backend:
     if name == "sdpa":
         return SdpaBackend()
     if name == "flash_attn":
-        from .flash_attn import FlashAttnBackend
+        from patchkit.backends.flash_attn import FlashAttnBackend
 
         return FlashAttnBackend()
     if name == "torch_varlen":
-        from .torch_varlen import TorchVarlenBackend
+        from patchkit.backends.torch_varlen import TorchVarlenBackend
 
         return TorchVarlenBackend()
     raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")

@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from packaging.version import InvalidVersion, Version
 
-from ..decode import DecodePlan
-from ..masks import VarlenMetadata
-from .limits import check_index_range
+from patchkit.backends.limits import check_index_range
+from patchkit.forward.decode import DecodePlan
+from patchkit.forward.masks import VarlenMetadata
 
 
 class FlashAttnBackend:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PatchInputError
-from ..masks import VarlenMetadata
+from patchkit.errors import PatchInputError
+from patchkit.forward.masks import VarlenMetadata
 
 INT32_LIMIT = 2**31
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .paged import gather_pages
+from patchkit.backends.paged import gather_pages
 
 __all__ = [
     "flash_attn_func",

@@ -16,10 +16,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..decode import DecodePlan, attend_padded_cache
-from ..errors import PatchInputError
-from ..masks import VarlenMetadata
-from .limits import check_index_range
+from patchkit.backends.limits import check_index_range
+from patchkit.errors import PatchInputError
+from patchkit.forward.decode import DecodePlan, attend_padded_cache
+from patchkit.forward.masks import VarlenMetadata
 
 
 def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:

@@ -17,12 +17,12 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-from .. import route_patch
-from ..attention import PatchState
-from ..model_walk import find_modules
-from ..patching import Replacement
-from ..routing import routes_to
-from . import legacy
+from patchkit.eras import legacy
+from patchkit.forward.varlen import PatchState
+from patchkit.hooks import family_route
+from patchkit.hooks.model_walk import find_modules
+from patchkit.hooks.patching import Replacement
+from patchkit.hooks.routing import routes_to
 
 LLAMA_TRANSFORMERS = ">=4.31,<6"  # the union of the eras below
 
@@ -81,20 +81,20 @@ def class_replacements(state: PatchState) -> list[Replacement]:
     """The installed era's targets of a before-load patch."""
     if legacy_installed():
         return legacy.class_replacements(state, modeling_llama())
-    return route_patch.class_replacements(state, llama_classes)
+    return family_route.class_replacements(state, llama_classes)
 
 
 def instance_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
     """The installed era's targets of a loaded-instance patch."""
     if legacy_installed():
         return legacy.instance_replacements(state, model, modeling_llama())
-    return route_patch.instance_replacements(state, model, llama_classes)
+    return family_route.instance_replacements(state, model, llama_classes)
 
 
 def live_layers(model: nn.Module, state: PatchState) -> tuple[int, int]:
     """(LLaMA attention layers that run through `state`, LLaMA attention layers in `model`)."""
     if not legacy_installed():
-        return route_patch.live_layers(model, state, llama_classes)
+        return family_route.live_layers(model, state, llama_classes)
     layers = find_modules(model, attention_class())
     return sum(1 for m in layers if routes_to(m.forward, state)), len(layers)
 

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import PatchState
-from ..documents import caller_gave_no_mask
-from ..errors import PatchGateError, PatchTargetError
-from ..masks import VarlenMask, in_packed_forward, refuse_4d
-from ..model_unpad import make_lm_forward, make_model_forward
-from ..model_walk import find_modules
-from ..patching import Replacement, bound_replacement
-from .legacy_attention import make_legacy_forward, rotary_takes_position_ids
+from patchkit.eras.legacy_attention import make_legacy_forward, rotary_takes_position_ids
+from patchkit.errors import PatchGateError, PatchTargetError
+from patchkit.forward.documents import caller_gave_no_mask
+from patchkit.forward.masks import VarlenMask, in_packed_forward, refuse_4d
+from patchkit.forward.varlen import PatchState
+from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.model_walk import find_modules
+from patchkit.hooks.patching import Replacement, bound_replacement
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")

@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..arguments import check_call
-from ..attention import PatchState, varlen_core
-from ..errors import PatchInputError
+from patchkit.errors import PatchInputError
+from patchkit.forward.arguments import check_call
+from patchkit.forward.varlen import PatchState, varlen_core
 
 STATIC_CACHES = ("StaticCache", "SlidingWindowCache", "HybridCache", "OffloadedStaticCache")
 

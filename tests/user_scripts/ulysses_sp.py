@@ -37,7 +37,7 @@ import transformers as tf
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import patchkit
-from patchkit import attn_interface
+from patchkit.hooks import attention_interface
 
 T0 = time.perf_counter()
 parser = argparse.ArgumentParser()
@@ -210,7 +210,7 @@ mine = {
     "attention_calls": dict(sorted(calls.items())),
     "ulysses": ulysses,
     "patchkit_active": patch_counters(),
-    "patchkit_route_calls": None if attn_interface._state is None else attn_interface._state.calls,
+    "patchkit_route_calls": None if attention_interface._state is None else attention_interface._state.calls,
     "local_loss": out.loss.item(),
     "local_good_tokens": int(good),
     "local_seq": batch["input_ids"].shape[1],

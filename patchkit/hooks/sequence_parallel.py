@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from .errors import PatchInputError
+from patchkit.errors import PatchInputError
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 SHARD_LOCAL = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # sliced per rank by the data adapter: not global

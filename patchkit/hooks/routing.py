@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
-from .masks import VarlenMask
-from .sequence_parallel import refuse_unfound, ulysses_active, ulysses_wrapper
+from patchkit.forward.masks import VarlenMask
+from patchkit.hooks.sequence_parallel import refuse_unfound, ulysses_active, ulysses_wrapper
 
-ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attn_interface.ATTENTION_NAME)
+ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attention_interface.ATTENTION_NAME)
 
 
 @dataclasses.dataclass(frozen=True)

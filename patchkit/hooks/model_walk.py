@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import PatchTargetError
+from patchkit.errors import PatchTargetError
 
 
 def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:

@@ -8,7 +8,7 @@ import inspect
 import weakref
 from typing import Any, Callable
 
-from .errors import PatchTargetError
+from patchkit.errors import PatchTargetError
 
 _MISSING = object()
 _FROM_CLASS = object()  # an instance attribute that was not there: revert deletes ours, the class's shows again

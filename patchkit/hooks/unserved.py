@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Optional
 
-from .patching import Replacement, SharedInstall
-from .warn import warn_user
+from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.warn import warn_user
 
 _hook = SharedInstall()
 _warned: set[str] = set()  # model types already named in this process
@@ -18,9 +18,9 @@ def _pretrained_model() -> type:
 
 def why_unserved(model_type: Optional[str], families: str) -> str:
     """Why `model_type` runs unpatched: no patch for it, the gate its patch fails, or its patch was not applied."""
-    from . import gates
-    from .errors import PatchTargetError
-    from .registry import for_model_type
+    from patchkit import gates
+    from patchkit.errors import PatchTargetError
+    from patchkit.registry import for_model_type
 
     try:
         spec = for_model_type(model_type)

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from .errors import PatchInputError
+from patchkit.errors import PatchInputError
 
 # Read by patchkit (packing metadata; `seq_idx` checked against it: documents.py); or inert: bookkeeping and loss
 # arguments that transformers' causal-LM forwards pass down through **kwargs, which do not change attention.

@@ -9,16 +9,16 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .arguments import check_call, check_family
-from .backends import Backend, SdpaBackend
-from .decode import decode_attention
-from .errors import PatchGateError, PatchInputError
-from .gates import HALF_DTYPES, dtype_gate, head_dim_gate
-from .liveness import record_call
-from .masks import VarlenMetadata, as_varlen_mask
-from .padding import pad_input, unpad_rows
-from .patching import BoundPatch
-from .warn import warn_user
+from patchkit.backends import Backend, SdpaBackend
+from patchkit.errors import PatchGateError, PatchInputError
+from patchkit.forward.arguments import check_call, check_family
+from patchkit.forward.decode import decode_attention
+from patchkit.forward.liveness import record_call
+from patchkit.forward.masks import VarlenMetadata, as_varlen_mask
+from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
+from patchkit.hooks.patching import BoundPatch
+from patchkit.warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past

@@ -10,9 +10,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .api import active_patches, apply_patch
-from .errors import PatchkitError
-from .registry import resolve
+from patchkit.api import active_patches, apply_patch
+from patchkit.errors import PatchkitError
+from patchkit.registry import resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_RTOL = 1e-4

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from . import gates as _gates
-from .errors import PatchGateError
-from .gates import Environment, GateResult
-from .warn import warn_user
+from patchkit import gates as _gates
+from patchkit.errors import PatchGateError
+from patchkit.gates import Environment, GateResult
+from patchkit.warn import warn_user
 
 AUTO_ORDER = ("flash_attn", "torch_varlen")  # backend="auto" tries these in turn, then the exact sdpa backend
 MAX_WARNING_CHARS = 320  # the fallback warning is one line a person reads; the full list is in report() and doctor

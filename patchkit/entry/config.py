@@ -8,11 +8,11 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from .api import PatchHandle, apply_patch
-from .attention import UNPAD_MODES
-from .backends import BACKEND_NAMES
-from .group import GROUP_NAME, PatchGroup
-from .registry import ALIASES, PATCH_MODULES
+from patchkit.api import PatchHandle, apply_patch
+from patchkit.backends import BACKEND_NAMES
+from patchkit.forward.varlen import UNPAD_MODES
+from patchkit.group import GROUP_NAME, PatchGroup
+from patchkit.registry import ALIASES, PATCH_MODULES
 
 ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
 ENV_PATCH = "PATCHKIT_PATCH"
@@ -126,7 +126,7 @@ class PatchArguments:
     Example:
         parser = HfArgumentParser((ModelArguments, PatchArguments, TrainingArguments))
         model_args, patch_args, training_args = parser.parse_args_into_dataclasses()
-        patchkit.config.apply_from_args(patch_args)  # before from_pretrained
+        patchkit.entry.config.apply_from_args(patch_args)  # before from_pretrained
     """
 
     flash_attn: bool = _flash_attn_field()

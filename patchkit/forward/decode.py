@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .masks import VarlenMetadata
+from patchkit.forward.masks import VarlenMetadata
 
 DECODE_MAX_Q = 16  # new tokens per row up to which a step with a past attends on the padded cache, unless packed
 # One new token per row on CPU: one SDPA call per row on its real keys (a view of the cache) instead of one masked

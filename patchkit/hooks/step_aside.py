@@ -14,9 +14,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .documents import block_diagonal_documents, has_packed_rows
-from .errors import PatchInputError
-from .masks import has_holes
+from patchkit.errors import PatchInputError
+from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
+from patchkit.forward.masks import has_holes
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {

@@ -15,14 +15,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .documents import callers_mask, real_tokens_of_4d
-from .errors import PatchInputError
-from .liveness import is_compiling
-from .masks import VarlenMetadata, build_metadata, packed_forward
-from .padding import pad_input, unpad_rows
-from .routing import ROUTE_NAME, routed
-from .sequence_parallel import ulysses_wrapper
-from .step_aside import (
+from patchkit.errors import PatchInputError
+from patchkit.forward.documents import callers_mask, real_tokens_of_4d
+from patchkit.forward.liveness import is_compiling
+from patchkit.forward.masks import VarlenMetadata, build_metadata, packed_forward
+from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.hooks.routing import ROUTE_NAME, routed
+from patchkit.hooks.sequence_parallel import ulysses_wrapper
+from patchkit.hooks.step_aside import (
     LM_CAUSE,
     documents_from_4d_mask,
     forward_cause,

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .api import PatchHandle, active_patches, applying
-from .config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
-from .group import PatchGroup
-from .process_report import rank_label, report_at_exit
+from patchkit.api import PatchHandle, active_patches, applying
+from patchkit.entry.config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
+from patchkit.entry.process_report import rank_label, report_at_exit
+from patchkit.group import PatchGroup
 
 PTH_NAME = "patchkit-startup.pth"
 ORIGIN = f"applied when a served family's modeling module was imported, because {ENV_FLASH_ATTN} is on"

@@ -9,9 +9,9 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
-from .documents import check_seq_idx, document_lengths, has_packed_rows
-from .errors import PatchInputError, PatchStateError
-from .padding import cu_seqlens_from_lengths
+from patchkit.errors import PatchInputError, PatchStateError
+from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
+from patchkit.forward.padding import cu_seqlens_from_lengths
 
 FOUR_D_MASK_MESSAGE = (
     "patchkit received a 4D attention mask of shape {shape}. A 4D mask (a custom attention pattern) cannot be "
@@ -49,7 +49,7 @@ class VarlenMetadata:
     seqlens_k: list[int]
     packed: bool = False
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
-    # patchkit.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
+    # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from .attention import PatchState
-from .patching import Replacement, SharedInstall
-from .warn import warn_user
+from patchkit.forward.varlen import PatchState
+from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
 Serving = Callable[[type], Optional[PatchState]]  # a model class -> the active class patch's state serving it
@@ -28,10 +28,10 @@ _hook = SharedInstall()
 
 def served_name() -> str:
     """What the served model's config names: patchkit's registered route where it exists, else "sdpa"."""
-    from . import attn_interface
+    from patchkit.hooks import attention_interface
 
     try:
-        return attn_interface.ATTENTION_NAME if attn_interface.register() else "sdpa"
+        return attention_interface.ATTENTION_NAME if attention_interface.register() else "sdpa"
     except Exception:  # noqa: BLE001 - a transformers without the interfaces: sdpa runs the non-attention code
         return "sdpa"
 
@@ -87,7 +87,7 @@ def replacements(serving: Serving) -> list[Replacement]:
     """The wrapper on transformers' PreTrainedModel check (none before 4.48, where no era of ours serves it)."""
     from transformers.modeling_utils import PreTrainedModel
 
-    from . import eras
+    from patchkit import eras
 
     if eras.legacy_installed():
         return []

@@ -11,10 +11,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import __version__
-from . import gates as _gates
-from .choice import Choice, pick
-from .registry import registered
+from patchkit import gates as _gates
+from patchkit.backends.choice import Choice, pick
+from patchkit.registry import registered
 
 PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
 
@@ -69,11 +68,11 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
 
 def doctor() -> dict[str, Any]:
     """Versions, hardware, the flash-attn import result and each patch's verdict, as a JSON-ready dict."""
-    from ._autostart import startup_hook
+    from patchkit.entry.autostart import startup_hook
 
     start = time.perf_counter()
     env = _gates.probe_environment()
-    versions = {"python": platform.python_version(), "patchkit": __version__}
+    versions = {"python": platform.python_version(), "patchkit": importlib.metadata.version("patchkit")}
     versions.update({name: package_version(name) for name in PACKAGES})
     versions["torch"] = env.torch_version
     versions["cuda"] = torch.version.cuda

@@ -5,7 +5,7 @@ RoPE, updates the cache, then calls `ALL_ATTENTION_FUNCTIONS[config._attn_implem
 (`sliding_window`, `softcap`, `scaling`); from 4.53 its masks go through `AttentionMaskInterface` by the same
 name (4.48-4.52: the base model's `_update_causal_mask`, replaced here). So patchkit replaces no attention code:
 the base model's forward is wrapped to route that forward's masks to patchkit's registered name
-(`attn_interface`) and to unpad once when no cache is kept, and the attention forward routes each call given
+(`attention_interface`) and to unpad once when no cache is kept, and the attention forward routes each call given
 patchkit's mask to that name on the patch's own state, for the module's lifetime (`routing`: checkpoint
 recomputes included). A family module declares its classes.
 """
@@ -17,16 +17,16 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from . import attn_interface
-from .attention import KV_PACKED, PatchState
-from .errors import PatchTargetError
-from .masks import VarlenMask, cache_placement, refuse_4d
-from .model_unpad import make_lm_forward, make_model_forward
-from .model_walk import find_modules
-from .patching import Replacement, bound_replacement
-from .registry import PatchSpec
-from .routing import current_method, make_attention_forward, routes_to
-from .step_aside import is_stepping_aside
+from patchkit.errors import PatchTargetError
+from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
+from patchkit.forward.varlen import KV_PACKED, PatchState
+from patchkit.hooks import attention_interface
+from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.model_walk import find_modules
+from patchkit.hooks.patching import Replacement, bound_replacement
+from patchkit.hooks.routing import current_method, make_attention_forward, routes_to
+from patchkit.hooks.step_aside import is_stepping_aside
+from patchkit.registry import PatchSpec
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 
@@ -59,7 +59,7 @@ def family_spec(
 def class_replacements(state: PatchState, classes: Callable) -> list[Replacement]:
     """Before load: every model of the family routes through patchkit, whatever implementation it names."""
     attention, base, lm = classes()
-    by_interface = attn_interface.register_route()
+    by_interface = attention_interface.register_route()
     out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
                        f"{base.__name__}.forward (routes masks to patchkit)"),
            Replacement(attention, "forward", make_attention_forward(attention.forward, state),
@@ -81,7 +81,7 @@ def instance_replacements(state: PatchState, model: nn.Module, classes: Callable
             f"found no {base.__name__} with {attention.__name__} layers in {type(model).__name__}: patched 0 layers; "
             "nothing was patched."
         )
-    by_interface = attn_interface.register_route()
+    by_interface = attention_interface.register_route()
     out = []
     for b in bases:
         wrapped = make_model_forward(current_method(b), state.unpad, b.config._attn_implementation, route=state)

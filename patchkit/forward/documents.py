@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from .errors import PatchInputError
+from patchkit.errors import PatchInputError
 
 if TYPE_CHECKING:
-    from .masks import VarlenMetadata
+    from patchkit.forward.masks import VarlenMetadata
 
 # transformers 4.31-4.37 make an all-ones mask up when the caller gives none: the caller's own choice, per forward.
 _CALLER_GAVE_NO_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_no_mask", default=False)

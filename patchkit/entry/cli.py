@@ -11,10 +11,10 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import __version__
-from .backends import BACKEND_NAMES
-from .config import patch_names
-from .errors import PatchkitError
+from patchkit import __version__
+from patchkit.backends import BACKEND_NAMES
+from patchkit.entry.config import patch_names
+from patchkit.errors import PatchkitError
 
 USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
@@ -30,14 +30,14 @@ USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
 def cmd_run(argv: list[str]) -> int:
     """`patchkit run`: the launcher (`python -m patchkit.launch`) under the patchkit command."""
-    from .launch import main as launch_main
+    from patchkit.launch import main as launch_main
 
     return launch_main(argv, prog="patchkit run")
 
 
 def cmd_doctor(argv: list[str]) -> int:
-    """`patchkit doctor`: print (or --json) `patchkit.doctor.doctor()`; exit 1 when no patch applies here."""
-    from .doctor import doctor, exit_code, format_report
+    """`patchkit doctor`: print (or --json) `patchkit.entry.doctor.doctor()`; exit 1 when no patch applies here."""
+    from patchkit.entry.doctor import doctor, exit_code, format_report
 
     parser = argparse.ArgumentParser(prog="patchkit doctor", description="Versions, GPU, flash-attn and, for each "
                                      "patch, whether it would apply here and with which backend. Patches nothing.")
@@ -49,8 +49,8 @@ def cmd_doctor(argv: list[str]) -> int:
 
 
 def cmd_verify(argv: list[str]) -> int:
-    """`patchkit verify`: the table of `patchkit.verify.verify()`; exit 1 when a tolerance is exceeded."""
-    from .verify import DTYPES, verify
+    """`patchkit verify`: the table of `patchkit.entry.verify.verify()`; exit 1 when a tolerance is exceeded."""
+    from patchkit.entry.verify import DTYPES, verify
 
     parser = argparse.ArgumentParser(prog="patchkit verify", description="Run padded batches and a short greedy "
                                      "generation through patched and unpatched (eager) attention; print the largest "
@@ -123,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if command is None:
         print(f"patchkit: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from ._autostart import stand_down
+    from patchkit.entry.autostart import stand_down
 
     stand_down(f"patchkit {argv[0]}")  # each command decides about patching itself (verify compares unpatched)
     return command(argv[1:])

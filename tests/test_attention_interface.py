@@ -11,7 +11,7 @@ from models import labels_for, padded_batch, tiny_config
 from transformers import LlamaForCausalLM
 
 import patchkit
-from patchkit import attn_interface
+from patchkit.hooks import attention_interface
 
 pytestmark = pytest.mark.skipif(
     not hasattr(sys.modules["transformers.models.llama.modeling_llama"], "create_causal_mask"),
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def sdpa_route():
-    attn_interface.register(backend="sdpa")
+    attention_interface.register(backend="sdpa")
     yield
-    attn_interface.register(backend="auto", strict=False)  # back to the import-time default
+    attention_interface.register(backend="auto", strict=False)  # back to the import-time default
 
 
 @pytest.fixture
@@ -53,10 +53,10 @@ def test_registered_name_matches_eager_on_padded_batches(saved, route):
     assert ours.config._attn_implementation == "patchkit"
     assert "flash" not in patchkit.ATTENTION_NAME and "/" not in patchkit.ATTENTION_NAME
     ids, mask = padded_batch("mixed")
-    before = attn_interface.route_state().calls
+    before = attention_interface.route_state().calls
     got, got_g = logits_and_grad(ours, ids, mask)
     want, want_g = logits_and_grad(eager, ids, mask)
-    assert attn_interface.route_state().calls - before == 2  # both layers went through patchkit
+    assert attention_interface.route_state().calls - before == 2  # both layers went through patchkit
     assert patchkit.active_patches() == []  # no global patch
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
@@ -72,9 +72,9 @@ def test_registered_name_generates_like_eager(saved):
 
 
 def test_auto_route_names_the_failed_gate_on_first_use(saved):
-    attn_interface.register(backend="auto")
+    attention_interface.register(backend="auto")
     ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
     ids, mask = padded_batch("right")
     with pytest.warns(RuntimeWarning, match=r"sdpa backend \(not flash_attn: flash_attn_installed: FAILED"):
         ours(input_ids=ids, attention_mask=mask)
-    assert attn_interface.route_state().backend.name == "sdpa"
+    assert attention_interface.route_state().backend.name == "sdpa"

@@ -15,16 +15,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import gates
-from .arguments import check_family
-from .attention import PatchState, make_attention_function
-from .backends import BACKEND_NAMES, make_backend
-from .choice import choose_backend
-from .masks import VarlenMask
-from .registry import registered, resolve
-from .routing import ROUTE, ROUTE_NAME
-from .sequence_parallel import through_ulysses
-from .step_aside import step_aside, transformers_mask
+from patchkit import gates
+from patchkit.backends import BACKEND_NAMES, make_backend
+from patchkit.backends.choice import choose_backend
+from patchkit.forward.arguments import check_family
+from patchkit.forward.masks import VarlenMask
+from patchkit.forward.varlen import PatchState, make_attention_function
+from patchkit.hooks.routing import ROUTE, ROUTE_NAME
+from patchkit.hooks.sequence_parallel import through_ulysses
+from patchkit.hooks.step_aside import step_aside, transformers_mask
+from patchkit.registry import registered, resolve
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 
