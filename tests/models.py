@@ -1,13 +1,23 @@
-"""Tiny random LLaMA models and padded batches for the tests (no hub, CPU)."""
+"""Tiny random LLaMA models, padded and packed batches, cached decoding and the shared skip markers (no hub, CPU)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 
+import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+import patchkit
 
 VOCAB = 97
+
+# one marker per condition
+needs_mask_interface = pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
+                                          reason="the mask interface (registered name, families): transformers 4.53+")
+needs_set_attn_implementation = pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"),
+                                                   reason="set_attn_implementation: transformers 4.56+")
 
 
 def tiny_config(kv_heads: int = 4, heads: int = 4, hidden: int = 64, layers: int = 2, **kw) -> LlamaConfig:
@@ -105,3 +115,90 @@ def cache_tensors(cache) -> list:
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache))
+
+
+def static_cache(model, batch: int, max_len: int):
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:  # before 5.x the batch size and dtype are arguments
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, dtype=torch.float32)
+
+
+@torch.no_grad()
+def static_decode(model, ids, mask, steps: int, max_len: int, full_mask: bool):
+    """Prefill a left-padded prompt into a StaticCache, then decode `steps` tokens greedily; logits per step."""
+    batch, prompt = ids.shape
+    cache = static_cache(model, batch, max_len)
+    slots = torch.zeros(batch, max_len, dtype=mask.dtype)
+    slots[:, :prompt] = mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    step_mask = slots if full_mask else slots[:, :prompt]
+    out = model(input_ids=ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
+                use_cache=True)
+    logits, nxt, pos = [out.logits[:, -1]], out.logits[:, -1].argmax(-1, keepdim=True), positions[:, -1:]
+    for t in range(prompt, prompt + steps):
+        slots[:, t] = 1
+        pos = pos + 1
+        step_mask = slots if full_mask else slots[:, : t + 1]
+        out = model(input_ids=nxt, attention_mask=step_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return torch.stack(logits, 1)
+
+
+DOCS = [[5, 9, 11, 4], [7, 3, 8], [12, 6], [9, 9, 9, 9, 9, 9]]
+
+
+def doc_ids(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (len(d),), generator=g) for d in DOCS]
+
+
+def separate_logits(model, docs):
+    with torch.no_grad():
+        return [model(input_ids=d[None]).logits[0] for d in docs]
+
+
+def pack(docs, rows):
+    """rows: list of lists of doc indices -> input_ids, position_ids (restarting), mask (right padding)."""
+    width = max(sum(len(docs[i]) for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    pos = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = len(docs[i])
+            ids[r, at : at + n], pos[r, at : at + n], mask[r, at : at + n] = docs[i], torch.arange(n), 1
+            at += n
+    return ids, pos, mask
+
+
+def unpack(logits, docs, rows):
+    out = {}
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            out[i] = logits[r, at : at + len(docs[i])]
+            at += len(docs[i])
+    return [out[i] for i in range(len(docs))]
+
+
+def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
+    """Two rows packing the four documents, padded as TRL's padding-free collator pads them (no mask, each padding
+    position a restart at 0), under the patch, equal each document run alone unpatched.
+
+    Returns (model, packed ids, position_ids, each document's unpatched logits) for further checks.
+    """
+    model = tiny_model(kv_heads=kv_heads, seed=7)
+    docs = doc_ids()
+    want = separate_logits(model, docs)
+    rows = [[0, 1], [2, 3]]
+    ids, pos, _ = pack(docs, rows)
+    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
+        logits = model(input_ids=ids, position_ids=pos, use_cache=use_cache).logits
+    for got, exp in zip(unpack(logits, docs, rows), want):
+        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+    return model, ids, pos, want

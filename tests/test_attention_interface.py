@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from models import labels_for, padded_batch, tiny_config
+from models import labels_for, needs_mask_interface, padded_batch, tiny_config
 from transformers import LlamaForCausalLM
 
 import patchkit
 from patchkit.hooks import attention_interface
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(sys.modules["transformers.models.llama.modeling_llama"], "create_causal_mask"),
-    reason="AttentionMaskInterface needs transformers >= 4.53",
-)
+pytestmark = needs_mask_interface
 
 
 @pytest.fixture(autouse=True)

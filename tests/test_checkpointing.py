@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from entrypoints import clean_env, launch, run
-from families import FAMILIES, any_model
+from families import ATOL, FAMILIES, any_model
 from models import assert_same, padded_batch, step
-from test_families import ATOL
 
 import patchkit
 from patchkit.errors import PatchStateError

@@ -7,9 +7,7 @@ import copy
 import pytest
 import torch
 from families import WINDOW, family_model
-from models import cache_tensors, decode_logits, padded_batch, tiny_model
-from test_never_silent import static_decode
-from transformers.modeling_utils import PreTrainedModel
+from models import cache_tensors, decode_logits, needs_set_attn_implementation, padded_batch, static_decode, tiny_model
 
 import patchkit
 from patchkit.forward import decode, masks, padding
@@ -19,8 +17,7 @@ from patchkit.hooks import model_forward
 ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
 # on 4.48.3: StaticCache decode is refused with a misleading message and a Gemma2 window case fails (known, open).
-pytestmark = pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"),
-                                reason="the unpatched references need set_attn_implementation (transformers 4.56+)")
+pytestmark = needs_set_attn_implementation  # the unpatched references switch a copy's attention
 
 
 @pytest.fixture

@@ -15,9 +15,8 @@ import pytest
 import torch
 import transformers
 from entrypoints import clean_env, launch, run
-from models import assert_same, padded_batch, step, tiny_model
+from models import assert_same, check_packed_rows, padded_batch, step, tiny_model
 from packaging.version import Version
-from test_packing import check_packed_rows
 
 import patchkit
 from patchkit import eras

@@ -7,9 +7,8 @@ import warnings
 
 import pytest
 import torch
-from families import family_model
+from families import ATOL, family_model
 from models import assert_same, padded_batch, step, tiny_model
-from test_families import ATOL
 from transformers import BertConfig, BertModel
 
 import _patchkit_startup

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
-from families import FAMILIES, WINDOW, family_model, set_attention
-from models import VOCAB, assert_same, padded_batch, step
+from families import ATOL, FAMILIES, WINDOW, family_model, set_attention
+from models import VOCAB, assert_same, needs_mask_interface, padded_batch, step
 
 import patchkit
 from patchkit import PatchTargetError
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(sys.modules.get("transformers.masking_utils"), "AttentionMaskInterface")
-    and not __import__("importlib").util.find_spec("transformers.masking_utils"),
-    reason="family patches need transformers >= 4.53",
-)
+pytestmark = needs_mask_interface
 
-
-ATOL = 3e-5  # two layers of seven families' features against eager
 
 
 @pytest.mark.parametrize("padding", ["right", "left", "mixed"])

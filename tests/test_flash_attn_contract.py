@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import pytest
 import torch
 from fakes import install_flash_double
-from models import cache_tensors, clone, decode_logits, padded_batch, tiny_model
+from models import cache_tensors, clone, decode_logits, needs_mask_interface, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchGateError
@@ -137,8 +136,7 @@ def test_decode_layouts_the_kernel_cannot_express_take_the_varlen_kernel(monkeyp
     assert [c["name"] for c in fake.calls] == ["kvpacked"] * 2 * model.config.num_hidden_layers
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
-                    reason="the families other than LLaMA need transformers >= 4.53")
+@needs_mask_interface
 def test_decode_windows_and_softcap_reach_the_kvcache_kernel(monkeypatch):
     """Gemma2 (window on layer 0, softcap everywhere), left-padded, across the window."""
     from families import WINDOW, family_model
@@ -203,8 +201,7 @@ def test_gpu_flash_attn_matches_eager_bf16(patch):
     assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
-                    reason="the families other than LLaMA need transformers >= 4.53")
+@needs_mask_interface
 def test_windows_and_softcap_reach_the_kernel_or_fall_back_by_version(monkeypatch):
     """Gemma2 (window on layer 0, softcap everywhere): flash-attn >= 2.6 gets both; 2.2 has neither: sdpa + warning."""
     from families import WINDOW, family_model

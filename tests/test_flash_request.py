@@ -14,7 +14,7 @@ import models
 import pytest
 import torch
 from entrypoints import REPO, clean_env, launch
-from models import padded_batch
+from models import needs_mask_interface, needs_set_attn_implementation, padded_batch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.modeling_utils import PreTrainedModel
 
@@ -84,7 +84,7 @@ def test_only_served_families_and_only_flash_attention_2_are_let_through():
         LlamaForCausalLM(tiny_config(attn_implementation="flash_attention_9"))
 
 
-@pytest.mark.skipif(not importlib.util.find_spec("transformers.masking_utils"), reason="families need 4.53")
+@needs_mask_interface
 def test_every_active_family_is_served_mistral_too():
     """`apply_patch()` patches every family: a Mistral script asking for flash_attention_2 runs through patchkit."""
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def test_every_active_family_is_served_mistral_too():
         build(MistralForCausalLM, mistral_config("flash_attention_2"))
 
 
-@pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"), reason="transformers < 4.56")
+@needs_set_attn_implementation
 def test_set_attn_implementation_on_a_loaded_model_is_served_too():
     patchkit.apply_patch("llama2", backend="sdpa")
     model = LlamaForCausalLM(tiny_config())

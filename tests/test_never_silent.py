@@ -9,47 +9,13 @@ import sys
 import pytest
 import torch
 from families import set_attention
-from models import VOCAB, padded_batch, tiny_model
+from models import VOCAB, needs_mask_interface, padded_batch, static_decode, tiny_model
 
 import patchkit
 from patchkit import PatchInputError
 from patchkit.hooks.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
-needs_mask_interface = pytest.mark.skipif(
-    not hasattr(MOD, "create_causal_mask"), reason="AttentionMaskInterface needs transformers >= 4.53"
-)
-
-
-def static_cache(model, batch: int, max_len: int):
-    from transformers import StaticCache
-
-    try:
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    except TypeError:  # before 5.x the batch size and dtype are arguments
-        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, dtype=torch.float32)
-
-
-@torch.no_grad()
-def static_decode(model, ids, mask, steps: int, max_len: int, full_mask: bool):
-    """Prefill a left-padded prompt into a StaticCache, then decode `steps` tokens greedily; logits per step."""
-    batch, prompt = ids.shape
-    cache = static_cache(model, batch, max_len)
-    slots = torch.zeros(batch, max_len, dtype=mask.dtype)
-    slots[:, :prompt] = mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    step_mask = slots if full_mask else slots[:, :prompt]
-    out = model(input_ids=ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
-                use_cache=True)
-    logits, nxt, pos = [out.logits[:, -1]], out.logits[:, -1].argmax(-1, keepdim=True), positions[:, -1:]
-    for t in range(prompt, prompt + steps):
-        slots[:, t] = 1
-        pos = pos + 1
-        step_mask = slots if full_mask else slots[:, : t + 1]
-        out = model(input_ids=nxt, attention_mask=step_mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1])
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return torch.stack(logits, 1)
 
 
 @pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])

@@ -6,64 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from families import set_attention
-from models import tiny_model
+from models import check_packed_rows, doc_ids, pack, separate_logits, tiny_model
 
 import patchkit
-
-DOCS = [[5, 9, 11, 4], [7, 3, 8], [12, 6], [9, 9, 9, 9, 9, 9]]
-
-
-def doc_ids(seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 90, (len(d),), generator=g) for d in DOCS]
-
-
-def separate_logits(model, docs):
-    with torch.no_grad():
-        return [model(input_ids=d[None]).logits[0] for d in docs]
-
-
-def pack(docs, rows):
-    """rows: list of lists of doc indices -> input_ids, position_ids (restarting), mask (right padding)."""
-    width = max(sum(len(docs[i]) for i in row) for row in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    pos = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, row in enumerate(rows):
-        at = 0
-        for i in row:
-            n = len(docs[i])
-            ids[r, at : at + n], pos[r, at : at + n], mask[r, at : at + n] = docs[i], torch.arange(n), 1
-            at += n
-    return ids, pos, mask
-
-
-def unpack(logits, docs, rows):
-    out = {}
-    for r, row in enumerate(rows):
-        at = 0
-        for i in row:
-            out[i] = logits[r, at : at + len(docs[i])]
-            at += len(docs[i])
-    return [out[i] for i in range(len(docs))]
-
-
-def check_packed_rows(kv_heads: int, use_cache: bool) -> tuple:
-    """Two rows packing the four documents, padded as TRL's padding-free collator pads them (no mask, each padding
-    position a restart at 0), under the patch, equal each document run alone unpatched.
-
-    Returns (model, packed ids, position_ids, each document's unpatched logits) for further checks.
-    """
-    model = tiny_model(kv_heads=kv_heads, seed=7)
-    docs = doc_ids()
-    want = separate_logits(model, docs)
-    rows = [[0, 1], [2, 3]]
-    ids, pos, _ = pack(docs, rows)
-    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
-        logits = model(input_ids=ids, position_ids=pos, use_cache=use_cache).logits
-    for got, exp in zip(unpack(logits, docs, rows), want):
-        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
-    return model, ids, pos, want
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

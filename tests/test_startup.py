@@ -6,7 +6,6 @@ startup hook that patchkit-startup.pth installs at interpreter start is what is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import site
 import subprocess
@@ -16,12 +15,11 @@ from pathlib import Path
 
 import pytest
 from entrypoints import REPO, clean_env, run
+from models import needs_mask_interface
 
 import _patchkit_startup
 
 SCRIPTS = REPO / "tests" / "user_scripts"
-needs_mask_interface = pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
-                                          reason="attn_implementation='patchkit' needs transformers >= 4.53")
 APPLIED = "patch 'all' applied to every family patchkit serves in this process"
 
 

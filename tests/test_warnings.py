@@ -9,7 +9,7 @@ import pytest
 import torch
 from entrypoints import clean_env, run
 from fakes import env, install_flash_double
-from models import padded_batch, tiny_config, tiny_model
+from models import needs_mask_interface, padded_batch, tiny_config, tiny_model
 from transformers import LlamaForCausalLM
 
 import patchkit
@@ -21,7 +21,6 @@ from patchkit.warn import is_internal, user_frame
 
 NO_GPU = dict(flash_attn_version=None, flash_attn_error="not installed (No module named 'flash_attn')",
               cuda_available=False, device_name=None, compute_capability=None)
-HAS_MASK_INTERFACE = hasattr(sys.modules["transformers.models.llama.modeling_llama"], "create_causal_mask")
 
 
 def caught(fn) -> list[warnings.WarningMessage]:
@@ -79,7 +78,7 @@ def test_a_per_call_warning_names_the_line_that_ran_the_model(monkeypatch):
     assert [w.filename for w in record] == [__file__]
 
 
-@pytest.mark.skipif(not HAS_MASK_INTERFACE, reason="the registered name needs transformers >= 4.53")
+@needs_mask_interface
 @pytest.mark.parametrize("load", ["from_config", "from_pretrained"])
 def test_registered_name_warning_names_this_file(monkeypatch, tmp_path, load):
     """attn_implementation="patchkit": the backend is chosen on the first forward, many frames inside transformers."""
