@@ -1,4 +1,4 @@
-"""The patched LLaMA attention: project, rotate, cache, unpad, run the varlen kernel, repad (decode: decode.py)."""
+"""The varlen attention every patch runs: its state, how it stacks q/k/v, unpad, kernel, repad (decode.py)."""
 
 from __future__ import annotations
 
@@ -142,23 +142,14 @@ def varlen_core(
 
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
     """
-    batch, q_len, heads, head_dim = q.shape
-    if state.packing == QKV_PACKED:
-        if k.shape[2] != heads:
-            raise PatchGateError(
-                f"patch 'llama1' packs q, k and v with the same head count, but this model has {heads} query "
-                f"heads and {k.shape[2]} key/value heads (grouped-query attention). Use apply_patch('llama2'), "
-                "which supports GQA."
-            )
+    batch, q_len, heads, _ = q.shape
+    packing = PACKINGS[state.packing]
+    packing.check_heads(heads, k.shape[2])
     vmask = as_varlen_mask(attention_mask, fixed_cache)
     kv_len = vmask.keys_in_use(q_len, k.shape[1], fixed_cache)
     if kv_len != k.shape[1]:  # a static cache returns all its slots; the unfilled ones are never seen
         k, v = k[:, :kv_len], v[:, :kv_len]
-    if state.packing == QKV_PACKED and kv_len != q_len:
-        raise PatchInputError(
-            f"patch 'llama1' is for training and prefill only: this call brings {kv_len - q_len} past "
-            "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
-        )
+    packing.check_keys(q_len, kv_len)
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
@@ -181,28 +172,84 @@ def varlen_core(
             (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
             state.warn_once,
         )
-    if state.packing == KV_PACKED:  # a decode step attends to the padded cache in place when the backend can
-        out = decode_attention(
-            backend, q, k, v, meta, dropout=dropout, scaling=scaling, window=window, softcap=softcap,
-            warn_once=state.warn_once,
-        )
-        if out is not None:
-            return out.to(in_dtype)
-    if state.packing == QKV_PACKED:
-        qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
-        out = backend.varlen_qkvpacked(
-            qkv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window, softcap=softcap
-        )
-    else:
-        kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
-        out = backend.varlen_kvpacked(
-            unpad_rows(q, meta.indices_q), kv, meta, dropout_p=dropout, softmax_scale=scaling, causal=True,
-            window_size=window, softcap=softcap,
-        )
-    out = out.to(in_dtype)
+    options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
+    return packing.attend(backend, q, k, v, meta, options).to(in_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """What one attention call asks of the kernel, beside q/k/v and the metadata."""
+
+    dropout: float
+    scaling: float
+    window: tuple[int, int]
+    softcap: float
+    warn_once: Callable[[str, str], None]
+
+
+def repad(out: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
+    """A kernel's (nnz, H, D) output as (B, S, H, D), zeros at padding."""
     if meta.indices_q is None:
-        return out.view(batch, q_len, heads, -1)
-    return pad_input(out, meta.indices_q, batch, q_len)
+        return out.view(meta.batch, meta.q_len, *out.shape[1:])
+    return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
+
+
+def attend_qkv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+                      o: KernelOptions) -> torch.Tensor:
+    """LLaMA-1: q, k, v stacked on real tokens, the varlen qkvpacked kernel."""
+    qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
+    return repad(backend.varlen_qkvpacked(qkv, meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True,
+                                          window_size=o.window, softcap=o.softcap), meta)
+
+
+def attend_kv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+                     o: KernelOptions) -> torch.Tensor:
+    """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
+    else k, v stacked on real tokens and the varlen kvpacked kernel."""
+    out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
+                           softcap=o.softcap, warn_once=o.warn_once)
+    if out is not None:
+        return out
+    kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
+    return repad(backend.varlen_kvpacked(unpad_rows(q, meta.indices_q), kv, meta, dropout_p=o.dropout,
+                                         softmax_scale=o.scaling, causal=True, window_size=o.window,
+                                         softcap=o.softcap), meta)
+
+
+def refuse_gqa_for_qkv(heads: int, kv_heads: int) -> None:
+    if kv_heads != heads:
+        raise PatchGateError(
+            f"patch 'llama1' packs q, k and v with the same head count, but this model has {heads} query "
+            f"heads and {kv_heads} key/value heads (grouped-query attention). Use apply_patch('llama2'), "
+            "which supports GQA."
+        )
+
+
+def refuse_past_for_qkv(q_len: int, kv_len: int) -> None:
+    if kv_len != q_len:
+        raise PatchInputError(
+            f"patch 'llama1' is for training and prefill only: this call brings {kv_len - q_len} past "
+            "tokens from a KV cache. Use apply_patch('llama2') for generation with a cache, or use_cache=False."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How a patch stacks q/k/v for the kernel: what it refuses, and how it attends."""
+
+    check_heads: Callable[[int, int], None]
+    check_keys: Callable[[int, int], None]
+    attend: Callable[..., torch.Tensor]
+
+
+def _accept(*_: Any) -> None:
+    return None
+
+
+PACKINGS = {
+    QKV_PACKED: Packing(refuse_gqa_for_qkv, refuse_past_for_qkv, attend_qkv_packed),
+    KV_PACKED: Packing(_accept, _accept, attend_kv_packed),
+}
 
 
 def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Callable:
