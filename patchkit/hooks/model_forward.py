@@ -254,7 +254,7 @@ def make_model_forward(
             with stepping_aside(cause):
                 return call(self, arguments)
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
-        whole = unpad == "model" and ulysses_wrapper(self.config._attn_implementation) is None
+        whole = unpad == "model" and ulysses_wrapper(getattr(self.config, "_attn_implementation", None)) is None
         meta = unpad_plan(self, arguments, extra) if whole else None
         with _route_masks(self, patched_impl, route), callers_mask(arguments.get("attention_mask")):
             if meta is None:
