@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.scope import scoped
 
 if TYPE_CHECKING:
     from patchkit.forward.masks import VarlenMetadata
@@ -22,14 +23,9 @@ if TYPE_CHECKING:
 _CALLER_GAVE_NO_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_no_mask", default=False)
 
 
-@contextlib.contextmanager
-def callers_mask(mask: Any) -> Iterator[None]:
+def callers_mask(mask: Any) -> contextlib.AbstractContextManager[None]:
     """Within the block (one model forward), remember whether its caller gave no attention_mask."""
-    token = _CALLER_GAVE_NO_MASK.set(mask is None)
-    try:
-        yield
-    finally:
-        _CALLER_GAVE_NO_MASK.reset(token)
+    return scoped(_CALLER_GAVE_NO_MASK, mask is None)
 
 
 def caller_gave_no_mask() -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
 from patchkit.forward.padding import cu_seqlens_from_lengths
+from patchkit.forward.scope import scoped
 
 FOUR_D_MASK_MESSAGE = (
     "patchkit received a 4D attention mask of shape {shape}. A 4D mask (a custom attention pattern) cannot be "
@@ -347,14 +348,9 @@ _PACKED_FORWARD: contextvars.ContextVar[Optional[VarlenMetadata]] = contextvars.
 )
 
 
-@contextlib.contextmanager
-def packed_forward(meta: VarlenMetadata) -> Iterator[None]:
+def packed_forward(meta: VarlenMetadata) -> contextlib.AbstractContextManager[None]:
     """Within this block, mask builders given no mask describe the documents of one packed row by `meta`."""
-    token = _PACKED_FORWARD.set(meta)
-    try:
-        yield
-    finally:
-        _PACKED_FORWARD.reset(token)
+    return scoped(_PACKED_FORWARD, meta)
 
 
 def in_packed_forward() -> bool:

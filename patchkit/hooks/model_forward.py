@@ -20,6 +20,7 @@ from patchkit.forward.documents import callers_mask, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMetadata, build_metadata, packed_forward
 from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.forward.scope import scoped
 from patchkit.hooks.routing import ROUTE_NAME, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.step_aside import (
@@ -310,11 +311,8 @@ def make_lm_forward(original: Callable) -> Callable:
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or LM_CAUSE.get() is None):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
-        token = LM_CAUSE.set(cause)
-        try:
+        with scoped(LM_CAUSE, cause):
             return original(self, *args, **kwargs)
-        finally:
-            LM_CAUSE.reset(token)
 
     forward.__wrapped_original__ = original  # type: ignore[attr-defined]
     forward.__signature__ = signature  # type: ignore[attr-defined]

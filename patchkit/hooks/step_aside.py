@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
 from patchkit.forward.masks import has_holes
+from patchkit.forward.scope import scoped
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
@@ -93,14 +94,9 @@ def packed_call(arguments: dict, extra: dict) -> bool:
     return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
 
 
-@contextlib.contextmanager
-def stepping_aside(cause: str) -> Iterator[None]:
+def stepping_aside(cause: str) -> contextlib.AbstractContextManager[None]:
     """Within the block (one model forward), patched mask builders and attention hand over to transformers'."""
-    token = _STEPPING_ASIDE.set(cause)
-    try:
-        yield
-    finally:
-        _STEPPING_ASIDE.reset(token)
+    return scoped(_STEPPING_ASIDE, cause)
 
 
 def is_stepping_aside() -> bool:
