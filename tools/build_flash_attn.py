@@ -1,0 +1,735 @@
+"""Build flash-attn 2 offline from its source distribution, compiling only the kernels that will run.
+
+Why this exists: flash-attn 2.8.3.post2 is on the package index only as a source distribution
+(flash_attn-2.8.3.post2.tar.gz, CUTLASS included). Its setup.py compiles 72 kernel files (forward, split-KV
+forward and backward, for head dims 32/64/96/128/192/256, fp16 and bf16, causal and not) for sm_80, sm_90,
+sm_100 and sm_120 by default: hours on one machine. patchkit's GPU machines have nvcc, ninja and a CUDA torch
+but no network, and a model only ever runs one or two head dims on one GPU. This tool unpacks the sdist, trims
+the kernel list and the head-dim dispatch together, can switch on upstream's FLASHATTENTION_DISABLE_* macros,
+and builds a wheel with pip, recording what was built (build_config.json beside the wheel, the wheel's local
+version, and flash_attn/_patchkit_build.py inside it) so that patchkit's gate can say "this flash-attn build
+lacks head dim 96 / dropout".
+
+What it changes, in the unpacked copy only (the diff is kept as WORK/patchkit_trim.diff):
+  setup.py
+    - --head-dims: every line of the CUDAExtension sources list naming csrc/flash_attn/src/
+      flash_{fwd,fwd_split,bwd}_hdim<D>_{fp16,bf16}[_causal]_sm80.cu for a head dim D not kept is deleted.
+    - --disable: the commented-out `# "-DFLASHATTENTION_DISABLE_<X>",` lines of nvcc_flags are uncommented (a
+      macro honoured in csrc/flash_attn but not listed there is added to nvcc_flags), and the same -D flags are
+      appended to compiler_c17_flag, the host compiler's flags. Upstream lists them for nvcc only, but the
+      TORCH_CHECKs that refuse a disabled feature live in flash_api.cpp, which the host compiler builds: with
+      nvcc-only flags the kernels lose the feature (uneven K is then assumed even) while calls are not refused.
+  csrc/flash_attn/src/static_switch.h
+    - --head-dims: HEADDIM_SWITCH keeps upstream's buckets (d <= 32 -> 32, <= 64 -> 64, <= 96 -> 96, <= 128 ->
+      128, <= 192 -> 192, <= 256 -> 256). A kept bucket's branch is unchanged; a trimmed bucket's branch becomes
+      TORCH_CHECK(false, "This flash attention build has no kernels for head dim ..."), so its templates are never
+      instantiated (the extension references no kernel that was not compiled) and a call with such a head dim
+      raises RuntimeError when made, not when the module loads. The macro is expanded only in flash_api.cpp,
+      which has TORCH_CHECK from torch/python.h.
+  flash_attn/_patchkit_build.py
+    - new: BUILD_CONFIG, a dict literal of what was trimmed (archs, head dims kept and trimmed, disabled features,
+      kernel counts), so the installed package carries it; build_config.json adds jobs, torch and nvcc versions.
+      Read it without importing flash_attn (which loads the extension) via ast.literal_eval of the file.
+
+Before anything compiles, the tool checks that the kept .cu files define every run_mha_fwd_ /
+run_mha_fwd_splitkv_dispatch / run_mha_bwd_ specialisation the trimmed dispatch instantiates. --archs takes
+compute capabilities (90, 8.6, sm_90) and maps each to the entry setup.py knows for its major version (8.6 -> 80:
+sm_80 cubins run on 8.6 and 8.9); --disable also knows "backward" (FLASHATTENTION_DISABLE_BACKWARD).
+
+Usage:
+  python tools/build_flash_attn.py --sdist flash_attn-2.8.3.post2.tar.gz --out OUT [--archs 90]
+      [--head-dims 64,128] [--disable dropout,alibi] [--jobs N] [--nvcc-threads N] [--dry-run | --background]
+  python tools/build_flash_attn.py --status OUT     # prints OUT/build_status.json; exit 0 running/done, 1 failed
+
+Only the standard library and packaging are imported at module level; torch is imported for the default --archs
+(the local GPU) and by the preflight of a real build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+from packaging.version import Version
+
+STATUS_FILE = "build_status.json"
+CONFIG_FILE = "build_config.json"
+LOG_FILE = "build.log"
+DIFF_FILE = "patchkit_trim.diff"
+SWITCH_PATH = "csrc/flash_attn/src/static_switch.h"
+API_PATH = "csrc/flash_attn/flash_api.cpp"
+BUILD_INFO_PATH = "flash_attn/_patchkit_build.py"
+
+# --disable names -> the macros flash-attn 2.8.3 honours (static_switch.h, flash_api.cpp, flash_bwd_launch_template.h)
+FEATURES = {
+    "dropout": "FLASHATTENTION_DISABLE_DROPOUT",
+    "alibi": "FLASHATTENTION_DISABLE_ALIBI",
+    "uneven_k": "FLASHATTENTION_DISABLE_UNEVEN_K",
+    "softcap": "FLASHATTENTION_DISABLE_SOFTCAP",
+    "local": "FLASHATTENTION_DISABLE_LOCAL",
+    "backward": "FLASHATTENTION_DISABLE_BACKWARD",
+}
+
+# setup.py emits -gencode only for these FLASH_ATTN_CUDA_ARCHS entries, each from an nvcc version on.
+SETUP_ARCHS = {"80": Version("11.7"), "90": Version("11.8"), "100": Version("12.8"), "120": Version("12.8")}
+
+KERNEL_RE = re.compile(
+    r'^\s*"(?P<path>csrc/flash_attn/src/flash_(?P<kind>fwd_split|fwd|bwd)_hdim(?P<hdim>\d+)'
+    r'_(?P<dtype>fp16|bf16)(?P<causal>_causal)?_sm80\.cu)",\s*$'
+)
+INSTANCE_RE = re.compile(
+    r"\b(run_mha_fwd_splitkv_dispatch|run_mha_fwd_|run_mha_bwd_)<cutlass::(half_t|bfloat16_t),\s*(\d+),\s*(true|false)>"
+)
+DISABLE_LINE_RE = re.compile(r'^(?P<indent>\s*)#\s*"-D(?P<macro>FLASHATTENTION_DISABLE_\w+)",\s*$')
+
+
+class BuildError(RuntimeError):
+    """A build that cannot go on: the message says why and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def parse_list(text: Optional[str]) -> list[str]:
+    """'a, b;c' -> ['a', 'b', 'c']."""
+    return [t.strip() for t in re.split(r"[,;]", text or "") if t.strip()]
+
+
+def normalize_arch(token: str) -> str:
+    """'90', '9.0', 'sm_90', '86', '8.6' -> the FLASH_ATTN_CUDA_ARCHS entry setup.py knows for that major version.
+    sm_80 cubins run on 8.6/8.9 (same major, higher minor), and so on for 9.x, 10.x, 12.x."""
+    t = token.lower().removeprefix("sm_").removeprefix("sm")
+    m = re.fullmatch(r"(\d+)\.(\d)", t) or re.fullmatch(r"(\d+)(\d)", t)
+    if not m:
+        raise BuildError(f"--archs: cannot read {token!r}; give compute capabilities like 90 or 8.6")
+    major = int(m.group(1))
+    arch = f"{major}0"
+    if arch not in SETUP_ARCHS:
+        raise BuildError(
+            f"--archs: compute capability {token} has no flash-attn 2 build (setup.py knows {sorted(SETUP_ARCHS)}; "
+            "flash-attn 2 needs Ampere (8.0) or newer)"
+        )
+    return arch
+
+
+def parse_archs(text: str) -> list[str]:
+    archs = []
+    for token in parse_list(text):
+        arch = normalize_arch(token)
+        if arch not in archs:
+            archs.append(arch)
+    if not archs:
+        raise BuildError("--archs is empty")
+    return archs
+
+
+def local_arch() -> Optional[str]:
+    """The visible GPU's compute capability, as an --archs entry, or None without a CUDA torch and device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return normalize_arch(f"{major}.{minor}")
+
+
+def parse_disable(text: Optional[str]) -> list[str]:
+    names = []
+    for name in parse_list(text):
+        key = name.lower().replace("-", "_")
+        if key not in FEATURES:
+            raise BuildError(f"--disable: unknown feature {name!r}; known: {', '.join(FEATURES)}")
+        if key not in names:
+            names.append(key)
+    return names
+
+
+def default_jobs() -> int:
+    """setup.py's own rule for MAX_JOBS: half the cores, at most one job per ~9 GB of free memory."""
+    jobs = max(1, (os.cpu_count() or 2) // 2)
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        jobs = min(jobs, int(avail_kb / 1024**2 / 9))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return max(1, jobs)
+
+
+# ----------------------------------------------------------------------------------------------- unpacking
+
+
+def unpack(sdist: Path, work: Path) -> Path:
+    """Unpacks the sdist into a fresh WORK/src and returns the source root (the folder holding setup.py)."""
+    dest = work / "src"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python without extraction filters: refuse members that leave dest
+            for member in tar.getmembers():
+                if member.name.startswith("/") or ".." in Path(member.name).parts:
+                    raise BuildError(f"{sdist}: unsafe member {member.name!r}")
+            tar.extractall(dest)
+    roots = [p.parent for p in dest.glob("*/setup.py")]
+    if len(roots) != 1:
+        raise BuildError(f"{sdist}: expected one top folder with setup.py, found {len(roots)}")
+    return roots[0]
+
+
+def package_version(src: Path) -> str:
+    text = (src / "flash_attn" / "__init__.py").read_text()
+    m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    if not m:
+        raise BuildError(f"{src}/flash_attn/__init__.py: no __version__")
+    return m.group(1)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+def kernel_sources(setup_text: str) -> list[dict]:
+    """The kernel .cu entries of setup.py's sources list: path, kind (fwd/fwd_split/bwd), hdim, dtype, causal."""
+    found = []
+    for line in setup_text.splitlines():
+        m = KERNEL_RE.match(line)
+        if m:
+            found.append(
+                {
+                    "path": m["path"],
+                    "kind": m["kind"],
+                    "hdim": int(m["hdim"]),
+                    "dtype": m["dtype"],
+                    "causal": bool(m["causal"]),
+                }
+            )
+    if not found:
+        raise BuildError("setup.py lists no csrc/flash_attn/src/flash_*_hdim*_sm80.cu: not a flash-attn 2 sdist?")
+    return found
+
+
+def trim_sources(setup_text: str, keep: set[int]) -> str:
+    """setup.py without the source lines of head dims not in keep."""
+    out = []
+    for line in setup_text.splitlines(keepends=True):
+        m = KERNEL_RE.match(line.rstrip("\n"))
+        if m and int(m["hdim"]) not in keep:
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+
+def find_headdim_switch(text: str) -> tuple[int, int]:
+    """(start, end) offsets of the `#define HEADDIM_SWITCH` macro, continuation lines included."""
+    start = text.find("#define HEADDIM_SWITCH(")
+    if start < 0:
+        raise BuildError(f"{SWITCH_PATH}: no `#define HEADDIM_SWITCH(`")
+    end = start
+    while True:
+        nl = text.find("\n", end)
+        if nl < 0:
+            return start, len(text)
+        if not text[end:nl].rstrip().endswith("\\"):
+            return start, nl + 1
+        end = nl + 1
+
+
+def switch_buckets(macro: str) -> list[int]:
+    """The head-dim buckets of an upstream HEADDIM_SWITCH: `HEADDIM <= D` each followed by `kHeadDim = D`."""
+    bounds = [int(d) for d in re.findall(r"HEADDIM\s*<=\s*(\d+)", macro)]
+    dims = [int(d) for d in re.findall(r"kHeadDim\s*=\s*(\d+)", macro)]
+    if not bounds or bounds != dims or bounds != sorted(set(bounds)):
+        raise BuildError(
+            f"{SWITCH_PATH}: HEADDIM_SWITCH is not the `if (HEADDIM <= D) {{ kHeadDim = D; ... }}` chain this tool "
+            "knows (flash-attn 2.8.x); refusing to trim it"
+        )
+    return bounds
+
+
+def trimmed_switch(buckets: list[int], keep: set[int]) -> str:
+    """A HEADDIM_SWITCH with upstream's buckets whose trimmed buckets raise instead of instantiating kernels."""
+    kept = ",".join(str(d) for d in buckets if d in keep)
+    lines = [
+        f"// patchkit tools/build_flash_attn.py --head-dims {kept}: only these head-dim buckets were compiled.",
+        "// A trimmed bucket raises (TORCH_CHECK) instead of instantiating its kernels: no missing one is referenced.",
+        "#define HEADDIM_SWITCH(HEADDIM, ...)",
+        "  [&] {",
+    ]
+    for i, d in enumerate(buckets):
+        lines.append(f"    {'if' if i == 0 else '} else if'} (HEADDIM <= {d}) {{")
+        if d in keep:
+            lines += [f"      constexpr static int kHeadDim = {d};", "      return __VA_ARGS__();"]
+        else:
+            lines.append(
+                f'      TORCH_CHECK(false, "This flash attention build has no kernels for head dim ", HEADDIM, '
+                f'" (kernel bucket {d}); it was built for head-dim buckets {kept} only '
+                f'(patchkit tools/build_flash_attn.py --head-dims).");'
+            )
+    lines += ["    }", "  }()"]
+    width = max(len(line) for line in lines[2:] if "TORCH_CHECK" not in line)
+    body = [line.ljust(width) + " \\" for line in lines[2:-1]] + [lines[-1]]
+    return "\n".join(lines[:2] + body) + "\n"
+
+
+def trim_switch(text: str, keep: set[int]) -> tuple[str, list[int]]:
+    """static_switch.h with HEADDIM_SWITCH trimmed to keep, and upstream's buckets."""
+    start, end = find_headdim_switch(text)
+    buckets = switch_buckets(text[start:end])
+    return text[:start] + trimmed_switch(buckets, keep) + text[end:], buckets
+
+
+def instantiations(cu_texts: list[str]) -> set[tuple[str, str, int, bool]]:
+    """(function, element type, head dim, causal) of the run_mha_* templates the given .cu files define."""
+    found = set()
+    for text in cu_texts:
+        for fn, dtype, hdim, causal in INSTANCE_RE.findall(text):
+            found.add((fn, dtype, int(hdim), causal == "true"))
+    return found
+
+
+def check_symbols(src: Path, kept_paths: list[str], switch_text: str, keep: set[int]) -> None:
+    """Fails unless the kept .cu files define every template the trimmed dispatch instantiates, and the
+    dispatch (and flash_api.cpp) instantiate no trimmed head dim: the extension then has no undefined symbol."""
+    start, end = find_headdim_switch(switch_text)
+    dispatched = {int(d) for d in re.findall(r"kHeadDim\s*=\s*(\d+)", switch_text[start:end])}
+    if dispatched != keep:
+        raise BuildError(f"trimmed HEADDIM_SWITCH dispatches head dims {sorted(dispatched)}, expected {sorted(keep)}")
+    fns = ("run_mha_fwd_", "run_mha_fwd_splitkv_dispatch", "run_mha_bwd_")
+    needed = set(itertools.product(fns, ("half_t", "bfloat16_t"), sorted(keep), (False, True)))
+    defined = instantiations([(src / p).read_text() for p in kept_paths])
+    missing = needed - defined
+    if missing:
+        raise BuildError(f"kept kernel files do not define {sorted(missing)[:4]}... ({len(missing)} missing)")
+    api = src / API_PATH
+    if api.exists():
+        literal = {h for _, _, h, _ in instantiations([api.read_text()])} - keep
+        if literal:
+            raise BuildError(f"{API_PATH} instantiates trimmed head dims {sorted(literal)} directly")
+
+
+# ----------------------------------------------------------------------------------------------- disable flags
+
+
+def honoured_macros(src: Path) -> set[str]:
+    """FLASHATTENTION_DISABLE_* macros the C++/CUDA sources test."""
+    found = set()
+    for path in (src / "csrc" / "flash_attn").rglob("*"):
+        if path.suffix in (".h", ".cpp", ".cu", ".cuh") and path.is_file():
+            text = path.read_text(errors="replace")
+            found.update(re.findall(r"#\s*if(?:n?def)?\s+(FLASHATTENTION_DISABLE_\w+)", text))
+    return found
+
+
+def apply_disable(setup_text: str, macros: list[str], honoured: set[str]) -> str:
+    """setup.py with macros defined for nvcc (commented lines uncommented, else added after --use_fast_math) and
+    for the host compiler (appended to compiler_c17_flag, where flash_api.cpp's TORCH_CHECKs see them)."""
+    if not macros:
+        return setup_text
+    unknown = [m for m in macros if m not in honoured]
+    if unknown:
+        raise BuildError(f"this sdist's csrc/flash_attn never tests {unknown}; disabling them would do nothing")
+    lines = setup_text.splitlines(keepends=True)
+    pending = list(macros)
+    for i, line in enumerate(lines):
+        m = DISABLE_LINE_RE.match(line.rstrip("\n"))
+        if m and m["macro"] in pending:
+            lines[i] = f'{m["indent"]}"-D{m["macro"]}",\n'
+            pending.remove(m["macro"])
+    if pending:
+        at = next((i for i, line in enumerate(lines) if line.strip() == '"--use_fast_math",'), None)
+        if at is None:
+            raise BuildError('setup.py: no `"--use_fast_math",` in nvcc_flags to add the disable flags after')
+        indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+        lines[at + 1 : at + 1] = [f'{indent}"-D{m}",  # patchkit\n' for m in pending]
+    return add_host_flags("".join(lines), macros)
+
+
+def add_host_flags(setup_text: str, macros: list[str]) -> str:
+    """Appends the -D flags to compiler_c17_flag just before the CUDA extension is declared."""
+    pattern = r'^(?P<indent>[ \t]*)ext_modules\.append\(\s*\n\s*CUDAExtension\(\s*\n\s*name="flash_attn_2_cuda"'
+    anchor = re.search(pattern, setup_text, re.MULTILINE)
+    if not anchor:
+        raise BuildError('setup.py: no `ext_modules.append(CUDAExtension(name="flash_attn_2_cuda"` for the host flags')
+    indent = anchor["indent"]
+    flags = ", ".join(f'"-D{m}"' for m in macros)
+    block = (
+        f"{indent}# patchkit tools/build_flash_attn.py: flash_api.cpp (host compiler) holds the TORCH_CHECKs that\n"
+        f"{indent}# refuse a disabled feature, so the macros must reach it too, not nvcc alone.\n"
+        f"{indent}compiler_c17_flag = compiler_c17_flag + [{flags}]\n\n"
+    )
+    return setup_text[: anchor.start()] + block + setup_text[anchor.start() :]
+
+
+# ----------------------------------------------------------------------------------------------- plan
+
+
+def local_version(archs: list[str], head_dims: list[int], trimmed: bool, disabled: list[str]) -> str:
+    """The wheel's PEP 440 local version: pk.sm90.hd64.hd128.nodropout (hdall when no head dim is trimmed)."""
+    parts = ["pk"] + [f"sm{a}" for a in archs]
+    parts += [f"hd{d}" for d in head_dims] if trimmed else ["hdall"]
+    parts += ["no" + name.replace("_", "") for name in disabled]
+    return ".".join(parts)
+
+
+def diff_text(name: str, before: str, after: str) -> str:
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{name}", f"b/{name}"))
+
+
+def prepare(sdist: Path, work: Path, archs: list[str], head_dims: Optional[list[int]], disabled: list[str]) -> dict:
+    """Unpacks and patches the sdist in WORK; returns the plan (config, kept kernels, diffs). No compiler needed."""
+    src = unpack(sdist, work)
+    setup_path, switch_path = src / "setup.py", src / SWITCH_PATH
+    setup_before, switch_before = setup_path.read_text(), switch_path.read_text()
+    kernels = kernel_sources(setup_before)
+    start, end = find_headdim_switch(switch_before)
+    buckets = switch_buckets(switch_before[start:end])
+    keep = resolve_head_dims(head_dims, buckets, {k["hdim"] for k in kernels})
+    trimmed = keep != set(buckets)
+    setup_after, switch_after = setup_before, switch_before
+    if trimmed:
+        setup_after = trim_sources(setup_before, keep)
+        switch_after, _ = trim_switch(switch_before, keep)
+    macros = [FEATURES[name] for name in disabled]
+    setup_after = apply_disable(setup_after, macros, honoured_macros(src))
+    kept = [k for k in kernels if k["hdim"] in keep]
+    check_symbols(src, [k["path"] for k in kept], switch_after, keep)
+    setup_path.write_text(setup_after)
+    switch_path.write_text(switch_after)
+    version = package_version(src)
+    config = {
+        "flash_attn_version": version,
+        "local_version": local_version(archs, sorted(keep), trimmed, disabled),
+        "sdist": str(sdist),
+        "sdist_sha256": sha256(sdist),
+        "archs": archs,
+        "head_dims": sorted(keep),
+        "head_dims_trimmed": sorted(set(buckets) - keep),
+        "head_dim_buckets": buckets,
+        "disabled": disabled,
+        "disable_macros": macros,
+        "kernels_total": len(kernels),
+        "kernels_kept": len(kept),
+    }
+    (src / BUILD_INFO_PATH).write_text(
+        '"""Written by patchkit tools/build_flash_attn.py: what this flash-attn build was compiled with."""\n\n'
+        f"BUILD_CONFIG = {config!r}\n"
+    )
+    diff = diff_text("setup.py", setup_before, setup_after) + diff_text(SWITCH_PATH, switch_before, switch_after)
+    (work / DIFF_FILE).write_text(diff)
+    return {"src": src, "config": config, "kept": kept, "diff_path": work / DIFF_FILE}
+
+
+def resolve_head_dims(head_dims: Optional[list[int]], buckets: list[int], compiled: set[int]) -> set[int]:
+    """The kernel buckets to keep: every bucket without --head-dims; else each requested head dim's bucket
+    (d <= bucket, as HEADDIM_SWITCH maps it)."""
+    if set(buckets) != compiled:
+        raise BuildError(f"setup.py compiles head dims {sorted(compiled)} but HEADDIM_SWITCH dispatches {buckets}")
+    if not head_dims:
+        return set(buckets)
+    keep = set()
+    for d in head_dims:
+        bucket = next((b for b in buckets if d <= b), None)
+        if d <= 0 or bucket is None:
+            raise BuildError(f"--head-dims: {d} is outside flash-attn's head dims (1..{buckets[-1]})")
+        if bucket != d:
+            print(f"note: head dim {d} runs on the hdim{bucket} kernels; keeping bucket {bucket}")
+        keep.add(bucket)
+    return keep
+
+
+def build_env(archs: list[str], jobs: int, nvcc_threads: int, config: dict) -> dict[str, str]:
+    """The environment setup.py reads (names as in 2.8.3's setup.py)."""
+    return {
+        "FLASH_ATTN_CUDA_ARCHS": ";".join(archs),
+        "MAX_JOBS": str(jobs),
+        "NVCC_THREADS": str(nvcc_threads),
+        "FLASH_ATTENTION_FORCE_BUILD": "TRUE",  # build here; never try the prebuilt-wheel URL (no network)
+        "FLASH_ATTENTION_SKIP_CUDA_BUILD": "FALSE",  # the sdist download recipe sets TRUE; it would build no kernel
+        "BUILD_TARGET": "cuda",
+        "FLASH_ATTN_LOCAL_VERSION": config["local_version"],
+    }
+
+
+def process_env(env: dict[str, str]) -> dict[str, str]:
+    """The build's whole environment: this one, setup.py's variables, and this interpreter's bin folder first on
+    PATH (where a virtual environment's ninja is)."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return {**os.environ, **env, "PATH": path}
+
+
+def pip_command(out: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+            "--disable-pip-version-check", "-v", "-w", str(out), "."]
+
+
+def print_plan(plan: dict, env: dict[str, str], out: Path) -> None:
+    config = plan["config"]
+    print(f"flash-attn {config['flash_attn_version']} from {config['sdist']}")
+    print(f"source (patched): {plan['src']}")
+    print(f"archs: {','.join(config['archs'])}")
+    print(f"head dims kept: {config['head_dims']}  trimmed: {config['head_dims_trimmed']}")
+    print(f"disabled: {config['disabled'] or 'none'}  macros: {config['disable_macros'] or 'none'}")
+    print(f"kernels: kept {config['kernels_kept']} of {config['kernels_total']}")
+    for k in plan["kept"]:
+        print(f"  {k['path']}")
+    print(f"edits: {plan['diff_path']}")
+    print("env: " + " ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"command (in {plan['src']}): " + " ".join(pip_command(out)))
+
+
+# ----------------------------------------------------------------------------------------------- build
+
+
+def nvcc_version(nvcc: Path) -> Optional[Version]:
+    try:
+        text = subprocess.run([str(nvcc), "-V"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", text)
+    return Version(m.group(1)) if m else None
+
+
+def preflight(archs: list[str], env: dict[str, str]) -> dict:
+    """What a build needs from this machine; raises BuildError listing every missing piece."""
+    problems, found = [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError as e:
+        raise BuildError(f"the build needs torch with CUDA in this interpreter: {e}") from e
+    found["torch"] = torch.__version__
+    found["torch_cuda"] = torch.version.cuda
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is a CPU build; flash-attn compiles against a CUDA torch")
+    nvcc = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    version = nvcc_version(nvcc)
+    found["nvcc"] = str(version) if version else None
+    if version is None:
+        problems.append(f"no working nvcc (CUDA_HOME={CUDA_HOME}); set CUDA_HOME to the CUDA toolkit")
+    else:
+        for arch in archs:
+            if version < SETUP_ARCHS[arch]:
+                need = SETUP_ARCHS[arch]
+                problems.append(f"sm_{arch} needs nvcc >= {need} (setup.py silently skips it), have {version}")
+    if not shutil.which("ninja", path=env["PATH"]):
+        problems.append("ninja is not on PATH (torch's BuildExtension needs it): pip install ninja, or apt ninja-build")
+    for module in ("wheel.bdist_wheel", "setuptools", "packaging"):
+        try:
+            __import__(module)
+        except ImportError:
+            problems.append(f"setup.py imports {module}, missing here (--no-build-isolation uses this interpreter)")
+    if problems:
+        raise BuildError("preflight failed:\n  - " + "\n  - ".join(problems))
+    return found
+
+
+def run_logged(cmd: list[str], cwd: Path, env: dict[str, str], log_path: Path, echo: bool) -> int:
+    """Runs cmd, appending its output to log_path (and echoing it when asked); returns the exit status."""
+    with open(log_path, "a", buffering=1) as log:
+        log.write(f"$ {' '.join(cmd)}  (in {cwd})\n")
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if echo:
+                sys.stdout.write(line)
+        return proc.wait()
+
+
+def find_wheel(out: Path, local: str) -> Path:
+    """The newest wheel of this configuration in out, checked to hold the compiled extension."""
+    wheels = sorted(out.glob(f"flash_attn-*+{local}-*.whl"), key=lambda p: p.stat().st_mtime)
+    if not wheels:
+        raise BuildError(f"pip reported success but no flash_attn wheel is in {out}")
+    wheel = wheels[-1]
+    with zipfile.ZipFile(wheel) as z:
+        if not any(Path(n).name.startswith("flash_attn_2_cuda") and n.endswith(".so") for n in z.namelist()):
+            raise BuildError(f"{wheel.name} holds no flash_attn_2_cuda extension (was the CUDA build skipped?)")
+    return wheel
+
+
+def compile_wheel(plan: dict, env: dict[str, str], out: Path, log_path: Path, echo: bool) -> Path:
+    rc = run_logged(pip_command(out), plan["src"], env, log_path, echo)
+    if rc != 0:
+        raise BuildError(f"pip wheel exited {rc}; see {log_path}")
+    return find_wheel(out, plan["config"]["local_version"])
+
+
+# ----------------------------------------------------------------------------------------------- status
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_status(out: Path, **fields) -> dict:
+    """Merges fields into OUT/build_status.json (atomic replace) and returns it."""
+    path = out / STATUS_FILE
+    status = read_status(out) or {}
+    status.update(fields)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(status, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return status
+
+
+def read_status(out: Path) -> Optional[dict]:
+    try:
+        return json.loads((out / STATUS_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def show_status(out: Path) -> int:
+    """Prints the status; a 'running' build whose process is gone is reported as failed. Exit 0/1/2: running or
+    done / failed / no status."""
+    status = read_status(out)
+    if status is None:
+        print(json.dumps({"state": "missing", "error": f"no {STATUS_FILE} in {out}"}))
+        return 2
+    if status.get("state") == "running" and status.get("pid") and not pid_alive(status["pid"]):
+        status.update(state="failed", error=f"build process {status['pid']} ended without recording a result")
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 1 if status.get("state") == "failed" else 0
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sdist", type=Path, help="flash_attn-<version>.tar.gz")
+    p.add_argument("--out", type=Path, help="where the wheel, build_config.json, build.log and build_status.json go")
+    p.add_argument("--archs", help="compute capabilities, e.g. 90 or 80,90 (default: the local GPU's)")
+    p.add_argument("--head-dims", help="kernel head dims to compile, e.g. 64,128 (default: all)")
+    p.add_argument("--disable", help=f"features to compile out: {','.join(FEATURES)}")
+    p.add_argument("--jobs", type=int, help="MAX_JOBS (default: setup.py's rule, cores/2 capped by memory/9GB)")
+    p.add_argument("--nvcc-threads", type=int, default=4, help="NVCC_THREADS (default 4, as setup.py)")
+    p.add_argument("--work-dir", type=Path, help="where the sdist is unpacked and patched (default OUT/work)")
+    p.add_argument("--dry-run", action="store_true", help="unpack, trim, check and print the plan; compile nothing")
+    p.add_argument("--background", action="store_true", help="start the build detached; poll with --status OUT")
+    p.add_argument("--status", type=Path, metavar="OUT", help="print OUT/build_status.json and exit")
+    p.add_argument("--quiet-build", action="store_true", help=argparse.SUPPRESS)  # the detached child: log only
+    return p
+
+
+def start_background(argv: list[str], out: Path, config: dict) -> int:
+    """Re-runs this command without --background (with the archs resolved here), detached, its output appended
+    to OUT/build.log."""
+    log_path = out / LOG_FILE
+    write_status(out, state="running", started=now(), finished=None, wheel=None, log=str(log_path),
+                 config=config, pid=None, error=None)
+    child = [sys.executable, os.path.abspath(__file__)] + [a for a in argv if a != "--background"]
+    child += ["--archs", ",".join(config["archs"]), "--quiet-build"]
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(child, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
+    print(f"build started in the background (pid {proc.pid}); log {log_path}")
+    print(f"poll: {sys.executable} {os.path.abspath(__file__)} --status {out}")
+    return 0
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    archs = parse_archs(args.archs) if args.archs else None
+    if archs is None:
+        detected = local_arch()
+        if detected is None:
+            raise BuildError("--archs is required: torch sees no CUDA device here to read the compute capability from")
+        archs = [detected]
+    head_dims = [int(d) for d in parse_list(args.head_dims)] if args.head_dims else None
+    disabled = parse_disable(args.disable)
+    request = {"archs": archs, "head_dims": head_dims, "disabled": disabled, "jobs": args.jobs or default_jobs(),
+               "nvcc_threads": args.nvcc_threads, "dry_run": args.dry_run}
+    if args.background:
+        return start_background(argv, out, request)
+    log_path = out / LOG_FILE
+    if not args.quiet_build:
+        log_path.write_text("")  # a foreground build starts a fresh log; a detached one appends to its launcher's
+    write_status(out, state="running", started=now(), finished=None, wheel=None, log=str(log_path),
+                 config=request, pid=os.getpid(), error=None)
+    try:
+        wheel, config = build(args, out, archs, head_dims, disabled, request, log_path)
+    except BaseException as e:  # an interrupt too: the status must not stay "running"
+        write_status(out, state="failed", finished=now(), error=f"{type(e).__name__}: {e}")
+        raise
+    write_status(out, state="done", finished=now(), wheel=str(wheel) if wheel else None, config=config)
+    return 0
+
+
+def build(args, out, archs, head_dims, disabled, request, log_path) -> tuple[Optional[Path], dict]:
+    work = (args.work_dir or out / "work").resolve()
+    plan = prepare(args.sdist.resolve(), work, archs, head_dims, disabled)
+    config = {**plan["config"], "jobs": request["jobs"], "nvcc_threads": request["nvcc_threads"]}
+    env = build_env(archs, request["jobs"], request["nvcc_threads"], config)
+    print_plan(plan, env, out)
+    if args.dry_run:
+        return None, {**config, "dry_run": True}
+    env = process_env(env)
+    config.update(preflight(archs, env))
+    with open(log_path, "a") as log:
+        log.write(json.dumps(config, indent=2) + "\n")
+    wheel = compile_wheel(plan, env, out, log_path, echo=not args.quiet_build)
+    config["wheel"] = wheel.name
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    print(f"built {wheel}\nconfig {out / CONFIG_FILE}")
+    return wheel, config
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.status is not None:
+            return show_status(args.status.resolve())
+        if args.sdist is None or args.out is None:
+            raise BuildError("--sdist and --out are required (or --status OUT)")
+        if not args.sdist.is_file():
+            raise BuildError(f"--sdist {args.sdist}: no such file")
+        return run(args, argv)
+    except BuildError as e:
+        print(f"build_flash_attn: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
