@@ -18,7 +18,13 @@ from typing import Any, Callable, Iterator, Optional
 from torch import nn
 
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.sequence_parallel import refuse_unfound, ulysses_active, ulysses_wrapper
+from patchkit.hooks.sequence_parallel import (
+    context_parallel_active,
+    refuse_context_parallel,
+    refuse_unfound,
+    ulysses_active,
+    ulysses_wrapper,
+)
 
 ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; attention_interface.ATTENTION_NAME)
 
@@ -42,6 +48,8 @@ def routed(config: Any, state: Any) -> Iterator[None]:
     current = config._attn_implementation
     token = None
     if state is not None:
+        if context_parallel_active():
+            raise refuse_context_parallel()
         outer = ROUTE.get()
         if outer is not None and current == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
             ulysses = outer.ulysses

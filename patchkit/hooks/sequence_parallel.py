@@ -7,6 +7,9 @@ patch routes a model's attention to patchkit's own name, which would go round th
 rank's shard, silently. So a route remembers the wrapper under the model's name and calls it with patchkit's
 attention as its core (documents from the gathered `position_ids`), and the model-level unpad stands aside: every
 rank must keep its equal-length shard. Nothing here imports DeepSpeed: a wrapper exists only once it is imported.
+
+torch's `context_parallel` (accelerate's `cp_size`) shards the sequence too, but only torch's SDPA op is made
+ring attention: patchkit's kernels would attend within each shard. A route refuses to run while it is active.
 """
 
 from __future__ import annotations
@@ -65,6 +68,28 @@ def refuse_unfound(name: str) -> PatchInputError:
         "closure), so patchkit cannot run inside it and would attend within each rank's shard only. Register "
         "Ulysses with core_attn_implementation equal to the model's attn_implementation, and wrap its function, "
         "if at all, with functools.wraps."
+    )
+
+
+CONTEXT_PARALLEL_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def context_parallel_active() -> bool:
+    """torch's `context_parallel` is in effect (its default dispatch: F.scaled_dot_product_attention replaced)."""
+    module = sys.modules.get(CONTEXT_PARALLEL_MODULE)
+    if module is None:
+        return False
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention in getattr(module, "_replaced_functions", {})
+
+
+def refuse_context_parallel() -> PatchInputError:
+    return PatchInputError(
+        "torch's context_parallel (accelerate's cp_size) is active: it shards each sequence across ranks and turns "
+        "only torch's scaled_dot_product_attention into ring attention, so patchkit's varlen attention would attend "
+        "within each rank's shard. Run this model unpatched under context_parallel (revert the patch, or "
+        "PATCHKIT_FLASH_ATTN=0), or shard with DeepSpeed Ulysses, which patchkit serves."
     )
 
 
