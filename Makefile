@@ -35,7 +35,7 @@ matrix: setup
 # into it; its JIT comm op (first run, ~40 s) needs a C++ compiler and the ninja installed there.
 SP_DIR := .sp
 DEEPSPEED ?= deepspeed==0.19.8
-$(SP_DIR)/.installed: setup
+$(SP_DIR)/.installed: $(BIN)/.installed
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --target $(SP_DIR) --no-deps --no-build-isolation "$(DEEPSPEED)" \
 		einops hjson msgpack ninja py-cpuinfo
 	touch $@
