@@ -9,8 +9,8 @@ from torch import nn
 
 from patchkit import gates as _gates
 from patchkit.backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
-from patchkit.backends.choice import resolve
-from patchkit.errors import PatchGateError, PatchInputError
+from patchkit.backends.choice import resolve, serving_backend
+from patchkit.errors import PatchInputError
 from patchkit.forward.masks import VarlenMetadata, build_metadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.varlen import half_dtype, to_half
@@ -155,17 +155,12 @@ class VarlenSelfAttention(nn.Module):
     def _backend_for(self, device: torch.device) -> Backend:
         """The chosen backend, unless it is a kernel backend and the input is not on CUDA or needs dropout it lacks
         (then the exact fallback with one warning, or raise in strict mode)."""
-        if not self.backend.half_only:
-            return self.backend
-        gate = device_gate(device)
-        reason = None if gate.passed else gate.describe()
-        reason = reason or self.backend.missing_feature((-1, -1), 0.0, self.dropout if self.training else 0.0)
-        if reason is None:
-            return self.backend
-        if self.strict:
-            raise PatchGateError(f"VarlenSelfAttention on the {self.backend.name} backend: {reason}")
-        self._warn_once(reason, f"patchkit: {reason}; VarlenSelfAttention uses the sdpa backend instead")
-        return self._fallback
+        return serving_backend(
+            self.backend, self._fallback, lambda: device_gate(device),
+            ((-1, -1), 0.0, self.dropout if self.training else 0.0), strict=self.strict,
+            who=f"VarlenSelfAttention on the {self.backend.name} backend", uses="VarlenSelfAttention uses",
+            warn_once=self._warn_once,
+        )
 
     def _attend(self, qkv: torch.Tensor, meta: VarlenMetadata, backend: Backend) -> torch.Tensor:
         """(nnz, (H + 2Hk) * D) projections -> (nnz, H, D) attention output, in the input dtype."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from patchkit import gates as _gates
 from patchkit.errors import PatchGateError
@@ -96,3 +96,22 @@ def choose_backend(
     """A patch's backend: resolve "auto"/"flash_attn"/"torch_varlen"/"sdpa" against the gates (warn, or raise)."""
     choice = resolve(backend, strict, env, flash_min, why, f"patch {patch!r}", head_dim, " Nothing was patched.")
     return choice.backend, choice.gates
+
+
+def serving_backend(
+    backend: Any, fallback: Any, gate: Callable[[], GateResult], needs: tuple[tuple[int, int], float, float], *,
+    strict: bool, who: str, uses: str, warn_once: Callable[[str, str], None],
+) -> Any:
+    """The kernel `backend` for one call, unless `gate()` fails or it lacks the window, softcap or dropout in
+    `needs`: then the exact `fallback`, with one warning (`uses` says what moves to it), or refused in strict mode."""
+    if not backend.half_only:
+        return backend
+    checked = gate()
+    reason = None if checked.passed else checked.describe()
+    reason = reason or backend.missing_feature(*needs)
+    if reason is None:
+        return backend
+    if strict:
+        raise PatchGateError(f"{who}: {reason}")
+    warn_once(reason, f"patchkit: {reason}; {uses} the sdpa backend instead")
+    return fallback

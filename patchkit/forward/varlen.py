@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from patchkit.backends import Backend, SdpaBackend
+from patchkit.backends.choice import serving_backend
 from patchkit.errors import PatchGateError, PatchInputError
 from patchkit.forward.arguments import check_call, check_family
 from patchkit.forward.decode import decode_attention
@@ -68,17 +69,11 @@ class PatchState:
     ) -> Backend:
         """The backend for this layer: the kernel backend unless its head_dim gate fails or it lacks the window,
         softcap or dropout the layer needs (then the exact fallback with one warning, or raise in strict mode)."""
-        if not self.backend.half_only:
-            return self.backend
-        gate = head_dim_gate(module.head_dim, self.backend.name)
-        reason = None if gate.passed else gate.describe()
-        reason = reason or self.backend.missing_feature(window, softcap, dropout)
-        if reason is None:
-            return self.backend
-        if self.strict:
-            raise PatchGateError(f"patch {self.patch!r}: {reason}")
-        self.warn_once(reason, f"patchkit: {reason}; these layers use the sdpa backend instead")
-        return self.fallback
+        return serving_backend(
+            self.backend, self.fallback, lambda: head_dim_gate(module.head_dim, self.backend.name),
+            (window, softcap, dropout), strict=self.strict, who=f"patch {self.patch!r}", uses="these layers use",
+            warn_once=self.warn_once,
+        )
 
 
 def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dtype:
