@@ -7,7 +7,7 @@ import torch
 from models import labels_for, padded_batch, tiny_model
 
 import patchkit
-from patchkit.forward import masks
+from patchkit.forward import context
 
 
 def layer_input_shapes(model) -> list[tuple[int, ...]]:
@@ -176,7 +176,7 @@ def test_packed_context_is_reset_when_the_forward_raises():
     model = tiny_model()
     ids, mask = padded_batch("right")
     def boom(module, args):
-        assert masks._PACKED_FORWARD.get() is not None  # inside the packed forward
+        assert context.current().packed is not None  # inside the packed forward
         raise RuntimeError("boom")
 
     hook = model.model.layers[1].register_forward_pre_hook(boom)
@@ -184,7 +184,7 @@ def test_packed_context_is_reset_when_the_forward_raises():
         with pytest.raises(RuntimeError, match="boom"):
             model(input_ids=ids, attention_mask=mask, use_cache=False)
         hook.remove()
-        assert masks._PACKED_FORWARD.get() is None
+        assert context.current().packed is None
         # and the next forward (padded, with a cache) is not mistaken for a packed one
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
     want = model(input_ids=ids, attention_mask=mask, use_cache=True)

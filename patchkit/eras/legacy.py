@@ -19,8 +19,8 @@ from torch import nn
 
 from patchkit.eras.legacy_attention import make_legacy_forward, rotary_takes_position_ids
 from patchkit.errors import PatchGateError, PatchTargetError
-from patchkit.forward.documents import caller_gave_no_mask
-from patchkit.forward.masks import VarlenMask, in_packed_forward, refuse_4d
+from patchkit.forward.context import current
+from patchkit.forward.masks import VarlenMask, refuse_4d
 from patchkit.forward.varlen import PatchState
 from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
@@ -34,7 +34,8 @@ def _varlen_mask(attention_mask: Any, past_len: Any) -> VarlenMask:
     """The 2D mask (None where the model made an all-ones one up: inside a packed forward, or the caller gave none,
     so that position_ids define documents as they do without a mask) and where the queries sit."""
     refuse_4d(attention_mask, False)
-    made_up = in_packed_forward() or caller_gave_no_mask()
+    context = current()
+    made_up = context.packed is not None or context.no_mask
     return VarlenMask.for_forward(None if made_up else attention_mask, past_len)
 
 

@@ -7,31 +7,14 @@ would mean the caller meant other documents, so it is refused by name rather tha
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.scope import scoped
 
 if TYPE_CHECKING:
     from patchkit.forward.masks import VarlenMetadata
-
-# transformers 4.31-4.37 make an all-ones mask up when the caller gives none: the caller's own choice, per forward.
-_CALLER_GAVE_NO_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkit_no_mask", default=False)
-
-
-def callers_mask(mask: Any) -> contextlib.AbstractContextManager[None]:
-    """Within the block (one model forward), remember whether its caller gave no attention_mask."""
-    return scoped(_CALLER_GAVE_NO_MASK, mask is None)
-
-
-def caller_gave_no_mask() -> bool:
-    """True inside a forward whose caller gave no attention_mask: position_ids may define its documents."""
-    return _CALLER_GAVE_NO_MASK.get()
-
 
 def document_lengths(
     real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any, Mapping, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError, PatchStateError
+from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
 from patchkit.forward.padding import cu_seqlens_from_lengths
-from patchkit.forward.scope import scoped
 
 FOUR_D_MASK_MESSAGE = (
     "patchkit received a 4D attention mask of shape {shape}. A 4D mask (a custom attention pattern) cannot be "
@@ -230,8 +228,8 @@ class VarlenMask:
     """What the patched mask builder hands to every layer: the 2D mask, with metadata computed once.
 
     The first patched layer of a forward computes the metadata; the others reuse it. Nothing of size
-    (batch, 1, q_len, kv_len) is ever built. Inside `packed_forward(meta)` a builder given no mask hands the
-    layers `meta` itself: the model forward has already unpadded its batch into one packed row.
+    (batch, 1, q_len, kv_len) is ever built. Inside a packed forward (`ForwardContext.packed`) a builder given no mask
+    hands the layers that metadata itself: the model forward has already unpadded its batch into one packed row.
 
     `past_len` is how many tokens the KV cache held when the mask was built (None: no cache, or unknown) and
     `fixed_cache` whether the cache returns all its preallocated slots (a StaticCache): together they place
@@ -261,7 +259,7 @@ class VarlenMask:
         key_offset: int = 0, slots: Optional[int] = None,
     ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
-        meta = _PACKED_FORWARD.get() if mask is None else None
+        meta = current().packed if mask is None else None
         return cls(mask, meta, past_len, fixed_cache, key_offset, slots)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
@@ -341,21 +339,6 @@ class VarlenMask:
         raise self._foreign_use("arithmetic")
 
     __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __add__
-
-
-_PACKED_FORWARD: contextvars.ContextVar[Optional[VarlenMetadata]] = contextvars.ContextVar(
-    "patchkit_packed_forward", default=None
-)
-
-
-def packed_forward(meta: VarlenMetadata) -> contextlib.AbstractContextManager[None]:
-    """Within this block, mask builders given no mask describe the documents of one packed row by `meta`."""
-    return scoped(_PACKED_FORWARD, meta)
-
-
-def in_packed_forward() -> bool:
-    """True inside `packed_forward`: a mask builder handed a mask the model made up itself (all ones) ignores it."""
-    return _PACKED_FORWARD.get() is not None
 
 
 def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[int, bool]:

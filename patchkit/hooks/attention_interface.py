@@ -19,9 +19,10 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.forward.arguments import check_family
+from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
-from patchkit.hooks.routing import ROUTE, ROUTE_NAME
+from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.sequence_parallel import through_ulysses
 from patchkit.hooks.step_aside import step_aside, transformers_mask
 from patchkit.registry import registered, resolve
@@ -101,7 +102,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
 
     Inside a patched family's forward the patch's own state serves it; otherwise the registered route's.
     """
-    route = ROUTE.get()
+    route = current().route
     routed = None if route is None else route.state
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for

@@ -16,20 +16,18 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.documents import callers_mask, real_tokens_of_4d
+from patchkit.forward.context import current, within
+from patchkit.forward.documents import real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
-from patchkit.forward.masks import VarlenMetadata, build_metadata, packed_forward
+from patchkit.forward.masks import VarlenMetadata, build_metadata
 from patchkit.forward.padding import pad_input, unpad_rows
-from patchkit.forward.scope import scoped
 from patchkit.hooks.routing import ROUTE_NAME, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.step_aside import (
-    LM_CAUSE,
     documents_from_4d_mask,
     forward_cause,
     right_padded_generation,
     step_aside,
-    stepping_aside,
     transformers_made,
 )
 
@@ -57,7 +55,7 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None
     if args.get("output_attentions") or extra.get("output_attentions"):
         return None  # refused by the attention layers with the reason
-    if LM_CAUSE.get() is not None:
+    if current().lm_cause is not None:
         return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
     cache = args.get("past_key_values")
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
@@ -252,18 +250,18 @@ def make_model_forward(
             cause = None  # a block-diagonal causal 4D mask, now cu_seq_lens: packed documents, served patched
         if cause is not None:
             step_aside(aside_state, cause, arguments, extra)
-            with stepping_aside(cause):
+            with within(aside=cause):
                 return call(self, arguments)
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
         whole = unpad == "model" and ulysses_wrapper(getattr(self.config, "_attn_implementation", None)) is None
         meta = unpad_plan(self, arguments, extra) if whole else None
-        with _route_masks(self, patched_impl, route), callers_mask(arguments.get("attention_mask")):
+        with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None):
             if meta is None:
                 return call(self, arguments)
             cache = arguments.get("past_key_values")
             _unpad_inputs(arguments, meta)
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
-            with packed_forward(packed_row_metadata(meta)), filling:
+            with within(packed=packed_row_metadata(meta)), filling:
                 out = call(self, arguments)
         return repad_outputs(out, meta)
 
@@ -309,9 +307,9 @@ def make_lm_forward(original: Callable) -> Callable:
         arguments = bind(self, args, kwargs)
         extra = arguments.get(var_kw, {}) if var_kw else {}
         cause = lm_cause(arguments, extra)
-        if cause is None and (is_compiling() or LM_CAUSE.get() is None):
+        if cause is None and (is_compiling() or current().lm_cause is None):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
-        with scoped(LM_CAUSE, cause):
+        with within(lm_cause=cause):
             return original(self, *args, **kwargs)
 
     forward.__wrapped_original__ = original  # type: ignore[attr-defined]

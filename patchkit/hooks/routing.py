@@ -10,13 +10,13 @@ transformers built itself (a forward patchkit stepped aside for) goes to transfo
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
+from patchkit.forward.context import current, within
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.sequence_parallel import (
     context_parallel_active,
@@ -38,33 +38,28 @@ class Route:
     ulysses: Optional[Callable] = None
 
 
-# The route of the attention call that is running: the registered attention name serves it on that patch's state.
-ROUTE: contextvars.ContextVar[Optional[Route]] = contextvars.ContextVar("patchkit_route", default=None)
-
-
 @contextlib.contextmanager
 def routed(config: Any, state: Any) -> Iterator[None]:
     """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`."""
-    current = config._attn_implementation
-    token = None
+    name = config._attn_implementation
+    scope = contextlib.nullcontext()
     if state is not None:
         if context_parallel_active():
             raise refuse_context_parallel()
-        outer = ROUTE.get()
-        if outer is not None and current == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
+        outer = current().route
+        if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
             ulysses = outer.ulysses
         else:  # under patchkit's own name transformers finds a wrapper itself
-            ulysses = None if current == ROUTE_NAME else ulysses_wrapper(current)
-            if ulysses is None and current != ROUTE_NAME and ulysses_active():
-                raise refuse_unfound(current)
-        token = ROUTE.set(Route(state, ulysses))
+            ulysses = None if name == ROUTE_NAME else ulysses_wrapper(name)
+            if ulysses is None and name != ROUTE_NAME and ulysses_active():
+                raise refuse_unfound(name)
+        scope = within(route=Route(state, ulysses))
     config._attn_implementation = ROUTE_NAME
     try:
-        yield
+        with scope:
+            yield
     finally:
-        config._attn_implementation = current
-        if token is not None:
-            ROUTE.reset(token)
+        config._attn_implementation = name
 
 
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:

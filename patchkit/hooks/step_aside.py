@@ -8,16 +8,14 @@ layers receive transformers' own mask, so a checkpoint recompute in backward ste
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, Optional
 
 import torch
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
 from patchkit.forward.masks import has_holes
-from patchkit.forward.scope import scoped
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
@@ -56,11 +54,6 @@ CAUSES = {
     ),
 }
 
-_STEPPING_ASIDE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("patchkit_step_aside", default=None)
-# A cause found by the causal-LM forward (it sees the labels and logits_to_keep) for the base model's forward.
-LM_CAUSE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("patchkit_lm_cause", default=None)
-
-
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict) -> None:
     """Count one forward stepped aside for `cause` and warn once per cause; strict mode refuses it instead, and so
     does a batch of packed documents, which transformers' attention would let see each other (no exact path)."""
@@ -94,15 +87,6 @@ def packed_call(arguments: dict, extra: dict) -> bool:
     return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
 
 
-def stepping_aside(cause: str) -> contextlib.AbstractContextManager[None]:
-    """Within the block (one model forward), patched mask builders and attention hand over to transformers'."""
-    return scoped(_STEPPING_ASIDE, cause)
-
-
-def is_stepping_aside() -> bool:
-    return _STEPPING_ASIDE.get() is not None
-
-
 def transformers_mask(mask: Any) -> bool:
     """A mask transformers built itself (4D): the layer it reaches belongs to a forward patchkit stepped aside for."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 4
@@ -115,7 +99,7 @@ def transformers_made(mask: Any) -> bool:
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """Why the base model's forward with these arguments cannot run patched exactly, or None."""
-    lm_cause = LM_CAUSE.get()
+    lm_cause = current().lm_cause
     if lm_cause is not None:
         return lm_cause
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))

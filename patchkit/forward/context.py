@@ -1,0 +1,63 @@
+"""What one model forward tells the code it calls, as one object: mask builders and attention read it, the patched
+forwards set it, so nested and concurrent forwards never see each other's."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from patchkit.forward.masks import VarlenMetadata
+
+
+class ForwardContext:
+    """What the forward running in this context carries. Immutable: `within` sets fields for the span of a block.
+
+    Lifetimes, by who sets each field:
+    - `packed`, `no_mask`, `aside`: the base model's forward, for its call. `packed`: it unpadded its batch into one
+      packed row with these documents (mask builders given no mask hand the layers this metadata); `no_mask`: its
+      caller gave no attention_mask (position_ids may define documents); `aside`: the cause it steps aside for
+      (mask builders hand over to transformers').
+    - `lm_cause`: the causal LM's forward, for its call: what of it reads padding positions (labels,
+      generate()'s next token), for the base model's forward to step aside for.
+    - `route`: one routed attention call, for its span: the patch state (and sequence-parallel wrapper) that the
+      registered attention name serves it on.
+    What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
+    """
+
+    __slots__ = ("packed", "no_mask", "aside", "lm_cause", "route")
+
+    def __init__(
+        self, packed: Optional[VarlenMetadata] = None, no_mask: bool = False, aside: Optional[str] = None,
+        lm_cause: Optional[str] = None, route: Any = None,
+    ) -> None:
+        self.packed, self.no_mask, self.aside, self.lm_cause, self.route = packed, no_mask, aside, lm_cause, route
+
+    def replace(self, **fields: Any) -> ForwardContext:
+        """A copy with `fields` changed."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values.update(fields)
+        return ForwardContext(**values)
+
+    def __repr__(self) -> str:
+        return "ForwardContext(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
+
+
+_NONE = ForwardContext()
+_CURRENT: contextvars.ContextVar[Optional[ForwardContext]] = contextvars.ContextVar("patchkit_forward", default=None)
+
+
+def current() -> ForwardContext:
+    """The context of the forward running here (all fields unset outside any patched forward)."""
+    return _CURRENT.get() or _NONE
+
+
+@contextlib.contextmanager
+def within(**fields: Any) -> Iterator[None]:
+    """Within the block, the current context with `fields` changed; what it was before after it."""
+    token = _CURRENT.set(current().replace(**fields))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
