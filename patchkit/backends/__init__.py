@@ -7,7 +7,8 @@ from typing import Optional, Protocol
 import torch
 
 from patchkit.backends import sdpa
-from patchkit.forward.decode import DecodePlan, attend_padded_cache
+from patchkit.backends.padded_cache import attend_padded_cache
+from patchkit.forward.decode import DecodePlan
 from patchkit.forward.masks import VarlenMetadata
 
 BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")

@@ -17,8 +17,9 @@ from typing import Callable, Optional
 import torch
 
 from patchkit.backends.limits import check_index_range
+from patchkit.backends.padded_cache import attend_padded_cache
 from patchkit.errors import PatchInputError
-from patchkit.forward.decode import DecodePlan, attend_padded_cache
+from patchkit.forward.decode import DecodePlan
 from patchkit.forward.masks import VarlenMetadata
 
 

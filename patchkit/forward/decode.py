@@ -1,5 +1,8 @@
 """Decode steps on the padded KV cache: a per-row key mask instead of gathering every cached key for each new token.
 
+This module plans such a step (which keys each query sees, once per model forward) and hands it to the backend's
+`attend_kvcache`; the kernels that run it live with the backends (`patchkit.backends.padded_cache` for torch's).
+
 The varlen path unpads the keys of every layer: for a decode step (a few new tokens behind a cache of K keys)
 that is a copy of the whole cache per layer per token, costlier than the attention itself. Here a step attends to
 the cache where it lies, (B, Hk, K, D) as transformers keeps it, with a boolean mask of shape (B, 1, q_len, K),
@@ -17,7 +20,6 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from patchkit.forward.masks import VarlenMetadata
 
@@ -145,58 +147,3 @@ def decode_attention(
     if out is None or plan.real_q is None:
         return out
     return out.where(plan.real_q, out.new_zeros(()))
-
-
-def attend_padded_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, window: tuple[int, int], *, scale: float,
-    dropout_p: float, softcap: float,
-) -> torch.Tensor:
-    """Torch-native decode attention on the cache in place: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D).
-
-    SDPA with the plan's boolean mask and `enable_gqa` (on CPU the query heads of a K/V head folded into query rows
-    instead; no repeated K/V either way), or, for one token per row over a lot of padding, SDPA per row on its real
-    keys without a mask; softcap, which SDPA cannot apply, by the math of
-    transformers' eager attention with the query heads grouped over their K/V head (no repeat either).
-    """
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D): the cache's own layout
-    if softcap:
-        return _softcap_attention(qh, kh, vh, plan.mask(window), scale, softcap, dropout_p).transpose(1, 2)
-    batch, heads, q_len, dim = qh.shape
-    group = heads // kh.shape[1]
-    starts = plan.row_starts(window, k)
-    mask = None if starts is not None else plan.mask(window)
-    fold = group > 1 and q.device.type == "cpu"
-    if fold:  # a K/V head's query heads as more query rows: plain SDPA, ~2x faster than enable_gqa on CPU
-        qh = qh.reshape(batch, kh.shape[1], group * q_len, dim)
-        mask = mask.repeat(1, 1, group, 1) if mask is not None and q_len > 1 else mask
-    gqa = kh.shape[1] != qh.shape[1]
-    if starts is not None:
-        out = torch.cat([
-            F.scaled_dot_product_attention(qh[b : b + 1], kh[b : b + 1, :, s:], vh[b : b + 1, :, s:],
-                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-            for b, s in enumerate(starts)
-        ])
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=gqa)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2)
-
-
-def _softcap_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: Optional[torch.Tensor], scale: float, softcap: float,
-    dropout_p: float,
-) -> torch.Tensor:
-    """(B, H, q_len, D) x (B, Hk, K, D): scores capped by `softcap * tanh(s / softcap)`, softmax in fp32 (eager's)."""
-    batch, heads, q_len, dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, dim), k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(batch, kv_heads, group, q_len, kv_len)
-    if visible is not None:
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    if dropout_p:
-        probs = F.dropout(probs, p=dropout_p)
-    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), v)
-    return out.view(batch, heads, q_len, -1)
