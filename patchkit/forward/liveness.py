@@ -21,10 +21,12 @@ is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None)
 
 def record_call(state: Any, module: nn.Module) -> None:
     """One attention call of `module` through the patch whose state is `state`."""
-    setattr(module, LIVE_MARK, state.mark)
     if is_compiling():
+        setattr(module, LIVE_MARK, state.mark)
         state.compiled = True  # a constant store: no guard, no recompile; calls are not counted in graphs
         return
+    if vars(module).get(LIVE_MARK) is not state.mark:  # nn.Module.__setattr__ is costly: once per layer and state
+        setattr(module, LIVE_MARK, state.mark)
     state.calls += 1
     if module not in state.layers:
         state.layers.add(module)

@@ -62,6 +62,13 @@ def routed(config: Any, state: Any) -> Iterator[None]:
         config._attn_implementation = name
 
 
+def inside_route(config: Any, state: Any) -> bool:
+    """A layer inside a forward already routed on `state` (its config and context say so): nothing to set per layer
+    (a config write costs more than the attention call's own Python work on transformers 5.x)."""
+    route = current().route
+    return route is not None and route.state is state and config._attn_implementation == ROUTE_NAME
+
+
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:
     """`module.attr` as a function of (self, ...): the instance's own (a framework's `model.forward = ...`) if it
     has one, else its class's; what an instance patch wraps and what its revert puts back."""
@@ -98,7 +105,7 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
     read_mask = mask_argument(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(read_mask(args, kwargs), VarlenMask):
+        if not isinstance(read_mask(args, kwargs), VarlenMask) or inside_route(self.config, state):
             return original(self, *args, **kwargs)
         with routed(self.config, state):
             return original(self, *args, **kwargs)

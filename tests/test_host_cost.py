@@ -1,0 +1,93 @@
+"""The decode path's host work: what a patched decode step does per layer, beyond the attention itself.
+
+On a GPU a decode step is host-bound, so per-layer Python work is the cost users see. These tests pin the two
+costs that were cut (each was more than the attention call's own Python work on transformers 5.x): a config write
+per routed layer, and a module attribute write per call. `benchmarks/host_ops.py` counts the rest.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import padded_batch, tiny_model
+
+import patchkit
+from patchkit.forward import liveness
+
+
+def decode_inputs(model: torch.nn.Module) -> dict:
+    """One new token per row behind a left-padded prefill in a DynamicCache."""
+    from transformers import DynamicCache
+
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True)
+    step_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    return dict(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                position_ids=step_mask.sum(-1, keepdim=True) - 1, past_key_values=out.past_key_values, use_cache=True)
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_a_decode_step_writes_the_config_around_the_forward_not_per_layer(way, monkeypatch):
+    model = tiny_model(layers=4)
+    inputs = decode_inputs(model)
+    with torch.no_grad():
+        expected = model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])}).logits
+    with patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None) as handle:
+        writes = []
+        config_type = type(model.config)
+        original = config_type.__setattr__
+
+        def counting(self, name, value):
+            if name == "_attn_implementation":
+                writes.append(value)
+            original(self, name, value)
+
+        monkeypatch.setattr(config_type, "__setattr__", counting)
+        with torch.no_grad():
+            got = model(**inputs).logits
+        monkeypatch.undo()
+        assert handle.calls == 4  # every layer ran through the patch
+        assert len(writes) == 2  # to patchkit's name and back, once for the forward (was 2 + 2 per layer)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_is_marked_live_once_per_patch_not_once_per_call(monkeypatch):
+    model = tiny_model(layers=2)
+    inputs = decode_inputs(model)
+    with patchkit.apply_patch("llama2", backend="sdpa", model=model) as handle:
+        with torch.no_grad():
+            model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])})  # marks both layers
+        marks = []
+        original = torch.nn.Module.__setattr__
+
+        def counting(self, name, value):
+            if name == liveness.LIVE_MARK:
+                marks.append(self)
+            original(self, name, value)
+
+        monkeypatch.setattr(torch.nn.Module, "__setattr__", counting)
+        with torch.no_grad():
+            model(**inputs)
+        monkeypatch.undo()
+        assert handle.calls == 4 and handle.layers_patched == 2
+        assert marks == []  # later calls only read the mark (each call wrote it before)
+
+
+def test_the_host_ops_benchmark_counts_both_providers(tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    from entrypoints import REPO
+
+    out = tmp_path / "host_ops.csv"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_ops.py"), "--csv", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with out.open() as f:
+        rows = {r["provider"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"hf_sdpa", "patchkit_sdpa"}
+    assert all(float(r["py_calls_per_layer"]) > 0 and float(r["aten_ops_per_layer"]) > 0 for r in rows.values())
