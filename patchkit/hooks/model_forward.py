@@ -174,6 +174,7 @@ def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], C
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_name = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     simple = all(p.kind is not p.VAR_POSITIONAL for p in params)
+    skipped = (params[0].name, var_kw)  # self and **kwargs: passed on their own
 
     def bind(self: nn.Module, args: tuple, kwargs: dict) -> dict:
         if not simple or len(args) >= len(positional):
@@ -193,7 +194,7 @@ def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], C
 
     def call(self: nn.Module, arguments: dict) -> Any:
         # by keyword: transformers 5.x decorators fill some arguments (use_cache) in by keyword themselves
-        named = {k: v for k, v in arguments.items() if k not in (params[0].name, var_kw)}
+        named = {k: v for k, v in arguments.items() if k not in skipped}
         return original(self, **named, **arguments.get(var_kw, {}))
 
     return signature, var_kw, bind, call
