@@ -21,7 +21,9 @@ from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.sequence_parallel import (
     context_parallel_active,
     refuse_context_parallel,
+    refuse_ring_flash_attn,
     refuse_unfound,
+    ring_flash_attn_active,
     ulysses_active,
     ulysses_wrapper,
 )
@@ -46,6 +48,8 @@ def routed(config: Any, state: Any) -> Iterator[None]:
     if state is not None:
         if context_parallel_active():
             raise refuse_context_parallel()
+        if ring_flash_attn_active():
+            raise refuse_ring_flash_attn()
         outer = current().route
         if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
             ulysses = outer.ulysses

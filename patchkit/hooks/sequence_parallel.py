@@ -9,7 +9,9 @@ attention as its core (documents from the gathered `position_ids`), and the mode
 rank must keep its equal-length shard. Nothing here imports DeepSpeed: a wrapper exists only once it is imported.
 
 torch's `context_parallel` (accelerate's `cp_size`) shards the sequence too, but only torch's SDPA op is made
-ring attention: patchkit's kernels would attend within each shard. A route refuses to run while it is active.
+ring attention: patchkit's kernels would attend within each shard. So does ring-flash-attn (axolotl's
+`context_parallel_size`), whose `substitute_hf_flash_attn` makes only transformers' "flash_attention_2" ring
+attention. A route refuses to run while either is active; both are found in sys.modules, never imported.
 """
 
 from __future__ import annotations
@@ -90,6 +92,40 @@ def refuse_context_parallel() -> PatchInputError:
         "only torch's scaled_dot_product_attention into ring attention, so patchkit's varlen attention would attend "
         "within each rank's shard. Run this model unpatched under context_parallel (revert the patch, or "
         "PATCHKIT_FLASH_ATTN=0), or shard with DeepSpeed Ulysses, which patchkit serves."
+    )
+
+
+RING_ADAPTER = "ring_flash_attn.adapters.hf_adapter"
+FLASH_NAME = "flash_attention_2"
+
+
+def ring_flash_attn_active() -> bool:
+    """ring-flash-attn's `substitute_hf_flash_attn` ran here and its ring attention is on (one dict lookup if not).
+
+    It replaces `transformers.modeling_flash_attention_utils._flash_attention_forward` (with a lambda of its
+    adapter that runs ring attention while `RING_ATTN_SWITCH` is on, or axolotl's own function) and, from
+    transformers 4.48, `ALL_ATTENTION_FUNCTIONS["flash_attention_2"]` (its `flash_attention_forward`).
+    """
+    adapter = sys.modules.get(RING_ADAPTER)
+    if adapter is None:
+        return False
+    utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    forward = getattr(utils, "_flash_attention_forward", None)
+    if getattr(forward, "__module__", None) == RING_ADAPTER:  # its switchable lambda (use_ring_attn)
+        return bool(getattr(adapter, "RING_ATTN_SWITCH", True))
+    functions = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    ring = getattr(adapter, "flash_attention_forward", None)
+    return ring is not None and functions is not None and functions.get(FLASH_NAME) is ring
+
+
+def refuse_ring_flash_attn() -> PatchInputError:
+    return PatchInputError(
+        "ring-flash-attn is active (its substitute_hf_flash_attn ran: axolotl's context_parallel_size, or your "
+        "own call): it shards each sequence across ranks and makes only transformers' 'flash_attention_2' "
+        "attention ring attention, so patchkit's patched attention would go round it and attend within each "
+        "rank's shard. Run this model unpatched under ring-flash-attn (revert the patch, or PATCHKIT_FLASH_ATTN=0, "
+        "and load it with attn_implementation='flash_attention_2'), or shard with DeepSpeed Ulysses, which "
+        "patchkit serves."
     )
 
 
