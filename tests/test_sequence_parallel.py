@@ -6,7 +6,9 @@ attention mask and gathers position_ids, so that NAME's function sees the whole 
 tests/user_scripts/ulysses_sp.py in its own `torch.distributed.run` pair (a collective size mismatch aborts a rank)
 and compares its loss and every gradient with the same script run as one plain process on the full sequence,
 unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
-every rank (a patch that goes round it leaves each rank's attention shard-local, silently).
+every rank (a patch that goes round it leaves each rank's attention shard-local, silently). Left-padded batches are
+served exactly where position_ids restart at each row's first real token, and refused by name on every rank where
+they do not (patchkit/hooks/ulysses_padding.py).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def run_group(args: list[str], env: dict[str, str], timeout: float = TIMEOUT) ->
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[dict, dict, float]:
-    """The script's JSON and gradients (rank 0), and the wall time; asserts it exited cleanly."""
+def launch(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """Run the script (one process, or `world` ranks under torch.distributed.run); its process, JSON and gradients."""
     out, grads = tmp / f"{family}-{way}-{data}-{world}.json", tmp / f"{family}-{way}-{data}-{world}.pt"
     script = [SCRIPT, family, way, data, out, "--grads", grads]
     env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
@@ -69,8 +71,13 @@ def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script]
+    return run_group(cmd, env), out, grads
+
+
+def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[dict, dict, float]:
+    """The script's JSON and gradients (rank 0), and the wall time; asserts it exited cleanly."""
     start = time.perf_counter()
-    proc = run_group(cmd, env)
+    proc, out, grads = launch(tmp, family, way, data, world)
     seconds = time.perf_counter() - start
     assert proc.returncode == 0 and out.exists(), (
         f"{family}/{way}/{data} on {world} process(es) exited {proc.returncode}:\n"
@@ -145,3 +152,48 @@ def test_one_process_class_patch_equals_reference(family, data, references, tmp_
     worst, off = grad_diff(grads, ref_grads)
     assert not off, (worst, off)
     assert any(p["calls"] > 0 for p in got["ranks"][0]["patchkit_active"]), got["ranks"][0]["patchkit_active"]
+
+
+# Left padding: Ulysses drops the mask, so a real token after padding attends to it unless position_ids restart there.
+LEFT_LOSS_RTOL = 4 * torch.finfo(torch.float32).eps  # the per-rank loss aggregation rounds: measured <= 2 ulps
+
+
+@pytest.mark.parametrize("family, way", [("llama", w) for w in WAYS] + [("qwen2", "class")])
+def test_left_padding_with_restarting_positions_equals_one_process(family, way, references, tmp_path):
+    # position_ids restart at each row's first real token (generate()'s convention): attention starts a document
+    # there and the padding drops out; unpatched Ulysses (sdpa, no mask) is off by 3e-4 in the loss, 0.08 in the
+    # gradients for llama, 1e-3 and 0.5 for qwen2 (measured)
+    ref, ref_grads = references(family, "left-restart")
+    got, grads, _ = run_script(tmp_path, family, way, "left-restart", SP)
+    worst, off = grad_diff(grads, ref_grads)
+    assert got["ulysses_wrapper_ran"]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=LEFT_LOSS_RTOL, abs=0)
+    assert not off, (worst, off)
+    if way != "interface":
+        assert all(any(p["calls"] for p in r["patchkit_active"]) for r in got["ranks"]), got["ranks"]
+
+
+def refusals(proc: subprocess.CompletedProcess, message: str) -> int:
+    """How many ranks ended on a PatchInputError starting with `message` (their tracebacks' last lines)."""
+    return (proc.stdout + proc.stderr).count(f"patchkit.errors.PatchInputError: {message}")
+
+
+@pytest.mark.parametrize("family, way", [("llama", "class"), ("llama", "env"), ("llama", "both"), ("qwen2", "class")])
+def test_left_padding_without_restarting_positions_is_refused_on_every_rank(family, way, tmp_path):
+    # the second row's padding is all on rank 0 and its real tokens all on rank 1: neither shard alone shows
+    # padding before a real token, so only the gathered masks tell; every rank reaches the same verdict and stops
+    proc, out, _ = launch(tmp_path, family, way, "left", SP)
+    assert proc.returncode != 0 and not out.exists(), proc.stdout[-2000:]
+    assert refusals(proc, "padding before real tokens (left padding, or a hole) under DeepSpeed Ulysses") == SP, (
+        proc.stderr[-6000:])
+    assert "Pad on the right" in proc.stderr
+
+
+def test_left_padding_that_would_step_aside_is_refused(tmp_path):
+    # the first real token is labelled: rank 0 (which holds the padding predicting it) would run transformers'
+    # attention, which Ulysses runs without the mask; it refuses instead (its peer is then torn down)
+    proc, out, _ = launch(tmp_path, "llama", "class", "left-restart-labelled", SP)
+    assert proc.returncode != 0 and not out.exists(), proc.stdout[-2000:]
+    assert refusals(proc, "under DeepSpeed Ulysses, a batch with padding before real tokens would step aside") >= 1, (
+        proc.stderr[-6000:])
+    assert "labels_from_padding" in proc.stderr

@@ -24,12 +24,14 @@ from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.routing import ROUTE_NAME, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.step_aside import (
+    CAUSES,
     documents_from_4d_mask,
     forward_cause,
     right_padded_generation,
     step_aside,
     transformers_made,
 )
+from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 IGNORE_INDEX = -100
@@ -246,15 +248,19 @@ def make_model_forward(
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         if is_compiling() and transformers_made(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
+        ulysses = ulysses_wrapper(getattr(self.config, "_attn_implementation", None))
+        padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
         if cause == "custom_4d_mask" and documents_from_4d_mask(arguments, extra):
             cause = None  # a block-diagonal causal 4D mask, now cu_seq_lens: packed documents, served patched
         if cause is not None:
+            if padding_first:
+                raise refuse_step_aside(cause, *CAUSES[cause])
             step_aside(aside_state, cause, arguments, extra)
             with within(aside=cause):
                 return call(self, arguments)
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
-        whole = unpad == "model" and ulysses_wrapper(getattr(self.config, "_attn_implementation", None)) is None
+        whole = unpad == "model" and ulysses is None
         meta = unpad_plan(self, arguments, extra) if whole else None
         with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None):
             if meta is None:

@@ -13,8 +13,9 @@ plain process it computes the same step on the full sequence without Ulysses: th
 FAMILY: llama, qwen2. WAY: how patchkit comes in: `interface` (attn_implementation="patchkit"), `class`
 (patchkit.apply_patch() before the model is built), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller: the startup
 hook patches), `both` (the class patch and attn_implementation="patchkit"), `none` (unpatched sdpa).
-DATA: `padded` (two right-padded rows, a 2D attention_mask) or `packed` (one row of several documents told apart by
-position_ids, no mask).
+DATA: `padded` (two right-padded rows, a 2D attention_mask), `packed` (one row of several documents told apart by
+position_ids, no mask), or left-padded rows: `left` (position_ids 0..N-1), `left-restart` (position_ids restarting
+at each row's first real token), `left-restart-labelled` (that, with the first real token labelled).
 
 Rank 0 writes OUT.json: the loss, per-parameter gradient norms and sums, how often the Ulysses wrapper and the
 core function it wraps ran (and the sequence lengths the core saw), every rank's attention calls by registered name,
@@ -43,7 +44,7 @@ T0 = time.perf_counter()
 parser = argparse.ArgumentParser()
 parser.add_argument("family", choices=["llama", "qwen2"])
 parser.add_argument("way", choices=["interface", "class", "env", "both", "none"])
-parser.add_argument("data", choices=["padded", "packed"])
+parser.add_argument("data", choices=["padded", "packed", "left", "left-restart", "left-restart-labelled"])
 parser.add_argument("out")
 parser.add_argument("--grads", default=None, help="torch.save every parameter's gradient here (rank 0)")
 parser.add_argument("--seed", type=int, default=0)
@@ -96,6 +97,23 @@ def global_batch() -> dict:
         ids = ids.masked_fill(mask == 0, 0)
         labels = ids.masked_fill(mask == 0, IGNORE)
         positions = torch.arange(seq).expand(len(lengths), seq).clone()
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+    if opts.data.startswith("left"):
+        # two rows of 16, left padded: the second row's padding fills rank 0's half and its real tokens rank 1's, so
+        # at sp 2 no shard holds padding before a real token of its own; position_ids 0..15 (`left`) or, as
+        # generate() makes them, restarting at the first real token (the mask's cumsum - 1, padding at 1); the first
+        # real token, predicted from padding, has no label unless `-labelled`
+        seq, lengths = 16, [16, 8]
+        ids = torch.randint(3, VOCAB, (len(lengths), seq), generator=g)
+        mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            mask[row, seq - n:] = 1
+        ids = ids.masked_fill(mask == 0, 0)
+        first = (mask.cumsum(-1) == 1) & (opts.data != "left-restart-labelled")
+        labels = ids.masked_fill((mask == 0) | first, IGNORE)
+        positions = torch.arange(seq).expand(len(lengths), seq).clone()
+        if opts.data != "left":
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
     # one row of 24: documents of 5, 9, 6 and 4 tokens; the second crosses the middle (the shard boundary at sp 2)
     docs = [5, 9, 6, 4]
