@@ -197,3 +197,39 @@ def test_left_padding_that_would_step_aside_is_refused(tmp_path):
     assert refusals(proc, "under DeepSpeed Ulysses, a batch with padding before real tokens would step aside") >= 1, (
         proc.stderr[-6000:])
     assert "labels_from_padding" in proc.stderr
+
+
+# The HF Trainer route: accelerate's ParallelismConfig registers Ulysses under "sdpa" and shards the batches itself.
+TRAINER_SCRIPT = REPO / "tests" / "user_scripts" / "ulysses_trainer.py"
+
+
+def run_trainer(tmp: Path, way: str) -> tuple[dict, dict]:
+    """tests/user_scripts/ulysses_trainer.py on SP ranks: rank 0's JSON and its parameters after training."""
+    out = tmp / f"trainer-{way}.json"
+    env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
+    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(SP),
+                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()), TRAINER_SCRIPT, way, out], env)
+    assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text()), torch.load(tmp / f"trainer-{way}.pt")
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    pytest.importorskip("accelerate.utils", reason="accelerate is a test extra")
+    from accelerate import utils
+
+    if not hasattr(utils, "DeepSpeedSequenceParallelConfig"):
+        pytest.skip("this accelerate has no DeepSpeedSequenceParallelConfig (ParallelismConfig sp_backend)")
+    return run_trainer(tmp_path_factory.mktemp("ulysses_trainer"), "none")
+
+
+@pytest.mark.parametrize("way", ["class", "env"])
+def test_trainer_parallelism_config_runs_patchkit_inside_ulysses(way, trainer_reference, tmp_path):
+    # two optimizer steps: the second loss and the parameters after both carry the first step's gradients
+    ref, ref_params = trainer_reference
+    got, params = run_trainer(tmp_path, way)
+    assert ref["ulysses_under_sdpa"] and got["ulysses_under_sdpa"]
+    assert ref["patchkit_calls"] == 0 and got["patchkit_calls"] > 0, got
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (got["losses"], ref["losses"])
+    off = [n for n, p in ref_params.items() if not torch.allclose(params[n], p, atol=GRAD_ATOL, rtol=GRAD_RTOL)]
+    assert not off, off

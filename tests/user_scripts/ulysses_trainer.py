@@ -1,0 +1,74 @@
+"""A user's HF Trainer run with DeepSpeed Ulysses through accelerate's ParallelismConfig (what TRL's SFT docs show).
+
+    torchrun --nproc_per_node 2 ulysses_trainer.py WAY OUT.json
+
+WAY: `none` (unpatched), `class` (patchkit.apply_patch() before the model is built) or `env` (PATCHKIT_FLASH_ATTN=1
+set by the caller). `ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=
+DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))` and a DeepSpeed config (ZeRO 0, torch AdamW) on
+gloo: the Trainer registers Ulysses under "sdpa", shards each batch with its data-loader adapter and aggregates the
+loss over the SP ranks. One row per step (on CPU the adapter's sequence slices of a larger batch stay
+non-contiguous, and transformers' loss `.view(-1)`s them: that fails unpatched too), a full row then a right-padded
+one. Rank 0 writes the logged losses, every parameter after the steps (OUT.pt) and patchkit's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers as tf
+from accelerate import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+import patchkit
+from patchkit.hooks.sequence_parallel import ulysses_wrapper
+
+way, out = sys.argv[1], sys.argv[2]
+if way not in ("none", "class", "env"):
+    sys.exit(f"unknown way {way!r}")
+if (way == "env") != (os.environ.get("PATCHKIT_FLASH_ATTN") == "1"):
+    sys.exit("way 'env', and only it, runs with PATCHKIT_FLASH_ATTN=1")
+if way == "class":
+    patchkit.apply_patch()
+
+VOCAB, SEQ, IGNORE = 97, 16, -100
+torch.manual_seed(0)
+config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+
+g = torch.Generator().manual_seed(100)
+rows = []
+for n in (16, 9):  # a full row, then one right padded (rank 1's half: 1 real token, 7 padding)
+    ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
+    mask = (torch.arange(SEQ) < n).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    rows.append({"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(SEQ),
+                 "labels": ids.masked_fill(mask == 0, IGNORE)})
+
+parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2,
+                                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
+args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=1,
+                            max_steps=len(rows), learning_rate=1e-2, report_to=[], save_strategy="no",
+                            logging_steps=1, deepspeed=deepspeed, parallelism_config=parallelism)
+trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
+trainer.train()
+
+if int(os.environ.get("RANK", "0")) == 0:
+    result = {
+        "way": way,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "ulysses_under_sdpa": ulysses_wrapper("sdpa") is not None,
+        "patchkit_calls": sum(h.calls for h in patchkit.active_patches()),
+        "config_attn_implementation": model.config._attn_implementation,
+    }
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out.replace(".json", ".pt"))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    print("ULYSSES_TRAINER", json.dumps(result), flush=True)
