@@ -39,3 +39,18 @@ def test_a_patched_model_under_context_parallel_is_refused_by_name(family, mesh)
             got = model(input_ids=ids, attention_mask=mask).logits  # outside it: patched again
             assert handle.calls == 2
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)
+
+
+def test_a_model_loaded_with_the_patchkit_name_under_context_parallel_is_refused_by_name(mesh):
+    # no class patch, no route: the registered attention itself refuses (its per-document SDPA calls would each be
+    # made ring attention over pieces that are not the sequence's shards)
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        model.set_attn_implementation("patchkit")
+        with experimental.context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]):
+            with pytest.raises(PatchInputError, match="context_parallel .* is active.*within each rank's shard"):
+                model(input_ids=ids, attention_mask=mask)
+        got = model(input_ids=ids, attention_mask=mask).logits  # outside it: served again
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)

@@ -181,3 +181,19 @@ def test_a_flash_attention_2_request_served_by_the_class_patch_is_refused(ring):
             logits(model, ids, mask)
         assert handle.calls == 0
     assert ring.RING_CALLS == []
+
+
+def test_a_model_loaded_with_the_patchkit_name_under_ring_flash_attn_is_refused_by_name(ring):
+    # no class patch, no route: axolotl shards the sequence for ring attention, and the registered attention itself
+    # refuses rather than attend within the shard
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("right")
+    want = logits(model, ids, mask)
+    model.set_attn_implementation("patchkit")
+    ring.substitute_hf_flash_attn(process_group=None, heads_k_stride=1)
+    with pytest.raises(PatchInputError, match=REFUSAL):
+        logits(model, ids, mask)
+    ring.use_ring_attn(False)
+    got = logits(model, ids, mask)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)
+    assert ring.RING_CALLS == []
