@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from providers import probe_providers  # noqa: E402
+from report import write_rows  # noqa: E402
 from workloads import MODEL, MODES, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
@@ -150,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = ("ok" if row["vs_hf_sdpa"] >= TARGET else "MISS") if judged else "not judged (not the stated run)"
         print(f"target prefill + 64-token decode >= {TARGET}x HF sdpa, kv_heads {row['kv_heads']}: "
               f"{row['vs_hf_sdpa']}x {verdict}")
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.csv, rows)
     print(f"wrote {args.csv}")
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_rows  # noqa: E402
 from workloads import lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
@@ -124,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target padded step >= {TARGET}x HF (sdpa, or eager where HF has no sdpa): {row['family']}: "
               f"{row['vs_hf']}x {status}")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.csv, rows)
     return 0
 
 

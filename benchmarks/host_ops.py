@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import sys
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_rows  # noqa: E402
 from workloads import MODEL, make_tokens, padded_batch  # noqa: E402
 
 import patchkit  # noqa: E402
@@ -138,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'provider':<15}" + "".join(f"{k:>20}" for k in keys))
     for row in rows:
         print(f"{row['provider']:<15}" + "".join(f"{row[k]:>20}" for k in keys))
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.csv, rows)
     print(f"wrote {args.csv}")
     return 0
 

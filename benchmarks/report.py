@@ -25,6 +25,15 @@ CSV_COLUMNS = [
 ]
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A script's rows as one CSV (the first row's keys as columns), its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 class Recorder:
     """Collects CSV rows and keeps medians for the ratio table."""
 
