@@ -79,18 +79,20 @@ def test_registered_name_and_instance_patch_match_eager(family):
     torch.testing.assert_close(by_instance[real], want[real], atol=3e-5, rtol=1e-4)
 
 
-def test_a_padding_hole_under_a_sliding_window_steps_aside_unless_the_window_cannot_bite():
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_a_padding_hole_under_a_sliding_window_steps_aside_unless_the_window_cannot_bite(use_cache):
     """transformers counts padding columns inside the window, varlen kernels real tokens: a window shorter than the
-    mask steps aside (exact); one as long as the mask changes nothing and runs patched."""
+    mask steps aside (exact); one as long as the mask changes nothing and runs patched (per layer: a packed row's
+    length is no padded row's)."""
     model = family_model("mistral")
     ids, mask = padded_batch("right")
     mask[0, 3:6] = 0  # padding between real tokens
     for window, aside in ((WINDOW, 1), (24, 0)):
         model.config.sliding_window = window
         with torch.no_grad():
-            want = model(input_ids=ids, attention_mask=mask).logits
+            want = model(input_ids=ids, attention_mask=mask, use_cache=use_cache).logits
             with patchkit.apply_patch("mistral", backend="sdpa") as handle:
-                got = model(input_ids=ids, attention_mask=mask).logits
+                got = model(input_ids=ids, attention_mask=mask, use_cache=use_cache).logits
                 assert handle.stepped_aside.get("window_over_padding_hole", 0) == aside
                 assert handle.calls == 2 * (1 - aside)
         torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)

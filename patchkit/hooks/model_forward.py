@@ -28,6 +28,7 @@ from patchkit.hooks.step_aside import (
     documents_from_4d_mask,
     forward_cause,
     right_padded_generation,
+    sliding_window,
     step_aside,
     transformers_made,
 )
@@ -74,6 +75,8 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
     if rope_reads_padded_length(module, mask, position_ids, seqlen):
         return None
+    if meta.holes and sliding_window(module.config) is not None:
+        return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
     return meta
 
 
