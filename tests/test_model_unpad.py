@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import labels_for, padded_batch, tiny_model
+from families import family_model
+from models import cache_tensors, labels_for, needs_mask_interface, padded_batch, tiny_model
 
 import patchkit
 from patchkit.forward import context
@@ -120,15 +121,63 @@ def test_gradient_checkpointing_with_model_unpad(reentrant):
     assert_same(got, want, got_g, want_g, mask)
 
 
-def test_a_forward_that_keeps_a_cache_stays_padded():
-    """Generation needs the cache in the padded layout: eval with use_cache keeps the per-layer path."""
+def _greedy_from(model, cache, ids, mask, first):
+    """generate() continuing from a prefill's cache: the prompt, the token `first` after it, 6 more greedy tokens."""
+    ids = torch.cat([ids, first], 1)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                          min_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("family, patch", [("llama", "llama2"), ("mistral", "mistral"), ("qwen2", "qwen2"),
+                                           ("gemma3_text", "gemma3_text")])
+def test_an_eval_forward_that_keeps_a_cache_runs_packed_and_returns_transformers_cache(family, patch):
+    """The HF Trainer's evaluation step: eval mode, config.use_cache, no cache given, labels. The model would make a
+    DynamicCache itself (sliding layers where the config has a window); patchkit makes the same one, runs the
+    decoder on the packed row and fills the cache padded: the loss, the logits and every layer's keys and values at
+    real positions are the unpatched model's, and generate() continues from that cache with the same tokens."""
+    model = tiny_model(kv_heads=2, seed=5) if family == "llama" else family_model(family, seed=1)
+    assert model.config.use_cache
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels)
+        shapes = layer_input_shapes(model)
+        with patchkit.apply_patch(patch, backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=mask, labels=labels)
+            assert not handle.stepped_aside
+    assert shapes == [(1, int(mask.sum()), model.config.hidden_size)] * model.config.num_hidden_layers  # packed
+    real = mask.bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    ours, theirs = got.past_key_values, want.past_key_values
+    assert type(ours) is type(theirs) and "update" not in vars(ours)
+    assert [type(layer) for layer in ours.layers] == [type(layer) for layer in theirs.layers]
+    assert ours.get_seq_length() == theirs.get_seq_length() == ids.shape[1]
+    for ours_kv, theirs_kv in zip(cache_tensors(ours), cache_tensors(theirs), strict=True):
+        for o, t in zip(ours_kv, theirs_kv):
+            assert o.shape == t.shape  # a sliding layer keeps the last window - 1 columns
+            kept = real[:, -o.shape[2]:]
+            torch.testing.assert_close(o.transpose(1, 2)[kept], t.transpose(1, 2)[kept], atol=2e-5, rtol=1e-4)
+    first = want.logits[:, -1:].argmax(-1)
+    expected = _greedy_from(model, theirs, ids, mask, first)
+    with patchkit.apply_patch(patch, backend="sdpa"):
+        assert torch.equal(_greedy_from(model, ours, ids, mask, first), expected)
+
+
+def test_an_eval_forward_given_use_cache_false_or_a_past_is_not_given_a_cache():
+    """Only a forward that keeps a cache gets one: use_cache=False returns none; a cache with a past stays per-layer."""
     model = tiny_model(kv_heads=2)
     ids, mask = padded_batch("left")
     shapes = layer_input_shapes(model)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == ids.shape[1]
-    assert shapes == [tuple(ids.shape) + (64,)] * 2
+        assert model(input_ids=ids, attention_mask=mask, use_cache=False).past_key_values is None
+        past = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1]).past_key_values
+        shapes.clear()
+        model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=past)
+    assert past.get_seq_length() == ids.shape[1]
+    assert shapes == [(ids.shape[0], 1, 64)] * 2  # a decode step: the padded batch, not a packed row
 
 
 def test_training_mode_keeps_no_cache():

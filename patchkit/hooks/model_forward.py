@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from patchkit.errors import PatchInputError
@@ -36,7 +38,10 @@ from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 IGNORE_INDEX = -100
-
+# The base models whose forward, in eval mode with use_cache and no cache given, makes a DynamicCache (read in each
+# family's modeling file, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0).
+OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+                               "granite", "starcoder2", "olmo2", "smollm3", "glm4"})
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -47,8 +52,9 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     """The padded batch's metadata when this forward can run packed, else None (run the original as is).
 
     Packed needs a 2D mask with padding, no past, and no caller-made packing (`cu_seq_lens_*`). A cache to return
-    must be an empty DynamicCache (generate()'s prefill), filled padded by `filled_padded`. Everything else,
-    decode steps above all, keeps the per-layer path, which is exact there too.
+    must be an empty DynamicCache (generate()'s prefill), or none where the model would make one itself (an eval
+    forward with use_cache: `own_cache`); `filled_padded` fills it padded. Everything else, decode steps above all,
+    keeps the per-layer path, which is exact there too.
     """
     mask = args.get("attention_mask")
     tokens = args.get("input_ids") if args.get("inputs_embeds") is None else args.get("inputs_embeds")
@@ -62,8 +68,10 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
     cache = args.get("past_key_values")
     if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
-        if not fillable_cache(cache):
-            return None  # no cache object to fill from the packed row (or one with a past): the per-layer path
+        if cache is None and not makes_own_cache(module):
+            return None  # an era whose own cache was not checked: the per-layer path lets the model make it
+        if cache is not None and not fillable_cache(cache):
+            return None  # a cache with a past, or one patchkit cannot fill from the packed row: the per-layer path
     elif cache is not None:
         return None
     batch, seqlen = tokens.shape[:2]
@@ -78,6 +86,29 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     if meta.holes and sliding_window(module.config) is not None:
         return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
     return meta
+
+
+@functools.cache
+def _families_era() -> tuple[bool, bool]:
+    """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56)."""
+    import transformers
+    from transformers.cache_utils import DynamicCache
+
+    checked = Version(transformers.__version__).release >= (4, 53)
+    return checked, "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
+def makes_own_cache(module: nn.Module) -> bool:
+    """The base model's own forward would make a DynamicCache that patchkit can make for it (`own_cache`)."""
+    return getattr(module.config, "model_type", None) in OWN_DYNAMIC_CACHE and _families_era()[0]
+
+
+def own_cache(module: nn.Module) -> Any:
+    """The cache the base model's forward makes when it keeps one it was not given: `DynamicCache(config=config)`
+    from transformers 4.56 (sliding layers for a windowed config), `DynamicCache()` on 4.53-4.55."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=module.config) if _families_era()[1] else DynamicCache()
 
 
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
@@ -269,6 +300,8 @@ def make_model_forward(
             if meta is None:
                 return call(self, arguments)
             cache = arguments.get("past_key_values")
+            if cache is None and _resolved_use_cache(self, arguments.get("use_cache")) and not self.training:
+                cache = arguments["past_key_values"] = own_cache(self)  # returned, filled padded, as its own
             _unpad_inputs(arguments, meta)
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
             with within(packed=packed_row_metadata(meta)), filling:
