@@ -82,3 +82,23 @@ def test_fullgraph_compile_through_a_wrapper_that_pops_from_its_kwargs():
                 {"input_ids": ids, "attention_mask": mask4d, "return_dict": True})
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)
+
+
+def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_mask_in_the_graph():
+    """HF's compiled static-cache generation (model.forward compiled, fullgraph): inside the graph generate()'s 4D
+    mask goes straight to transformers' attention (no host sync to read it back as a 2D mask, nothing counted);
+    the same tokens as unpatched."""
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    want = model.generate(**kw)
+    torch._dynamo.reset()
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+        try:
+            got = model.generate(**kw)
+        finally:
+            del model.forward
+        assert handle.calls == 0 and not handle.stepped_aside
+    assert torch.equal(got, want)

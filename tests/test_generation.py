@@ -80,8 +80,9 @@ def test_llama1_refuses_a_past_but_runs_an_empty_cache():
 
 
 def test_static_cache_generation_equals_unpatched():
-    """generate(cache_implementation="static"): the same tokens as unpatched (stepped aside where generate() built a
-    4D mask before the model ran), and the default dynamic cache still runs patched after."""
+    """generate(cache_implementation="static"): the same tokens as unpatched (patched where generate()'s 4D mask is
+    read back as its 2D mask, tests/test_static_cache.py; else stepped aside), and the default dynamic cache still
+    runs patched after."""
     model = tiny_model(seed=7)
     ids, mask = padded_batch("left", batch=2, seq=14)
     want = greedy(model, ids, mask, n=3)

@@ -25,9 +25,9 @@ from patchkit.forward.masks import VarlenMetadata, build_metadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.routing import ROUTE_NAME, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
+from patchkit.hooks.slots_mask import full_static_cache, served_4d_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
-    documents_from_4d_mask,
     forward_cause,
     right_padded_generation,
     sliding_window,
@@ -133,10 +133,10 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
 
 
 def fillable_cache(cache: Any) -> bool:
-    """An empty DynamicCache: a prefill can run on the packed row and write its keys and values back padded."""
-    return type(cache).__name__ == "DynamicCache" and callable(getattr(cache, "update", None)) and (
-        cache.get_seq_length() == 0
-    )
+    """An empty DynamicCache, or StaticCache of full-attention layers: a prefill can run on the packed row and write
+    its keys and values back padded (a static cache into its first slots)."""
+    kind = type(cache).__name__ == "DynamicCache" or full_static_cache(cache) is not None
+    return kind and callable(getattr(cache, "update", None)) and bool(cache.get_seq_length() == 0)
 
 
 @contextlib.contextmanager
@@ -285,8 +285,8 @@ def make_model_forward(
         ulysses = ulysses_wrapper(getattr(self.config, "_attn_implementation", None))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
-        if cause == "custom_4d_mask" and documents_from_4d_mask(arguments, extra):
-            cause = None  # a block-diagonal causal 4D mask, now cu_seq_lens: packed documents, served patched
+        if cause == "custom_4d_mask":  # packed documents (now cu_seq_lens) or a static cache's (now 2D): patched
+            cause = served_4d_cause(self, arguments, extra)
         if cause is not None:
             if padding_first:
                 raise refuse_step_aside(cause, *CAUSES[cause])

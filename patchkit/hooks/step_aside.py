@@ -32,8 +32,8 @@ CAUSES = {
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern, or one generate() built before the "
-        "model ran, as it does for static and sliding-window caches and continuous batching), which a key-padding "
-        "mask cannot express",
+        "model ran, as it does for static caches of models with a sliding window, sliding-window caches and "
+        "continuous batching), which a key-padding mask cannot express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
     ),
     "custom_mask_pattern": (

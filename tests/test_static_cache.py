@@ -1,0 +1,143 @@
+"""generate(cache_implementation="static") runs patched: generate()'s 4D mask read back as its 2D padding mask."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from families import family_model, set_attention
+from models import padded_batch, static_cache, tiny_model
+
+import patchkit
+from patchkit.hooks.slots_mask import padding_from_slots_mask
+
+ATOL, RTOL = 2e-5, 1e-4
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers.masking_utils") is None
+    or not hasattr(importlib.import_module("transformers.cache_utils"), "StaticLayer"),
+    reason="static caches served patched: transformers 4.56+ (cache layers)",
+)
+
+MODELS = {  # patch -> a model with no sliding window; glm4: GQA (2 K/V heads), partial rotary
+    "llama2": lambda: tiny_model(kv_heads=4, seed=7),
+    "glm4": lambda: family_model("glm4", seed=1),
+}
+
+
+def generate_static(model, ids, mask, n: int = 8):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, cache_implementation="static", output_logits=True,
+                         return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+def first_layer_inputs(model) -> list[tuple[int, ...]]:
+    shapes: list[tuple[int, ...]] = []
+    model.model.layers[0].register_forward_pre_hook(
+        lambda m, args, kw: shapes.append(tuple((args[0] if args else kw["hidden_states"]).shape)), with_kwargs=True)
+    return shapes
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])  # generate() builds the model's own kind of mask: additive, bool
+@pytest.mark.parametrize("patch", list(MODELS))
+def test_static_cache_generation_runs_patched_with_unpatched_tokens_and_scores(patch, attn):
+    """A left-padded prompt: the prefill runs packed into the static cache, every decode step on the varlen path
+    (nothing stepped aside), the same greedy tokens and per-step logits as unpatched."""
+    model = set_attention(MODELS[patch](), attn)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want, want_logits = generate_static(model, ids, mask)
+    shapes = first_layer_inputs(model)
+    with patchkit.apply_patch(patch, backend="sdpa") as handle:
+        got, got_logits = generate_static(model, ids, mask)
+        assert not handle.stepped_aside
+        assert handle.calls == 8 * model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    assert shapes == [(1, int(mask.sum()), hidden)] + [(3, 1, hidden)] * 7  # packed prefill, then decode steps
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+def test_a_right_padded_static_prefill_steps_aside_and_its_decode_steps_run_patched():
+    """A short row's next token is read at a padding position: that prefill steps aside as right_padded_generation;
+    the decode steps (padding between real tokens, no window) run patched, with the unpatched tokens."""
+    model = MODELS["llama2"]()
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    want, want_logits = generate_static(model, ids, mask, n=4)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got, got_logits = generate_static(model, ids, mask, n=4)
+        assert handle.stepped_aside == {"right_padded_generation": 1}
+        assert handle.calls == 3 * model.config.num_hidden_layers
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+def chunk_mask(model, mask: torch.Tensor, new: int = 3):
+    """A prefill into a StaticCache of 20 slots (unpatched), then the 4D mask generate() makes for `new` more tokens
+    (a chunk: with one query, any key mask is a padding mask)."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    batch, prompt = mask.shape
+    cache = static_cache(model, batch, 20)
+    ids = torch.randint(3, 90, (batch, prompt), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    grown = torch.cat([mask, torch.ones_like(mask[:, :new])], 1)
+    four_d = create_masks_for_generate(config=model.config, inputs_embeds=torch.empty(batch, new, 0),
+                                       attention_mask=grown, past_key_values=cache,
+                                       position_ids=grown.cumsum(-1)[:, -new:] - 1)
+    return cache, grown, four_d
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_2d_mask_is_read_back_exactly_and_anything_else_is_not(attn):
+    """generate()'s mask for a chunk behind a static cache is its 2D mask; a real key hidden from one query only, an
+    unfilled slot shown, a key biased rather than hidden, -inf in place of the dtype's minimum, or a mask sized for
+    another cache is not, and keeps stepping aside."""
+    model = set_attention(MODELS["llama2"](), attn)
+    _, mask = padded_batch("left", batch=3, seq=14)
+    cache, grown, four_d = chunk_mask(model, mask)
+    tokens = torch.zeros(3, 3, dtype=torch.long)
+
+    def read(m):
+        found = padding_from_slots_mask(model.model, {"attention_mask": m, "past_key_values": cache,
+                                                      "input_ids": tokens})
+        return None if found is None else found[0]
+
+    assert four_d.shape == (3, 1, 3, 20) and four_d.dtype == (torch.bool if attn == "sdpa" else torch.float32)
+    assert torch.equal(read(four_d), grown)
+    seen, unseen = (True, False) if attn == "sdpa" else (0.0, torch.finfo(torch.float32).min)
+    for query, key, value in ((0, 5, unseen), (2, 17, seen)):  # a real key hidden; the next unfilled slot shown
+        changed = four_d.clone()
+        changed[0, 0, query, key] = value
+        assert read(changed) is None, (query, key)
+    if attn == "eager":
+        assert read(four_d.masked_fill(four_d == 0, -1.0).masked_fill(four_d != 0, unseen)) is None  # a bias
+        assert read(four_d.masked_fill(four_d != 0, float("-inf"))) is None
+    assert read(four_d[..., :19]) is None
+
+
+def test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly():
+    """A chunk behind a static cache given a mask that is not causal-and-padding (a real key hidden from one query):
+    transformers' own attention runs it, counted as custom_4d_mask, with the unpatched logits."""
+    model = MODELS["llama2"]()
+    _, mask = padded_batch("left", batch=3, seq=14)
+    chunk = torch.randint(3, 90, (3, 3), generator=torch.Generator().manual_seed(4))
+
+    def run(patched: bool):
+        cache, grown, four_d = chunk_mask(model, mask)
+        four_d[1, 0, 0, 9] = torch.finfo(four_d.dtype).min
+        handle = patchkit.apply_patch("llama2", backend="sdpa") if patched else None
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=chunk, attention_mask=four_d, past_key_values=cache,
+                               position_ids=grown.cumsum(-1)[:, -3:] - 1).logits
+            return logits, None if handle is None else dict(handle.stepped_aside)
+        finally:
+            if handle is not None:
+                handle.revert()
+
+    want, _ = run(False)
+    got, aside = run(True)
+    assert aside == {"custom_4d_mask": 1}
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
