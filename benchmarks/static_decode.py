@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_rows  # noqa: E402
 from workloads import MODEL, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['provider']:<24}{kv_heads:>4}{row['median_s']:>10.3f}{row['prefill_s']:>11.3f}"
                   f"{row['real_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}{row['vs_hf_sdpa']:>11.2f}x"
                   f"{row['same_tokens']:>12.1%}", flush=True)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.csv, rows)
     print(f"rows written to {args.csv}")
     return 0
 
