@@ -74,3 +74,31 @@ def test_auto_route_names_the_failed_gate_on_first_use(saved):
     with pytest.warns(RuntimeWarning, match=r"sdpa backend \(not flash_attn: flash_attn_installed: FAILED"):
         ours(input_ids=ids, attention_mask=mask)
     assert attention_interface.route_state().backend.name == "sdpa"
+
+
+@needs_mask_interface
+def test_static_cache_generate_under_the_registered_name_matches_eager():
+    # generate() builds a static cache's mask before the model runs, through the name's mask function, and calls
+    # .contiguous() on it: that call got patchkit's key-padding mask object and failed with a misleading
+    # PatchStateError ("reached attention code patchkit does not own"); it now gets transformers' own mask, which
+    # the attention entry steps aside for (exact, counted)
+    from transformers import StaticCache
+
+    if not hasattr(StaticCache, "is_compileable"):
+        pytest.skip("this transformers' generate() makes no 4D mask ahead for a static cache")
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_config(kv_heads=2)).eval()
+    named = LlamaForCausalLM(tiny_config(kv_heads=2)).eval()
+    named.load_state_dict(eager.state_dict())
+    named.config._attn_implementation = "patchkit"
+    ids, mask = padded_batch("left")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static",
+              output_scores=True, return_dict_in_generate=True)
+    want = eager.generate(ids, **kw)
+    state = attention_interface.route_state()
+    aside = state.stepped_aside.get("custom_4d_mask", 0)
+    with pytest.warns(RuntimeWarning, match="4D attention mask"):
+        got = named.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
+    assert state.stepped_aside["custom_4d_mask"] > aside

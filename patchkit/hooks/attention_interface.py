@@ -45,7 +45,9 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
 
     transformers sizes the keys from the cache: a `kv_length` beyond `q_offset + q_length` means the cache returns
     preallocated slots (a StaticCache), whose unfilled tail no query may see. A pattern beyond causal, sliding and
-    packed (`beyond_causal`) gets transformers' own eager mask, which the attention entry steps aside for.
+    packed (`beyond_causal`) gets transformers' own eager mask, which the attention entry steps aside for; so does
+    generate()'s static-cache mask, made before the model runs and handed to it as a tensor (a class patch's model
+    forward reads its 2D mask back, `slots_mask`).
     """
     if beyond_causal(kwargs.get("mask_function")):
         from transformers.masking_utils import eager_mask
@@ -61,7 +63,22 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         return VarlenMask.for_forward(attention_mask)
     past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
+    if made_ahead_by_generate():  # once per forward: a few frames up
+        from transformers.masking_utils import eager_mask
+
+        return eager_mask(*args, **kwargs)  # a tensor generate() can hand the model: the attention entry steps aside
     return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
+
+
+def made_ahead_by_generate(depth: int = 8) -> bool:
+    """generate() is building a static cache's mask before the model runs (`create_masks_for_generate`, which
+    calls `.contiguous()` on the result and hands it to the model as its attention_mask)."""
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        if frame.f_code.co_name == "create_masks_for_generate":
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
 
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
