@@ -217,3 +217,35 @@ def test_an_instance_patch_wraps_the_forward_a_framework_set_and_revert_restores
     assert model.forward is own
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_the_trainers_evaluate_and_predict_run_packed_and_equal_unpatched(family, tmp_path):
+    """Trainer.evaluate()/predict() call the model in eval mode with config.use_cache on and no cache: patchkit runs
+    that forward packed (the decoder on real tokens) and returns what the unpatched model returns."""
+    from models import labels_for
+
+    model = any_model(family, "sdpa")
+    model.config.use_cache = True
+    rows = []
+    for kind in ("right", "left"):
+        ids, mask = padded_batch(kind)
+        rows += [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
+    args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, use_cpu=True, report_to=[],
+                                disable_tqdm=True)
+    trainer = tf.Trainer(model=model, args=args, eval_dataset=rows)
+    want_loss = trainer.evaluate()["eval_loss"]
+    want = trainer.predict(rows).predictions
+    shapes = []
+    layer = model.model.layers[0]
+    hook = layer.register_forward_pre_hook(lambda _, args, kwargs=None: shapes.append(tuple(args[0].shape)
+                                                                                     if args else None))
+    with patchkit.apply_patch(family, backend="sdpa") as handle:
+        got_loss = trainer.evaluate()["eval_loss"]
+        got = trainer.predict(rows).predictions
+        assert handle.calls > 0 and handle.stepped_aside == {}
+    hook.remove()
+    assert shapes and all(s is not None and s[0] == 1 for s in shapes)  # one packed row of real tokens per batch
+    assert abs(got_loss - want_loss) < 1e-5
+    real = torch.stack([r["attention_mask"] for r in rows]).bool()
+    torch.testing.assert_close(torch.as_tensor(got)[real], torch.as_tensor(want)[real], atol=1e-4, rtol=1e-4)
