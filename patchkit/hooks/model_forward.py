@@ -92,10 +92,12 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
 def _families_era() -> tuple[bool, bool]:
     """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56)."""
     import transformers
+
+    if Version(transformers.__version__).release < (4, 53):
+        return False, False  # before 4.36 there is no cache_utils at all
     from transformers.cache_utils import DynamicCache
 
-    checked = Version(transformers.__version__).release >= (4, 53)
-    return checked, "config" in inspect.signature(DynamicCache.__init__).parameters
+    return True, "config" in inspect.signature(DynamicCache.__init__).parameters
 
 
 def makes_own_cache(module: nn.Module) -> bool:
@@ -151,6 +153,10 @@ def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
     def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len).transpose(1, 2)
                   for t in (key_states, value_states)]
+        if args:
+            args = (padded_cache_kwargs(args[0], meta), *args[1:])
+        elif "cache_kwargs" in kwargs:
+            kwargs["cache_kwargs"] = padded_cache_kwargs(kwargs["cache_kwargs"], meta)
         original(*padded, layer_idx, *args, **kwargs)
         return key_states, value_states
 
@@ -159,6 +165,14 @@ def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
         yield
     finally:
         del cache.update  # the class's own method again
+
+
+def padded_cache_kwargs(cache_kwargs: Any, meta: VarlenMetadata) -> Any:
+    """The packed row's `cache_position` (0..nnz-1, passed by transformers 4.56-5.3) names packed slots; the
+    repadded keys fill slots 0..S-1, which a StaticCache writes by position."""
+    if not isinstance(cache_kwargs, dict) or cache_kwargs.get("cache_position") is None:
+        return cache_kwargs
+    return {**cache_kwargs, "cache_position": torch.arange(meta.q_len, device=cache_kwargs["cache_position"].device)}
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
