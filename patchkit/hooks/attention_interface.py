@@ -23,13 +23,7 @@ from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.routing import ROUTE_NAME
-from patchkit.hooks.sequence_parallel import (
-    context_parallel_active,
-    refuse_context_parallel,
-    refuse_ring_flash_attn,
-    ring_flash_attn_active,
-    through_ulysses,
-)
+from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.step_aside import step_aside, transformers_mask
 from patchkit.registry import registered, resolve
 
@@ -140,19 +134,11 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
             return through_ulysses(route.ulysses, _function_for(routed), module, query, key, value, attention_mask,
                                    **kwargs)
         return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)
-    refuse_sharded()  # a model loaded with this name alone: no route checked it
+    refuse_shard_local()  # a model loaded with this name alone: no route checked it
     if _state is None or _function is None:
         route_state()
     return _function(module, query, key, value, attention_mask, **kwargs)
 
-
-def refuse_sharded() -> None:
-    """Sequence sharding that makes only other attention ring attention (torch's context_parallel: SDPA's op;
-    ring-flash-attn: flash_attention_2) would leave this name attending within each rank's shard: refuse it."""
-    if context_parallel_active():
-        raise refuse_context_parallel()
-    if ring_flash_attn_active():
-        raise refuse_ring_flash_attn()
 
 
 def family_eager_attention(module: nn.Module) -> Callable:

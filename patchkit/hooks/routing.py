@@ -19,11 +19,8 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.sequence_parallel import (
-    context_parallel_active,
-    refuse_context_parallel,
-    refuse_ring_flash_attn,
+    refuse_shard_local,
     refuse_unfound,
-    ring_flash_attn_active,
     ulysses_active,
     ulysses_wrapper,
 )
@@ -46,10 +43,7 @@ def routed(config: Any, state: Any) -> Iterator[None]:
     name = config._attn_implementation
     scope = contextlib.nullcontext()
     if state is not None:
-        if context_parallel_active():
-            raise refuse_context_parallel()
-        if ring_flash_attn_active():
-            raise refuse_ring_flash_attn()
+        refuse_shard_local()
         outer = current().route
         if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
             ulysses = outer.ulysses

@@ -129,6 +129,15 @@ def refuse_ring_flash_attn() -> PatchInputError:
     )
 
 
+def refuse_shard_local() -> None:
+    """Raise while sequence sharding is active that makes only other attention ring attention (torch's
+    context_parallel: SDPA's op; ring-flash-attn: flash_attention_2): patchkit's would attend within each shard."""
+    if context_parallel_active():
+        raise refuse_context_parallel()
+    if ring_flash_attn_active():
+        raise refuse_ring_flash_attn()
+
+
 def through_ulysses(wrapper: Callable, core: Callable, module: Any, *args: Any, **kwargs: Any) -> Any:
     """Call `wrapper` (its all-to-alls, on every rank) with `core` as the attention it wraps, for this call only."""
     given = [k for k in SHARD_LOCAL if kwargs.get(k) is not None]
