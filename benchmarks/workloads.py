@@ -30,7 +30,7 @@ MODES: dict[str, dict[str, Any]] = {
     "cuda": {  # --device cuda without --quick/--full: 1B-class layers (head_dim 128): the GPU is timed, not the host
         "model": {"hidden": 2048, "layers": 4, "heads": 16, "intermediate": 5504, "vocab": 32000}, "reps": 5,
         "batch": 16, "scale": 1.0, "decode_tokens": 32, "pad_fracs": [0.0, 0.25, 0.5, 0.75], "pad_len": 2048,
-        "lengths": [2048, 4096, 8192, 16384], "gqa": True, "decode": True,
+        "lengths": [2048, 4096, 8192, 16384, 32768], "gqa": True, "decode": True,
     },
     "full": {
         "model": MODEL, "reps": 7, "batch": 8, "scale": 1.0, "decode_tokens": 32,
