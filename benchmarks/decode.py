@@ -8,15 +8,18 @@ so the table also splits prefill from decode (decode tok/s: new tokens after the
 
     python benchmarks/decode.py [--new-tokens 64] [--reps 5] [--kv-heads 8] [--scale 1.0] [--csv FILE]
 
-`--device cuda` runs bench.py's CUDA model (hidden 2048, 16 heads of 128) in bf16 and adds patchkit's torch_varlen
-backend where it can run; there bf16 kernels may pick another token at a near tie of random weights, so the share
-of tokens equal to HF sdpa's is printed rather than required.
+`--device cuda` runs bench.py's CUDA model (hidden 2048, 16 heads of 128) in bf16 and adds what bench.py's probe
+finds usable there: HF's flash_attention_2 and patchkit's flash_attn and torch_varlen backends. Ratios stay against
+HF sdpa; `vs_hf_fa2` is each provider against HF flash_attention_2 where that ran. There bf16 kernels may pick
+another token at a near tie of random weights, so the share of tokens equal to HF sdpa's is printed rather than
+required.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from providers import probe_providers  # noqa: E402
+from providers import HF_PROVIDERS, probe_providers  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import MODEL, MODES, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
@@ -35,35 +38,105 @@ import patchkit  # noqa: E402
 TARGET = 1.2  # prefill + 64-token decode: at least 1.2x HF sdpa
 CSV = Path(__file__).resolve().parent / "results" / "decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa")
+FA2 = "hf_flash_attention_2"
+BATCH = 8  # bench.py's lognormal batch, on either device
 
 
+def model_config(device: torch.device) -> tuple[dict[str, int], torch.dtype]:
+    """The model's sizes and dtype: bench.py's CUDA model in bf16 on a GPU, its tiny LLaMA in fp32 on the CPU."""
+    if device.type == "cuda":
+        return MODES["cuda"]["model"], torch.bfloat16
+    return MODEL, torch.float32
+
+
+@functools.cache
 def providers(device: torch.device) -> tuple[str, ...]:
-    """PROVIDERS, plus each other patchkit backend bench.py's probe finds usable here (torch_varlen on a GPU whose
-    torch has it); the flash-attn providers are left out, as `build` has no flash_attention_2 reference."""
+    """PROVIDERS, plus each other provider bench.py's probe finds usable here (on a GPU: HF flash_attention_2 and
+    patchkit's flash_attn and torch_varlen backends, where installed and their gates pass)."""
     ok, _ = probe_providers(device)
-    return PROVIDERS + tuple(p for p in ok if p not in PROVIDERS and "flash" not in p)
+    return PROVIDERS + tuple(p for p in ok if p not in PROVIDERS)
 
 
-def build(kv_heads: int, device: torch.device, cfg: dict[str, int]) -> dict[str, torch.nn.Module]:
-    """One random model (seed 0) per provider, the same weights; patchkit's are instance-patched."""
+def base_model(kv_heads: int, device: torch.device) -> torch.nn.Module:
+    """The random model (seed 0) every provider copies, in eval mode on `device` in its dtype."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    cfg, dtype = model_config(device)
     config = LlamaConfig(
         vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=kv_heads,
         max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = LlamaForCausalLM(config).eval().to(device, dtype)
-    models = {}
-    for name in providers(device):
-        model = copy.deepcopy(base)
-        model.set_attn_implementation("eager" if name == "hf_eager" else "sdpa")
-        models[name] = model
-        if name.startswith("patchkit_"):
-            patchkit.apply_patch("llama2", model=model, backend=name.removeprefix("patchkit_"), strict=True)
-    return models
+    return LlamaForCausalLM(config).eval().to(device, dtype)
+
+
+def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A copy of `base` running as provider `name`: an HF attention implementation (hf_*), or patchkit instance-patched
+    on backend <b> (patchkit_<b>, over HF sdpa); a `_compiled` suffix is left to the caller."""
+    name = name.removesuffix("_compiled")
+    model = copy.deepcopy(base)
+    model.set_attn_implementation(HF_PROVIDERS.get(name, "sdpa"))
+    if name.startswith("patchkit_"):
+        patchkit.apply_patch("llama2", model=model, backend=name.removeprefix("patchkit_"), strict=True)
+    return model
+
+
+def build(kv_heads: int, device: torch.device) -> dict[str, torch.nn.Module]:
+    """One model per provider, the same weights."""
+    base = base_model(kv_heads, device)
+    return {name: provider_model(base, name) for name in providers(device)}
+
+
+def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: float) -> None:
+    """The arguments decode.py and static_decode.py share."""
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[MODEL["heads"]],
+                        help="key/value heads, one run each (8: MHA as in bench.py; 2: GQA)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help=f"multiply the prompt lengths ({smoke_scale} for a smoke run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16, bench.py's CUDA model, the flash-attn and torch_varlen providers too")
+
+
+def no_cuda(prog: str, device: str) -> bool:
+    """True (and says so) when --device cuda was asked for on a machine without one."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.")
+        return True
+    return False
+
+
+def where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"bf16 on {torch.cuda.get_device_name()}"
+    return f"fp32, {torch.get_num_threads()} threads"
+
+
+def ratios(total: dict[str, list[float]], name: str) -> dict[str, Any]:
+    """vs_hf_sdpa and vs_hf_fa2 (empty when HF flash_attention_2 did not run): ratios of medians, higher is faster."""
+    med = statistics.median(total[name])
+    fa2 = round(statistics.median(total[FA2]) / med, 2) if FA2 in total else ""
+    return dict(vs_hf_sdpa=round(statistics.median(total["hf_sdpa"]) / med, 2), vs_hf_fa2=fa2)
+
+
+class Table:
+    """The printed table: one line per row, a `vs HF fa2` column only when HF flash_attention_2 runs, and any
+    `extra` integer columns (name, CSV key) after `same tokens`."""
+
+    def __init__(self, width: int, fa2: bool, extra: tuple[tuple[str, str], ...] = ()) -> None:
+        self.width, self.fa2, self.extra = width, fa2, extra
+        print(f"{'provider':<{width}}{'kv':>4}{'median s':>10}{'prefill s':>11}{'real tok/s':>12}{'decode tok/s':>14}"
+              f"{'vs HF sdpa':>12}" + (f"{'vs HF fa2':>11}" if fa2 else "") + f"{'same tokens':>13}"
+              + "".join(f"{title:>{len(title) + 2}}" for title, _ in extra))
+
+    def row(self, row: dict[str, Any]) -> None:
+        fa2 = "" if not self.fa2 else f"{'':>11}" if row["vs_hf_fa2"] == "" else f"{row['vs_hf_fa2']:>10.2f}x"
+        extra = "".join(f"{row[key]!s:>{len(title) + 2}}" for title, key in self.extra)
+        print(f"{row['provider']:<{self.width}}{row['kv_heads']:>4}{row['median_s']:>10.3f}{row['prefill_s']:>11.3f}"
+              f"{row['real_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}{row['vs_hf_sdpa']:>11.2f}x"
+              f"{fa2}{row['same_tokens']:>12.1%}{extra}", flush=True)
 
 
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> tuple[float, Any]:
@@ -80,10 +153,9 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 
 def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device) -> list[dict]:
     """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens checked equal."""
-    cfg = MODES["cuda"]["model"] if device.type == "cuda" else MODEL
-    ids, mask, _ = padded_batch(make_tokens(lengths, cfg["vocab"]), left=True)
+    ids, mask, _ = padded_batch(make_tokens(lengths, model_config(device)[0]["vocab"]), left=True)
     ids, mask = ids.to(device), mask.to(device)
-    models = build(kv_heads, device, cfg)
+    models = build(kv_heads, device)
     names = tuple(models)
     total: dict[str, list[float]] = {name: [] for name in names}
     prefill: dict[str, list[float]] = {name: [] for name in names}
@@ -101,7 +173,6 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
         if same[name] < 1 and device.type != "cuda":
             raise SystemExit(f"{name} generated other tokens than hf_sdpa: the comparison would be meaningless")
     real = sum(lengths) + len(lengths) * new
-    base = statistics.median(total["hf_sdpa"])
     rows = []
     for name in names:
         med, first = statistics.median(total[name]), statistics.median(prefill[name])
@@ -110,7 +181,7 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
             max_s=round(max(total[name]), 4), prefill_s=round(first, 4),
             real_tokens_per_s=round(real / med, 1),
             decode_tokens_per_s=round(len(lengths) * (new - 1) / max(med - first, 1e-9), 1),
-            vs_hf_sdpa=round(base / med, 2), same_tokens=round(same[name], 4), reps=reps, device=device.type,
+            **ratios(total, name), same_tokens=round(same[name], 4), reps=reps, device=device.type,
             threads=torch.get_num_threads(), torch=torch.__version__,
         ))
     return rows
@@ -118,33 +189,22 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/decode.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=[MODEL["heads"]],
-                        help="key/value heads, one run each (8: MHA as in bench.py; 2: GQA)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the prompt lengths (0.1 for a smoke run)")
+    add_common_args(parser, reps=5, smoke_scale=0.1)
     parser.add_argument("--csv", type=Path, default=CSV, help=f"where to write the rows (default {CSV})")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: bf16, bench.py's CUDA model, the torch_varlen backend too")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"decode: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.")
+    if no_cuda("decode", args.device):
         return 0
     device = torch.device(args.device)
-    lengths = lognormal_lengths(8, args.scale)
-    threads = f"fp32, {torch.get_num_threads()} threads"
-    where = f"bf16 on {torch.cuda.get_device_name()}" if device.type == "cuda" else threads
-    print(f"left-padded batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; {args.new_tokens} "
-          f"greedy tokens; {where}, torch {torch.__version__}; {args.reps} round-robin reps, medians")
-    print(f"{'provider':<15}{'kv':>4}{'median s':>10}{'prefill s':>11}{'real tok/s':>12}{'decode tok/s':>14}"
-          f"{'vs HF sdpa':>12}{'same tokens':>13}")
+    lengths = lognormal_lengths(BATCH, args.scale)
+    print(f"left-padded batch of {BATCH}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; "
+          f"{args.new_tokens} greedy tokens; {where(device)}, torch {torch.__version__}; {args.reps} round-robin reps, "
+          f"medians")
+    table = Table(22, fa2=FA2 in providers(device))
     rows = []
     for kv_heads in args.kv_heads:
         for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device):
             rows.append(row)
-            print(f"{row['provider']:<22}{kv_heads:>4}{row['median_s']:>10.3f}{row['prefill_s']:>11.3f}"
-                  f"{row['real_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}{row['vs_hf_sdpa']:>11.2f}x"
-                  f"{row['same_tokens']:>12.1%}", flush=True)
+            table.row(row)
     judged = args.scale == 1.0 and args.new_tokens == 64 and device.type == "cpu"
     for row in (r for r in rows if r["provider"] == "patchkit_sdpa"):
         verdict = ("ok" if row["vs_hf_sdpa"] >= TARGET else "MISS") if judged else "not judged (not the stated run)"
