@@ -9,12 +9,18 @@ run round-robin after one warm-up round (which also compiles), medians kept. Thr
 prompts' plus batch x new tokens. Eager providers must produce HF sdpa's tokens; compiled ones print their share.
 
     python benchmarks/static_decode.py [--new-tokens 64] [--reps 3] [--kv-heads 8] [--scale 1.0] [--csv FILE]
+        [--device cpu|cuda] [--compile-backend inductor] [--compile-mode reduce-overhead]
+
+`--device cuda` is decode.py's: bench.py's CUDA model in bf16, the same batch, and the flash-attn providers
+(HF flash_attention_2, patchkit flash_attn) where bench.py's probe finds them usable; tokens are compared, not
+required. `--compile-mode` is torch.compile's mode ("reduce-overhead": CUDA graphs, as HF users run static-cache
+decode on a GPU). Each compiled provider's `recompiles` (graphs dynamo compiled during the timed rounds, after the
+warm-up round compiled prefill and decode) and `graph_breaks` are counted: a serving path must show 0 and 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -24,110 +30,152 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import (  # noqa: E402
+    BATCH,
+    FA2,
+    Table,
+    add_common_args,
+    base_model,
+    model_config,
+    no_cuda,
+    provider_model,
+    providers,
+    ratios,
+    where,
+)
 from report import write_rows  # noqa: E402
-from workloads import MODEL, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
-
-import patchkit  # noqa: E402
+from workloads import lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled", "patchkit_sdpa_compiled")
+FLASH = (FA2, "patchkit_flash_attn")  # eager only, where bench.py's probe finds them usable (CUDA)
 
 
-def build(kv_heads: int, cfg: dict[str, int], compile_backend: str) -> dict[str, torch.nn.Module]:
-    """One random model (seed 0) per provider, the same weights; patchkit's instance-patched, compiled ones with
-    `model.forward` compiled (after the patch, as a user would)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def static_providers(device: torch.device) -> tuple[str, ...]:
+    """PROVIDERS, plus the flash-attn providers decode.py's probe finds usable on `device`."""
+    return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
 
-    config = LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=kv_heads,
-        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config).eval()
+
+def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mode: str | None) -> dict[
+        str, torch.nn.Module]:
+    """One model per provider, the same weights (decode.py's); compiled ones with `model.forward` compiled after the
+    patch, as a user would."""
+    base = base_model(kv_heads, device)
     models = {}
-    for name in PROVIDERS:
-        model = copy.deepcopy(base)
-        model.set_attn_implementation("eager" if name == "hf_eager" else "sdpa")
-        if name.startswith("patchkit_"):
-            patchkit.apply_patch("llama2", model=model, backend="sdpa", strict=True)
+    for name in static_providers(device):
+        model = provider_model(base, name)
         if name.endswith("_compiled"):
-            model.forward = torch.compile(model.forward, backend=compile_backend, fullgraph=True)
+            model.forward = torch.compile(model.forward, backend=compile_backend, mode=compile_mode, fullgraph=True)
         models[name] = model
     return models
+
+
+def static_cache(model: torch.nn.Module, batch: int, max_len: int) -> Any:
+    """A StaticCache of `max_len` slots, its tensors made now on the model's device and dtype (as generate() makes
+    its own): made lazily they would be made inside the compiled prefill (under CUDA graphs, in its memory pool)."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=max_len)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=head_dim,
+                               dtype=model.dtype, device=model.device)
+    return cache
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo has compiled, graph breaks it has met) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int, cache: Any) -> tuple[
         float, Any]:
     """Seconds for a greedy generate() of exactly `new` tokens into `cache` (a StaticCache, emptied first: one size
     for every call, so a compiled forward keeps its two graphs, prefill and decode), and the sequences."""
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     cache.reset()
+    sync()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=0, past_key_values=cache)
+    sync()
     return time.perf_counter() - start, out
 
 
-def measure(lengths: list[int], new: int, reps: int, kv_heads: int, compile_backend: str) -> list[dict]:
-    """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens compared."""
-    ids, mask, _ = padded_batch(make_tokens(lengths, MODEL["vocab"]), left=True)
-    from transformers import StaticCache
-
-    models = build(kv_heads, MODEL, compile_backend)
-    caches = {name: StaticCache(config=m.config, max_cache_len=ids.shape[1] + new) for name, m in models.items()}
+def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device, compile_backend: str,
+            compile_mode: str | None = None) -> list[dict]:
+    """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens compared; for the
+    compiled providers, graphs compiled and graph breaks met in the timed rounds."""
+    ids, mask, _ = padded_batch(make_tokens(lengths, model_config(device)[0]["vocab"]), left=True)
+    ids, mask = ids.to(device), mask.to(device)
+    models = build(kv_heads, device, compile_backend, compile_mode)
+    caches = {name: static_cache(m, len(lengths), ids.shape[1] + new) for name, m in models.items()}
     total: dict[str, list[float]] = {name: [] for name in models}
     prefill: dict[str, list[float]] = {name: [] for name in models}
+    recompiles = dict.fromkeys(models, 0)
+    breaks = dict.fromkeys(models, 0)
     tokens: dict[str, torch.Tensor] = {}
     for rep in range(reps + 1):  # the first round warms up (and compiles)
         for name, model in models.items():
+            graphs, broken = compile_counts()
             seconds, tokens[name] = timed_generate(model, ids, mask, new, caches[name])
             first, _ = timed_generate(model, ids, mask, 1, caches[name])
             if rep:
                 total[name].append(seconds)
                 prefill[name].append(first)
+                graphs_now, broken_now = compile_counts()
+                recompiles[name] += graphs_now - graphs
+                breaks[name] += broken_now - broken
     same = {name: (tokens[name] == tokens["hf_sdpa"]).float().mean().item() for name in models}
-    for name in (n for n in models if not n.endswith("_compiled") and same[n] < 1):
+    for name in (n for n in models if not n.endswith("_compiled") and same[n] < 1 and device.type != "cuda"):
         raise SystemExit(f"{name} generated other tokens than hf_sdpa: the comparison would be meaningless")
     real = sum(lengths) + len(lengths) * new
-    base = statistics.median(total["hf_sdpa"])
     rows = []
     for name in models:
         med, first = statistics.median(total[name]), statistics.median(prefill[name])
+        compiled = name.endswith("_compiled")
         rows.append(dict(
             provider=name, kv_heads=kv_heads, new_tokens=new, median_s=round(med, 4), min_s=round(min(total[name]), 4),
             max_s=round(max(total[name]), 4), prefill_s=round(first, 4), real_tokens_per_s=round(real / med, 1),
             decode_tokens_per_s=round(len(lengths) * (new - 1) / (med - first), 1) if med > first else float("nan"),
-            vs_hf_sdpa=round(base / med, 2), same_tokens=round(same[name], 4), reps=reps,
-            compile_backend=compile_backend if name.endswith("_compiled") else "", threads=torch.get_num_threads(),
-            torch=torch.__version__,
+            **ratios(total, name), same_tokens=round(same[name], 4), reps=reps,
+            compile_backend=compile_backend if compiled else "", compile_mode=(compile_mode or "default") if compiled
+            else "", recompiles=recompiles[name] if compiled else "", graph_breaks=breaks[name] if compiled else "",
+            device=device.type, threads=torch.get_num_threads(), torch=torch.__version__,
         ))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/static_decode.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=[MODEL["heads"]],
-                        help="key/value heads, one run each (8: MHA as in bench.py; 2: GQA)")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the prompt lengths (0.05 for a smoke run)")
+    add_common_args(parser, reps=3, smoke_scale=0.05)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: a smoke run)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode (default: its default; reduce-overhead: CUDA graphs)")
     parser.add_argument("--csv", type=Path, default=CSV, help=f"where to write the rows (default {CSV})")
     args = parser.parse_args(argv)
-    lengths = lognormal_lengths(8, args.scale)
-    print(f"left-padded batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; {args.new_tokens} "
-          f"greedy tokens into a static cache; fp32, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"{args.reps} round-robin reps, medians; compiled: {args.compile_backend}, fullgraph")
-    print(f"{'provider':<24}{'kv':>4}{'median s':>10}{'prefill s':>11}{'real tok/s':>12}{'decode tok/s':>14}"
-          f"{'vs HF sdpa':>12}{'same tokens':>13}")
+    if no_cuda("static_decode", args.device):
+        return 0
+    device = torch.device(args.device)
+    lengths = lognormal_lengths(BATCH, args.scale)
+    print(f"left-padded batch of {BATCH}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; "
+          f"{args.new_tokens} greedy tokens into a static cache; {where(device)}, torch {torch.__version__}; "
+          f"{args.reps} round-robin reps, medians; compiled: {args.compile_backend}, mode "
+          f"{args.compile_mode or 'default'}, fullgraph")
+    table = Table(24, fa2=FA2 in static_providers(device),
+                  extra=(("recompiles", "recompiles"), ("graph breaks", "graph_breaks")))
     rows = []
     for kv_heads in args.kv_heads:
-        for row in measure(lengths, args.new_tokens, args.reps, kv_heads, args.compile_backend):
+        for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device, args.compile_backend,
+                           args.compile_mode):
             rows.append(row)
-            print(f"{row['provider']:<24}{kv_heads:>4}{row['median_s']:>10.3f}{row['prefill_s']:>11.3f}"
-                  f"{row['real_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}{row['vs_hf_sdpa']:>11.2f}x"
-                  f"{row['same_tokens']:>12.1%}", flush=True)
+            table.row(row)
+    bad = [f"{r['provider']} (kv {r['kv_heads']}): {r['recompiles']} recompiles, {r['graph_breaks']} graph breaks"
+           for r in rows if r["recompiles"] not in ("", 0) or r["graph_breaks"] not in ("", 0)]
+    print("compiled providers: " + ("; ".join(bad) if bad else "0 recompiles and 0 graph breaks after warm-up"))
     write_rows(args.csv, rows)
     print(f"rows written to {args.csv}")
     return 0
