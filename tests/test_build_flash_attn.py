@@ -653,10 +653,10 @@ def test_trimmed_build_links_and_refuses_trimmed_head_dims_when_called(sdist: Pa
     for d, bucket in ((64, 64), (40, 64), (128, 128), (100, 128)):
         run = subprocess.run([prog, str(d)], capture_output=True, text=True, timeout=30)
         assert (run.returncode, run.stdout.strip()) == (0, f"ok {bucket}"), run.stdout
-    for d, bucket in ((32, 32), (80, 96), (96, 96), (160, 192), (256, 256)):
+    for d, dims in ((32, "1-32"), (80, "65-96"), (96, "65-96"), (160, "129-192"), (256, "193-256")):
         run = subprocess.run([prog, str(d)], capture_output=True, text=True, timeout=30)
         assert run.returncode == 3, run.stdout
-        assert f"no kernels for head dim {d} (kernel bucket {bucket})" in run.stdout
+        assert f"no kernels for head dims {dims} (kernel bucket {dims.split('-')[1]})" in run.stdout
         assert "head-dim buckets 64,128 only" in run.stdout
 
 

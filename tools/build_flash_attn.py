@@ -22,10 +22,12 @@ What it changes, in the unpacked copy only (the diff is kept as WORK/patchkit_tr
   csrc/flash_attn/src/static_switch.h
     - --head-dims: HEADDIM_SWITCH keeps upstream's buckets (d <= 32 -> 32, <= 64 -> 64, <= 96 -> 96, <= 128 ->
       128, <= 192 -> 192, <= 256 -> 256). A kept bucket's branch is unchanged; a trimmed bucket's branch becomes
-      TORCH_CHECK(false, "This flash attention build has no kernels for head dim ..."), so its templates are never
-      instantiated (the extension references no kernel that was not compiled) and a call with such a head dim
-      raises RuntimeError when made, not when the module loads. The macro is expanded only in flash_api.cpp,
-      which has TORCH_CHECK from torch/python.h.
+      TORCH_CHECK(false, "This flash attention build has no kernels for head dims 65-96 ..."), so its templates
+      are never instantiated (the extension references no kernel that was not compiled) and a call with such a
+      head dim raises RuntimeError when made, not when the module loads (one string literal: formatting the int
+      head dim into the message crashed the extension on the H100). patchkit's flash_attn backend reads
+      flash_attn/_patchkit_build.py and sends such calls to sdpa (or refuses them, strict) before they get here.
+      The macro is expanded only in flash_api.cpp, which has TORCH_CHECK from torch/python.h.
   flash_attn/_patchkit_build.py
     - new: BUILD_CONFIG, a dict literal of what was trimmed (archs, head dims kept and trimmed, disabled features,
       kernel counts), so the installed package carries it; build_config.json adds jobs, torch and nvcc versions.

@@ -156,14 +156,17 @@ def trimmed_switch(buckets: list[int], keep: set[int]) -> str:
         "#define HEADDIM_SWITCH(HEADDIM, ...)",
         "  [&] {",
     ]
+    # The message is one string literal: streaming the int HEADDIM into it crashed the process (SIGSEGV inside
+    # std::ostream's int formatting in the extension; seen on an H100, torch 2.11+cu130, nvcc 13.0, g++ 13).
     for i, d in enumerate(buckets):
         lines.append(f"    {'if' if i == 0 else '} else if'} (HEADDIM <= {d}) {{")
         if d in keep:
             lines += [f"      constexpr static int kHeadDim = {d};", "      return __VA_ARGS__();"]
         else:
+            low = buckets[i - 1] + 1 if i else 1
             lines.append(
-                f'      TORCH_CHECK(false, "This flash attention build has no kernels for head dim ", HEADDIM, '
-                f'" (kernel bucket {d}); it was built for head-dim buckets {kept} only '
+                f'      TORCH_CHECK(false, "This flash attention build has no kernels for head dims {low}-{d} '
+                f'(kernel bucket {d}); it was built for head-dim buckets {kept} only '
                 f'(patchkit tools/build_flash_attn.py --head-dims).");'
             )
     lines += ["    }", "  }()"]
@@ -311,13 +314,16 @@ def prepare(sdist: Path, work: Path, archs: list[str], head_dims: Optional[list[
         "kernels_total": len(kernels),
         "kernels_kept": len(kept),
     }
-    (src / BUILD_INFO_PATH).write_text(
-        '"""Written by patchkit tools/build_flash_attn.py: what this flash-attn build was compiled with."""\n\n'
-        f"BUILD_CONFIG = {config!r}\n"
-    )
+    (src / BUILD_INFO_PATH).write_text(build_info_source(config))
     diff = diff_text("setup.py", setup_before, setup_after) + diff_text(SWITCH_PATH, switch_before, switch_after)
     (work / DIFF_FILE).write_text(diff)
     return {"src": src, "config": config, "kept": kept, "diff_path": work / DIFF_FILE}
+
+
+def build_info_source(config: dict) -> str:
+    """flash_attn/_patchkit_build.py: the build's config as a literal, read by patchkit's flash_attn backend."""
+    return ('"""Written by patchkit tools/build_flash_attn.py: what this flash-attn build was compiled with."""\n\n'
+            f"BUILD_CONFIG = {config!r}\n")
 
 
 def resolve_head_dims(head_dims: Optional[list[int]], buckets: list[int], compiled: set[int]) -> set[int]:
