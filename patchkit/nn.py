@@ -157,7 +157,7 @@ class VarlenSelfAttention(nn.Module):
         (then the exact fallback with one warning, or raise in strict mode)."""
         return serving_backend(
             self.backend, self._fallback, lambda: device_gate(device),
-            ((-1, -1), 0.0, self.dropout if self.training else 0.0), strict=self.strict,
+            ((-1, -1), 0.0, self.dropout if self.training else 0.0, self.head_dim), strict=self.strict,
             who=f"VarlenSelfAttention on the {self.backend.name} backend", uses="VarlenSelfAttention uses",
             warn_once=self._warn_once,
         )

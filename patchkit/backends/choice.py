@@ -99,11 +99,13 @@ def choose_backend(
 
 
 def serving_backend(
-    backend: Any, fallback: Any, gate: Callable[[], GateResult], needs: tuple[tuple[int, int], float, float], *,
+    backend: Any, fallback: Any, gate: Callable[[], GateResult],
+    needs: tuple[tuple[int, int], float, float, Optional[int]], *,
     strict: bool, who: str, uses: str, warn_once: Callable[[str, str], None],
 ) -> Any:
-    """The kernel `backend` for one call, unless `gate()` fails or it lacks the window, softcap or dropout in
-    `needs`: then the exact `fallback`, with one warning (`uses` says what moves to it), or refused in strict mode."""
+    """The kernel `backend` for one call, unless `gate()` fails or it lacks the window, softcap, dropout or head_dim
+    in `needs`: then the exact `fallback`, with one warning (`uses` says what moves to it), or refused in strict
+    mode."""
     if not backend.half_only:
         return backend
     checked = gate()

@@ -23,6 +23,7 @@ class FlashAttnBackend:
     def __init__(self, module: ModuleType | None = None) -> None:
         self._fa = module if module is not None else importlib.import_module("flash_attn")
         self.version = getattr(self._fa, "__version__", None)
+        self.build = build_config()
 
     @staticmethod
     def _features(window_size: tuple[int, int], softcap: float) -> dict:
@@ -34,12 +35,14 @@ class FlashAttnBackend:
             out["softcap"] = softcap
         return out
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
-        """flash-attn added sliding windows in 2.3 and softcap in 2.6."""
+    def missing_feature(
+        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None
+    ) -> Optional[str]:
+        """flash-attn added sliding windows in 2.3 and softcap in 2.6; a trimmed build may lack more."""
         for feature, minimum in (("window_size", "2.3"), ("softcap", "2.6")):
             if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
                 return f"flash_attn_version: {feature} needs flash-attn>={minimum} (found {self.version})"
-        return None
+        return build_lacks(self.build, window_size, softcap, dropout_p, head_dim)
 
     def kvcache_missing(self, plan: DecodePlan) -> Optional[str]:
         """`flash_attn_with_kvcache` came in 2.2 and its `cache_leftpad` (a left-padded batch) in 2.6.1."""
@@ -89,6 +92,41 @@ class FlashAttnBackend:
             q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),
         )
+
+
+def build_config() -> dict:
+    """What a flash-attn built by tools/build_flash_attn.py was built with (its `flash_attn/_patchkit_build.py`);
+    empty for any other build, which has every head dim and feature of its version."""
+    try:
+        return dict(importlib.import_module("flash_attn._patchkit_build").BUILD_CONFIG)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+
+
+def build_lacks(
+    build: dict, window_size: tuple[int, int], softcap: float, dropout_p: float, head_dim: Optional[int]
+) -> Optional[str]:
+    """Why this trimmed build cannot run the call, else None. Its kernel would refuse it (or, for a trimmed head-dim
+    bucket, has been seen to crash the process while formatting the refusal), so the call must not reach it."""
+    if not build:
+        return None
+    rebuild = "rebuild with tools/build_flash_attn.py"
+    disabled = set(build.get("disabled", ()))
+    for feature, needed in (("dropout", dropout_p), ("softcap", softcap), ("local", tuple(window_size) != (-1, -1))):
+        if needed and feature in disabled:
+            return (f"flash_attn_build: this flash-attn build was compiled without {feature} "
+                    f"(--disable {feature}); {rebuild} without that flag")
+    if head_dim is None:
+        return None
+    bucket = next((b for b in build.get("head_dim_buckets", ()) if head_dim <= b), None)
+    if bucket in build.get("head_dims_trimmed", ()):
+        kept = ",".join(str(d) for d in build.get("head_dims", ()))
+        return (f"flash_attn_build: this flash-attn build has no kernels for head_dim {head_dim} (bucket {bucket}; "
+                f"built for head dims {kept}); {rebuild} --head-dims {kept},{bucket}")
+    if "uneven_k" in disabled and head_dim % 32:
+        return (f"flash_attn_build: this flash-attn build was compiled without uneven head dims (--disable uneven_k): "
+                f"head_dim {head_dim} is not a multiple of 32; {rebuild} without that flag")
+    return None
 
 
 def _at_least(found: Optional[str], minimum: str) -> bool:

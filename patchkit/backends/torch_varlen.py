@@ -49,8 +49,10 @@ class TorchVarlenBackend:
         self._varlen_attn = fn if fn is not None else importlib.import_module("torch.nn.attention.varlen").varlen_attn
         self._takes_gqa = takes_enable_gqa(self._varlen_attn)
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
-        """torch's varlen_attn has no softcap and no attention dropout (windows it has)."""
+    def missing_feature(
+        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None
+    ) -> Optional[str]:
+        """torch's varlen_attn has no softcap and no attention dropout (windows it has; head_dim has its gate)."""
         if softcap:
             return f"torch_varlen: softcap is not an argument of torch {torch.__version__}'s varlen_attn"
         if dropout_p:

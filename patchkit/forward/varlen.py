@@ -78,8 +78,8 @@ class PatchState:
         if chosen is None:
             chosen = self.serving[key] = serving_backend(
                 self.backend, self.fallback, lambda: head_dim_gate(module.head_dim, self.backend.name),
-                (window, softcap, dropout), strict=self.strict, who=f"patch {self.patch!r}", uses="these layers use",
-                warn_once=self.warn_once,
+                (window, softcap, dropout, module.head_dim), strict=self.strict, who=f"patch {self.patch!r}",
+                uses="these layers use", warn_once=self.warn_once,
             )
         return chosen
 
