@@ -119,7 +119,8 @@ def probe_hf_flash(device: Any) -> Optional[str]:
     if device.type != "cuda":
         return "flash_attention_2 runs on CUDA only (this run is on the CPU)"
     try:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        # head_dim 128, as the CUDA model's: a flash-attn built for some head dims only is probed on one it has
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           vocab_size=16, attn_implementation="flash_attention_2")
         model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
         model(input_ids=torch.ones(1, 4, dtype=torch.long, device=device))
