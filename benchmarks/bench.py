@@ -122,6 +122,7 @@ def run_suite(
                 r["provider"], r["workload"] = p, r["workload"].replace(f"train_padded{tag}", f"train_{lay}{tag}")
                 rec.raw[(r["provider"], r["workload"], str(r["x"]), r["unit"])] = rec.raw.pop(key)
         log(f"train step (kv_heads {kv}) done in {time.time() - t0:.0f}s")
+        rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
 
     if sizes["decode"]:
         t0 = time.time()
@@ -130,6 +131,7 @@ def run_suite(
                           "kv_heads": sizes["model"]["heads"], "providers": provs})
         record_throughput(rec, res, "prefill_decode", round(pf, 3), {f"{p}|left": p for p, _ in provs})
         log(f"prefill + {sizes['decode_tokens']}-token greedy decode done in {time.time() - t0:.0f}s")
+        rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
 
     t0 = time.time()
     for frac in sizes["pad_fracs"]:
@@ -139,6 +141,7 @@ def run_suite(
                           "kv_heads": sizes["model"]["heads"], "providers": provs})
         record_throughput(rec, res, "train_pad_sweep", round(padding_fraction(lens), 3),
                           {f"{p}|padded": p for p, _ in provs})
+        rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
     log(f"padding sweep (max length {sizes['pad_len']}) done in {time.time() - t0:.0f}s")
 
     t0 = time.time()
@@ -163,6 +166,7 @@ def run_suite(
             rec.add(p, "long_peak_mem", n, [res["delta_mib"]], "MiB",
                     note=f"step peak RSS {res['peak_mib']:.0f} MiB minus {res['base_mib']:.0f} MiB before the step")
             rec.add(p, "long_train", n, [res["real_tokens"] / res["seconds"]], "tokens/s", note="one step")
+            rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
     log(f"long-sequence memory sweep (batch 2, lengths N and N/2) done in {time.time() - t0:.0f}s")
 
     rec.write_csv(csv_path)

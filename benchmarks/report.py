@@ -39,6 +39,7 @@ class Recorder:
 
     def __init__(self, meta: dict[str, str], dtype: str, device: str, mode: str = "default") -> None:
         self.rows: list[dict[str, Any]] = []
+        self.written = 0  # rows already in the CSV: a run writes each part's rows when the part ends
         self.raw: dict[tuple[str, str, str, str], list[float]] = {}
         self.meta, self.dtype, self.device, self.mode = meta, dtype, device, mode
         self.stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -77,14 +78,16 @@ class Recorder:
         return None
 
     def write_csv(self, path: Path) -> None:
+        """Append the rows not written yet (a run cut short keeps the parts it finished)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists() or path.stat().st_size == 0
         with path.open("a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
             if new:
                 w.writeheader()
-            for r in self.rows:
+            for r in self.rows[self.written:]:
                 w.writerow({k: r.get(k, "") for k in CSV_COLUMNS})
+        self.written = len(self.rows)
 
 
 def record_throughput(rec: Recorder, result: dict[str, Any], workload: str, x: Any, names: dict[str, str]) -> None:

@@ -85,3 +85,31 @@ def test_a_cuda_run_is_reported_against_hf_flash_attention_2_and_judged_by_no_cp
     assert rows["[MHA] padded train: patchkit_torch_varlen / hf_flash_attention_2"] == ("2.00x", "info (no target)")
     assert rows["[MHA] padded train: patchkit_sdpa / hf_flash_attention_2"][0] == "0.83x"
     assert not any(verdict in ("PASS", "MISS") for _, verdict in rows.values())
+
+
+def test_each_part_is_written_when_it_ends_and_no_row_twice(tmp_path: Path) -> None:
+    """bench.py writes the CSV after every part (a GPU run cut off by its time limit kept nothing before)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from report import Recorder
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    rec = Recorder({"torch": "2.13.0", "transformers": "5.23.0", "patchkit": "0.1.0"}, "bfloat16", "cuda")
+    path = tmp_path / "results.csv"
+    rec.add("hf_sdpa", "train_padded", 0.5, [2.0], "tokens/s")
+    rec.write_csv(path)
+    first = path.read_text()
+    assert "train_padded" in first
+    rec.add("hf_sdpa", "train_pad_sweep", 0.25, [3.0], "tokens/s")
+    rec.write_csv(path)
+    rec.write_csv(path)
+    with path.open() as f:
+        rows = [(r["workload"], r["x"]) for r in csv.DictReader(f)]
+    assert rows == [("train_padded", "0.5"), ("train_pad_sweep", "0.25")]
+
+
+def test_the_smoke_run_wrote_each_row_once(smoke_run: tuple[Path, Path, str]) -> None:
+    csv_path, _, _ = smoke_run
+    with csv_path.open() as f:
+        keys = [(r["provider"], r["workload"], r["x"], r["unit"], r["note"]) for r in csv.DictReader(f)]
+    assert len(keys) == len(set(keys))
