@@ -8,8 +8,10 @@ import importlib.metadata
 import json
 import re
 import resource
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,11 +122,31 @@ def test_doctor_judges_each_patch_by_its_own_flash_attn_minimum(tmp_path):
     proc = patchkit_cli("doctor", "--json", env=fake_flash_attn(tmp_path, "2.0.4"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(proc.stdout)
-    assert data["flash_attn"] == {"installed": True, "version": "2.0.4", "cuda_extension_imports": True, "error": None}
+    assert data["flash_attn"] == {"installed": True, "version": "2.0.4", "cuda_extension_imports": True, "error": None,
+                                  "build": {}}
     gate = {p["name"]: {g["name"]: g["passed"] for g in p["gates"]} for p in data["patches"]}
     assert gate["llama1"]["flash_attn_installed"] and gate["llama2"]["flash_attn_installed"]
     assert gate["llama1"]["flash_attn_version"] is True
     assert gate["llama2"]["flash_attn_version"] is False
+
+
+def test_doctor_says_what_a_trimmed_flash_attn_build_lacks(tmp_path):
+    """A flash-attn built by tools/build_flash_attn.py: doctor reads its build file and says what runs on sdpa."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        from flash_attn_sdist import build_info_source
+    finally:
+        sys.path.pop(0)
+    env = fake_flash_attn(tmp_path, "2.8.3.post2")
+    build = {"archs": ["90"], "head_dims": [64, 128], "head_dims_trimmed": [32, 96, 192, 256],
+             "head_dim_buckets": [32, 64, 96, 128, 192, 256], "disabled": ["dropout", "uneven_k"]}
+    (tmp_path / "flash_attn" / "_patchkit_build.py").write_text(build_info_source(build))
+    proc = patchkit_cli("doctor", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["flash_attn"]["build"] == build
+    assert ("built by tools/build_flash_attn.py for sm_90: head-dim buckets 64,128 only, without dropout, uneven_k; "
+            "a call it lacks runs on the sdpa backend") in format_report(data)
 
 
 def simulated(monkeypatch, **changes) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from patchkit import gates as _gates
 from patchkit.backends.choice import Choice, pick
+from patchkit.backends.flash_attn import build_config
 from patchkit.registry import registered
 
 PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
@@ -61,7 +62,8 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
         "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in choice.gates],
         "runtime_gates": "dtype (fp16/bf16 q/k/v, else cast with a warning) and head_dim <= "
         f"{_gates.MAX_FLASH_HEAD_DIM} (torch_varlen: a multiple of 8) are checked per model/call; a window, softcap "
-        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout)"
+        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout), as "
+        "does a head dim or feature a flash-attn built by tools/build_flash_attn.py was built without"
         + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
     }
 
@@ -92,6 +94,7 @@ def doctor() -> dict[str, Any]:
             "version": env.flash_attn_version,
             "cuda_extension_imports": env.flash_attn_error is None and env.flash_attn_version is not None,
             "error": env.flash_attn_error,
+            "build": build_config() if env.flash_attn_error is None and env.flash_attn_version else {},
         },
         "patches": [evaluate_patch(spec, env) for spec in registered()],
         "startup_hook": startup_hook(),
@@ -101,6 +104,17 @@ def doctor() -> dict[str, Any]:
 
 def _row(label: str, value: Any) -> str:
     return f"  {label:<20}{'-' if value is None else value}"
+
+
+def _build_lines(build: dict[str, Any]) -> list[str]:
+    """What a flash-attn built by tools/build_flash_attn.py lacks; nothing for any other build."""
+    if not build:
+        return []
+    dims = ",".join(map(str, build.get("head_dims", ())))
+    without = ", ".join(build.get("disabled", ())) or "nothing"
+    archs = ",".join(f"sm_{a}" for a in build.get("archs", ()))
+    return [f"  built by tools/build_flash_attn.py for {archs}: head-dim buckets {dims} only, without {without}; "
+            "a call it lacks runs on the sdpa backend with a warning (strict: refused)"]
 
 
 def format_report(data: dict[str, Any]) -> str:
@@ -123,6 +137,7 @@ def format_report(data: dict[str, Any]) -> str:
         _row("bf16 on GPU", "yes" if hw["bf16_supported"] else "no"),
         "flash-attn CUDA extension",
         "  " + ("imports: ok" if fa["cuda_extension_imports"] else f"does not import: {fa['error']}"),
+        *_build_lines(fa.get("build") or {}),
         "patches (backend='auto')",
     ]
     for p in data["patches"]:
