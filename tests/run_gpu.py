@@ -40,8 +40,10 @@ def release_wheel() -> str:
 
 
 def pip_install(*args: str) -> tuple[bool, str]:
-    """One pip install attempt (no compiling, no dependency changes); (installed, last line of its output)."""
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *args]
+    """One pip install attempt (no compiling, no dependency changes, one retry: GPU machines are often offline);
+    (installed, last line of its output)."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--retries", "1",
+           "--timeout", "15", *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
@@ -50,12 +52,23 @@ def pip_install(*args: str) -> tuple[bool, str]:
     return proc.returncode == 0, tail[-1] if tail else ""
 
 
+def named_wheel(given: str) -> str:
+    """FLASH_ATTN_WHEEL as pip takes it: a wheel's path or URL, or a folder (tools/build_flash_attn.py's --out)
+    holding one, the newest taken."""
+    folder = Path(given)
+    if not folder.is_dir():
+        return given
+    wheels = sorted(folder.glob("flash_attn-*.whl"), key=lambda w: w.stat().st_mtime)
+    return str(wheels[-1]) if wheels else given
+
+
 def get_flash_attn() -> str:
     """Install flash-attn from a wheel where one exists; say what happened in a few words."""
     found = flash_attn_version()
     if found:
         return f"flash-attn {found}"
-    tries = [("FLASH_ATTN_WHEEL", [os.environ["FLASH_ATTN_WHEEL"]])] if os.environ.get("FLASH_ATTN_WHEEL") else []
+    given = os.environ.get("FLASH_ATTN_WHEEL")
+    tries = [("FLASH_ATTN_WHEEL", [named_wheel(given)])] if given else []
     tries += [("a PyPI wheel", ["--only-binary=:all:", f"flash-attn=={FLASH_ATTN_VERSION}"]),
               ("flash-attn's GitHub release", [release_wheel()])]
     reasons = []

@@ -31,3 +31,20 @@ def test_the_flash_attn_wheel_it_looks_for_matches_this_torch_and_python():
     py = f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert url.startswith(f"{run_gpu.RELEASES}/v{run_gpu.FLASH_ATTN_VERSION}/flash_attn-")
     assert f"torch{torch_mm}cxx11abi" in url and url.endswith(f"-{py}-{py}-linux_x86_64.whl")
+
+
+def test_flash_attn_wheel_may_name_the_build_tools_output_folder(tmp_path):
+    """`FLASH_ATTN_WHEEL=fa_build make gpu-test`: the newest wheel tools/build_flash_attn.py left there."""
+    import os
+
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run_gpu
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    old, new = tmp_path / "flash_attn-2.8.3-old.whl", tmp_path / "flash_attn-2.8.3.post2+pk.sm90-cp312.whl"
+    old.write_text(""), new.write_text("")
+    os.utime(old, (1, 1))
+    assert run_gpu.named_wheel(str(tmp_path)) == str(new)
+    assert run_gpu.named_wheel(str(new)) == str(new)
+    assert run_gpu.named_wheel("https://example.org/flash_attn.whl") == "https://example.org/flash_attn.whl"
