@@ -15,6 +15,7 @@ from models import padded_batch, tiny_model
 
 import patchkit
 from patchkit.forward import liveness
+from patchkit.hooks import routing
 
 
 def decode_inputs(model: torch.nn.Module) -> dict:
@@ -36,22 +37,51 @@ def test_a_decode_step_writes_the_config_around_the_forward_not_per_layer(way, m
     with torch.no_grad():
         expected = model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])}).logits
     with patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None) as handle:
-        writes = []
+        writes, setattrs = [], []
         config_type = type(model.config)
-        original = config_type.__setattr__
+        original, set_name = config_type.__setattr__, routing.set_attn_name
 
         def counting(self, name, value):
             if name == "_attn_implementation":
-                writes.append(value)
+                setattrs.append(value)
             original(self, name, value)
 
+        def counting_writes(config, name):
+            writes.append(name)
+            set_name(config, name)
+
         monkeypatch.setattr(config_type, "__setattr__", counting)
+        monkeypatch.setattr(routing, "set_attn_name", counting_writes)
         with torch.no_grad():
             got = model(**inputs).logits
         monkeypatch.undo()
         assert handle.calls == 4  # every layer ran through the patch
-        assert len(writes) == 2  # to patchkit's name and back, once for the forward (was 2 + 2 per layer)
+        assert writes == ["patchkit", "eager"]  # to patchkit's name and back, once a forward (was 2 + 2 per layer)
+        # a plain field write where that is all the property does (transformers 5.x: it validated, ~30 calls each)
+        assert setattrs == ([] if routing._fields(model.config) is not None else writes)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_attention_name_written_as_a_field_is_what_the_config_says():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(attn_implementation="sdpa")
+    routing.set_attn_name(config, "patchkit")
+    assert config._attn_implementation == "patchkit" and routing.attn_name(config) == "patchkit"
+    config._attn_implementation = "eager"
+    assert routing.attn_name(config) == "eager"
+
+
+def test_a_config_with_sub_configs_still_hands_the_name_on():
+    """A composite config's write goes through its property, which passes the name to each sub-config."""
+    from transformers import LlamaConfig, LlavaConfig
+
+    config = LlavaConfig(text_config=LlamaConfig().to_dict(), attn_implementation="sdpa")
+    if not getattr(type(config), "sub_configs", None):
+        pytest.skip("this transformers' configs have no sub_configs")
+    assert routing._fields(config) is None
+    routing.set_attn_name(config, "eager")
+    assert config._attn_implementation == "eager" and config.text_config._attn_implementation == "eager"
 
 
 def test_a_layer_is_marked_live_once_per_patch_not_once_per_call(monkeypatch):

@@ -23,7 +23,7 @@ from patchkit.forward.documents import real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMetadata, build_metadata
 from patchkit.forward.padding import pad_input, unpad_rows
-from patchkit.hooks.routing import ROUTE_NAME, routed
+from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import full_static_cache, served_4d_cause
 from patchkit.hooks.step_aside import (
@@ -267,7 +267,7 @@ def _route_masks(module: nn.Module, patched_impl: Optional[str], route: Any) -> 
     if patched_impl is None and route is None:
         yield
         return
-    current = module.config._attn_implementation
+    current = attn_name(module.config)
     if patched_impl is not None and current not in (patched_impl, ROUTE_NAME):
         raise PatchInputError(
             f"this model's attention implementation was changed to {current!r} after patchkit patched it (it was "
@@ -296,7 +296,7 @@ def make_model_forward(
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         if is_compiling() and transformers_made(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
-        ulysses = ulysses_wrapper(getattr(self.config, "_attn_implementation", None))
+        ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
         if cause == "custom_4d_mask":  # packed documents (now cu_seq_lens) or a static cache's (now 2D): patched

@@ -37,10 +37,45 @@ class Route:
     ulysses: Optional[Callable] = None
 
 
+_FIELD = "_attn_implementation_internal"
+_DIRECT: dict[type, bool] = {}  # per config class: may its attention name be read and written as a plain field
+
+
+def _fields(config: Any) -> Optional[dict]:
+    """`config`'s own fields, where its `_attn_implementation` is a property over `_attn_implementation_internal`
+    and it has no sub-configs to pass a write on to (transformers 5.x's text configs): there a plain field read or
+    write is all the property does, without its Python calls (a write validates: ~30 of them; a decode step's host
+    cost). Read past the config's own `__getattribute__` (Python too). None elsewhere."""
+    cls = type(config)
+    direct = _DIRECT.get(cls)
+    if direct is None:
+        prop = inspect.getattr_static(cls, "_attn_implementation", None)
+        direct = _DIRECT[cls] = isinstance(prop, property) and not getattr(cls, "sub_configs", None)
+    if not direct:
+        return None
+    fields = object.__getattribute__(config, "__dict__")
+    return fields if _FIELD in fields else None
+
+
+def attn_name(config: Any) -> Optional[str]:
+    """`config._attn_implementation` (None where the era has none)."""
+    fields = _fields(config)
+    return fields[_FIELD] if fields is not None else getattr(config, "_attn_implementation", None)
+
+
+def set_attn_name(config: Any, name: Optional[str]) -> None:
+    """`config._attn_implementation = name`, as a plain field write where that is all the property does."""
+    fields = _fields(config)
+    if fields is not None:
+        fields[_FIELD] = name
+    else:
+        config._attn_implementation = name
+
+
 @contextlib.contextmanager
 def routed(config: Any, state: Any) -> Iterator[None]:
     """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`."""
-    name = config._attn_implementation
+    name = attn_name(config)
     scope = contextlib.nullcontext()
     if state is not None:
         refuse_shard_local()
@@ -52,19 +87,19 @@ def routed(config: Any, state: Any) -> Iterator[None]:
             if ulysses is None and name != ROUTE_NAME and ulysses_active():
                 raise refuse_unfound(name)
         scope = within(route=Route(state, ulysses))
-    config._attn_implementation = ROUTE_NAME
+    set_attn_name(config, ROUTE_NAME)
     try:
         with scope:
             yield
     finally:
-        config._attn_implementation = name
+        set_attn_name(config, name)
 
 
 def inside_route(config: Any, state: Any) -> bool:
     """A layer inside a forward already routed on `state` (its config and context say so): nothing to set per layer
     (a config write costs more than the attention call's own Python work on transformers 5.x)."""
     route = current().route
-    return route is not None and route.state is state and config._attn_implementation == ROUTE_NAME
+    return route is not None and route.state is state and attn_name(config) == ROUTE_NAME
 
 
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:
