@@ -76,9 +76,12 @@ def mem_available_mib(device: Any = None) -> float:
     return float("inf")
 
 
+PARTS = ("train", "decode", "pad", "mem")  # the padded/packed train step, prefill + decode, padding sweep, long N
+
+
 def run_suite(
     mode: str, csv_path: Path, plots: Optional[Path], mem_cap_gib: float, log: Callable[[str], None],
-    device_name: str = "auto",
+    device_name: str = "auto", parts: tuple[str, ...] = PARTS,
 ) -> Recorder:
     import torch
 
@@ -100,7 +103,7 @@ def run_suite(
     pf = padding_fraction(lengths)
     log(f"lognormal batch: lengths {lengths}, {sum(lengths)} real tokens, padding fraction {pf:.1%}")
 
-    kv_list = [sizes["model"]["heads"]] + ([2] if sizes["gqa"] else [])
+    kv_list = ([sizes["model"]["heads"]] + ([2] if sizes["gqa"] else [])) if "train" in parts else []
     for kv in kv_list:
         tag = "" if kv == sizes["model"]["heads"] else f"_gqa{kv}"
         provs = [(p, "padded") for p in hf + patch_providers]
@@ -124,7 +127,7 @@ def run_suite(
         log(f"train step (kv_heads {kv}) done in {time.time() - t0:.0f}s")
         rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
 
-    if sizes["decode"]:
+    if sizes["decode"] and "decode" in parts:
         t0 = time.time()
         provs = [(p, "left") for p in hf + patch_providers]
         res = run_worker({**base, "kind": "throughput", "workload": "decode", "lengths": lengths,
@@ -134,7 +137,7 @@ def run_suite(
         rec.write_csv(csv_path)  # each part as it ends: a run cut short keeps it
 
     t0 = time.time()
-    for frac in sizes["pad_fracs"]:
+    for frac in sizes["pad_fracs"] if "pad" in parts else []:
         lens = padded_lengths(sizes["batch"], sizes["pad_len"], frac)
         provs = [(p, "padded") for p in hf + patch_providers]
         res = run_worker({**base, "kind": "throughput", "workload": "train", "lengths": lens,
@@ -146,7 +149,7 @@ def run_suite(
 
     t0 = time.time()
     measured: dict[str, list[tuple[int, float]]] = {}
-    for n in sizes["lengths"]:
+    for n in sizes["lengths"] if "mem" in parts else []:
         for p in hf + patch_providers:
             if (p == "hf_flash_attention_2" and device.type != "cuda") or p not in sizes.get("mem_providers", [p]):
                 continue
@@ -220,6 +223,10 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
                         help="cuda: bf16 on the GPU with hf_flash_attention_2, hf_sdpa and patchkit's flash_attn, "
                         "torch_varlen and sdpa backends (each that cannot run is skipped with the reason); cpu: fp32; "
                         "auto (default): cuda when a CUDA device is present")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which parts to run, comma-separated (default all): train (padded and packed train "
+                        "step), decode (prefill + greedy decode), pad (padding sweep), mem (long-sequence memory); "
+                        "a GPU machine lent for minutes runs them in separate calls")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:  # the benchmark decides per provider what is patched; PATCHKIT_FLASH_ATTN must not patch HF's providers
@@ -242,9 +249,13 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     mode = "full" if args.full else "quick" if args.quick else "smoke" if args.smoke else "default"
     if mode == "default" and (args.device == "cuda" or (args.device == "auto" and cuda_available())):
         mode = "cuda"  # the CPU default's toy model would time the host's launch overhead, not the GPU
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        parser.error(f"--parts: {', '.join(unknown) or 'nothing'} is not a part; the parts are {', '.join(PARTS)}")
     csv_path, plots = output_paths(args.out, args.csv, args.plots, args.no_plots)
     start = time.time()
-    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device)
+    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device, parts)
     print_report(rec, lambda s: print(s, flush=True))
     print(f"\n{len(rec.rows)} rows appended to {csv_path}; total {time.time() - start:.0f}s", flush=True)
     return 0

@@ -113,3 +113,16 @@ def test_the_smoke_run_wrote_each_row_once(smoke_run: tuple[Path, Path, str]) ->
     with csv_path.open() as f:
         keys = [(r["provider"], r["workload"], r["x"], r["unit"], r["note"]) for r in csv.DictReader(f)]
     assert len(keys) == len(set(keys))
+
+
+def test_parts_run_alone_and_a_wrong_part_is_refused(tmp_path: Path) -> None:
+    """--parts mem runs only the long-sequence memory sweep (a GPU lent for minutes runs parts in separate calls)."""
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--parts", "mem", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with (tmp_path / "results.csv").open() as f:
+        workloads = {r["workload"] for r in csv.DictReader(f) if r["median"] != ""}
+    assert workloads == {"long_peak_mem", "long_train"}
+    bad = subprocess.run([sys.executable, str(BENCH), "--smoke", "--parts", "mem,bogus", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert bad.returncode == 2 and "bogus is not a part; the parts are train, decode, pad, mem" in bad.stderr
