@@ -11,11 +11,12 @@ prompts' plus batch x new tokens. Eager providers must produce HF sdpa's tokens;
     python benchmarks/static_decode.py [--new-tokens 64] [--reps 3] [--kv-heads 8] [--scale 1.0] [--csv FILE]
         [--device cpu|cuda] [--compile-backend inductor] [--compile-mode reduce-overhead]
 
-`--device cuda` is decode.py's: bench.py's CUDA model in bf16, the same batch, and the flash-attn providers
-(HF flash_attention_2, patchkit flash_attn) where bench.py's probe finds them usable; tokens are compared, not
-required. `--compile-mode` is torch.compile's mode ("reduce-overhead": CUDA graphs, as HF users run static-cache
-decode on a GPU). Each compiled provider's `recompiles` (graphs dynamo compiled during the timed rounds, after the
-warm-up round compiled prefill and decode) and `graph_breaks` are counted: a serving path must show 0 and 0.
+`--device cuda` is decode.py's: bench.py's CUDA model in bf16, the same batch, and the GPU kernel providers
+(HF flash_attention_2, patchkit flash_attn and torch_varlen) where bench.py's probe finds them usable; tokens are
+compared, not required. `--compile-mode` is torch.compile's mode ("reduce-overhead": CUDA graphs, as HF users run
+static-cache decode on a GPU). Each compiled provider's `recompiles` (graphs dynamo compiled during the timed rounds,
+after the warm-up round compiled prefill and decode) and `graph_breaks` are counted: a serving path must show 0
+and 0.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from workloads import lognormal_lengths, make_tokens, padded_batch, padding_frac
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled", "patchkit_sdpa_compiled")
-FLASH = (FA2, "patchkit_flash_attn")  # eager only, where bench.py's probe finds them usable (CUDA)
+FLASH = (FA2, "patchkit_flash_attn", "patchkit_torch_varlen")  # eager only, where bench.py's probe finds them (CUDA)
 
 
 def static_providers(device: torch.device) -> tuple[str, ...]:
-    """PROVIDERS, plus the flash-attn providers decode.py's probe finds usable on `device`."""
+    """PROVIDERS, plus the GPU kernel providers decode.py's probe finds usable on `device`."""
     return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
 
 
