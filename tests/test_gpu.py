@@ -160,3 +160,42 @@ def test_a_head_dim_the_flash_attn_build_lacks_runs_on_sdpa():
         with patchkit.apply_patch("llama2", backend="flash_attn", strict=True):
             with pytest.raises(patchkit.PatchGateError, match="flash_attn_build"):
                 model(input_ids=ids, attention_mask=mask)
+
+
+def windowed_model(model_type: str) -> torch.nn.Module:
+    """A 2-layer model with head_dim 64 whose sliding window (5) bites on every test batch: Mistral (window only) or
+    Gemma2 (window on layer 0, softcap 3.0 everywhere), fp32 on the GPU."""
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, attn_implementation="eager", pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, max_position_embeddings=256, sliding_window=5)
+    torch.manual_seed(0)
+    if model_type == "gemma2":
+        config = tf.Gemma2Config(attn_logit_softcapping=3.0, query_pre_attn_scalar=64, **common)
+        return tf.Gemma2ForCausalLM(config).cuda().eval()
+    return tf.MistralForCausalLM(tf.MistralConfig(**common)).cuda().eval()
+
+
+@pytest.mark.parametrize("backend, model_type", [("flash_attn", "gemma2"), ("flash_attn", "mistral"),
+                                                 ("torch_varlen", "mistral")])
+def test_windows_and_softcap_run_on_the_kernel(backend, model_type):
+    """The window and softcap reach the kernel (strict: no per-call fallback), logits and greedy tokens as eager's."""
+    require(backend)
+    truth_model = windowed_model(model_type)
+    model = clone(truth_model).to(torch.bfloat16)
+    ids, mask = (t.cuda() for t in padded_batch("mixed", seq=48))
+    with torch.no_grad():
+        truth = truth_model(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits.float()
+        with patchkit.apply_patch(model_type, backend=backend, strict=True) as handle:
+            ours = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert handle.backend == backend and handle.calls >= model.config.num_hidden_layers
+    real = mask.bool()
+    close_to_truth(ours[real], eager[real], truth[real], f"{model_type} logits")
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    with patchkit.apply_patch(model_type, backend=backend, strict=True):
+        got = model.generate(input_ids=ids, **kw)
+    same_greedy(got, ref, ids.shape[1])
