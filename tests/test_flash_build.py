@@ -4,7 +4,6 @@ in strict mode, before the kernel refuses them (or, for a trimmed head-dim bucke
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from pathlib import Path
@@ -27,23 +26,20 @@ H100_BUILD = {"archs": ["90"], "head_dims": [64, 128], "head_dims_trimmed": [32,
               "head_dim_buckets": BUCKETS, "disabled": ["dropout", "alibi", "uneven_k"]}
 
 
-def install_build(monkeypatch, config: dict) -> None:
-    monkeypatch.setitem(sys.modules, "flash_attn._patchkit_build", types.SimpleNamespace(BUILD_CONFIG=config))
+def install_build(fake, where: Path, config: dict) -> None:
+    """The build file beside the (double's) flash_attn package, as the wheel carries it."""
+    (where / "flash_attn").mkdir(exist_ok=True)
+    (where / "flash_attn" / "_patchkit_build.py").write_text(build_info_source(config))
+    fake.__file__ = str(where / "flash_attn" / "__init__.py")
 
 
-def test_the_file_the_build_tool_writes_is_what_the_backend_reads(tmp_path, monkeypatch):
-    package = tmp_path / "flash_attn"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "_patchkit_build.py").write_text(build_info_source(H100_BUILD))
-    for name in ("flash_attn", "flash_attn._patchkit_build"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    assert build_config() == H100_BUILD
-    (package / "_patchkit_build.py").unlink()  # any other flash-attn: a full build, nothing lacking
-    monkeypatch.delitem(sys.modules, "flash_attn._patchkit_build", raising=False)
-    assert build_config() == {}
+def test_the_file_the_build_tool_writes_is_what_the_backend_reads(tmp_path):
+    module = types.ModuleType("flash_attn")
+    assert build_config(module) == {}  # no file: any other flash-attn, a full build, nothing lacking
+    install_build(module, tmp_path, H100_BUILD)
+    assert build_config(module) == H100_BUILD
+    (tmp_path / "flash_attn" / "_patchkit_build.py").write_text("BUILD_CONFIG = {")
+    assert build_config(module) == {}  # unreadable: taken as a full build; the kernel still refuses what it lacks
 
 
 @pytest.mark.parametrize("head_dim, reason", [
@@ -68,10 +64,10 @@ def test_features_a_build_was_compiled_without(need, feature):
     assert build_lacks({}, **args) is None  # a full build lacks nothing
 
 
-def test_a_trimmed_head_dim_never_reaches_the_kernel(monkeypatch):
+def test_a_trimmed_head_dim_never_reaches_the_kernel(monkeypatch, tmp_path):
     """head_dim 16 on the H100 build: sdpa with one warning naming the build and the fix; strict refuses."""
     fake = install_flash_double(monkeypatch)
-    install_build(monkeypatch, H100_BUILD)
+    install_build(fake, tmp_path, H100_BUILD)
     model = tiny_model(kv_heads=2, dtype=torch.bfloat16)  # hidden 64, 4 heads: head_dim 16
     ids, mask = padded_batch("right")
     with torch.no_grad():
@@ -87,9 +83,9 @@ def test_a_trimmed_head_dim_never_reaches_the_kernel(monkeypatch):
                 model(input_ids=ids, attention_mask=mask)
 
 
-def test_a_kept_head_dim_runs_on_the_trimmed_build(monkeypatch):
+def test_a_kept_head_dim_runs_on_the_trimmed_build(monkeypatch, tmp_path):
     fake = install_flash_double(monkeypatch)
-    install_build(monkeypatch, H100_BUILD)
+    install_build(fake, tmp_path, H100_BUILD)
     model = tiny_model(hidden=256, heads=4, kv_heads=2, dtype=torch.bfloat16)  # head_dim 64
     ids, mask = padded_batch("right")
     with torch.no_grad(), patchkit.apply_patch("llama2", strict=True):
@@ -97,9 +93,9 @@ def test_a_kept_head_dim_runs_on_the_trimmed_build(monkeypatch):
     assert len(fake.calls) == model.config.num_hidden_layers
 
 
-def test_dropout_in_training_on_a_build_without_it_falls_back(monkeypatch):
+def test_dropout_in_training_on_a_build_without_it_falls_back(monkeypatch, tmp_path):
     fake = install_flash_double(monkeypatch)
-    install_build(monkeypatch, H100_BUILD)
+    install_build(fake, tmp_path, H100_BUILD)
     model = tiny_model(hidden=256, heads=4, kv_heads=2, dtype=torch.bfloat16, attention_dropout=0.1).train()
     ids, mask = padded_batch("right")
     with patchkit.apply_patch("llama2"):

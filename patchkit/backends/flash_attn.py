@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
@@ -12,6 +15,8 @@ from packaging.version import InvalidVersion, Version
 from patchkit.backends.limits import check_index_range
 from patchkit.forward.decode import DecodePlan
 from patchkit.forward.masks import VarlenMetadata
+
+BUILD_FILE = "_patchkit_build.py"  # beside flash_attn/__init__.py in a wheel tools/build_flash_attn.py built
 
 
 class FlashAttnBackend:
@@ -23,7 +28,7 @@ class FlashAttnBackend:
     def __init__(self, module: ModuleType | None = None) -> None:
         self._fa = module if module is not None else importlib.import_module("flash_attn")
         self.version = getattr(self._fa, "__version__", None)
-        self.build = build_config()
+        self.build = build_config(self._fa)
 
     @staticmethod
     def _features(window_size: tuple[int, int], softcap: float) -> dict:
@@ -94,13 +99,23 @@ class FlashAttnBackend:
         )
 
 
-def build_config() -> dict:
-    """What a flash-attn built by tools/build_flash_attn.py was built with (its `flash_attn/_patchkit_build.py`);
-    empty for any other build, which has every head dim and feature of its version."""
-    try:
-        return dict(importlib.import_module("flash_attn._patchkit_build").BUILD_CONFIG)
-    except (ImportError, AttributeError, TypeError, ValueError):
+def build_config(module: Optional[ModuleType] = None) -> dict:
+    """What a flash-attn built by tools/build_flash_attn.py was built with: the literal in its package's
+    `_patchkit_build.py`, read as text (not imported: patchkit imports no flash_attn submodule). Empty for any other
+    build, which has every head dim and feature of its version. `module`: the imported flash_attn."""
+    module = module if module is not None else sys.modules.get("flash_attn")
+    origin = getattr(module, "__file__", None)
+    if not origin:
         return {}
+    try:
+        tree = ast.parse(Path(origin).with_name(BUILD_FILE).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BUILD_CONFIG" for t in node.targets):
+                value = ast.literal_eval(node.value)
+                return dict(value) if isinstance(value, dict) else {}
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return {}
 
 
 def build_lacks(
