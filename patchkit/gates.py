@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import re
 import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -18,6 +22,7 @@ MAX_FLASH_HEAD_DIM = 256
 TORCH_VARLEN_MIN = (2, 10)  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2's varlen kernel inside torch
 # The keyword arguments patchkit passes to varlen_attn (torch 2.13's signature, where causal is window_size (-1, 0))
 TORCH_VARLEN_ARGS = ("scale", "window_size")  # enable_gqa (2.13) is used where present, see torch_varlen.py
+BUILD_FILE = "_patchkit_build.py"  # beside flash_attn/__init__.py in a wheel tools/build_flash_attn.py built
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -34,6 +39,7 @@ class Environment:
     compute_capability: Optional[tuple[int, int]]
     bf16_supported: bool
     torch_varlen_error: Optional[str] = None  # why torch's varlen_attn cannot be called as patchkit calls it
+    flash_attn_archs: Optional[tuple[str, ...]] = None  # a flash-attn built by tools/build_flash_attn.py: its archs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +96,25 @@ def probe_flash_attn() -> tuple[Optional[str], Optional[str]]:
     return getattr(module, "__version__", None) or _package_version("flash-attn"), None
 
 
+def build_config(module: Optional[ModuleType] = None) -> dict:
+    """What a flash-attn built by tools/build_flash_attn.py was built with: the literal in its package's
+    `_patchkit_build.py`, read as text (not imported: patchkit imports no flash_attn submodule). Empty for any other
+    build, which has every head dim and feature of its version. `module`: the imported flash_attn."""
+    module = module if module is not None else sys.modules.get("flash_attn")
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return {}
+    try:
+        tree = ast.parse(Path(origin).with_name(BUILD_FILE).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BUILD_CONFIG" for t in node.targets):
+                value = ast.literal_eval(node.value)
+                return dict(value) if isinstance(value, dict) else {}
+    except (OSError, SyntaxError, ValueError):
+        pass
+    return {}
+
+
 def probe_torch_varlen(cuda: bool) -> Optional[str]:
     """None when torch's `varlen_attn` takes the arguments patchkit passes (and, on CUDA, has its kernel built)."""
     try:
@@ -122,6 +147,7 @@ def probe_environment() -> Environment:
         compute_capability=capability,  # type: ignore[arg-type]
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
         torch_varlen_error=probe_torch_varlen(cuda),
+        flash_attn_archs=tuple(build_config().get("archs", ())) or None if flash_version and not flash_error else None,
     )
 
 
@@ -192,14 +218,31 @@ def compute_capability_gate(env: Environment) -> GateResult:
     )
 
 
+def flash_attn_arch_gate(env: Environment) -> GateResult:
+    """A flash-attn built for some archs only runs on a GPU one of them serves (an sm_XY cubin runs on X.Z, Z >= Y)."""
+    archs, cap = env.flash_attn_archs or (), env.compute_capability
+    built = [int(m.group()) for m in (re.match(r"\d+", a) for a in archs) if m]
+    ok = cap is None or any(a // 10 == cap[0] and a % 10 <= cap[1] for a in built)
+    here = "n/a (no CUDA device)" if cap is None else f"sm_{cap[0]}{cap[1]}"
+    return GateResult(
+        "flash_attn_build_arch",
+        ok,
+        "kernels for this GPU",
+        f"a build for {', '.join(f'sm_{a}' for a in archs)} only (tools/build_flash_attn.py), this GPU {here}",
+        "rebuild on this machine with tools/build_flash_attn.py (--archs defaults to the local GPU), or install a "
+        "full flash-attn wheel",
+    )
+
+
 def flash_backend_gates(env: Environment, flash_min: str, why: str) -> list[GateResult]:
     """Every gate the flash_attn backend must pass on this machine."""
-    return [
+    results = [
         flash_attn_installed_gate(env),
         flash_attn_version_gate(env, flash_min, why),
         cuda_gate(env),
         compute_capability_gate(env),
     ]
+    return results + ([flash_attn_arch_gate(env)] if env.flash_attn_archs else [])
 
 
 def torch_version_gate(env: Environment) -> GateResult:

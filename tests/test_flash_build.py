@@ -15,7 +15,8 @@ from models import clone, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchGateError
-from patchkit.backends.flash_attn import build_config, build_lacks
+from patchkit.backends.flash_attn import build_lacks
+from patchkit.gates import build_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from flash_attn_sdist import build_info_source  # noqa: E402
@@ -105,3 +106,35 @@ def test_dropout_in_training_on_a_build_without_it_falls_back(monkeypatch, tmp_p
         with torch.no_grad():
             clone(model).eval()(input_ids=ids, attention_mask=mask)  # no dropout in eval: the kernel serves it
         assert len(fake.calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("archs, capability, runs", [
+    (("90",), (9, 0), True), (("80",), (8, 6), True), (("80", "90"), (9, 0), True),
+    (("90",), (8, 0), False), (("80",), (9, 0), False), (("86",), (8, 0), False),
+])
+def test_a_build_for_other_archs_is_passed_over_by_name(archs, capability, runs):
+    """A wheel built for sm_90 copied to an A100 would fail at its first kernel ("no kernel image"): its gate says
+    so, and backend='auto' takes the next backend with the reason."""
+    from fakes import env
+
+    from patchkit.backends.choice import fallback_message, pick
+
+    choice = pick("auto", env(flash_attn_archs=archs, compute_capability=capability), "2.1", "kvpacked varlen")
+    assert (choice.backend == "flash_attn") == runs
+    if not runs:
+        gate = choice.passed_over[0]
+        assert gate.name == "flash_attn_build_arch" and choice.backend == "torch_varlen"
+        assert f"sm_{capability[0]}{capability[1]}" in gate.found and "tools/build_flash_attn.py" in gate.fix
+        assert "not flash_attn: flash_attn_build_arch: FAILED" in fallback_message("patch 'llama2'", choice)
+
+
+def test_the_archs_are_read_from_the_installed_build(tmp_path, monkeypatch):
+    """probe_environment reads the imported flash_attn's build file (a full build: no arch gate at all)."""
+    from patchkit import gates
+
+    module = types.ModuleType("flash_attn")
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(gates, "probe_flash_attn", lambda: ("2.8.3.post2", None))
+    assert gates.probe_environment().flash_attn_archs is None
+    install_build(module, tmp_path, H100_BUILD)
+    assert gates.probe_environment().flash_attn_archs == ("90",)

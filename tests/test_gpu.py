@@ -142,7 +142,7 @@ def test_a_head_dim_the_flash_attn_build_lacks_runs_on_sdpa():
     """On a flash-attn built by tools/build_flash_attn.py without some head dims, a model with one of them runs on
     the sdpa backend with a warning (the kernel would refuse it, or crash formatting the refusal); strict refuses."""
     require("flash_attn")
-    from patchkit.backends.flash_attn import build_config
+    from patchkit.gates import build_config
 
     build = build_config()
     if not build.get("head_dims_trimmed"):

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import importlib
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
@@ -15,8 +12,7 @@ from packaging.version import InvalidVersion, Version
 from patchkit.backends.limits import check_index_range
 from patchkit.forward.decode import DecodePlan
 from patchkit.forward.masks import VarlenMetadata
-
-BUILD_FILE = "_patchkit_build.py"  # beside flash_attn/__init__.py in a wheel tools/build_flash_attn.py built
+from patchkit.gates import build_config
 
 
 class FlashAttnBackend:
@@ -97,25 +93,6 @@ class FlashAttnBackend:
             q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),
         )
-
-
-def build_config(module: Optional[ModuleType] = None) -> dict:
-    """What a flash-attn built by tools/build_flash_attn.py was built with: the literal in its package's
-    `_patchkit_build.py`, read as text (not imported: patchkit imports no flash_attn submodule). Empty for any other
-    build, which has every head dim and feature of its version. `module`: the imported flash_attn."""
-    module = module if module is not None else sys.modules.get("flash_attn")
-    origin = getattr(module, "__file__", None)
-    if not origin:
-        return {}
-    try:
-        tree = ast.parse(Path(origin).with_name(BUILD_FILE).read_text())
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "BUILD_CONFIG" for t in node.targets):
-                value = ast.literal_eval(node.value)
-                return dict(value) if isinstance(value, dict) else {}
-    except (OSError, SyntaxError, ValueError):
-        pass
-    return {}
 
 
 def build_lacks(

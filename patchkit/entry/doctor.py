@@ -13,7 +13,6 @@ import torch
 
 from patchkit import gates as _gates
 from patchkit.backends.choice import Choice, pick
-from patchkit.backends.flash_attn import build_config
 from patchkit.registry import registered
 
 PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
@@ -94,7 +93,7 @@ def doctor() -> dict[str, Any]:
             "version": env.flash_attn_version,
             "cuda_extension_imports": env.flash_attn_error is None and env.flash_attn_version is not None,
             "error": env.flash_attn_error,
-            "build": build_config() if env.flash_attn_error is None and env.flash_attn_version else {},
+            "build": _gates.build_config() if env.flash_attn_error is None and env.flash_attn_version else {},
         },
         "patches": [evaluate_patch(spec, env) for spec in registered()],
         "startup_hook": startup_hook(),
