@@ -100,18 +100,26 @@ def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: flo
                         help="cuda: bf16, bench.py's CUDA model, the flash-attn and torch_varlen providers too")
 
 
-def no_cuda(prog: str, device: str) -> bool:
-    """True (and says so) when --device cuda was asked for on a machine without one."""
-    if device == "cuda" and not torch.cuda.is_available():
-        print(f"{prog}: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.")
-        return True
-    return False
-
-
 def where(device: torch.device) -> str:
     if device.type == "cuda":
         return f"bf16 on {torch.cuda.get_device_name()}"
     return f"fp32, {torch.get_num_threads()} threads"
+
+
+def start(
+    prog: str, args: argparse.Namespace, into: str = "", settings: str = ""
+) -> tuple[torch.device, list[int]] | None:
+    """A run's device and prompt lengths, its first line printed (`into`: where the tokens go, `settings`: what
+    else the run holds fixed); None, said, for --device cuda on a machine without one."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.")
+        return None
+    device = torch.device(args.device)
+    lengths = lognormal_lengths(BATCH, args.scale)
+    print(f"left-padded batch of {BATCH}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; "
+          f"{args.new_tokens} greedy tokens{into}; {where(device)}, torch {torch.__version__}; {args.reps} round-robin "
+          f"reps, medians{settings}")
+    return device, lengths
 
 
 def ratios(total: dict[str, list[float]], name: str) -> dict[str, Any]:
@@ -192,13 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser, reps=5, smoke_scale=0.1)
     parser.add_argument("--csv", type=Path, default=CSV, help=f"where to write the rows (default {CSV})")
     args = parser.parse_args(argv)
-    if no_cuda("decode", args.device):
+    run = start("decode", args)
+    if run is None:
         return 0
-    device = torch.device(args.device)
-    lengths = lognormal_lengths(BATCH, args.scale)
-    print(f"left-padded batch of {BATCH}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; "
-          f"{args.new_tokens} greedy tokens; {where(device)}, torch {torch.__version__}; {args.reps} round-robin reps, "
-          f"medians")
+    device, lengths = run
     table = Table(22, fa2=FA2 in providers(device))
     rows = []
     for kv_heads in args.kv_heads:

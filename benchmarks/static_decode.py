@@ -32,20 +32,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (  # noqa: E402
-    BATCH,
     FA2,
     Table,
     add_common_args,
     base_model,
     model_config,
-    no_cuda,
     provider_model,
     providers,
     ratios,
-    where,
+    start,
 )
 from report import write_rows  # noqa: E402
-from workloads import lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
+from workloads import make_tokens, padded_batch  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled", "patchkit_sdpa_compiled")
@@ -158,14 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile mode (default: its default; reduce-overhead: CUDA graphs)")
     parser.add_argument("--csv", type=Path, default=CSV, help=f"where to write the rows (default {CSV})")
     args = parser.parse_args(argv)
-    if no_cuda("static_decode", args.device):
+    run = start("static_decode", args, " into a static cache", f"; compiled: {args.compile_backend}, mode "
+                f"{args.compile_mode or 'default'}, fullgraph")
+    if run is None:
         return 0
-    device = torch.device(args.device)
-    lengths = lognormal_lengths(BATCH, args.scale)
-    print(f"left-padded batch of {BATCH}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; "
-          f"{args.new_tokens} greedy tokens into a static cache; {where(device)}, torch {torch.__version__}; "
-          f"{args.reps} round-robin reps, medians; compiled: {args.compile_backend}, mode "
-          f"{args.compile_mode or 'default'}, fullgraph")
+    device, lengths = run
     table = Table(24, fa2=FA2 in static_providers(device),
                   extra=(("recompiles", "recompiles"), ("graph breaks", "graph_breaks")))
     rows = []
