@@ -140,7 +140,6 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     return _function(module, query, key, value, attention_mask, **kwargs)
 
 
-
 def family_eager_attention(module: nn.Module) -> Callable:
     """transformers' own eager attention of `module`'s family (its softcap, sinks and scaling included)."""
     return sys.modules[type(module).__module__].eager_attention_forward
