@@ -72,3 +72,9 @@ if int(os.environ.get("RANK", "0")) == 0:
     with open(out, "w") as f:
         json.dump(result, f)
     print("ULYSSES_TRAINER", json.dumps(result), flush=True)
+
+# A well-behaved distributed script ends its process group: left to interpreter exit, gloo's threads were torn down
+# under a live peer and one rank aborted ("terminate called without an active exception") after a passing run.
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
