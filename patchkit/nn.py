@@ -11,7 +11,8 @@ from patchkit import gates as _gates
 from patchkit.backends import BACKEND_NAMES, Backend, SdpaBackend, make_backend
 from patchkit.backends.choice import resolve, serving_backend
 from patchkit.errors import PatchInputError
-from patchkit.forward.masks import VarlenMetadata, build_metadata
+from patchkit.forward.masks import build_metadata
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.varlen import half_dtype, to_half
 from patchkit.gates import GateResult

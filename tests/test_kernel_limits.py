@@ -17,7 +17,7 @@ from patchkit import PatchInputError
 from patchkit.backends.flash_attn import FlashAttnBackend
 from patchkit.backends.limits import INT32_LIMIT, rounded_head_dim
 from patchkit.backends.torch_varlen import TorchVarlenBackend
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_input
 
 ROOT = Path(__file__).resolve().parents[1]

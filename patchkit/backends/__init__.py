@@ -9,7 +9,7 @@ import torch
 from patchkit.backends import sdpa
 from patchkit.backends.padded_cache import attend_padded_cache
 from patchkit.forward.decode import DecodePlan
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 
 BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 

@@ -11,7 +11,7 @@ from packaging.version import InvalidVersion, Version
 
 from patchkit.backends.limits import check_index_range
 from patchkit.forward.decode import DecodePlan
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.gates import build_config
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 
 INT32_LIMIT = 2**31
 

@@ -20,7 +20,7 @@ from patchkit.backends.limits import check_index_range
 from patchkit.backends.padded_cache import attend_padded_cache
 from patchkit.errors import PatchInputError
 from patchkit.forward.decode import DecodePlan
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 
 
 def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:

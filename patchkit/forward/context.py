@@ -8,7 +8,7 @@ import contextvars
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
-    from patchkit.forward.masks import VarlenMetadata
+    from patchkit.forward.metadata import VarlenMetadata
 
 
 class ForwardContext:

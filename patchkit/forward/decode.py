@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from patchkit.forward.masks import VarlenMetadata
+from patchkit.forward.metadata import VarlenMetadata
 
 DECODE_MAX_Q = 16  # new tokens per row up to which a step with a past attends on the padded cache, unless packed
 # One new token per row on CPU: one SDPA call per row on its real keys (a view of the cache) instead of one masked

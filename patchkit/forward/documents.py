@@ -14,7 +14,7 @@ import torch
 from patchkit.errors import PatchInputError
 
 if TYPE_CHECKING:
-    from patchkit.forward.masks import VarlenMetadata
+    from patchkit.forward.metadata import VarlenMetadata
 
 def document_lengths(
     real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]

@@ -1,8 +1,7 @@
-"""Key-padding masks and the unpadding metadata every patched layer of one model forward shares."""
+"""Key-padding masks: what patched layers receive instead of a 4D mask, and the metadata built from them once."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Optional
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
+from patchkit.forward.metadata import VarlenMetadata, dense_metadata, host_lengths, real_indices, real_runs
 from patchkit.forward.padding import cu_seqlens_from_lengths
 
 FOUR_D_MASK_MESSAGE = (
@@ -25,40 +25,6 @@ FOREIGN_USE_MESSAGE = (
     "gradient-checkpointed forward, which recomputes its layers). Change patches between steps, after backward, "
     "and run the step again."
 )
-
-
-@dataclasses.dataclass
-class VarlenMetadata:
-    """Where the real tokens are: gather indices, cu_seqlens and max lengths for queries and keys.
-
-    `indices_*` is None when every token is real (a reshape replaces the gather). The host copies of the
-    sequence lengths let the torch-native backend loop without a device sync per layer.
-    """
-
-    batch: int
-    q_len: int
-    kv_len: int
-    indices_q: Optional[torch.Tensor]
-    indices_k: Optional[torch.Tensor]
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    seqlens_q: list[int]
-    seqlens_k: list[int]
-    packed: bool = False
-    holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
-    # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
-    decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def nnz_q(self) -> int:
-        return sum(self.seqlens_q)
-
-    @property
-    def same_qk(self) -> bool:
-        """Queries and keys are the same tokens (no past): one set of indices serves both."""
-        return self.q_len == self.kv_len
 
 
 def check_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -77,25 +43,6 @@ def check_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return mask
 
 
-def _host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
-    """Bring several length vectors to the host in one transfer (one sync per model forward)."""
-    sizes = [t.numel() for t in lengths]
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in lengths]).cpu().tolist()
-    out, start = [], 0
-    for n in sizes:
-        out.append(flat[start : start + n])
-        start += n
-    return out
-
-
-def real_indices(real: torch.Tensor, count: int) -> torch.Tensor:
-    """Flat indices of `real`'s True entries, whose `count` the host already has: on CUDA without a device sync."""
-    flat = real.reshape(-1)
-    if hasattr(torch, "nonzero_static"):
-        return torch.nonzero_static(flat, size=count).flatten()
-    return torch.nonzero(flat).flatten()
-
-
 def packing_restart_with_past(
     mask: Optional[torch.Tensor], batch: int, q_len: int, position_ids: Optional[torch.Tensor], device: torch.device
 ) -> bool:
@@ -105,27 +52,6 @@ def packing_restart_with_past(
     real_q = (torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None
               else mask[:, -q_len:].to(device=device, dtype=torch.bool))
     return has_packed_rows(real_q, position_ids.to(device))
-
-
-def has_holes(mask: torch.Tensor) -> bool:
-    """Some row of the 2D mask has padding between real tokens (one host sync)."""
-    return bool((_rises(mask.bool()) > 1).any())
-
-
-def _rises(real: torch.Tensor) -> torch.Tensor:
-    """Per row, how many runs of real tokens it has: more than one means a padding hole inside the row."""
-    return (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()
-
-
-def _dense(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
-    """No padding anywhere: every row is one sequence; no gather needed."""
-    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    cu_k = cu_q
-    if q_len != kv_len:
-        cu_k = torch.arange(0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device)
-    return VarlenMetadata(
-        batch, q_len, kv_len, None, None, cu_q, cu_k, q_len, kv_len, [q_len] * batch, [kv_len] * batch
-    )
 
 
 def _from_cu_seqlens(
@@ -139,7 +65,7 @@ def _from_cu_seqlens(
         )
     cu_q = cu_q.to(torch.int32)
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
-    lens_q, lens_k = _host_lengths(cu_q.diff(), cu_k.diff())
+    lens_q, lens_k = host_lengths(cu_q.diff(), cu_k.diff())
     if sum(lens_q) != batch * q_len:
         raise PatchInputError(
             f"cu_seq_lens_q covers {sum(lens_q)} tokens but the batch holds {batch * q_len} "
@@ -188,7 +114,7 @@ def build_metadata(
             "without a past (use_cache=False), or one document per row when generating."
         )
     if mask is None and not packing_hint:
-        return _dense(batch, q_len, kv_len, device)
+        return dense_metadata(batch, q_len, kv_len, device)
 
     mask = mask.to(device=device, dtype=torch.bool) if mask is not None else None
     real_k = mask if mask is not None else torch.ones(batch, kv_len, dtype=torch.bool, device=device)
@@ -196,11 +122,11 @@ def build_metadata(
     if q_len == kv_len:
         indices = torch.nonzero(real_q.reshape(-1)).flatten()
         lengths = document_lengths(real_q, indices, position_ids.to(device) if packing_hint else None)
-        host, rows_with_tokens, rises = _host_lengths(lengths, real_q.any(-1), _rises(real_q))
+        host, rows_with_tokens, rises = host_lengths(lengths, real_q.any(-1), real_runs(real_q))
         packed = len(host) > sum(rows_with_tokens)
         every_token_real = sum(host) == batch * q_len
         if every_token_real and not packed:
-            return _dense(batch, q_len, kv_len, device)
+            return dense_metadata(batch, q_len, kv_len, device)
         indices = None if every_token_real else indices  # packed rows without padding: no gather, a reshape
         cu = cu_seqlens_from_lengths(lengths.to(torch.int32))
         return VarlenMetadata(
@@ -210,11 +136,11 @@ def build_metadata(
 
     lens_q = real_q.sum(-1, dtype=torch.int32)
     lens_k = real_k.sum(-1, dtype=torch.int32)
-    host_q, host_k, rises = _host_lengths(lens_q, lens_k, _rises(real_k))
+    host_q, host_k, rises = host_lengths(lens_q, lens_k, real_runs(real_k))
     dense_q = sum(host_q) == batch * q_len
     dense_k = sum(host_k) == batch * kv_len
     if dense_q and dense_k:
-        return _dense(batch, q_len, kv_len, device)
+        return dense_metadata(batch, q_len, kv_len, device)
     return VarlenMetadata(
         batch, q_len, kv_len,
         None if dense_q else real_indices(real_q, sum(host_q)),

@@ -15,7 +15,8 @@ from patchkit.errors import PatchGateError, PatchInputError
 from patchkit.forward.arguments import check_call, check_family
 from patchkit.forward.decode import decode_attention
 from patchkit.forward.liveness import record_call
-from patchkit.forward.masks import VarlenMetadata, as_varlen_mask
+from patchkit.forward.masks import as_varlen_mask
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from patchkit.hooks.patching import BoundPatch

@@ -21,7 +21,8 @@ from patchkit.errors import PatchInputError
 from patchkit.forward.context import current, within
 from patchkit.forward.documents import real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
-from patchkit.forward.masks import VarlenMetadata, build_metadata
+from patchkit.forward.masks import build_metadata
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper

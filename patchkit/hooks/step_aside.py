@@ -15,7 +15,7 @@ import torch
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
-from patchkit.forward.masks import has_holes
+from patchkit.forward.metadata import has_holes
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
