@@ -10,7 +10,7 @@ from families import WINDOW, family_model
 from models import cache_tensors, decode_logits, needs_set_attn_implementation, padded_batch, static_decode, tiny_model
 
 import patchkit
-from patchkit.forward import decode, masks, padding
+from patchkit.forward import decode, masks, metadata, padding
 from patchkit.forward import varlen as attention_module
 from patchkit.hooks import model_forward
 
@@ -108,6 +108,47 @@ def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
     with patchkit.apply_patch("llama2", backend="sdpa"):
         decode_logits(model, ids, mask, 5)
     assert built == {"metadata": 1 + 5, "plan": 5}  # prefill and each step once, not once per layer
+
+
+@pytest.mark.parametrize("kind", ["left", "right", "mixed"])
+@pytest.mark.parametrize("q_len", [1, 3, 20])
+def test_metadata_behind_a_past_equals_the_masks_own(kind, q_len):
+    """Metadata behind cached keys builds its gather indices and cu_seqlens on first use: they, the lengths, the
+    masks the decode plan reads and `holes` are what the 2D mask says."""
+    _, mask = padded_batch(kind, batch=4, seq=24)
+    mask[0, 3] = 0  # a hole
+    meta = masks.build_metadata(mask, 4, q_len, 24, torch.device("cpu"))
+    real_q, real_k = mask[:, -q_len:].bool(), mask.bool()
+    lens_q, lens_k = real_q.sum(-1), real_k.sum(-1)
+    assert meta.seqlens_q == lens_q.tolist() and meta.seqlens_k == lens_k.tolist() and meta.holes
+    assert (meta.max_seqlen_q, meta.max_seqlen_k) == (lens_q.max(), lens_k.max())
+    assert torch.equal(meta.key_lengths(), lens_k)
+    want_q = None if real_q.all() else real_q
+    got_q, got_k = meta.real_masks()
+    assert (got_q is None) == (want_q is None) and (want_q is None or torch.equal(got_q, want_q))
+    assert torch.equal(got_k, real_k)
+    assert "indices_k" not in vars(meta) and "cu_seqlens_k" not in vars(meta)  # not built until asked for
+    for got, real in ((meta.indices_q, real_q), (meta.indices_k, real_k)):
+        assert (got is None) == bool(real.all()) and (got is None or torch.equal(got, real.flatten().nonzero()[:, 0]))
+    for got, lens in ((meta.cu_seqlens_q, lens_q), (meta.cu_seqlens_k, lens_k)):
+        assert got.dtype == torch.int32 and got.tolist() == [0, *lens.cumsum(0).tolist()]
+
+
+def test_decode_steps_build_no_gather_indices(monkeypatch):
+    """A decode step on the padded cache reads the masks: the gather indices only the varlen path needs are never
+    built (the host work of a step), and the tokens are the unpatched model's."""
+    model = tiny_model(kv_heads=2, layers=2, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want, fed = decode_logits(model, ids, mask, 4)
+    built = []
+    real_indices = metadata.real_indices
+    for module in (metadata, masks):  # where it is defined, and any module holding its own name for it
+        if hasattr(module, "real_indices"):
+            monkeypatch.setattr(module, "real_indices", lambda *a: built.append(a) or real_indices(*a))
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got, _ = decode_logits(model, ids, mask, 4, fed)
+    assert built == []
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("kind", ["right", "mixed"])

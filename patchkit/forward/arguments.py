@@ -61,9 +61,9 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
 
 def check_family(module: nn.Module, model_types: Iterable[str]) -> None:
     """The registered name serves only the families patchkit has a patch for; any other model is refused."""
-    allowed = sorted(set(model_types))
     model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type not in allowed:
+    if model_type not in model_types:
+        allowed = sorted(set(model_types))
         raise PatchInputError(
             f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
             f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "

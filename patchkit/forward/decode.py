@@ -49,16 +49,21 @@ class DecodePlan:
     cache_leftpad: Optional[torch.Tensor]  # None with cache_seqlens set: no row is padded
     starts: Optional[list[int]] = None  # host: row b's keys are [starts[b], K), for a one-token step over such runs
     _windowed: dict = dataclasses.field(default_factory=dict, repr=False)
+    _split: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def row_starts(self, window: tuple[int, int], k: torch.Tensor) -> Optional[list[int]]:
-        """Where each row's visible keys begin, when one SDPA call per row on them beats one masked call; else None."""
+        """Where each row's visible keys begin, when one SDPA call per row on them beats one masked call; else None.
+        Decided once per window and key layout: every layer of the step asks."""
         limit = ROW_SPLIT_BYTES.get(self.device.type)
         if self.starts is None or limit is None:
             return None
-        left = int(window[0])
-        starts = self.starts if left < 0 else [max(s, self.kv_len - 1 - left) for s in self.starts]
-        skipped = sum(starts) * k.shape[2] * k.shape[3] * k.element_size() * 2  # padding bytes of K and V not read
-        return starts if skipped >= limit * self.batch else None
+        key = (window[0], k.shape[2], k.shape[3], k.element_size())
+        if key not in self._split:
+            left = int(window[0])
+            starts = self.starts if left < 0 else [max(s, self.kv_len - 1 - left) for s in self.starts]
+            skipped = sum(starts) * k.shape[2] * k.shape[3] * k.element_size() * 2  # padding bytes of K, V not read
+            self._split[key] = starts if skipped >= limit * self.batch else None
+        return self._split[key]
 
     def mask(self, window: tuple[int, int]) -> Optional[torch.Tensor]:
         """The (B, 1, q_len, K) visibility for a layer with flash-attn's `window` ((-1, -1): none), built once."""
@@ -86,25 +91,18 @@ def _columns(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tenso
     return keys[kv_len - q_len :, None], keys[None, :]
 
 
-def _real(indices: Optional[torch.Tensor], batch: int, width: int, device: torch.device) -> Optional[torch.Tensor]:
-    """(batch, width) bool of the real tokens from metadata indices; None when every token is real."""
-    if indices is None:
-        return None
-    real = torch.zeros(batch * width, dtype=torch.bool, device=device)
-    return real.index_fill_(0, indices, True).view(batch, width)
-
-
 def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
     """The forward's decode plan: built by its first layer from the metadata, reused by the others."""
     plan = meta.decode_plan
     if isinstance(plan, DecodePlan):
         return plan
     batch, q_len, kv_len = meta.batch, meta.q_len, meta.kv_len
-    keys = _real(meta.indices_k, batch, kv_len, device)
-    queries = _real(meta.indices_q, batch, q_len, device)
-    query_cols, key_cols = _columns(q_len, kv_len, device)
+    queries, keys = meta.real_masks()
     visible = None
-    if keys is not None or q_len > 1:
+    if q_len == 1 and queries is None:  # one real token per row, the last column: it sees every real key
+        visible = None if keys is None else keys[:, None, None, :]
+    elif keys is not None or q_len > 1:
+        query_cols, key_cols = _columns(q_len, kv_len, device)
         causal = key_cols <= query_cols  # (q_len, K)
         visible = causal[None] if keys is None else causal[None] & keys[:, None, :]
         if queries is not None:
@@ -114,7 +112,7 @@ def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
     if queries is None and not meta.holes:  # every row's keys are one run ending at the last column
         seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
         if keys is not None:
-            leftpad = (kv_len - meta.cu_seqlens_k.diff()).to(device=device, dtype=torch.int32)
+            leftpad = (kv_len - meta.key_lengths()).to(device=device, dtype=torch.int32)
     plan = DecodePlan(
         batch, q_len, kv_len, device, visible, None if queries is None else queries[:, :, None, None], seqlens,
         leftpad, [kv_len - n for n in meta.seqlens_k] if seqlens is not None and q_len == 1 else None,

@@ -9,7 +9,13 @@ import torch
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
-from patchkit.forward.metadata import VarlenMetadata, dense_metadata, host_lengths, real_indices, real_runs
+from patchkit.forward.metadata import (
+    PastMetadata,
+    VarlenMetadata,
+    dense_metadata,
+    host_lengths,
+    real_runs,
+)
 from patchkit.forward.padding import cu_seqlens_from_lengths
 
 FOUR_D_MASK_MESSAGE = (
@@ -141,13 +147,8 @@ def build_metadata(
     dense_k = sum(host_k) == batch * kv_len
     if dense_q and dense_k:
         return dense_metadata(batch, q_len, kv_len, device)
-    return VarlenMetadata(
-        batch, q_len, kv_len,
-        None if dense_q else real_indices(real_q, sum(host_q)),
-        None if dense_k else real_indices(real_k, sum(host_k)),
-        cu_seqlens_from_lengths(lens_q), cu_seqlens_from_lengths(lens_k),
-        max(host_q, default=0), max(host_k, default=0), host_q, host_k, holes=max(rises, default=0) > 1,
-    )
+    return PastMetadata(batch, q_len, kv_len, None if dense_q else real_q, None if dense_k else real_k, lens_q, lens_k,
+                        host_q, host_k, holes=max(rises, default=0) > 1)
 
 
 class VarlenMask:

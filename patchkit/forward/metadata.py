@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
+
+from patchkit.forward.padding import cu_seqlens_from_lengths
 
 
 @dataclasses.dataclass
@@ -40,6 +43,16 @@ class VarlenMetadata:
     def same_qk(self) -> bool:
         """Queries and keys are the same tokens (no past): one set of indices serves both."""
         return self.q_len == self.kv_len
+
+    def real_masks(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(B, q_len) and (B, kv_len) bool masks of the real queries and keys; None where every token is real."""
+        device = self.cu_seqlens_q.device
+        return (mask_from_indices(self.indices_q, self.batch, self.q_len, device),
+                mask_from_indices(self.indices_k, self.batch, self.kv_len, device))
+
+    def key_lengths(self) -> torch.Tensor:
+        """(B,) each row's count of real keys, on the device."""
+        return self.cu_seqlens_k.diff()
 
 
 def host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
@@ -80,3 +93,52 @@ def dense_metadata(batch: int, q_len: int, kv_len: int, device: torch.device) ->
     return VarlenMetadata(
         batch, q_len, kv_len, None, None, cu_q, cu_k, q_len, kv_len, [q_len] * batch, [kv_len] * batch
     )
+
+
+class PastMetadata(VarlenMetadata):
+    """A forward behind cached keys (a decode step, a chunk of prefill): its 2D masks are kept for the decode plan,
+    which reads nothing else, and the gather indices and cu_seqlens, which only the varlen path reads, are built on
+    first use (once: then they are plain attributes). A decode step then costs no gather index and no cumsum."""
+
+    def __init__(
+        self, batch: int, q_len: int, kv_len: int, real_q: Optional[torch.Tensor], real_k: Optional[torch.Tensor],
+        lens_q: torch.Tensor, lens_k: torch.Tensor, host_q: list[int], host_k: list[int], holes: bool,
+    ) -> None:
+        self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
+        self.max_seqlen_q, self.max_seqlen_k = max(host_q, default=0), max(host_k, default=0)
+        self.seqlens_q, self.seqlens_k = host_q, host_k
+        self.packed, self.holes, self.decode_plan = False, holes, None
+        self._real, self._lengths = (real_q, real_k), (lens_q, lens_k)  # real_*: None where every token is real
+
+    def real_masks(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return self._real
+
+    def key_lengths(self) -> torch.Tensor:
+        return self._lengths[1]
+
+    @functools.cached_property
+    def indices_q(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        real = self._real[0]
+        return None if real is None else real_indices(real, sum(self.seqlens_q))
+
+    @functools.cached_property
+    def indices_k(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        real = self._real[1]
+        return None if real is None else real_indices(real, sum(self.seqlens_k))
+
+    @functools.cached_property
+    def cu_seqlens_q(self) -> torch.Tensor:  # type: ignore[override]
+        return cu_seqlens_from_lengths(self._lengths[0])
+
+    @functools.cached_property
+    def cu_seqlens_k(self) -> torch.Tensor:  # type: ignore[override]
+        return cu_seqlens_from_lengths(self._lengths[1])
+
+
+def mask_from_indices(indices: Optional[torch.Tensor], batch: int, width: int, device: torch.device) -> Optional[
+        torch.Tensor]:
+    """(batch, width) bool of the real tokens from metadata indices; None when every token is real."""
+    if indices is None:
+        return None
+    real = torch.zeros(batch * width, dtype=torch.bool, device=device)
+    return real.index_fill_(0, indices, True).view(batch, width)

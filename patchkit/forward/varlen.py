@@ -177,7 +177,8 @@ def varlen_core(
             state.warn_once,
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
-    return packing.attend(backend, q, k, v, meta, options).to(in_dtype)
+    out = packing.attend(backend, q, k, v, meta, options)
+    return out if out.dtype == in_dtype else out.to(in_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +262,7 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
 
     transformers hands a registered name to any model that asks: families other than `model_types` are refused.
     """
+    model_types = frozenset(model_types)  # read per layer call
 
     def attention(
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
