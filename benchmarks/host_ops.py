@@ -5,16 +5,20 @@ and on a loaded CPU its time is noise. Counts are not: each provider runs the sa
 behind a left-padded prefill in a DynamicCache) under `sys.setprofile`, counting Python function calls (and calls
 into C), and under a TorchDispatchMode counting the aten ops that reach a kernel. The difference between two
 layer counts, divided by the difference in layers, is the cost of one decoder layer; the rest is the model's
-per-step overhead (embedding, mask, norm, head). Prints a table, writes a CSV.
+per-step overhead (embedding, mask, norm, head). Then the same step is timed on a LLaMA so small that its
+arithmetic is nothing (hidden 64): its wall time is host work, what a GPU's decode step waits on (`step_us`, the
+least of several round-robin block medians, and `vs_hf` = HF's time / patchkit's). Prints a table, writes a CSV.
 
-    python benchmarks/host_ops.py [--kv-heads 2] [--csv FILE]
+    python benchmarks/host_ops.py [--kv-heads 2] [--blocks 20] [--csv FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +34,8 @@ import patchkit  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "host_ops.csv"
 LENGTHS = [24, 9, 17, 32]  # a left-padded batch of 4 prompts
+HOST_BOUND = {"vocab": 128, "hidden": 64, "intermediate": 128, "heads": 4}  # arithmetic ~ nothing: time is host work
+STEPS_PER_BLOCK = 15
 
 
 class AtenCounter(TorchDispatchMode):
@@ -64,13 +70,13 @@ def count(make: Callable[[], Callable[[], Any]]) -> tuple[int, int, int]:
     return calls["call"], calls["c_call"] - 1, sum(aten.ops.values())  # less the call of setprofile(None)
 
 
-def models(layers: int, kv_heads: int) -> dict[str, torch.nn.Module]:
+def models(layers: int, kv_heads: int, dims: dict = MODEL) -> dict[str, torch.nn.Module]:
     """The benchmark's tiny LLaMA with `layers` layers: HF sdpa, and the same weights instance-patched (sdpa)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"], intermediate_size=MODEL["intermediate"],
-        num_hidden_layers=layers, num_attention_heads=MODEL["heads"], num_key_value_heads=kv_heads,
+        vocab_size=dims["vocab"], hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+        num_hidden_layers=layers, num_attention_heads=dims["heads"], num_key_value_heads=kv_heads,
         max_position_embeddings=512, pad_token_id=0, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
@@ -84,7 +90,7 @@ def decode_step(model: torch.nn.Module) -> tuple[Callable[[], Any], torch.Tensor
     """A maker of one decode step after a left-padded prefill (a fresh copy of the cache each), and its logits."""
     from transformers import DynamicCache
 
-    ids, mask, _ = padded_batch(make_tokens(LENGTHS, MODEL["vocab"]), left=True)
+    ids, mask, _ = padded_batch(make_tokens(LENGTHS, model.config.vocab_size), left=True)
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
@@ -106,7 +112,26 @@ def decode_step(model: torch.nn.Module) -> tuple[Callable[[], Any], torch.Tensor
     return step, step()()
 
 
-def measure(kv_heads: int) -> list[dict]:
+def step_times(kv_heads: int, blocks: int) -> dict[str, float]:
+    """Per provider, the least block median of a decode step's wall time (us) on the host-bound model, providers
+    round-robin block by block (a fresh copy of the prefilled cache per step, outside the time)."""
+    built = models(MODEL["layers"], kv_heads, HOST_BOUND)
+    steps = {name: decode_step(model)[0] for name, model in built.items()}
+    medians: dict[str, list[float]] = {name: [] for name in steps}
+    for block in range(blocks + 1):  # the first block warms up
+        for name, step in steps.items():
+            times = []
+            for _ in range(STEPS_PER_BLOCK):
+                run = step()
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            if block:
+                medians[name].append(statistics.median(times) * 1e6)
+    return {name: min(m) for name, m in medians.items()}
+
+
+def measure(kv_heads: int, blocks: int) -> list[dict]:
     """Counts at 2 and 4 layers per provider: per layer, and the per-step rest; logits checked equal."""
     rows, by = [], {}
     for layers in (2, 4):
@@ -117,24 +142,28 @@ def measure(kv_heads: int) -> list[dict]:
             step()()  # warm: lazily built state (the patch's first call) is not per-step work
             by[name, layers] = list(count(step))
         torch.testing.assert_close(logits["patchkit_sdpa"], logits["hf_sdpa"], atol=1e-4, rtol=1e-4)
+    times = step_times(kv_heads, blocks)
     for name in ("hf_sdpa", "patchkit_sdpa"):
         per_layer = [(b - a) / 2 for a, b in zip(by[name, 2], by[name, 4])]
         rest = [a - 2 * p for a, p in zip(by[name, 2], per_layer)]
         rows.append(dict(provider=name, kv_heads=kv_heads, py_calls_per_layer=per_layer[0],
                          c_calls_per_layer=per_layer[1], aten_ops_per_layer=per_layer[2], py_calls_rest=rest[0],
-                         c_calls_rest=rest[1], aten_ops_rest=rest[2], torch=torch.__version__))
+                         c_calls_rest=rest[1], aten_ops_rest=rest[2], step_us=round(times[name], 1),
+                         vs_hf=round(times["hf_sdpa"] / times[name], 3), torch=torch.__version__))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/host_ops.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=20, help="timed blocks of the host-bound step per provider")
     parser.add_argument("--csv", type=Path, default=CSV)
     args = parser.parse_args(argv)
-    rows = measure(args.kv_heads)
+    rows = measure(args.kv_heads, args.blocks)
     keys = ["py_calls_per_layer", "c_calls_per_layer", "aten_ops_per_layer", "py_calls_rest", "c_calls_rest",
-            "aten_ops_rest"]
-    print(f"one decode step (4 rows, left-padded, {args.kv_heads} K/V heads): counts per layer and the rest")
+            "aten_ops_rest", "step_us", "vs_hf"]
+    print(f"one decode step (4 rows, left-padded, {args.kv_heads} K/V heads): counts per layer and the rest; "
+          f"step_us: the step's wall time on the hidden-64 model (host work), {MODEL['layers']} layers")
     print(f"{'provider':<15}" + "".join(f"{k:>20}" for k in keys))
     for row in rows:
         print(f"{row['provider']:<15}" + "".join(f"{row[k]:>20}" for k in keys))

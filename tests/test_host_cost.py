@@ -114,10 +114,11 @@ def test_the_host_ops_benchmark_counts_both_providers(tmp_path):
     from entrypoints import REPO
 
     out = tmp_path / "host_ops.csv"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_ops.py"), "--csv", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_ops.py"), "--csv", str(out), "--blocks",
+                           "2"], capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert proc.returncode == 0, proc.stderr[-2000:]
     with out.open() as f:
         rows = {r["provider"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"hf_sdpa", "patchkit_sdpa"}
     assert all(float(r["py_calls_per_layer"]) > 0 and float(r["aten_ops_per_layer"]) > 0 for r in rows.values())
+    assert all(float(r["step_us"]) > 0 for r in rows.values()) and float(rows["hf_sdpa"]["vs_hf"]) == 1.0
