@@ -17,6 +17,7 @@ sees every key (so no row of the softmax is empty, no NaN) and its output is the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +38,7 @@ class DecodePlan:
     `visible` (B, 1, q_len, K) is None when every query sees every key (one new token, no padding anywhere).
     `cache_seqlens` / `cache_leftpad` (B,) int32 describe each row's keys as one run [leftpad, K) for
     flash-attn's `flash_attn_with_kvcache`; None when some row has a hole or a padding query (not expressible).
+    Built when a backend first reads them: torch's kernels never do.
     """
 
     batch: int
@@ -45,11 +47,21 @@ class DecodePlan:
     device: torch.device
     visible: Optional[torch.Tensor]
     real_q: Optional[torch.Tensor]  # (B, q_len, 1, 1) bool; None: every query is real
-    cache_seqlens: Optional[torch.Tensor]
-    cache_leftpad: Optional[torch.Tensor]  # None with cache_seqlens set: no row is padded
+    one_run: bool  # every query is real and each row's keys are one run ending at the last column
+    key_lengths: Optional[torch.Tensor]  # (B,) real keys per row; None: no key is padding
     starts: Optional[list[int]] = None  # host: row b's keys are [starts[b], K), for a one-token step over such runs
     _windowed: dict = dataclasses.field(default_factory=dict, repr=False)
     _split: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def cache_seqlens(self) -> Optional[torch.Tensor]:
+        return torch.full((self.batch,), self.kv_len, dtype=torch.int32, device=self.device) if self.one_run else None
+
+    @functools.cached_property
+    def cache_leftpad(self) -> Optional[torch.Tensor]:  # None with cache_seqlens set: no row is padded
+        if not self.one_run or self.key_lengths is None:
+            return None
+        return (self.kv_len - self.key_lengths).to(device=self.device, dtype=torch.int32)
 
     def row_starts(self, window: tuple[int, int], k: torch.Tensor) -> Optional[list[int]]:
         """Where each row's visible keys begin, when one SDPA call per row on them beats one masked call; else None.
@@ -108,14 +120,11 @@ def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
         if queries is not None:
             visible = visible | ~queries[:, :, None]
         visible = visible.expand(batch, q_len, kv_len)[:, None]
-    seqlens = leftpad = None
-    if queries is None and not meta.holes:  # every row's keys are one run ending at the last column
-        seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
-        if keys is not None:
-            leftpad = (kv_len - meta.key_lengths()).to(device=device, dtype=torch.int32)
+    one_run = queries is None and not meta.holes
     plan = DecodePlan(
-        batch, q_len, kv_len, device, visible, None if queries is None else queries[:, :, None, None], seqlens,
-        leftpad, [kv_len - n for n in meta.seqlens_k] if seqlens is not None and q_len == 1 else None,
+        batch, q_len, kv_len, device, visible, None if queries is None else queries[:, :, None, None], one_run,
+        None if keys is None else meta.key_lengths(),
+        [kv_len - n for n in meta.seqlens_k] if one_run and q_len == 1 else None,
     )
     meta.decode_plan = plan
     return plan

@@ -80,8 +80,9 @@ def has_holes(mask: torch.Tensor) -> bool:
 
 
 def real_runs(real: torch.Tensor) -> torch.Tensor:
-    """Per row, how many runs of real tokens it has: more than one means a padding hole inside the row."""
-    return (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()
+    """Per row (int32), how many runs of real tokens it has: more than one means a padding hole inside the row."""
+    before = torch.nn.functional.pad(real, (1, 0))[:, :-1]  # each column's left neighbour, padding before the row
+    return (real > before).sum(-1, dtype=torch.int32)  # where a run starts
 
 
 def dense_metadata(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:

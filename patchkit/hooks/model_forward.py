@@ -332,6 +332,8 @@ def make_model_forward(
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
     mask's real tokens are those that see themselves."""
+    if not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
+        return False  # no loss here (generate()'s steps): nothing to read the mask for
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
         mask = real_tokens_of_4d(mask)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
