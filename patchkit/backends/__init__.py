@@ -19,8 +19,9 @@ class Backend(Protocol):
 
     Optional (`patchkit.forward.decode` looks them up with getattr; a backend without them runs decode steps through
     `varlen_kvpacked` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
-    window_size, softcap)`, a decode step on the padded cache in place, returning None for a layout it cannot
-    take; and `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
+    window_size, softcap)`, a decode step on the padded cache in place (q (B, H, q_len, D), k/v (B, Hk, K, D) as
+    transformers keeps them -> (B, q_len, H, D)), returning None for a layout it cannot take; and
+    `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
     """
 
     name: str

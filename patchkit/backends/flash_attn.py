@@ -59,7 +59,8 @@ class FlashAttnBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
         dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> Optional[torch.Tensor]:
-        """`flash_attn_with_kvcache` on the padded cache (B, K, Hk, D) in place, each row's keys [leftpad, K).
+        """`flash_attn_with_kvcache` on the padded cache in place, each row's keys [leftpad, K): q (B, H, q_len, D) and
+        k/v (B, Hk, K, D) as transformers keeps them, handed over as (B, S, H, D) views (the kernel's layout).
 
         Declined (None, the varlen path runs) where the kernel would not be exact: a row with a padding hole or a
         padding query, dropout, or a step that needs gradients (the kernel has no backward).
@@ -71,7 +72,8 @@ class FlashAttnBackend:
         if plan.cache_leftpad is not None:
             extra["cache_leftpad"] = plan.cache_leftpad
         return self._fa.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=plan.cache_seqlens, softmax_scale=softmax_scale, causal=True, **extra
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=plan.cache_seqlens,
+            softmax_scale=softmax_scale, causal=True, **extra,
         )
 
     def varlen_qkvpacked(

@@ -15,14 +15,14 @@ def attend_padded_cache(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, window: tuple[int, int], *, scale: float,
     dropout_p: float, softcap: float,
 ) -> torch.Tensor:
-    """Torch-native decode attention on the cache in place: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D).
+    """Torch-native decode attention on the cache in place: q (B, H, q_len, D), k/v (B, Hk, K, D) -> (B, q_len, H, D).
 
     SDPA with the plan's boolean mask and `enable_gqa` (on CPU the query heads of a K/V head folded into query rows
     instead; no repeated K/V either way), or, for one token per row over a lot of padding, SDPA per row on its real
     keys without a mask; softcap, which SDPA cannot apply, by the math of
     transformers' eager attention with the query heads grouped over their K/V head (no repeat either).
     """
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D): the cache's own layout
+    qh, kh, vh = q, k, v  # (B, H, S, D): the cache's own layout, SDPA's
     if softcap:
         return _softcap_attention(qh, kh, vh, plan.mask(window), scale, softcap, dropout_p).transpose(1, 2)
     batch, heads, q_len, dim = qh.shape

@@ -107,7 +107,7 @@ def make_legacy_forward(
         check_call(self, kwargs)
         dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
         out = varlen_core(
-            state, self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask, position_ids,
+            state, self, q, k, v, attention_mask, position_ids,
             kwargs, dropout=dropout, scaling=self.head_dim ** -0.5,
         )
         return self.o_proj(out.reshape(batch, q_len, -1)), None, present

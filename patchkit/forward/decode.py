@@ -69,11 +69,11 @@ class DecodePlan:
         limit = ROW_SPLIT_BYTES.get(self.device.type)
         if self.starts is None or limit is None:
             return None
-        key = (window[0], k.shape[2], k.shape[3], k.element_size())
+        key = (window[0], k.shape[1], k.shape[3], k.element_size())  # k: (B, Hk, K, D)
         if key not in self._split:
             left = int(window[0])
             starts = self.starts if left < 0 else [max(s, self.kv_len - 1 - left) for s in self.starts]
-            skipped = sum(starts) * k.shape[2] * k.shape[3] * k.element_size() * 2  # padding bytes of K, V not read
+            skipped = sum(starts) * k.shape[1] * k.shape[3] * k.element_size() * 2  # padding bytes of K, V not read
             self._split[key] = starts if skipped >= limit * self.batch else None
         return self._split[key]
 
@@ -134,7 +134,8 @@ def decode_attention(
     backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
     dropout: float, scaling: float, window: tuple[int, int], softcap: float, warn_once: Callable[[str, str], None],
 ) -> Optional[torch.Tensor]:
-    """A decode step on the padded cache: q (B, q_len, H, D), k/v (B, K, Hk, D) -> (B, q_len, H, D), padding zero.
+    """A decode step on the padded cache: q (B, H, q_len, D), k/v (B, Hk, K, D) as transformers keeps them ->
+    (B, q_len, H, D), padding zero.
 
     None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
     kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old

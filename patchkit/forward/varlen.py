@@ -139,20 +139,21 @@ def varlen_core(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention on real tokens only. q (B, S, H, D), k/v (B, Skv, Hk, D) -> (B, S, H, D), padding zero.
+    """Attention on real tokens only. q (B, H, S, D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) ->
+    (B, S, H, D), padding zero.
 
     A decode step (a few new tokens behind a cache) attends to the padded cache in place (`decode.py`) when the
     backend can; everything else unpads, runs the varlen kernel and repads.
 
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
     """
-    batch, q_len, heads, _ = q.shape
+    batch, heads, q_len, _ = q.shape
     packing = PACKINGS[state.packing]
-    packing.check_heads(heads, k.shape[2])
+    packing.check_heads(heads, k.shape[1])
     vmask = as_varlen_mask(attention_mask, fixed_cache)
-    kv_len = vmask.keys_in_use(q_len, k.shape[1], fixed_cache)
-    if kv_len != k.shape[1]:  # a static cache returns all its slots; the unfilled ones are never seen
-        k, v = k[:, :kv_len], v[:, :kv_len]
+    kv_len = vmask.keys_in_use(q_len, k.shape[2], fixed_cache)
+    if kv_len != k.shape[2]:  # a static cache returns all its slots; the unfilled ones are never seen
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
     packing.check_keys(q_len, kv_len)
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
@@ -201,8 +202,8 @@ def repad(out: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
 
 def attend_qkv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
                       o: KernelOptions) -> torch.Tensor:
-    """LLaMA-1: q, k, v stacked on real tokens, the varlen qkvpacked kernel."""
-    qkv = unpad_rows(torch.stack((q, k, v), dim=2), meta.indices_q)
+    """LLaMA-1: q, k, v ((B, H, S, D)) stacked on real tokens, the varlen qkvpacked kernel."""
+    qkv = unpad_rows(torch.stack((q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), dim=2), meta.indices_q)
     return repad(backend.varlen_qkvpacked(qkv, meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True,
                                           window_size=o.window, softcap=o.softcap), meta)
 
@@ -210,11 +211,12 @@ def attend_qkv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: tor
 def attend_kv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
                      o: KernelOptions) -> torch.Tensor:
     """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
-    else k, v stacked on real tokens and the varlen kvpacked kernel."""
+    else k, v stacked on real tokens and the varlen kvpacked kernel. q, k, v: (B, H, S, D)."""
     out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
                            softcap=o.softcap, warn_once=o.warn_once)
     if out is not None:
         return out
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
     kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
     return repad(backend.varlen_kvpacked(unpad_rows(q, meta.indices_q), kv, meta, dropout_p=o.dropout,
                                          softmax_scale=o.scaling, causal=True, window_size=o.window,
@@ -272,11 +274,10 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types)
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = varlen_core(
-            state, module, q, k, v, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout, scaling=scale,
-            window=window, softcap=softcap,
+            state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
+            scaling=scale, window=window, softcap=softcap,
         )
         return out, None
 
