@@ -8,7 +8,6 @@ import torch
 
 from patchkit.backends import sdpa
 from patchkit.backends.padded_cache import attend_padded_cache
-from patchkit.forward.decode import DecodePlan
 from patchkit.forward.metadata import VarlenMetadata
 
 BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -70,14 +69,8 @@ class SdpaBackend:
     def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
         return None
 
-    def attend_kvcache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
-        dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        """A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.forward.decode`'s plan."""
-        return attend_padded_cache(
-            q, k, v, plan, window_size, scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
-        )
+    # A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.forward.decode`'s plan.
+    attend_kvcache = staticmethod(attend_padded_cache)
 
 
 def make_backend(name: str) -> Backend:

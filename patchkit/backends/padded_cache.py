@@ -12,36 +12,36 @@ from patchkit.forward.decode import DecodePlan
 
 
 def attend_padded_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, window: tuple[int, int], *, scale: float,
-    dropout_p: float, softcap: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float, dropout_p: float,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Torch-native decode attention on the cache in place: q (B, H, q_len, D), k/v (B, Hk, K, D) -> (B, q_len, H, D).
+    """Torch-native decode attention on the cache in place, a backend's `attend_kvcache`: q (B, H, q_len, D) and k/v
+    (B, Hk, K, D), the cache's own layout and SDPA's -> (B, q_len, H, D).
 
     SDPA with the plan's boolean mask and `enable_gqa` (on CPU the query heads of a K/V head folded into query rows
     instead; no repeated K/V either way), or, for one token per row over a lot of padding, SDPA per row on its real
     keys without a mask; softcap, which SDPA cannot apply, by the math of
     transformers' eager attention with the query heads grouped over their K/V head (no repeat either).
     """
-    qh, kh, vh = q, k, v  # (B, H, S, D): the cache's own layout, SDPA's
     if softcap:
-        return _softcap_attention(qh, kh, vh, plan.mask(window), scale, softcap, dropout_p).transpose(1, 2)
-    batch, heads, q_len, dim = qh.shape
-    group = heads // kh.shape[1]
-    starts = plan.row_starts(window, k)
-    mask = None if starts is not None else plan.mask(window)
-    fold = group > 1 and q.device.type == "cpu"
-    if fold:  # a K/V head's query heads as more query rows: plain SDPA, ~2x faster than enable_gqa on CPU
-        qh = qh.reshape(batch, kh.shape[1], group * q_len, dim)
+        return _softcap_attention(q, k, v, plan.mask(window_size), softmax_scale, softcap, dropout_p).transpose(1, 2)
+    batch, heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    starts = plan.row_starts(window_size, k)
+    mask = None if starts is not None else plan.mask(window_size)
+    if group > 1 and q.device.type == "cpu":  # a K/V head's query heads as more query rows: ~2x enable_gqa on CPU
+        q = q.reshape(batch, kv_heads, group * q_len, dim)
         mask = mask.repeat(1, 1, group, 1) if mask is not None and q_len > 1 else mask
-    gqa = kh.shape[1] != qh.shape[1]
+    gqa = kv_heads != q.shape[1]
     if starts is not None:
         out = torch.cat([
-            F.scaled_dot_product_attention(qh[b : b + 1], kh[b : b + 1, :, s:], vh[b : b + 1, :, s:],
-                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            F.scaled_dot_product_attention(q[b : b + 1], k[b : b + 1, :, s:], v[b : b + 1, :, s:],
+                                           dropout_p=dropout_p, scale=softmax_scale, enable_gqa=gqa)
             for b, s in enumerate(starts)
         ])
     else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale,
                                              enable_gqa=gqa)
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2)
 

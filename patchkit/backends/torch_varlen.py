@@ -19,7 +19,6 @@ import torch
 from patchkit.backends.limits import check_index_range
 from patchkit.backends.padded_cache import attend_padded_cache
 from patchkit.errors import PatchInputError
-from patchkit.forward.decode import DecodePlan
 from patchkit.forward.metadata import VarlenMetadata
 
 
@@ -94,15 +93,7 @@ class TorchVarlenBackend:
             scale=softmax_scale, window_size=kernel_window(causal, window_size), **extra,
         )
 
-    def attend_kvcache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DecodePlan, *, softmax_scale: float,
-        dropout_p: float, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        """A decode step on the padded cache in place (SDPA with the plan's key mask), never a gathered copy of it.
-
-        torch's varlen_attn has no `seqused_k`/left-padding arguments before 2.13, and a few new tokens over a cache
-        are bound by reading the cache once, which SDPA's mask does as well as the varlen kernel would.
-        """
-        return attend_padded_cache(
-            q, k, v, plan, window_size, scale=softmax_scale, dropout_p=dropout_p, softcap=softcap
-        )
+    # A decode step on the padded cache in place (SDPA with the plan's key mask), never a gathered copy of it:
+    # torch's varlen_attn has no `seqused_k`/left-padding arguments before 2.13, and a few new tokens over a cache
+    # are bound by reading the cache once, which SDPA's mask does as well as the varlen kernel would.
+    attend_kvcache = staticmethod(attend_padded_cache)
