@@ -69,13 +69,12 @@ class DecodePlan:
         limit = ROW_SPLIT_BYTES.get(self.device.type)
         if self.starts is None or limit is None:
             return None
-        key = (window[0], k.shape[1], k.shape[3], k.element_size())  # k: (B, Hk, K, D)
-        if key not in self._split:
-            left = int(window[0])
+        left, key_bytes = int(window[0]), k.shape[1] * k.shape[3] * k.element_size()  # k: (B, Hk, K, D)
+        if (left, key_bytes) not in self._split:
             starts = self.starts if left < 0 else [max(s, self.kv_len - 1 - left) for s in self.starts]
-            skipped = sum(starts) * k.shape[1] * k.shape[3] * k.element_size() * 2  # padding bytes of K, V not read
-            self._split[key] = starts if skipped >= limit * self.batch else None
-        return self._split[key]
+            skipped = sum(starts) * key_bytes * 2  # padding bytes of K and V not read
+            self._split[left, key_bytes] = starts if skipped >= limit * self.batch else None
+        return self._split[left, key_bytes]
 
     def mask(self, window: tuple[int, int]) -> Optional[torch.Tensor]:
         """The (B, 1, q_len, K) visibility for a layer with flash-attn's `window` ((-1, -1): none), built once."""

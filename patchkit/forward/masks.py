@@ -142,7 +142,7 @@ def build_metadata(
 
     lens_q = real_q.sum(-1, dtype=torch.int32)
     lens_k = real_k.sum(-1, dtype=torch.int32)
-    host_q, host_k, rises = torch.stack((lens_q, lens_k, real_runs(real_k))).tolist()  # one transfer, one sync
+    host_q, host_k, rises = host_lengths(lens_q, lens_k, real_runs(real_k))
     dense_q = sum(host_q) == batch * q_len
     dense_k = sum(host_k) == batch * kv_len
     if dense_q and dense_k:

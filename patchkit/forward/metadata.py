@@ -56,9 +56,10 @@ class VarlenMetadata:
 
 
 def host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
-    """Bring several length vectors to the host in one transfer (one sync per model forward)."""
+    """Bring several 1D length vectors (any integer or bool dtypes: cat promotes them) to the host in one transfer
+    (one sync per model forward)."""
     sizes = [t.numel() for t in lengths]
-    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in lengths]).cpu().tolist()
+    flat = torch.cat(lengths).tolist()
     out, start = [], 0
     for n in sizes:
         out.append(flat[start : start + n])
