@@ -366,6 +366,8 @@ def make_lm_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
         extra = arguments.get(var_kw, {}) if var_kw else {}
+        if is_compiling() and transformers_made(arguments.get("attention_mask")):
+            return original(self, *args, **kwargs)  # the base model's forward hands that mask on as it is
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or current().lm_cause is None):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
