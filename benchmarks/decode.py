@@ -73,8 +73,8 @@ def base_model(kv_heads: int, device: torch.device) -> torch.nn.Module:
 
 def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
     """A copy of `base` running as provider `name`: an HF attention implementation (hf_*), or patchkit instance-patched
-    on backend <b> (patchkit_<b>, over HF sdpa); a `_compiled` suffix is left to the caller."""
-    name = name.removesuffix("_compiled")
+    on backend <b> (patchkit_<b>, over HF sdpa); how it is compiled (a `_compiled` suffix) is left to the caller."""
+    name = name.split("_generate_compiled")[0].removesuffix("_compiled")
     model = copy.deepcopy(base)
     model.set_attn_implementation(HF_PROVIDERS.get(name, "sdpa"))
     if name.startswith("patchkit_"):

@@ -102,3 +102,38 @@ def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_ma
             del model.forward
         assert handle.calls == 0 and not handle.stepped_aside
     assert torch.equal(got, want)
+
+
+def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill():
+    """transformers' own compiled generation (a static cache with `generation_config.compile_config`, as generate()
+    does by itself on a GPU): the prefill runs eager, so patchkit packs it; each decode step runs the compiled
+    `__call__`, where generate()'s 4D mask goes to transformers' attention. The same tokens as unpatched, no graph
+    break, and a second generate() compiles nothing new."""
+    from torch._dynamo.utils import counters
+    from transformers import cache_utils
+
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, "CompileConfig", None)
+    if config_class is None or not hasattr(config_class, "_compile_all_devices"):
+        pytest.skip("this transformers' generate() compiles on a GPU only")
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    want = model.generate(**kw)
+    compile_config = config_class(backend="eager", mode="default", fullgraph=True)
+    compile_config._compile_all_devices = True  # compile on CPU, as generate() does unasked on a GPU
+    torch._dynamo.reset()
+    counters.clear()
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = model.generate(**kw, compile_config=compile_config)
+        served = handle.calls
+        graphs = counters["stats"]["unique_graphs"]
+        again = model.generate(**kw, compile_config=compile_config)
+        assert counters["stats"]["unique_graphs"] == graphs >= 1, "generate() did not compile, or compiled again"
+        assert sum(counters["graph_break"].values()) == 0
+        if hasattr(cache_utils, "StaticLayer"):  # what `full_static_cache` serves: 4.56's layered StaticCache
+            assert served == 2 and not handle.stepped_aside  # the prefill, in both layers, packed
+        else:  # before transformers 4.56 a static cache's prefill steps aside, counted
+            assert served == 0 and handle.stepped_aside == {"custom_4d_mask": 2}
+    assert torch.equal(got, want) and torch.equal(again, want)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,10 +26,15 @@ def test_static_decode_benchmark_runs_and_writes_rows(tmp_path: Path) -> None:
     with out.open() as f:
         rows = list(csv.DictReader(f))
     assert [r["provider"] for r in rows] == ["hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled",
-                                             "patchkit_sdpa_compiled"]
+                                             "patchkit_sdpa_compiled", "hf_sdpa_generate_compiled",
+                                             "patchkit_sdpa_generate_compiled"]
     assert all(float(r["real_tokens_per_s"]) > 0 and float(r["same_tokens"]) == 1.0 for r in rows)
     compiled = [r for r in rows if r["provider"].endswith("_compiled")]
-    assert [(r["recompiles"], r["graph_breaks"]) for r in compiled] == [("0", "0")] * 2
+    assert [(r["recompiles"], r["graph_breaks"]) for r in compiled] == [("0", "0")] * 4
+    hf = {r["provider"]: float(r["median_s"]) for r in rows if r["provider"].startswith("hf_")}
+    for row in rows:  # each against HF sdpa run (eager or compiled) the way it is
+        twin = "hf_sdpa" + row["provider"].partition("sdpa")[2]
+        assert float(row["vs_hf_same"]) == pytest.approx(hf[twin] / float(row["median_s"]), abs=0.02), row["provider"]
     assert all(r["recompiles"] == r["graph_breaks"] == r["vs_hf_fa2"] == "" for r in rows if r not in compiled)
     assert "0 recompiles and 0 graph breaks after warm-up" in proc.stdout
 
