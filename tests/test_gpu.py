@@ -95,6 +95,25 @@ def test_generation_tokens_match_eager(backend):
     same_greedy(ours, ref, ids.shape[1])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "generate-compiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_cache_generation_tokens_match_eager(backend, compiled):
+    """generate(cache_implementation="static"): the prefill packed into the static cache and the decode steps in
+    place on it (generate()'s own compilation off), and as generate() runs it unasked on a GPU, the decode steps
+    compiled (CUDA graphs) behind the patched prefill: HF eager's greedy tokens either way."""
+    require(backend)
+    model = gpu_model().to(torch.bfloat16).eval()
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    model.generation_config.disable_compile = not compiled
+    with patchkit.apply_patch("llama2", backend=backend, strict=True) as handle:
+        ours = model.generate(input_ids=ids, cache_implementation="static", **kw)
+    layers = model.config.num_hidden_layers
+    assert handle.calls == (layers if compiled else 16 * layers)  # compiled steps are not counted
+    same_greedy(ours, ref, ids.shape[1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_rows_never_attend_across_documents(backend):
     require(backend)
