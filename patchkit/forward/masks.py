@@ -275,11 +275,18 @@ def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[i
     """
     if past_key_values is None:
         return 0, False
-    fixed = bool(getattr(past_key_values, "is_compileable", False))
+    fixed = fixed_slots(past_key_values)
     if isinstance(cache_position, torch.Tensor) and cache_position.numel():
         return int(cache_position.reshape(-1)[0]), fixed
     offset = getattr(past_key_values, "get_query_offset", None) or past_key_values.get_seq_length
     return int(offset()), fixed
+
+
+def fixed_slots(cache: Any) -> bool:
+    """The cache returns preallocated slots (a StaticCache and its kin): `is_compileable` from transformers 4.49;
+    4.48's static caches lack that flag but have `max_cache_len`, which no growing cache has."""
+    flag = getattr(cache, "is_compileable", None)
+    return bool(flag) if flag is not None else getattr(cache, "max_cache_len", None) is not None
 
 
 def as_varlen_mask(mask: Any, fixed_cache: bool = False) -> VarlenMask:

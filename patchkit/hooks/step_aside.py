@@ -15,6 +15,7 @@ import torch
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
+from patchkit.forward.masks import fixed_slots
 from patchkit.forward.metadata import has_holes
 
 # cause -> (what the forward asks for, what would keep it patched)
@@ -154,7 +155,7 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     generate() always passes `logits_to_keep` (1, or 0 when told) and either its empty dynamic cache (5.4+) or a
     `cache_position` from 0 (up to 5.3, which lets the model make the cache); a plain forward passes neither.
     """
-    if logits_to_keep is None or not isinstance(logits_to_keep, int) or getattr(cache, "is_compileable", False):
+    if logits_to_keep is None or not isinstance(logits_to_keep, int) or fixed_slots(cache):
         return False  # not generate(); continuous batching passes a tensor; a static cache's mask covers its slots
     if cache is not None:
         length = getattr(cache, "get_seq_length", None)
