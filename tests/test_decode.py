@@ -180,11 +180,17 @@ def test_holes_and_all_padding_rows_decode_exactly_with_zeros_not_nan(kind, gath
         assert torch.equal(attn_in[-1][3], torch.zeros_like(attn_in[-1][3]))  # the padding query's attention
 
 
+@pytest.mark.parametrize("first_row_padded", [False, True], ids=["first row full", "first row padded"])
 @pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])
-def test_static_cache_decode_takes_the_cache_path_exactly(full_mask, gathers):
-    """Greedy from a right-padded prompt starts at a padding position's logits, which patchkit zeroes: left only."""
+def test_static_cache_decode_takes_the_cache_path_exactly(full_mask, first_row_padded, gathers):
+    """Greedy from a right-padded prompt starts at a padding position's logits, which patchkit zeroes: left only.
+    With the first row padded: transformers 4.56-5.x count a StaticCache's filled slots as the first row's nonzero
+    keys (no cache_position here, so both the model and patchkit place the step by that count); the packed prefill
+    left zeros at padding slots, which made that count short and the decode steps wrong (up to 0.26, no error)."""
     model = tiny_model(kv_heads=2, seed=3)
     ids, mask = padded_batch("left", batch=4, seq=16)
+    if first_row_padded:
+        ids, mask = ids.flip(0), mask.flip(0)
     want = static_decode(model, ids, mask, steps=5, max_len=24, full_mask=full_mask)
     with patchkit.apply_patch("llama2", backend="sdpa"):
         got = static_decode(model, ids, mask, steps=5, max_len=24, full_mask=full_mask)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import padded_batch, tiny_model
+from models import padded_batch, static_decode, tiny_model
 from transformers import DynamicCache
 
 import patchkit
@@ -91,3 +91,18 @@ def test_static_cache_generation_equals_unpatched():
     with patchkit.apply_patch("llama2", backend="sdpa"):
         assert torch.equal(model.generate(input_ids=ids, cache_implementation="static", **kw), static)
         assert torch.equal(greedy(model, ids, mask, n=3), want)
+
+
+@pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])
+def test_a_static_cache_decode_loop_with_the_first_row_padded_equals_unpatched(full_mask):
+    """A decode loop of one's own into a StaticCache (no cache_position: the cache's count of filled slots places
+    each step). transformers 4.56-5.x count them as the first row's nonzero keys, and the packed prefill left zeros
+    at padding slots: the count came up short and the steps were wrong (up to 0.26, no error). 4.48's StaticCache
+    has no `is_compileable`: patchkit took it for a growing cache and refused it, blaming activation checkpointing."""
+    model = tiny_model(kv_heads=2, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    ids, mask = ids.flip(0), mask.flip(0)  # the first row padded
+    want = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

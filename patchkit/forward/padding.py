@@ -19,9 +19,9 @@ def unpad_rows(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor
     return flat if indices is None else index_first_axis(flat, indices)
 
 
-def pad_input(hidden: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-    """Scatter (nnz, ...) rows back into a zero (batch, seqlen, ...) tensor."""
-    out = hidden.new_zeros((batch * seqlen, *hidden.shape[1:]))
+def pad_input(hidden: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int, fill: float = 0.0) -> torch.Tensor:
+    """Scatter (nnz, ...) rows back into a (batch, seqlen, ...) tensor of `fill` (zeros by default)."""
+    out = hidden.new_full((batch * seqlen, *hidden.shape[1:]), fill)
     out = out.index_copy(0, indices, hidden)
     return out.view(batch, seqlen, *hidden.shape[1:])
 

@@ -146,14 +146,18 @@ def fillable_cache(cache: Any) -> bool:
 def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
     """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D).
 
-    The cache then holds what transformers' padded prefill would store at every real position (zeros at padding,
+    The cache then holds what transformers' padded prefill would store at every real position (filler at padding,
     which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
+    The filler is zero, but a StaticCache's padding keys are ones: transformers 4.56-5.x count its filled slots as
+    the first row's nonzero keys (the next forward's position when no cache_position is given), and a zero key
+    there would shorten that count and misplace every later step.
     """
     original = cache.update
+    fills = (1.0 if full_static_cache(cache) is not None else 0.0, 0.0)  # keys, values
 
     def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len).transpose(1, 2)
-                  for t in (key_states, value_states)]
+        padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len, fill).transpose(1, 2)
+                  for t, fill in zip((key_states, value_states), fills)]
         if args:
             args = (padded_cache_kwargs(args[0], meta), *args[1:])
         elif "cache_kwargs" in kwargs:
