@@ -8,6 +8,7 @@ import json
 from typing import Any, Callable, Optional
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from patchkit.api import active_patches, apply_patch
@@ -100,7 +101,11 @@ def load_model(patch: str, path: Optional[str], seed: int) -> tuple[nn.Module, s
         return tiny_llama(patch, seed), "tiny random LLaMA (2 layers, hidden 64)"
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    from patchkit.eras import installed_version
+
+    # `dtype` from transformers 4.56; before, `torch_dtype` (an unknown keyword reaches the model's __init__)
+    key = "dtype" if Version(installed_version()).release >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **{key: torch.float32})
     return model.eval(), path
 
 
