@@ -19,7 +19,6 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.forward.context import current
-from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.forward.varlen import KV_PACKED, PatchState
 from patchkit.hooks import attention_interface
@@ -27,7 +26,7 @@ from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement, bound_replacement
 from patchkit.hooks.routing import current_method, make_attention_forward, routes_to
-from patchkit.hooks.step_aside import transformers_made
+from patchkit.hooks.step_aside import transformers_mask_in_graph
 from patchkit.registry import PatchSpec
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
@@ -121,8 +120,7 @@ def make_update_causal_mask(original: Callable) -> Callable:
         self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
         past_key_values: Any = None, *args: Any, **kwargs: Any,
     ) -> Any:
-        if (is_compiling() and transformers_made(attention_mask)) or current().aside is not None:
-            # in a graph (no contextvar there) generate()'s 4D mask of a static cache is transformers' to read
+        if transformers_mask_in_graph(attention_mask) or current().aside is not None:
             return original(self, attention_mask, input_tensor, cache_position, past_key_values, *args, **kwargs)
         past_len, fixed = cache_placement(past_key_values, cache_position)
         refuse_4d(attention_mask, fixed)

@@ -33,7 +33,7 @@ from patchkit.hooks.step_aside import (
     right_padded_generation,
     sliding_window,
     step_aside,
-    transformers_made,
+    transformers_mask_in_graph,
 )
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
@@ -299,7 +299,7 @@ def make_model_forward(
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
-        if is_compiling() and transformers_made(arguments.get("attention_mask")):
+        if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
@@ -370,7 +370,7 @@ def make_lm_forward(original: Callable) -> Callable:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        if is_compiling() and transformers_made(arguments.get("attention_mask")):
+        if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward hands that mask on as it is
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or current().lm_cause is None):

@@ -15,6 +15,7 @@ import torch
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
+from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import fixed_slots
 from patchkit.forward.metadata import has_holes
 
@@ -96,6 +97,12 @@ def transformers_mask(mask: Any) -> bool:
 def transformers_made(mask: Any) -> bool:
     """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
     return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
+
+
+def transformers_mask_in_graph(mask: Any) -> bool:
+    """Inside a compiled graph (no host sync, no contextvar there), a transformers-made mask (generate()'s 4D mask
+    of a static cache) goes to transformers' attention as it is, at every level of the model."""
+    return is_compiling() and transformers_made(mask)
 
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
