@@ -122,3 +122,38 @@ def test_the_host_ops_benchmark_counts_both_providers(tmp_path):
     assert set(rows) == {"hf_sdpa", "patchkit_sdpa"}
     assert all(float(r["py_calls_per_layer"]) > 0 and float(r["aten_ops_per_layer"]) > 0 for r in rows.values())
     assert all(float(r["step_us"]) > 0 for r in rows.values()) and float(rows["hf_sdpa"]["vs_hf"]) == 1.0
+
+
+def test_layers_are_counted_once_each_with_the_weak_set_asked_only_for_unmarked_layers(monkeypatch):
+    """A layer's mark stands for 'in the state's set': later calls skip the WeakSet lookup (it builds a weak reference
+    per call), and a deepcopy of a marked layer (its mark copied into a new object) is still counted as a new layer."""
+    model = tiny_model(layers=2)
+    inputs = decode_inputs(model)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        with torch.no_grad():
+            model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])})
+        lookups = []
+        original = type(handle.state.layers).__contains__
+        monkeypatch.setattr(type(handle.state.layers), "__contains__", lambda s, m: lookups.append(m) or original(s, m))
+        with torch.no_grad():
+            model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])})
+        assert lookups == [] and handle.calls == 4 and handle.layers_seen == 2
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin(**inputs)
+        monkeypatch.undo()
+        assert len(lookups) == 2 and handle.calls == 6 and handle.state.layers_seen == 4
+
+
+def test_the_family_check_reads_past_the_config_getattribute_and_an_instance_model_type_wins():
+    from patchkit.errors import PatchInputError
+    from patchkit.forward.arguments import check_family, model_type_of
+
+    model = tiny_model(layers=1)
+    attention = model.model.layers[0].self_attn
+    assert model_type_of(attention) == model.config.model_type == "llama"
+    check_family(attention, {"llama"})
+    model.config.model_type = "bert"  # an instance's own field, over its class's
+    assert model_type_of(attention) == "bert"
+    with pytest.raises(PatchInputError, match="model_type 'bert'"):
+        check_family(attention, {"llama"})

@@ -22,6 +22,8 @@ INERT = frozenset({
     "shift_labels", "labels",
 })
 
+ACCEPTED = HONOURED | INERT
+
 WHY = {
     "sliding_window": "a sliding-window attention (each query sees only the last N keys)",
     "softcap": "attention-logit soft-capping (tanh on the scores)",
@@ -34,8 +36,7 @@ WHY = {
 
 def model_label(module: nn.Module) -> str:
     """'MistralAttention (model_type 'mistral')' for error messages."""
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    return f"{type(module).__name__} (model_type {model_type!r})"
+    return f"{type(module).__name__} (model_type {model_type_of(module)!r})"
 
 
 def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
@@ -51,6 +52,8 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
     """Refuse any argument that would change the result and that patchkit does not implement."""
     if getattr(module, "is_causal", True) is False:
         raise refuse(module, "is_causal", False)
+    if kwargs.keys() <= ACCEPTED:  # every layer call of a decode step asks: one set operation
+        return
     for name, value in kwargs.items():
         if name in HONOURED or name in INERT or value is None or value is False:
             continue
@@ -59,10 +62,20 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
         raise refuse(module, name, value)
 
 
+def model_type_of(module: nn.Module) -> Any:
+    """`module.config.model_type`, read past the config's Python `__getattribute__` (transformers 5.x: about 1 us a
+    read, and every layer call asks): the instance's own field where it has one, else its class's."""
+    config = getattr(module, "config", None)
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:  # no instance dict (None, or a config with slots)
+        return getattr(config, "model_type", None)
+    return own["model_type"] if "model_type" in own else getattr(type(config), "model_type", None)
+
+
 def check_family(module: nn.Module, model_types: Iterable[str]) -> None:
     """The registered name serves only the families patchkit has a patch for; any other model is refused."""
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type not in model_types:
+    if model_type_of(module) not in model_types:
         allowed = sorted(set(model_types))
         raise PatchInputError(
             f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "

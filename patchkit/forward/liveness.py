@@ -25,9 +25,12 @@ def record_call(state: Any, module: nn.Module) -> None:
         setattr(module, LIVE_MARK, state.mark)
         state.compiled = True  # a constant store: no guard, no recompile; calls are not counted in graphs
         return
-    if vars(module).get(LIVE_MARK) is not state.mark:  # nn.Module.__setattr__ is costly: once per layer and state
-        setattr(module, LIVE_MARK, state.mark)
     state.calls += 1
+    marked = vars(module).get(LIVE_MARK) is state.mark
+    if marked and not state.compiled:  # eager calls mark and add together: a layer seen before
+        return  # no WeakSet lookup (it builds a weak reference) per layer call
+    if not marked:  # nn.Module.__setattr__ is costly: once per layer and state
+        setattr(module, LIVE_MARK, state.mark)
     if module not in state.layers:
         state.layers.add(module)
         state.layers_seen += 1

@@ -35,8 +35,8 @@ class VarlenMetadata:
     # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @property
-    def nnz_q(self) -> int:
+    @functools.cached_property
+    def nnz_q(self) -> int:  # every layer asks; the lengths never change
         return sum(self.seqlens_q)
 
     @property
