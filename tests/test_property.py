@@ -32,8 +32,9 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, labels_for, tiny_model
-from transformers import DynamicCache, StaticCache
+from families import set_attention
+from models import VOCAB, labels_for, needs_mask_interface, static_cache, tiny_model
+from transformers import DynamicCache
 
 import patchkit
 from patchkit.forward.masks import build_metadata
@@ -45,6 +46,10 @@ st = pytest.importorskip("hypothesis.strategies")
 MAX_SEQ = 12
 ATOL, RTOL, GRAD_RTOL = 2e-5, 1e-4, 1e-3
 SINGLE, CACHED = ("none", "default"), ("dynamic", "implicit", "static_short", "static_full")
+# attn_implementation="patchkit" is registered through transformers' mask interface (4.53+); before it, only the
+# class and instance patches exist
+HAS_MASK_INTERFACE = not needs_mask_interface.args[0]
+ROUTES = ("class", "instance", "registered") if HAS_MASK_INTERFACE else ("class", "instance")
 
 
 @functools.cache
@@ -213,7 +218,7 @@ def packed_rows(draw, batch: int, allow_no_mask: bool):
 @st.composite
 def cases(draw, caches: tuple):
     cache = draw(st.sampled_from(caches))
-    route = draw(st.sampled_from(("class", "instance", "registered")))
+    route = draw(st.sampled_from(ROUTES))
     # cached runs take packed rows as a prefill only: there, mostly padded rows with chunks and decode steps
     layout = draw(st.sampled_from(("padded", "packed") if cache in SINGLE else ("padded",) * 3 + ("packed",)))
     batch = draw(st.integers(1, 3))
@@ -335,8 +340,8 @@ def run_case(model, case: Case, *, with_grad: bool):
     cache = {
         "dynamic": lambda: DynamicCache(),
         "implicit": lambda: None,
-        "static_short": lambda: StaticCache(config=model.config, max_cache_len=slots),
-        "static_full": lambda: StaticCache(config=model.config, max_cache_len=slots),
+        "static_short": lambda: static_cache(model, batch, slots),
+        "static_full": lambda: static_cache(model, batch, slots),
     }[case.cache]()
     logits, stop = [], 0
     for n in case.chunks:
@@ -404,10 +409,10 @@ class _Registered:
         self.model = model
 
     def __enter__(self):
-        self.model.set_attn_implementation(patchkit.ATTENTION_NAME)
+        set_attention(self.model, patchkit.ATTENTION_NAME)
 
     def __exit__(self, *exc) -> None:
-        self.model.set_attn_implementation("eager")
+        set_attention(self.model, "eager")
 
 
 def check(case: Case) -> None:
@@ -493,7 +498,7 @@ def test_static_cache_decode_with_a_mask_over_every_slot_matches_eager():
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         with patchkit.apply_patch("llama2", backend="sdpa"):
-            cache = StaticCache(config=model.config, max_cache_len=slots)
+            cache = static_cache(model, 2, slots)
             prefill = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache).logits
             steps = [
                 model(input_ids=ids[:, t : t + 1], attention_mask=F.pad(mask[:, : t + 1], (0, slots - t - 1)),
@@ -542,12 +547,13 @@ def test_static_cache_without_a_mask_matches_eager():
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
         with patchkit.apply_patch("llama2", backend="sdpa"):
-            cache = StaticCache(config=model.config, max_cache_len=8)
+            cache = static_cache(model, 2, 8)
             got = torch.cat([model(input_ids=ids[:, :3], past_key_values=cache).logits]
                             + [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in (3, 4)], 1)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@needs_mask_interface
 @pytest.mark.parametrize("mask_len", ["past_plus_q_len", "every_slot"])
 def test_registered_route_serves_a_static_cache(mask_len):
     """attn_implementation="patchkit" receives all max_cache_len slots from transformers' attention and never trims.
@@ -561,11 +567,12 @@ def test_registered_route_serves_a_static_cache(mask_len):
     slots = 8
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        model.set_attn_implementation(patchkit.ATTENTION_NAME)
-        cache = StaticCache(config=model.config, max_cache_len=slots)
+        set_attention(model, patchkit.ATTENTION_NAME)
+        cache = static_cache(model, 2, slots)
         got = []
         for start, stop in ((0, 3), (3, 4), (4, 5)):
             step_mask = mask[:, :stop] if mask_len == "past_plus_q_len" else F.pad(mask[:, :stop], (0, slots - stop))
             got.append(model(input_ids=ids[:, start:stop], attention_mask=step_mask, past_key_values=cache).logits)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(got, 1)[real], want[real], atol=ATOL, rtol=RTOL)
+
