@@ -576,3 +576,58 @@ def test_registered_route_serves_a_static_cache(mask_len):
     real = mask.bool()
     torch.testing.assert_close(torch.cat(got, 1)[real], want[real], atol=ATOL, rtol=RTOL)
 
+
+# Found by running the properties on transformers 4.48.3 and 4.52.4 (the era sweep); patchkit bugs, not yet fixed.
+
+
+@pytest.mark.parametrize("variant", ["no_mask", "output_attentions"])
+def test_a_training_forward_with_use_cache_keeps_its_cache_or_the_next_step_is_refused(variant):
+    """Open bug, every version: in training mode, a prefill with use_cache=True, then one more token fed with the
+    prefill's past_key_values, as unpatched transformers serves it exactly (it keeps a DynamicCache in training).
+
+    patchkit keeps no KV cache in training (`_keep_no_cache_in_training`, which also runs before the step-aside
+    decision), so the prefill hands back past_key_values=None. With a 2D mask the next step is refused ("brings no
+    cached tokens"), which is acceptable (refusable()). But with no mask ("no_mask") nothing is checked: the token
+    attends to itself alone, logits off by 0.19, no error. And with output_attentions=True the next step steps aside
+    before the mask check: 4.48-5.0 silently give the same wrong logits, 5.23 fails inside transformers' eager
+    attention (RuntimeError, batch2 [4, 1] for [4, 3]). Shrunk by
+    test_dynamic_cache_prefill_and_decode_are_served_exactly_or_refused on 4.48.3 and 4.52.4.
+    """
+    model = tiny_model(seed=11, kv_heads=4, heads=4, hidden=32, layers=2).train()
+    ids, mask = torch.tensor([[37, 24, 44]]), torch.tensor([[1, 1, 1]])
+    kw = {"output_attentions": True} if variant == "output_attentions" else {}
+    masks = (None, None) if variant == "no_mask" else (mask[:, :2], mask)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the step-aside warning, and 4.57's about output_attentions
+            first = model(input_ids=ids[:, :2], attention_mask=masks[0], use_cache=True, **kw)
+            try:
+                second = model(input_ids=ids[:, 2:], attention_mask=masks[1], past_key_values=first.past_key_values,
+                               use_cache=True, **kw)
+            except patchkit.PatchkitError:
+                return  # refused, naming the cause: acceptable
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), want, atol=ATOL, rtol=RTOL)
+
+
+def test_a_4d_mask_under_gradient_checkpointing_keeps_its_documents():
+    """Open bug, transformers 4.48.3 (4.52.4 and later pass): a caller's 4D block-diagonal mask (two documents of 2)
+    with gradient checkpointing in training mode.
+
+    patchkit turns the 4D mask into cu_seq_lens kwargs and drops the mask (`documents_from_4d_mask`), but 4.48's
+    LlamaModel calls `_gradient_checkpointing_func(decoder_layer.__call__, ...)` without **flash_attn_kwargs: the
+    attention gets neither mask nor cu_seq_lens and the documents attend to each other (logits off by 0.23, no
+    error). With position_ids restarting at 0 under a plain causal 4D mask the converse happens (split in two).
+    Shrunk from test_single_forward_is_served_exactly_or_refused on 4.48.3.
+    """
+    model = tiny_model(seed=11, kv_heads=4, heads=4, hidden=32, layers=2).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, doc = torch.tensor([[37, 24, 50, 8]]), torch.tensor([0, 0, 1, 1])
+    allowed = torch.ones(4, 4).tril().bool() & (doc[:, None] == doc[None, :])
+    four_d = torch.zeros(1, 1, 4, 4).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=four_d, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            got = model(input_ids=ids, attention_mask=four_d, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
