@@ -74,6 +74,7 @@ DEFAULT_TESTS = [
     "tests/test_step_aside.py",
     "tests/test_compile.py",
     "tests/test_verify.py",
+    "tests/test_never_silent.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir

@@ -117,6 +117,15 @@ def cache_tensors(cache) -> list:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
+def dynamic_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # before 4.56 a DynamicCache takes no config
+        return DynamicCache()
+
+
 def static_cache(model, batch: int, max_len: int):
     from transformers import StaticCache
 
