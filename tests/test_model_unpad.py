@@ -9,6 +9,7 @@ from models import cache_tensors, labels_for, needs_mask_interface, padded_batch
 
 import patchkit
 from patchkit.forward import context
+from patchkit.hooks.model_forward import makes_own_cache
 
 
 def layer_input_shapes(model) -> list[tuple[int, ...]]:
@@ -181,13 +182,24 @@ def test_an_eval_forward_given_use_cache_false_or_a_past_is_not_given_a_cache():
     assert shapes == [(ids.shape[0], 1, 64)] * 2  # a decode step: the padded batch, not a packed row
 
 
-def test_training_mode_keeps_no_cache():
-    """In train mode the forward unpads even with use_cache=True, and returns no cache (nothing could use it)."""
+def test_training_mode_keeps_a_cache_only_when_asked():
+    """In train mode a config's default use_cache (every Trainer step) makes no cache; use_cache=True is kept, as
+    transformers keeps it (a caller may feed it to the next step): filled padded from the unpadded forward, or (an
+    era whose own cache patchkit has not read) made by the model on the per-layer path."""
     model = tiny_model().train()
     ids, mask = padded_batch("right")
-    with patchkit.apply_patch("llama2", backend="sdpa"):
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-    assert out.past_key_values is None
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    seen = layer_input_shapes(model)
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        assert model(input_ids=ids, attention_mask=mask).past_key_values is None
+        got = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    if makes_own_cache(model.model):  # an era whose own cache patchkit read: the unpadded forward fills it padded
+        assert seen[-1] == (1, int(mask.sum()), 64)
+    real = mask.bool()
+    for (k, v), (wk, wv) in zip(cache_tensors(got), cache_tensors(want)):
+        torch.testing.assert_close(k.transpose(1, 2)[real], wk.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.transpose(1, 2)[real], wv.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
 
 
 def test_unpad_attention_mode_keeps_padded_shapes_and_matches():

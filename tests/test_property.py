@@ -121,8 +121,6 @@ def refusable(case: Case) -> Optional[str]:
     - output_attentions=True with packed documents: patchkit steps aside for it (transformers' own attention runs
       it), which would let packed documents attend to each other. Without packing it must be served (stepped
       aside, exactly); so must a 4D mask, whose pattern here keeps the documents apart itself.
-    - steps after a prefill that made its own cache in training mode: patchkit keeps no KV cache in training
-      (documented in the README), so the next step's mask is longer than its keys and is refused, naming that.
     Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
@@ -130,8 +128,6 @@ def refusable(case: Case) -> Optional[str]:
     if case.extra == "output_attentions" and (separate_documents(case) or case.route == "registered"):
         return ("output_attentions=True with packed documents (transformers' attention would mix them), or through "
                 "the registered name, which has no transformers attention of the model's own to step aside to")
-    if case.cache == "implicit" and len(case.chunks) > 1 and case.train and case.route != "registered":
-        return "a training-mode forward keeps no KV cache"
     return None
 
 
@@ -577,21 +573,18 @@ def test_registered_route_serves_a_static_cache(mask_len):
     torch.testing.assert_close(torch.cat(got, 1)[real], want[real], atol=ATOL, rtol=RTOL)
 
 
-# Found by running the properties on transformers 4.48.3 and 4.52.4 (the era sweep); patchkit bugs, not yet fixed.
+# Found by running the properties on transformers 4.48.3 and 4.52.4 (the era sweep); fixed since.
 
 
 @pytest.mark.parametrize("variant", ["no_mask", "output_attentions"])
-def test_a_training_forward_with_use_cache_keeps_its_cache_or_the_next_step_is_refused(variant):
-    """Open bug, every version: in training mode, a prefill with use_cache=True, then one more token fed with the
-    prefill's past_key_values, as unpatched transformers serves it exactly (it keeps a DynamicCache in training).
+def test_a_training_forward_asked_for_a_cache_keeps_it_and_the_next_step_is_exact(variant):
+    """Every version, before the fix: in training mode, a prefill with use_cache=True, then one more token fed with
+    the prefill's past_key_values, as unpatched transformers serves it (it keeps a DynamicCache in training).
 
-    patchkit keeps no KV cache in training (`_keep_no_cache_in_training`, which also runs before the step-aside
-    decision), so the prefill hands back past_key_values=None. With a 2D mask the next step is refused ("brings no
-    cached tokens"), which is acceptable (refusable()). But with no mask ("no_mask") nothing is checked: the token
-    attends to itself alone, logits off by 0.19, no error. And with output_attentions=True the next step steps aside
-    before the mask check: 4.48-5.0 silently give the same wrong logits, 5.23 fails inside transformers' eager
-    attention (RuntimeError, batch2 [4, 1] for [4, 3]). Shrunk by
-    test_dynamic_cache_prefill_and_decode_are_served_exactly_or_refused on 4.48.3 and 4.52.4.
+    patchkit kept no KV cache in training even when asked, so the prefill handed back past_key_values=None. With no
+    mask the next token then attended to itself alone (logits off by 0.19, no error); with output_attentions=True
+    (stepped aside) the same on 4.48-5.0, and a RuntimeError inside transformers' eager attention on 5.23. An asked
+    for cache is now kept (`_keep_no_cache_in_training`); a config's default use_cache still makes none.
     """
     model = tiny_model(seed=11, kv_heads=4, heads=4, hidden=32, layers=2).train()
     ids, mask = torch.tensor([[37, 24, 44]]), torch.tensor([[1, 1, 1]])
@@ -602,23 +595,20 @@ def test_a_training_forward_with_use_cache_keeps_its_cache_or_the_next_step_is_r
         with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the step-aside warning, and 4.57's about output_attentions
             first = model(input_ids=ids[:, :2], attention_mask=masks[0], use_cache=True, **kw)
-            try:
-                second = model(input_ids=ids[:, 2:], attention_mask=masks[1], past_key_values=first.past_key_values,
-                               use_cache=True, **kw)
-            except patchkit.PatchkitError:
-                return  # refused, naming the cause: acceptable
+            assert first.past_key_values is not None
+            second = model(input_ids=ids[:, 2:], attention_mask=masks[1], past_key_values=first.past_key_values,
+                           use_cache=True, **kw)
     torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), want, atol=ATOL, rtol=RTOL)
 
 
 def test_a_4d_mask_under_gradient_checkpointing_keeps_its_documents():
-    """Open bug, transformers 4.48.3 (4.52.4 and later pass): a caller's 4D block-diagonal mask (two documents of 2)
-    with gradient checkpointing in training mode.
+    """Transformers 4.48.3 before the fix (4.52.4 and later passed): a caller's 4D block-diagonal mask (two
+    documents of 2) with gradient checkpointing in training mode.
 
     patchkit turns the 4D mask into cu_seq_lens kwargs and drops the mask (`documents_from_4d_mask`), but 4.48's
     LlamaModel calls `_gradient_checkpointing_func(decoder_layer.__call__, ...)` without **flash_attn_kwargs: the
-    attention gets neither mask nor cu_seq_lens and the documents attend to each other (logits off by 0.23, no
-    error). With position_ids restarting at 0 under a plain causal 4D mask the converse happens (split in two).
-    Shrunk from test_single_forward_is_served_exactly_or_refused on 4.48.3.
+    attention got neither mask nor cu_seq_lens and the documents attended to each other (logits off by 0.23, no
+    error). The documents now ride the mask object (`documents_metadata`), as a checkpoint's recompute does.
     """
     model = tiny_model(seed=11, kv_heads=4, heads=4, hidden=32, layers=2).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -630,4 +620,21 @@ def test_a_4d_mask_under_gradient_checkpointing_keeps_its_documents():
         with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             got = model(input_ids=ids, attention_mask=four_d, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_restarting_positions_under_a_causal_4d_mask_and_checkpointing_stay_one_document():
+    """The converse of the test above (transformers 4.48-4.51, before the fix): a plain causal 4D mask (one
+    document) with position_ids restarting at 0, gradient checkpointing on. patchkit turned the mask into
+    cu_seq_lens that 4.48's checkpointed layers never got, and the layers, given no mask, split the row at the
+    restart: two documents where transformers serves one. The documents now ride the mask object."""
+    model = tiny_model(seed=11, kv_heads=4, heads=4, hidden=32, layers=2).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, positions = torch.tensor([[37, 24, 50, 8]]), torch.tensor([[0, 1, 0, 1]])
+    causal = torch.zeros(1, 1, 4, 4).masked_fill(~torch.ones(4, 4).tril().bool(), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=causal, position_ids=positions, use_cache=False).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            got = model(input_ids=ids, attention_mask=causal, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -29,6 +29,7 @@ from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import full_static_cache, served_4d_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
+    documents_metadata,
     forward_cause,
     right_padded_generation,
     sliding_window,
@@ -47,6 +48,12 @@ OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "g
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
     return bool(module.config.use_cache if use_cache is None else use_cache)
+
+
+def _fills_a_cache(module: nn.Module, args: dict) -> bool:
+    """This forward returns a cache the packed path must fill padded: with use_cache in eval, and in training only
+    where the caller asked (use_cache=True; a cache brought in training keeps the per-layer path, as before)."""
+    return _resolved_use_cache(module, args.get("use_cache")) and (not module.training or args.get("use_cache") is True)
 
 
 def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMetadata]:
@@ -68,7 +75,7 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     if current().lm_cause is not None:
         return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
     cache = args.get("past_key_values")
-    if _resolved_use_cache(module, args.get("use_cache")) and not module.training:
+    if _fills_a_cache(module, args):
         if cache is None and not makes_own_cache(module):
             return None  # an era whose own cache was not checked: the per-layer path lets the model make it
         if cache is not None and not fillable_cache(cache):
@@ -256,7 +263,11 @@ def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], C
 
 
 def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
-    """Training keeps no KV cache unless the caller brings one: a recomputing checkpoint cannot grow it twice."""
+    """Training keeps no KV cache unless the caller asks for one (brings one, or passes use_cache=True): a config's
+    default use_cache (every Trainer step) makes none, so a recomputing checkpoint never grows one. An asked-for cache
+    is kept, as transformers keeps it: a caller who feeds it to the next step gets the same numbers."""
+    if args.get("use_cache") is True:
+        return
     if module.training and args.get("past_key_values") is None and args.get("past_key_value") is None:
         args["use_cache"] = False
 
@@ -315,11 +326,14 @@ def make_model_forward(
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
         whole = unpad == "model" and ulysses is None
         meta = unpad_plan(self, arguments, extra) if whole else None
-        with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None):
+        documents = documents_metadata(arguments, extra) if meta is None and ulysses is None else None
+        carried = {} if documents is None else {"packed": documents}  # documents ride the mask, as checkpoints do
+        with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
+                                                             **carried):
             if meta is None:
                 return call(self, arguments)
             cache = arguments.get("past_key_values")
-            if cache is None and _resolved_use_cache(self, arguments.get("use_cache")) and not self.training:
+            if cache is None and _fills_a_cache(self, arguments):
                 cache = arguments["past_key_values"] = own_cache(self)  # returned, filled padded, as its own
             _unpad_inputs(arguments, meta)
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()

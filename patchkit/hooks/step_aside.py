@@ -14,10 +14,10 @@ import torch
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
-from patchkit.forward.documents import block_diagonal_documents, has_packed_rows
+from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows
 from patchkit.forward.liveness import is_compiling
-from patchkit.forward.masks import fixed_slots
-from patchkit.forward.metadata import has_holes
+from patchkit.forward.masks import build_metadata, fixed_slots
+from patchkit.forward.metadata import VarlenMetadata, has_holes
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
@@ -135,6 +135,22 @@ def documents_from_4d_mask(arguments: dict, extra: dict) -> bool:
     arguments["attention_mask"] = None
     extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return True
+
+
+def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
+    """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
+    metadata the mask builders hand every layer (`ForwardContext.packed`): on the mask object they reach a
+    checkpoint's recompute, where kwargs may not (transformers 4.48-4.51 call checkpointed layers without them)."""
+    cu_q, tokens = extra.get("cu_seq_lens_q"), arguments.get("input_ids")
+    if arguments.get("inputs_embeds") is not None:
+        tokens = arguments["inputs_embeds"]
+    if cu_q is None or arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
+        return None
+    batch, seqlen = tokens.shape[:2]
+    meta = build_metadata(None, batch, seqlen, seqlen, tokens.device, arguments.get("position_ids"), cu_q,
+                          extra.get("cu_seq_lens_k"))
+    check_seq_idx(extra.get("seq_idx"), meta)
+    return meta
 
 
 def sliding_window(config: Any) -> Optional[int]:
