@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ import patchkit
 from patchkit.hooks.slots_mask import padding_from_slots_mask
 
 ATOL, RTOL = 2e-5, 1e-4
-pytestmark = pytest.mark.skipif(
+# generate()'s static-cache mask read back and served patched (slots_mask.full_static_cache): transformers 4.56+;
+# before it such forwards step aside (exact), which test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly
+# checks from 4.48 on
+served_patched = pytest.mark.skipif(
     importlib.util.find_spec("transformers.masking_utils") is None
     or not hasattr(importlib.import_module("transformers.cache_utils"), "StaticLayer"),
     reason="static caches served patched: transformers 4.56+ (cache layers)",
@@ -39,6 +43,7 @@ def first_layer_inputs(model) -> list[tuple[int, ...]]:
     return shapes
 
 
+@served_patched
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])  # generate() builds the model's own kind of mask: additive, bool
 @pytest.mark.parametrize("patch", list(MODELS))
 def test_static_cache_generation_runs_patched_with_unpatched_tokens_and_scores(patch, attn):
@@ -58,6 +63,7 @@ def test_static_cache_generation_runs_patched_with_unpatched_tokens_and_scores(p
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
 
 
+@served_patched
 def test_a_right_padded_static_prefill_steps_aside_and_its_decode_steps_run_patched():
     """A short row's next token is read at a padding position: that prefill steps aside as right_padded_generation;
     the decode steps (padding between real tokens, no window) run patched, with the unpatched tokens."""
@@ -75,20 +81,36 @@ def test_a_right_padded_static_prefill_steps_aside_and_its_decode_steps_run_patc
 def chunk_mask(model, mask: torch.Tensor, new: int = 3):
     """A prefill into a StaticCache of 20 slots (unpatched), then the 4D mask generate() makes for `new` more tokens
     (a chunk: with one query, any key mask is a padding mask)."""
-    from transformers.masking_utils import create_masks_for_generate
-
     batch, prompt = mask.shape
     cache = static_cache(model, batch, 20)
     ids = torch.randint(3, 90, (batch, prompt), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     grown = torch.cat([mask, torch.ones_like(mask[:, :new])], 1)
-    four_d = create_masks_for_generate(config=model.config, inputs_embeds=torch.empty(batch, new, 0),
-                                       attention_mask=grown, past_key_values=cache,
-                                       position_ids=grown.cumsum(-1)[:, -new:] - 1)
-    return cache, grown, four_d
+    return cache, grown, generate_mask(model, cache, grown, new)
 
 
+def generate_mask(model, cache, grown: torch.Tensor, new: int) -> torch.Tensor:
+    """The 4D mask generate() builds for the last `new` tokens of `grown` over the static cache, as this transformers
+    builds it: create_masks_for_generate (4.53+; input_embeds and cache_position before 5.x's inputs_embeds), or
+    the base model's _prepare_4d_causal_attention_mask_with_cache_position before it."""
+    batch, total = grown.shape
+    position_ids = grown.cumsum(-1)[:, -new:] - 1
+    cache_position = torch.arange(total - new, total)
+    if importlib.util.find_spec("transformers.masking_utils") is None:
+        return model.model._prepare_4d_causal_attention_mask_with_cache_position(
+            grown, sequence_length=new, target_length=cache.get_max_cache_shape(), dtype=torch.float32,
+            device=grown.device, cache_position=cache_position, batch_size=batch, config=model.config,
+            past_key_values=cache)
+    from transformers.masking_utils import create_masks_for_generate
+
+    kw = dict(config=model.config, attention_mask=grown, past_key_values=cache, position_ids=position_ids)
+    if "cache_position" in inspect.signature(create_masks_for_generate).parameters:
+        return create_masks_for_generate(input_embeds=torch.empty(batch, new, 0), cache_position=cache_position, **kw)
+    return create_masks_for_generate(inputs_embeds=torch.empty(batch, new, 0), **kw)
+
+
+@served_patched
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_the_2d_mask_is_read_back_exactly_and_anything_else_is_not(attn):
     """generate()'s mask for a chunk behind a static cache is its 2D mask; a real key hidden from one query only, an
