@@ -7,12 +7,16 @@ import json
 import pytest
 import torch
 from models import labels_for, needs_mask_interface, padded_batch, tiny_config
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import patchkit
 from patchkit.hooks import attention_interface
 
 pytestmark = needs_mask_interface
+
+# from_pretrained reads attn_implementation from config.json only in newer 5.x: 4.x and 5.0's from_dict overwrite it
+# with the call's attn_implementation (None), and the model loads sdpa unpatched or patched alike
+CONFIG_JSON_NAMED = LlamaConfig.from_dict({"attn_implementation": "eager"})._attn_implementation_internal == "eager"
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +40,9 @@ def logits_and_grad(model, ids, mask):
     return out.logits.detach(), model.lm_head.weight.grad.clone()
 
 
-@pytest.mark.parametrize("route", ["from_pretrained", "config.json"])
+@pytest.mark.parametrize("route", ["from_pretrained", pytest.param("config.json", marks=pytest.mark.skipif(
+    not CONFIG_JSON_NAMED, reason="this transformers (4.x, 5.0) ignores attn_implementation in config.json: "
+    "PretrainedConfig.from_dict overwrites it with from_pretrained's attn_implementation argument"))])
 def test_registered_name_matches_eager_on_padded_batches(saved, route):
     eager = LlamaForCausalLM.from_pretrained(saved, attn_implementation="eager")
     if route == "config.json":
