@@ -77,6 +77,7 @@ DEFAULT_TESTS = [
     "tests/test_never_silent.py",
     "tests/test_static_cache.py",
     "tests/test_attention_interface.py",
+    "tests/test_every_family.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
