@@ -78,6 +78,7 @@ DEFAULT_TESTS = [
     "tests/test_static_cache.py",
     "tests/test_attention_interface.py",
     "tests/test_every_family.py",
+    "tests/test_warnings.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
