@@ -79,6 +79,7 @@ DEFAULT_TESTS = [
     "tests/test_attention_interface.py",
     "tests/test_every_family.py",
     "tests/test_warnings.py",
+    "tests/test_config.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
