@@ -80,6 +80,7 @@ DEFAULT_TESTS = [
     "tests/test_every_family.py",
     "tests/test_warnings.py",
     "tests/test_config.py",
+    "tests/test_property.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
