@@ -15,7 +15,7 @@ from patchkit.errors import PatchGateError, PatchInputError
 from patchkit.forward.arguments import check_call, check_family
 from patchkit.forward.decode import decode_attention
 from patchkit.forward.liveness import record_call
-from patchkit.forward.masks import VarlenMask, as_varlen_mask
+from patchkit.forward.masks import as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
@@ -23,7 +23,6 @@ from patchkit.hooks.patching import BoundPatch
 from patchkit.warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
-NO_WINDOW = (-1, -1)  # flash-attn's window_size for none
 QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
 KV_PACKED = "kv"  # LLaMA-2: kv stacked, varlen kvpacked kernel, KV cache and GQA
 
@@ -150,14 +149,12 @@ def varlen_core(
     """
     batch, heads, q_len, _ = q.shape
     packing = PACKINGS[state.packing]
-    if packing.check_heads is not None:
-        packing.check_heads(heads, k.shape[1])
-    vmask = attention_mask if type(attention_mask) is VarlenMask else as_varlen_mask(attention_mask, fixed_cache)
+    packing.check_heads(heads, k.shape[1])
+    vmask = as_varlen_mask(attention_mask, fixed_cache)
     kv_len = vmask.keys_in_use(q_len, k.shape[2], fixed_cache)
     if kv_len != k.shape[2]:  # a static cache returns all its slots; the unfilled ones are never seen
         k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-    if packing.check_keys is not None:
-        packing.check_keys(q_len, kv_len)
+    packing.check_keys(q_len, kv_len)
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
@@ -244,16 +241,20 @@ def refuse_past_for_qkv(q_len: int, kv_len: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """How a patch stacks q/k/v for the kernel: what it refuses (None: nothing), and how it attends."""
+    """How a patch stacks q/k/v for the kernel: what it refuses, and how it attends."""
 
-    check_heads: Optional[Callable[[int, int], None]]
-    check_keys: Optional[Callable[[int, int], None]]
+    check_heads: Callable[[int, int], None]
+    check_keys: Callable[[int, int], None]
     attend: Callable[..., torch.Tensor]
+
+
+def _accept(*_: Any) -> None:
+    return None
 
 
 PACKINGS = {
     QKV_PACKED: Packing(refuse_gqa_for_qkv, refuse_past_for_qkv, attend_qkv_packed),
-    KV_PACKED: Packing(None, None, attend_kv_packed),
+    KV_PACKED: Packing(_accept, _accept, attend_kv_packed),
 }
 
 
@@ -268,9 +269,8 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        sliding, softcap = kwargs.pop("sliding_window", None), kwargs.pop("softcap", None)
-        window = sliding_window_size(sliding) if sliding else NO_WINDOW
-        softcap = float(softcap) if softcap else 0.0
+        window = sliding_window_size(kwargs.pop("sliding_window", None))
+        softcap = float(kwargs.pop("softcap", None) or 0.0)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -285,4 +285,4 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
 
 def sliding_window_size(sliding_window: Optional[int]) -> tuple[int, int]:
     """transformers' `sliding_window=w` (a query sees keys less than w positions back) as flash-attn's window."""
-    return NO_WINDOW if not sliding_window else (int(sliding_window) - 1, 0)
+    return (-1, -1) if not sliding_window else (int(sliding_window) - 1, 0)

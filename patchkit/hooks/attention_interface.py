@@ -121,8 +121,6 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     """
     route = current().route
     routed = None if route is None else route.state
-    if routed is not None and route.ulysses is None and type(attention_mask) is VarlenMask:  # every routed layer
-        return (routed.route_function or _function_for(routed))(module, query, key, value, attention_mask, **kwargs)
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")

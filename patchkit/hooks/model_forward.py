@@ -31,6 +31,7 @@ from patchkit.hooks.step_aside import (
     CAUSES,
     documents_metadata,
     forward_cause,
+    input_tokens,
     right_padded_generation,
     sliding_window,
     step_aside,
@@ -65,7 +66,7 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     keeps the per-layer path, which is exact there too.
     """
     mask = args.get("attention_mask")
-    tokens = args.get("input_ids") if args.get("inputs_embeds") is None else args.get("inputs_embeds")
+    tokens = input_tokens(args)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or tokens.dim() < 2:
         return None
     if any(extra.get(k) is not None for k in FLASH_KWARGS):

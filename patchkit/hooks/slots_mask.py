@@ -18,7 +18,7 @@ import torch
 
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.masks import cache_placement
-from patchkit.hooks.step_aside import documents_from_4d_mask, sliding_window
+from patchkit.hooks.step_aside import documents_from_4d_mask, input_tokens, sliding_window
 
 
 def full_static_cache(cache: Any) -> Optional[int]:
@@ -64,7 +64,7 @@ def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torc
         return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != slots:
         return None
-    tokens = arguments.get("input_ids") if arguments.get("inputs_embeds") is None else arguments.get("inputs_embeds")
+    tokens = input_tokens(arguments)
     batch, _, q_len, _ = mask.shape
     if tokens is None or tuple(tokens.shape[:2]) != (batch, q_len):
         return None

@@ -137,13 +137,17 @@ def documents_from_4d_mask(arguments: dict, extra: dict) -> bool:
     return True
 
 
+def input_tokens(arguments: dict) -> Any:
+    """The forward's tokens, (B, S) ids or (B, S, H) embeddings: `inputs_embeds` where given, else `input_ids`."""
+    embeds = arguments.get("inputs_embeds")
+    return arguments.get("input_ids") if embeds is None else embeds
+
+
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
     """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
     metadata the mask builders hand every layer (`ForwardContext.packed`): on the mask object they reach a
     checkpoint's recompute, where kwargs may not (transformers 4.48-4.51 call checkpointed layers without them)."""
-    cu_q, tokens = extra.get("cu_seq_lens_q"), arguments.get("input_ids")
-    if arguments.get("inputs_embeds") is not None:
-        tokens = arguments["inputs_embeds"]
+    cu_q, tokens = extra.get("cu_seq_lens_q"), input_tokens(arguments)
     if cu_q is None or arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
         return None
     batch, seqlen = tokens.shape[:2]
