@@ -28,13 +28,15 @@ def peak_rss_mib() -> float:
 def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> float:
     """Seconds per step spent in patch glue: metadata builds (timed in place) + gathers/repads (replayed fwd+bwd).
 
-    Both places that unpad are counted: once per model forward (`model_unpad`) and inside attention.
+    Every place that builds metadata or unpads is counted: once per model forward (`model_forward`, and the
+    caller-made documents of `step_aside.documents_metadata`) and inside attention.
     """
     import torch
 
     import patchkit.forward.masks as pm
     import patchkit.forward.varlen as pa
     import patchkit.hooks.model_forward as pmu
+    import patchkit.hooks.step_aside as psa
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]
@@ -55,7 +57,8 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
         return out
 
     hooks = [(pa, "unpad_rows", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
-             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pmu, "build_metadata", build)]
+             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pmu, "build_metadata", build),
+             (psa, "build_metadata", build)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
     for mod, name, fn in hooks:
         setattr(mod, name, fn)
