@@ -99,8 +99,9 @@ def build_metadata(
         raise PatchInputError(
             f"attention_mask has shape {tuple(mask.shape)} but this attention call has batch {batch} and "
             f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] "
-            "(with a StaticCache, up to all max_cache_len slots); do not prepend past columns to a mask that "
-            "already has them"
+            "(with a StaticCache, up to all max_cache_len slots, but past + q_len for a model with a sliding window "
+            "through attn_implementation='patchkit' alone, whose sliding layers hold fewer slots); do not prepend "
+            "past columns to a mask that already has them"
         )
     if cu_seq_lens_q is not None:
         if mask is not None and not bool(mask.all()):
@@ -202,8 +203,10 @@ class VarlenMask:
             raise PatchInputError(
                 f"attention_mask covers {self.mask.shape[-1]} columns, but this forward brings no cached tokens and "
                 f"adds {q_len}. If its past_key_values came from a forward in training mode: patchkit keeps no KV "
-                "cache in training (call model.eval() to generate with a cache). Otherwise pass the mask of this "
-                "call's tokens only."
+                "cache in training unless asked (pass use_cache=True, or call model.eval() to generate with a "
+                "cache). A StaticCache of a model with a sliding window through attn_implementation='patchkit' "
+                "alone: pass past + q_len columns (its sliding layers hold fewer slots than the mask). Otherwise "
+                "pass the mask of this call's tokens only."
             )
         if self.past_len is not None:
             used = self.past_len + q_len - self.key_offset

@@ -159,12 +159,13 @@ def varlen_core(
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
         return q.new_zeros(batch, q_len, heads, v.shape[-1])
-    if window != (-1, -1) and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:
+    bites = window[0] >= 0 and window[0] + 1 < kv_len  # a window as long as the keys in use never bites
+    if bites and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:
         raise PatchInputError(
             f"{type(module).__name__} uses a sliding window and the KV cache is a static kind, whose sliding layers "
             "keep a rolling buffer patchkit does not place; use the default dynamic cache with patchkit."
         )
-    if window != (-1, -1) and meta.holes and window[0] + 1 < kv_len:  # a window as long as the keys never bites
+    if bites and meta.holes:
         raise PatchInputError(
             f"{type(module).__name__} uses a sliding window, and a row of this batch has padding between real "
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "

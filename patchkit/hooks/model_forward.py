@@ -26,7 +26,7 @@ from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.slots_mask import full_static_cache, served_4d_cause
+from patchkit.hooks.slots_mask import full_static_cache, served_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
     documents_metadata,
@@ -316,8 +316,7 @@ def make_model_forward(
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
-        if cause == "custom_4d_mask":  # packed documents (now cu_seq_lens) or a static cache's (now 2D): patched
-            cause = served_4d_cause(self, arguments, extra)
+        cause = served_cause(self, arguments, extra, cause)  # packed documents, static caches' masks: patched
         if cause is not None:
             if padding_first:
                 raise refuse_step_aside(cause, *CAUSES[cause])

@@ -1,4 +1,5 @@
-"""generate()'s 4D mask for a static cache, read back as the 2D key-padding mask it was made from, when it is one.
+"""generate()'s 4D mask for a static cache, read back as the 2D key-padding mask it was made from, when it is one;
+and a caller's 2D mask over every slot, cut to the filled ones.
 
 With a compileable cache, transformers' `prepare_inputs_for_generation` builds the mask before the model runs
 (`create_masks_for_generate`, with the model's own eager or sdpa mask function, outside the patch): a
@@ -17,8 +18,9 @@ from typing import Any, Optional
 import torch
 
 from patchkit.forward.documents import allowed_keys
-from patchkit.forward.masks import cache_placement
-from patchkit.hooks.step_aside import documents_from_4d_mask, input_tokens, sliding_window
+from patchkit.forward.liveness import is_compiling
+from patchkit.forward.masks import cache_placement, fixed_slots
+from patchkit.hooks.step_aside import documents_in_4d_mask, input_tokens, sliding_window, take_documents
 
 
 def full_static_cache(cache: Any) -> Optional[int]:
@@ -75,13 +77,45 @@ def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torc
     return (keys.long(), past) if same_mask(mask, causal_over_slots(keys, past, q_len, slots)) else None
 
 
+def served_cause(module: Any, arguments: dict, extra: dict, cause: Optional[str]) -> Optional[str]:
+    """`forward_cause`'s verdict once the masks patchkit serves are put in the form its path reads (in place): a 4D
+    one (`served_4d_cause`), or a 2D mask over a static cache's every slot on a windowed model (`cut_slots_mask`)."""
+    if cause == "custom_4d_mask":
+        return served_4d_cause(module, arguments, extra)
+    if cause is None:
+        cut_slots_mask(module, arguments)
+    return cause
+
+
+def cut_slots_mask(module: Any, arguments: dict) -> None:
+    """A 2D mask over a static cache's every slot, on a model with a sliding window: its first past + q_len columns.
+
+    Causal attention never sees a column past its query, so the unfilled tail is never read, unpatched either; a
+    sliding layer's rolling buffer is placed by the shorter mask, and full layers by either (`keys_in_use`).
+    """
+    mask, tokens = arguments.get("attention_mask"), input_tokens(arguments)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or mask.shape[-1] <= tokens.shape[1]:
+        return
+    cache = arguments.get("past_key_values")
+    if not fixed_slots(cache) or sliding_window(module.config) is None or is_compiling():
+        return
+    past, _ = cache_placement(cache, arguments.get("cache_position"))
+    if mask.shape[-1] > past + tokens.shape[1]:
+        arguments["attention_mask"] = mask[:, : past + tokens.shape[1]]
+
+
 def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """What a forward given a 4D mask steps aside for, or None where the mask is one the varlen path serves exactly:
     packed documents (now `cu_seq_lens`), or a static cache's causal-and-padding mask (now the 2D mask), both in
     `arguments` / `extra`, in place. A static-cache prefill whose last column is padding in a row with real tokens
     (right padding: generate() reads that row's next token there, which varlen kernels skip) steps aside as
-    right_padded_generation."""
-    if documents_from_4d_mask(arguments, extra):
+    right_padded_generation; documents longer than the model's sliding window as window_under_4d_mask."""
+    documents = documents_in_4d_mask(arguments, extra)
+    if documents is not None:
+        window = sliding_window(module.config)
+        if window is not None and documents[1] > window:  # transformers applies no window over a 4D mask
+            return "window_under_4d_mask"
+        take_documents(arguments, extra, documents)
         return None
     found = padding_from_slots_mask(module, arguments)
     if found is None:

@@ -38,6 +38,19 @@ CAUSES = {
         "continuous batching), which a key-padding mask cannot express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
     ),
+    "window_under_4d_mask": (
+        "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
+        "sliding window over it), and a document or row is longer than the model's sliding window, which patchkit's "
+        "kernels would apply",
+        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); transformers "
+        "then applies the window too",
+    ),
+    "window_rolling_cache": (
+        "a static, hybrid or sliding-window cache on a model with a sliding window, before transformers 4.56 (whose "
+        "caches have no layers that say how their slots are placed): its sliding layers may roll a buffer of the "
+        "window's length, which patchkit does not place",
+        "use the default dynamic cache, or transformers >= 4.56",
+    ),
     "custom_mask_pattern": (
         "transformers was asked for a mask beyond causal and padding (a bidirectional span such as an image's "
         "tokens, or an or_mask_function / and_mask_function / block_sequence_ids), which a key-padding mask cannot "
@@ -117,24 +130,28 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "output_attentions"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
+    cache = arguments.get("past_key_values")
+    if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
+        return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
 
 
-def documents_from_4d_mask(arguments: dict, extra: dict) -> bool:
-    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: hand them to
-    the varlen path as cu_seq_lens (in `arguments` / `extra`, in place) instead of stepping aside."""
+def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
+    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
+    (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""
     cache, mask = arguments.get("past_key_values"), arguments.get("attention_mask")
     if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
-        return False  # a dict of masks per layer type is generate()'s, never packed documents
+        return None  # a dict of masks per layer type is generate()'s, never packed documents
     if cache is not None and cache.get_seq_length() > 0:
-        return False
-    found = block_diagonal_documents(mask)
-    if found is None:
-        return False
-    cu, longest = found
+        return None
+    return block_diagonal_documents(mask)
+
+
+def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:
+    """Replace the 4D mask by its documents as `cu_seq_lens` kwargs (in `arguments` / `extra`, in place)."""
+    cu, longest = documents
     arguments["attention_mask"] = None
     extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-    return True
 
 
 def input_tokens(arguments: dict) -> Any:
