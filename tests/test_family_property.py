@@ -95,3 +95,23 @@ def test_a_static_cache_of_a_windowed_family_is_served_with_a_mask_over_every_sl
                    for a, b in ((0, 2), (2, 3), (3, 4))]
             assert handle.stepped_aside == {}
     torch.testing.assert_close(torch.cat(got, 1), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(Version(transformers_version) >= Version("4.56"), reason="4.56+ serves it (the test above)")
+@pytest.mark.skipif(Version(transformers_version) < Version(FAMILIES_FROM), reason="family patches: 4.53+")
+def test_a_static_cache_of_a_windowed_family_steps_aside_before_4_56():
+    """Before the fix (4.53.3): Mistral's StaticCache under a biting window (5 of 6 tokens) was refused at the layer
+    as a rolling buffer, mid-forward. Caches before 4.56 have no layers that say whether their slots roll, so the
+    forward now steps aside at the model's forward, exactly, naming the cause."""
+    model = family_model("mistral", seed=11)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        with patchkit.apply_patch("mistral", backend="sdpa") as handle, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = static_cache(model, 1, 7)
+            got = [model(input_ids=ids[:, a:b], attention_mask=torch.ones(1, b, dtype=torch.long),
+                         past_key_values=cache).logits for a, b in ((0, 5), (5, 6))]
+            assert handle.stepped_aside == {"window_rolling_cache": 2}
+    assert any("may roll a buffer of the window's length" in str(w.message) for w in caught)
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=ATOL, rtol=RTOL)
