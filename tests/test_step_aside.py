@@ -171,6 +171,47 @@ def test_a_block_diagonal_causal_4d_mask_runs_patched_as_packed_documents(family
         torch.testing.assert_close(got[1][name], want[1][name], atol=3e-5, rtol=1e-3, msg=name)
 
 
+@pytest.mark.parametrize("longest", [5, 8], ids=["documents_fit_the_window", "documents_outrun_the_window"])
+def test_neat_packing_under_the_trainer_on_a_windowed_family_equals_unpatched(longest, tmp_path):
+    """The HF Trainer with gradient checkpointing on Mistral (window 5), LLaMA-Factory's neat_packing collator (a 4D
+    block-diagonal mask). transformers applies no window over a 4D mask: documents longer than the window step
+    aside (window_under_4d_mask), those that fit run patched; the per-step losses equal unpatched either way."""
+    import transformers as tf
+
+    lengths = [longest, 3, 2] if longest > 5 else [5, 3, 2]
+    doc_ids = torch.cat([torch.full((n,), d + 1) for d, n in enumerate(lengths)] + [torch.zeros(2, dtype=torch.long)])
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(2, dtype=torch.long)])
+    gen = torch.Generator().manual_seed(5)
+    rows = [dict(input_ids=torch.randint(3, 90, doc_ids.shape, generator=gen)) for _ in range(4)]
+
+    def collate(batch: list) -> dict:
+        ids = torch.stack([r["input_ids"] for r in batch])
+        docs = doc_ids.expand(len(batch), -1)
+        return dict(input_ids=ids, attention_mask=neat_packing_mask(docs), labels=ids.masked_fill(docs == 0, -100),
+                    position_ids=positions.expand(len(batch), -1))
+
+    def losses() -> list:
+        model = any_model("mistral", "sdpa").train()
+        args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                    learning_rate=1e-3, logging_steps=1, gradient_checkpointing=True, use_cpu=True,
+                                    report_to=[], disable_tqdm=True, save_strategy="no", seed=0)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    want = losses()
+    with patchkit.apply_patch("mistral", backend="sdpa") as handle, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = losses()
+        aside, calls = dict(handle.stepped_aside), handle.calls
+    assert len(got) == len(want) == 2 and all(abs(g - w) < 1e-5 for g, w in zip(got, want)), (got, want)
+    if longest > 5:  # every forward and every checkpoint recompute on transformers' attention, with one warning
+        assert set(aside) == {"window_under_4d_mask"} and calls == 0
+        assert len([m for m in aside_messages(caught) if "applies no sliding window" in m]) == 1
+    else:
+        assert aside == {} and calls > 0
+
+
 def _create_causal_mask(model: torch.nn.Module, mask: torch.Tensor, **extra) -> object:
     """transformers' create_causal_mask for `model`'s config, with the argument names of the installed version."""
     masking_utils = pytest.importorskip("transformers.masking_utils", reason="masks by interface: transformers 4.53+")
