@@ -53,6 +53,7 @@ SINGLE, CACHED = ("none", "default"), ("dynamic", "implicit", "static_short", "s
 HAS_MASK_INTERFACE = not needs_mask_interface.args[0]
 ROUTES = ("class", "instance", "registered") if HAS_MASK_INTERFACE else ("class", "instance")
 OLD_CACHES = Version(transformers.__version__) < Version("4.56")  # caches without layers (no rolling flag)
+GEMMA2_DROPS_TRAINING_CACHE = Version(transformers.__version__) < Version("5.0")
 
 
 @functools.cache
@@ -143,6 +144,9 @@ def refusable(case: Case) -> Optional[str]:
                 "the registered name, which has no transformers attention of the model's own to step aside to")
     if case.route == "registered" and case.family in WINDOWED and case.extra != "4d_mask" and has_a_hole(case):
         return "a biting sliding window over a padding hole, through the registered name"
+    if case.family == "gemma2" and case.train and case.cache == "implicit" and GEMMA2_DROPS_TRAINING_CACHE:
+        return ("Gemma2 before 5.0 keeps no cache in training, asked or not: the next chunk's mask is longer than its "
+                "keys, which patchkit refuses (transformers reads the mask's first columns)")
     if case.route == "registered" and case.family in WINDOWED and case.cache.startswith("static") and OLD_CACHES:
         return ("a static cache on a model with a sliding window before transformers 4.56, through the registered "
                 "name: its sliding layers may roll a buffer (a model forward under apply_patch steps aside)")

@@ -204,9 +204,10 @@ class VarlenMask:
                 f"attention_mask covers {self.mask.shape[-1]} columns, but this forward brings no cached tokens and "
                 f"adds {q_len}. If its past_key_values came from a forward in training mode: patchkit keeps no KV "
                 "cache in training unless asked (pass use_cache=True, or call model.eval() to generate with a "
-                "cache). A StaticCache of a model with a sliding window through attn_implementation='patchkit' "
-                "alone: pass past + q_len columns (its sliding layers hold fewer slots than the mask). Otherwise "
-                "pass the mask of this call's tokens only."
+                "cache; Gemma2 before transformers 5.0 keeps none in training even when asked). A StaticCache of "
+                "a model with a sliding window through attn_implementation='patchkit' alone: pass past + q_len "
+                "columns (its sliding layers hold fewer slots than the mask). Otherwise pass the mask of this "
+                "call's tokens only."
             )
         if self.past_len is not None:
             used = self.past_len + q_len - self.key_offset
