@@ -135,6 +135,8 @@ def refusable(case: Case) -> Optional[str]:
     - Through the registered name, a windowed model's StaticCache with a mask over every slot: its sliding layers
       hold fewer slots than the mask, and transformers' mask sizes cannot tell that mask from one with past columns
       prepended (the FastChat bug, refused). The class and instance patches cut it at the model's forward: served.
+      Before 4.56 (caches without layers, which may roll), a windowed model's static cache there: they step aside.
+    - Gemma2 before 5.0 in training keeps no cache even when asked: the next chunk's mask is longer than its keys.
     Everything else drawn here (any 2D padding pattern, any of the position conventions, packed rows restarting at
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
