@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import json
+import os
 import re
 import resource
 import sys
@@ -17,6 +18,8 @@ import pytest
 import torch
 import transformers
 from entrypoints import clean_env, patchkit_cli
+from families import FAMILIES_FROM
+from packaging.version import Version
 
 import patchkit
 from patchkit import gates
@@ -24,6 +27,13 @@ from patchkit.entry.doctor import doctor, exit_code, format_report
 
 # the module itself: `patchkit.entry.doctor` is the function (patchkit.entry.doctor() returns the report data)
 doctor_module = importlib.import_module("patchkit.entry.doctor")
+# before 4.53 only LLaMA's patches apply: every other family's transformers gate fails, whatever the GPU
+FAMILIES = Version(transformers.__version__) >= Version(FAMILIES_FROM)
+GATED_OFF = "the transformers_version gate failed: no backend can help"
+
+
+def applies_here(name: str) -> bool:
+    return FAMILIES or name in ("llama1", "llama2")
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +52,8 @@ def fake_flash_attn(root, version: str, extension_error: str = "") -> dict[str, 
     info = root / f"flash_attn-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {version}\n")
-    return clean_env(PYTHONPATH=str(root))
+    # in front of the caller's PYTHONPATH: the version matrix puts its transformers there, and the doctor must see it
+    return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
 
 
 def test_doctor_text_report_runs_fast_and_names_everything():
@@ -113,8 +124,12 @@ def test_doctor_explains_an_undefined_symbol_import(tmp_path):
     assert "undefined symbol: _ZN3c104cuda9SetDeviceEi" in fa["error"]
     assert "built against another torch/CUDA ABI" in fa["error"] and "reinstall a flash-attn wheel" in fa["error"]
     assert "does not import: ImportError: /env/flash_attn_2_cuda" in format_report(data)
+    assert data["versions"]["transformers"] == transformers.__version__  # the subprocess saw this transformers
     for p in data["patches"]:  # the extension does not load: no patch may pick flash_attn
-        assert p["backend"] == "sdpa" and "flash_attn_installed" in p["why"]
+        if applies_here(p["name"]):
+            assert p["backend"] == "sdpa" and "flash_attn_installed" in p["why"]
+        else:
+            assert p["backend"] is None and p["why"] == GATED_OFF
 
 
 def test_doctor_judges_each_patch_by_its_own_flash_attn_minimum(tmp_path):
@@ -163,16 +178,21 @@ def test_doctor_on_a_simulated_ampere_gpu_picks_flash_attn(monkeypatch):
     data = simulated(monkeypatch)
     assert data["hardware"]["gpu"] == "NVIDIA A100-SXM4-40GB" and data["hardware"]["compute_capability"] == "8.0"
     verdicts = [(p["name"], p["applies"], p["backend"]) for p in data["patches"]]
-    assert verdicts[:3] == [
-        ("llama1", True, "flash_attn"), ("llama2", True, "flash_attn"), ("mistral", True, "flash_attn")]
-    assert all(applies and backend == "flash_attn" for _, applies, backend in verdicts)
+    assert verdicts[:3] == [("llama1", True, "flash_attn"), ("llama2", True, "flash_attn"),
+                            ("mistral", True, "flash_attn") if FAMILIES else ("mistral", False, None)]
+    assert all((applies, backend) == ((True, "flash_attn") if applies_here(name) else (False, None))
+               for name, applies, backend in verdicts)
+    assert all(p["why"] == GATED_OFF for p in data["patches"] if not applies_here(p["name"]))
     assert "applies, backend flash_attn" in format_report(data)
 
 
 def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
     data = simulated(monkeypatch, device_name="Tesla T4", compute_capability=(7, 5), bf16_supported=False)
     for p in data["patches"]:
-        assert p["backend"] == "sdpa" and "compute_capability" in p["why"]
+        if applies_here(p["name"]):
+            assert p["backend"] == "sdpa" and "compute_capability" in p["why"]
+        else:
+            assert not p["applies"] and p["backend"] is None and p["why"] == GATED_OFF
     assert "compute_capability: FAILED (required >= 8.0 (Ampere or newer); found 7.5)" in format_report(data)
     assert exit_code(data) == 0
 
