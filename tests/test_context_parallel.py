@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from families import any_model
-from models import padded_batch
+from families import any_model, set_attention
+from models import needs_mask_interface, padded_batch
 
 import patchkit
 from patchkit import PatchInputError
@@ -41,6 +41,7 @@ def test_a_patched_model_under_context_parallel_is_refused_by_name(family, mesh)
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=3e-5, rtol=1e-4)
 
 
+@needs_mask_interface
 def test_a_model_loaded_with_the_patchkit_name_under_context_parallel_is_refused_by_name(mesh):
     # no class patch, no route: the registered attention itself refuses (its per-document SDPA calls would each be
     # made ring attention over pieces that are not the sequence's shards)
@@ -48,7 +49,7 @@ def test_a_model_loaded_with_the_patchkit_name_under_context_parallel_is_refused
     ids, mask = padded_batch("left")
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation("patchkit")
+        set_attention(model, "patchkit")
         with experimental.context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]):
             with pytest.raises(PatchInputError, match="context_parallel .* is active.*within each rank's shard"):
                 model(input_ids=ids, attention_mask=mask)
