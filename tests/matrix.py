@@ -85,6 +85,7 @@ DEFAULT_TESTS = [
     "tests/test_launch.py",
     "tests/test_doctor.py",
     "tests/test_context_parallel.py",
+    "tests/test_flash_request.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
