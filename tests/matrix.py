@@ -91,6 +91,10 @@ DEFAULT_TESTS = [
     "tests/test_nn.py",
     "tests/test_ulysses_padding.py",
     "tests/test_sdpa_conformance.py",
+    "tests/test_cli.py",
+    "tests/test_examples.py",
+    "tests/test_train_example.py",
+    "tests/test_demo.py",
 ]
 MARKER = ".patchkit-matrix-installed"
 FORBIDDEN = ("torch", "nvidia", "triton")  # must come from the running interpreter, never from a target dir
