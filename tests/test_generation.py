@@ -106,3 +106,67 @@ def test_a_static_cache_decode_loop_with_the_first_row_padded_equals_unpatched(f
     with patchkit.apply_patch("llama2", backend="sdpa"):
         got = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+GENERATE_MODES = {  # generate()'s modes beside greedy that reshape the batch or the cache behind the decode steps
+    "beam search": dict(num_beams=4),  # the batch grows to B x beams; the cache is reordered by beam every step
+    "beams, two returned": dict(num_beams=3, num_return_sequences=2),
+    "sampling, two returned": dict(do_sample=True, num_return_sequences=2),  # rows expanded before the prefill
+    "prompt lookup": dict(prompt_lookup_num_tokens=3),  # several candidate tokens per step, the cache cropped after
+}
+
+
+@pytest.mark.parametrize("mode", list(GENERATE_MODES))
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_generate_modes_equal_unpatched(family, mode):
+    """Beam search, returned sequences, sampling and prompt-lookup decoding over a left-padded batch (prompt lookup:
+    one row, as transformers requires), a windowed family among them: the same tokens and scores as unpatched,
+    every forward patched (strict)."""
+    from families import any_model
+
+    model = any_model(family)
+    ids, mask = padded_batch("left", batch=3, seq=14, seed=2)
+    if mode == "prompt lookup":  # a prompt that repeats itself, so lookup finds candidates
+        ids, mask = ids[:1].repeat(1, 2), mask[:1].repeat(1, 2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True, **{"do_sample": False, **GENERATE_MODES[mode]})
+    same_generation(model, kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_assisted_generation_equals_unpatched(family):
+    """Assisted generation: a second, smaller-seeded model drafts tokens that the main one checks several at a time
+    behind its cache, which is cropped to the accepted ones; both models patched. Same tokens and scores."""
+    from families import any_model
+
+    main, assistant = any_model(family), any_model(family)
+    for p in assistant.parameters():  # another draft model than the main one, so some drafts are rejected
+        p.data.add_(0.05 * torch.randn_like(p))
+    ids = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(2))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
+              assistant_model=assistant, return_dict_in_generate=True, output_scores=True)
+    same_generation(main, kw)
+
+
+def same_generation(model, kw: dict) -> None:
+    """generate(**kw) unpatched and under apply_patch (strict: every forward patched): the same tokens and scores.
+    Where transformers itself cannot run it (4.56-5.0 refuse to crop a sliding-window cache past its window, as
+    prompt lookup and assisted decoding do), the patched run meets the same error, not another one."""
+    torch.manual_seed(0)
+    try:
+        want = model.generate(**kw)
+    except ValueError as refused:
+        with patchkit.apply_patch(backend="sdpa", strict=True), pytest.raises(ValueError) as also:
+            torch.manual_seed(0)
+            model.generate(**kw)
+        assert str(also.value) == str(refused)
+        return
+    with patchkit.apply_patch(backend="sdpa", strict=True) as handle:
+        torch.manual_seed(0)
+        got = model.generate(**kw)
+        assert handle.calls > 0 and not handle.stepped_aside
+    assert torch.equal(got.sequences, want.sequences)
+    for step_got, step_want in zip(got.scores, want.scores):
+        finite = step_want.isfinite()  # sampling's filtered scores are -inf
+        assert torch.equal(finite, step_got.isfinite())
+        torch.testing.assert_close(step_got[finite], step_want[finite], atol=2e-5, rtol=1e-4)
