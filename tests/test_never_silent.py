@@ -323,3 +323,27 @@ def test_a_cache_from_training_mode_is_explained_not_blamed_on_the_mask():
         longer = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
         with pytest.raises(PatchInputError, match="patchkit keeps no KV cache in training.*model.eval"):
             model(input_ids=ids[:, -1:], attention_mask=longer, past_key_values=out.past_key_values)
+
+
+@pytest.mark.parametrize("family", ["mistral", "starcoder2"])  # every layer sliding: generate() makes one 4D mask
+def test_a_right_padded_static_generation_on_a_sliding_model_reads_no_padding_logit(family):
+    """generate(cache_implementation="static") on a right-padded prompt longer than the window (8 > 5), its rows'
+    real tokens within it: the sliding layers' prefill mask is square, and it was taken for packed documents
+    (neat_packing's mask) and served, so a short row's next token, which generate() reads at a padding position,
+    came from patchkit's zero there: another first token for every right-padded row, no error (4.56-5.23). A
+    static cache's mask is now never read as documents, and a prefill reading a padding position steps aside
+    (right_padded_generation), as with a 2D mask."""
+    from families import any_model
+
+    model = any_model(family)
+    mask = (torch.arange(8)[None] < torch.tensor([[4], [2], [1]])).long()  # right-padded, each row within the window
+    ids = torch.randint(3, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+              cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    want = model.generate(**kw)
+    with patchkit.apply_patch(backend="sdpa") as handle:
+        got = model.generate(**kw)
+        aside = handle.stepped_aside  # before 4.57 such static caches are not served: every forward steps aside
+        assert aside.get("right_padded_generation") == 1 or aside == {"custom_4d_mask": 3}
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), atol=2e-5, rtol=1e-4)

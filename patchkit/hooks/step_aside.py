@@ -142,8 +142,8 @@ def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.T
     cache, mask = arguments.get("past_key_values"), arguments.get("attention_mask")
     if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
         return None  # a dict of masks per layer type is generate()'s, never packed documents
-    if cache is not None and cache.get_seq_length() > 0:
-        return None
+    if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
+        return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
     return block_diagonal_documents(mask)
 
 
