@@ -14,7 +14,7 @@ import patchkit
 from patchkit.hooks.slots_mask import padding_from_slots_mask
 
 ATOL, RTOL = 2e-5, 1e-4
-# generate()'s static-cache mask read back and served patched (slots_mask.full_static_cache): transformers 4.56+;
+# generate()'s static-cache mask read back and served patched (slots_mask.static_layers): transformers 4.56+;
 # before it such forwards step aside (exact), which test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly
 # checks from 4.48 on
 served_patched = pytest.mark.skipif(
@@ -137,6 +137,82 @@ def test_the_2d_mask_is_read_back_exactly_and_anything_else_is_not(attn):
         assert read(four_d.masked_fill(four_d == 0, -1.0).masked_fill(four_d != 0, unseen)) is None  # a bias
         assert read(four_d.masked_fill(four_d != 0, float("-inf"))) is None
     assert read(four_d[..., :19]) is None
+
+
+# windowed families' static caches served patched: transformers 4.57+ (StaticSlidingWindowLayer, its keys in order)
+windowed_served = pytest.mark.skipif(
+    not hasattr(importlib.import_module("transformers.cache_utils"), "StaticSlidingWindowLayer"),
+    reason="windowed static caches served patched: transformers 4.57+ (StaticSlidingWindowLayer)",
+)
+
+
+@windowed_served
+@pytest.mark.parametrize("prompt", [14, 4], ids=["prompt past the window", "prompt inside the window"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])  # sliding layers only; sliding and full, a dict
+def test_windowed_static_cache_generation_runs_patched_with_unpatched_tokens_and_scores(family, prompt):
+    """A window of 5: the sliding layers' static caches fill, overflow and roll (the prompt longer than the window),
+    or fill slot by slot first. The prefill runs packed into the cache, every step patched, nothing stepped aside,
+    the unpatched tokens and per-step logits."""
+    model = set_attention(family_model(family, seed=2), "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    ids, mask = ids[:, -prompt:], mask[:, -prompt:]
+    mask[:, -1] = 1  # every row has a real token
+    want, want_logits = generate_static(model, ids, mask)
+    shapes = first_layer_inputs(model)
+    with patchkit.apply_patch(backend="sdpa", strict=True) as handle:
+        got, got_logits = generate_static(model, ids, mask)
+        assert handle.calls == 8 * model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    assert shapes == [(1, int(mask.sum()), hidden)] + [(3, 1, hidden)] * 7  # packed prefill, then decode steps
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+@windowed_served
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_a_right_padded_windowed_static_generation_equals_unpatched(family):
+    """A right-padded prompt on a windowed model: the prefill reads a short row's next token at padding and steps
+    aside (right_padded_generation). Its decode steps have padding between real tokens: where full layers see the
+    whole row (Gemma3), inside the window too, so they step aside (window_over_padding_hole); a sliding-only model's
+    masks cover the window alone, which holds no hole here (the rows' real prompts end more than 5 positions back),
+    so its steps run patched. The unpatched tokens and logits either way."""
+    model = set_attention(family_model(family, seed=2), "sdpa")
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    want, want_logits = generate_static(model, ids, mask, n=4)
+    with patchkit.apply_patch(backend="sdpa") as handle:
+        got, got_logits = generate_static(model, ids, mask, n=4)
+        decode_steps = {"window_over_padding_hole": 3} if family == "gemma3_text" else {}
+        assert handle.stepped_aside == {"right_padded_generation": 1, **decode_steps}
+        assert handle.calls == (0 if decode_steps else 3 * model.config.num_hidden_layers)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+@windowed_served
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_windowed_masks_are_read_back_exactly_and_anything_else_is_not(attn):
+    """generate()'s masks per layer type for a chunk behind a full sliding layer (its window's last keys in order)
+    and a full one are the 2D mask; a key inside the window hidden, a key behind the window shown, or a sliding mask
+    sized for another cache is not."""
+    model = set_attention(family_model("gemma3_text", seed=2), attn)
+    _, mask = padded_batch("left", batch=3, seq=14)
+    cache, grown, masks = chunk_mask(model, mask)
+    tokens = torch.zeros(3, 3, dtype=torch.long)
+
+    def read(changed):
+        found = padding_from_slots_mask(model.model, {"attention_mask": {**masks, **changed},
+                                                      "past_key_values": cache, "input_ids": tokens})
+        return None if found is None else found[0]
+
+    sliding = masks["sliding_attention"]
+    assert set(masks) == {"sliding_attention", "full_attention"} and sliding.shape == (3, 1, 3, 7)  # 5 + 3 - 1
+    assert torch.equal(read({}), grown)
+    seen, unseen = (True, False) if attn == "sdpa" else (0.0, torch.finfo(torch.float32).min)
+    for query, key, value in ((2, 6, unseen), (2, 0, seen)):  # the newest key hidden; one behind the window shown
+        changed = sliding.clone()
+        changed[0, 0, query, key] = value
+        assert read({"sliding_attention": changed}) is None, (query, key)
+    assert read({"sliding_attention": sliding[..., 1:]}) is None
 
 
 def test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly():

@@ -26,7 +26,7 @@ from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.slots_mask import full_static_cache, served_cause
+from patchkit.hooks.slots_mask import served_cause, static_layers
 from patchkit.hooks.step_aside import (
     CAUSES,
     documents_metadata,
@@ -144,9 +144,9 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
 
 
 def fillable_cache(cache: Any) -> bool:
-    """An empty DynamicCache, or StaticCache of full-attention layers: a prefill can run on the packed row and write
-    its keys and values back padded (a static cache into its first slots)."""
-    kind = type(cache).__name__ == "DynamicCache" or full_static_cache(cache) is not None
+    """An empty DynamicCache, or StaticCache of full-attention and in-order sliding layers: a prefill can run on the
+    packed row and write its keys and values back padded (a static cache into its first slots)."""
+    kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
     return kind and callable(getattr(cache, "update", None)) and bool(cache.get_seq_length() == 0)
 
 
@@ -161,7 +161,7 @@ def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
     there would shorten that count and misplace every later step.
     """
     original = cache.update
-    fills = (1.0 if full_static_cache(cache) is not None else 0.0, 0.0)  # keys, values
+    fills = (1.0 if static_layers(cache) is not None else 0.0, 0.0)  # keys, values
 
     def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len, fill).transpose(1, 2)

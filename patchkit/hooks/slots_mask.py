@@ -1,14 +1,14 @@
-"""generate()'s 4D mask for a static cache, read back as the 2D key-padding mask it was made from, when it is one;
-and a caller's 2D mask over every slot, cut to the filled ones.
+"""generate()'s 4D masks for a static cache, read back as the 2D key-padding mask they were made from, when they
+are that; and a caller's 2D mask over every slot, cut to the filled ones.
 
-With a compileable cache, transformers' `prepare_inputs_for_generation` builds the mask before the model runs
-(`create_masks_for_generate`, with the model's own eager or sdpa mask function, outside the patch): a
-(B, 1, q_len, max_cache_len) tensor that is causal over the cache's slots (query i of this forward sits at slot
-past + i) AND the 2D padding mask padded with zeros over the unfilled slots. Its last query row holds that 2D mask's
-first past + q_len columns; rebuilding the 4D mask from them and comparing it exactly (every entry, additive masks
-only 0 or the dtype's minimum) proves it is that and nothing else. Only a StaticCache of full-attention layers
-on a config without a sliding window qualifies, where the varlen path already places queries in the slots
-(`VarlenMask`, `cache_placement`); anything else keeps stepping aside.
+With a compileable cache, transformers' `prepare_inputs_for_generation` builds the masks before the model runs
+(`create_masks_for_generate`, with the model's own eager or sdpa mask function, outside the patch): per layer type,
+a (B, 1, q_len, K) tensor over the keys that type's cache layers return (a full layer's every slot; a sliding
+layer's slots, or its window's last keys once full), causal (query i sits at position past + i), inside the window
+for sliding layers, AND the 2D padding mask. Each key a query sees is real; rebuilding every 4D mask from those
+keys and comparing it exactly (every entry, additive masks only 0 or the dtype's minimum) proves it is that and
+nothing else. Only StaticCaches of full-attention StaticLayers and (4.57+) in-order StaticSlidingWindowLayers
+qualify, which the varlen path already places (`VarlenMask`, `cache_placement`); anything else keeps stepping aside.
 """
 
 from __future__ import annotations
@@ -20,29 +20,47 @@ import torch
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
-from patchkit.hooks.step_aside import documents_in_4d_mask, input_tokens, sliding_window, take_documents
+from patchkit.hooks.step_aside import (
+    documents_in_4d_mask,
+    input_tokens,
+    sliding_window,
+    take_documents,
+    window_over_hole,
+)
 
 
-def full_static_cache(cache: Any) -> Optional[int]:
-    """A StaticCache whose every layer is a full-attention StaticLayer: its slot count, else None."""
+def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
+    """A StaticCache's layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57, the
+    StaticSlidingWindowLayers that keep a window's last keys in order; None for any other cache or layer (4.56's
+    sliding layers among them)."""
     try:
         from transformers.cache_utils import StaticCache, StaticLayer
     except ImportError:  # before 4.56 (no cache layers): not served
         return None
+    from transformers import cache_utils
+
+    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     layers = getattr(cache, "layers", None)
-    if type(cache) is not StaticCache or not layers or any(type(layer) is not StaticLayer for layer in layers):
+    if type(cache) is not StaticCache or not layers:
         return None
-    slots = {layer.max_cache_len for layer in layers}
-    return slots.pop() if len(slots) == 1 else None
+    kinds = [(type(layer) is sliding, layer.max_cache_len) for layer in layers]
+    return kinds if all(type(layer) in (StaticLayer, sliding) for layer in layers) else None
 
 
-def causal_over_slots(keys: torch.Tensor, past: int, q_len: int, slots: int) -> torch.Tensor:
-    """(B, 1, q_len, slots) booleans: query i (at slot past + i) sees slot j <= past + i where `keys` (B, past + q_len)
-    is real; no unfilled slot."""
-    idx = torch.arange(slots, device=keys.device)
-    causal = idx[None, :] <= torch.arange(past, past + q_len, device=keys.device)[:, None]
-    padding = torch.nn.functional.pad(keys, (0, slots - keys.shape[-1]))
-    return (causal[None] & padding[:, None, :])[:, None]
+def causal_over_slots(
+    keys: torch.Tensor, past: int, q_len: int, slots: int, window: Optional[int] = None, offset: int = 0
+) -> torch.Tensor:
+    """(B, 1, q_len, slots) booleans: query i (at position past + i) sees the key at position offset + j (column j)
+    when it is not after the query, inside the window (`window`: less than that many positions back) and real in
+    `keys` (B, past + q_len); no unfilled slot."""
+    positions = torch.arange(offset, offset + slots, device=keys.device)
+    queries = torch.arange(past, past + q_len, device=keys.device)[:, None]
+    seen = positions[None, :] <= queries
+    if window is not None:
+        seen = seen & (positions[None, :] > queries - window)
+    real = keys[:, offset : offset + slots]
+    padding = torch.nn.functional.pad(real, (0, slots - real.shape[-1]))
+    return (seen[None] & padding[:, None, :])[:, None]
 
 
 def same_mask(mask: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -55,26 +73,65 @@ def same_mask(mask: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.equal(mask, torch.where(expected, torch.zeros_like(blocked), blocked))
 
 
+def returned_keys(layers: list[tuple[bool, int]], sliding: bool, past: int, q_len: int) -> Optional[int]:
+    """How many keys the cache's full (or sliding) layers return to a forward of q_len tokens behind `past`: a full
+    layer its slots; a sliding one its slots until they overflow, then every key, and once full, its window's last
+    keys and the new ones (StaticSlidingWindowLayer.update). None where its layers disagree."""
+    sizes = {slots for kind, slots in layers if kind == sliding}
+    if len(sizes) != 1:
+        return None
+    slots = sizes.pop()
+    if not sliding or past + q_len <= slots:
+        return slots
+    return past + q_len if past < slots else slots + q_len - 1
+
+
+def layer_type_masks(module: Any, mask: Any) -> Optional[dict[Optional[int], Any]]:
+    """generate()'s mask (one tensor, or one per layer type) keyed by the window its layers apply (None: none), or
+    None for a layer type patchkit does not place (chunked attention, ...)."""
+    window = sliding_window(module.config)
+    if not isinstance(mask, dict):
+        return {window: mask}
+    kinds = {"full_attention": None, "sliding_attention": window}
+    if not mask or not set(mask) <= set(kinds) or (window is None and "sliding_attention" in mask):
+        return None
+    return {kinds[kind]: m for kind, m in mask.items()}
+
+
 def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torch.Tensor, int]]:
-    """(the 2D mask (B, past + q_len), 1 = real, that generate()'s 4D mask for this static cache exactly is, past), or
-    None."""
-    mask, cache = arguments.get("attention_mask"), arguments.get("past_key_values")
-    if isinstance(mask, dict):  # generate()'s masks per layer type: served only when every layer attends fully
-        mask = mask.get("full_attention") if set(mask) == {"full_attention"} else None
-    slots = full_static_cache(cache)
-    if slots is None or sliding_window(module.config) is not None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != slots:
-        return None
-    tokens = input_tokens(arguments)
-    batch, _, q_len, _ = mask.shape
-    if tokens is None or tuple(tokens.shape[:2]) != (batch, q_len):
+    """(the 2D mask (B, past + q_len), 1 = real, that generate()'s 4D masks for this static cache exactly are, past),
+    or None.
+
+    A full-attention layer's mask covers the cache's slots from position 0; a sliding layer's (4.57+) the keys its
+    layer returns: its slots from 0 while the window is not yet full, else the last keys in order, ending at the
+    last query. Each column's key is real where some query sees it; the masks rebuilt from those keys must equal
+    the given ones. A layer type whose mask sdpa skipped (None: causal, no padding) has every key real. Positions
+    no mask covers (before a sliding-only model's window) are never read: zero.
+    """
+    masks, cache = layer_type_masks(module, arguments.get("attention_mask")), arguments.get("past_key_values")
+    layers, tokens = static_layers(cache), input_tokens(arguments)
+    if masks is None or layers is None or tokens is None or {w is not None for w in masks} != {s for s, _ in layers}:
+        return None  # each mask's layers are the cache's: sliding ones under the window's mask, full ones not
+    batch, q_len = tokens.shape[:2]
+    given = {window: m for window, m in masks.items() if m is not None}  # None: sdpa's causal skip, no padding
+    if not given or any(not isinstance(m, torch.Tensor) or m.dim() != 4 or m.shape[:3] != (batch, 1, q_len)
+                        for m in given.values()):
         return None
     past, _ = cache_placement(cache, arguments.get("cache_position"))
-    if past + q_len > slots:
+    end = past + q_len
+    sizes = {window: returned_keys(layers, window is not None, past, q_len) for window in masks}
+    if None in sizes.values() or any(m.shape[-1] != sizes[window] for window, m in given.items()):
+        return None  # a mask sized for another cache
+    offsets = {window: max(end - size, 0) for window, size in sizes.items()}  # the first column's position
+    if offsets.get(None, 0):  # full layers' slots begin at position 0: this forward overflows them
         return None
-    keys = allowed_keys(mask[:, :, -1:, : past + q_len])[:, 0]  # the last query sees every real column before it
-    return (keys.long(), past) if same_mask(mask, causal_over_slots(keys, past, q_len, slots)) else None
+    keys = torch.zeros(batch, end, dtype=torch.bool, device=tokens.device)
+    for window, m in masks.items():  # a key is real where some query sees it
+        keys[:, offsets[window] :] |= True if m is None else allowed_keys(m[..., : end - offsets[window]]).any(dim=1)
+    for window, m in given.items():
+        if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, offsets[window])):
+            return None
+    return keys.long(), past
 
 
 def served_cause(module: Any, arguments: dict, extra: dict, cause: Optional[str]) -> Optional[str]:
@@ -123,5 +180,7 @@ def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     keys, past = found
     if past == 0 and bool(((keys[:, -1] == 0) & (keys != 0).any(-1)).any()):
         return "right_padded_generation"
+    if window_over_hole(module.config, keys):  # a right-padded prompt's decode steps on a windowed model
+        return "window_over_padding_hole"
     arguments["attention_mask"] = keys
     return None

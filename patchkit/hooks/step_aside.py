@@ -34,8 +34,9 @@ CAUSES = {
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern, or one generate() built before the "
-        "model ran, as it does for static caches of models with a sliding window, sliding-window caches and "
-        "continuous batching), which a key-padding mask cannot express",
+        "model ran for a cache patchkit does not place: a static cache before transformers 4.56, or 4.57 on a model "
+        "with a sliding window, sliding-window caches, continuous batching), which a key-padding mask cannot "
+        "express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
     ),
     "window_under_4d_mask": (
