@@ -93,17 +93,20 @@ def _attend(
         lse = torch.full((h, sq), float("inf"), device=q.device) if need_lse else None
         return q.new_zeros(h, sq, v.shape[-1]), lse
     gqa = k.shape[0] != h
-    plain = not need_lse and softcap == 0 and alibi is None and window == (-1, -1)
+    windowed = window != (-1, -1)
+    plain = not need_lse and softcap == 0 and alibi is None and (causal or not windowed)
     if plain and not (causal and sq > sk):  # sq > sk: some queries see no key; the math path zeros them
         # Without an explicit mask SDPA takes its fused flash kernel: full causal (sq == sk) or a decode
-        # step (sq == 1 sees every key). Only chunked prefill needs the bottom-right mask.
+        # step (sq == 1 sees every key). Chunked prefill needs the bottom-right mask, and a causal window its band
+        # (every query still sees itself, so no row of the softmax is empty).
         # 4D on purpose: on CPU, 3D (H, S, D) inputs skip the fused flash kernel for the math path (2.5x slower
         # forward + backward at these sizes, torch 2.13); a leading batch of 1 reaches the fused kernel.
-        needs_mask = causal and 1 < sq < sk
+        needs_mask = (causal and 1 < sq < sk) or windowed
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=_visible(sq, sk, causal, window, q.device) if needs_mask else None,
-            dropout_p=dropout_p, is_causal=causal and sq == sk and sq > 1, scale=scale, enable_gqa=gqa,
+            dropout_p=dropout_p, is_causal=causal and sq == sk and sq > 1 and not needs_mask, scale=scale,
+            enable_gqa=gqa,
         )
         return out.squeeze(0), None
     if gqa:
