@@ -57,18 +57,21 @@ def providers(device: torch.device) -> tuple[str, ...]:
     return PROVIDERS + tuple(p for p in ok if p not in PROVIDERS)
 
 
-def base_model(kv_heads: int, device: torch.device) -> torch.nn.Module:
-    """The random model (seed 0) every provider copies, in eval mode on `device` in its dtype."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def base_model(kv_heads: int, device: torch.device, window: int | None = None) -> torch.nn.Module:
+    """The random model (seed 0) every provider copies, in eval mode on `device` in its dtype: a LLaMA, or with a
+    `window`, a Mistral of the same size whose every layer slides over that many keys."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     cfg, dtype = model_config(device)
-    config = LlamaConfig(
+    kind, model_class = (LlamaConfig, LlamaForCausalLM) if window is None else (MistralConfig, MistralForCausalLM)
+    config = kind(
         vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
         num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=kv_heads,
         max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+        **({} if window is None else {"sliding_window": window, "head_dim": cfg["hidden"] // cfg["heads"]}),
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval().to(device, dtype)
+    return model_class(config).eval().to(device, dtype)
 
 
 def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -78,13 +81,13 @@ def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
     model = copy.deepcopy(base)
     model.set_attn_implementation(HF_PROVIDERS.get(name, "sdpa"))
     if name.startswith("patchkit_"):
-        patchkit.apply_patch("llama2", model=model, backend=name.removeprefix("patchkit_"), strict=True)
+        patchkit.apply_patch(model=model, backend=name.removeprefix("patchkit_"), strict=True)  # its family's
     return model
 
 
-def build(kv_heads: int, device: torch.device) -> dict[str, torch.nn.Module]:
+def build(kv_heads: int, device: torch.device, window: int | None = None) -> dict[str, torch.nn.Module]:
     """One model per provider, the same weights."""
-    base = base_model(kv_heads, device)
+    base = base_model(kv_heads, device, window)
     return {name: provider_model(base, name) for name in providers(device)}
 
 
@@ -96,6 +99,8 @@ def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: flo
                         help="key/value heads, one run each (8: MHA as in bench.py; 2: GQA)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help=f"multiply the prompt lengths ({smoke_scale} for a smoke run)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="a Mistral of the same size whose layers slide over this many keys (default: LLaMA)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: bf16, bench.py's CUDA model, the flash-attn and torch_varlen providers too")
 
@@ -159,11 +164,12 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return time.perf_counter() - start, out
 
 
-def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device) -> list[dict]:
+def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device,
+            window: int | None = None) -> list[dict]:
     """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens checked equal."""
     ids, mask, _ = padded_batch(make_tokens(lengths, model_config(device)[0]["vocab"]), left=True)
     ids, mask = ids.to(device), mask.to(device)
-    models = build(kv_heads, device)
+    models = build(kv_heads, device, window)
     names = tuple(models)
     total: dict[str, list[float]] = {name: [] for name in names}
     prefill: dict[str, list[float]] = {name: [] for name in names}
@@ -185,7 +191,8 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
     for name in names:
         med, first = statistics.median(total[name]), statistics.median(prefill[name])
         rows.append(dict(
-            provider=name, kv_heads=kv_heads, new_tokens=new, median_s=round(med, 4), min_s=round(min(total[name]), 4),
+            provider=name, kv_heads=kv_heads, window=window or "", new_tokens=new, median_s=round(med, 4),
+            min_s=round(min(total[name]), 4),
             max_s=round(max(total[name]), 4), prefill_s=round(first, 4),
             real_tokens_per_s=round(real / med, 1),
             decode_tokens_per_s=round(len(lengths) * (new - 1) / max(med - first, 1e-9), 1),
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(22, fa2=FA2 in providers(device))
     rows = []
     for kv_heads in args.kv_heads:
-        for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device):
+        for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device, args.window):
             rows.append(row)
             table.row(row)
     judged = args.scale == 1.0 and args.new_tokens == 64 and device.type == "cpu"

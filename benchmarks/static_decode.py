@@ -59,14 +59,14 @@ def static_providers(device: torch.device) -> tuple[str, ...]:
     return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
 
 
-def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mode: str | None) -> dict[
-        str, torch.nn.Module]:
+def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mode: str | None,
+          window: int | None = None) -> dict[str, torch.nn.Module]:
     """One model per provider, the same weights (decode.py's): `_compiled` ones with `model.forward` compiled after
     the patch, as a user would; `_generate_compiled` ones with a `compile_config`, so that generate() compiles each
     decode step's call and runs the prefill eager. Every other provider has generate()'s own compilation turned off:
     on a GPU it compiles a static cache's decode steps unasked (CUDA graphs), which would time compiled decode
     under an eager name."""
-    base = base_model(kv_heads, device)
+    base = base_model(kv_heads, device, window)
     models = {}
     for name in static_providers(device):
         model = provider_model(base, name)
@@ -132,12 +132,12 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 
 
 def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device, compile_backend: str,
-            compile_mode: str | None = None) -> list[dict]:
+            compile_mode: str | None = None, window: int | None = None) -> list[dict]:
     """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens compared; for the
     compiled providers, graphs compiled and graph breaks met in the timed rounds."""
     ids, mask, _ = padded_batch(make_tokens(lengths, model_config(device)[0]["vocab"]), left=True)
     ids, mask = ids.to(device), mask.to(device)
-    models = build(kv_heads, device, compile_backend, compile_mode)
+    models = build(kv_heads, device, compile_backend, compile_mode, window)
     caches = {name: static_cache(m, len(lengths), ids.shape[1] + new) for name, m in models.items()}
     total: dict[str, list[float]] = {name: [] for name in models}
     prefill: dict[str, list[float]] = {name: [] for name in models}
@@ -164,7 +164,8 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
         med, first = statistics.median(total[name]), statistics.median(prefill[name])
         compiled = name.endswith("_compiled")
         rows.append(dict(
-            provider=name, kv_heads=kv_heads, new_tokens=new, median_s=round(med, 4), min_s=round(min(total[name]), 4),
+            provider=name, kv_heads=kv_heads, window=window or "", new_tokens=new, median_s=round(med, 4),
+            min_s=round(min(total[name]), 4),
             max_s=round(max(total[name]), 4), prefill_s=round(first, 4), real_tokens_per_s=round(real / med, 1),
             decode_tokens_per_s=round(len(lengths) * (new - 1) / (med - first), 1) if med > first else float("nan"),
             **ratios(total, name), vs_hf_same=round(statistics.median(total[hf_counterpart(name)]) / med, 2),
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kv_heads in args.kv_heads:
         for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device, args.compile_backend,
-                           args.compile_mode):
+                           args.compile_mode, args.window):
             rows.append(row)
             table.row(row)
     bad = [f"{r['provider']} (kv {r['kv_heads']}): {r['recompiles']} recompiles, {r['graph_breaks']} graph breaks"
