@@ -43,6 +43,20 @@ def first_layer_inputs(model) -> list[tuple[int, ...]]:
     return shapes
 
 
+def served_packed_as_unpatched(model, ids, mask, patch=None) -> None:
+    """generate_static patched (strict: nothing stepped aside) gives the unpatched tokens and per-step logits, its
+    prefill packed (one row of real tokens at the first layer), then 7 decode steps of one token per row."""
+    want, want_logits = generate_static(model, ids, mask)
+    shapes = first_layer_inputs(model)
+    with patchkit.apply_patch(patch, backend="sdpa", strict=True) as handle:
+        got, got_logits = generate_static(model, ids, mask)
+        assert handle.calls == 8 * model.config.num_hidden_layers and not handle.stepped_aside
+    hidden = model.config.hidden_size
+    assert shapes == [(1, int(mask.sum()), hidden)] + [(ids.shape[0], 1, hidden)] * 7
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
 @served_patched
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])  # generate() builds the model's own kind of mask: additive, bool
 @pytest.mark.parametrize("patch", list(MODELS))
@@ -51,16 +65,7 @@ def test_static_cache_generation_runs_patched_with_unpatched_tokens_and_scores(p
     (nothing stepped aside), the same greedy tokens and per-step logits as unpatched."""
     model = set_attention(MODELS[patch](), attn)
     ids, mask = padded_batch("left", batch=3, seq=14)
-    want, want_logits = generate_static(model, ids, mask)
-    shapes = first_layer_inputs(model)
-    with patchkit.apply_patch(patch, backend="sdpa") as handle:
-        got, got_logits = generate_static(model, ids, mask)
-        assert not handle.stepped_aside
-        assert handle.calls == 8 * model.config.num_hidden_layers
-    hidden = model.config.hidden_size
-    assert shapes == [(1, int(mask.sum()), hidden)] + [(3, 1, hidden)] * 7  # packed prefill, then decode steps
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+    served_packed_as_unpatched(model, ids, mask, patch)
 
 
 @served_patched
@@ -157,15 +162,7 @@ def test_windowed_static_cache_generation_runs_patched_with_unpatched_tokens_and
     ids, mask = padded_batch("left", batch=3, seq=14)
     ids, mask = ids[:, -prompt:], mask[:, -prompt:]
     mask[:, -1] = 1  # every row has a real token
-    want, want_logits = generate_static(model, ids, mask)
-    shapes = first_layer_inputs(model)
-    with patchkit.apply_patch(backend="sdpa", strict=True) as handle:
-        got, got_logits = generate_static(model, ids, mask)
-        assert handle.calls == 8 * model.config.num_hidden_layers
-    hidden = model.config.hidden_size
-    assert shapes == [(1, int(mask.sum()), hidden)] + [(3, 1, hidden)] * 7  # packed prefill, then decode steps
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+    served_packed_as_unpatched(model, ids, mask)
 
 
 @windowed_served
