@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from families import ATOL, FAMILIES, FAMILIES_FROM, WINDOW, family_model
+from families import ATOL, FAMILIES, FAMILIES_FROM, WINDOW, WINDOWED, family_model
 from models import VOCAB, static_cache
 from packaging.version import Version
 from test_property import CACHED, RTOL, SINGLE, cases, check, given, one_thread, sdpa_route  # noqa: F401 (fixtures)
@@ -115,3 +115,50 @@ def test_a_static_cache_of_a_windowed_family_steps_aside_before_4_56():
             assert handle.stepped_aside == {"window_rolling_cache": 2}
     assert any("may roll a buffer of the window's length" in str(w.message) for w in caught)
     torch.testing.assert_close(torch.cat(got, 1), want, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------- generate() into static caches
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+GENERATE_MODELS: dict = {}
+
+
+@st.composite
+def static_generations(draw):
+    """A windowed family (or LLaMA), its mask kind, and a prompt batch padded on either side (or not), each row's
+    real length drawn, generating 1-9 tokens into a static cache: prefills inside and past the window (5), rows that
+    roll it, padding holes inside it and behind it."""
+    family = draw(st.sampled_from(["llama", *sorted(WINDOWED)]))
+    attn = "eager" if family == "gemma2" else draw(st.sampled_from(["eager", "sdpa"]))
+    batch, seq, new = draw(st.integers(1, 4)), draw(st.integers(1, 12)), draw(st.integers(1, 9))
+    side = draw(st.sampled_from(["left", "right", "none"]))
+    lengths = [seq if side == "none" else draw(st.integers(1, seq)) for _ in range(batch)]
+    return family, attn, side, lengths, seq, new
+
+
+@hypothesis.settings(max_examples=max(25, hypothesis.settings.default.max_examples // 8), deadline=None)
+@hypothesis.given(drawn=static_generations())
+def test_generate_into_a_static_cache_equals_unpatched(drawn):
+    """generate(cache_implementation="static"): the unpatched tokens and per-step logits, whatever patchkit serves
+    (generate()'s 4D masks read back as the 2D mask) or steps aside for (a right-padded prefill, a hole in a window,
+    eras whose caches it does not place). A fuzz of this found the right-padded sliding-only bug above."""
+    from families import any_model
+
+    family, attn, side, lengths, seq, new = drawn
+    key = (family, attn)
+    if key not in GENERATE_MODELS:
+        GENERATE_MODELS[key] = any_model(family, attn)
+    model = GENERATE_MODELS[key]
+    positions = torch.arange(seq)[None]
+    real = torch.tensor(lengths)[:, None]
+    mask = (positions < real if side == "right" else positions >= seq - real).long()
+    ids = torch.randint(3, VOCAB, mask.shape, generator=torch.Generator().manual_seed(sum(lengths))) * mask
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              pad_token_id=0, cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model.generate(**kw)
+        with patchkit.apply_patch(backend="sdpa"):
+            got = model.generate(**kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), atol=ATOL, rtol=RTOL)
