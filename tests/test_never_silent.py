@@ -325,25 +325,26 @@ def test_a_cache_from_training_mode_is_explained_not_blamed_on_the_mask():
             model(input_ids=ids[:, -1:], attention_mask=longer, past_key_values=out.past_key_values)
 
 
-@pytest.mark.parametrize("family", ["mistral", "starcoder2"])  # every layer sliding: generate() makes one 4D mask
-def test_a_right_padded_static_generation_on_a_sliding_model_reads_no_padding_logit(family):
+@pytest.mark.parametrize(("family", "new"), [("mistral", 3), ("starcoder2", 3), ("llama", 1)])
+def test_a_right_padded_static_generation_on_a_sliding_model_reads_no_padding_logit(family, new):
     """generate(cache_implementation="static") on a right-padded prompt longer than the window (8 > 5), its rows'
     real tokens within it: the sliding layers' prefill mask is square, and it was taken for packed documents
     (neat_packing's mask) and served, so a short row's next token, which generate() reads at a padding position,
     came from patchkit's zero there: another first token for every right-padded row, no error (4.56-5.23). A
     static cache's mask is now never read as documents, and a prefill reading a padding position steps aside
-    (right_padded_generation), as with a 2D mask."""
+    (right_padded_generation), as with a 2D mask. Every layer sliding (Mistral, Starcoder2): generate() makes one 4D
+    mask; a LLaMA generating one token has a static cache as long as the prompt, so its mask is square too."""
     from families import any_model
 
     model = any_model(family)
     mask = (torch.arange(8)[None] < torch.tensor([[4], [2], [1]])).long()  # right-padded, each row within the window
     ids = torch.randint(3, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
               cache_implementation="static", return_dict_in_generate=True, output_logits=True)
     want = model.generate(**kw)
     with patchkit.apply_patch(backend="sdpa") as handle:
         got = model.generate(**kw)
         aside = handle.stepped_aside  # before 4.57 such static caches are not served: every forward steps aside
-        assert aside.get("right_padded_generation") == 1 or aside == {"custom_4d_mask": 3}
+        assert aside.get("right_padded_generation") == 1 or aside == {"custom_4d_mask": new}
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), atol=2e-5, rtol=1e-4)
