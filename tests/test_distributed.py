@@ -17,6 +17,7 @@ TRAIN_SCRIPT = '''"""A tiny padded-batch training run, single process or DDP, fo
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,10 @@ if rank == 0:
 if dist.is_initialized():
     dist.barrier()  # no rank tears gloo down while its peer is still in flight (a gloo SIGABRT otherwise)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # under load torch's gloo threads can abort the interpreter's exit after all of the above
+    # ('terminate called without an active exception', SIGABRT; plain torchrun without patchkit too): torch's teardown
 '''
 
 STEPS = 3

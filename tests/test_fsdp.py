@@ -15,6 +15,8 @@ FSDP_SCRIPT = '''"""FSDP2 tiny padded-batch training, unpatched then patched, fo
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -90,6 +92,10 @@ if rank == 0:
     print("LOSSES " + json.dumps({"unpatched": reference, "patched": patched}), flush=True)
 dist.barrier()  # no rank tears gloo down while its peer is still in flight
 dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # under load torch's gloo threads can abort the interpreter's exit after all of the above
+# ('terminate called without an active exception', SIGABRT; plain torchrun without patchkit too): torch's teardown
 '''
 
 STEPS = 3
