@@ -33,18 +33,15 @@ def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
     """A StaticCache's layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57, the
     StaticSlidingWindowLayers that keep a window's last keys in order; None for any other cache or layer (4.56's
     sliding layers among them)."""
-    try:
-        from transformers.cache_utils import StaticCache, StaticLayer
-    except ImportError:  # before 4.56 (no cache layers): not served
-        return None
     from transformers import cache_utils
 
+    full = getattr(cache_utils, "StaticLayer", None)  # before 4.56 (no cache layers): not served
     sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     layers = getattr(cache, "layers", None)
-    if type(cache) is not StaticCache or not layers:
+    if full is None or type(cache) is not cache_utils.StaticCache or not layers:
         return None
     kinds = [(type(layer) is sliding, layer.max_cache_len) for layer in layers]
-    return kinds if all(type(layer) in (StaticLayer, sliding) for layer in layers) else None
+    return kinds if all(type(layer) in (full, sliding) for layer in layers) else None
 
 
 def causal_over_slots(
