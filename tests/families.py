@@ -47,6 +47,14 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
     return builders[model_type]().float().eval()
 
 
+def static_cache_served(family: str) -> bool:
+    """Whether this transformers' static-cache generation runs patched for `family` (generate()'s masks read back as
+    the 2D mask): full-attention caches from 4.56 (cache layers), windowed ones from 4.57 (StaticSlidingWindowLayer)."""
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "StaticSlidingWindowLayer" if family in WINDOWED else "StaticLayer")
+
+
 def set_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
     """`model.set_attn_implementation` (4.54+), else the config field the one attention class reads (4.48+)."""
     setter = getattr(model, "set_attn_implementation", None)

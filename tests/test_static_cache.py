@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from families import family_model, set_attention
+from families import family_model, set_attention, static_cache_served
 from models import padded_batch, static_cache, tiny_model
 
 import patchkit
@@ -18,8 +18,7 @@ ATOL, RTOL = 2e-5, 1e-4
 # before it such forwards step aside (exact), which test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly
 # checks from 4.48 on
 served_patched = pytest.mark.skipif(
-    importlib.util.find_spec("transformers.masking_utils") is None
-    or not hasattr(importlib.import_module("transformers.cache_utils"), "StaticLayer"),
+    importlib.util.find_spec("transformers.masking_utils") is None or not static_cache_served("llama"),
     reason="static caches served patched: transformers 4.56+ (cache layers)",
 )
 
@@ -146,7 +145,7 @@ def test_the_2d_mask_is_read_back_exactly_and_anything_else_is_not(attn):
 
 # windowed families' static caches served patched: transformers 4.57+ (StaticSlidingWindowLayer, its keys in order)
 windowed_served = pytest.mark.skipif(
-    not hasattr(importlib.import_module("transformers.cache_utils"), "StaticSlidingWindowLayer"),
+    not static_cache_served("mistral"),
     reason="windowed static caches served patched: transformers 4.57+ (StaticSlidingWindowLayer)",
 )
 

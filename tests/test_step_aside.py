@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from families import FAMILIES, WINDOWED, any_model, set_attention
+from families import FAMILIES, any_model, set_attention, static_cache_served
 from models import padded_batch
 
 import patchkit
@@ -110,8 +110,6 @@ def test_static_cache_generation_of_every_family_runs_patched_and_equals_unpatch
     exactly the 2D mask over the cache's keys, they are read back and the forward runs patched: from transformers
     4.57 for windowed families too (their StaticSlidingWindowLayers keep the window's last keys in order; the window
     bites here, 14 + 8 tokens against 5), from 4.56 for the rest. Before that every forward steps aside."""
-    from transformers import cache_utils
-
     model = any_model(family, "sdpa")
     ids, mask = padded_batch("left", batch=3, seq=14)
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static",
@@ -119,11 +117,10 @@ def test_static_cache_generation_of_every_family_runs_patched_and_equals_unpatch
     want = model.generate(input_ids=ids, **kw)
     with patchkit.apply_patch(backend="sdpa") as group:
         got = model.generate(input_ids=ids, **kw)
-    served = hasattr(cache_utils, "StaticSlidingWindowLayer" if family in WINDOWED else "StaticLayer")
-    if served:
+    if static_cache_served(family):
         assert group.calls > 0 and not group.stepped_aside
-    else:
-        assert group.calls == 0 and set(group.stepped_aside) <= {"custom_4d_mask", "window_rolling_cache"}
+    else:  # every forward: the prefill and 7 decode steps
+        assert group.calls == 0 and group.stepped_aside == {"custom_4d_mask": 8}, group.stepped_aside
     assert torch.equal(got.sequences, want.sequences)
     for step_got, step_want in zip(got.scores, want.scores):
         torch.testing.assert_close(step_got, step_want, atol=2e-5, rtol=1e-4)
