@@ -33,8 +33,10 @@ def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
     """A StaticCache's layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57, the
     StaticSlidingWindowLayers that keep a window's last keys in order; None for any other cache or layer (4.56's
     sliding layers among them)."""
-    from transformers import cache_utils
-
+    try:
+        from transformers import cache_utils
+    except ImportError:  # before 4.36: tuple caches, no cache_utils
+        return None
     full = getattr(cache_utils, "StaticLayer", None)  # before 4.56 (no cache layers): not served
     sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     layers = getattr(cache, "layers", None)
