@@ -218,3 +218,28 @@ def test_windows_and_softcap_run_on_the_kernel(backend, model_type):
     with patchkit.apply_patch(model_type, backend=backend, strict=True):
         got = model.generate(input_ids=ids, **kw)
     same_greedy(got, ref, ids.shape[1])
+
+
+@pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
+@pytest.mark.parametrize("backend", ["sdpa", *BACKENDS])
+def test_offloaded_cache_generation_matches_unpatched(backend, cache):
+    """generate(cache_implementation="offloaded" / "offloaded_static"), which needs CUDA (each layer's keys and
+    values go to the host after use and are prefetched back on a side stream): served through the cache's own
+    update, every forward patched (strict). The sdpa backend in fp32 gives unpatched's tokens exactly; the kernel
+    backends in bf16, HF eager's up to a bf16 tie."""
+    if backend != "sdpa":
+        require(backend)
+    model = gpu_model().eval()
+    if backend != "sdpa":
+        model = model.to(torch.bfloat16)
+    model.generation_config.disable_compile = True  # count every step's attention calls
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    with patchkit.apply_patch("llama2", backend=backend, strict=True) as handle:
+        ours = model.generate(input_ids=ids, **kw)
+    assert handle.calls == 12 * model.config.num_hidden_layers and not handle.stepped_aside
+    if backend == "sdpa":
+        assert torch.equal(ours, ref.sequences)
+    else:
+        same_greedy(ours, ref, ids.shape[1])
