@@ -126,14 +126,15 @@ GENERATE_MODELS: dict = {}
 @st.composite
 def static_generations(draw):
     """A windowed family (or LLaMA), its mask kind, and a prompt batch padded on either side (or not), each row's
-    real length drawn, generating 1-9 tokens into a static cache: prefills inside and past the window (5), rows that
-    roll it, padding holes inside it and behind it."""
+    real length drawn, generating 1-9 tokens into a static cache, greedy or by beam search: prefills inside and past
+    the window (5), rows that roll it, padding holes inside it and behind it."""
     family = draw(st.sampled_from(["llama", *sorted(WINDOWED)]))
     attn = "eager" if family == "gemma2" else draw(st.sampled_from(["eager", "sdpa"]))
     batch, seq, new = draw(st.integers(1, 4)), draw(st.integers(1, 12)), draw(st.integers(1, 9))
     side = draw(st.sampled_from(["left", "right", "none"]))
     lengths = [seq if side == "none" else draw(st.integers(1, seq)) for _ in range(batch)]
-    return family, attn, side, lengths, seq, new
+    beams = draw(st.sampled_from([1, 1, 2, 3]))  # beam search reorders the static cache's slots every step
+    return family, attn, side, lengths, seq, new, beams
 
 
 @hypothesis.settings(max_examples=max(25, hypothesis.settings.default.max_examples // 8), deadline=None)
@@ -144,7 +145,7 @@ def test_generate_into_a_static_cache_equals_unpatched(drawn):
     eras whose caches it does not place). A fuzz of this found the right-padded sliding-only bug above."""
     from families import any_model
 
-    family, attn, side, lengths, seq, new = drawn
+    family, attn, side, lengths, seq, new, beams = drawn
     key = (family, attn)
     if key not in GENERATE_MODELS:
         GENERATE_MODELS[key] = any_model(family, attn)
@@ -154,7 +155,8 @@ def test_generate_into_a_static_cache_equals_unpatched(drawn):
     mask = (positions < real if side == "right" else positions >= seq - real).long()
     ids = torch.randint(3, VOCAB, mask.shape, generator=torch.Generator().manual_seed(sum(lengths))) * mask
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-              pad_token_id=0, cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+              pad_token_id=0, cache_implementation="static", return_dict_in_generate=True, output_logits=True,
+              num_beams=beams)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = model.generate(**kw)
