@@ -19,7 +19,6 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current, within
-from patchkit.forward.documents import real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -32,7 +31,7 @@ from patchkit.hooks.step_aside import (
     documents_metadata,
     forward_cause,
     input_tokens,
-    right_padded_generation,
+    lm_cause,
     sliding_window,
     step_aside,
     transformers_mask_in_graph,
@@ -40,7 +39,6 @@ from patchkit.hooks.step_aside import (
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-IGNORE_INDEX = -100
 # The base models whose forward, in eval mode with use_cache and no cache given, makes a DynamicCache (read in each
 # family's modeling file, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
@@ -345,36 +343,6 @@ def make_model_forward(
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward.__patchkit_route__ = route  # type: ignore[attr-defined]
     return forward
-
-
-def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
-    """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
-    mask's real tokens are those that see themselves."""
-    if not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
-        return False  # no loss here (generate()'s steps): nothing to read the mask for
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
-        mask = real_tokens_of_4d(mask)
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return False
-    pad = mask == 0
-    hits = []
-    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
-        hits.append(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
-    if isinstance(shift_labels, torch.Tensor) and shift_labels.shape == mask.shape:
-        hits.append(((shift_labels != IGNORE_INDEX) & pad).any())
-    return bool(torch.stack(hits).any()) if hits else False
-
-
-def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
-    """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
-    token (its prefill; a plain forward's logits at padding are zeros, as documented)."""
-    mask = arguments.get("attention_mask")
-    if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
-        return "labels_from_padding"
-    cache = arguments.get("past_key_values", extra.get("past_key_values"))
-    keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
-    position = arguments.get("cache_position", extra.get("cache_position"))
-    return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
 
 
 def make_lm_forward(original: Callable) -> Callable:

@@ -14,10 +14,12 @@ import torch
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
-from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows
+from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata, has_holes
+
+IGNORE_INDEX = -100
 
 # cause -> (what the forward asks for, what would keep it patched)
 CAUSES = {
@@ -211,3 +213,33 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
     return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())
+
+
+def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
+    """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
+    mask's real tokens are those that see themselves."""
+    if not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
+        return False  # no loss here (generate()'s steps): nothing to read the mask for
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
+        mask = real_tokens_of_4d(mask)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    pad = mask == 0
+    hits = []
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        hits.append(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
+    if isinstance(shift_labels, torch.Tensor) and shift_labels.shape == mask.shape:
+        hits.append(((shift_labels != IGNORE_INDEX) & pad).any())
+    return bool(torch.stack(hits).any()) if hits else False
+
+
+def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
+    """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
+    token (its prefill; a plain forward's logits at padding are zeros, as documented)."""
+    mask = arguments.get("attention_mask")
+    if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
+        return "labels_from_padding"
+    cache = arguments.get("past_key_values", extra.get("past_key_values"))
+    keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
+    position = arguments.get("cache_position", extra.get("cache_position"))
+    return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
