@@ -22,6 +22,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.hooks.step_aside import (
     documents_in_4d_mask,
+    ends_in_padding,
     input_tokens,
     sliding_window,
     take_documents,
@@ -177,7 +178,7 @@ def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if found is None:
         return "custom_4d_mask"
     keys, past = found
-    if past == 0 and bool(((keys[:, -1] == 0) & (keys != 0).any(-1)).any()):
+    if past == 0 and ends_in_padding(keys):
         return "right_padded_generation"
     if window_over_hole(module.config, keys):  # a right-padded prompt's decode steps on a windowed model
         return "window_over_padding_hole"

@@ -212,6 +212,11 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
         return False
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
+    return ends_in_padding(mask)
+
+
+def ends_in_padding(mask: torch.Tensor) -> bool:
+    """Some row of the 2D mask has real tokens and a padding last column (a prefill's next token is read there)."""
     return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())
 
 
