@@ -64,9 +64,10 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def step(model, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[torch.Tensor, dict]:
-    """Logits and every parameter gradient of one padded training step (labels exclude padding)."""
+    """Logits and every parameter gradient of one padded training step (labels exclude padding unless given)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), **kw)
+    kw.setdefault("labels", labels_for(ids, mask))
+    out = model(input_ids=ids, attention_mask=mask, **kw)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.logits.detach(), grads

@@ -108,3 +108,25 @@ def test_static_cache_generate_under_the_registered_name_matches_eager():
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
     assert state.stepped_aside["custom_4d_mask"] > aside
+
+
+def test_strict_refuses_labels_at_padding_under_the_name_alone_and_the_next_call_runs():
+    """strict=True: a loss read at padding positions is refused by name (nothing is stepped aside); the same model's
+    next call with labels at real tokens only runs patched, as eager does."""
+    attention_interface.register(backend="sdpa", strict=True)
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_config(kv_heads=2))
+    named = LlamaForCausalLM(tiny_config(kv_heads=2))
+    named.load_state_dict(eager.state_dict())
+    named.config._attn_implementation = "patchkit"
+    ids, mask = padded_batch("right")
+    with pytest.raises(patchkit.PatchkitError, match=r"strict=True\): a label is predicted from a padding position"):
+        named(input_ids=ids, attention_mask=mask, labels=ids)
+    state = attention_interface.route_state()
+    assert state.stepped_aside == {}
+    got, got_g = logits_and_grad(named, ids, mask)
+    want, want_g = logits_and_grad(eager, ids, mask)
+    assert state.calls == 2
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got_g, want_g, atol=2e-5, rtol=1e-3)

@@ -6,11 +6,12 @@ import copy
 
 import pytest
 import torch
-from families import ATOL, FAMILIES, WINDOW, family_model, set_attention
+from families import ATOL, FAMILIES, WINDOW, WINDOWED, any_model, family_model, set_attention
 from models import VOCAB, assert_same, needs_mask_interface, padded_batch, step
 
 import patchkit
 from patchkit import PatchTargetError
+from patchkit.hooks import attention_interface
 
 pytestmark = needs_mask_interface
 
@@ -111,3 +112,34 @@ def test_families_do_not_patch_each_other_and_unknown_types_are_refused():
     bert.config = type("C", (), {"model_type": "bert", "num_attention_heads": 2})()
     with pytest.raises(PatchTargetError, match="no patch for model_type 'bert'.*mistral"):
         patchkit.apply_patch(model=bert, backend="sdpa")
+
+
+@pytest.mark.parametrize("family", ["llama"] + FAMILIES)
+def test_values_at_padding_under_the_registered_name_alone_step_aside_exactly(family):
+    """Under attn_implementation="patchkit" alone no patch wraps the model's forward, so its mask function reads the
+    causal LM's call instead: labels at padding (`labels = input_ids`), generate()'s right-padded prefill and a
+    window over the padding hole its decode steps leave all need values varlen kernels never compute. Those forwards
+    step aside (counted), with eager's loss, gradients, tokens and scores; they silently differed before (a 2e-2
+    loss gap, other greedy tokens in 7 of 13 families)."""
+    model = any_model(family).train()
+    named = set_attention(copy.deepcopy(model), patchkit.ATTENTION_NAME)
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    patchkit.register_attention(backend="sdpa")
+    try:
+        state = attention_interface.route_state()
+        want = step(model, ids, mask, labels=ids)
+        got = step(named, ids, mask, labels=ids)
+        assert state.stepped_aside == {"labels_from_padding": 2} and state.calls == 0
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+        want_gen, got_gen = model.eval().generate(ids, **kw), named.eval().generate(ids, **kw)
+        windowed = family in WINDOWED
+        assert state.stepped_aside["right_padded_generation"] == 2  # the prefill's 2 layers
+        assert state.stepped_aside.get("window_over_padding_hole", 0) == (10 if windowed else 0)
+        assert state.calls == (0 if windowed else 10)  # 5 decode steps with no window, 2 layers each
+    finally:
+        patchkit.register_attention(backend="auto")
+    assert_same(got, want, mask, atol=ATOL)
+    torch.testing.assert_close(got[0], want[0], atol=ATOL, rtol=1e-4)  # padding positions too: the loss reads them
+    assert torch.equal(got_gen.sequences, want_gen.sequences)
+    torch.testing.assert_close(torch.stack(got_gen.scores), torch.stack(want_gen.scores), atol=ATOL, rtol=1e-4)

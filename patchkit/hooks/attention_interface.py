@@ -10,6 +10,7 @@ which transformers 5.x would take for a flash-attn build or a hub kernel.
 from __future__ import annotations
 
 import sys
+from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -24,7 +25,7 @@ from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
-from patchkit.hooks.step_aside import step_aside, transformers_mask
+from patchkit.hooks.step_aside import lm_cause, step_aside, transformers_mask, window_over_hole
 from patchkit.registry import registered, resolve
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
@@ -40,16 +41,16 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     transformers sizes the keys from the cache: a `kv_length` beyond `q_offset + q_length` means the cache returns
     preallocated slots (a StaticCache), whose unfilled tail no query may see. A pattern beyond causal, sliding and
     packed (`beyond_causal`) gets transformers' own eager mask, which the attention entry steps aside for; so does
-    generate()'s static-cache mask, made before the model runs and handed to it as a tensor (a class patch's model
-    forward reads its 2D mask back, `slots_mask`).
+    a call that reads values at padding positions under this name alone (`call_cause`), and generate()'s
+    static-cache mask, made before the model runs and handed to it as a tensor (a class patch's model forward reads
+    its 2D mask back, `slots_mask`).
     """
     if beyond_causal(kwargs.get("mask_function")):
-        from transformers.masking_utils import eager_mask
-
-        mask = eager_mask(*args, **kwargs)
-        mask.patchkit_cause = "custom_mask_pattern"  # read by `_attention`: the cause it steps aside for
-        return mask
+        return aside_mask("custom_mask_pattern", args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
+    cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None
+    if cause is not None:
+        return aside_mask(cause, args, kwargs)
     q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
@@ -62,6 +63,44 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
 
         return eager_mask(*args, **kwargs)  # a tensor generate() can hand the model: the attention entry steps aside
     return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
+
+
+def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """transformers' own eager mask for this forward, tagged with the cause `_attention` steps aside for."""
+    from transformers.masking_utils import eager_mask
+
+    mask = eager_mask(*args, **kwargs)
+    mask.patchkit_cause = cause
+    return mask
+
+
+def call_cause(config: Any, mask: Any) -> Optional[str]:
+    """Under this name alone (no patch wraps the model's forward): why this call needs transformers' values at
+    padding positions, which varlen kernels never compute, or None.
+
+    The causal LM's call, read from its frame (`lm_frame`), may predict a label from padding or be generate()'s
+    right-padded prefill; a sliding window may span a padding hole (the class patches decide the same at the
+    model's forward, `step_aside.forward_cause`).
+    """
+    frame = lm_frame()
+    if frame is not None:
+        local = frame.f_locals
+        cause = lm_cause(local, local.get("kwargs") or {})
+        if cause is not None:
+            return cause
+    return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
+
+
+def lm_frame(depth: int = 16) -> Optional[FrameType]:
+    """The running causal LM's `forward` (the first one up the stack that takes `labels`), or None: a base model
+    called alone, or generate() building a mask before the model runs."""
+    frame = sys._getframe(3)
+    while frame is not None and depth:
+        code = frame.f_code
+        if code.co_name == "forward" and "labels" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            return frame
+        frame, depth = frame.f_back, depth - 1
+    return None
 
 
 def made_ahead_by_generate(depth: int = 8) -> bool:
