@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
+from families import static_cache_served
 from models import labels_for, needs_mask_interface, padded_batch, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -86,12 +88,15 @@ def test_auto_route_names_the_failed_gate_on_first_use(saved):
 def test_static_cache_generate_under_the_registered_name_matches_eager():
     # generate() builds a static cache's mask before the model runs, through the name's mask function, and calls
     # .contiguous() on it: that call got patchkit's key-padding mask object and failed with a misleading
-    # PatchStateError ("reached attention code patchkit does not own"); it now gets transformers' own mask, which
-    # the attention entry steps aside for (exact, counted)
+    # PatchStateError ("reached attention code patchkit does not own"). It now gets transformers' own mask, which
+    # carries the 2D mask it was made from where the varlen path places the cache (4.56+: every step patched,
+    # strict) and is stepped aside for otherwise (exact, counted)
     from transformers import StaticCache
 
     if not hasattr(StaticCache, "is_compileable"):
         pytest.skip("this transformers' generate() makes no 4D mask ahead for a static cache")
+    served = static_cache_served("llama")
+    attention_interface.register(backend="sdpa", strict=served)
     torch.manual_seed(0)
     eager = LlamaForCausalLM(tiny_config(kv_heads=2)).eval()
     named = LlamaForCausalLM(tiny_config(kv_heads=2)).eval()
@@ -102,12 +107,12 @@ def test_static_cache_generate_under_the_registered_name_matches_eager():
               output_scores=True, return_dict_in_generate=True)
     want = eager.generate(ids, **kw)
     state = attention_interface.route_state()
-    aside = state.stepped_aside.get("custom_4d_mask", 0)
-    with pytest.warns(RuntimeWarning, match="4D attention mask"):
+    with contextlib.nullcontext() if served else pytest.warns(RuntimeWarning, match="4D attention mask"):
         got = named.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
-    assert state.stepped_aside["custom_4d_mask"] > aside
+    assert state.calls == (10 if served else 0)  # prefill and 4 decode steps, 2 layers each
+    assert state.stepped_aside == ({} if served else {"custom_4d_mask": 10})
 
 
 def test_strict_refuses_labels_at_padding_under_the_name_alone_and_the_next_call_runs():

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 
 import pytest
 import torch
-from families import family_model, set_attention, static_cache_served
+from families import FAMILIES, any_model, family_model, set_attention, static_cache_served
 from models import padded_batch, static_cache, tiny_model
 
 import patchkit
+from patchkit.hooks import attention_interface
 from patchkit.hooks.slots_mask import padding_from_slots_mask
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -235,3 +237,25 @@ def test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly():
     got, aside = run(True)
     assert aside == {"custom_4d_mask": 1}
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", ["llama"] + FAMILIES)
+def test_static_cache_generation_under_the_registered_name_alone_runs_patched(family):
+    """attn_implementation="patchkit" alone, no patch: generate()'s static-cache masks carry the 2D mask they were
+    made from, so every step runs on the varlen path (strict: nothing steps aside) with eager's tokens and per-step
+    logits; the windowed families cross their window of 5 (8 tokens after a 14-token prompt)."""
+    model = any_model(family)
+    if not static_cache_served(family):
+        pytest.skip("static caches served patched: transformers 4.56+ (4.57+ with a sliding window)")
+    named = set_attention(copy.deepcopy(model), patchkit.ATTENTION_NAME)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want, want_logits = generate_static(model, ids, mask)
+    patchkit.register_attention(backend="sdpa", strict=True)
+    try:
+        state = attention_interface.route_state()
+        got, got_logits = generate_static(named, ids, mask)
+        assert state.calls == 8 * model.config.num_hidden_layers and not state.stepped_aside
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)

@@ -21,11 +21,19 @@ from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.forward.arguments import check_family
 from patchkit.forward.context import current
+from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
-from patchkit.hooks.step_aside import lm_cause, step_aside, transformers_mask, window_over_hole
+from patchkit.hooks.slots_mask import static_layers
+from patchkit.hooks.step_aside import (
+    ends_in_padding,
+    lm_cause,
+    step_aside,
+    transformers_mask,
+    window_over_hole,
+)
 from patchkit.registry import registered, resolve
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
@@ -41,9 +49,10 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     transformers sizes the keys from the cache: a `kv_length` beyond `q_offset + q_length` means the cache returns
     preallocated slots (a StaticCache), whose unfilled tail no query may see. A pattern beyond causal, sliding and
     packed (`beyond_causal`) gets transformers' own eager mask, which the attention entry steps aside for; so does
-    a call that reads values at padding positions under this name alone (`call_cause`), and generate()'s
-    static-cache mask, made before the model runs and handed to it as a tensor (a class patch's model forward reads
-    its 2D mask back, `slots_mask`).
+    a call that reads values at padding positions under this name alone (`call_cause`). generate()'s static-cache
+    mask is made before the model runs and handed to it as a tensor: transformers' own, carrying the key-padding
+    mask it was made from (`patchkit_varlen`) where the cache is one the varlen path places (`static_layers`; a
+    class patch's model forward reads the 2D mask back from the tensor itself, `slots_mask`).
     """
     if beyond_causal(kwargs.get("mask_function")):
         return aside_mask("custom_mask_pattern", args, kwargs)
@@ -58,11 +67,18 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         return VarlenMask.for_forward(attention_mask)
     past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
-    if made_ahead_by_generate():  # once per forward: a few frames up
-        from transformers.masking_utils import eager_mask
+    varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
+    maker = generate_frame()  # once per forward: a few frames up
+    if maker is None:
+        return varlen
+    if past_len == 0 and isinstance(attention_mask, torch.Tensor) and ends_in_padding(attention_mask):
+        return aside_mask("right_padded_generation", args, kwargs)  # a static cache's prefill reads its last column
+    from transformers.masking_utils import eager_mask
 
-        return eager_mask(*args, **kwargs)  # a tensor generate() can hand the model: the attention entry steps aside
-    return VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
+    mask = eager_mask(*args, **kwargs)  # a tensor generate() can hand the model
+    if static_layers(maker.f_locals.get("past_key_values")) is not None:
+        mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
+    return mask
 
 
 def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -103,15 +119,16 @@ def lm_frame(depth: int = 16) -> Optional[FrameType]:
     return None
 
 
-def made_ahead_by_generate(depth: int = 8) -> bool:
-    """generate() is building a static cache's mask before the model runs (`create_masks_for_generate`, which
-    calls `.contiguous()` on the result and hands it to the model as its attention_mask)."""
+def generate_frame(depth: int = 8) -> Optional[FrameType]:
+    """generate()'s `create_masks_for_generate`, when it is building a static cache's mask before the model runs
+    (it calls `.contiguous()` on the result, a no-op on a contiguous tensor, and hands it to the model as its
+    attention_mask), or None."""
     frame = sys._getframe(2)
     while frame is not None and depth:
         if frame.f_code.co_name == "create_masks_for_generate":
-            return True
+            return frame
         frame, depth = frame.f_back, depth - 1
-    return False
+    return None
 
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
@@ -160,6 +177,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     """
     route = current().route
     routed = None if route is None else route.state
+    if transformers_mask(attention_mask) and route is None and not is_compiling():
+        attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
