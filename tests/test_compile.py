@@ -138,3 +138,44 @@ def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family)
         else:  # before that a static cache's prefill steps aside, counted
             assert served == 0 and handle.stepped_aside == {"custom_4d_mask": 2}, handle.stepped_aside
     assert torch.equal(got, want) and torch.equal(again, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone(family):
+    """attn_implementation="patchkit" alone, generate()'s own compiled static-cache decode (fullgraph, as on a GPU
+    unasked): the eager prefill runs patched, each compiled decode step hands generate()'s 4D mask to transformers'
+    attention without reading patchkit's contextvar (which broke the fullgraph compile with a dynamo error). The same
+    tokens as unpatched, no graph break, nothing compiled again on a second generate()."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from patchkit.hooks import attention_interface
+
+    transformers = pytest.importorskip("transformers")
+    config_class = getattr(transformers, "CompileConfig", None)
+    if config_class is None or not hasattr(config_class, "_compile_all_devices") or not static_cache_served(family):
+        pytest.skip("generate()'s compiled static-cache decode on CPU, served: transformers 4.56+ (windowed 4.57+)")
+    model = any_model(family)
+    named = copy.deepcopy(model)
+    named.config._attn_implementation = patchkit.ATTENTION_NAME
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    want = model.generate(**kw)
+    compile_config = config_class(backend="eager", mode="default", fullgraph=True)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    patchkit.register_attention(backend="sdpa", strict=True)
+    try:
+        state = attention_interface.route_state()
+        got = named.generate(**kw, compile_config=compile_config)
+        assert state.calls == 2 and not state.stepped_aside  # the prefill, both layers, on the varlen path
+        graphs = counters["stats"]["unique_graphs"]
+        again = named.generate(**kw, compile_config=compile_config)
+        assert counters["stats"]["unique_graphs"] == graphs >= 1, "generate() did not compile, or compiled again"
+        assert sum(counters["graph_break"].values()) == 0
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)
+    assert torch.equal(got, want) and torch.equal(again, want)

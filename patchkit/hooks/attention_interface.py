@@ -173,20 +173,21 @@ def route_state() -> PatchState:
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
     """`AttentionInterface` entry: q/k/v (B, H, S, D) after RoPE and cache update -> varlen attention.
 
-    Inside a patched family's forward the patch's own state serves it; otherwise the registered route's.
+    Inside a patched family's forward the patch's own state serves it; otherwise the registered route's. Inside a
+    compiled graph (transformers' compiled static-cache decode) a transformers-made 4D mask goes straight to
+    transformers' attention: no contextvar, no count, nothing that would break the graph.
     """
+    if transformers_mask(attention_mask) and is_compiling():
+        return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     route = current().route
     routed = None if route is None else route.state
-    if transformers_mask(attention_mask) and route is None and not is_compiling():
+    if transformers_mask(attention_mask) and route is None:
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
         step_aside(routed or route_state(), cause, {}, {})
-        if attention_mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
-            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~attention_mask, torch.finfo(query.dtype).min)
-        return family_eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+        return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention
             return through_ulysses(route.ulysses, _function_for(routed), module, query, key, value, attention_mask,
@@ -196,6 +197,15 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if _state is None or _function is None:
         route_state()
     return _function(module, query, key, value, attention_mask, **kwargs)
+
+
+def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: torch.Tensor,
+                           **kwargs: Any) -> Any:
+    """transformers' eager attention of `module`'s family over its 4D mask (sdpa's boolean one made additive)."""
+    if mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return family_eager_attention(module)(module, query, key, value, mask, **kwargs)
 
 
 def family_eager_attention(module: nn.Module) -> Callable:
