@@ -228,3 +228,66 @@ def test_windows_and_softcap_reach_the_kernel_or_fall_back_by_version(monkeypatc
     with patchkit.apply_patch("gemma2", strict=True):
         with pytest.raises(PatchGateError, match="window_size needs flash-attn>=2.3"):
             model(input_ids=ids, attention_mask=mask)
+
+
+def half_projections(model, dtype):
+    """q/k/v_proj weights in `dtype`, their outputs cast back to fp32: fp32 q/k/v beside half projection weights."""
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.to(dtype)
+            proj.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
+            proj.register_forward_hook(lambda m, args, out: out.float())
+    return model
+
+
+@pytest.mark.parametrize("source", ["pre-quantization", "weights"])
+def test_fp32_inputs_are_cast_to_the_pre_quantization_else_the_weight_dtype(monkeypatch, source):
+    """Without autocast, fp32 q/k/v go to config._pre_quantization_dtype, else q_proj's dtype, not bf16 blindly."""
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model()
+    if source == "pre-quantization":
+        model.config._pre_quantization_dtype = torch.float16
+    else:
+        half_projections(model, torch.float16)
+    ids, mask = padded_batch("right")
+    with torch.no_grad(), patchkit.apply_patch("llama2"):
+        with pytest.warns(RuntimeWarning, match=r"q/k/v are torch.float32.*casting to torch.float16"):
+            got = model(input_ids=ids, attention_mask=mask).logits
+    assert got.dtype == torch.float32
+    assert len(fake.calls) == model.config.num_hidden_layers
+    assert all(c["dtype"] == torch.float16 for c in fake.calls)
+
+
+@pytest.mark.parametrize("patch", ["llama2", "llama1"])
+def test_attention_dropout_reaches_the_kernel_in_training_only(monkeypatch, patch):
+    """On a full flash_attn build, config.attention_dropout is every training call's dropout_p, and 0.0 in eval."""
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(dtype=torch.bfloat16, attention_dropout=0.1).train()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch(patch, strict=True):
+        model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+        assert [c["dropout_p"] for c in fake.calls] == [0.1] * model.config.num_hidden_layers
+        fake.calls.clear()
+        with torch.no_grad():
+            model.eval()(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert [c["dropout_p"] for c in fake.calls] == [0.0] * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("patch", ["llama2", "llama1"])
+def test_an_all_padding_batch_calls_no_kernel_and_gives_zeros_and_zero_gradient(monkeypatch, patch):
+    """nnz == 0 on a kernel backend: no total_q=0 call reaches flash-attn, attention is 0, backward runs, grad 0."""
+    fake = install_flash_double(monkeypatch)
+    model = tiny_model(dtype=torch.bfloat16).train()
+    ids, mask = padded_batch("right", batch=2, seq=16)
+    mask = torch.zeros_like(mask)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    attn_out = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(lambda m, args, out: attn_out.append(out[0]))
+    with patchkit.apply_patch(patch, strict=True):
+        logits = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
+        (logits.float() * mask[..., None]).sum().backward()  # a loss over real tokens: here none
+    assert fake.calls == []
+    assert len(attn_out) == model.config.num_hidden_layers and all(not o.any() for o in attn_out)
+    assert logits.isfinite().all()
+    assert embeds.grad is not None and torch.equal(embeds.grad, torch.zeros_like(embeds))

@@ -348,3 +348,23 @@ def test_a_right_padded_static_generation_on_a_sliding_model_reads_no_padding_lo
         assert aside.get("right_padded_generation") == 1 or aside == {"custom_4d_mask": new}
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("route", ["class patch", pytest.param("registered name", marks=needs_mask_interface)])
+def test_bidirectional_attention_is_refused(route):
+    """LLM2Vec sets is_causal=False on every attention module: causal varlen kernels must refuse, never mask it."""
+    model = tiny_model(kv_heads=2)
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    ids, mask = padded_batch("right", batch=2)
+    if route == "class patch":
+        with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(PatchInputError, match=r"is_causal=False"):
+            model(input_ids=ids, attention_mask=mask)
+        return
+    set_attention(model, patchkit.ATTENTION_NAME)
+    patchkit.register_attention(backend="sdpa")
+    try:
+        with pytest.raises(PatchInputError, match=r"LlamaAttention \(model_type 'llama'\) passes is_causal=False"):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)

@@ -59,7 +59,8 @@ def test_cu_seq_lens_kwargs_define_documents():
     ids = torch.cat(docs)[None]
     lengths = torch.tensor([len(d) for d in docs])
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    # position_ids deliberately NOT restarting: cu_seq_lens alone must separate the documents
+    # position_ids restart with the documents, as the kwargs say (test_cu_seq_lens_alone_define_documents_when_
+    # positions_do_not_restart takes positions that do not)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
         pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
         logits = model(
@@ -115,3 +116,28 @@ def test_positions_with_gaps_are_one_document_not_many(mask_kind):
             got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["arange", None])
+@pytest.mark.parametrize("train,use_cache", [(True, False), (False, True)])
+def test_cu_seq_lens_alone_define_documents_when_positions_do_not_restart(train, use_cache, positions):
+    """cu_seq_lens_q/k (DataCollatorWithFlattening's flash kwargs) split documents whose positions never restart."""
+    collator_cls = pytest.importorskip("transformers").DataCollatorWithFlattening
+    model = tiny_model(kv_heads=2, seed=8)
+    docs = doc_ids(1)
+    want = separate_logits(model, docs)
+    try:
+        collator = collator_cls(return_flash_attn_kwargs=True, return_position_ids=False)
+    except TypeError:
+        pytest.skip("DataCollatorWithFlattening has no return_flash_attn_kwargs in this transformers")
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    ids = batch["input_ids"]
+    pos = torch.arange(ids.shape[1])[None] if positions == "arange" else None
+    model.train(train)
+    with torch.set_grad_enabled(train), patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        out = model(**batch, position_ids=pos, use_cache=use_cache)
+        assert handle.calls == 2 and not handle.stepped_aside
+    assert (out.past_key_values is not None and out.past_key_values.get_seq_length() == ids.shape[1]) == use_cache
+    for got, exp in zip(torch.split(out.logits[0].detach(), [len(d) for d in docs]), want):
+        torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
