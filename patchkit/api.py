@@ -17,7 +17,7 @@ from patchkit.forward.liveness import live_layers
 from patchkit.forward.varlen import UNPAD_MODES, PatchState
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.hooks import flash_request, unserved
+from patchkit.hooks import batch_errors, flash_request, unserved
 from patchkit.hooks.model_walk import head_dim, model_config
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
 from patchkit.registry import PatchSpec, for_model_type, registered, resolve
@@ -89,6 +89,8 @@ class PatchHandle:
         if not any(key[0] == "class" for key in _ACTIVE):
             unserved.detach()
             flash_request.detach()
+        if not _ACTIVE:
+            batch_errors.detach()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -234,6 +236,7 @@ def _apply(
     apply_replacements(replacements)
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
     _ACTIVE[key] = handle
+    batch_errors.attach()
     if model is not None:
         try:
             handle.check(model)
@@ -316,6 +319,8 @@ def _forget(key: tuple, handle_ref: weakref.ref) -> None:
     handle = handle_ref()
     if handle is not None and _ACTIVE.get(key) is handle:
         del _ACTIVE[key]
+        if not _ACTIVE:
+            batch_errors.detach()
 
 
 def revert_patch() -> int:

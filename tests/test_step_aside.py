@@ -13,7 +13,7 @@ from families import FAMILIES, any_model, set_attention, static_cache_served
 from models import padded_batch
 
 import patchkit
-from patchkit import PatchInputError
+from patchkit import PatchInputError, PatchkitError
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.routing import routed
 
@@ -102,6 +102,32 @@ def test_paged_generation_runs_as_unpatched():
         assert set(aside) == {"custom_4d_mask"}
         (where,) = {w.filename for w in caught if "transformers' own attention" in str(w.message)}
         assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
+
+
+def test_a_refusal_inside_continuous_batching_reaches_the_caller():
+    """strict=True refuses continuous batching's 4D mask in its worker thread, whose loop logs and swallows every
+    exception: generate() returned the prompts with no new tokens. The refusal now reaches the caller; the next
+    call and a revert find transformers' continuous batching as it was."""
+    from transformers.generation import continuous_batching
+
+    original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="paged")
+    want = model.generate(input_ids=ids, **kw)
+    if want.shape[-1] <= ids.shape[-1]:
+        pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        try:
+            got = model.generate(input_ids=ids, **kw)
+        except PatchkitError as err:
+            assert "strict=True" in str(err) and "4D attention mask" in str(err)
+        else:  # a continuous batching that never reaches patchkit's attention (its own paged one): as unpatched
+            assert torch.equal(got, want), "a refusal was swallowed: the prompts came back"
+        handle.revert()
+    assert vars(continuous_batching.ContinuousMixin)["generate_batch"] is original
+    assert torch.equal(model.generate(input_ids=ids, **kw), want)
 
 
 @pytest.mark.parametrize("family", ["llama", *FAMILIES])
