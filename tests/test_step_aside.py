@@ -108,14 +108,16 @@ def test_a_refusal_inside_continuous_batching_reaches_the_caller():
     """strict=True refuses continuous batching's 4D mask in its worker thread, whose loop logs and swallows every
     exception: generate() returned the prompts with no new tokens. The refusal now reaches the caller; the next
     call and a revert find transformers' continuous batching as it was."""
-    from transformers.generation import continuous_batching
-
+    continuous_batching = pytest.importorskip("transformers.generation.continuous_batching")
     original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
     model = any_model("llama", "sdpa")
     ids, mask = padded_batch("left", batch=2, seq=14)
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
               cache_implementation="paged")
-    want = model.generate(input_ids=ids, **kw)
+    try:
+        want = model.generate(input_ids=ids, **kw)
+    except ValueError as err:  # generate() before it took "paged"
+        pytest.skip(f"no paged cache in this transformers' generate(): {err}")
     if want.shape[-1] <= ids.shape[-1]:
         pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
     with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
