@@ -39,6 +39,7 @@ TARGET = 1.2  # prefill + 64-token decode: at least 1.2x HF sdpa
 CSV = Path(__file__).resolve().parent / "results" / "decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa")
 FA2 = "hf_flash_attention_2"
+NAMED = "patchkit_named_"  # attn_implementation="patchkit" alone, no patch
 BATCH = 8  # bench.py's lognormal batch, on either device
 
 
@@ -75,10 +76,15 @@ def base_model(kv_heads: int, device: torch.device, window: int | None = None) -
 
 
 def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
-    """A copy of `base` running as provider `name`: an HF attention implementation (hf_*), or patchkit instance-patched
-    on backend <b> (patchkit_<b>, over HF sdpa); how it is compiled (a `_compiled` suffix) is left to the caller."""
+    """A copy of `base` running as provider `name`: an HF attention implementation (hf_*), patchkit instance-patched
+    on backend <b> (patchkit_<b>, over HF sdpa), or `attn_implementation="patchkit"` alone on backend <b>
+    (patchkit_named_<b>); how it is compiled (a `_compiled` suffix) is left to the caller."""
     name = name.split("_generate_compiled")[0].removesuffix("_compiled")
     model = copy.deepcopy(base)
+    if name.startswith(NAMED):
+        patchkit.register_attention(backend=name.removeprefix(NAMED), strict=True)
+        model.set_attn_implementation(patchkit.ATTENTION_NAME)
+        return model
     model.set_attn_implementation(HF_PROVIDERS.get(name, "sdpa"))
     if name.startswith("patchkit_"):
         patchkit.apply_patch(model=model, backend=name.removeprefix("patchkit_"), strict=True)  # its family's

@@ -48,8 +48,9 @@ from report import write_rows  # noqa: E402
 from workloads import make_tokens, padded_batch  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
-PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled", "patchkit_sdpa_compiled",
-             "hf_sdpa_generate_compiled", "patchkit_sdpa_generate_compiled")
+PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "patchkit_named_sdpa", "hf_sdpa_compiled",
+             "patchkit_sdpa_compiled", "hf_sdpa_generate_compiled", "patchkit_sdpa_generate_compiled",
+             "patchkit_named_sdpa_generate_compiled")
 BY_GENERATE = "_generate_compiled"  # generate() compiles the decode steps itself (compile_config), prefill eager
 FLASH = (FA2, "patchkit_flash_attn", "patchkit_torch_varlen")  # eager only, where bench.py's probe finds them (CUDA)
 
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         return 0
     device, lengths = run
-    table = Table(33, fa2=FA2 in static_providers(device),
+    table = Table(38, fa2=FA2 in static_providers(device),
                   extra=(("vs HF same", "vs_hf_same"), ("recompiles", "recompiles"), ("graph breaks", "graph_breaks")))
     rows = []
     for kv_heads in args.kv_heads:

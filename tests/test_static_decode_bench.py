@@ -25,12 +25,13 @@ def test_static_decode_benchmark_runs_and_writes_rows(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     with out.open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["provider"] for r in rows] == ["hf_eager", "hf_sdpa", "patchkit_sdpa", "hf_sdpa_compiled",
-                                             "patchkit_sdpa_compiled", "hf_sdpa_generate_compiled",
-                                             "patchkit_sdpa_generate_compiled"]
+    assert [r["provider"] for r in rows] == ["hf_eager", "hf_sdpa", "patchkit_sdpa", "patchkit_named_sdpa",
+                                             "hf_sdpa_compiled", "patchkit_sdpa_compiled",
+                                             "hf_sdpa_generate_compiled", "patchkit_sdpa_generate_compiled",
+                                             "patchkit_named_sdpa_generate_compiled"]
     assert all(float(r["real_tokens_per_s"]) > 0 and float(r["same_tokens"]) == 1.0 for r in rows)
     compiled = [r for r in rows if r["provider"].endswith("_compiled")]
-    assert [(r["recompiles"], r["graph_breaks"]) for r in compiled] == [("0", "0")] * 4
+    assert [(r["recompiles"], r["graph_breaks"]) for r in compiled] == [("0", "0")] * 5
     hf = {r["provider"]: float(r["median_s"]) for r in rows if r["provider"].startswith("hf_")}
     for row in rows:  # each against HF sdpa run (eager or compiled) the way it is
         twin = "hf_sdpa" + row["provider"].partition("sdpa")[2]
