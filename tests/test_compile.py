@@ -104,6 +104,17 @@ def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_ma
     assert torch.equal(got, want)
 
 
+def cpu_compile_config():
+    """transformers' CompileConfig for generate() (the eager backend, fullgraph), made to compile on CPU as generate()
+    does unasked on a GPU; skips where this transformers' generate() compiles on a GPU only."""
+    config_class = getattr(pytest.importorskip("transformers"), "CompileConfig", None)
+    if config_class is None or not hasattr(config_class, "_compile_all_devices"):
+        pytest.skip("this transformers' generate() compiles on a GPU only")
+    config = config_class(backend="eager", mode="default", fullgraph=True)
+    config._compile_all_devices = True
+    return config
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text"])
 def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family):
     """transformers' own compiled generation (a static cache with `generation_config.compile_config`, as generate()
@@ -112,17 +123,12 @@ def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family)
     break, and a second generate() compiles nothing new."""
     from torch._dynamo.utils import counters
 
-    transformers = pytest.importorskip("transformers")
-    config_class = getattr(transformers, "CompileConfig", None)
-    if config_class is None or not hasattr(config_class, "_compile_all_devices"):
-        pytest.skip("this transformers' generate() compiles on a GPU only")
+    compile_config = cpu_compile_config()
     model = any_model(family, "sdpa")
     ids, mask = padded_batch("left", batch=3, seq=14)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
               pad_token_id=0, cache_implementation="static")
     want = model.generate(**kw)
-    compile_config = config_class(backend="eager", mode="default", fullgraph=True)
-    compile_config._compile_all_devices = True  # compile on CPU, as generate() does unasked on a GPU
     torch._dynamo.reset()
     counters.clear()
     with patchkit.apply_patch(backend="sdpa") as handle:
@@ -152,10 +158,9 @@ def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone
 
     from patchkit.hooks import attention_interface
 
-    transformers = pytest.importorskip("transformers")
-    config_class = getattr(transformers, "CompileConfig", None)
-    if config_class is None or not hasattr(config_class, "_compile_all_devices") or not static_cache_served(family):
-        pytest.skip("generate()'s compiled static-cache decode on CPU, served: transformers 4.56+ (windowed 4.57+)")
+    compile_config = cpu_compile_config()
+    if not static_cache_served(family):
+        pytest.skip("static caches served patched: transformers 4.56+ (windowed 4.57+)")
     model = any_model(family)
     named = copy.deepcopy(model)
     named.config._attn_implementation = patchkit.ATTENTION_NAME
@@ -163,8 +168,6 @@ def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
               pad_token_id=0, cache_implementation="static")
     want = model.generate(**kw)
-    compile_config = config_class(backend="eager", mode="default", fullgraph=True)
-    compile_config._compile_all_devices = True
     torch._dynamo.reset()
     counters.clear()
     patchkit.register_attention(backend="sdpa", strict=True)

@@ -80,19 +80,26 @@ def test_strict_refuses_output_attentions_naming_the_cause():
             model(input_ids=ids, attention_mask=mask, output_attentions=True)
 
 
-def test_paged_generation_runs_as_unpatched():
-    """Continuous batching (cache_implementation="paged") hands the layers its own 4D mask: stepped aside, exact,
-    instead of an error transformers would log and swallow (the prompts back with no new tokens)."""
+def unpatched_paged_generation() -> tuple:
+    """(LLaMA on sdpa, a left-padded batch, generate()'s paged kwargs, what continuous batching generates for it
+    unpatched); skips where generate() takes no "paged" cache or continuous batching generates nothing."""
     model = any_model("llama", "sdpa")
     ids, mask = padded_batch("left", batch=2, seq=14)
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
               cache_implementation="paged")
     try:
         want = model.generate(input_ids=ids, **kw)
-    except ValueError as err:  # transformers before continuous batching
-        pytest.skip(f"no paged cache in this transformers: {err}")
+    except ValueError as err:  # generate() before it took "paged"
+        pytest.skip(f"no paged cache in this transformers' generate(): {err}")
     if want.shape[-1] <= ids.shape[-1]:
         pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
+    return model, ids, kw, want
+
+
+def test_paged_generation_runs_as_unpatched():
+    """Continuous batching (cache_implementation="paged") hands the layers its own 4D mask: stepped aside, exact,
+    instead of an error transformers would log and swallow (the prompts back with no new tokens)."""
+    model, ids, kw, want = unpatched_paged_generation()
     with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = model.generate(input_ids=ids, **kw)
@@ -110,16 +117,7 @@ def test_a_refusal_inside_continuous_batching_reaches_the_caller():
     call and a revert find transformers' continuous batching as it was."""
     continuous_batching = pytest.importorskip("transformers.generation.continuous_batching")
     original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
-    model = any_model("llama", "sdpa")
-    ids, mask = padded_batch("left", batch=2, seq=14)
-    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
-              cache_implementation="paged")
-    try:
-        want = model.generate(input_ids=ids, **kw)
-    except ValueError as err:  # generate() before it took "paged"
-        pytest.skip(f"no paged cache in this transformers' generate(): {err}")
-    if want.shape[-1] <= ids.shape[-1]:
-        pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
+    model, ids, kw, want = unpatched_paged_generation()
     with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
         try:
             got = model.generate(input_ids=ids, **kw)
