@@ -141,6 +141,26 @@ def test_sft_instance_patch_matches_unpatched(family: str, mode: str, tmp_path: 
     assert_same_losses(got, want)
 
 
+@pytest.mark.parametrize("mode", ["padded", "padding_free"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_sft_under_the_registered_name_alone_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
+    """attn_implementation="patchkit" set on the model, no patch: its mask function reads each step's causal-LM call
+    (labels -100 at padding by TRL's collator: nothing steps aside) inside SFTTrainer's checkpointed steps."""
+    from families import set_attention
+
+    from patchkit.hooks import attention_interface
+
+    want = sft_losses(build(family), tmp_path, **MODES[mode])
+    patchkit.register_attention(backend="sdpa", strict=True)
+    try:
+        state = attention_interface.route_state()
+        got = sft_losses(build(family), tmp_path, lambda m: set_attention(m, patchkit.ATTENTION_NAME), **MODES[mode])
+        assert state.calls == STEPS * LAYERS * 2 and not state.stepped_aside
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)
+    assert_same_losses(got, want)
+
+
 def script_result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
