@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping
 from torch import nn
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.liveness import is_compiling
 
 # Read by patchkit (packing metadata; `seq_idx` checked against it: documents.py); or inert: bookkeeping and loss
 # arguments that transformers' causal-LM forwards pass down through **kwargs, which do not change attention.
@@ -66,6 +67,8 @@ def model_type_of(module: nn.Module) -> Any:
     """`module.config.model_type`, read past the config's Python `__getattribute__` (transformers 5.x: about 1 us a
     read, and every layer call asks): the instance's own field where it has one, else its class's."""
     config = getattr(module, "config", None)
+    if is_compiling():  # dynamo traces a plain read, not object.__getattribute__ (a graph break in every layer)
+        return getattr(config, "model_type", None)
     try:
         own = object.__getattribute__(config, "__dict__")
     except AttributeError:  # no instance dict (None, or a config with slots)

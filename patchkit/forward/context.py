@@ -21,8 +21,9 @@ class ForwardContext:
       (mask builders hand over to transformers').
     - `lm_cause`: the causal LM's forward, for its call: what of it reads padding positions (labels,
       generate()'s next token), for the base model's forward to step aside for.
-    - `route`: one routed attention call, for its span: the patch state (and sequence-parallel wrapper) that the
-      registered attention name serves it on.
+    - `route`: one routed forward or attention call, for its span: the patch state (and sequence-parallel wrapper)
+      that the registered attention name serves it on. Masks built within the span carry it (`VarlenMask.route`):
+      layers read it there, which a compiled graph can do without a break.
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 

@@ -167,13 +167,14 @@ class VarlenMask:
     reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
-        fixed_cache: bool = False, key_offset: int = 0, slots: Optional[int] = None,
+        fixed_cache: bool = False, key_offset: int = 0, slots: Optional[int] = None, route: Any = None,
     ) -> None:
         self.mask = check_mask(mask)
+        self.route = route  # the routed forward's route (`routing.Route`) the mask was built in, or None
         self.past_len = past_len
         self.fixed_cache = fixed_cache
         self.slots = slots
@@ -186,9 +187,11 @@ class VarlenMask:
         cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False,
         key_offset: int = 0, slots: Optional[int] = None,
     ) -> VarlenMask:
-        """The mask builders' entry: `mask`, or the packed forward's metadata when one is running."""
-        meta = current().packed if mask is None else None
-        return cls(mask, meta, past_len, fixed_cache, key_offset, slots)
+        """The mask builders' entry: `mask`, or the packed forward's metadata when one is running; with the route of
+        the forward building it, which its layers (and their checkpoint recomputes) then read from the mask."""
+        context = current()
+        return cls(mask, context.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
+                   context.route)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.

@@ -35,9 +35,10 @@ class VarlenMetadata:
     # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def nnz_q(self) -> int:  # every layer asks; the lengths never change
-        return sum(self.seqlens_q)
+    def __post_init__(self) -> None:
+        # every layer asks; the lengths never change. A field, not a cached_property: Python 3.11's takes an RLock,
+        # which breaks a compiled graph in every layer
+        self.nnz_q = sum(self.seqlens_q)
 
     @property
     def same_qk(self) -> bool:
@@ -108,7 +109,7 @@ class PastMetadata(VarlenMetadata):
     ) -> None:
         self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
         self.max_seqlen_q, self.max_seqlen_k = max(host_q, default=0), max(host_k, default=0)
-        self.seqlens_q, self.seqlens_k = host_q, host_k
+        self.seqlens_q, self.seqlens_k, self.nnz_q = host_q, host_k, sum(host_q)
         self.packed, self.holes, self.decode_plan = False, holes, None
         self._real, self._lengths = (real_q, real_k), (lens_q, lens_k)  # real_*: None where every token is real
 

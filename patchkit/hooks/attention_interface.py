@@ -179,7 +179,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     """
     if transformers_mask(attention_mask) and is_compiling():
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
-    route = current().route
+    route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
+    route = current().route if route is None else route
     routed = None if route is None else route.state
     if transformers_mask(attention_mask) and route is None:
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 from torch import nn
 
 from patchkit.forward.context import current, within
+from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.sequence_parallel import (
     refuse_shard_local,
@@ -46,6 +47,8 @@ def _fields(config: Any) -> Optional[dict]:
     and it has no sub-configs to pass a write on to (transformers 5.x's text configs): there a plain field read or
     write is all the property does, without its Python calls (a write validates: ~30 of them; a decode step's host
     cost). Read past the config's own `__getattribute__` (Python too). None elsewhere."""
+    if is_compiling():  # dynamo traces the property, not object.__getattribute__ (a graph break in every layer)
+        return None
     cls = type(config)
     direct = _DIRECT.get(cls)
     if direct is None:
@@ -95,10 +98,11 @@ def routed(config: Any, state: Any) -> Iterator[None]:
         set_attn_name(config, name)
 
 
-def inside_route(config: Any, state: Any) -> bool:
-    """A layer inside a forward already routed on `state` (its config and context say so): nothing to set per layer
-    (a config write costs more than the attention call's own Python work on transformers 5.x)."""
-    route = current().route
+def inside_route(config: Any, state: Any, mask: VarlenMask) -> bool:
+    """A layer inside a forward already routed on `state` (its config and its mask say so): nothing to set per layer
+    (a config write costs more than the attention call's own Python work on transformers 5.x). Read from the mask,
+    not the forward's context: dynamo traces an attribute read, and breaks the graph on a contextvar's."""
+    route = mask.route
     return route is not None and route.state is state and attn_name(config) == ROUTE_NAME
 
 
@@ -138,7 +142,8 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
     read_mask = mask_argument(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(read_mask(args, kwargs), VarlenMask) or inside_route(self.config, state):
+        mask = read_mask(args, kwargs)
+        if not isinstance(mask, VarlenMask) or inside_route(self.config, state, mask):
             return original(self, *args, **kwargs)
         with routed(self.config, state):
             return original(self, *args, **kwargs)
