@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import any_model, static_cache_served
+import transformers
+from families import FAMILIES_FROM, any_model, static_cache_served
 from models import labels_for, padded_batch, tiny_model
+from packaging.version import Version
 
 import patchkit
 
@@ -239,23 +241,28 @@ def test_compiling_a_deeper_patched_model_meets_no_more_graph_breaks(unpad):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_each_layer_of_a_compiled_training_step_runs_as_one_graph(family):
-    """No graph break inside a decoder layer (unpad='model', the default): two more layers run two more compiled
-    graphs, one each. The layer reads its route from the mask it is handed, not the forward's contextvar, the
-    model type by a plain read, the real-token count from a field (Python 3.11's cached_property takes an RLock);
-    each of those broke every layer into 5 graphs (34 at 4 layers, 24 at 2). Windows and softcap (Mistral,
-    Gemma2) included."""
+    """No graph break inside a decoder layer (unpad='model', the default): two more layers run at most two more
+    compiled graphs. The layer reads its route from the mask it is handed, not the forward's contextvar, the model
+    type by a plain read, the real-token count from a field (Python 3.11's cached_property takes an RLock); each of
+    those broke every layer into 5 graphs (LLaMA: 24 at 2 layers, 34 at 4). Windows and softcap (Mistral, Gemma2)
+    included. Before the mask interface (4.48-4.52) the whole forward is one graph: 13 at any depth."""
+    if family != "llama" and Version(transformers.__version__) < Version(FAMILIES_FROM):
+        pytest.skip(f"family patches need transformers >= {FAMILIES_FROM}")
     shallow, deep = compiled_training_step("model", 2, family), compiled_training_step("model", 4, family)
-    assert deep["runs"] - shallow["runs"] == 2, (shallow, deep)
+    assert deep["runs"] - shallow["runs"] <= 2, (shallow, deep)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a graph break inside the base model's forward makes dynamo run its layer loop eagerly (transformers 5.x "
-    "wraps it in output capturing's try/finally, where dynamo cannot resume), so each layer is a graph of its own: "
-    "the mask function reads the forward's contextvar and inspects transformers' mask closures (`__closure__`, "
-    "which dynamo cannot read); 16 graphs per step at 2 layers, 18 at 4 (unpad='model'). Under "
-    "unpad='attention' the first layer builds the metadata (host reads) in the attention call: 23 and 33. The "
-    "unpatched model runs 1 graph at any depth"))
-@pytest.mark.parametrize("unpad", ["model", "attention"])
+MASK_INTERFACE = Version(transformers.__version__) >= Version(FAMILIES_FROM)  # masks built by patchkit's mask function
+GROWS = pytest.mark.xfail(strict=True, reason=(
+    "a graph break inside the base model's forward makes dynamo run its layer loop eagerly, each layer a graph of "
+    "its own. unpad='model' from transformers 4.53: the mask function reads the forward's contextvar and inspects "
+    "transformers' mask closures (`__closure__`, which dynamo cannot read): 16 graphs per step at 2 layers, 18 at "
+    "4. unpad='attention': the first layer builds the metadata (host reads) in the attention call, which splits "
+    "every layer's compiled frames: 23 and 33. The unpatched model runs 1 graph at any depth"))
+
+
+@pytest.mark.parametrize("unpad", [pytest.param("model", marks=[GROWS] if MASK_INTERFACE else []),
+                                   pytest.param("attention", marks=GROWS)])
 def test_a_compiled_training_step_runs_no_more_graphs_at_more_layers(unpad):
     """Graph breaks stay out of the hot path: the compiled graphs a steady-state training step runs do not grow with
     the number of layers (a break in the layer loop or the attention call splits every layer's graph)."""
