@@ -13,7 +13,7 @@ from patchkit.registry import PatchSpec
 
 def check_model(model: nn.Module) -> list[GateResult]:
     """qkvpacked needs as many K/V heads as query heads: a GQA config is refused, not failed in stack()."""
-    config = model_config(model)
+    config = model_config(model, ("llama",))
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return [

@@ -20,7 +20,7 @@ from patchkit.group import GROUP_NAME, PatchGroup
 from patchkit.hooks import batch_errors, flash_request, unserved
 from patchkit.hooks.model_walk import head_dim, model_config
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.registry import PatchSpec, for_model_type, registered, resolve
+from patchkit.registry import PatchSpec, for_model_type, registered, resolve, served_model_types
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
@@ -193,7 +193,7 @@ def apply_patch(
     if name is None and model is None:
         return _apply_every_family(backend, strict, unpad)
     if name is None:
-        spec = for_model_type(getattr(model_config(model), "model_type", None))
+        spec = for_model_type(getattr(model_config(model, served_model_types()), "model_type", None))
     else:
         spec = resolve(name)
     return _apply(spec, backend, strict, model, unpad)
@@ -228,7 +228,7 @@ def _apply(
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")
     chosen_name, backend_gates = chosen or choose_backend(
         spec.name, spec.flash_attn_min, spec.flash_attn_why, backend, strict, env,
-        None if model is None or backend == "sdpa" else head_dim(model),
+        None if model is None or backend == "sdpa" else head_dim(model, spec.model_types),
     )
 
     state = PatchState(spec.name, spec.packing, make_backend(chosen_name), strict, unpad)

@@ -77,7 +77,7 @@ class PatchGroup:
 
     def handle_for(self, model: nn.Module) -> Any:
         """The family handle serving `model`; a family outside the group raises `PatchTargetError`."""
-        model_type = getattr(model_config(model), "model_type", None)
+        model_type = getattr(model_config(model, self.model_types), "model_type", None)
         for handle in self.handles:
             if model_type in handle.spec.model_types:
                 return handle

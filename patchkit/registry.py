@@ -82,13 +82,18 @@ def registered() -> list[PatchSpec]:
     return [resolve(name) for name in PATCH_MODULES]
 
 
+def served_model_types() -> set[str]:
+    """Every `config.model_type` some registered patch serves."""
+    return {t for spec in registered() for t in spec.model_types}
+
+
 def for_model_type(model_type: Optional[str]) -> PatchSpec:
     """The patch serving `config.model_type` (llama2 for LLaMA); an unregistered family lists the served ones."""
     for name in PATCH_MODULES:
         spec = resolve(name)
         if model_type in spec.model_types and name != "llama1":
             return spec
-    served = sorted({t for name in PATCH_MODULES for t in resolve(name).model_types})
+    served = sorted(served_model_types())
     raise PatchTargetError(
         f"no patch for model_type {model_type!r}: patchkit serves {', '.join(served)}. Nothing was patched."
     )

@@ -34,7 +34,7 @@ from patchkit.hooks.step_aside import (
     transformers_mask,
     window_over_hole,
 )
-from patchkit.registry import registered, resolve
+from patchkit.registry import resolve, served_model_types
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 
@@ -221,9 +221,6 @@ def _function_for(state: PatchState) -> Callable:
         function = state.route_function = make_attention_function(state, served_model_types())
     return function
 
-
-def served_model_types() -> set[str]:
-    return {t for spec in registered() for t in spec.model_types}
 
 
 def register_route() -> bool:

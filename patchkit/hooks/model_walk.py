@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection, Optional
 
 from torch import nn
 
@@ -14,16 +14,23 @@ def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, cls)]
 
 
-def model_config(model: nn.Module) -> Any:
-    """The transformer config inside `model` (the first module whose config has attention heads)."""
+def model_config(model: nn.Module, model_types: Optional[Collection[str]] = None) -> Any:
+    """The transformer config inside `model`: the first module's whose `model_type` is one of `model_types` (a
+    vision-language model's language model, not its vision tower), else the first module's with attention heads."""
+    first = None
     for m in model.modules():
         config = getattr(m, "config", None)
-        if config is not None and hasattr(config, "num_attention_heads"):
+        if config is None or not hasattr(config, "num_attention_heads"):
+            continue
+        if model_types is None or getattr(config, "model_type", None) in model_types:
             return config
+        first = config if first is None else first
+    if first is not None:
+        return first
     raise PatchTargetError(f"{type(model).__name__} has no module with a transformers config (num_attention_heads)")
 
 
-def head_dim(model: nn.Module) -> int:
-    """The attention head size of `model`: the config's head_dim, else hidden_size / heads."""
-    config = model_config(model)
+def head_dim(model: nn.Module, model_types: Optional[Collection[str]] = None) -> int:
+    """The attention head size of `model` (of its `model_types` part): the config's head_dim, else hidden / heads."""
+    config = model_config(model, model_types)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
