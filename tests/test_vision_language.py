@@ -116,7 +116,7 @@ def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
                 assert handle.name == "gemma3_text" and handle.check(model) == 2
                 assert handle.stepped_aside == {"custom_4d_mask": 1} and handle.calls == 0
         with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
-            with pytest.raises(PatchkitError, match="strict=True.*4D attention mask"):
+            with pytest.raises(PatchkitError, match="strict=True.*vision-language model.s own masks"):
                 model(**batch)
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)

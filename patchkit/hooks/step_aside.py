@@ -35,11 +35,13 @@ CAUSES = {
         "pad prompts on the left for generation (tokenizer.padding_side = 'left')",
     ),
     "custom_4d_mask": (
-        "the model was given a 4D attention mask (a custom attention pattern, or one generate() built before the "
+        "the model was given a 4D attention mask (a custom attention pattern; a vision-language model's own masks, "
+        "such as Gemma3's, whose image tokens see each other both ways; or one generate() built before the "
         "model ran for a cache patchkit does not place: a static cache before transformers 4.56, or 4.57 on a model "
         "with a sliding window, sliding-window caches, continuous batching), which a key-padding mask cannot "
         "express",
-        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents)",
+        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); a "
+        "vision-language model that builds its own masks stays exact on transformers' attention",
     ),
     "window_under_4d_mask": (
         "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
