@@ -124,7 +124,9 @@ def junit_outcomes(path: Path, target: str) -> dict[str, dict[str, str]]:
     module = target[:-3].replace("/", ".")
     for case in ET.parse(path).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
-        inner = classname[len(module) + 1:] if classname.startswith(module + ".") else classname
+        # a test in a class: "module.Class"; a module-level test function: the module alone
+        inner = classname[len(module) + 1:] if classname.startswith(module + ".") else (
+            "" if classname == module else classname)
         test_id = "::".join(p for p in (target, inner, name) if p)
         bad = [c for c in case if c.tag in ("failure", "error")]
         skipped = [c for c in case if c.tag == "skipped"]
