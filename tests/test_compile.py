@@ -268,3 +268,45 @@ def test_a_compiled_training_step_runs_no_more_graphs_at_more_layers(unpad):
     the number of layers (a break in the layer loop or the attention call splits every layer's graph)."""
     shallow, deep = compiled_training_step(unpad, 2), compiled_training_step(unpad, 4)
     assert deep["runs"] == shallow["runs"], (shallow, deep)
+
+
+def test_compiled_training_on_new_document_lengths_compiles_nothing_new():
+    """A compiled patched training loop over batches of other lengths (as every real loop has): on the sdpa backend
+    the layer's graph was guarded on every document length (its per-document loop), so each batch compiled it again
+    until dynamo's recompile limit ran it eagerly. Inside a graph the backend is now one op on `cu_seqlens`
+    (`patchkit::varlen_sdpa`): after the first batches (dynamo makes the packed length dynamic) nothing compiles
+    again, and every step's loss and gradients equal the unpatched model's."""
+    from models import VOCAB
+    from torch._dynamo.utils import counters
+
+    from patchkit.backends import sdpa_op
+
+    if not sdpa_op.served(0.0):
+        pytest.skip("torch.library.custom_op: torch 2.4+")
+    model = tiny_model(layers=2).train()
+    batches, want = [], []
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(3, VOCAB, (4, 24), generator=g)
+        mask = (torch.arange(24)[None] < torch.randint(5, 25, (4, 1), generator=g)).long()
+        batches.append(dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)))
+        model.zero_grad(set_to_none=True)
+        loss = model(**batches[-1]).loss
+        loss.backward()
+        want.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    graphs = []
+    torch._dynamo.reset()
+    counters.clear()
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        compiled = torch.compile(model, backend="aot_eager")
+        for step, (batch, (loss, grads)) in enumerate(zip(batches, want)):
+            model.zero_grad(set_to_none=True)
+            got = compiled(**batch).loss
+            got.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+            torch.testing.assert_close(got, loss, atol=3e-6, rtol=1e-5)
+            for (name, p), grad in zip(model.named_parameters(), grads):
+                torch.testing.assert_close(p.grad, grad, atol=3e-6, rtol=1e-4, msg=f"step {step}: {name}")
+        assert handle.check(model) == 2
+    torch._dynamo.reset()
+    assert graphs[2] == graphs[-1], f"unique graphs after each step: {graphs}"

@@ -6,8 +6,9 @@ from typing import Optional, Protocol
 
 import torch
 
-from patchkit.backends import sdpa
+from patchkit.backends import sdpa, sdpa_op
 from patchkit.backends.padded_cache import attend_padded_cache
+from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 
 BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -51,16 +52,23 @@ class SdpaBackend:
         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         q, k, v = qkv.unbind(1)
-        out, _ = sdpa.varlen_attention(
-            q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap
-        )
-        return out
+        return self._varlen(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
 
     def varlen_kvpacked(
         self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
         causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         k, v = kv.unbind(1)
+        return self._varlen(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
+
+    @staticmethod
+    def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout_p: float,
+                softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor:
+        """Eager: the loop on the metadata's host lengths. In a compiled graph: one op on cu_seqlens (`sdpa_op`),
+        so the graph is not guarded on the lengths (a recompile per batch)."""
+        if is_compiling() and sdpa_op.served(dropout_p):
+            return sdpa_op.varlen_sdpa(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, softmax_scale, causal,
+                                       window_size, softcap)
         out, _ = sdpa.varlen_attention(
             q, k, v, meta.seqlens_q, meta.seqlens_k, dropout_p, softmax_scale, causal, window_size, softcap
         )
