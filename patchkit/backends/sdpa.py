@@ -57,11 +57,12 @@ def _alibi_bias(slopes: torch.Tensor, sq: int, sk: int, causal: bool, device: to
     return -slopes.reshape(-1, 1, 1) * dist.to(slopes.dtype)
 
 
-def _attend_math(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int],
-    softcap: float, alibi: Optional[torch.Tensor], dropout_p: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference path for one sequence: q (H, sq, D), k/v (H, sk, D) -> out (H, sq, D), lse (H, sq) fp32."""
+def masked_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, window: tuple[int, int], softcap: float,
+    alibi: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One sequence's attention logits, q (H, sq, D), k (H, sk, D) -> (H, sq, sk) in fp32 or wider: scaled,
+    soft-capped, ALiBi-biased, -inf where a key is not visible."""
     sq, sk = q.shape[1], k.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)  # half types upcast; float64 stays float64
     scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
@@ -70,8 +71,15 @@ def _attend_math(
     if alibi is not None:
         scores = scores + _alibi_bias(alibi.to(compute), sq, sk, causal, q.device)
     visible = _visible(sq, sk, causal, window, q.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores if visible is None else scores.masked_fill(~visible, float("-inf"))
+
+
+def _attend_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int],
+    softcap: float, alibi: Optional[torch.Tensor], dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference path for one sequence: q (H, sq, D), k/v (H, sk, D) -> out (H, sq, D), lse (H, sq) fp32."""
+    scores = masked_scores(q, k, scale, causal, window, softcap, alibi)
     # Probabilities from softmax, not exp(scores - lse): the ~eps * |lse| rounding of lse becomes the same
     # relative error in every probability of a row, which dq sums coherently (fp32 out and gradients had
     # 1.1-1.25x, with softcap 1.5x, the rms error of a plain PyTorch softmax). lse is only returned.
@@ -79,7 +87,7 @@ def _attend_math(
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # rows that see no key: zeros, not NaN
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    out = torch.matmul(probs, v.to(compute)).to(q.dtype)
+    out = torch.matmul(probs, v.to(scores.dtype)).to(q.dtype)
     return out, lse.masked_fill(torch.isneginf(lse), float("inf")).float()
 
 

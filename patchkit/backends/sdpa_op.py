@@ -33,16 +33,9 @@ def _document_grads(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                     window: tuple[int, int], softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One document, heads first: dO, q (H, sq, D), k/v (Hk, sk, D) -> dq, dk, dv, in fp32 or wider."""
     heads, groups = q.shape[0], q.shape[0] // k.shape[0]
-    compute = torch.promote_types(q.dtype, torch.float32)
-    qc, gc = q.to(compute), g.to(compute)
-    kc = k.to(compute).repeat_interleave(groups, dim=0)
-    vc = v.to(compute).repeat_interleave(groups, dim=0)
-    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    visible = sdpa._visible(q.shape[1], k.shape[1], causal, window, q.device)
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    scores = sdpa.masked_scores(q, k, scale, causal, window, softcap)  # the forward's own logits
+    qc, kc, vc, gc = (t.to(scores.dtype) for t in (q, k, v, g))
     probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # a query that sees no key: zeros
     dv = torch.matmul(probs.transpose(-1, -2), gc)
     dp = torch.matmul(gc, vc.transpose(-1, -2))

@@ -222,7 +222,6 @@ def _function_for(state: PatchState) -> Callable:
     return function
 
 
-
 def register_route() -> bool:
     """What a patch's route needs: the attention entry under ATTENTION_NAME (transformers 4.48+, a plain dict up to
     4.49) and, from 4.53, the mask entry; True when masks go through the interface."""
