@@ -18,9 +18,9 @@ from patchkit.forward.varlen import UNPAD_MODES, PatchState
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
 from patchkit.hooks import batch_errors, flash_request, unserved
-from patchkit.hooks.model_walk import head_dim, model_config
+from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.registry import PatchSpec, for_model_type, registered, resolve, served_model_types
+from patchkit.registry import PatchSpec, for_model, registered, resolve
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
@@ -193,7 +193,7 @@ def apply_patch(
     if name is None and model is None:
         return _apply_every_family(backend, strict, unpad)
     if name is None:
-        spec = for_model_type(getattr(model_config(model, served_model_types()), "model_type", None))
+        spec = for_model(model)
     else:
         spec = resolve(name)
     return _apply(spec, backend, strict, model, unpad)
@@ -300,10 +300,15 @@ def _served() -> dict[type, str]:
 
 
 def _serving(model_class: type) -> Optional[PatchState]:
-    """The state of the active class patch whose family `model_class` belongs to (by its config's model_type)."""
+    """The state of the active class patch whose family `model_class` belongs to: by its config's model_type, else
+    by a class of the family's modeling module among its bases (LLaVA's `llava_llama` LlamaForCausalLM)."""
     model_type = getattr(getattr(model_class, "config_class", None), "model_type", None)
-    return next((h.state for key, h in list(_ACTIVE.items())
-                 if key[0] == "class" and model_type in h.spec.model_types), None)
+    handles = [h for key, h in list(_ACTIVE.items()) if key[0] == "class"]
+    by_type = next((h.state for h in handles if model_type in h.spec.model_types), None)
+    if by_type is not None:
+        return by_type
+    files = modeling_files(model_class)
+    return next((h.state for h in handles if modeling_files(h.spec.attention_class()) & files), None)
 
 
 def _build_class(spec: PatchSpec, state: PatchState) -> list[Replacement]:

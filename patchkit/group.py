@@ -8,6 +8,7 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.model_walk import model_config
+from patchkit.registry import spec_for_model
 
 GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
 
@@ -77,10 +78,11 @@ class PatchGroup:
 
     def handle_for(self, model: nn.Module) -> Any:
         """The family handle serving `model`; a family outside the group raises `PatchTargetError`."""
-        model_type = getattr(model_config(model, self.model_types), "model_type", None)
+        spec = spec_for_model(model)
         for handle in self.handles:
-            if model_type in handle.spec.model_types:
+            if spec is not None and handle.spec.name == spec.name:
                 return handle
+        model_type = getattr(model_config(model, self.model_types), "model_type", None)
         why = next((r for n, r in self.skipped.items() if n == model_type), None)
         raise PatchTargetError(
             f"{type(model).__name__} (model_type {model_type!r}) is not served by this patch: "

@@ -12,6 +12,7 @@ from torch import nn
 from patchkit.errors import PatchTargetError
 from patchkit.forward.varlen import PatchState
 from patchkit.gates import GateResult
+from patchkit.hooks.model_walk import model_config
 from patchkit.hooks.patching import Replacement
 
 # name -> module holding its SPEC; modules are imported on first use.
@@ -97,3 +98,40 @@ def for_model_type(model_type: Optional[str]) -> PatchSpec:
     raise PatchTargetError(
         f"no patch for model_type {model_type!r}: patchkit serves {', '.join(served)}. Nothing was patched."
     )
+
+
+_BY_CLASS: dict[type, Optional[PatchSpec]] = {}  # a plain dict, not functools.cache: compiled layers read it
+
+
+def spec_for_class(cls: type) -> Optional[PatchSpec]:
+    """The patch whose attention class `cls` is or derives from (none: not a served family's attention layer)."""
+    if cls not in _BY_CLASS:
+        _BY_CLASS[cls] = next((spec for spec in registered() if spec.name != "llama1" and _derives(cls, spec)), None)
+    return _BY_CLASS[cls]
+
+
+def _derives(cls: type, spec: PatchSpec) -> bool:
+    try:
+        return issubclass(cls, spec.attention_class())
+    except (ImportError, AttributeError):  # a family this transformers does not have
+        return False
+
+
+def spec_for_model(model: nn.Module) -> Optional[PatchSpec]:
+    """The patch serving a loaded model: its config's `model_type`, else the family its attention layers belong to (a
+    subclass under a model_type of its own, as LLaVA's `llava_llama` LlamaForCausalLM); None when neither is served."""
+    served = served_model_types()
+    model_type = getattr(model_config(model, served), "model_type", None)
+    if model_type in served:
+        return for_model_type(model_type)
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        spec = spec_for_class(cls)
+        if spec is not None:
+            return spec
+    return None
+
+
+def for_model(model: nn.Module) -> PatchSpec:
+    """`spec_for_model`, or `PatchTargetError` naming the model_type and the served ones."""
+    spec = spec_for_model(model)
+    return spec if spec is not None else for_model_type(getattr(model_config(model), "model_type", None))

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 import transformers as tf
+from entrypoints import clean_env, launch, run
 from families import FAMILIES_FROM, set_attention
 from packaging.version import Version
 
@@ -120,3 +126,89 @@ def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
                 model(**batch)
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)
+
+
+LLAVA_TRAIN = Path(__file__).parent / "user_scripts" / "llava_train.py"
+
+
+def llava_repo_model() -> torch.nn.Module:
+    """LLaVA's own repo model: LlamaForCausalLM's subclass under model_type "llava_llama" (user_scripts/llava_llama)."""
+    from user_scripts.llava_llama import LlavaLlamaForCausalLM, tiny_config
+
+    torch.manual_seed(0)
+    model = LlavaLlamaForCausalLM(tiny_config()).train()
+    set_attention(model, "sdpa")
+    return model
+
+
+def llava_repo_batch() -> dict:
+    """Three rows with one image each (IMAGE_TOKEN_INDEX), right-padded, LLaVA's boolean mask, loss on answers."""
+    from user_scripts.llava_llama import IGNORE_INDEX, IMAGE_TOKEN_INDEX
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 97, (3, 12), generator=g)
+    ids[:, 2] = IMAGE_TOKEN_INDEX
+    mask = torch.ones(3, 12, dtype=torch.bool)
+    mask[1, 7:], mask[2, 4:] = False, False
+    ids = ids.masked_fill(~mask, 0)
+    labels = ids.masked_fill(~mask, IGNORE_INDEX)
+    labels[:, :3] = IGNORE_INDEX
+    return dict(input_ids=ids, attention_mask=mask, labels=labels, images=torch.randn(3, 3, 28, 28, generator=g))
+
+
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_llava_repos_own_model_type_runs_through_the_llama_patch(way):
+    """LLaVA's repo registers its LlamaForCausalLM subclass as model_type "llava_llama": `apply_patch(model=...)`
+    refused it ("no patch for model_type 'llava_llama'"), and under the class patch its first forward raised
+    "attn_implementation='patchkit' was given to LlamaAttention (model_type 'llava_llama')". Its layers are LLaMA's:
+    strict, a training step with images equals unpatched (loss and every gradient), and an eval forward that keeps a
+    cache gives the same logits."""
+    model = llava_repo_model()
+    batch = llava_repo_batch()
+    want_loss, want_grads = train_step(model, batch)
+    with torch.no_grad():
+        want_logits = model.eval()(**batch, use_cache=True).logits
+    with patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", strict=True) as patch:
+        if way == "class":
+            model = llava_repo_model()
+        handle = patch if way == "instance" else patch.handle_for(model)
+        assert handle.name == "llama2" and handle.check(model) == 2
+        rows = []
+        model.model.layers[0].register_forward_pre_hook(lambda layer, args: rows.append(args[0].shape[:2]))
+        got_loss, got_grads = train_step(model.train(), batch)
+        with torch.no_grad():
+            got_logits = model.eval()(**batch, use_cache=True).logits
+        assert handle.calls == 4 and not handle.stepped_aside
+    real_tokens = int(batch["attention_mask"].sum()) + 3 * 15  # each row's image token became 16 patch tokens
+    packed = [(1, real_tokens)] * 2 if Version(tf.__version__) >= Version("4.53") else [(1, real_tokens), (3, 27)]
+    assert rows == packed  # training on real tokens; eval with a cache too where patchkit makes the family's cache
+    torch.testing.assert_close(got_loss, want_loss, atol=3e-6, rtol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=3e-6, rtol=1e-4, msg=name)
+    real = torch.ones(got_logits.shape[:2], dtype=torch.bool)
+    real[1, 7 + 15:], real[2, 4 + 15:] = False, False
+    torch.testing.assert_close(got_logits[real], want_logits[real], atol=3e-5, rtol=1e-4)
+
+
+def spy(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))[len("SPY "):])
+
+
+def test_a_llava_training_script_asking_for_flash_attention_2_trains_as_unpatched(tmp_path):
+    """LLaVA's train_mem.py loads its model with attn_implementation="flash_attention_2" and trains it with the HF
+    Trainer (gradient checkpointing on). On a machine without flash-attn, under PATCHKIT_FLASH_ATTN=1 and under the
+    launcher, the class patch serves that request for LLaVA's own model type: the same losses as the script run
+    unpatched with sdpa, and no padded LLaMA attention or (B, 1, N, N) mask (the CLIP tower's own attention runs)."""
+    python = [LLAVA_TRAIN, "--attn", "flash_attention_2", "--output_dir"]
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(run, [sys.executable, LLAVA_TRAIN, "--attn", "sdpa", "--output_dir", tmp_path / "a"]),
+                pool.submit(run, [sys.executable, *python, tmp_path / "b"], env=clean_env(PATCHKIT_FLASH_ATTN="1")),
+                pool.submit(launch, "--backend", "sdpa", *python, tmp_path / "c")]
+        plain, by_env, by_launcher = (spy(job.result()) for job in jobs)
+    assert plain["patches"] == [] and plain["padded_masks"] in (3, None)  # None: masks built outside the interface
+    for got in (by_env, by_launcher):
+        assert got["patches"] == [["llama2", "sdpa", 12]], got  # 3 steps x 2 layers, forward and recompute
+        assert got["padded_masks"] in (0, None) and got["padded_attention"] == plain["padded_attention"] - 12
+        assert got["losses"] == pytest.approx(plain["losses"], abs=1e-5)

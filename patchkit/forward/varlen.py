@@ -259,10 +259,13 @@ PACKINGS = {
 }
 
 
-def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Callable:
+def make_attention_function(
+    state: PatchState, model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None,
+) -> Callable:
     """The same attention in transformers' `AttentionInterface` signature (q/k/v as (B, H, S, D)).
 
-    transformers hands a registered name to any model that asks: families other than `model_types` are refused.
+    transformers hands a registered name to any model that asks: families other than `model_types` (or, by
+    `family_of`, a served family's attention class) are refused.
     """
     model_types = frozenset(model_types)  # read per layer call
 
@@ -273,7 +276,7 @@ def make_attention_function(state: PatchState, model_types: Iterable[str]) -> Ca
         window = sliding_window_size(kwargs.pop("sliding_window", None))
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
-        check_family(module, model_types)
+        check_family(module, model_types, family_of)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,

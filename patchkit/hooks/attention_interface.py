@@ -34,7 +34,7 @@ from patchkit.hooks.step_aside import (
     transformers_mask,
     window_over_hole,
 )
-from patchkit.registry import resolve, served_model_types
+from patchkit.registry import resolve, served_model_types, spec_for_class
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 
@@ -166,7 +166,7 @@ def route_state() -> PatchState:
             gates.probe_environment(),
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
-        _function = make_attention_function(_state, served_model_types())
+        _function = make_attention_function(_state, served_model_types(), spec_for_class)
     return _state
 
 
@@ -185,7 +185,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask) and route is None:
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
-        check_family(module, served_model_types())  # a family patchkit does not serve is refused, not stood aside for
+        check_family(module, served_model_types(), spec_for_class)  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
         step_aside(routed or route_state(), cause, {}, {})
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
@@ -218,7 +218,7 @@ def _function_for(state: PatchState) -> Callable:
     """The attention function on `state` (built once per patch state)."""
     function = state.route_function
     if function is None:
-        function = state.route_function = make_attention_function(state, served_model_types())
+        function = state.route_function = make_attention_function(state, served_model_types(), spec_for_class)
     return function
 
 

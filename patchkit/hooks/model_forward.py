@@ -23,6 +23,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.hooks.model_walk import modeling_files
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause, static_layers
@@ -39,9 +40,9 @@ from patchkit.hooks.step_aside import (
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-# The base models whose forward, in eval mode with use_cache and no cache given, makes a DynamicCache (read in each
-# family's modeling file, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0).
-OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+# The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
+# (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0).
+OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4"})
 
 
@@ -109,7 +110,7 @@ def _families_era() -> tuple[bool, bool]:
 
 def makes_own_cache(module: nn.Module) -> bool:
     """The base model's own forward would make a DynamicCache that patchkit can make for it (`own_cache`)."""
-    return getattr(module.config, "model_type", None) in OWN_DYNAMIC_CACHE and _families_era()[0]
+    return bool(modeling_files(type(module)) & OWN_DYNAMIC_CACHE) and _families_era()[0]
 
 
 def own_cache(module: nn.Module) -> Any:
