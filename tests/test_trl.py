@@ -161,6 +161,29 @@ def test_sft_under_the_registered_name_alone_matches_unpatched(family: str, mode
     assert_same_losses(got, want)
 
 
+@pytest.mark.parametrize("mode, backend", [("padded", "inductor"), ("packing", "aot_eager")])
+def test_sft_with_torch_compile_matches_unpatched(mode: str, backend: str, tmp_path: Path) -> None:
+    """`torch_compile=True` on windowed Mistral with TRL's gradient checkpointing: each step's loss equals the
+    unpatched compiled run's, every layer through the patch. Inductor (the Trainer's default) once; packing on
+    aot_eager (dynamo and AOT autograd, where a patch could break; 2 minutes less of cold C++ compiling)."""
+    from torch._dynamo.utils import counters
+
+    fields = dict(MODES[mode], torch_compile=True, torch_compile_backend=backend)
+    torch._dynamo.reset()
+    want = sft_losses(build("mistral"), tmp_path, **fields)
+    torch._dynamo.reset()
+    counters.clear()
+    handle = patchkit.apply_patch("mistral", backend="sdpa")
+    try:
+        got = sft_losses(build("mistral"), tmp_path, **fields)
+        assert_ran_through_patch(handle)
+        assert counters["stats"]["unique_graphs"] > 0  # compiled, not run eagerly
+    finally:
+        handle.revert()
+        torch._dynamo.reset()
+    assert_same_losses(got, want)
+
+
 def script_result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
