@@ -23,7 +23,7 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft.py"
 STEPS = 3
@@ -181,6 +181,69 @@ def test_sft_with_torch_compile_matches_unpatched(mode: str, backend: str, tmp_p
     finally:
         handle.revert()
         torch._dynamo.reset()
+    assert_same_losses(got, want)
+
+
+def preferences() -> Dataset:
+    """A dozen prompt / chosen / rejected triples of random words, of unequal lengths."""
+    g = torch.Generator().manual_seed(1)
+    words = lambda n: " ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g))  # noqa: E731
+    rows = [dict(prompt=words(a), chosen=words(b), rejected=words(c))
+            for a, b, c in ((4, 6, 3), (7, 2, 9), (3, 11, 5), (9, 4, 4), (2, 8, 6), (5, 5, 12))]
+    return Dataset.from_list(rows * 2)
+
+
+def preference_losses(trainer_class: type, args: object, model: object) -> list[float]:
+    torch.manual_seed(0)
+    trainer = trainer_class(model=model, args=args, train_dataset=preferences(), processing_class=tokenizer())
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def common_args(tmp_path: Path) -> dict:
+    return dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
+                bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                dataloader_num_workers=0, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_dpo_matches_unpatched(padding_free: bool, tmp_path: Path) -> None:
+    """DPOTrainer from a saved model path (it loads the policy and its reference model itself), chosen and
+    rejected concatenated, gradient checkpointing on: the same losses; the policy's layers (forward and recompute)
+    and the reference model's (forward) all ran through the patch."""
+    path = tmp_path / "model"
+    build("mistral").save_pretrained(path)
+    args = DPOConfig(**common_args(tmp_path), model_init_kwargs={"dtype": torch.float32}, padding_free=padding_free)
+    assert args.gradient_checkpointing
+    want = preference_losses(DPOTrainer, args, str(path))
+    handle = patchkit.apply_patch(backend="sdpa", strict=True)
+    try:
+        got = preference_losses(DPOTrainer, args, str(path))
+        assert handle.calls == STEPS * LAYERS * 3, handle.report()
+    finally:
+        handle.revert()
+    assert_same_losses(got, want)
+
+
+def test_reward_trainer_on_a_sequence_classifier_matches_unpatched(tmp_path: Path) -> None:
+    """RewardTrainer on Qwen2ForSequenceClassification (its score read at each row's last real token, from the
+    repadded hidden states): the same losses, every layer through the patch."""
+    import transformers
+
+    def classifier() -> torch.nn.Module:
+        config = build("qwen2").config
+        config.num_labels = 1
+        torch.manual_seed(0)
+        return transformers.Qwen2ForSequenceClassification(config).float()
+
+    args = RewardConfig(**common_args(tmp_path))
+    want = preference_losses(RewardTrainer, args, classifier())
+    handle = patchkit.apply_patch(backend="sdpa", strict=True)
+    try:
+        got = preference_losses(RewardTrainer, args, classifier())
+        assert handle.calls == STEPS * LAYERS * 2, handle.report()
+    finally:
+        handle.revert()
     assert_same_losses(got, want)
 
 
