@@ -23,7 +23,16 @@ from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
-from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft.py"
 STEPS = 3
@@ -245,6 +254,38 @@ def test_reward_trainer_on_a_sequence_classifier_matches_unpatched(tmp_path: Pat
     finally:
         handle.revert()
     assert_same_losses(got, want)
+
+
+def test_grpo_samples_and_trains_as_unpatched(tmp_path: Path) -> None:
+    """GRPOTrainer on windowed Mistral: it samples 4 completions per left-padded prompt with transformers'
+    generate(), scores them, and trains on the padded prompt + completion rows (gradient checkpointing on). The
+    same completions (their mean length and reward) and the same losses, every step's forwards through the patch."""
+    path = tmp_path / "model"
+    build("mistral").save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=g)) for n in (3, 7, 5, 9)]
+    args = GRPOConfig(**common_args(tmp_path), model_init_kwargs={"dtype": torch.float32}, num_generations=4,
+                      max_completion_length=6)
+    assert args.gradient_checkpointing
+
+    def run() -> list[tuple]:
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(model=str(path), reward_funcs=lambda completions, **_: [len(c) / 10 for c in completions],
+                              args=args, train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
+                              processing_class=tokenizer())
+        trainer.train()
+        logs = [e for e in trainer.state.log_history if "loss" in e]
+        return [(e["loss"], e["reward"], e["completions/mean_length"]) for e in logs]
+
+    want = run()
+    handle = patchkit.apply_patch(backend="sdpa", strict=True)
+    try:
+        got = run()
+        assert handle.calls > STEPS * LAYERS * 2 and not handle.stepped_aside, handle.report()
+    finally:
+        handle.revert()
+    assert [g[1:] for g in got] == [w[1:] for w in want]  # the same sampled completions
+    assert_same_losses([g[0] for g in got], [w[0] for w in want])
 
 
 def script_result(proc: subprocess.CompletedProcess) -> dict:
