@@ -310,3 +310,30 @@ def test_compiled_training_on_new_document_lengths_compiles_nothing_new():
         assert handle.check(model) == 2
     torch._dynamo.reset()
     assert graphs[2] == graphs[-1], f"unique graphs after each step: {graphs}"
+
+
+def test_a_module_imported_between_compiled_steps_compiles_nothing_new():
+    """The forward asked whether DeepSpeed's Ulysses module was in sys.modules; dynamo guards that read on the
+    length of sys.modules, so any import anywhere (a Trainer's lazy imports, a logger) recompiled the patched forward,
+    up to dynamo's recompile limit. The check now reads transformers' attention interface only."""
+    import sys
+    import types
+
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(kv_heads=2, layers=2).train()
+    ids, mask = padded_batch("mixed")
+    labels = labels_for(ids, mask)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled_frames = []
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        compiled = torch.compile(model, backend="eager")
+        for step in range(3):
+            compiled(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            compiled_frames.append(counters["frames"]["ok"])
+            sys.modules[f"patchkit_test_fresh_{step}"] = types.ModuleType(f"patchkit_test_fresh_{step}")
+    for step in range(3):
+        del sys.modules[f"patchkit_test_fresh_{step}"]
+    torch._dynamo.reset()
+    assert compiled_frames[0] == compiled_frames[-1], f"frames compiled after each step: {compiled_frames}"

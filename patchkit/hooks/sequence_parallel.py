@@ -21,6 +21,11 @@ from typing import Any, Callable, Optional
 
 from patchkit.errors import PatchInputError
 
+try:  # transformers' attention interface, where Ulysses registers its wrapper (from 4.48)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as ATTENTION_FUNCTIONS
+except ImportError:  # no interface, so no wrapper either
+    ATTENTION_FUNCTIONS = None
+
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 SHARD_LOCAL = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # sliced per rank by the data adapter: not global
 
@@ -47,14 +52,20 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+# registered attention function -> whether it is a Ulysses wrapper. A plain dict read, never sys.modules: inside a
+# compiled forward dynamo guards a read of sys.modules on its length, so every later import anywhere recompiled it.
+# A function seen before DeepSpeed loaded is never a wrapper (wrappers are made when Ulysses registers).
+_IS_ULYSSES: dict[Callable, bool] = {}
+
+
 def ulysses_wrapper(name: Optional[str]) -> Optional[Callable]:
     """The Ulysses wrapper registered under attention name `name`, or None (always None before DeepSpeed loads)."""
-    if not name or ULYSSES_MODULE not in sys.modules:
+    function = ATTENTION_FUNCTIONS.get(name) if name and ATTENTION_FUNCTIONS is not None else None
+    if function is None:
         return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    function = ALL_ATTENTION_FUNCTIONS.get(name)
-    return function if ulysses_of(function) is not None else None
+    if function not in _IS_ULYSSES:
+        _IS_ULYSSES[function] = ulysses_of(function) is not None
+    return function if _IS_ULYSSES[function] else None
 
 
 def ulysses_active() -> bool:
