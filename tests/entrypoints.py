@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +36,10 @@ def patchkit_cli(*args: str, **kw) -> subprocess.CompletedProcess:
 def launch(*args: str, **kw) -> subprocess.CompletedProcess:
     """`python -m patchkit.launch ARGS...`."""
     return run([sys.executable, "-m", "patchkit.launch", *args], **kw)
+
+
+def spy_of(proc: subprocess.CompletedProcess) -> dict:
+    """The SPY line a user script prints through `attention_spy.report()`; the script must have succeeded."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))
+    return json.loads(line[len("SPY "):])

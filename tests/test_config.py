@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from entrypoints import REPO, run
+from entrypoints import REPO, run, spy_of
 from families import FAMILIES_FROM
 from models import padded_batch, tiny_model
 from packaging.version import Version
@@ -291,8 +291,7 @@ def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
     (tmp_path / "attention_spy.py").write_text((REPO / "tests" / "user_scripts" / "attention_spy.py").read_text())
     proc = run([sys.executable, tmp_path / "train_lora.py", "--flash_attn", "True", "--attn_backend", "sdpa",
                 "--output_dir", tmp_path / "out", "--report_to", "none"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    spy = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))[4:])
+    spy = spy_of(proc)
     masks_counted = importlib.util.find_spec("transformers.masking_utils") is not None  # transformers >= 4.53
     assert spy["padded_attention"] == 0 and spy["padded_masks"] == (0 if masks_counted else None)
     assert spy["patches"] == [["llama2", "sdpa", 2]]

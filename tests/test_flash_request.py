@@ -7,14 +7,13 @@ serves, and only when transformers' own check refuses it; revert restores transf
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 
 import models
 import pytest
 import torch
 import transformers
-from entrypoints import REPO, clean_env, launch
+from entrypoints import REPO, clean_env, launch, spy_of
 from families import FAMILIES_FROM
 from models import needs_set_attn_implementation, padded_batch
 from packaging.version import Version
@@ -162,9 +161,8 @@ def test_the_launcher_runs_a_flash_attention_2_script_unmodified(tmp_path):
         (tmp_path / name).write_text((scripts / name).read_text())
     proc = launch("--backend", "sdpa", tmp_path / "forward.py", "--attn", "flash_attention_2", cwd=tmp_path,
                   env=clean_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    spy = spy_of(proc)
     assert proc.stderr.count(SERVED) == 1
-    spy = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SPY "))[4:])
     masks_counted = importlib.util.find_spec("transformers.masking_utils") is not None  # transformers >= 4.53
     assert spy["padded_attention"] == 0 and spy["padded_masks"] == (0 if masks_counted else None)
     assert spy["patches"] == [["llama2", "sdpa", 2]] and spy["impl"] == NAME

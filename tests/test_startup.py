@@ -14,19 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from entrypoints import REPO, clean_env, run
+from entrypoints import REPO, clean_env, run, spy_of
 from models import needs_mask_interface
 
 import _patchkit_startup
 
 SCRIPTS = REPO / "tests" / "user_scripts"
 APPLIED = "patch 'all' applied to every family patchkit serves in this process"
-
-
-def spy_of(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))
-    return json.loads(line[len("SPY "):])
 
 
 def script(name: str, *args: str) -> list:

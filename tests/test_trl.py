@@ -75,12 +75,22 @@ def build(family: str) -> torch.nn.Module:
     return tiny_model(kv_heads=2, layers=LAYERS) if family == "llama" else family_model(family, layers=LAYERS)
 
 
+def common_args(tmp_path: Path) -> dict:
+    """What every trainer test asks of TrainingArguments: fp32 on CPU, seeded, a loss logged every step."""
+    return dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
+                bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                dataloader_num_workers=0, disable_tqdm=True)
+
+
+def logged_losses(trainer: object) -> list[float]:
+    """The training loss the trainer logged at each step."""
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
 def sft_losses(model: torch.nn.Module, tmp_path: Path, before_trainer: Optional[Callable] = None,
                peft_config: Optional[LoraConfig] = None, **fields) -> list[float]:
     """Per-step training losses of STEPS SFTTrainer steps: fp32 on CPU, TRL's defaults otherwise."""
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
-                     bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
-                     dataloader_num_workers=0, disable_tqdm=True, **fields)
+    args = SFTConfig(**common_args(tmp_path), **fields)
     assert args.gradient_checkpointing  # TRL's default, kept
     if before_trainer is not None:
         before_trainer(model)
@@ -88,7 +98,7 @@ def sft_losses(model: torch.nn.Module, tmp_path: Path, before_trainer: Optional[
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset(), processing_class=tokenizer(),
                          peft_config=peft_config)
     trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses = logged_losses(trainer)
     assert len(losses) == STEPS
     return losses
 
@@ -206,13 +216,7 @@ def preference_losses(trainer_class: type, args: object, model: object) -> list[
     torch.manual_seed(0)
     trainer = trainer_class(model=model, args=args, train_dataset=preferences(), processing_class=tokenizer())
     trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
-def common_args(tmp_path: Path) -> dict:
-    return dict(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
-                bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
-                dataloader_num_workers=0, disable_tqdm=True)
+    return logged_losses(trainer)
 
 
 @pytest.mark.parametrize("padding_free", [False, True])

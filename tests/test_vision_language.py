@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from entrypoints import clean_env, launch, run
+from entrypoints import clean_env, launch, run, spy_of
 from families import FAMILIES_FROM, set_attention
 from packaging.version import Version
 
@@ -191,11 +190,6 @@ def test_llava_repos_own_model_type_runs_through_the_llama_patch(way):
     torch.testing.assert_close(got_logits[real], want_logits[real], atol=3e-5, rtol=1e-4)
 
 
-def spy(proc) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))[len("SPY "):])
-
-
 def test_a_llava_training_script_asking_for_flash_attention_2_trains_as_unpatched(tmp_path):
     """LLaVA's train_mem.py loads its model with attn_implementation="flash_attention_2" and trains it with the HF
     Trainer (gradient checkpointing on). On a machine without flash-attn, under PATCHKIT_FLASH_ATTN=1 and under the
@@ -206,7 +200,7 @@ def test_a_llava_training_script_asking_for_flash_attention_2_trains_as_unpatche
         jobs = [pool.submit(run, [sys.executable, LLAVA_TRAIN, "--attn", "sdpa", "--output_dir", tmp_path / "a"]),
                 pool.submit(run, [sys.executable, *python, tmp_path / "b"], env=clean_env(PATCHKIT_FLASH_ATTN="1")),
                 pool.submit(launch, "--backend", "sdpa", *python, tmp_path / "c")]
-        plain, by_env, by_launcher = (spy(job.result()) for job in jobs)
+        plain, by_env, by_launcher = (spy_of(job.result()) for job in jobs)
     assert plain["patches"] == [] and plain["padded_masks"] in (3, None)  # None: masks built outside the interface
     for got in (by_env, by_launcher):
         assert got["patches"] == [["llama2", "sdpa", 12]], got  # 3 steps x 2 layers, forward and recompute
