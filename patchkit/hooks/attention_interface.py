@@ -166,7 +166,7 @@ def route_state() -> PatchState:
             gates.probe_environment(),
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
-        _function = make_attention_function(_state, served_model_types(), spec_for_class)
+        _function = _function_for(_state)
     return _state
 
 
