@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,3 +47,29 @@ def spy_of(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))
     return json.loads(line[len("SPY "):])
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous port for a process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(world: int, *args) -> list:
+    """`python -m torch.distributed.run` with `world` ranks on this host and a free port, then ARGS."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+
+
+def run_group(args: list, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; on timeout end that group (torchrun and its ranks) and fail."""
+    proc = subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, args))} ran past {timeout} s\n{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import sys
 
 import pytest
-from entrypoints import clean_env, run
+from entrypoints import clean_env, free_port, run
 
 # The user's training script: one process, or DDP under torchrun / accelerate launch (gloo on CPU).
 TRAIN_SCRIPT = '''"""A tiny padded-batch training run, single process or DDP, for patchkit's tests."""
@@ -139,12 +138,6 @@ def single_process_losses(train_script):
 def losses_of(stdout: str) -> list[float]:
     line = next(x for x in stdout.splitlines() if x.startswith("LOSSES "))
     return json.loads(line[len("LOSSES "):])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_ranks_and_losses(proc, reference: list[float]) -> None:

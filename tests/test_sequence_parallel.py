@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from entrypoints import REPO, clean_env
+from entrypoints import REPO, clean_env, run_group, torchrun
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (Ulysses SP needs deepspeed >= 0.19)")
@@ -42,25 +39,6 @@ LOSS_ATOL = 1e-6
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # fp32 noise: the reorderings measured are < 1e-7 absolute
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_group(args: list[str], env: dict[str, str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; on timeout end that group (torchrun and its ranks) and fail."""
-    proc = subprocess.Popen([str(a) for a in args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, args))} ran past {timeout} s\n{out[-2000:]}\n{err[-4000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 def launch(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
     """Run the script (one process, or `world` ranks under torch.distributed.run); its process, JSON and gradients."""
     out, grads = tmp / f"{family}-{way}-{data}-{world}.json", tmp / f"{family}-{way}-{data}-{world}.pt"
@@ -69,9 +47,8 @@ def launch(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[sub
     if world == 1:
         cmd = [sys.executable, *script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script]
-    return run_group(cmd, env), out, grads
+        cmd = torchrun(world, *script)
+    return run_group(cmd, env, TIMEOUT), out, grads
 
 
 def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[dict, dict, float]:
@@ -207,8 +184,7 @@ def run_trainer(tmp: Path, way: str) -> tuple[dict, dict]:
     """tests/user_scripts/ulysses_trainer.py on SP ranks: rank 0's JSON and its parameters after training."""
     out = tmp / f"trainer-{way}.json"
     env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(SP),
-                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()), TRAINER_SCRIPT, way, out], env)
+    proc = run_group(torchrun(SP, TRAINER_SCRIPT, way, out), env, TIMEOUT)
     assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), torch.load(tmp / f"trainer-{way}.pt")
 
