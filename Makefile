@@ -42,7 +42,7 @@ $(SP_DIR)/.installed: $(BIN)/.installed
 
 sp-test: $(SP_DIR)/.installed
 	PYTHONPATH=$(CURDIR)/$(SP_DIR) PATH=$(CURDIR)/$(SP_DIR)/bin:$$PATH $(BIN)/python -m pytest -q \
-		tests/test_sequence_parallel.py
+		tests/test_sequence_parallel.py tests/test_deepspeed_zero.py
 
 bench: setup
 	$(BIN)/patchkit bench

@@ -1,0 +1,92 @@
+"""A FastChat-style HF Trainer run under DeepSpeed ZeRO-3: the model partitioned as it loads, trained, evaluated.
+
+    torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY MODEL_DIR OUT.json [--lora]
+
+WAY: `none` (unpatched), `class` (patchkit.apply_patch() before loading), `instance` (apply_patch(model=...) on the
+loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller) or `launcher` (run under
+`patchkit.launch`, loading with attn_implementation="flash_attention_2" as FastChat's train_mem.py does).
+The TrainingArguments carry a ZeRO-3 config before `from_pretrained`, so transformers loads the model inside
+`deepspeed.zero.Init`: every rank holds a shard of each weight and the layers' parameters are gathered by DeepSpeed's
+module hooks around each forward. Gradient checkpointing on, right-padded rows, two per rank and step, fp32 on gloo.
+Rank 0 writes the logged losses, an eval-mode loss on held-out rows, patchkit's counters and the parameters
+(gathered from every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers as tf
+
+way, model_dir, out = sys.argv[1:4]
+lora = "--lora" in sys.argv[4:]
+if way not in ("none", "class", "instance", "env", "launcher"):
+    sys.exit(f"unknown way {way!r}")
+if (way == "env") != (os.environ.get("PATCHKIT_FLASH_ATTN") == "1"):
+    sys.exit("way 'env', and only it, runs with PATCHKIT_FLASH_ATTN=1")
+if way == "class":
+    import patchkit
+
+    patchkit.apply_patch()
+
+VOCAB, SEQ, IGNORE = 97, 24, -100
+# No train_batch_size: transformers fills "auto" from its world size before the CPU process group exists (1, not 2).
+deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": "auto",
+             "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto",
+                                                                                        "torch_adam": True}}}
+args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=2,
+                            per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2, report_to=[],
+                            save_strategy="no", logging_steps=1, deepspeed=deepspeed, gradient_checkpointing=True)
+model = tf.AutoModelForCausalLM.from_pretrained(
+    model_dir, attn_implementation="flash_attention_2" if way == "launcher" else "sdpa", dtype=torch.float32)
+partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")  # sharded by zero.Init at load
+if way == "instance":
+    import patchkit
+
+    patchkit.apply_patch(model=model)
+if lora:
+    import peft
+
+    torch.manual_seed(1)  # the adapters' initialisation
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.enable_input_require_grads()
+
+g = torch.Generator().manual_seed(100)
+rows = []
+for n in (24, 9, 17, 5, 20, 12, 24, 3, 14, 19, 8, 22, 16, 11, 6, 23):
+    ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
+    mask = (torch.arange(SEQ) < n).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)})
+trainer = tf.Trainer(model=model, args=args, train_dataset=rows[:12])
+trainer.train()
+# An eval forward as the Trainer's prediction step runs it (eval mode, the config's use_cache), on every rank since
+# each forward gathers the weights; trainer.evaluate() itself cannot run here: accelerate sizes its gather by the
+# same world size of 1 and gloo refuses the list.
+model.eval()
+held_out = {k: torch.stack([r[k] for r in rows[12:]]) for k in rows[0]}
+with torch.no_grad():
+    eval_loss = model(**held_out).loss.item()
+
+import deepspeed as ds  # noqa: E402  (transformers loaded it above; imported here for GatheredParameters only)
+
+with ds.zero.GatheredParameters(list(model.parameters())):  # a collective: every rank enters it
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+if int(os.environ.get("RANK", "0")) == 0:
+    patchkit = sys.modules.get("patchkit")
+    result = {
+        "way": way, "lora": lora, "partitioned": partitioned, "eval_loss": eval_loss,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "patchkit_calls": sum(h.calls for h in patchkit.active_patches()) if patchkit else 0,
+    }
+    torch.save(params, out.replace(".json", ".pt"))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    print("ZERO3_TRAINER", json.dumps(result), flush=True)
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
