@@ -9,6 +9,7 @@ import torch
 from models import tiny_model
 
 from patchkit.dtypes import cast_for_training, default_dtype, training_compute_dtype
+from patchkit.forward.varlen import compute_dtype
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 LAYERS = 2
@@ -114,3 +115,15 @@ def test_compute_dtype_defaults_to_bf16_without_float_linear_weights():
     assert training_compute_dtype(model) is torch.float16
     assert cast_for_training(model, torch.float32) == ["final_norm"]
     assert model["final_norm"].bias.dtype is torch.float32 and model["proj"].weight.dtype is torch.float16
+
+
+def test_a_layers_compute_dtype_reads_weights_deepspeed_zero3_partitioned():
+    # Outside its forward a ZeRO-3 layer holds each weight as a (0,) placeholder of the weight's dtype, the real shape
+    # in `ds_shape`: the fp16 layer of a config that says float32 casts fp32 q/k/v (LoRA's) to fp16, not bf16.
+    model = tiny_model(dtype=torch.float16)
+    model.config.torch_dtype = torch.float32
+    attention = model.model.layers[0].self_attn
+    for param in attention.parameters():
+        param.ds_shape = param.shape
+        param.data = torch.empty(0, dtype=param.dtype)
+    assert compute_dtype(attention, "cpu") is torch.float16

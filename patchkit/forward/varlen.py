@@ -92,9 +92,14 @@ def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dt
     return next((c for c in candidates if c in HALF_DTYPES), torch.bfloat16)
 
 
+def _matrix(param: torch.Tensor) -> bool:
+    """A weight matrix, also while DeepSpeed ZeRO-3 holds it partitioned (shape (0,), its own in `ds_shape`)."""
+    return param.dim() > 1 or len(getattr(param, "ds_shape", ())) > 1
+
+
 def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
     """A LLaMA layer's compute dtype: autocast's, else pre-quantization, else the weights', else the config's."""
-    weight = next((p for p in module.parameters() if p.dim() > 1), None)  # q_proj, or a fused qkv_proj (Phi3)
+    weight = next((p for p in module.parameters() if _matrix(p)), None)  # q_proj, or a fused qkv_proj (Phi3)
     return half_dtype(
         device_type,
         getattr(module.config, "_pre_quantization_dtype", None),
