@@ -206,3 +206,28 @@ def test_a_llava_training_script_asking_for_flash_attention_2_trains_as_unpatche
         assert got["patches"] == [["llama2", "sdpa", 12]], got  # 3 steps x 2 layers, forward and recompute
         assert got["padded_masks"] in (0, None) and got["padded_attention"] == plain["padded_attention"] - 12
         assert got["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+
+
+@pytest.mark.skipif(Version(tf.__version__) < Version("4.53"), reason="the registered name: transformers 4.53+")
+def test_the_name_given_to_a_whole_vlm_refuses_its_vision_tower_naming_the_per_part_fix(tmp_path):
+    """`from_pretrained(vlm, attn_implementation="patchkit")` hands the name to the CLIP tower too (transformers gives
+    a string to every sub-config), and its bidirectional attention is refused. The error told a LLaVA user to load
+    "this model" with sdpa: it now names the dict that gives patchkit to the language model alone, and that dict
+    loads a model whose language layers run through the name, with the unpatched logits."""
+    from patchkit.hooks import attention_interface
+
+    llava().save_pretrained(tmp_path)
+    batch = image_batch(first=2)
+    whole = tf.LlavaForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="patchkit")
+    with pytest.raises(PatchkitError, match=r"CLIPAttention .*is_causal=False.*vision_config part of a multimodal "
+                       r"model.*attn_implementation=\{'text_config': 'patchkit', 'vision_config': 'sdpa'\}"):
+        whole(**batch)
+    plain = tf.LlavaForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="sdpa")
+    per_part = tf.LlavaForConditionalGeneration.from_pretrained(
+        tmp_path, attn_implementation={"text_config": "patchkit", "vision_config": "sdpa"})
+    before = attention_interface.route_state().calls
+    with torch.no_grad():
+        want, got = plain(**batch).logits, per_part(**batch).logits
+    assert attention_interface.route_state().calls - before == 2  # the two language layers
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-6, rtol=1e-5)

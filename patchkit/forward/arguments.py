@@ -40,12 +40,30 @@ def model_label(module: nn.Module) -> str:
     return f"{type(module).__name__} (model_type {model_type_of(module)!r})"
 
 
+def part_of_multimodal(module: nn.Module) -> str:
+    """The fix for a multimodal model's vision (or audio) tower given the name meant for its language model, else ''.
+
+    transformers gives an `attn_implementation` string to every sub-config, so a VLM loaded with "patchkit" hands it
+    to its bidirectional vision tower too; a dict names each part (from_pretrained from 4.53)."""
+    key = getattr(type(getattr(module, "config", None)), "base_config_key", "")
+    if not isinstance(key, str) or not key or key == "text_config":
+        return ""
+    return (
+        f" It is the {key} part of a multimodal model, and a name given to the whole model reaches every part: name "
+        f"patchkit for the language model alone, attn_implementation={{'text_config': 'patchkit', {key!r}: 'sdpa'}} "
+        "(from_pretrained, or model.set_attn_implementation)."
+    )
+
+
 def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
     what = WHY.get(name, "an argument patchkit's varlen attention does not implement")
+    fix = part_of_multimodal(module) or (
+        " Load this model with attn_implementation='sdpa' (or 'eager'), or without the patch; see "
+        "patchkit.available_patches() for the families patchkit serves."
+    )
     return PatchInputError(
         f"{model_label(module)} passes {name}={value!r} to its attention function: {what}. patchkit cannot serve "
-        f"it exactly, so it refuses rather than ignore it. Load this model with attn_implementation='sdpa' (or "
-        f"'eager'), or without the patch; see patchkit.available_patches() for the families patchkit serves."
+        f"it exactly, so it refuses rather than ignore it.{fix}"
     )
 
 
@@ -85,5 +103,6 @@ def check_family(module: nn.Module, model_types: Iterable[str], family_of: Optio
         raise PatchInputError(
             f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
             f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "
-            "arguments do not show, so patchkit refuses rather than guess. Load it with attn_implementation='sdpa'."
+            "arguments do not show, so patchkit refuses rather than guess."
+            + (part_of_multimodal(module) or " Load it with attn_implementation='sdpa'.")
         )
