@@ -88,6 +88,7 @@ DEFAULT_TESTS = [
     "tests/test_context_parallel.py",
     "tests/test_flash_request.py",
     "tests/test_dtypes.py",
+    "tests/test_peft.py",
     "tests/test_kernel_limits.py",
     "tests/test_nn.py",
     "tests/test_ulysses_padding.py",

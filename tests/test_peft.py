@@ -1,0 +1,76 @@
+"""PEFT's prompt-learning methods reach attention in ways LoRA does not: each equals the unpatched model.
+
+Prefix tuning hands every layer a past of trained virtual keys and values (a cache in training, with gradients into
+it) and a mask extended by their count; prompt tuning and p-tuning splice virtual token embeddings in front of the
+input, so a left-padded row becomes `[virtual..., padding..., real...]`, a padding hole. The patch is reached through
+the PEFT wrapper (instance) or made before the model is built (class), in strict mode: nothing steps aside.
+They already matched when these tests were written; the tests keep it so.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import padded_batch, step, tiny_model
+
+import patchkit
+
+peft = pytest.importorskip("peft", reason="peft is a test extra")
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning",
+                                        "ignore:Position ids are not supported:UserWarning")
+
+VIRTUAL = 5
+
+
+def prompt_learning(kind: str) -> torch.nn.Module:
+    """A tiny LLaMA under PEFT's `kind` method, its virtual-token weights drawn large enough to change the tokens."""
+    config = {
+        "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=VIRTUAL),
+        "prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=VIRTUAL),
+        "p_tuning": lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=VIRTUAL,
+                                                     encoder_hidden_size=16),
+    }[kind]()
+    torch.manual_seed(3)
+    model = peft.get_peft_model(tiny_model(), config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.5)
+    return model
+
+
+def run_both(way: str, kind: str, mode: str, run):
+    """`run(model)` on the unpatched model, then patched: through the PEFT wrapper (instance), or on a model built
+    after a class patch (as a training script under the launcher builds it); (want, got, the patch's handle)."""
+    want = run(getattr(prompt_learning(kind), mode)())
+    if way == "instance":
+        model = getattr(prompt_learning(kind), mode)()
+        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+            return want, run(model), handle
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        return want, run(getattr(prompt_learning(kind), mode)()), handle
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "mixed"])
+@pytest.mark.parametrize("kind", ["prefix", "prompt", "p_tuning"])
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_a_prompt_learning_training_step_equals_unpatched(way, kind, padding):
+    ids, mask = padded_batch(padding)
+    (want_logits, want_grads), (got_logits, got_grads), handle = run_both(
+        way, kind, "train", lambda model: step(model, ids, mask))
+    assert handle.calls == 2 and not handle.stepped_aside
+    assert want_grads.keys() == got_grads.keys() and any("prompt" in n or "prefix" in n for n in got_grads)
+    real = torch.cat([torch.ones(len(ids), VIRTUAL if kind != "prefix" else 0), mask], dim=1).bool()
+    torch.testing.assert_close(got_logits[real], want_logits[real], atol=2e-6, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["prefix", "prompt"])
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_prompt_learning_generates_the_unpatched_tokens(way, kind):
+    ids, mask = padded_batch("left")
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want, got, handle = run_both(way, kind, "eval", lambda model: model.generate(**options))
+    assert handle.calls == 2 * 6 and not handle.stepped_aside
+    assert torch.equal(got, want)
