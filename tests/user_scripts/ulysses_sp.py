@@ -29,12 +29,12 @@ import collections
 import functools
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import transformers as tf
+from common import checked_way, end_process_group
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import patchkit
@@ -43,17 +43,14 @@ from patchkit.hooks import attention_interface
 T0 = time.perf_counter()
 parser = argparse.ArgumentParser()
 parser.add_argument("family", choices=["llama", "qwen2"])
-parser.add_argument("way", choices=["interface", "class", "env", "both", "none"])
+parser.add_argument("way")
 parser.add_argument("data", choices=["padded", "packed", "left", "left-restart", "left-restart-labelled"])
 parser.add_argument("out")
 parser.add_argument("--grads", default=None, help="torch.save every parameter's gradient here (rank 0)")
 parser.add_argument("--seed", type=int, default=0)
 opts = parser.parse_args()
 
-if opts.way == "env" and os.environ.get("PATCHKIT_FLASH_ATTN") != "1":
-    sys.exit("way 'env' needs PATCHKIT_FLASH_ATTN=1 in the environment (the startup hook applies the patch)")
-if opts.way != "env" and os.environ.get("PATCHKIT_FLASH_ATTN", "0") not in ("", "0"):
-    sys.exit(f"way {opts.way!r} must run without PATCHKIT_FLASH_ATTN")
+checked_way(opts.way, ("interface", "class", "env", "both", "none"))
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 VOCAB = 97
@@ -259,6 +256,4 @@ if RANK == 0:
         torch.save(grads, opts.grads)
     print(f"ULYSSES_SP family={opts.family} way={opts.way} data={opts.data} world={WORLD} loss={result['loss']:.9f} "
           f"wrapper_ran={result['ulysses_wrapper_ran']}", flush=True)
-if WORLD > 1:
-    torch.distributed.barrier()  # no rank tears gloo down while its peer is still in flight
-    torch.distributed.destroy_process_group()
+end_process_group()

@@ -13,7 +13,6 @@ one. Rank 0 writes the logged losses, every parameter after the steps (OUT.pt) a
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,15 +20,12 @@ import torch
 import transformers as tf
 from accelerate import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
+from common import checked_way, end_process_group, patchkit_calls, write_result
 
 import patchkit
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 
-way, out = sys.argv[1], sys.argv[2]
-if way not in ("none", "class", "env"):
-    sys.exit(f"unknown way {way!r}")
-if (way == "env") != (os.environ.get("PATCHKIT_FLASH_ATTN") == "1"):
-    sys.exit("way 'env', and only it, runs with PATCHKIT_FLASH_ATTN=1")
+way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
 if way == "class":
     patchkit.apply_patch()
 
@@ -65,16 +61,8 @@ if int(os.environ.get("RANK", "0")) == 0:
         "way": way,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "ulysses_under_sdpa": ulysses_wrapper("sdpa") is not None,
-        "patchkit_calls": sum(h.calls for h in patchkit.active_patches()),
+        "patchkit_calls": patchkit_calls(),
         "config_attn_implementation": model.config._attn_implementation,
     }
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out.replace(".json", ".pt"))
-    with open(out, "w") as f:
-        json.dump(result, f)
-    print("ULYSSES_TRAINER", json.dumps(result), flush=True)
-
-# A well-behaved distributed script ends its process group: left to interpreter exit, gloo's threads were torn down
-# under a live peer and one rank aborted ("terminate called without an active exception") after a passing run.
-if torch.distributed.is_initialized():
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    write_result("ULYSSES_TRAINER", out, result, {n: p.detach().clone() for n, p in model.named_parameters()})
+end_process_group()

@@ -11,18 +11,17 @@ writes its tokens and patchkit's counters to OUT-RANK.json.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import deepspeed
 import torch
 import transformers as tf
+from common import checked_way, end_process_group, patchkit_calls, write_result
 from transformers.integrations import HfDeepSpeedConfig
 
-way, model_dir, out = sys.argv[1:4]
-if way not in ("none", "class"):
-    sys.exit(f"unknown way {way!r}")
+way = checked_way(sys.argv[1], ("none", "class"))
+model_dir, out = sys.argv[2:4]
 if way == "class":
     import patchkit
 
@@ -44,11 +43,6 @@ ids = torch.randint(3, 97, (len(lengths), n), generator=g).masked_fill(mask == 0
 with torch.no_grad():
     tokens = engine.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                     synced_gpus=True, pad_token_id=0)
-patchkit = sys.modules.get("patchkit")
-result = {"rank": rank, "partitioned": partitioned, "tokens": tokens.tolist(),
-          "patchkit_calls": sum(h.calls for h in patchkit.active_patches()) if patchkit else 0}
-with open(out.replace(".json", f"-{rank}.json"), "w") as f:
-    json.dump(result, f)
-print("ZERO3_GENERATE", json.dumps(result), flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+write_result("ZERO3_GENERATE", out.replace(".json", f"-{rank}.json"),
+             {"rank": rank, "partitioned": partitioned, "tokens": tokens.tolist(), "patchkit_calls": patchkit_calls()})
+end_process_group()

@@ -14,19 +14,16 @@ Rank 0 writes the logged losses, an eval-mode loss on held-out rows, patchkit's 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 import transformers as tf
+from common import checked_way, end_process_group, patchkit_calls, write_result
 
-way, model_dir, out = sys.argv[1:4]
+way = checked_way(sys.argv[1], ("none", "class", "instance", "env", "launcher"))
+model_dir, out = sys.argv[2:4]
 lora = "--lora" in sys.argv[4:]
-if way not in ("none", "class", "instance", "env", "launcher"):
-    sys.exit(f"unknown way {way!r}")
-if (way == "env") != (os.environ.get("PATCHKIT_FLASH_ATTN") == "1"):
-    sys.exit("way 'env', and only it, runs with PATCHKIT_FLASH_ATTN=1")
 if way == "class":
     import patchkit
 
@@ -77,16 +74,10 @@ import deepspeed as ds  # noqa: E402  (transformers loaded it above; imported he
 with ds.zero.GatheredParameters(list(model.parameters())):  # a collective: every rank enters it
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 if int(os.environ.get("RANK", "0")) == 0:
-    patchkit = sys.modules.get("patchkit")
     result = {
         "way": way, "lora": lora, "partitioned": partitioned, "eval_loss": eval_loss,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "patchkit_calls": sum(h.calls for h in patchkit.active_patches()) if patchkit else 0,
+        "patchkit_calls": patchkit_calls(),
     }
-    torch.save(params, out.replace(".json", ".pt"))
-    with open(out, "w") as f:
-        json.dump(result, f)
-    print("ZERO3_TRAINER", json.dumps(result), flush=True)
-if torch.distributed.is_initialized():
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    write_result("ZERO3_TRAINER", out, result, params)
+end_process_group()

@@ -1,0 +1,45 @@
+"""What the distributed test user scripts share: the way in, checked; the result written; the process group ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+
+def checked_way(way: str, allowed: tuple[str, ...]) -> str:
+    """`way` if it is one of `allowed` and PATCHKIT_FLASH_ATTN is on for way 'env' and only for it, else exit."""
+    if way not in allowed:
+        sys.exit(f"unknown way {way!r} (one of {', '.join(allowed)})")
+    if way == "env" and os.environ.get("PATCHKIT_FLASH_ATTN") != "1":
+        sys.exit("way 'env' needs PATCHKIT_FLASH_ATTN=1 in the environment (the startup hook applies the patch)")
+    if way != "env" and os.environ.get("PATCHKIT_FLASH_ATTN", "0") not in ("", "0"):
+        sys.exit(f"way {way!r} must run without PATCHKIT_FLASH_ATTN")
+    return way
+
+
+def patchkit_calls() -> int:
+    """Attention calls through every active patch, 0 where the script never imported patchkit."""
+    patchkit = sys.modules.get("patchkit")
+    return sum(h.calls for h in patchkit.active_patches()) if patchkit else 0
+
+
+def write_result(tag: str, out: str, result: dict, tensors: Optional[dict] = None) -> None:
+    """OUT gets the JSON result (and OUT.pt the tensors); stdout a `TAG {json}` line."""
+    if tensors is not None:
+        torch.save(tensors, out.replace(".json", ".pt"))
+    with open(out, "w") as f:
+        json.dump(result, f)
+    print(tag, json.dumps(result), flush=True)
+
+
+def end_process_group() -> None:
+    """A well-behaved distributed script ends its process group: left to interpreter exit, gloo's threads were torn
+    down under a live peer and one rank aborted ("terminate called without an active exception") after a passing
+    run. The barrier keeps a rank from tearing gloo down while its peer is still in flight."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
