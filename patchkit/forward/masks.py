@@ -162,16 +162,19 @@ class VarlenMask:
     `past_len` is how many tokens the KV cache held when the mask was built (None: no cache, or unknown) and
     `fixed_cache` whether the cache returns all its preallocated slots (a StaticCache): together they place
     the queries, whatever length the mask has. `slots`: the key count transformers sized the mask for, when
-    `fixed_cache` was read from it (the mask interface): a layer handed fewer keys has no such cache. Code that
+    `fixed_cache` was read from it (the mask interface): a layer handed fewer keys has no such cache. `window`: the
+    sliding window transformers built this mask with (the mask interface's `local_size`), the window eager and sdpa
+    apply, for a layer whose attention call does not pass it. Code that
     patchkit does not own gets a `PatchkitError`, not a type error from deep inside torch, if this object ever
     reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
         fixed_cache: bool = False, key_offset: int = 0, slots: Optional[int] = None, route: Any = None,
+        window: Optional[int] = None,
     ) -> None:
         self.mask = check_mask(mask)
         self.route = route  # the routed forward's route (`routing.Route`) the mask was built in, or None
@@ -179,19 +182,20 @@ class VarlenMask:
         self.fixed_cache = fixed_cache
         self.slots = slots
         self.key_offset = key_offset  # the mask column of the first key the cache returns (a sliding-window cache)
+        self.window = window
         self._meta = meta
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
     @classmethod
     def for_forward(
         cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False,
-        key_offset: int = 0, slots: Optional[int] = None,
+        key_offset: int = 0, slots: Optional[int] = None, window: Optional[int] = None,
     ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running; with the route of
         the forward building it, which its layers (and their checkpoint recomputes) then read from the mask."""
         context = current()
         return cls(mask, context.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
-                   context.route)
+                   context.route, window)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.

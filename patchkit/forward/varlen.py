@@ -15,7 +15,7 @@ from patchkit.errors import PatchGateError, PatchInputError
 from patchkit.forward.arguments import check_call, check_family
 from patchkit.forward.decode import decode_attention
 from patchkit.forward.liveness import record_call
-from patchkit.forward.masks import as_varlen_mask
+from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
@@ -278,7 +278,10 @@ def make_attention_function(
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        window = sliding_window_size(kwargs.pop("sliding_window", None))
+        sliding = kwargs.pop("sliding_window", None)
+        if sliding is None and isinstance(attention_mask, VarlenMask):
+            sliding = attention_mask.window  # a layer that leaves its window to the mask (Qwen2-MoE in 5.x)
+        window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types, family_of)

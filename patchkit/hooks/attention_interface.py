@@ -63,11 +63,12 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
+    window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
     if q_offset is None:
-        return VarlenMask.for_forward(attention_mask)
+        return VarlenMask.for_forward(attention_mask, window=window)
     past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
-    varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None)
+    varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window)
     maker = generate_frame()  # once per forward: a few frames up
     if maker is None:
         return varlen

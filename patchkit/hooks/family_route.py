@@ -34,7 +34,7 @@ ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name re
 
 def family_spec(
     model_type: str, module: str, prefix: str, description: str, *, lm: str = "ForCausalLM", base: str = "Model",
-    attention: str = "Attention",
+    attention: str = "Attention", transformers: str = ROUTE_TRANSFORMERS,
 ) -> PatchSpec:
     """The PatchSpec of a family served through the attention interface: `{prefix}Attention`, `{prefix}Model`."""
 
@@ -46,7 +46,7 @@ def family_spec(
         name=model_type,
         description=description,
         packing=KV_PACKED,
-        transformers=ROUTE_TRANSFORMERS,
+        transformers=transformers,
         flash_attn_min="2.1",
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
         build_class=lambda state: class_replacements(state, classes),

@@ -41,9 +41,11 @@ from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
-# (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0).
+# (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
+# 4.56.2, 4.57.6, 5.0.0 and 5.23.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                               "granite", "starcoder2", "olmo2", "smollm3", "glm4"})
+                               "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
+                               "qwen3_moe", "phi"})
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -205,19 +207,23 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
 
 
 def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
-    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding."""
+    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding, and a mixture of
+    experts' per-layer router logits from (nnz, E) back to (B * S, E), which the load-balancing loss reads against
+    the 2D mask (its padding rows masked out)."""
     indices = meta.indices_q
 
-    def repad(x: Any) -> Any:
+    def repad(x: Any, token_rows: bool = False) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, meta.nnz_q):
             return pad_input(x[0], indices, meta.batch, meta.q_len)
+        if token_rows and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == meta.nnz_q:
+            return pad_input(x, indices, meta.batch, meta.q_len).flatten(0, 1)
         if isinstance(x, tuple) and not hasattr(x, "keys"):
-            return tuple(repad(t) for t in x)
+            return tuple(repad(t, token_rows) for t in x)
         return x
 
     if hasattr(out, "keys"):  # a ModelOutput: update its fields in place, keeping its class
         for key in list(out.keys()):
-            out[key] = repad(out[key])
+            out[key] = repad(out[key], token_rows=key == "router_logits")
         return out
     return repad(out)
 
