@@ -31,6 +31,10 @@ PATCH_MODULES = {
     "olmo2": "patchkit.patches.olmo2",
     "smollm3": "patchkit.patches.smollm3",
     "glm4": "patchkit.patches.glm4",
+    "mixtral": "patchkit.patches.mixtral",
+    "qwen2_moe": "patchkit.patches.qwen2_moe",
+    "qwen3_moe": "patchkit.patches.qwen3_moe",
+    "phi": "patchkit.patches.phi",
 }
 ALIASES = {"llama": "llama2"}
 

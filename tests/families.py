@@ -13,9 +13,12 @@ FAMILIES_FROM = "4.53"  # the family patches need transformers' mask interface
 ATOL = 3e-5  # two layers of a family's features (windows, softcap, norms) against eager
 WINDOW = 5  # shorter than every test batch, so sliding windows change the numbers
 
-WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3"}  # WINDOW bites
+WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3", "mixtral",
+            "qwen2_moe", "qwen3_moe"}  # WINDOW bites
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
-            "smollm3", "glm4"]
+            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # sparse experts: per-layer router logits and a load-balancing loss
+SERVED_FROM = {"qwen2_moe": "5.0"}  # its attention calls the attention interface only from this transformers
 
 
 def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -42,7 +45,19 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
         "smollm3": lambda: tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
             no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **common)),
         "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(partial_rotary_factor=0.5, **common)),
+        # 4 experts, 2 per token, the load-balancing loss weighted in (output_router_logits adds it to the loss)
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(
+            sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **common)),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+            router_aux_loss_coef=0.5, **windowed, **common)),
+        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.5,
+            **windowed, **common)),
+        "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **common)),
     }
+    if Version(tf.__version__) < Version(SERVED_FROM.get(model_type, "0")):
+        pytest.skip(f"patchkit serves {model_type} from transformers {SERVED_FROM[model_type]}")
     torch.manual_seed(seed)
     return builders[model_type]().float().eval()
 

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from families import ATOL, FAMILIES, WINDOW, WINDOWED, any_model, family_model, set_attention
-from models import VOCAB, assert_same, needs_mask_interface, padded_batch, step
+from families import ATOL, FAMILIES, MOE, WINDOW, WINDOWED, any_model, family_model, set_attention
+from models import VOCAB, assert_same, labels_for, needs_mask_interface, padded_batch, step
 
 import patchkit
 from patchkit import PatchTargetError
@@ -27,6 +27,39 @@ def test_training_step_matches_eager(family, padding):
         got = step(model, ids, mask)
         assert handle.check(model) == 2 and handle.layers_patched == 2
     assert_same(got, want, mask, atol=ATOL)
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "mixed"])
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_a_mixture_of_experts_load_balancing_loss_and_router_logits_match_eager(family, padding):
+    """With `output_router_logits` the loss adds each layer's load-balancing term, computed from router logits of
+    shape (B * S, experts) against the 2D mask. The packed forward routes only real tokens, (nnz, experts): they come
+    back repadded, zeros at padding, which the loss masks out (before, the aux loss raised a shape mismatch)."""
+    model = family_model(family).train()
+    ids, mask = padded_batch(padding)
+    outputs = []
+
+    def run() -> tuple:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
+                    output_router_logits=True)
+        out.loss.backward()
+        outputs.append(out)
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run()
+    with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:
+        got = run()
+        assert handle.calls == 2 and not handle.stepped_aside
+    assert_same(got, want, mask, atol=ATOL)
+    plain, patched = outputs
+    torch.testing.assert_close(patched.aux_loss, plain.aux_loss, atol=1e-6, rtol=1e-5)
+    real = mask.flatten().bool()
+    assert len(patched.router_logits) == len(plain.router_logits) == 2
+    for ours, theirs in zip(patched.router_logits, plain.router_logits):
+        assert ours.shape == theirs.shape == (mask.numel(), 4)
+        torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=1e-4)
+        assert not ours[~real].any()  # padding never reached the router
 
 
 @pytest.mark.parametrize("family", FAMILIES)
