@@ -211,3 +211,32 @@ def test_no_4d_mask_is_built_by_a_patched_model(monkeypatch):
         model(input_ids=ids, attention_mask=mask)
         model.generate(input_ids=ids[:2, 10:], attention_mask=mask[:2, 10:], max_new_tokens=3, pad_token_id=0)
     assert calls == []
+
+
+def test_patched_forwards_show_the_originals_name_docstring_annotations_and_signature():
+    """transformers' own MoE test reads `ForCausalLM.forward.__annotations__["return"]` to check that the output type
+    declares `router_logits`; the class patch's wrapper had no annotations, so under PATCHKIT_FLASH_ATTN=1 that test
+    failed for Mixtral, Qwen2-MoE and Qwen3-MoE. Every wrapper shows what the original shows, class and instance
+    patch alike; none sets `__wrapped__`, which frameworks follow to strip wrappers."""
+    import inspect
+
+    from transformers.models.llama import modeling_llama as ml
+
+    classes = [ml.LlamaForCausalLM, ml.LlamaModel, ml.LlamaAttention]
+    originals = {cls: cls.forward for cls in classes}
+    model = tiny_model()
+
+    def shown(function) -> tuple:
+        return (function.__name__, function.__qualname__, function.__doc__, function.__annotations__,
+                inspect.signature(function))
+
+    want = {cls: shown(forward) for cls, forward in originals.items()}
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        for cls in classes:
+            if cls.forward is not originals[cls]:  # the eras this transformers has wrap some of them
+                assert shown(cls.forward) == want[cls] and not hasattr(cls.forward, "__wrapped__"), cls
+        assert any(cls.forward is not originals[cls] for cls in classes)
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        bound = model.forward
+        assert bound.__name__ == "forward" and bound.__annotations__ == originals[ml.LlamaForCausalLM].__annotations__
+        assert inspect.signature(bound) == inspect.signature(tiny_model().forward)

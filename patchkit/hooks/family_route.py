@@ -24,7 +24,7 @@ from patchkit.forward.varlen import KV_PACKED, PatchState
 from patchkit.hooks import attention_interface
 from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
-from patchkit.hooks.patching import Replacement, bound_replacement
+from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.routing import current_method, make_attention_forward, routes_to
 from patchkit.hooks.step_aside import transformers_mask_in_graph
 from patchkit.registry import PatchSpec
@@ -126,4 +126,4 @@ def make_update_causal_mask(original: Callable) -> Callable:
         refuse_4d(attention_mask, fixed)
         return VarlenMask.for_forward(attention_mask, past_len, fixed)
 
-    return _update_causal_mask
+    return dressed_as(_update_causal_mask, original)

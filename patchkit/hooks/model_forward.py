@@ -24,6 +24,7 @@ from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.model_walk import modeling_files
+from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause, static_layers
@@ -346,10 +347,8 @@ def make_model_forward(
                 out = call(self, arguments)
         return repad_outputs(out, meta)
 
-    forward.__wrapped_original__ = original  # type: ignore[attr-defined]
-    forward.__signature__ = signature  # type: ignore[attr-defined]
     forward.__patchkit_route__ = route  # type: ignore[attr-defined]
-    return forward
+    return dressed_as(forward, original, signature)
 
 
 def make_lm_forward(original: Callable) -> Callable:
@@ -367,6 +366,4 @@ def make_lm_forward(original: Callable) -> Callable:
         with within(lm_cause=cause):
             return original(self, *args, **kwargs)
 
-    forward.__wrapped_original__ = original  # type: ignore[attr-defined]
-    forward.__signature__ = signature  # type: ignore[attr-defined]
-    return forward
+    return dressed_as(forward, original, signature)

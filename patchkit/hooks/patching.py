@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from patchkit.errors import PatchTargetError
 
@@ -61,6 +61,12 @@ class BoundPatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__func__(self.__self__, *args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """What a bound method shows of its function (`__name__`, `__annotations__`, a framework's own attributes)."""
+        if name.startswith("__") and name not in SHOWN:
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
     @property
     def __signature__(self) -> inspect.Signature:
         signature = inspect.signature(self.__func__)
@@ -74,6 +80,26 @@ class BoundPatch:
 
     def __reduce__(self) -> tuple:
         return getattr, (self.__self__, self.attr)  # at load: the class's own (unpatched) method
+
+
+# What introspection reads of a function: transformers' own tests read a forward's return type from its annotations
+DRESS = ("__module__", "__name__", "__qualname__", "__doc__", "__annotations__")
+
+
+def dressed_as(wrapper: Callable, original: Callable, signature: Optional[inspect.Signature] = None) -> Callable:
+    """`wrapper` as introspection sees `original` (its name, docstring, annotations and signature), remembering it as
+    `__wrapped_original__` for revert. No `__wrapped__`: frameworks follow it to strip wrappers (accelerate's
+    unwrapping of a mixed-precision forward), which would drop the patch silently."""
+    for name in DRESS:
+        value = getattr(original, name, None)
+        if value is not None:
+            setattr(wrapper, name, dict(value) if name == "__annotations__" else value)
+    wrapper.__signature__ = inspect.signature(original) if signature is None else signature  # type: ignore
+    wrapper.__wrapped_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+SHOWN = ("__name__", "__qualname__", "__annotations__", "__wrapped_original__")  # a BoundPatch's, from its function
 
 
 def bound_replacement(

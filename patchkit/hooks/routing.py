@@ -19,6 +19,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
+from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.sequence_parallel import (
     refuse_shard_local,
     refuse_unfound,
@@ -118,9 +119,7 @@ def current_method(module: nn.Module, attr: str = "forward") -> Callable:
 
     signature = inspect.signature(own)
     this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-    method.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])  # type: ignore
-    method.__wrapped_original__ = own  # type: ignore[attr-defined]
-    return method
+    return dressed_as(method, own, signature.replace(parameters=[this, *signature.parameters.values()]))
 
 
 def mask_argument(original: Callable) -> Callable[[tuple, dict], Any]:
@@ -148,10 +147,8 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
         with routed(self.config, state):
             return original(self, *args, **kwargs)
 
-    forward.__wrapped_original__ = original  # type: ignore[attr-defined]
-    forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
     forward.__patchkit_route__ = state  # type: ignore[attr-defined]
-    return forward
+    return dressed_as(forward, original)
 
 
 def routes_to(forward: Any, state: Any) -> bool:
