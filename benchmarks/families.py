@@ -47,6 +47,12 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
         "gemma2": lambda: tf.Gemma2Config(head_dim=32, sliding_window=WINDOW, **SIZE),
         "gemma3_text": lambda: tf.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, **SIZE),
         "phi3": lambda: tf.Phi3Config(sliding_window=WINDOW, **SIZE),
+        "mixtral": lambda: tf.MixtralConfig(sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2,
+                                            **{**SIZE, "intermediate_size": 256}),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=256, use_sliding_window=True,
+                                               sliding_window=WINDOW, max_window_layers=2, **SIZE),
+        "phi": lambda: tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **SIZE),
     }
     for implementation in ("sdpa", "eager"):
         torch.manual_seed(0)
