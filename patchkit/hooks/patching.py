@@ -87,9 +87,10 @@ DRESS = ("__module__", "__name__", "__qualname__", "__doc__", "__annotations__")
 
 
 def dressed_as(wrapper: Callable, original: Callable, signature: Optional[inspect.Signature] = None) -> Callable:
-    """`wrapper` as introspection sees `original` (its name, docstring, annotations and signature), remembering it as
-    `__wrapped_original__` for revert. No `__wrapped__`: frameworks follow it to strip wrappers (accelerate's
-    unwrapping of a mixed-precision forward), which would drop the patch silently."""
+    """`wrapper` as introspection sees `original` (its name, docstring, annotations and signature), with `original` at
+    hand as `__wrapped_original__` for whoever inspects a patched class (revert keeps its own record). No
+    `__wrapped__`: frameworks follow it to strip wrappers (accelerate's unwrapping of a mixed-precision forward),
+    which would drop the patch silently."""
     for name in DRESS:
         value = getattr(original, name, None)
         if value is not None:
