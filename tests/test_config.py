@@ -87,7 +87,7 @@ def test_dataclass_validates_when_built_in_code():
     allowed_backends = "auto, flash_attn, torch_varlen, sdpa"
     with pytest.raises(ValueError, match=rf"attn_backend='gpu' is not valid; allowed values: {allowed_backends}"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
-    allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, smollm3, starcoder2, llama$"
+    allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, .*smollm3, starcoder2, llama$"
     with pytest.raises(ValueError, match=rf"patch='gpt2' is not valid; allowed values: {allowed}"):
         PatchArguments(patch="gpt2")
     assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
