@@ -62,6 +62,13 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
     return builders[model_type]().float().eval()
 
 
+def served_here(patch: str) -> bool:
+    """Whether this transformers is in `patch`'s own range: before 4.53 only LLaMA's, before 5.0 not Qwen2-MoE's."""
+    from patchkit.registry import resolve
+
+    return tf.__version__ in resolve(patch).supported
+
+
 def static_cache_served(family: str) -> bool:
     """Whether this transformers' static-cache generation runs patched for `family` (generate()'s masks read back as
     the 2D mask): full-attention caches from 4.56 (cache layers), windowed ones from 4.57 (StaticSlidingWindowLayer)."""
