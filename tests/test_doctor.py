@@ -32,10 +32,6 @@ FAMILIES = Version(transformers.__version__) >= Version(FAMILIES_FROM)
 GATED_OFF = "the transformers_version gate failed: no backend can help"
 
 
-def applies_here(name: str) -> bool:
-    return served_here(name)
-
-
 @pytest.fixture(autouse=True)
 def reverted():
     yield
@@ -126,7 +122,7 @@ def test_doctor_explains_an_undefined_symbol_import(tmp_path):
     assert "does not import: ImportError: /env/flash_attn_2_cuda" in format_report(data)
     assert data["versions"]["transformers"] == transformers.__version__  # the subprocess saw this transformers
     for p in data["patches"]:  # the extension does not load: no patch may pick flash_attn
-        if applies_here(p["name"]):
+        if served_here(p["name"]):
             assert p["backend"] == "sdpa" and "flash_attn_installed" in p["why"]
         else:
             assert p["backend"] is None and p["why"] == GATED_OFF
@@ -180,16 +176,16 @@ def test_doctor_on_a_simulated_ampere_gpu_picks_flash_attn(monkeypatch):
     verdicts = [(p["name"], p["applies"], p["backend"]) for p in data["patches"]]
     assert verdicts[:3] == [("llama1", True, "flash_attn"), ("llama2", True, "flash_attn"),
                             ("mistral", True, "flash_attn") if FAMILIES else ("mistral", False, None)]
-    assert all((applies, backend) == ((True, "flash_attn") if applies_here(name) else (False, None))
+    assert all((applies, backend) == ((True, "flash_attn") if served_here(name) else (False, None))
                for name, applies, backend in verdicts)
-    assert all(p["why"] == GATED_OFF for p in data["patches"] if not applies_here(p["name"]))
+    assert all(p["why"] == GATED_OFF for p in data["patches"] if not served_here(p["name"]))
     assert "applies, backend flash_attn" in format_report(data)
 
 
 def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
     data = simulated(monkeypatch, device_name="Tesla T4", compute_capability=(7, 5), bf16_supported=False)
     for p in data["patches"]:
-        if applies_here(p["name"]):
+        if served_here(p["name"]):
             assert p["backend"] == "sdpa" and "compute_capability" in p["why"]
         else:
             assert not p["applies"] and p["backend"] is None and p["why"] == GATED_OFF
