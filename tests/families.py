@@ -18,7 +18,6 @@ WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starc
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
             "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi"]
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # sparse experts: per-layer router logits and a load-balancing loss
-SERVED_FROM = {"qwen2_moe": "5.0"}  # its attention calls the attention interface only from this transformers
 
 
 def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -56,8 +55,10 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             **windowed, **common)),
         "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **common)),
     }
-    if Version(tf.__version__) < Version(SERVED_FROM.get(model_type, "0")):
-        pytest.skip(f"patchkit serves {model_type} from transformers {SERVED_FROM[model_type]}")
+    if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
+        from patchkit.registry import resolve
+
+        pytest.skip(f"patchkit's {model_type} patch serves transformers {resolve(model_type).supported}")
     torch.manual_seed(seed)
     return builders[model_type]().float().eval()
 
