@@ -37,7 +37,9 @@ from trl import (  # noqa: E402
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft.py"
 STEPS = 3
 LAYERS = 2
-FAMILIES = ["llama", "qwen2", "mistral"]  # mistral: sliding_window=5 on rows of 7 to 20 tokens (EOS included)
+# mistral: sliding_window=5 on rows of 7 to 20 tokens (EOS included). Mixtral and Qwen3-MoE: TRL itself asks for the
+# router logits and adds the config's router_aux_loss_coef (0.5) times the load-balancing loss (about 1.0 of 5.6 here)
+FAMILIES = ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "phi"]
 LENGTHS = (6, 14, 9, 19, 7, 12)  # words per row, before TRL appends EOS; each row twice: a dozen examples
 MODES = {  # SFTConfig fields per mode; everything else is TRL's default (gradient checkpointing on)
     "padded": {},  # DataCollatorForLanguageModeling, right padding, 2D attention mask
