@@ -180,32 +180,50 @@ def test_left_padding_that_would_step_aside_is_refused(tmp_path):
 TRAINER_SCRIPT = REPO / "tests" / "user_scripts" / "ulysses_trainer.py"
 
 
-def run_trainer(tmp: Path, way: str) -> tuple[dict, dict]:
+def run_trainer(tmp: Path, way: str, zero_stage: int = 0) -> tuple[dict, dict]:
     """tests/user_scripts/ulysses_trainer.py on SP ranks: rank 0's JSON and its parameters after training."""
-    out = tmp / f"trainer-{way}.json"
+    out = tmp / f"trainer-{way}-zero{zero_stage}.json"
     env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    proc = run_group(torchrun(SP, TRAINER_SCRIPT, way, out), env, TIMEOUT)
+    proc = run_group(torchrun(SP, TRAINER_SCRIPT, way, out, zero_stage), env, TIMEOUT)
     assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()), torch.load(tmp / f"trainer-{way}.pt")
+    return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
 
 
-@pytest.fixture(scope="module")
-def trainer_reference(tmp_path_factory):
+def needs_parallelism_config() -> None:
     pytest.importorskip("accelerate.utils", reason="accelerate is a test extra")
     from accelerate import utils
 
     if not hasattr(utils, "DeepSpeedSequenceParallelConfig"):
         pytest.skip("this accelerate has no DeepSpeedSequenceParallelConfig (ParallelismConfig sp_backend)")
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    needs_parallelism_config()
     return run_trainer(tmp_path_factory.mktemp("ulysses_trainer"), "none")
 
 
-@pytest.mark.parametrize("way", ["class", "env"])
-def test_trainer_parallelism_config_runs_patchkit_inside_ulysses(way, trainer_reference, tmp_path):
-    # two optimizer steps: the second loss and the parameters after both carry the first step's gradients
-    ref, ref_params = trainer_reference
-    got, params = run_trainer(tmp_path, way)
+def assert_trained_as(got: dict, params: dict, ref: dict, ref_params: dict) -> None:
+    """Ulysses ran under sdpa both times, patchkit only in `got`: the same losses and parameters after training."""
     assert ref["ulysses_under_sdpa"] and got["ulysses_under_sdpa"]
     assert ref["patchkit_calls"] == 0 and got["patchkit_calls"] > 0, got
     assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (got["losses"], ref["losses"])
     off = [n for n, p in ref_params.items() if not torch.allclose(params[n], p, atol=GRAD_ATOL, rtol=GRAD_RTOL)]
     assert not off, off
+
+
+@pytest.mark.parametrize("way", ["class", "env"])
+def test_trainer_parallelism_config_runs_patchkit_inside_ulysses(way, trainer_reference, tmp_path):
+    # two optimizer steps: the second loss and the parameters after both carry the first step's gradients
+    assert_trained_as(*run_trainer(tmp_path, way), *trainer_reference)
+
+
+def test_ulysses_with_zero3_partitioned_at_load_runs_patchkit_as_unpatched(tmp_path):
+    # ALST's recipe: Ulysses with ZeRO-3, the model built inside zero.Init (its weights (0,) placeholders outside each
+    # module's forward, gathered by DeepSpeed's hooks), the parameters gathered after training for the comparison;
+    # zero.Init draws the initial weights its own way, so the reference is an unpatched ZeRO-3 run
+    needs_parallelism_config()
+    ref, ref_params = run_trainer(tmp_path, "none", zero_stage=3)
+    got, params = run_trainer(tmp_path, "class", zero_stage=3)
+    assert ref["partitioned"] and got["partitioned"]
+    assert_trained_as(got, params, ref, ref_params)

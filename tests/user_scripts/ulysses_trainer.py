@@ -1,14 +1,16 @@
 """A user's HF Trainer run with DeepSpeed Ulysses through accelerate's ParallelismConfig (what TRL's SFT docs show).
 
-    torchrun --nproc_per_node 2 ulysses_trainer.py WAY OUT.json
+    torchrun --nproc_per_node 2 ulysses_trainer.py WAY OUT.json [ZERO_STAGE]
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before the model is built) or `env` (PATCHKIT_FLASH_ATTN=1
 set by the caller). `ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=
-DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))` and a DeepSpeed config (ZeRO 0, torch AdamW) on
-gloo: the Trainer registers Ulysses under "sdpa", shards each batch with its data-loader adapter and aggregates the
-loss over the SP ranks. One row per step (on CPU the adapter's sequence slices of a larger batch stay
-non-contiguous, and transformers' loss `.view(-1)`s them: that fails unpatched too), a full row then a right-padded
-one. Rank 0 writes the logged losses, every parameter after the steps (OUT.pt) and patchkit's counters.
+DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))` and a DeepSpeed config (ZeRO stage 0 unless
+ZERO_STAGE says otherwise; 3 is ALST's recipe: the model partitioned by zero.Init as it is built, after the
+TrainingArguments; torch AdamW) on gloo: the Trainer registers Ulysses under "sdpa", shards each batch with its
+data-loader adapter and aggregates the loss over the SP ranks. One row per step (on CPU the adapter's sequence
+slices of a larger batch stay non-contiguous, and transformers' loss `.view(-1)`s them: that fails unpatched too), a
+full row then a right-padded one. Rank 0 writes the logged losses, every parameter after the steps (OUT.pt; gathered
+under ZeRO-3) and patchkit's counters.
 """
 
 from __future__ import annotations
@@ -26,15 +28,11 @@ import patchkit
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 
 way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
+stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 if way == "class":
     patchkit.apply_patch()
 
 VOCAB, SEQ, IGNORE = 97, 16, -100
-torch.manual_seed(0)
-config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2)
-model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
 
 g = torch.Generator().manual_seed(100)
 rows = []
@@ -47,22 +45,36 @@ for n in (16, 9):  # a full row, then one right padded (rank 1's half: 1 real to
 
 parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2,
                                 sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+# no train_batch_size: TrainingArguments fills "auto" from the data-parallel world (1: both ranks hold one sequence),
+# and zero.Init checks it against the whole world (2) as it builds the model
 deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
+             "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
 args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=1,
                             max_steps=len(rows), learning_rate=1e-2, report_to=[], save_strategy="no",
                             logging_steps=1, deepspeed=deepspeed, parallelism_config=parallelism)
+torch.manual_seed(0)  # the arguments first: under ZeRO-3 they make transformers build the model inside zero.Init
+config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")
 trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
 trainer.train()
+params = {n: p.detach().clone() for n, p in model.named_parameters()}
+if partitioned:
+    import deepspeed as ds
+
+    with ds.zero.GatheredParameters(list(model.parameters())):  # a collective: every rank enters it
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 if int(os.environ.get("RANK", "0")) == 0:
     result = {
-        "way": way,
+        "way": way, "stage": stage, "partitioned": partitioned,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "ulysses_under_sdpa": ulysses_wrapper("sdpa") is not None,
         "patchkit_calls": patchkit_calls(),
         "config_attn_implementation": model.config._attn_implementation,
     }
-    write_result("ULYSSES_TRAINER", out, result, {n: p.detach().clone() for n, p in model.named_parameters()})
+    write_result("ULYSSES_TRAINER", out, result, params)
 end_process_group()
