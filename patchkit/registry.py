@@ -136,6 +136,12 @@ def spec_for_model(model: nn.Module) -> Optional[PatchSpec]:
 
 
 def for_model(model: nn.Module) -> PatchSpec:
-    """`spec_for_model`, or `PatchTargetError` naming the model_type and the served ones."""
+    """`spec_for_model`, or `PatchTargetError` naming the model's own model_type (a vision-language model's, not its
+    vision tower's) and the served ones."""
     spec = spec_for_model(model)
-    return spec if spec is not None else for_model_type(getattr(model_config(model), "model_type", None))
+    if spec is not None:
+        return spec
+    config = getattr(model, "config", None)
+    if not hasattr(config, "model_type"):  # a user's wrapper module: the first transformers config inside it
+        config = model_config(model)
+    return for_model_type(config.model_type)

@@ -89,6 +89,21 @@ def test_a_loaded_llava_patches_its_language_model_not_its_vision_tower():
         torch.testing.assert_close(got_grads[name], grad, atol=3e-6, rtol=1e-4, msg=name)
 
 
+def test_a_loaded_vision_language_model_with_an_unserved_language_model_is_refused_by_its_own_model_type():
+    """LLaVA around a Cohere language model (no patch): the refusal named the vision tower's model_type, the first
+    config with attention heads ('clip_vision_model'), as if the tower were what the user asked to patch. It names
+    the model's own model_type now, and leaves the model as it was."""
+    text = tf.CohereConfig(**TEXT)
+    config = tf.LlavaConfig(text_config=text.to_dict(), vision_config=tf.CLIPVisionConfig(projection_dim=32,
+                            **VISION).to_dict(), image_token_index=IMAGE, image_seq_length=4)
+    model = tf.LlavaForConditionalGeneration(config)
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    with pytest.raises(PatchkitError, match=r"no patch for model_type 'llava': patchkit serves .*llama.*Nothing was "
+                                            r"patched"):
+        patchkit.apply_patch(model=model)
+    assert {name: m.forward for name, m in model.named_modules()} == forwards and not patchkit.active_patches()
+
+
 def test_a_class_patch_serves_llava_loaded_after_it():
     """The class patch before load (a LLaVA training script's `replace_llama_attn_with_flash_attn()`): the same."""
     model = llava().train()
