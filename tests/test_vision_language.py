@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,10 +28,11 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
 
 
-def llava() -> torch.nn.Module:
-    """LLaVA: a LLaMA language model and a CLIP vision tower (which comes first among its modules)."""
+def llava(text: type = tf.LlamaConfig) -> torch.nn.Module:
+    """LLaVA: a LLaMA (or another `text` config's) language model and a CLIP vision tower (which comes first among
+    its modules)."""
     config = tf.LlavaConfig(
-        text_config=tf.LlamaConfig(**TEXT).to_dict(),
+        text_config=text(**TEXT).to_dict(),
         vision_config=tf.CLIPVisionConfig(projection_dim=32, **VISION).to_dict(),
         image_token_index=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="default",
         image_seq_length=4,
@@ -93,15 +95,35 @@ def test_a_loaded_vision_language_model_with_an_unserved_language_model_is_refus
     """LLaVA around a Cohere language model (no patch): the refusal named the vision tower's model_type, the first
     config with attention heads ('clip_vision_model'), as if the tower were what the user asked to patch. It names
     the model's own model_type now, and leaves the model as it was."""
-    text = tf.CohereConfig(**TEXT)
-    config = tf.LlavaConfig(text_config=text.to_dict(), vision_config=tf.CLIPVisionConfig(projection_dim=32,
-                            **VISION).to_dict(), image_token_index=IMAGE, image_seq_length=4)
-    model = tf.LlavaForConditionalGeneration(config)
+    model = llava(tf.CohereConfig)
     forwards = {name: m.forward for name, m in model.named_modules()}
     with pytest.raises(PatchkitError, match=r"no patch for model_type 'llava': patchkit serves .*llama.*Nothing was "
                                             r"patched"):
         patchkit.apply_patch(model=model)
     assert {name: m.forward for name, m in model.named_modules()} == forwards and not patchkit.active_patches()
+
+
+def unserved_warnings(build) -> list[str]:
+    """The "runs unpatched" warnings of building a model under a class patch of every family."""
+    with patchkit.apply_patch(backend="sdpa"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in caught if "runs unpatched" in str(w.message)]
+
+
+def test_a_class_patch_judges_a_vision_language_model_whole(monkeypatch):
+    """Under a class patch every model built says whether it runs unpatched. A VLM's parts are models too, built
+    inside its own: LLaVA and Gemma3, whose language models the patch serves, warned that their CLIP / SigLIP vision
+    tower "runs unpatched", which it does by design; LLaVA around an unserved language model warned for the tower
+    and the inner LlavaModel apart. One judgement per whole model now: none, and one naming 'llava'."""
+    from patchkit.hooks import unserved
+
+    monkeypatch.setattr(unserved, "_warned", set())
+    assert unserved_warnings(llava) == []
+    if Version(tf.__version__) >= Version(FAMILIES_FROM):
+        assert unserved_warnings(gemma3) == []
+    (message,) = unserved_warnings(lambda: llava(tf.CohereConfig))
+    assert "LlavaForConditionalGeneration (model_type 'llava') runs unpatched" in message, message
 
 
 def test_a_class_patch_serves_llava_loaded_after_it():

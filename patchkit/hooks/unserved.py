@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable, Optional
 
 from patchkit.hooks.patching import Replacement, SharedInstall
@@ -33,11 +34,28 @@ def why_unserved(model_type: Optional[str], families: str) -> str:
             "apply_patch(model=m) on the loaded model, patches it")
 
 
+def built_inside_another(model: Any) -> bool:
+    """`model` is a part being built in another model's `__init__` (LLaVA's vision tower and language model): the
+    whole model's own `post_init` comes last and judges it whole."""
+    pretrained = _pretrained_model()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if owner is not model and isinstance(owner, pretrained):
+                return True
+        frame = frame.f_back
+    return False
+
+
 def note(model: Any, served: dict[type, str]) -> None:
     """Warn once per model type when `model` holds no attention layer of a served family (`served`: attention
-    class -> its model type); a composite whose language model is served (LLaVA) is served."""
+    class -> its model type); a composite whose language model is served (LLaVA) is served, and its parts are not
+    judged on their own (its vision tower runs transformers' attention by design)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type in _warned or any(isinstance(m, tuple(served)) for m in model.modules()):
+    if model_type in _warned or built_inside_another(model):
+        return
+    if any(isinstance(m, tuple(served)) for m in model.modules()):
         return
     _warned.add(model_type)
     families = ", ".join(sorted(set(served.values()))) or "no family"
