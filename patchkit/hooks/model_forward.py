@@ -23,6 +23,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
 from patchkit.hooks.model_walk import modeling_files
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
@@ -43,10 +44,10 @@ from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
 # (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
-# 4.56.2, 4.57.6, 5.0.0 and 5.23.0).
+# 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl in 4.57.6, 5.0.0 and 5.23.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                               "qwen3_moe", "phi"})
+                               "qwen3_moe", "phi", "qwen2_vl"})
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -319,6 +320,7 @@ def make_model_forward(
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
+        rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
@@ -328,7 +330,7 @@ def make_model_forward(
                 raise refuse_step_aside(cause, *CAUSES[cause])
             step_aside(aside_state, cause, arguments, extra)
             with within(aside=cause):
-                return call(self, arguments)
+                return call(self, put_rope_rows(arguments, rope_rows))
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
         whole = unpad == "model" and ulysses is None
         meta = unpad_plan(self, arguments, extra) if whole else None
@@ -337,11 +339,12 @@ def make_model_forward(
         with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
                                                              **carried):
             if meta is None:
-                return call(self, arguments)
+                return call(self, put_rope_rows(arguments, rope_rows))
             cache = arguments.get("past_key_values")
             if cache is None and _fills_a_cache(self, arguments):
                 cache = arguments["past_key_values"] = own_cache(self)  # returned, filled padded, as its own
             _unpad_inputs(arguments, meta)
+            put_rope_rows(arguments, rope_rows, meta)
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
             with within(packed=packed_row_metadata(meta)), filling:
                 out = call(self, arguments)
