@@ -35,6 +35,7 @@ PATCH_MODULES = {
     "qwen2_moe": "patchkit.patches.qwen2_moe",
     "qwen3_moe": "patchkit.patches.qwen3_moe",
     "phi": "patchkit.patches.phi",
+    "qwen2_vl": "patchkit.patches.qwen2_vl",
 }
 ALIASES = {"llama": "llama2"}
 

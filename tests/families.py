@@ -16,7 +16,7 @@ WINDOW = 5  # shorter than every test batch, so sliding windows change the numbe
 WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3", "mixtral",
             "qwen2_moe", "qwen3_moe"}  # WINDOW bites
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
-            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi"]
+            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl"]
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # sparse experts: per-layer router logits and a load-balancing loss
 
 
@@ -54,6 +54,13 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.5,
             **windowed, **common)),
         "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **common)),
+        # text-only batches: the vision tower (one block) waits unused; multimodal RoPE over 3 rows (1 + 1 + 2 of 4)
+        "qwen2_vl": lambda: tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
+            text_config=dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **common),
+            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            attn_implementation="eager", pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2,
+            vision_start_token_id=VOCAB - 1)),
     }
     if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
         from patchkit.registry import resolve
@@ -61,6 +68,15 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
         pytest.skip(f"patchkit's {model_type} patch serves transformers {resolve(model_type).supported}")
     torch.manual_seed(seed)
     return builders[model_type]().float().eval()
+
+
+def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
+    """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for
+    Qwen2-VL, whose RoPE takes 3 rows (time, height, width), those as the text row in front of the 3 RoPE rows
+    (4, B, S): its 2D position_ids are RoPE positions alone, by which transformers packs nothing, nor patchkit."""
+    if family == "qwen2_vl":
+        return torch.cat([positions[None], positions[None].expand(3, *positions.shape)])
+    return positions
 
 
 def served_here(patch: str) -> bool:

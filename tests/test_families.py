@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from families import ATOL, FAMILIES, MOE, WINDOW, WINDOWED, any_model, family_model, set_attention
+from families import ATOL, FAMILIES, MOE, WINDOW, WINDOWED, any_model, family_model, packed_positions, set_attention
 from models import VOCAB, assert_same, labels_for, needs_mask_interface, padded_batch, step
 
 import patchkit
@@ -83,7 +83,7 @@ def test_packed_rows_equal_documents_run_separately(family):
     with torch.no_grad():
         want = torch.cat([model(input_ids=d).logits for d in docs], 1)
         packed = torch.cat(docs, 1)
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        positions = packed_positions(family, torch.cat([torch.arange(n) for n in lengths])[None])
         with patchkit.apply_patch(family, backend="sdpa"):
             got = model(input_ids=packed, position_ids=positions).logits
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)

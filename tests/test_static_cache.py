@@ -51,7 +51,7 @@ def served_packed_as_unpatched(model, ids, mask, patch=None) -> None:
     shapes = first_layer_inputs(model)
     with patchkit.apply_patch(patch, backend="sdpa", strict=True) as handle:
         got, got_logits = generate_static(model, ids, mask)
-        assert handle.calls == 8 * model.config.num_hidden_layers and not handle.stepped_aside
+        assert handle.calls == 8 * model.config.get_text_config().num_hidden_layers and not handle.stepped_aside
     hidden = model.config.hidden_size
     assert shapes == [(1, int(mask.sum()), hidden)] + [(ids.shape[0], 1, hidden)] * 7
     assert torch.equal(got, want)
@@ -79,7 +79,7 @@ def test_a_right_padded_static_prefill_steps_aside_and_its_decode_steps_run_patc
     with patchkit.apply_patch("llama2", backend="sdpa") as handle:
         got, got_logits = generate_static(model, ids, mask, n=4)
         assert handle.stepped_aside == {"right_padded_generation": 1}
-        assert handle.calls == 3 * model.config.num_hidden_layers
+        assert handle.calls == 3 * model.config.get_text_config().num_hidden_layers
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
 
@@ -181,7 +181,7 @@ def test_a_right_padded_windowed_static_generation_equals_unpatched(family):
         got, got_logits = generate_static(model, ids, mask, n=4)
         decode_steps = {"window_over_padding_hole": 3} if family == "gemma3_text" else {}
         assert handle.stepped_aside == {"right_padded_generation": 1, **decode_steps}
-        assert handle.calls == (0 if decode_steps else 3 * model.config.num_hidden_layers)
+        assert handle.calls == (0 if decode_steps else 3 * model.config.get_text_config().num_hidden_layers)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
 
@@ -254,7 +254,7 @@ def test_static_cache_generation_under_the_registered_name_alone_runs_patched(fa
     try:
         state = attention_interface.route_state()
         got, got_logits = generate_static(named, ids, mask)
-        assert state.calls == 8 * model.config.num_hidden_layers and not state.stepped_aside
+        assert state.calls == 8 * model.config.get_text_config().num_hidden_layers and not state.stepped_aside
     finally:
         patchkit.register_attention(backend="auto", strict=False)
     assert torch.equal(got, want)

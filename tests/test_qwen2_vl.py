@@ -1,0 +1,136 @@
+"""Qwen2-VL with images: patchkit serves its language model (multimodal RoPE rows) and leaves its vision tower."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from families import family_model, packed_positions, served_here, set_attention
+from models import VOCAB
+
+import patchkit
+from patchkit.errors import PatchkitError
+
+if not served_here("qwen2_vl"):
+    pytest.skip("patchkit serves Qwen2-VL from transformers 4.57", allow_module_level=True)
+
+IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
+GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens
+PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+
+
+def image_rows(left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
+    """Rows of text around one image each (vision start, 4 image tokens, end), padded to the longest on the left
+    (generation) or right (training); labels -100 at padding and at image tokens."""
+    g = torch.Generator().manual_seed(7)
+    seq = max(lengths)
+    ids = torch.zeros(len(lengths), seq, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        tokens = torch.randint(4, VOCAB - 4, (n,), generator=g)
+        tokens[2], tokens[3:7], tokens[7] = START, IMAGE, END
+        span = slice(seq - n, seq) if left else slice(0, n)
+        ids[row, span], mask[row, span] = tokens, 1
+    batch = dict(input_ids=ids, attention_mask=mask, image_grid_thw=GRID.repeat(len(lengths), 1),
+                 pixel_values=torch.randn(16 * len(lengths), PATCH, generator=g))
+    if "mm_token_type_ids" in inspect.signature(type(model_once()).forward).parameters:
+        batch["mm_token_type_ids"] = (ids == IMAGE).long()  # the processor's: 1 at image tokens (transformers 5.x)
+    return batch
+
+
+_MODEL: list = []
+
+
+def model_once() -> torch.nn.Module:
+    if not _MODEL:
+        _MODEL.append(family_model("qwen2_vl"))
+    return _MODEL[0]
+
+
+def train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    labels = batch["input_ids"].masked_fill((batch["attention_mask"] == 0) | (batch["input_ids"] == IMAGE), -100)
+    out = model(**batch, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def assert_same_step(got: tuple, want: tuple, mask: torch.Tensor) -> None:
+    torch.testing.assert_close(got[0], want[0], atol=3e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1][mask.bool()], want[1][mask.bool()], atol=3e-5, rtol=1e-4)
+    assert got[2].keys() == want[2].keys()
+    assert any(n.startswith("model.visual") for n in want[2])  # the vision tower trains too
+    for name, grad in want[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=3e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_a_training_step_with_images_equals_unpatched(way):
+    """Right-padded rows with an image each: the model computes (3, B, S) RoPE rows from the image grid; the
+    packed forward unpads each row with the batch. Loss, logits at real tokens and every gradient (vision tower
+    included) equal unpatched sdpa, with both language layers, and only they, through the patch."""
+    batch = image_rows(left=False)
+    model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+    want = train_step(model, batch)
+    if way == "instance":
+        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True)
+    else:
+        handle = patchkit.apply_patch("qwen2_vl", backend="sdpa", strict=True)
+        model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+    with handle:
+        got = train_step(model, batch)
+        assert handle.calls == 2 and not handle.stepped_aside and handle.check(model) == 2
+    assert_same_step(got, want, batch["attention_mask"])
+
+
+def test_left_padded_generation_with_images_equals_unpatched():
+    """generate() on left-padded rows with an image each: the prefill runs packed (RoPE rows unpadded), the decode
+    steps continue from the model's rope deltas; the same greedy tokens as unpatched."""
+    batch = image_rows(left=True)
+    model = set_attention(family_model("qwen2_vl"), "sdpa")
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(**batch, **kw)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model.generate(**batch, **kw)
+        assert handle.calls == 2 * 6  # the prefill and five decode steps, two layers each
+    assert torch.equal(got, want)
+
+
+def test_two_dimensional_restarting_positions_are_rope_positions_as_in_transformers():
+    """Qwen2-VL packs documents by a text row in front of its 3 RoPE rows; 2D position_ids are RoPE positions alone
+    (transformers expands them to 3 rows and packs nothing by them). patchkit does as transformers does; and packs
+    by the text row whether or not a cache is kept (transformers, only without one)."""
+    model = family_model("qwen2_vl", seed=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, VOCAB - 4, (1, 20), generator=g)
+    positions = torch.cat([torch.arange(n) for n in (9, 4, 7)])[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions).logits
+        # the text row packs; transformers sees it only without a cache (the model makes one in eval: use_cache off)
+        packed = model(input_ids=ids, position_ids=packed_positions("qwen2_vl", positions), use_cache=False).logits
+        with patchkit.apply_patch("qwen2_vl", backend="sdpa", strict=True):
+            got = model(input_ids=ids, position_ids=positions).logits
+            got_packed = model(input_ids=ids, position_ids=packed_positions("qwen2_vl", positions)).logits
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(got_packed, packed, atol=3e-5, rtol=1e-4)
+    assert (got - got_packed)[:, 9:].abs().max() > 1e-2  # the later documents see the first only without the row
+
+
+def test_the_registered_name_for_the_language_model_alone_equals_unpatched():
+    """`set_attn_implementation({'text_config': 'patchkit', 'vision_config': 'sdpa'})`, no patch: the language
+    model's attention and masks through the registered name, the vision tower on sdpa; the whole name refused."""
+    batch = image_rows(left=False)
+    model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+    want = train_step(model, batch)
+    patchkit.register_attention(backend="sdpa", strict=True)
+    try:
+        model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME, "vision_config": "sdpa"})
+        got = train_step(model, batch)
+        set_attention(model, patchkit.ATTENTION_NAME)
+        with pytest.raises(PatchkitError, match="vision_config"):
+            model(**batch)
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)
+    assert_same_step(got, want, batch["attention_mask"])
