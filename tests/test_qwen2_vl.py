@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 from families import family_model, packed_positions, served_here, set_attention
-from models import VOCAB
+from models import VOCAB, padded_batch
 
 import patchkit
 from patchkit.errors import PatchkitError
@@ -95,6 +95,20 @@ def test_left_padded_generation_with_images_equals_unpatched():
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got = model.generate(**batch, **kw)
         assert handle.calls == 2 * 6  # the prefill and five decode steps, two layers each
+    assert torch.equal(got, want)
+
+
+def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to_keep():
+    """generate() reads a right-padded row's next token at its padding; patchkit knew generate()'s prefill by its
+    `logits_to_keep`, which Qwen2-VL's forward does not take before transformers 5.0: the prefill ran packed and the
+    next tokens came from zeros (other tokens than unpatched, silently). The prefill steps aside, counted."""
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    model = set_attention(family_model("qwen2_vl"), "sdpa")
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = model.generate(ids, **kw)
+        assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 3
     assert torch.equal(got, want)
 
 

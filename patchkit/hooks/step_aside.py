@@ -201,16 +201,20 @@ def window_over_hole(config: Any, mask: Any) -> bool:
 def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_position: Any = None) -> bool:
     """generate()'s prefill where some row's last position is padding: that row's next token is read there.
 
-    generate() always passes `logits_to_keep` (1, or 0 when told) and either its empty dynamic cache (5.4+) or a
-    `cache_position` from 0 (up to 5.3, which lets the model make the cache); a plain forward passes neither.
+    generate() passes `logits_to_keep` (1, or 0 when told) and either its empty dynamic cache (5.4+) or a
+    `cache_position` from 0 (up to 5.3, which lets the model make the cache); a plain forward passes neither. A
+    model whose forward takes no `logits_to_keep` (Qwen2-VL before 5.0) is told by the `cache_position` alone.
     """
-    if logits_to_keep is None or not isinstance(logits_to_keep, int) or fixed_slots(cache):
-        return False  # not generate(); continuous batching passes a tensor; a static cache's mask covers its slots
+    if (logits_to_keep is not None and not isinstance(logits_to_keep, int)) or fixed_slots(cache):
+        return False  # continuous batching passes a tensor; a static cache's mask covers its slots
+    from_zero = isinstance(cache_position, torch.Tensor) and cache_position.numel() and int(cache_position[0]) == 0
+    if logits_to_keep is None and not from_zero:
+        return False  # not generate()
     if cache is not None:
         length = getattr(cache, "get_seq_length", None)
         if length is None or length() != 0:
             return False
-    elif not (isinstance(cache_position, torch.Tensor) and cache_position.numel() and int(cache_position[0]) == 0):
+    elif not from_zero:
         return False
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
