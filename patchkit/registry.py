@@ -36,6 +36,7 @@ PATCH_MODULES = {
     "qwen3_moe": "patchkit.patches.qwen3_moe",
     "phi": "patchkit.patches.phi",
     "qwen2_vl": "patchkit.patches.qwen2_vl",
+    "qwen2_5_vl": "patchkit.patches.qwen2_5_vl",
 }
 ALIASES = {"llama": "llama2"}
 

@@ -16,8 +16,11 @@ WINDOW = 5  # shorter than every test batch, so sliding windows change the numbe
 WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3", "mixtral",
             "qwen2_moe", "qwen3_moe"}  # WINDOW bites
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
-            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl"]
+            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl"]
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # sparse experts: per-layer router logits and a load-balancing loss
+MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl"}  # position_ids as RoPE rows (time, height, width), a text row to pack
+MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}  # of head_dim 8's 4 rotary frequencies
+VL_TOKENS = dict(pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 1)
 
 
 def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -56,11 +59,17 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
         "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **common)),
         # text-only batches: the vision tower (one block) waits unused; multimodal RoPE over 3 rows (1 + 1 + 2 of 4)
         "qwen2_vl": lambda: tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
-            text_config=dict(rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, **common),
+            text_config=dict(rope_scaling=MROPE, **common),
             vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
                                spatial_merge_size=2, temporal_patch_size=2),
-            attn_implementation="eager", pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2,
-            vision_start_token_id=VOCAB - 1)),
+            attn_implementation="eager", **VL_TOKENS)),
+        # its vision tower: windowed attention over 2 x 2 merged patches, full attention in block 0
+        "qwen2_5_vl": lambda: tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(
+            text_config=dict(rope_scaling=MROPE, **common),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                               fullatt_block_indexes=[0]),
+            attn_implementation="eager", **VL_TOKENS)),
     }
     if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
         from patchkit.registry import resolve
@@ -72,9 +81,9 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
 
 def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
     """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for
-    Qwen2-VL, whose RoPE takes 3 rows (time, height, width), those as the text row in front of the 3 RoPE rows
+    Qwen2-VL and Qwen2.5-VL, whose RoPE takes 3 rows (time, height, width), those as the text row in front of them
     (4, B, S): its 2D position_ids are RoPE positions alone, by which transformers packs nothing, nor patchkit."""
-    if family == "qwen2_vl":
+    if family in MULTIMODAL_ROPE:
         return torch.cat([positions[None], positions[None].expand(3, *positions.shape)])
     return positions
 

@@ -1,4 +1,5 @@
-"""Qwen2-VL with images: patchkit serves its language model (multimodal RoPE rows) and leaves its vision tower."""
+"""Qwen2-VL and Qwen2.5-VL with images: patchkit serves the language model (multimodal RoPE rows) and leaves the
+vision tower."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import patchkit
 from patchkit.errors import PatchkitError
 
 if not served_here("qwen2_vl"):
-    pytest.skip("patchkit serves Qwen2-VL from transformers 4.57", allow_module_level=True)
+    pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.57", allow_module_level=True)
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
 GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens
 PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
 
 
-def image_rows(left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
+def image_rows(model: torch.nn.Module, left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
     """Rows of text around one image each (vision start, 4 image tokens, end), padded to the longest on the left
     (generation) or right (training); labels -100 at padding and at image tokens."""
     g = torch.Generator().manual_seed(7)
@@ -34,18 +37,9 @@ def image_rows(left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
         ids[row, span], mask[row, span] = tokens, 1
     batch = dict(input_ids=ids, attention_mask=mask, image_grid_thw=GRID.repeat(len(lengths), 1),
                  pixel_values=torch.randn(16 * len(lengths), PATCH, generator=g))
-    if "mm_token_type_ids" in inspect.signature(type(model_once()).forward).parameters:
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
         batch["mm_token_type_ids"] = (ids == IMAGE).long()  # the processor's: 1 at image tokens (transformers 5.x)
     return batch
-
-
-_MODEL: list = []
-
-
-def model_once() -> torch.nn.Module:
-    if not _MODEL:
-        _MODEL.append(family_model("qwen2_vl"))
-    return _MODEL[0]
 
 
 def train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -67,29 +61,31 @@ def assert_same_step(got: tuple, want: tuple, mask: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("way", ["instance", "class"])
-def test_a_training_step_with_images_equals_unpatched(way):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_training_step_with_images_equals_unpatched(family, way):
     """Right-padded rows with an image each: the model computes (3, B, S) RoPE rows from the image grid; the
     packed forward unpads each row with the batch. Loss, logits at real tokens and every gradient (vision tower
     included) equal unpatched sdpa, with both language layers, and only they, through the patch."""
-    batch = image_rows(left=False)
-    model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+    model = set_attention(family_model(family), "sdpa").train()
+    batch = image_rows(model, left=False)
     want = train_step(model, batch)
     if way == "instance":
         handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True)
     else:
-        handle = patchkit.apply_patch("qwen2_vl", backend="sdpa", strict=True)
-        model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+        handle = patchkit.apply_patch(family, backend="sdpa", strict=True)
+        model = set_attention(family_model(family), "sdpa").train()
     with handle:
         got = train_step(model, batch)
         assert handle.calls == 2 and not handle.stepped_aside and handle.check(model) == 2
     assert_same_step(got, want, batch["attention_mask"])
 
 
-def test_left_padded_generation_with_images_equals_unpatched():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padded_generation_with_images_equals_unpatched(family):
     """generate() on left-padded rows with an image each: the prefill runs packed (RoPE rows unpadded), the decode
     steps continue from the model's rope deltas; the same greedy tokens as unpatched."""
-    batch = image_rows(left=True)
-    model = set_attention(family_model("qwen2_vl"), "sdpa")
+    model = set_attention(family_model(family), "sdpa")
+    batch = image_rows(model, left=True)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = model.generate(**batch, **kw)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
@@ -98,12 +94,13 @@ def test_left_padded_generation_with_images_equals_unpatched():
     assert torch.equal(got, want)
 
 
-def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to_keep():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to_keep(family):
     """generate() reads a right-padded row's next token at its padding; patchkit knew generate()'s prefill by its
     `logits_to_keep`, which Qwen2-VL's forward does not take before transformers 5.0: the prefill ran packed and the
     next tokens came from zeros (other tokens than unpatched, silently). The prefill steps aside, counted."""
     ids, mask = padded_batch("right", batch=3, seq=14)
-    model = set_attention(family_model("qwen2_vl"), "sdpa")
+    model = set_attention(family_model(family), "sdpa")
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **kw)
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
@@ -112,31 +109,33 @@ def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to
     assert torch.equal(got, want)
 
 
-def test_two_dimensional_restarting_positions_are_rope_positions_as_in_transformers():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_dimensional_restarting_positions_are_rope_positions_as_in_transformers(family):
     """Qwen2-VL packs documents by a text row in front of its 3 RoPE rows; 2D position_ids are RoPE positions alone
     (transformers expands them to 3 rows and packs nothing by them). patchkit does as transformers does; and packs
     by the text row whether or not a cache is kept (transformers, only without one)."""
-    model = family_model("qwen2_vl", seed=2)
+    model = family_model(family, seed=2)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(4, VOCAB - 4, (1, 20), generator=g)
     positions = torch.cat([torch.arange(n) for n in (9, 4, 7)])[None]
     with torch.no_grad():
         want = model(input_ids=ids, position_ids=positions).logits
         # the text row packs; transformers sees it only without a cache (the model makes one in eval: use_cache off)
-        packed = model(input_ids=ids, position_ids=packed_positions("qwen2_vl", positions), use_cache=False).logits
-        with patchkit.apply_patch("qwen2_vl", backend="sdpa", strict=True):
+        packed = model(input_ids=ids, position_ids=packed_positions(family, positions), use_cache=False).logits
+        with patchkit.apply_patch(family, backend="sdpa", strict=True):
             got = model(input_ids=ids, position_ids=positions).logits
-            got_packed = model(input_ids=ids, position_ids=packed_positions("qwen2_vl", positions)).logits
+            got_packed = model(input_ids=ids, position_ids=packed_positions(family, positions)).logits
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
     torch.testing.assert_close(got_packed, packed, atol=3e-5, rtol=1e-4)
     assert (got - got_packed)[:, 9:].abs().max() > 1e-2  # the later documents see the first only without the row
 
 
-def test_the_registered_name_for_the_language_model_alone_equals_unpatched():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_registered_name_for_the_language_model_alone_equals_unpatched(family):
     """`set_attn_implementation({'text_config': 'patchkit', 'vision_config': 'sdpa'})`, no patch: the language
     model's attention and masks through the registered name, the vision tower on sdpa; the whole name refused."""
-    batch = image_rows(left=False)
-    model = set_attention(family_model("qwen2_vl"), "sdpa").train()
+    model = set_attention(family_model(family), "sdpa").train()
+    batch = image_rows(model, left=False)
     want = train_step(model, batch)
     patchkit.register_attention(backend="sdpa", strict=True)
     try:
