@@ -37,6 +37,7 @@ PATCH_MODULES = {
     "phi": "patchkit.patches.phi",
     "qwen2_vl": "patchkit.patches.qwen2_vl",
     "qwen2_5_vl": "patchkit.patches.qwen2_5_vl",
+    "qwen3_vl": "patchkit.patches.qwen3_vl",
 }
 ALIASES = {"llama": "llama2"}
 

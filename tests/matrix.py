@@ -72,7 +72,7 @@ DEFAULT_TESTS = [
     "tests/test_checkpointing.py",
     "tests/test_training_loops.py",
     "tests/test_vision_language.py",
-    "tests/test_qwen2_vl.py",
+    "tests/test_qwen_vl.py",
     "tests/test_step_aside.py",
     "tests/test_compile.py",
     "tests/test_verify.py",

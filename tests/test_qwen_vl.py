@@ -1,5 +1,5 @@
-"""Qwen2-VL and Qwen2.5-VL with images: patchkit serves the language model (multimodal RoPE rows) and leaves the
-vision tower."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL with images: patchkit serves the language model (multimodal RoPE rows,
+deepstack features) and leaves the vision tower."""
 
 from __future__ import annotations
 
@@ -16,11 +16,19 @@ from patchkit.errors import PatchkitError
 if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.57", allow_module_level=True)
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") if served_here(f)]  # Qwen3-VL from 5.3
+TWO_D_PACKS = {"qwen3_vl"}  # its text model makes 2D position_ids its text row; Qwen2-VL's expand them to RoPE rows
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
 GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens
-PATCH = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+
+
+def patch_size(model: torch.nn.Module) -> int:
+    """Values per flattened image patch: channels x temporal patch x patch x patch (14 x 14 for Qwen2, 16 x 16 for
+    Qwen3)."""
+    vision = model.config.vision_config
+    return getattr(vision, "in_channels", getattr(vision, "in_chans", 3)) * vision.temporal_patch_size * \
+        vision.patch_size ** 2
 
 
 def image_rows(model: torch.nn.Module, left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
@@ -36,7 +44,7 @@ def image_rows(model: torch.nn.Module, left: bool, lengths: tuple[int, ...] = (1
         span = slice(seq - n, seq) if left else slice(0, n)
         ids[row, span], mask[row, span] = tokens, 1
     batch = dict(input_ids=ids, attention_mask=mask, image_grid_thw=GRID.repeat(len(lengths), 1),
-                 pixel_values=torch.randn(16 * len(lengths), PATCH, generator=g))
+                 pixel_values=torch.randn(16 * len(lengths), patch_size(model), generator=g))
     if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
         batch["mm_token_type_ids"] = (ids == IMAGE).long()  # the processor's: 1 at image tokens (transformers 5.x)
     return batch
@@ -110,24 +118,25 @@ def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_dimensional_restarting_positions_are_rope_positions_as_in_transformers(family):
-    """Qwen2-VL packs documents by a text row in front of its 3 RoPE rows; 2D position_ids are RoPE positions alone
-    (transformers expands them to 3 rows and packs nothing by them). patchkit does as transformers does; and packs
-    by the text row whether or not a cache is kept (transformers, only without one)."""
+def test_two_dimensional_and_text_row_positions_pack_as_in_transformers(family):
+    """These models pack documents by a text row in front of the 3 RoPE rows. 2D position_ids are RoPE positions
+    alone in Qwen2-VL and Qwen2.5-VL (expanded to 3 rows: nothing packs by them) and the text row in Qwen3-VL (they
+    pack). patchkit does as transformers does in each; and packs by the text row whether or not a cache is kept
+    (transformers, only without one: the reference runs without)."""
     model = family_model(family, seed=2)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(4, VOCAB - 4, (1, 20), generator=g)
     positions = torch.cat([torch.arange(n) for n in (9, 4, 7)])[None]
     with torch.no_grad():
-        want = model(input_ids=ids, position_ids=positions).logits
-        # the text row packs; transformers sees it only without a cache (the model makes one in eval: use_cache off)
+        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         packed = model(input_ids=ids, position_ids=packed_positions(family, positions), use_cache=False).logits
         with patchkit.apply_patch(family, backend="sdpa", strict=True):
             got = model(input_ids=ids, position_ids=positions).logits
             got_packed = model(input_ids=ids, position_ids=packed_positions(family, positions)).logits
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
     torch.testing.assert_close(got_packed, packed, atol=3e-5, rtol=1e-4)
-    assert (got - got_packed)[:, 9:].abs().max() > 1e-2  # the later documents see the first only without the row
+    apart = (got - got_packed)[:, 9:].abs().max()  # the later documents see the first unless packed
+    assert apart < 1e-5 if family in TWO_D_PACKS else apart > 1e-2, apart
 
 
 @pytest.mark.parametrize("family", FAMILIES)
