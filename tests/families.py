@@ -16,10 +16,15 @@ WINDOW = 5  # shorter than every test batch, so sliding windows change the numbe
 WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starcoder2", "smollm3", "mixtral",
             "qwen2_moe", "qwen3_moe"}  # WINDOW bites
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
-            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}  # sparse experts: per-layer router logits and a load-balancing loss
-MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}  # position_ids: RoPE rows (time, height, width), text row
+            "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+            "qwen3_vl_moe"]
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe"}  # sparse experts: router logits, a load-balancing loss
+MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}  # RoPE rows (time, height, width), text row
 MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}  # of head_dim 8's 4 rotary frequencies
+QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                 "mrope_section": MROPE["mrope_section"]}
+QWEN3_VL_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
 VL_TOKENS = dict(pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 1)
 
 
@@ -72,13 +77,12 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             attn_implementation="eager", **VL_TOKENS)),
         # deepstack: the vision tower's block-0 features are added to the image tokens after language layer 0
         "qwen3_vl": lambda: tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
-            text_config=dict(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_interleaved": True,
-                                                          "mrope_section": MROPE["mrope_section"]}, **common),
-            vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                               deepstack_visual_indexes=[0]),
+            text_config=dict(head_dim=8, rope_parameters=QWEN3_VL_ROPE, **common), vision_config=QWEN3_VL_VISION,
             attn_implementation="eager", **VL_TOKENS)),
+        "qwen3_vl_moe": lambda: tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(
+            text_config=dict(head_dim=8, rope_parameters=QWEN3_VL_ROPE, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, router_aux_loss_coef=0.5, **common),
+            vision_config=QWEN3_VL_VISION, attn_implementation="eager", **VL_TOKENS)),
     }
     if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
         from patchkit.registry import resolve

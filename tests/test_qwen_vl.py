@@ -16,8 +16,8 @@ from patchkit.errors import PatchkitError
 if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.57", allow_module_level=True)
 
-FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") if served_here(f)]  # Qwen3-VL from 5.3
-TWO_D_PACKS = {"qwen3_vl"}  # its text model makes 2D position_ids its text row; Qwen2-VL's expand them to RoPE rows
+FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") if served_here(f)]  # Qwen3's: 5.3+
+TWO_D_PACKS = {"qwen3_vl", "qwen3_vl_moe"}  # 2D position_ids become the text row; Qwen2-VL expands them to RoPE rows
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
 GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens

@@ -18,7 +18,7 @@ except ImportError:  # Python < 3.11: pytest.ini then gets no markers or filters
 REPO = Path(__file__).resolve().parent.parent
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "granite", "starcoder2", "olmo2",
-    "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
 )
 
 # ---------------------------------------------------------------------------------------------------- the tree
