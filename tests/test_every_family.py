@@ -147,5 +147,8 @@ def test_the_warning_hook_is_gone_with_the_last_class_patch():
                     f"{FAMILIES_FROM} (4.52 has no smollm3, 4.48 no qwen3, gemma3, glm4, smollm3); the lists "
                     "compared do not depend on the version")
 def test_the_startup_hook_watches_every_registered_family_module():
-    modules = {spec.attention_class().__module__ for spec in registered()}
-    assert set(_patchkit_startup.FAMILY_MODULES) == modules
+    served = [spec for spec in registered() if served_here(spec.name)]  # Qwen3-VL's module exists from 4.57
+    modules = {spec.attention_class().__module__ for spec in served}
+    assert modules <= set(_patchkit_startup.FAMILY_MODULES)
+    if len(served) == len(registered()):  # a transformers every patch serves: those modules and no other
+        assert set(_patchkit_startup.FAMILY_MODULES) == modules
