@@ -17,7 +17,9 @@ if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.57", allow_module_level=True)
 
 FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") if served_here(f)]  # Qwen3's: 5.3+
-TWO_D_PACKS = {"qwen3_vl", "qwen3_vl_moe"}  # 2D position_ids become the text row; Qwen2-VL expands them to RoPE rows
+QWEN3 = {"qwen3_vl", "qwen3_vl_moe"}
+TWO_D_PACKS = QWEN3  # 2D position_ids become their text row; Qwen2-VL's expand them to RoPE rows
+DEEPSTACK = QWEN3  # vision features added to the image tokens' hidden states inside the language model
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
 GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens
@@ -51,8 +53,12 @@ def image_rows(model: torch.nn.Module, left: bool, lengths: tuple[int, ...] = (1
 
 
 def train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Loss, logits and gradients of one step; labels -100 at padding, at image tokens and right after padding."""
     model.zero_grad(set_to_none=True)
-    labels = batch["input_ids"].masked_fill((batch["attention_mask"] == 0) | (batch["input_ids"] == IMAGE), -100)
+    pad = batch["attention_mask"] == 0
+    after_pad = torch.zeros_like(pad)
+    after_pad[:, 1:] = pad[:, :-1]
+    labels = batch["input_ids"].masked_fill(pad | after_pad | (batch["input_ids"] == IMAGE), -100)
     out = model(**batch, labels=labels)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -85,6 +91,22 @@ def test_a_training_step_with_images_equals_unpatched(family, way):
     with handle:
         got = train_step(model, batch)
         assert handle.calls == 2 and not handle.stepped_aside and handle.check(model) == 2
+    assert_same_step(got, want, batch["attention_mask"])
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in DEEPSTACK])
+def test_image_tokens_marked_padding_keep_the_padded_row_for_their_deepstack_features(family):
+    """Qwen3-VL adds deepstack features to every image token, padding or not (`visual_pos_masks`); transformers' own
+    tests mark image tokens as padding (random masks), and 37 of them failed patched: the packed row dropped those
+    tokens and the features no longer fit. Such a forward keeps the padded row (attention still through the patch),
+    equal to unpatched."""
+    model = set_attention(family_model(family), "sdpa").train()
+    batch = image_rows(model, left=False)
+    batch["attention_mask"][1, 2:8] = 0  # the second row's image span (vision start, image tokens, end): a hole
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = train_step(model, batch)
+        assert handle.calls == 2 and not handle.stepped_aside
     assert_same_step(got, want, batch["attention_mask"])
 
 

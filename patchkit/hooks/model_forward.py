@@ -98,6 +98,9 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None
     if meta.holes and sliding_window(module.config) is not None:
         return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
+    visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
+    if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
+        return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it
     return meta
 
 
