@@ -1,5 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL with images: patchkit serves the language model (multimodal RoPE rows,
-deepstack features) and leaves the vision tower."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE with images: patchkit serves the language model (multimodal RoPE
+rows, deepstack features) and leaves the vision tower."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def patch_size(model: torch.nn.Module) -> int:
 
 def image_rows(model: torch.nn.Module, left: bool, lengths: tuple[int, ...] = (14, 10)) -> dict:
     """Rows of text around one image each (vision start, 4 image tokens, end), padded to the longest on the left
-    (generation) or right (training); labels -100 at padding and at image tokens."""
+    (generation) or right (training), with the image's patches and grid (and the image-token map from 5.x)."""
     g = torch.Generator().manual_seed(7)
     seq = max(lengths)
     ids = torch.zeros(len(lengths), seq, dtype=torch.long)
