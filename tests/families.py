@@ -93,16 +93,17 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
 
 
 def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
-    """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for
-    Qwen2-VL and Qwen2.5-VL, whose RoPE takes 3 rows (time, height, width), those as the text row in front of them
-    (4, B, S): its 2D position_ids are RoPE positions alone, by which transformers packs nothing, nor patchkit."""
+    """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for the
+    Qwen VL families, whose RoPE takes 3 rows (time, height, width), those as the text row in front of them
+    (4, B, S), which every one of them packs by (Qwen2-VL's 2D position_ids are RoPE positions alone)."""
     if family in MULTIMODAL_ROPE:
         return torch.cat([positions[None], positions[None].expand(3, *positions.shape)])
     return positions
 
 
 def served_here(patch: str) -> bool:
-    """Whether this transformers is in `patch`'s own range: before 4.53 only LLaMA's, before 5.0 not Qwen2-MoE's."""
+    """Whether this transformers is in `patch`'s own range (before 4.53 only LLaMA's; Qwen2-MoE's from 5.0, the Qwen
+    VL families' from 4.57 or 5.3)."""
     from patchkit.registry import resolve
 
     return tf.__version__ in resolve(patch).supported
