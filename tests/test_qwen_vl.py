@@ -178,3 +178,53 @@ def test_the_registered_name_for_the_language_model_alone_equals_unpatched(famil
     finally:
         patchkit.register_attention(backend="auto", strict=False)
     assert_same_step(got, want, batch["attention_mask"])
+
+
+def trainer_rows(model: torch.nn.Module) -> list[dict]:
+    """Six right-padded rows with an image each, as a dataset of single examples."""
+    rows = []
+    for extra in range(3):
+        batch = image_rows(model, left=False, lengths=(14, 10 + extra))
+        for i in range(2):
+            row = {k: batch[k][i] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in batch}
+            row["labels"] = row["input_ids"].masked_fill((row["attention_mask"] == 0) | (row["input_ids"] == IMAGE),
+                                                         -100)
+            row["pixel_values"], row["image_grid_thw"] = batch["pixel_values"][16 * i:16 * (i + 1)], GRID
+            rows.append(row)
+    return rows
+
+
+def collate(rows: list[dict]) -> dict:
+    """Text fields stacked, every image's patches and grid concatenated (what the Qwen VL processors hand over)."""
+    images = ("pixel_values", "image_grid_thw")
+    out = {k: torch.stack([r[k] for r in rows]) for k in rows[0] if k not in images}
+    return {**out, **{k: torch.cat([r[k] for r in rows]) for k in images}}
+
+
+def trainer_losses(family: str, tmp_path, patched: bool) -> tuple[list[float], int]:
+    """Per-step losses of 3 HF Trainer steps, gradient checkpointing on; and the attention calls through the patch."""
+    import transformers as tf
+
+    handle = patchkit.apply_patch(family, backend="sdpa", strict=True) if patched else None
+    try:
+        model = set_attention(family_model(family), "sdpa").train()
+        args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                    learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+                                    seed=0, gradient_checkpointing=True, remove_unused_columns=False,
+                                    dataloader_num_workers=0, disable_tqdm=True)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=trainer_rows(model), data_collator=collate)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e], handle.calls if handle else 0
+    finally:
+        if handle is not None:
+            handle.revert()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_trainer_with_images_and_gradient_checkpointing_equals_unpatched(family, tmp_path):
+    """The HF Trainer on image rows, gradient checkpointing on, the class patch applied before the model is built:
+    each step's loss equals unpatched; every layer's forward and its checkpointed recompute ran through the patch."""
+    want, _ = trainer_losses(family, tmp_path, patched=False)
+    got, calls = trainer_losses(family, tmp_path, patched=True)
+    assert got == pytest.approx(want, abs=1e-5), (got, want)
+    assert calls == 3 * 2 * 2  # 3 steps, 2 layers, forward and recompute
