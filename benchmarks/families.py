@@ -1,6 +1,8 @@
 """Padded and packed training steps per model family: patchkit against HF sdpa, in real tokens per second.
 
-HF's own attention for the baseline is sdpa, or eager for a family HF has no sdpa path for (Gemma2).
+HF's own attention for the baseline is sdpa, or eager for a family HF has no sdpa path for (Gemma2). The Qwen VL
+families train on the same lengths with an image at the front of every row (64 image tokens each); their vision tower
+runs as in transformers on both sides, and they have no packed row (TRL refuses packing for vision datasets).
 
 Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
 batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the longest
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import sys
 import time
@@ -33,9 +36,66 @@ SIZE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_
             num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
 
 
+# The Qwen VL families: the language model at SIZE (head_dim 32: 16 rotary frequencies in time, height, width rows),
+# a 2-block vision tower of hidden 128, images of 16 x 16 patches merged 2 x 2 into 64 tokens.
+VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
+MROPE = [4, 6, 6]
+VL_TOKENS = dict(image_token_id=SIZE["vocab_size"] - 3, video_token_id=SIZE["vocab_size"] - 2,
+                 vision_start_token_id=SIZE["vocab_size"] - 1)
+PATCHES = 16
+
+
+def vl_config(family: str) -> object:
+    """The Qwen VL `family`'s config at the benchmark size."""
+    import transformers as tf
+
+    size = dict(SIZE, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=2, hidden_size=128, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":
+        return tf.Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": MROPE}, **size),
+                                vision_config=dict(vision, hidden_size=SIZE["hidden_size"], embed_dim=128, mlp_ratio=2),
+                                **VL_TOKENS)
+    if family == "qwen2_5_vl":
+        return tf.Qwen2_5_VLConfig(
+            text_config=dict(rope_scaling={"type": "mrope", "mrope_section": MROPE}, **size), **VL_TOKENS,
+            vision_config=dict(vision, intermediate_size=256, out_hidden_size=SIZE["hidden_size"], window_size=112,
+                               fullatt_block_indexes=[1]))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True, "mrope_section": MROPE}
+    vision = dict(vision, patch_size=16, intermediate_size=256, out_hidden_size=SIZE["hidden_size"],
+                  deepstack_visual_indexes=[0])
+    text = dict(head_dim=32, rope_parameters=rope, **size)
+    if family == "qwen3_vl":
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **VL_TOKENS)
+    return tf.Qwen3VLMoeConfig(text_config=dict(text, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
+                               vision_config=vision, **VL_TOKENS)
+
+
+def image_batch(model: torch.nn.Module, docs: list[torch.Tensor]) -> dict:
+    """The padded batch of `docs` with an image after each row's first token (vision start, 64 image tokens, the next
+    token): the images' random patches and grids, labels -100 at padding and at image tokens."""
+    ids, mask, labels = padded_batch(docs)
+    image = SIZE["vocab_size"] - 3
+    span = (PATCHES // 2) ** 2
+    ids[:, 1], ids[:, 2:2 + span] = SIZE["vocab_size"] - 1, image
+    vision = model.config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
+    g = torch.Generator().manual_seed(0)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill((mask == 0) | (ids == image), -100),
+                 pixel_values=torch.randn(len(docs) * PATCHES ** 2, patch, generator=g),
+                 image_grid_thw=torch.tensor([[1, PATCHES, PATCHES]]).repeat(len(docs), 1))
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        batch["mm_token_type_ids"] = (ids == image).long()
+    return batch
+
+
 def build(family: str) -> tuple[torch.nn.Module, str]:
     """A random model of `family` at the benchmark size, fp32, and its HF attention: sdpa, else eager (Gemma2)."""
     import transformers as tf
+
+    if family in VL:
+        torch.manual_seed(0)
+        model = tf.AutoModelForImageTextToText.from_config(vl_config(family), attn_implementation="sdpa")
+        return model.float().train(), "sdpa"
 
     configs = {
         "llama": lambda: tf.LlamaConfig(**SIZE),
@@ -74,23 +134,27 @@ def timed_step(model: torch.nn.Module, batch: dict) -> float:
 
 def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
     """Median step time of HF sdpa on the padded batch and of patchkit on the padded and packed batches."""
-    docs = make_tokens(lengths, SIZE["vocab_size"])
-    ids, mask, labels = padded_batch(docs)
-    padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
+    if family in VL:  # room for the image in every row (the full-size mix's shortest row, 96, has it)
+        lengths = [max(n, (PATCHES // 2) ** 2 + 3) for n in lengths]
+    docs = make_tokens(lengths, SIZE["vocab_size"] - 3)  # the VL families' image and vision tokens stay out
     reference, implementation = build(family)
+    ids, mask, labels = padded_batch(docs)
+    padded = image_batch(reference, docs) if family in VL else dict(input_ids=ids, attention_mask=mask, labels=labels)
+    packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
     model = copy.deepcopy(reference)
     patch = "llama2" if family == "llama" else family
     hf = f"hf_{implementation} padded"
-    times: dict[str, list[float]] = {hf: [], "patchkit padded": [], "patchkit packed": []}
-    handle = patchkit.apply_patch(patch, model=model, backend="sdpa")
+    times: dict[str, list[float]] = {hf: [], "patchkit padded": []} if family in VL else \
+        {hf: [], "patchkit padded": [], "patchkit packed": []}
+    handle = patchkit.apply_patch(patch, model=model, backend="sdpa", strict=True)
     try:
         for rep in range(reps + 1):  # the first round warms up
             got = {
                 hf: timed_step(reference, padded),
                 "patchkit padded": timed_step(model, padded),
-                "patchkit packed": timed_step(model, packed),
             }
+            if family not in VL:
+                got["patchkit packed"] = timed_step(model, packed)
             if rep:
                 for key, value in got.items():
                     times[key].append(value)
@@ -104,7 +168,7 @@ def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
         for key, v in times.items()
     ]
     for row in rows:
-        print(f"{row['family']:<12}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
+        print(f"{row['family']:<14}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
               f"{row['vs_hf']:>11.2f}x", flush=True)
     return rows
 
@@ -120,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = lognormal_lengths(8, args.scale)
     print(f"batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; fp32, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}; {args.reps} alternating reps, medians")
-    print(f"{'family':<12}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}")
+    print(f"{'family':<14}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}")
     rows = [row for family in args.families for row in measure(family, lengths, args.reps)]
     for row in (r for r in rows if r["provider"] == "patchkit padded"):
         if args.scale != 1.0:

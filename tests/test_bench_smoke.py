@@ -126,3 +126,18 @@ def test_parts_run_alone_and_a_wrong_part_is_refused(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(BENCH), "--smoke", "--parts", "mem,bogus", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert bad.returncode == 2 and "bogus is not a part; the parts are train, decode, pad, mem" in bad.stderr
+
+
+def test_families_benchmark_times_a_text_and_an_image_family(tmp_path: Path) -> None:
+    """benchmarks/families.py at a tenth of its lengths: LLaMA gets padded and packed rows, Qwen3-VL (an image in
+    every row, no packed row: TRL packs no vision data) a padded one, each against HF sdpa."""
+    csv_path = tmp_path / "families.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "families.py"), "--families", "llama", "qwen3_vl", "--reps", "1",
+         "--scale", "0.1", "--csv", str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {(r["family"], r["provider"]): float(r["real_tokens_per_s"]) for r in csv.DictReader(f)}
+    assert set(rows) == {("llama", "hf_sdpa padded"), ("llama", "patchkit padded"), ("llama", "patchkit packed"),
+                         ("qwen3_vl", "hf_sdpa padded"), ("qwen3_vl", "patchkit padded")}
+    assert all(v > 0 for v in rows.values())
