@@ -13,7 +13,7 @@ from patchkit.forward.padding import unpad_rows
 def take_rope_rows(arguments: dict) -> Optional[torch.Tensor]:
     """Take a (k, B, S) `position_ids` out of a base model forward's `arguments` and leave what transformers reads
     for documents in its place: the text row of 4 (row 0, which the caller packs by), none of 3 (time, height and
-    width rows, which restart inside an image). None when the positions are the usual (B, S)."""
+    width rows, constant over an image's tokens). None when the positions are the usual (B, S)."""
     positions = arguments.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
         return None
@@ -23,8 +23,20 @@ def take_rope_rows(arguments: dict) -> Optional[torch.Tensor]:
 
 def put_rope_rows(arguments: dict, rows: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None) -> dict:
     """Put the rows `take_rope_rows` took back into `arguments`: as they were, or, for a forward run packed on
-    `meta`, each row's real tokens as one (k, 1, nnz) row."""
+    `meta`, each row's real tokens as one (k, 1, nnz) row. Three rows with no mask get a text row in front, one
+    document per row (`with_text_row`)."""
     if rows is not None:
+        if meta is None and rows.shape[0] == 3 and arguments.get("attention_mask") is None:
+            rows = with_text_row(rows)
         arguments["position_ids"] = rows if meta is None else torch.stack(
             [unpad_rows(row, meta.indices_q) for row in rows]).unsqueeze(1)
     return arguments
+
+
+def with_text_row(rows: torch.Tensor) -> torch.Tensor:
+    """(3, B, S) RoPE rows with a text row in front that marks each row one document. Before transformers 4.57
+    (Qwen2-VL) and 5.3 (Qwen3-VL) the text model hands the time row on as text positions where no text row is given:
+    constant over an image's tokens, which a forward without a mask would read as document starts."""
+    batch, seqlen = rows.shape[1:]
+    text = torch.arange(seqlen, device=rows.device, dtype=rows.dtype).expand(batch, seqlen)
+    return torch.cat([text[None], rows])
