@@ -8,4 +8,4 @@ transformers' attention.
 from patchkit.hooks.family_route import family_spec
 
 SPEC = family_spec("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VL", "Qwen2.5-VL language model: bias, multimodal RoPE",
-                   base="TextModel", lm="ForConditionalGeneration", transformers=">=4.57,<6")
+                   base="TextModel", lm="ForConditionalGeneration", transformers=">=4.54,<6")

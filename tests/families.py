@@ -25,7 +25,9 @@ QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleav
                  "mrope_section": MROPE["mrope_section"]}
 QWEN3_VL_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
                        spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
-VL_TOKENS = dict(pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 1)
+ROPE_KEY = "rope_parameters" if Version(tf.__version__) >= Version("5.0") else "rope_scaling"  # its name in 4.x
+VL_TOKENS = dict(vocab_size=VOCAB, pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2,
+                 vision_start_token_id=VOCAB - 1)  # vocab_size at the top too: the loss reads it there before 4.56
 
 
 def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -77,10 +79,10 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             attn_implementation="eager", **VL_TOKENS)),
         # deepstack: the vision tower's block-0 features are added to the image tokens after language layer 0
         "qwen3_vl": lambda: tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
-            text_config=dict(head_dim=8, rope_parameters=QWEN3_VL_ROPE, **common), vision_config=QWEN3_VL_VISION,
+            text_config=dict(head_dim=8, **{ROPE_KEY: QWEN3_VL_ROPE}, **common), vision_config=QWEN3_VL_VISION,
             attn_implementation="eager", **VL_TOKENS)),
         "qwen3_vl_moe": lambda: tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(
-            text_config=dict(head_dim=8, rope_parameters=QWEN3_VL_ROPE, num_experts=4, num_experts_per_tok=2,
+            text_config=dict(head_dim=8, **{ROPE_KEY: QWEN3_VL_ROPE}, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=16, router_aux_loss_coef=0.5, **common),
             vision_config=QWEN3_VL_VISION, attn_implementation="eager", **VL_TOKENS)),
     }
@@ -95,7 +97,7 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
 def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
     """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for the
     Qwen VL families, whose RoPE takes 3 rows (time, height, width), those as the text row in front of them
-    (4, B, S), which every one of them packs by (Qwen2-VL's 2D position_ids are RoPE positions alone)."""
+    (4, B, S), which every one of them packs by (Qwen2-VL's 2D position_ids are RoPE positions alone from 4.57)."""
     if family in MULTIMODAL_ROPE:
         return torch.cat([positions[None], positions[None].expand(3, *positions.shape)])
     return positions
@@ -103,7 +105,7 @@ def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
 
 def served_here(patch: str) -> bool:
     """Whether this transformers is in `patch`'s own range (before 4.53 only LLaMA's; Qwen2-MoE's from 5.0, the Qwen
-    VL families' from 4.57 or 5.3)."""
+    VL families' from 4.54, 4.57 or 5.3)."""
     from patchkit.registry import resolve
 
     return tf.__version__ in resolve(patch).supported

@@ -72,7 +72,7 @@ def test_every_family_is_one_handle_per_family_and_applying_twice_is_once():
     assert f"{families - len(GATED)} families patched, {len(GATED)} skipped" in report and "patch 'gemma2'" in report
     if Version(transformers.__version__) < Version("5.0"):  # Qwen2-MoE's attention calls the interface from 5.0
         assert "qwen2_moe" in GATED
-    for name in GATED:  # each family served from a later transformers (Qwen2-VL's from 4.57) named with its range
+    for name in GATED:  # each family served from a later transformers (Qwen2-MoE's from 5.0) named with its range
         assert f"skipped {name}: transformers_version: FAILED (required transformers{resolve(name).supported}" in report
 
 

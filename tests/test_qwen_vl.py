@@ -7,18 +7,22 @@ import inspect
 
 import pytest
 import torch
+import transformers
 from families import family_model, packed_positions, served_here, set_attention
 from models import VOCAB, padded_batch
+from packaging.version import Version
 
 import patchkit
 from patchkit.errors import PatchkitError
 
 if not served_here("qwen2_vl"):
-    pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.57", allow_module_level=True)
+    pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.54", allow_module_level=True)
 
-FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") if served_here(f)]  # Qwen3's: 5.3+
+# Qwen3-VL's from 4.57, its MoE's from 5.3
+FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") if served_here(f)]
 QWEN3 = {"qwen3_vl", "qwen3_vl_moe"}
-TWO_D_PACKS = QWEN3  # 2D position_ids become their text row; Qwen2-VL's expand them to RoPE rows
+# 2D position_ids become Qwen3-VL's text row; Qwen2-VL's expand to RoPE rows, handed on as text positions before 4.57
+TWO_D_PACKS = QWEN3 | ({"qwen2_vl", "qwen2_5_vl"} if Version(transformers.__version__) < Version("4.57") else set())
 DEEPSTACK = QWEN3  # vision features added to the image tokens' hidden states inside the language model
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
@@ -108,6 +112,23 @@ def test_image_tokens_marked_padding_keep_the_padded_row_for_their_deepstack_fea
         got = train_step(model, batch)
         assert handle.calls == 2 and not handle.stepped_aside
     assert_same_step(got, want, batch["attention_mask"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_forward_with_images_and_no_mask_equals_one_with_a_full_mask(family):
+    """No attention_mask: the model computes 3 RoPE rows, and before transformers 4.57 (Qwen2-VL) or 5.3 (Qwen3-VL)
+    its text model hands the time row on as text positions, constant over the image's tokens. Patched, that read
+    as a document start at every image token (logits off by 0.2-0.34, silently); patchkit puts a text row in front,
+    one document per row: the logits equal the same row's with a full mask, unpatched."""
+    model = set_attention(family_model(family), "sdpa")
+    batch = image_rows(model, left=False, lengths=(14,))
+    no_mask = {k: v for k, v in batch.items() if k != "attention_mask"}
+    with torch.no_grad():
+        want = model(**batch).logits
+        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+            got = model(**no_mask).logits
+            assert handle.calls == 2 and not handle.stepped_aside
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,7 +16,7 @@ import patchkit
 
 pytest.importorskip("trl")
 if not served_here("qwen2_vl"):
-    pytest.skip("patchkit serves the Qwen VL families from transformers 4.57", allow_module_level=True)
+    pytest.skip("patchkit serves the Qwen VL families from transformers 4.54", allow_module_level=True)
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from PIL import Image  # noqa: E402
@@ -26,7 +26,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 FAMILIES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
             "qwen3_vl_moe": "Qwen3VLProcessor"}
-FAMILIES = {f: p for f, p in FAMILIES.items() if served_here(f)}  # Qwen3's from 5.3
+FAMILIES = {f: p for f, p in FAMILIES.items() if served_here(f)}  # Qwen3-VL from 4.57, its MoE from 5.3
 SPECIALS = {"<|image_pad|>": VL_TOKENS["image_token_id"], "<|video_pad|>": VL_TOKENS["video_token_id"],
             "<|vision_start|>": VL_TOKENS["vision_start_token_id"], "<|vision_end|>": 3}
 # A chat template of the Qwen shape, word-level: an image part becomes vision start, image pad, vision end; the

@@ -44,8 +44,8 @@ from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
 # (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
-# 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.57.6, 5.0.0 and 5.23.0; qwen3_vl and qwen3_vl_moe
-# in 5.3.0 and 5.23.0).
+# 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.54.1, 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen3_vl in
+# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 5.3.0 and 5.23.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
                                "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
