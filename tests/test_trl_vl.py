@@ -3,86 +3,40 @@ vision collator and defaults (gradient checkpointing on); per-step losses equal 
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from entrypoints import clean_env, launch, run
 from families import VL_TOKENS, family_model, served_here
-from models import VOCAB
-from test_trl import LAYERS, STEPS, assert_ran_through_patch, assert_same_losses, common_args, logged_losses
+from test_trl import (
+    LAYERS,
+    STEPS,
+    assert_ran_through_patch,
+    assert_same_losses,
+    common_args,
+    logged_losses,
+    script_result,
+)
 
 import patchkit
 
 pytest.importorskip("trl")
 if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves the Qwen VL families from transformers 4.54", allow_module_level=True)
-from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from PIL import Image  # noqa: E402
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
+from user_scripts.qwen_vl_data import PROCESSORS, SPECIALS, conversations, processor  # noqa: E402
 
-FAMILIES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
-            "qwen3_vl_moe": "Qwen3VLProcessor"}
-FAMILIES = {f: p for f, p in FAMILIES.items() if served_here(f)}  # Qwen3-VL from 4.57, its MoE from 5.3
-SPECIALS = {"<|image_pad|>": VL_TOKENS["image_token_id"], "<|video_pad|>": VL_TOKENS["video_token_id"],
-            "<|vision_start|>": VL_TOKENS["vision_start_token_id"], "<|vision_end|>": 3}
-# A chat template of the Qwen shape, word-level: an image part becomes vision start, image pad, vision end; the
-# processor then repeats the image pad once per merged patch.
-TEMPLATE = ("{% for m in messages %}{{ m.role }} {% for c in m.content %}{% if c.type == 'image' %}"
-            "<|vision_start|><|image_pad|><|vision_end|> {% else %}{{ c.text }} {% endif %}{% endfor %}</s> "
-            "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
-LENGTHS = (3, 9, 5, 12, 4, 7)  # words per user turn; the assistant answers in about half as many
-GRID = 4  # each image 4 x 4 patches, merged 2 x 2: 4 image tokens
+SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft_vl.py"
+FAMILIES = [f for f in PROCESSORS if served_here(f)]  # Qwen3-VL from 4.57, its MoE from 5.3
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level over the tiny models' vocabulary, with the Qwen vision tokens at the ids the tiny configs use."""
-    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, VOCAB)]
-    for token, index in SPECIALS.items():
-        words[index] = token
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-def processor(family: str, model: torch.nn.Module) -> object:
-    """The family's own processor class around the PIL image processor (this machine has no torchvision) and no video
-    processor (its classes need torchvision; images only here)."""
-    import transformers
-
-    base = getattr(transformers, FAMILIES[family])
-
-    class ImagesOnly(base):
-        def check_argument_for_proper_class(self, name: str, argument: object) -> object:
-            if name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(name, argument)
-
-    side = model.config.vision_config.patch_size * GRID
-    images = transformers.Qwen2VLImageProcessorPil(
-        patch_size=model.config.vision_config.patch_size, merge_size=2, temporal_patch_size=2,
-        size={"shortest_edge": side * side, "longest_edge": side * side})
-    return ImagesOnly(image_processor=images, tokenizer=tokenizer(), chat_template=TEMPLATE)
-
-
-def dataset(side: int, prompt_completion: bool) -> Dataset:
-    """A dozen conversations, one random image each, in TRL's "messages" shape or its prompt-completion shape."""
-    g = torch.Generator().manual_seed(1)
-
-    def words(n: int) -> str:
-        return " ".join(f"w{int(t)}" for t in torch.randint(4, VOCAB - 3, (n,), generator=g))
-
-    images = [[Image.fromarray((torch.rand(side, side, 3, generator=g).numpy() * 255).astype(np.uint8))]
-              for _ in LENGTHS]
-    users = [[{"role": "user", "content": words(n)}] for n in LENGTHS]
-    answers = [[{"role": "assistant", "content": words(n // 2 + 1)}] for n in LENGTHS]
-    rows = {"images": images, "prompt": users, "completion": answers} if prompt_completion else \
-        {"images": images, "messages": [u + a for u, a in zip(users, answers)]}
-    return Dataset.from_dict({k: v * 2 for k, v in rows.items()})
+def test_the_conversations_use_the_tiny_models_vision_token_ids() -> None:
+    assert [SPECIALS[t] for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>")] == \
+        [VL_TOKENS[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id")]
 
 
 def vlm_sft_losses(family: str, tmp_path: Path, prompt_completion: bool = False, instance: bool = False,
@@ -94,10 +48,10 @@ def vlm_sft_losses(family: str, tmp_path: Path, prompt_completion: bool = False,
     try:
         args = SFTConfig(**common_args(tmp_path), max_length=None)
         assert args.gradient_checkpointing  # TRL's default, kept
-        side = model.config.vision_config.patch_size * GRID
+        patch = model.config.vision_config.patch_size
         torch.manual_seed(0)  # LoRA's A matrices are drawn when the trainer wraps the model
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset(side, prompt_completion),
-                             processing_class=processor(family, model), peft_config=peft_config)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(patch, prompt_completion),
+                             processing_class=processor(family, patch), peft_config=peft_config)
         batch = next(iter(trainer.get_train_dataloader()))
         assert "pixel_values" in batch and (batch["attention_mask"] == 0).any()  # images, and padding to skip
         trainer.train()
@@ -110,7 +64,7 @@ def vlm_sft_losses(family: str, tmp_path: Path, prompt_completion: bool = False,
 
 
 @pytest.mark.parametrize("shape", ["messages", "prompt_completion"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vlm_sft_class_patch_matches_unpatched(family: str, shape: str, tmp_path: Path) -> None:
     """`apply_patch(backend="sdpa")` before the model is built: the same losses in TRL's two conversation shapes
     (prompt-completion: loss on the answer only), every language layer's forward and recompute through the patch."""
@@ -126,7 +80,7 @@ def test_vlm_sft_class_patch_matches_unpatched(family: str, shape: str, tmp_path
     assert_same_losses(got, want)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vlm_sft_lora_on_a_patched_instance_matches_unpatched(family: str, tmp_path: Path) -> None:
     """The usual VLM recipe: LoRA on the language model's projections through `peft_config`, the loaded model patched
     by `apply_patch(model=...)` before TRL wraps it."""
@@ -136,3 +90,18 @@ def test_vlm_sft_lora_on_a_patched_instance_matches_unpatched(family: str, tmp_p
     got, handle = vlm_sft_losses(family, tmp_path, instance=True, peft_config=LoraConfig(**lora))
     assert_ran_through_patch(handle)
     assert_same_losses(got, want)
+
+
+def test_env_var_and_launcher_run_an_unmodified_vlm_sft_script_as_unpatched(tmp_path: Path) -> None:
+    """A user's Qwen2.5-VL SFT script (TRL's vision collator, checkpointing on) unpatched, under PATCHKIT_FLASH_ATTN=1
+    and under the launcher: the same losses, every language layer through the patch. Side by side."""
+    with ThreadPoolExecutor(3) as pool:
+        python = [sys.executable, SCRIPT]
+        procs = [pool.submit(run, python, env=clean_env(), cwd=tmp_path),
+                 pool.submit(run, python, env=clean_env(PATCHKIT_FLASH_ATTN="1"), cwd=tmp_path),
+                 pool.submit(launch, "--backend", "sdpa", SCRIPT, env=clean_env(), cwd=tmp_path)]
+        plain, by_env, by_launcher = (script_result(p.result()) for p in procs)
+    assert plain["calls"] == 0
+    for got in (by_env, by_launcher):
+        assert got["calls"] == STEPS * LAYERS * 2  # forward + checkpointed recompute, both language layers
+        assert_same_losses(got["losses"], plain["losses"])
