@@ -25,6 +25,7 @@ from patchkit.hooks import attention_interface
 from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
+from patchkit.hooks.recorded_router import make_recording_forward
 from patchkit.hooks.routing import current_method, make_attention_forward, routes_to
 from patchkit.hooks.step_aside import transformers_mask_in_graph
 from patchkit.registry import PatchSpec
@@ -34,13 +35,19 @@ ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name re
 
 def family_spec(
     model_type: str, module: str, prefix: str, description: str, *, lm: str = "ForCausalLM", base: str = "Model",
-    attention: str = "Attention", transformers: str = ROUTE_TRANSFORMERS,
+    attention: str = "Attention", transformers: str = ROUTE_TRANSFORMERS, records: tuple[str, ...] = (),
 ) -> PatchSpec:
-    """The PatchSpec of a family served through the attention interface: `{prefix}Attention`, `{prefix}Model`."""
+    """The PatchSpec of a family served through the attention interface: `{prefix}Attention`, `{prefix}Model`;
+    `records`: the models around the base model that record router logits with hooks of their own
+    (`recorded_router`)."""
 
     def classes() -> tuple[type, type, Optional[type]]:
         mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         return getattr(mod, prefix + attention), getattr(mod, prefix + base), getattr(mod, prefix + lm, None)
+
+    def recorders() -> tuple[type, ...]:
+        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        return tuple(getattr(mod, prefix + name) for name in records)
 
     return PatchSpec(
         name=model_type,
@@ -49,33 +56,40 @@ def family_spec(
         transformers=transformers,
         flash_attn_min="2.1",
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
-        build_class=lambda state: class_replacements(state, classes),
-        build_instance=lambda state, model: instance_replacements(state, model, classes),
+        build_class=lambda state: class_replacements(state, classes, recorders),
+        build_instance=lambda state, model: instance_replacements(state, model, classes, recorders),
         attention_class=lambda: classes()[0],
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),
     )
 
 
-def class_replacements(state: PatchState, classes: Callable) -> list[Replacement]:
+def class_replacements(state: PatchState, classes: Callable, recorders: Callable = tuple) -> list[Replacement]:
     """Before load: every model of the family routes through patchkit, whatever implementation it names."""
     attention, base, lm = classes()
+    recording = recorders()
     by_interface = attention_interface.register_route()
     out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
                        f"{base.__name__}.forward (routes masks to patchkit)"),
            Replacement(attention, "forward", make_attention_forward(attention.forward, state),
                        f"{attention.__name__}.forward (routes attention to patchkit)")]
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
-        out.append(Replacement(lm, "forward", make_lm_forward(lm.forward), f"{lm.__name__}.forward"))
+        out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording), f"{lm.__name__}.forward"))
+    for records in (r for r in recording if r is not lm):
+        out.append(Replacement(records, "forward", make_recording_forward(records.forward),
+                               f"{records.__name__}.forward (returns the repadded router logits)"))
     if not by_interface:
         update = make_update_causal_mask(base._update_causal_mask)
         out.append(Replacement(base, "_update_causal_mask", update, f"{base.__name__}._update_causal_mask"))
     return out
 
 
-def instance_replacements(state: PatchState, model: nn.Module, classes: Callable) -> list[Replacement]:
+def instance_replacements(
+    state: PatchState, model: nn.Module, classes: Callable, recorders: Callable = tuple
+) -> list[Replacement]:
     """A loaded instance: only its base model's (and LM's) forward change; the config only during a forward."""
     attention, base, lm = classes()
+    recording = recorders()
     bases = find_modules(model, base)
     if not bases or not find_modules(model, attention):
         raise PatchTargetError(
@@ -98,9 +112,20 @@ def instance_replacements(state: PatchState, model: nn.Module, classes: Callable
                                      "attention to patchkit)", state.track_copy))
     if lm is not None:
         for m in find_modules(model, lm):
-            out.append(bound_replacement(make_lm_forward(current_method(m)), m, "forward",
+            out.append(bound_replacement(outer_forward(current_method(m), lm in recording), m, "forward",
                                          f"{type(m).__name__}.forward", state.track_copy))
+    for records in (r for r in recording if r is not lm):
+        for m in find_modules(model, records):
+            out.append(bound_replacement(make_recording_forward(current_method(m)), m, "forward",
+                                         f"{type(m).__name__}.forward (returns the repadded router logits)",
+                                         state.track_copy))
     return out
+
+
+def outer_forward(original: Callable, records: bool) -> Callable:
+    """The causal LM's wrapped forward; one that records router logits of its own returns the repadded ones."""
+    forward = make_lm_forward(original)
+    return make_recording_forward(forward) if records else forward
 
 
 def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple[int, int]:

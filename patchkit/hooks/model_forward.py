@@ -26,6 +26,7 @@ from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
 from patchkit.hooks.model_walk import modeling_files
 from patchkit.hooks.patching import dressed_as
+from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause, static_layers
@@ -45,7 +46,7 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made pack
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
 # (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
 # 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.54.1, 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen3_vl in
-# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 5.3.0 and 5.23.0).
+# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 4.57.6, 5.0.0, 5.3.0 and 5.23.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
                                "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
@@ -353,7 +354,9 @@ def make_model_forward(
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
             with within(packed=packed_row_metadata(meta)), filling:
                 out = call(self, arguments)
-        return repad_outputs(out, meta)
+        out = repad_outputs(out, meta)
+        hand_up(out)  # to a model around this one that records router logits of its own
+        return out
 
     forward.__patchkit_route__ = route  # type: ignore[attr-defined]
     return dressed_as(forward, original, signature)
