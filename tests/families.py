@@ -105,7 +105,7 @@ def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
 
 def served_here(patch: str) -> bool:
     """Whether this transformers is in `patch`'s own range (before 4.53 only LLaMA's; Qwen2-MoE's from 5.0, the Qwen
-    VL families' from 4.54, 4.57 or 5.3)."""
+    VL families' from 4.54 or 4.57)."""
     from patchkit.registry import resolve
 
     return tf.__version__ in resolve(patch).supported

@@ -54,6 +54,8 @@ def test_a_mixture_of_experts_load_balancing_loss_and_router_logits_match_eager(
     assert_same(got, want, mask, atol=ATOL)
     plain, patched = outputs
     torch.testing.assert_close(patched.aux_loss, plain.aux_loss, atol=1e-6, rtol=1e-5)
+    if getattr(plain, "router_logits", None) is None:  # Qwen3-VL-MoE's output has no such field in 5.0 and 5.1
+        return
     real = mask.flatten().bool()
     assert len(patched.router_logits) == len(plain.router_logits) == 2
     for ours, theirs in zip(patched.router_logits, plain.router_logits):

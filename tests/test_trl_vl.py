@@ -31,7 +31,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 from user_scripts.qwen_vl_data import PROCESSORS, SPECIALS, conversations, processor  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft_vl.py"
-FAMILIES = [f for f in PROCESSORS if served_here(f)]  # Qwen3-VL from 4.57, its MoE from 5.3
+FAMILIES = [f for f in PROCESSORS if served_here(f)]  # Qwen3-VL and its MoE from 4.57
 
 
 def test_the_conversations_use_the_tiny_models_vision_token_ids() -> None:
