@@ -355,7 +355,8 @@ def make_model_forward(
             with within(packed=packed_row_metadata(meta)), filling:
                 out = call(self, arguments)
         out = repad_outputs(out, meta)
-        hand_up(out)  # to a model around this one that records router logits of its own
+        if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
+            hand_up(out)  # to a model around this one that records router logits of its own
         return out
 
     forward.__patchkit_route__ = route  # type: ignore[attr-defined]
