@@ -14,6 +14,7 @@ from packaging.version import Version
 
 import patchkit
 from patchkit.errors import PatchkitError
+from patchkit.hooks import attention_interface
 
 if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.54", allow_module_level=True)
@@ -114,20 +115,32 @@ def test_image_tokens_marked_padding_keep_the_padded_row_for_their_deepstack_fea
     assert_same_step(got, want, batch["attention_mask"])
 
 
+@pytest.mark.parametrize("way", ["instance", "name"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_forward_with_images_and_no_mask_equals_one_with_a_full_mask(family):
+def test_a_forward_with_images_and_no_mask_equals_one_with_a_full_mask(family, way):
     """No attention_mask: the model computes 3 RoPE rows, and before transformers 4.57 (Qwen2-VL) or 5.3 (Qwen3-VL)
-    its text model hands the time row on as text positions, constant over the image's tokens. Patched, that read
-    as a document start at every image token (logits off by 0.2-0.34, silently); patchkit puts a text row in front,
-    one document per row: the logits equal the same row's with a full mask, unpatched."""
+    its text model hands the time row on as text positions, constant over the image's tokens. patchkit read that as
+    a document start at every image token (logits off by 0.2-0.34, silently), under the patch and under the
+    registered name alone; the patch now puts a text row in front, and attention never takes documents from a row
+    that repeats a nonzero position: the logits equal the same row's with a full mask, unpatched."""
     model = set_attention(family_model(family), "sdpa")
     batch = image_rows(model, left=False, lengths=(14,))
     no_mask = {k: v for k, v in batch.items() if k != "attention_mask"}
     with torch.no_grad():
         want = model(**batch).logits
-        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
-            got = model(**no_mask).logits
-            assert handle.calls == 2 and not handle.stepped_aside
+        if way == "instance":
+            with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+                got = model(**no_mask).logits
+                assert handle.calls == 2 and not handle.stepped_aside
+        else:
+            patchkit.register_attention(backend="sdpa", strict=True)
+            try:
+                state = attention_interface.route_state()
+                model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME, "vision_config": "sdpa"})
+                got = model(**no_mask).logits
+                assert state.calls == 2 and not state.stepped_aside
+            finally:
+                patchkit.register_attention(backend="auto", strict=False)
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
 
 

@@ -231,6 +231,10 @@ class VarlenMask:
             return mask_len  # a static cache and a short mask: past + q_len columns, the queries at its end
         return keys
 
+    def pending(self, batch: int, q_len: int, kv_len: int) -> bool:
+        """The metadata of this shape is still to be computed (by the first layer that asks)."""
+        return self._meta is None or self._key != (batch, q_len, kv_len)
+
     def metadata(
         self, batch: int, q_len: int, kv_len: int, device: torch.device,
         position_ids: Optional[torch.Tensor], fa_kwargs: Mapping[str, Any],

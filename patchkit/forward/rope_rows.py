@@ -1,10 +1,12 @@
-"""Multimodal RoPE's position rows (Qwen2-VL): kept out of the padding checks, unpadded row by row with the batch."""
+"""Multimodal RoPE's position rows (Qwen2-VL): kept out of the padding checks, unpadded row by row with the batch, and
+never read as text positions."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import nn
 
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
@@ -40,3 +42,16 @@ def with_text_row(rows: torch.Tensor) -> torch.Tensor:
     batch, seqlen = rows.shape[1:]
     text = torch.arange(seqlen, device=rows.device, dtype=rows.dtype).expand(batch, seqlen)
     return torch.cat([text[None], rows])
+
+
+def text_positions(module: nn.Module, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """`position_ids` as attention reads documents from them, or None where they cannot be text positions: a
+    multimodal-RoPE model's time row (handed to attention where no text row was given, before transformers 4.57 for
+    Qwen2-VL and 5.3 for Qwen3-VL, and under `attn_implementation="patchkit"` alone) repeats a nonzero position over
+    an image's tokens, which text positions never do. One host sync, once per forward without a mask."""
+    config = getattr(module, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or "mrope_section" not in rope or position_ids.dim() != 2:
+        return position_ids
+    later = position_ids[..., 1:]
+    return None if bool(((later == position_ids[..., :-1]) & (later != 0)).any()) else position_ids

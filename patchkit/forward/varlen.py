@@ -18,6 +18,7 @@ from patchkit.forward.liveness import record_call
 from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.forward.rope_rows import text_positions
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from patchkit.hooks.patching import BoundPatch
 from patchkit.warn import warn_user
@@ -160,6 +161,8 @@ def varlen_core(
     if kv_len != k.shape[2]:  # a static cache returns all its slots; the unfilled ones are never seen
         k, v = k[:, :, :kv_len], v[:, :, :kv_len]
     packing.check_keys(q_len, kv_len)
+    if position_ids is not None and vmask.mask is None and vmask.pending(batch, q_len, kv_len):
+        position_ids = text_positions(module, position_ids)  # documents by position: never a time row's
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
