@@ -121,8 +121,8 @@ def test_a_forward_with_images_and_no_mask_equals_one_with_a_full_mask(family, w
     """No attention_mask: the model computes 3 RoPE rows, and before transformers 4.57 (Qwen2-VL) or 5.3 (Qwen3-VL)
     its text model hands the time row on as text positions, constant over the image's tokens. patchkit read that as
     a document start at every image token (logits off by 0.2-0.34, silently), under the patch and under the
-    registered name alone; the patch now puts a text row in front, and attention never takes documents from a row
-    that repeats a nonzero position: the logits equal the same row's with a full mask, unpatched."""
+    registered name alone; attention now never takes documents from a row that repeats a nonzero position: the
+    logits equal the same row's with a full mask, unpatched."""
     model = set_attention(family_model(family), "sdpa")
     batch = image_rows(model, left=False, lengths=(14,))
     no_mask = {k: v for k, v in batch.items() if k != "attention_mask"}

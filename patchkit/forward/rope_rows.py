@@ -25,30 +25,19 @@ def take_rope_rows(arguments: dict) -> Optional[torch.Tensor]:
 
 def put_rope_rows(arguments: dict, rows: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None) -> dict:
     """Put the rows `take_rope_rows` took back into `arguments`: as they were, or, for a forward run packed on
-    `meta`, each row's real tokens as one (k, 1, nnz) row. Three rows with no mask get a text row in front, one
-    document per row (`with_text_row`)."""
+    `meta`, each row's real tokens as one (k, 1, nnz) row."""
     if rows is not None:
-        if meta is None and rows.shape[0] == 3 and arguments.get("attention_mask") is None:
-            rows = with_text_row(rows)
         arguments["position_ids"] = rows if meta is None else torch.stack(
             [unpad_rows(row, meta.indices_q) for row in rows]).unsqueeze(1)
     return arguments
-
-
-def with_text_row(rows: torch.Tensor) -> torch.Tensor:
-    """(3, B, S) RoPE rows with a text row in front that marks each row one document. Before transformers 4.57
-    (Qwen2-VL) and 5.3 (Qwen3-VL) the text model hands the time row on as text positions where no text row is given:
-    constant over an image's tokens, which a forward without a mask would read as document starts."""
-    batch, seqlen = rows.shape[1:]
-    text = torch.arange(seqlen, device=rows.device, dtype=rows.dtype).expand(batch, seqlen)
-    return torch.cat([text[None], rows])
 
 
 def text_positions(module: nn.Module, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """`position_ids` as attention reads documents from them, or None where they cannot be text positions: a
     multimodal-RoPE model's time row (handed to attention where no text row was given, before transformers 4.57 for
     Qwen2-VL and 5.3 for Qwen3-VL, and under `attn_implementation="patchkit"` alone) repeats a nonzero position over
-    an image's tokens, which text positions never do. One host sync, once per forward without a mask."""
+    an image's tokens, which text positions never do (the vision-start token before an image takes position 0 if
+    any token does, so the repeated time is never 0). One host sync, once per forward without a mask."""
     config = getattr(module, "config", None)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(rope, dict) or "mrope_section" not in rope or position_ids.dim() != 2:
