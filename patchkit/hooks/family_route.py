@@ -41,13 +41,15 @@ def family_spec(
     `records`: the models around the base model that record router logits with hooks of their own
     (`recorded_router`)."""
 
+    def modeling() -> Any:
+        return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
     def classes() -> tuple[type, type, Optional[type]]:
-        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        mod = modeling()
         return getattr(mod, prefix + attention), getattr(mod, prefix + base), getattr(mod, prefix + lm, None)
 
     def recorders() -> tuple[type, ...]:
-        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        return tuple(getattr(mod, prefix + name) for name in records)
+        return tuple(getattr(modeling(), prefix + name) for name in records)
 
     return PatchSpec(
         name=model_type,
