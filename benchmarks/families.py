@@ -73,10 +73,10 @@ def vl_config(family: str) -> object:
 def image_batch(model: torch.nn.Module, docs: list[torch.Tensor]) -> dict:
     """The padded batch of `docs` with an image after each row's first token (vision start, 64 image tokens, the next
     token): the images' random patches and grids, labels -100 at padding and at image tokens."""
-    ids, mask, labels = padded_batch(docs)
-    image = SIZE["vocab_size"] - 3
+    ids, mask, _ = padded_batch(docs)
+    image = VL_TOKENS["image_token_id"]
     span = (PATCHES // 2) ** 2
-    ids[:, 1], ids[:, 2:2 + span] = SIZE["vocab_size"] - 1, image
+    ids[:, 1], ids[:, 2:2 + span] = VL_TOKENS["vision_start_token_id"], image
     vision = model.config.vision_config
     patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
     g = torch.Generator().manual_seed(0)
@@ -138,9 +138,12 @@ def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
         lengths = [max(n, (PATCHES // 2) ** 2 + 3) for n in lengths]
     docs = make_tokens(lengths, SIZE["vocab_size"] - 3)  # the VL families' image and vision tokens stay out
     reference, implementation = build(family)
-    ids, mask, labels = padded_batch(docs)
-    padded = image_batch(reference, docs) if family in VL else dict(input_ids=ids, attention_mask=mask, labels=labels)
-    packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
+    if family in VL:
+        padded = image_batch(reference, docs)
+    else:
+        ids, mask, labels = padded_batch(docs)
+        padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
     model = copy.deepcopy(reference)
     patch = "llama2" if family == "llama" else family
     hf = f"hf_{implementation} padded"
