@@ -195,6 +195,33 @@ def test_two_dimensional_and_text_row_positions_pack_as_in_transformers(family):
     assert apart < 1e-5 if family in TWO_D_PACKS else apart > 1e-2, apart
 
 
+@pytest.mark.parametrize("way", ["class", "name"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_three_text_only_rows_without_a_mask_pack_as_in_transformers(family, way):
+    """Text-only documents given as 3 RoPE rows and no text row (no repeated position: attention may read them):
+    patched, under the class patch or the registered name alone, the logits equal unpatched, whichever way the
+    version packs them (transformers hands the time row on as text positions in some versions, none in others)."""
+    model = set_attention(family_model(family, seed=2), "sdpa")
+    ids = torch.randint(4, VOCAB - 4, (1, 20), generator=torch.Generator().manual_seed(3))
+    rows = torch.cat([torch.arange(n) for n in (9, 4, 7)])[None, None].expand(3, 1, 20)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=rows, use_cache=False).logits
+        if way == "class":
+            with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:
+                got = model(input_ids=ids, position_ids=rows, use_cache=False).logits
+                assert handle.calls == 2
+        else:
+            patchkit.register_attention(backend="sdpa", strict=True)
+            try:
+                state = attention_interface.route_state()
+                model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME, "vision_config": "sdpa"})
+                got = model(input_ids=ids, position_ids=rows, use_cache=False).logits
+                assert state.calls == 2
+            finally:
+                patchkit.register_attention(backend="auto", strict=False)
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_registered_name_for_the_language_model_alone_equals_unpatched(family):
     """`set_attn_implementation({'text_config': 'patchkit', 'vision_config': 'sdpa'})`, no patch: the language
