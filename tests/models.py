@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import patchkit
+from patchkit.forward.arguments import cache_parameter
 
 VOCAB = 97
+# The cache argument's name in this transformers (`cache` from 5.24, where `past_key_values` is deprecated): the
+# helpers pass it by its own name; tests that pass `past_key_values` keep the deprecated spelling users still write.
+CACHE = cache_parameter(inspect.signature(LlamaForCausalLM.forward).parameters)
 
 # one marker per condition
 needs_mask_interface = pytest.mark.skipif(importlib.util.find_spec("transformers.masking_utils") is None,
@@ -95,14 +100,14 @@ def decode_logits(model, ids: torch.Tensor, mask: torch.Tensor, steps: int, feed
 
     cache = DynamicCache()
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{CACHE: cache}, use_cache=True,
                 **kw)
     logits, fed = [out.logits[:, -1]], []
     for t in range(steps):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True) if feed is None else feed[:, t : t + 1]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         pos = mask.long().cumsum(-1)[:, -1:] - 1  # generate()'s position for the new token
-        out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **kw)
+        out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **{CACHE: cache}, use_cache=True, **kw)
         logits.append(out.logits[:, -1])
         fed.append(nxt)
     return torch.stack(logits, 1), torch.cat(fed, 1)
@@ -145,14 +150,14 @@ def static_decode(model, ids, mask, steps: int, max_len: int, full_mask: bool):
     slots[:, :prompt] = mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     step_mask = slots if full_mask else slots[:, :prompt]
-    out = model(input_ids=ids, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
+    out = model(input_ids=ids, attention_mask=step_mask, position_ids=positions, **{CACHE: cache},
                 use_cache=True)
     logits, nxt, pos = [out.logits[:, -1]], out.logits[:, -1].argmax(-1, keepdim=True), positions[:, -1:]
     for t in range(prompt, prompt + steps):
         slots[:, t] = 1
         pos = pos + 1
         step_mask = slots if full_mask else slots[:, : t + 1]
-        out = model(input_ids=nxt, attention_mask=step_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(input_ids=nxt, attention_mask=step_mask, position_ids=pos, **{CACHE: cache}, use_cache=True)
         logits.append(out.logits[:, -1])
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return torch.stack(logits, 1)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from fakes import install_flash_double
-from models import cache_tensors, clone, decode_logits, needs_mask_interface, padded_batch, tiny_model
+from models import CACHE, cache_tensors, clone, decode_logits, needs_mask_interface, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchGateError
@@ -131,7 +131,7 @@ def test_decode_layouts_the_kernel_cannot_express_take_the_varlen_kernel(monkeyp
         with patchkit.apply_patch("llama2", strict=True):
             out = model(input_ids=left, attention_mask=lmask, use_cache=True)
             nxt = torch.cat([lmask, torch.ones_like(lmask[:, :1])], 1)
-            step = model(input_ids=left[:, :1], attention_mask=nxt, past_key_values=out.past_key_values)
+            step = model(input_ids=left[:, :1], attention_mask=nxt, **{CACHE: out.past_key_values})
             step.logits.sum().backward()  # grad enabled, eval mode: the cache path declines
     assert [c["name"] for c in fake.calls] == ["kvpacked"] * 2 * model.config.num_hidden_layers
 

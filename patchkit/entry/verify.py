@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 from typing import Any, Callable, Optional
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from patchkit.api import active_patches, apply_patch
 from patchkit.errors import PatchkitError
+from patchkit.forward.arguments import cache_parameter
 from patchkit.registry import resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,10 +159,10 @@ def decode_logits(model: nn.Module, seq: torch.Tensor, mask: torch.Tensor, promp
     pos = positions(mask)
     out = model(input_ids=seq[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt],
                 use_cache=True)
-    steps = [out.logits[:, -1]]
+    steps, name = [out.logits[:, -1]], cache_parameter(inspect.signature(model.forward).parameters)
     for t in range(prompt, seq.shape[1] - 1):
         out = model(input_ids=seq[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                    past_key_values=out.past_key_values, use_cache=True)
+                    use_cache=True, **{name: out.past_key_values})
         steps.append(out.logits[:, -1])
     return torch.stack(steps, 1).float()
 

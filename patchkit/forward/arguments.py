@@ -18,12 +18,45 @@ from patchkit.forward.liveness import is_compiling
 # arguments that transformers' causal-LM forwards pass down through **kwargs, which do not change attention.
 HONOURED = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
 INERT = frozenset({
-    "use_cache", "cache_position", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
+    "use_cache", "cache_position", "cache", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
     "position_embeddings", "layer_idx", "token_type_ids", "num_items_in_batch", "output_router_logits",
     "shift_labels", "labels",
 })
 
 ACCEPTED = HONOURED | INERT
+
+# The cache argument of a model or layer forward: `cache` from transformers 5.24 (where `past_key_values` is still
+# accepted, deprecated, and renamed by a decorator), `past_key_values` from 4.56, `past_key_value` in layers before.
+CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+
+
+def given_cache(arguments: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None) -> Any:
+    """The cache a forward was given, under whichever of its version's names the caller used, else None."""
+    for source in (arguments, extra or {}):
+        for name in CACHE_NAMES:
+            value = source.get(name)
+            if value is not None:
+                return value
+    return None
+
+
+def check_one_cache(arguments: Mapping[str, Any]) -> None:
+    """Refuse two different caches, `cache` and the deprecated `past_key_values` (transformers 5.24+ keeps the first
+    and drops the other with a FutureWarning: a prefix library's virtual keys would be ignored, unpatched too)."""
+    new, old = arguments.get("cache"), arguments.get("past_key_values")
+    if new is not None and old is not None and new is not old:
+        raise PatchInputError(
+            "this forward was given two caches, `cache` and `past_key_values`: transformers 5.24 renamed the "
+            "argument to `cache`, uses that one and ignores `past_key_values`, so whatever the second holds (PEFT's "
+            "prefix tuning puts its virtual keys there, up to peft 0.21) would be dropped silently. Pass one cache, "
+            "as `cache`; for PEFT prompt learning use a peft release that supports this transformers, or "
+            "transformers<5.24."
+        )
+
+
+def cache_parameter(parameters: Iterable[str]) -> str:
+    """The name a forward with these parameters takes its cache by: `cache` (5.24+) or `past_key_values`."""
+    return "cache" if "cache" in parameters else "past_key_values"
 
 WHY = {
     "sliding_window": "a sliding-window attention (each query sees only the last N keys)",

@@ -19,7 +19,7 @@ from torch import nn
 from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
-from patchkit.forward.arguments import check_family
+from patchkit.forward.arguments import check_family, given_cache
 from patchkit.forward.context import current
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
@@ -77,7 +77,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     from transformers.masking_utils import eager_mask
 
     mask = eager_mask(*args, **kwargs)  # a tensor generate() can hand the model
-    if static_layers(maker.f_locals.get("past_key_values")) is not None:
+    if static_layers(given_cache(maker.f_locals)) is not None:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
 

@@ -18,6 +18,7 @@ from packaging.version import Version
 from torch import nn
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata
@@ -80,7 +81,7 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # refused by the attention layers with the reason
     if current().lm_cause is not None:
         return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
-    cache = args.get("past_key_values")
+    cache = given_cache(args)
     if _fills_a_cache(module, args):
         if cache is None and not makes_own_cache(module):
             return None  # an era whose own cache was not checked: the per-layer path lets the model make it
@@ -208,7 +209,7 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
         positions = torch.arange(meta.q_len, device=meta.cu_seqlens_q.device)
     args["position_ids"] = unpad_rows(positions.expand(meta.batch, meta.q_len), meta.indices_q).unsqueeze(0)
     args["attention_mask"] = None
-    if args.get("past_key_values") is None:
+    if given_cache(args) is None:
         args["use_cache"] = False
     if args.get("cache_position") is not None:
         args["cache_position"] = None  # recomputed for the packed row
@@ -249,12 +250,17 @@ def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], C
     var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_name = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if "cache" in by_name:  # 5.24+: `past_key_values` still accepted, renamed by transformers' decorator (warned)
+        by_name |= {"past_key_values"}
     simple = all(p.kind is not p.VAR_POSITIONAL for p in params)
     skipped = (params[0].name, var_kw)  # self and **kwargs: passed on their own
 
     def bind(self: nn.Module, args: tuple, kwargs: dict) -> dict:
         if not simple or len(args) >= len(positional):
-            return dict(signature.bind(self, *args, **kwargs).arguments)
+            arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+            if "past_key_values" in by_name and "past_key_values" in arguments.get(var_kw, {}):
+                arguments["past_key_values"] = arguments[var_kw].pop("past_key_values")  # beside `cache`, by name
+            return arguments
         arguments = dict(zip(positional, (self, *args)))
         extra = {}
         for name, value in kwargs.items():
@@ -282,7 +288,7 @@ def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
     is kept, as transformers keeps it: a caller who feeds it to the next step gets the same numbers."""
     if args.get("use_cache") is True:
         return
-    if module.training and args.get("past_key_values") is None and args.get("past_key_value") is None:
+    if module.training and given_cache(args) is None:
         args["use_cache"] = False
 
 
@@ -317,10 +323,12 @@ def make_model_forward(
     or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`)."""
     signature, var_kw, bind, call = _bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
+    cache_name = cache_parameter(signature.parameters)
     aside_state = state if state is not None else route
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
+        check_one_cache(arguments)
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
@@ -346,9 +354,10 @@ def make_model_forward(
                                                              **carried):
             if meta is None:
                 return call(self, put_rope_rows(arguments, rope_rows))
-            cache = arguments.get("past_key_values")
+            cache = given_cache(arguments)
             if cache is None and _fills_a_cache(self, arguments):
-                cache = arguments["past_key_values"] = own_cache(self)  # returned, filled padded, as its own
+                arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
+                cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
             _unpad_inputs(arguments, meta)
             put_rope_rows(arguments, rope_rows, meta)
             filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
@@ -369,6 +378,7 @@ def make_lm_forward(original: Callable) -> Callable:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
+        check_one_cache(arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward hands that mask on as it is

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from patchkit.forward.arguments import given_cache
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
@@ -108,7 +109,7 @@ def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torc
     the given ones. A layer type whose mask sdpa skipped (None: causal, no padding) has every key real. Positions
     no mask covers (before a sliding-only model's window) are never read: zero.
     """
-    masks, cache = layer_type_masks(module, arguments.get("attention_mask")), arguments.get("past_key_values")
+    masks, cache = layer_type_masks(module, arguments.get("attention_mask")), given_cache(arguments)
     layers, tokens = static_layers(cache), input_tokens(arguments)
     if masks is None or layers is None or tokens is None or {w is not None for w in masks} != {s for s, _ in layers}:
         return None  # each mask's layers are the cache's: sliding ones under the window's mask, full ones not
@@ -153,7 +154,7 @@ def cut_slots_mask(module: Any, arguments: dict) -> None:
     mask, tokens = arguments.get("attention_mask"), input_tokens(arguments)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or mask.shape[-1] <= tokens.shape[1]:
         return
-    cache = arguments.get("past_key_values")
+    cache = given_cache(arguments)
     if not fixed_slots(cache) or sliding_window(module.config) is None or is_compiling():
         return
     past, _ = cache_placement(cache, arguments.get("cache_position"))

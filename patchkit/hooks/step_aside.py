@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
@@ -135,7 +136,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "output_attentions"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
-    cache = arguments.get("past_key_values")
+    cache = given_cache(arguments)
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
@@ -144,7 +145,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
 def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
     """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
     (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""
-    cache, mask = arguments.get("past_key_values"), arguments.get("attention_mask")
+    cache, mask = given_cache(arguments), arguments.get("attention_mask")
     if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
         return None  # a dict of masks per layer type is generate()'s, never packed documents
     if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
@@ -250,7 +251,7 @@ def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
-    cache = arguments.get("past_key_values", extra.get("past_key_values"))
+    cache = given_cache(arguments, extra)
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))
     return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
