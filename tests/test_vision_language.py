@@ -164,6 +164,25 @@ def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
     torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)
 
 
+def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched_and_says_so():
+    """`apply_patch()` before load (the env var's and the launcher's way): Gemma3's image prefill and its decode
+    steps run on transformers' attention with the one warning and counted, on transformers 5.24 too (reported to run
+    unpatched with no word there); its tokens equal unpatched."""
+    batch = image_batch(first=3)
+    batch.pop("labels")
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    batch["input_ids"], batch["attention_mask"] = batch["input_ids"].flip(-1), batch["attention_mask"].flip(-1)
+    batch["token_type_ids"] = batch["token_type_ids"].flip(-1)  # left-padded for generation
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = gemma3().eval().generate(**batch, **options)
+    with pytest.warns(RuntimeWarning, match="4D attention mask"):
+        with patchkit.apply_patch(backend="sdpa") as group:
+            got = gemma3().eval().generate(**batch, **options)
+            handle = next(h for h in group if h.name == "gemma3_text")
+            assert handle.stepped_aside == {"custom_4d_mask": options["max_new_tokens"]}
+    assert torch.equal(got, want)
+
+
 LLAVA_TRAIN = Path(__file__).parent / "user_scripts" / "llava_train.py"
 
 
