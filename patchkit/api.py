@@ -17,7 +17,7 @@ from patchkit.forward.liveness import live_layers
 from patchkit.forward.varlen import UNPAD_MODES, PatchState
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.hooks import batch_errors, flash_request, unserved
+from patchkit.hooks import batch_errors, flash_request, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
 from patchkit.registry import PatchSpec, for_model, registered, resolve
@@ -222,6 +222,7 @@ def _apply(
     tf_gate = _gates.transformers_gate(env, spec.supported, spec.name)
     if not tf_gate.passed:
         raise PatchGateError(tf_gate.describe())
+    self_check.untested()  # a transformers newer than CI's: said once
     model_gates = spec.check_model(model) if (model is not None and spec.check_model) else []
     failed = _gates.first_failure(model_gates)
     if failed is not None:
@@ -326,6 +327,14 @@ def _forget(key: tuple, handle_ref: weakref.ref) -> None:
         del _ACTIVE[key]
         if not _ACTIVE:
             batch_errors.detach()
+
+
+def _patch_tiny(tiny: nn.Module, state: PatchState) -> Any:
+    """An instance patch of the self-check's tiny model like `state` (its backend and unpad mode); its revert."""
+    return _apply(for_model(tiny), state.backend.name, False, tiny, state.unpad).revert
+
+
+self_check.attach(_patch_tiny)
 
 
 def revert_patch() -> int:

@@ -25,6 +25,8 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.routing import ROUTE_NAME
+from patchkit.hooks.self_check import CAUSE as UNTRUSTED
+from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
@@ -58,6 +60,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         return aside_mask("custom_mask_pattern", args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None
+    if cause is None and current().route is None:
+        cause = untrusted_mask_cause(kwargs.get("config"))  # a transformers newer than CI's: the family's check
     if cause is not None:
         return aside_mask(cause, args, kwargs)
     q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
@@ -188,7 +192,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types(), spec_for_class)  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
-        step_aside(routed or route_state(), cause, {}, {})
+        what = untrusted_what(module.config) if cause == UNTRUSTED else None  # the family's check: what differed
+        step_aside(routed or route_state(), cause, {}, {}, what)
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention

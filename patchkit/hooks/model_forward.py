@@ -29,6 +29,8 @@ from patchkit.hooks.model_walk import modeling_files
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
+from patchkit.hooks.self_check import CAUSE as UNTRUSTED
+from patchkit.hooks.self_check import untrusted_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause, static_layers
 from patchkit.hooks.step_aside import (
@@ -339,10 +341,12 @@ def make_model_forward(
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
         cause = forward_cause(self, arguments, extra) if aside_state is not None else None
         cause = served_cause(self, arguments, extra, cause)  # packed documents, static caches' masks: patched
+        if cause is None and aside_state is not None:
+            cause = untrusted_cause(self, aside_state)  # a transformers newer than CI's: the family's self-check
         if cause is not None:
             if padding_first:
                 raise refuse_step_aside(cause, *CAUSES[cause])
-            step_aside(aside_state, cause, arguments, extra)
+            step_aside(aside_state, cause, arguments, extra, untrusted_what(self) if cause == UNTRUSTED else None)
             with within(aside=cause):
                 return call(self, put_rope_rows(arguments, rope_rows))
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one

@@ -73,12 +73,17 @@ CAUSES = {
         "never form",
         "leave output_attentions off",
     ),
+    "untested_transformers": (
+        "this transformers is newer than patchkit was tested with, and this family's self-check differed there",
+        "use a transformers patchkit was tested with, or a patchkit release that serves this one",
+    ),
 }
 
-def step_aside(state: Any, cause: str, arguments: dict, extra: dict) -> None:
-    """Count one forward stepped aside for `cause` and warn once per cause; strict mode refuses it instead, and so
-    does a batch of packed documents, which transformers' attention would let see each other (no exact path)."""
-    what, fix = CAUSES[cause]
+def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:
+    """Count one forward stepped aside for `cause` and warn once per cause (`what`: this forward's own words for
+    it); strict mode refuses it instead, and so does a batch of packed documents, which transformers' attention
+    would let see each other (no exact path)."""
+    what, fix = what or CAUSES[cause][0], CAUSES[cause][1]
     if cause != "custom_4d_mask" and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
         raise PatchInputError(
             f"patch {state.patch!r}: {what}, in a batch of packed documents (position_ids restarting inside a row, "
@@ -93,7 +98,7 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict) -> None:
         )
     state.stepped_aside[cause] = state.stepped_aside.get(cause, 0) + 1
     state.warn_once(
-        f"aside:{cause}",
+        f"aside:{cause}:{what}",
         f"patchkit: {what}; such forwards run on transformers' own attention (exact; counted in the report). To "
         f"stay patched: {fix}.",
     )

@@ -1,0 +1,310 @@
+"""On a transformers newer than CI has passed, each family checks itself on a tiny model before its first forward.
+
+transformers releases every two weeks and changes what patchkit relies on (5.24 renamed `past_key_values` to
+`cache`); a release CI has not seen may break the patched path loudly or, worse, silently. So on such a release
+patchkit says so once, and before a family's first forward it builds a tiny model of that family from the user's
+config class and runs a right-padded training step and a left-padded cached decode twice: through the patch and
+on transformers' own attention. Where they differ, or the patched run raises, that family steps aside for the
+process (cause `untested_transformers`, one warning naming the version and what differed; strict mode refuses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from packaging.version import InvalidVersion, Version
+from torch import nn
+
+from patchkit.forward.arguments import cache_parameter
+from patchkit.warn import warn_user
+
+# The newest transformers release the whole suite passed on (CI's pinned version; `.ci/run`'s newest-release leg
+# says when the package index has a newer one that passes, and this moves with the pin). PATCHKIT_TESTED_TRANSFORMERS
+# names a newer one that you (or that CI leg) verified, which then runs without the check.
+TESTED_TRANSFORMERS = "5.24.0"
+TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"
+CAUSE = "untested_transformers"
+
+LAYERS, HEADS, VOCAB, BATCH, SEQ, STEPS = 2, 2, 64, 3, 10, 3
+WINDOW = 4  # shorter than the check's rows: a family's sliding window bites
+LENGTHS = (SEQ, SEQ - 3, SEQ - 6)  # real tokens per row
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # max abs difference, relative past 1; half: HALF_TOLERANCE
+HALF_TOLERANCE = 5e-2
+
+_verdicts: dict[type, Optional[str]] = {}  # base model class -> None (exact) or what differed
+_by_config: dict[type, type] = {}  # config class -> the base model class checked for it (registered name)
+_checking: set[type] = set()  # classes whose check is running (its own forwards must not check again)
+_patcher: Optional[Callable[[nn.Module, Any], Callable[[], None]]] = None  # instance patch of a tiny model
+seconds: dict[type, float] = {}  # what each check cost, for the report and the tests
+
+
+def attach(patcher: Callable[[nn.Module, Any], Callable[[], None]]) -> None:
+    """How to patch a tiny model like the state it checks for (set by the api: no import of it from here)."""
+    global _patcher
+    _patcher = patcher
+
+
+@functools.cache
+def untested(version: Optional[str] = None) -> Optional[str]:
+    """The installed transformers when it is newer than `TESTED_TRANSFORMERS` (announced once), else None."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    tested = newest_tested()
+    try:
+        newer = Version(version).release > Version(tested).release
+    except InvalidVersion:
+        newer = True
+    if newer:
+        warn_user(
+            f"patchkit: transformers {version} is newer than the newest release patchkit was tested with "
+            f"({tested}); each family checks itself on a tiny model before its first forward and steps "
+            "aside to transformers' own attention where it differs."
+        )
+    return version if newer else None
+
+
+def newest_tested() -> str:
+    """The newest transformers patchkit's suite passed on, or a newer one named in PATCHKIT_TESTED_TRANSFORMERS."""
+    named = os.environ.get(TESTED_ENV, "").strip()
+    try:
+        return max(TESTED_TRANSFORMERS, named, key=Version) if named else TESTED_TRANSFORMERS
+    except InvalidVersion:
+        return TESTED_TRANSFORMERS
+
+
+def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
+    """`untested_transformers` when this model's family failed its check on this transformers, else None.
+
+    The check runs once per process and class, at the class's first forward outside a compiled graph."""
+    if untested() is None:
+        return None
+    cls = type(module)
+    if cls not in _verdicts:
+        from patchkit.forward.liveness import is_compiling
+
+        if cls in _checking or is_compiling():
+            return None
+        _checking.add(cls)
+        try:
+            start = time.perf_counter()
+            _verdicts[cls] = check_family(module, state)
+            seconds[cls] = time.perf_counter() - start
+        finally:
+            _checking.discard(cls)
+    return None if _verdicts[cls] is None else CAUSE
+
+
+def untrusted_mask_cause(config: Any) -> Optional[str]:
+    """Under the registered name alone (no patch wraps the model): `untested_transformers` for a model whose family
+    failed its check, found by its config (the model that builds the mask, from the stack, the first time)."""
+    if config is None or untested() is None:
+        return None
+    cls = _by_config.get(type(config))
+    if cls is None:
+        module = building_model(config)
+        if module is None:
+            return None
+        cls = _by_config[type(config)] = type(module)
+        untrusted_cause(module, None)
+    return None if _verdicts.get(cls) is None else CAUSE
+
+
+def building_model(config: Any, depth: int = 12) -> Optional[nn.Module]:
+    """The model up the stack whose config is `config` (the base model building its mask), or None."""
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and getattr(owner, "config", None) is config:
+            return owner
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def untrusted_what(module: Any) -> str:
+    """The step-aside warning's words for a family whose check failed: the version, the tested one, what differed."""
+    import transformers
+
+    cls = module if isinstance(module, type) else _by_config.get(type(module), type(module))  # a module or config
+    return (
+        f"transformers {transformers.__version__} is newer than patchkit was tested with ({newest_tested()}), "
+        f"and {cls.__name__}'s self-check there found: {_verdicts.get(cls)}"
+    )
+
+
+def forget() -> None:
+    """Every verdict dropped (tests; a process that changed its transformers)."""
+    _verdicts.clear()
+    _by_config.clear()
+    seconds.clear()
+    untested.cache_clear()
+
+
+def check_family(module: nn.Module, state: Any) -> Optional[str]:
+    """Run the tiny model of `module`'s class both ways; what differed, or None."""
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    with quiet_forward(device):
+        try:
+            torch.manual_seed(0)
+            tiny = type(module)(tiny_config(module.config)).to(device=device, dtype=dtype)
+            want = run_both_checks(tiny, reference=True)
+        except Exception as exc:  # no verdict without a reference: transformers' own attention serves, exact
+            return f"the check's tiny model failed unpatched ({type(exc).__name__}: {exc})"
+        try:
+            got = run_patched(tiny, state)
+        except Exception as exc:
+            return f"the patched run raised {type(exc).__name__}: {exc}"
+    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    for (name, a), (_, b) in zip(want, got):
+        if a.shape != b.shape:
+            return f"{name}: shape {tuple(b.shape)} patched, {tuple(a.shape)} unpatched"
+        diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+        allowed = tolerance * max(1.0, a.float().abs().max().item() if a.numel() else 0.0)  # relative past 1
+        if not diff <= allowed:
+            return f"{name} differ by {diff:.3g} (allowed {allowed:.3g})"
+    return None
+
+
+def run_patched(tiny: nn.Module, state: Any) -> list[tuple[str, torch.Tensor]]:
+    """The checks through the patch: the class's own (a class patch), else an instance patch like `state`'s."""
+    from patchkit.hooks.routing import ROUTE_NAME, is_patched_forward
+
+    if state is None:  # the registered name alone: the tiny model loaded with it
+        tiny.config._attn_implementation = ROUTE_NAME
+        try:
+            return run_both_checks(tiny, reference=False)
+        finally:
+            tiny.config._attn_implementation = "eager"
+    if is_patched_forward(type(tiny).forward) or _patcher is None:
+        counts = state.calls, state.layers_seen, dict(state.stepped_aside)
+        try:
+            return run_both_checks(tiny, reference=False)
+        finally:  # the report counts the user's forwards only
+            state.calls, state.layers_seen = counts[:2]
+            state.stepped_aside.clear()
+            state.stepped_aside.update(counts[2])
+    revert = _patcher(tiny, state)
+    try:
+        return run_both_checks(tiny, reference=False)
+    finally:
+        revert()
+
+
+@contextlib.contextmanager
+def quiet_forward(device: torch.device) -> Iterator[None]:
+    """Gradients on, autocast off and the caller's random state kept, whatever the user's forward runs under."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+        with torch.autocast(device.type, enabled=False):
+            yield
+
+
+def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.Tensor]]:
+    """A right-padded training step (outputs at real tokens, every gradient) and a left-padded cached decode (the
+    last position's output at the prefill and each step), on transformers' own forward or through the patch."""
+    forward = getattr(type(tiny).forward, "__wrapped_original__", type(tiny).forward) if reference else None
+
+    def call(**kwargs: Any) -> Any:
+        return forward(tiny, **kwargs) if forward is not None else tiny(**kwargs)
+
+    device = next(tiny.parameters()).device
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator).to(device)
+    right = (torch.arange(SEQ)[None] < torch.tensor(LENGTHS)[:, None]).long().to(device)
+    results = []
+    tiny.train()
+    tiny.zero_grad(set_to_none=True)
+    try:
+        out = call(input_ids=ids, attention_mask=right, use_cache=False).last_hidden_state
+        real = out[right.bool()]
+        weights = torch.randn(real.shape, generator=generator).to(real)
+        (real * weights).sum().backward()
+        results.append(("training step outputs", real.detach()))
+        grads = [p.grad.flatten() for p in tiny.parameters() if p.grad is not None]
+        results.append(("training step gradients", torch.cat(grads) if grads else real.new_zeros(0)))
+    finally:
+        tiny.zero_grad(set_to_none=True)
+        tiny.eval()
+    left = right.flip(-1)
+    with torch.no_grad():
+        name = cache_parameter(inspect.signature(type(tiny).forward).parameters)
+        positions = (left.cumsum(-1) - 1).clamp(min=0)
+        out = call(input_ids=ids, attention_mask=left, position_ids=positions, use_cache=True,
+                   **{name: empty_cache(tiny.config)})  # generate()'s prefill: into the empty cache it made
+        steps, cache, mask = [out.last_hidden_state[:, -1]], getattr(out, name), left
+        for t in range(STEPS):
+            mask = torch.cat([mask, mask.new_ones(BATCH, 1)], -1)
+            position = mask.sum(-1, keepdim=True) - 1
+            out = call(input_ids=ids[:, t : t + 1], attention_mask=mask, position_ids=position, use_cache=True,
+                       **{name: cache})
+            cache = getattr(out, name)
+            steps.append(out.last_hidden_state[:, -1])
+    results.append(("left-padded decode outputs", torch.stack(steps, 1)))
+    return results
+
+
+def empty_cache(config: Any) -> Any:
+    """The empty DynamicCache generate() makes (with the config from transformers 4.56: sliding layers)."""
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:
+        return DynamicCache()
+
+
+def tiny_config(config: Any) -> Any:
+    """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
+    it), a small vocabulary and MLP, at most 4 experts, no dropout, per-layer lists cut to 2 layers with each layer
+    type kept, and a sliding window short enough to bite."""
+    tiny = copy.deepcopy(config)
+    layers = getattr(config, "num_hidden_layers", LAYERS)
+    heads = getattr(config, "num_attention_heads", HEADS)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    keep = per_layer_picks(config, layers)
+    sizes = {
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
+        "hidden_size": HEADS * head_dim, "intermediate_size": 2 * HEADS * head_dim, "vocab_size": VOCAB,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    for key, value in sizes.items():
+        if getattr(config, key, None) is not None:
+            setattr(tiny, key, value)
+    if getattr(config, "head_dim", None) is not None:
+        tiny.head_dim = head_dim
+    for key in ("num_experts", "num_local_experts"):
+        if isinstance(getattr(config, key, None), int):
+            setattr(tiny, key, min(getattr(config, key), 4))
+    if isinstance(getattr(config, "num_experts_per_tok", None), int):
+        tiny.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    if isinstance(getattr(config, "sliding_window", None), int):
+        tiny.sliding_window = WINDOW
+    for key, value in vars(config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(tiny, key, 0.0)
+        elif isinstance(value, (list, tuple)) and len(value) == layers and layers > LAYERS:
+            setattr(tiny, key, type(value)(value[i] for i in keep))
+    tiny._attn_implementation = "eager"  # the reference every family has (Gemma2 refuses sdpa)
+    return tiny
+
+
+def per_layer_picks(config: Any, layers: int) -> list[int]:
+    """Which 2 of the user's layers a per-layer list keeps: the first, and the first of another type if any."""
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
+        other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
+        return [0, other]
+    return [0, 1]

@@ -1,0 +1,151 @@
+"""A transformers newer than CI has passed: said once, and each family checks itself before its first forward.
+
+The newer version is faked by lowering the newest tested one (`self_check.TESTED_TRANSFORMERS`). A failing check
+is made real, not stubbed: the patched path loses the cache argument (what transformers 5.24's rename of
+`past_key_values` to `cache` did to patchkit 0.1), so a patched left-padded generate() would crash, and with the
+check the family steps aside and generates exactly what transformers does.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import transformers
+from families import FAMILIES, family_model, served_here
+from models import padded_batch, tiny_model
+
+import patchkit
+from patchkit.hooks import model_forward, self_check
+
+OPTIONS = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture
+def newer(monkeypatch):
+    """The installed transformers counts as newer than the newest tested; every verdict forgotten before and after."""
+    monkeypatch.setattr(self_check, "TESTED_TRANSFORMERS", "5.0.0")
+    monkeypatch.delenv(self_check.TESTED_ENV, raising=False)  # CI's newest-release leg names its version there
+    self_check.forget()
+    yield
+    self_check.forget()
+
+
+@pytest.fixture
+def cache_lost(monkeypatch):
+    """The patched model forward knows the cache by its old name only, `past_key_values` (patchkit 0.1 on
+    transformers 5.24, which renamed it `cache`): it makes a cache of its own beside generate()'s."""
+    monkeypatch.setattr(model_forward, "given_cache", lambda arguments, extra=None: arguments.get("past_key_values"))
+    monkeypatch.setattr(model_forward, "cache_parameter", lambda parameters: "past_key_values")
+    monkeypatch.setattr(model_forward, "check_one_cache", lambda arguments: None)
+
+
+def test_a_newer_transformers_is_announced_once_with_the_newest_tested(newer):
+    with pytest.warns(RuntimeWarning) as record:
+        with patchkit.apply_patch("llama2", backend="sdpa"), patchkit.apply_patch("mistral", backend="sdpa"):
+            pass
+    said = [str(w.message) for w in record if "is newer than the newest release" in str(w.message)]
+    assert said == [f"patchkit: transformers {transformers.__version__} is newer than the newest release patchkit was "
+                    "tested with (5.0.0); each family checks itself on a tiny model before its first forward and "
+                    "steps aside to transformers' own attention where it differs."]
+
+
+def test_the_tested_version_runs_no_check_and_a_verified_newer_one_is_named_by_env(monkeypatch):
+    monkeypatch.delenv(self_check.TESTED_ENV, raising=False)
+    self_check.untested.cache_clear()
+    assert self_check.untested(self_check.TESTED_TRANSFORMERS) is None
+    tested = re.escape(self_check.TESTED_TRANSFORMERS)
+    with pytest.warns(RuntimeWarning, match=rf"transformers 99\.0\.0 is newer .* \({tested}\)"):
+        assert self_check.untested("99.0.0") == "99.0.0"
+    monkeypatch.setenv(self_check.TESTED_ENV, "99.0.0")  # a newer release its user (or CI's leg) verified
+    self_check.untested.cache_clear()
+    assert self_check.untested("99.0.0") is None and self_check.untested("99.0.1") == "99.0.1"
+    self_check.untested.cache_clear()
+
+
+def test_without_the_check_the_lost_cache_breaks_generate(cache_lost):
+    """The control: the fault the next tests plant really breaks the patched path."""
+    model = tiny_model()
+    ids, mask = padded_batch("left")
+    with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(RuntimeError, match="Sizes of tensors"):
+        model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)  # the issue's crash, word for word
+
+
+def test_a_family_whose_check_fails_steps_aside_exactly_with_one_warning(newer, cache_lost):
+    model = tiny_model()
+    ids, mask = padded_batch("left")
+    want = model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)
+            logits = model(input_ids=ids, attention_mask=mask).logits  # padding positions too: transformers' own
+    assert torch.equal(got, want)
+    torch.testing.assert_close(logits, model(input_ids=ids, attention_mask=mask).logits, atol=0, rtol=0)
+    # generate()'s 5 forwards and the plain one
+    assert handle.stepped_aside == {"untested_transformers": OPTIONS["max_new_tokens"] + 1}
+    assert handle.calls == 0  # no layer ran through the patch
+    aside = [str(w.message) for w in record if "self-check" in str(w.message)]
+    assert len(aside) == 1
+    assert f"transformers {transformers.__version__} is newer than patchkit was tested with (5.0.0)" in aside[0]
+    assert "LlamaModel's self-check there found: the patched run raised RuntimeError: Sizes of tensors" in aside[0]
+
+
+def test_strict_mode_refuses_a_family_whose_check_fails(newer, cache_lost):
+    model = tiny_model()
+    ids, mask = padded_batch("left")
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True):
+        with pytest.raises(patchkit.PatchInputError, match=r"strict=True.*LlamaModel's self-check there found"):
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_the_registered_name_alone_steps_aside_where_the_check_fails(newer, monkeypatch):
+    """attn_implementation='patchkit' with no patch: the check runs the tiny model under the name, and a fault in
+    the name's attention (outputs scaled) makes its family step aside: the model's logits are transformers' own."""
+    from patchkit.hooks import attention_interface
+
+    patchkit.register_attention(backend="sdpa")
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation(attention_interface.ATTENTION_NAME)
+    served = attention_interface._function_for(attention_interface.route_state())
+    monkeypatch.setattr(attention_interface, "_function", lambda *a, **k: (served(*a, **k)[0] * 1.01, None))
+    with pytest.warns(RuntimeWarning, match="LlamaModel's self-check there found: training step outputs differ"):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-5)
+
+
+def test_every_family_passes_its_check_and_is_served_patched(newer):
+    """Where patchkit is right (the suite's own verdict on this transformers), every family's check agrees: its
+    forward runs through the patch, equal to unpatched, and the check's own runs leave the report's counts alone."""
+    ids, mask = padded_batch("left")
+    for family in ["llama2", *FAMILIES]:
+        if family != "llama2" and not served_here(family):
+            continue
+        model = tiny_model() if family == "llama2" else family_model(family)
+        want = model(input_ids=ids, attention_mask=mask).logits
+        with patchkit.apply_patch(family, backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=mask).logits
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        assert self_check._verdicts.get(type(base), "unchecked") is None, (family, self_check._verdicts)
+        assert handle.stepped_aside == {} and handle.calls == model.config.get_text_config().num_hidden_layers
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4, msg=family)
+
+
+def test_the_check_runs_once_per_family_and_process(newer, monkeypatch):
+    """Its cost is recorded once per base model class (the README states it; benchmarks, not tests, time it)."""
+    model = tiny_model()
+    ids, mask = padded_batch("left")
+    runs = []
+    check = self_check.check_family
+    monkeypatch.setattr(self_check, "check_family", lambda *a: runs.append(1) or check(*a))
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        model(input_ids=ids, attention_mask=mask)
+        tiny_model()(input_ids=ids, attention_mask=mask)
+        model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)
+    assert runs == [1] and set(self_check.seconds) == {type(model.model)} and self_check.seconds[type(model.model)] > 0
