@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch first, pinned: 2.13.0 is the CPU wheel this project is tested with (a looser spec may pull a CUDA build).
 TORCH ?= torch==2.13.0
-TRANSFORMERS ?= transformers==5.23.0
+TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test lint matrix sp-test bench gpu-test clean
+.PHONY: setup demo test lint matrix newest sp-test bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,16 +19,27 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# The suite on both cores (pytest-xdist); PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 2
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 
 # The transformers version matrix (slow: one install per version); see tests/matrix.py.
 matrix: setup
-	$(BIN)/python tests/matrix.py
+	$(BIN)/python tests/matrix.py -- $(PYTEST_ARGS)
+
+# The newest transformers release on the package index now, installed beside the venv like a matrix version, under
+# the tests that touch every family and every way in (train steps padded and packed, generate into each cache kind,
+# the registered name, the launcher and env var, the self-check); nothing to run when it is the pinned version.
+NEWEST_TESTS := tests/test_every_family.py tests/test_families.py tests/test_generation.py tests/test_static_cache.py \
+	tests/test_packing.py tests/test_model_unpad.py tests/test_attention_interface.py tests/test_launch.py \
+	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py
+newest: setup
+	$(BIN)/python tests/matrix.py --versions newest --tests $(NEWEST_TESTS) -- $(PYTEST_ARGS)
 
 # DeepSpeed Ulysses sequence parallelism on two gloo ranks (tests/test_sequence_parallel.py). DeepSpeed is an sdist:
 # built against the venv's torch (no build isolation, so no other torch is pulled), into .sp/ beside the venv, not

@@ -37,7 +37,8 @@ from patchkit.eras import ERAS  # noqa: E402  (the era table only; tests run in 
 # 4.31 tuple cache, _prepare_decoder_attention_mask; 4.34 padding_mask, FA2 class; 4.35 module-level 4D helper;
 # 4.36 per-layer attention classes, Cache; 4.40 _update_causal_mask, rotary by position_ids; 4.46 position_embeddings;
 # 4.48 first single attention class; 4.52 last _update_causal_mask; 4.53 create_causal_mask;
-# 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.0 major; 5.23 the tested version.
+# 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.0 major; 5.23 the last that names the cache
+# past_key_values (5.24 renames it cache). The pinned version (5.24) is not here: `make test` runs it whole.
 DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.40.2", "4.46.3", "4.48.3", "4.52.4", "4.53.3",
                     "4.56.2", "4.57.6", "5.0.0", "5.23.0"]
 # Before 4.48 only the LLaMA patches exist, and the suite's other files use newer transformers APIs: the era tests
@@ -118,6 +119,20 @@ class Result:
     @property
     def ok(self) -> bool:
         return not self.problem and self.failed == 0 and self.errors == 0 and self.passed > 0
+
+
+NEWEST = "newest"  # --versions newest: the newest transformers release the package index has now
+TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"  # patchkit/hooks/self_check.py: a newer release verified, no self-check
+
+
+def newest_release(python: str) -> tuple[Optional[str], str]:
+    """(the newest transformers release on the package index, problem) by `pip index versions`."""
+    cmd = [python, "-m", "pip", "index", "versions", "transformers", "--disable-pip-version-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    first = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or "(" not in first:
+        return None, f"could not ask the package index for transformers' releases: {proc.stderr.strip()[-200:]}"
+    return first.split("(", 1)[1].split(")", 1)[0], ""
 
 
 def current_transformers() -> Optional[str]:
@@ -203,8 +218,10 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
     return target, ""
 
 
-def environment(target: Optional[Path]) -> dict[str, str]:
+def environment(target: Optional[Path], trusted: Optional[str] = None) -> dict[str, str]:
     env = dict(os.environ)
+    if trusted:
+        env[TESTED_ENV] = trusted  # the newest release under test runs as tested (its self-check has tests of its own)
     if target is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
     env.update(PYTHONNOUSERSITE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
@@ -236,7 +253,7 @@ def count_junit(path: Path, result: Result) -> None:
 
 def run_version(version: str, target: Optional[Path], args: argparse.Namespace, logs: Path) -> Result:
     result = Result(version, source="interpreter" if target is None else str(target))
-    env = environment(target)
+    env = environment(target, version if args.newest == version else None)
     found, torch_info = probe(args.python, env)
     if found != version:
         result.problem = f"imports transformers {found or '(failed: ' + torch_info + ')'}, expected {version}"
@@ -300,6 +317,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reinstall", action="store_true", help="ignore cached installs")
     args = parser.parse_args(argv)
     args.versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    args.newest = None
     args.pytest_args = extra
     args.cache_dir = args.cache_dir.resolve()
     return args
@@ -311,6 +329,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         for version in args.versions:
             shutil.rmtree(args.cache_dir / version, ignore_errors=True)
     here = current_transformers() if args.python == sys.executable else None
+    if NEWEST in args.versions:
+        newest, problem = newest_release(args.python)
+        if newest is None:
+            print(f"[matrix] newest: FAILED {problem}")
+            return 1
+        print(f"[matrix] newest: the package index's newest transformers is {newest}", flush=True)
+        if newest == here:
+            print(f"[matrix] newest: {newest} is the pinned version, which `make test` ran whole: nothing more to run")
+            args.versions = [v for v in args.versions if v != NEWEST]
+            if not args.versions:
+                return 0
+        else:
+            args.versions = [newest if v == NEWEST else v for v in args.versions]
+            args.newest = newest
     to_install = [v for v in args.versions if v != here]
     logs = args.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -333,6 +365,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(result)
     print_table(results)
     bad = [r.version for r in results if not r.ok]
+    if args.newest:
+        print(f"\n[matrix] the newest release, transformers {args.newest}: "
+              + ("FAILED" if args.newest in bad else "passed; move the Makefile's pin and "
+                 "patchkit/hooks/self_check.py's TESTED_TRANSFORMERS to it"))
     if bad:
         print(f"\n[matrix] FAILED on: {', '.join(bad)} (logs in {logs})")
         return 1

@@ -1,0 +1,52 @@
+"""tests/matrix.py's newest-release leg: which version it runs, and that it runs it as a tested one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import matrix  # noqa: E402
+
+
+@pytest.fixture
+def ran(monkeypatch, tmp_path):
+    """The versions the matrix would install and test, and the environment each test run gets (nothing runs)."""
+    seen: dict[str, dict] = {}
+    monkeypatch.setattr(matrix, "install", lambda version, cache, python: (tmp_path / version, ""))
+
+    def run_version(version, target, args, logs):
+        seen[version] = matrix.environment(target, version if args.newest == version else None)
+        return matrix.Result(version, passed=1)
+
+    monkeypatch.setattr(matrix, "run_version", run_version)
+    monkeypatch.setattr(matrix, "current_transformers", lambda: "5.24.0")
+    return seen
+
+
+def test_the_newest_release_is_run_as_a_tested_version(ran, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(matrix, "newest_release", lambda python: ("5.26.0", ""))
+    assert matrix.main(["--versions", "newest", "--cache-dir", str(tmp_path)]) == 0
+    assert list(ran) == ["5.26.0"] and ran["5.26.0"][matrix.TESTED_ENV] == "5.26.0"
+    out = capsys.readouterr().out
+    assert "newest transformers is 5.26.0" in out and "transformers 5.26.0: passed; move the Makefile's pin" in out
+
+
+def test_a_newest_release_that_is_the_pinned_one_runs_nothing_more(ran, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(matrix, "newest_release", lambda python: ("5.24.0", ""))
+    assert matrix.main(["--versions", "newest", "--cache-dir", str(tmp_path)]) == 0
+    assert ran == {} and "5.24.0 is the pinned version" in capsys.readouterr().out
+
+
+def test_an_index_that_cannot_be_asked_fails_the_leg(ran, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(matrix, "newest_release", lambda python: (None, "no network"))
+    assert matrix.main(["--versions", "newest", "--cache-dir", str(tmp_path)]) == 1
+    assert ran == {} and "newest: FAILED" in capsys.readouterr().out
+
+
+def test_matrix_versions_get_no_tested_version(ran, monkeypatch, tmp_path):
+    monkeypatch.delenv(matrix.TESTED_ENV, raising=False)
+    assert matrix.main(["--versions", "5.0.0", "--cache-dir", str(tmp_path)]) == 0
+    assert matrix.TESTED_ENV not in ran["5.0.0"]
