@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import sys
 import time
@@ -31,6 +32,7 @@ from report import write_rows  # noqa: E402
 from workloads import MODEL, make_tokens, padded_batch  # noqa: E402
 
 import patchkit  # noqa: E402
+from patchkit.forward.arguments import cache_parameter  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "host_ops.csv"
 LENGTHS = [24, 9, 17, 32]  # a left-padded batch of 4 prompts
@@ -92,8 +94,8 @@ def decode_step(model: torch.nn.Module) -> tuple[Callable[[], Any], torch.Tensor
 
     ids, mask, _ = padded_batch(make_tokens(LENGTHS, model.config.vocab_size), left=True)
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        name = cache_parameter(inspect.signature(model.forward).parameters)  # `cache` from transformers 5.24
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{name: DynamicCache(config=model.config)})
     prefilled = copy.deepcopy(out.past_key_values)
     nxt = out.logits[:, -1:].argmax(-1)
     step_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
@@ -104,8 +106,8 @@ def decode_step(model: torch.nn.Module) -> tuple[Callable[[], Any], torch.Tensor
 
         def run() -> Any:
             with torch.no_grad():
-                return model(input_ids=nxt, attention_mask=step_mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True).logits
+                return model(input_ids=nxt, attention_mask=step_mask, position_ids=positions, use_cache=True,
+                             **{name: cache}).logits
 
         return run
 

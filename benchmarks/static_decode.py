@@ -24,6 +24,7 @@ and 0.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ from decode import (  # noqa: E402
 )
 from report import write_rows  # noqa: E402
 from workloads import make_tokens, padded_batch  # noqa: E402
+
+from patchkit.forward.arguments import cache_parameter  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "patchkit_named_sdpa", "hf_sdpa_compiled",
@@ -117,6 +120,11 @@ def compile_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def cache_name(model: torch.nn.Module) -> str:
+    """generate()'s cache argument in this transformers: `cache` from 5.24, `past_key_values` before."""
+    return cache_parameter(inspect.signature(model.forward).parameters)
+
+
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int, cache: Any) -> tuple[
         float, Any]:
     """Seconds for a greedy generate() of exactly `new` tokens into `cache` (a StaticCache, emptied first: one size
@@ -127,7 +135,7 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0, past_key_values=cache)
+                             do_sample=False, pad_token_id=0, **{cache_name(model): cache})
     sync()
     return time.perf_counter() - start, out
 
