@@ -76,6 +76,29 @@ def test_left_padded_greedy_generation_crossing_the_window_matches_eager(family)
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_generate_on_either_padding_in_either_unpad_mode_equals_unpatched(family, padding, unpad):
+    """generate() of every family on a left- and a right-padded batch, unpadding at the model or in each attention
+    layer: the same tokens as unpatched (on transformers 5.24, before patchkit read its cache under the new name,
+    the left-padded one crashed and the right-padded one under unpad='attention' gave other tokens silently). A
+    right-padded prefill is said and counted (its short rows' next tokens are read at padding)."""
+    model = any_model(family)
+    ids, mask = padded_batch(padding, batch=3, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch("llama2" if family == "llama" else family, backend="sdpa", unpad=unpad) as handle:
+        if padding == "right":
+            with pytest.warns(RuntimeWarning, match="right-padded prompt"):
+                got = model.generate(input_ids=ids, **kw)
+            assert handle.stepped_aside["right_padded_generation"] == 1
+        else:
+            got = model.generate(input_ids=ids, **kw)
+            assert handle.stepped_aside == {} and handle.calls == 2 * 4
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_rows_equal_documents_run_separately(family):
     model = family_model(family, seed=2)
