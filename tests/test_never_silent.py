@@ -368,3 +368,28 @@ def test_bidirectional_attention_is_refused(route):
             model(input_ids=ids, attention_mask=mask)
     finally:
         patchkit.register_attention(backend="auto", strict=False)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+def test_generate_with_a_row_that_is_all_padding_equals_unpatched(cache, unpad):
+    """A row with no real token: transformers gives it real logits at its last (padding) position, varlen kernels
+    zeros, so its tokens were all 0 under the patch, silently. The prefill steps aside, named; the steps after it
+    (the row now has tokens of its own) run patched, and every row's tokens equal unpatched."""
+    from families import static_cache_served
+
+    if cache == "static" and not static_cache_served("llama"):
+        pytest.skip("this transformers' static-cache generation steps aside (tests/test_step_aside.py)")
+    model = set_attention(tiny_model(kv_heads=2), "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    ids[1] = torch.randint(3, VOCAB, (14,), generator=torch.Generator().manual_seed(5))  # a pad id that embeds
+    mask[1] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+              **({} if cache == "dynamic" else {"cache_implementation": "static"}))
+    want = model.generate(input_ids=ids, **kw)
+    assert want[1, 14:].any()  # unpatched: the empty row generates real tokens
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad) as handle:
+        with pytest.warns(RuntimeWarning, match="a row that is all padding"):
+            got = model.generate(input_ids=ids, **kw)
+        assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 4
+    assert torch.equal(got, want)

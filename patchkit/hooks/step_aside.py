@@ -31,9 +31,9 @@ CAUSES = {
         "collators do)",
     ),
     "right_padded_generation": (
-        "generate() on a right-padded prompt reads a short row's next token from a padding position, which varlen "
-        "kernels skip",
-        "pad prompts on the left for generation (tokenizer.padding_side = 'left')",
+        "generate() on a right-padded prompt (or a row that is all padding) reads a row's next token from a padding "
+        "position, which varlen kernels skip",
+        "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token",
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern; a vision-language model's own masks, "
@@ -228,8 +228,9 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
 
 
 def ends_in_padding(mask: torch.Tensor) -> bool:
-    """Some row of the 2D mask has real tokens and a padding last column (a prefill's next token is read there)."""
-    return bool(((mask[:, -1] == 0) & (mask != 0).any(-1)).any())
+    """Some row of the 2D mask has a padding last column (a prefill's next token is read there), a row that is all
+    padding too: transformers' attention gives it real logits there, varlen kernels zeros."""
+    return bool((mask[:, -1] == 0).any())
 
 
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
