@@ -56,7 +56,13 @@ OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "g
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
-    return bool(module.config.use_cache if use_cache is None else use_cache)
+    """use_cache as given, else the config's (a vision-language model's: its text config's)."""
+    if use_cache is not None:
+        return bool(use_cache)
+    config = module.config
+    if not hasattr(config, "use_cache") and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return bool(getattr(config, "use_cache", False))
 
 
 def _fills_a_cache(module: nn.Module, args: dict) -> bool:
@@ -218,23 +224,24 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
 
 
 def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
-    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding, and a mixture of
-    experts' per-layer router logits from (nnz, E) back to (B * S, E), which the load-balancing loss reads against
-    the 2D mask (its padding rows masked out)."""
+    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding, and every (nnz, E)
+    one (a mixture of experts' per-layer router logits) back to (B * S, E), which the load-balancing loss reads
+    against the 2D mask (its padding rows masked out): by what each element is, in a ModelOutput or a tuple
+    (return_dict=False) alike."""
     indices = meta.indices_q
 
-    def repad(x: Any, token_rows: bool = False) -> Any:
+    def repad(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, meta.nnz_q):
             return pad_input(x[0], indices, meta.batch, meta.q_len)
-        if token_rows and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == meta.nnz_q:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == meta.nnz_q:
             return pad_input(x, indices, meta.batch, meta.q_len).flatten(0, 1)
-        if isinstance(x, tuple) and not hasattr(x, "keys"):
-            return tuple(repad(t, token_rows) for t in x)
+        if isinstance(x, (tuple, list)) and not hasattr(x, "keys"):
+            return type(x)(repad(t) for t in x)
         return x
 
     if hasattr(out, "keys"):  # a ModelOutput: update its fields in place, keeping its class
         for key in list(out.keys()):
-            out[key] = repad(out[key], token_rows=key == "router_logits")
+            out[key] = repad(out[key])
         return out
     return repad(out)
 
@@ -284,14 +291,21 @@ def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], C
     return signature, var_kw, bind, call
 
 
-def _keep_no_cache_in_training(module: nn.Module, args: dict) -> None:
+def _keep_no_cache_in_training(module: nn.Module, args: dict, extra: dict) -> None:
     """Training keeps no KV cache unless the caller asks for one (brings one, or passes use_cache=True): a config's
     default use_cache (every Trainer step) makes none, so a recomputing checkpoint never grows one. An asked-for cache
-    is kept, as transformers keeps it: a caller who feeds it to the next step gets the same numbers."""
-    if args.get("use_cache") is True:
+    is kept, as transformers keeps it: a caller who feeds it to the next step gets the same numbers. So is one a
+    tuple output (return_dict=False) holds a place for: its later elements keep their positions."""
+    if args.get("use_cache") is True or not module.training or given_cache(args) is not None:
         return
-    if module.training and given_cache(args) is None:
-        args["use_cache"] = False
+    keeps_place = wants_tuple(module, args, extra) and _resolved_use_cache(module, args.get("use_cache"))
+    args["use_cache"] = keeps_place
+
+
+def wants_tuple(module: nn.Module, args: dict, extra: dict) -> bool:
+    """The call returns a tuple (return_dict=False, on the call or the config), whose elements sit by position."""
+    asked = args.get("return_dict", extra.get("return_dict"))
+    return asked is False or (asked is None and getattr(module.config, "return_dict", True) is False)
 
 
 @contextlib.contextmanager
@@ -332,7 +346,7 @@ def make_model_forward(
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         if takes_use_cache:
-            _keep_no_cache_in_training(self, arguments)
+            _keep_no_cache_in_training(self, arguments, arguments.get(var_kw, {}) if var_kw else {})
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
@@ -386,6 +400,9 @@ def make_lm_forward(original: Callable) -> Callable:
         extra = arguments.get(var_kw, {}) if var_kw else {}
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward hands that mask on as it is
+        if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
+                wants_tuple(self, arguments, extra) and _resolved_use_cache(self, None)):
+            kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or current().lm_cause is None):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)

@@ -1,0 +1,69 @@
+"""return_dict=False: a tuple's elements sit by position, so a patched forward returns the same elements in the same
+places as unpatched (the training cache transformers keeps there, router logits per token of the padded batch)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from families import FAMILIES, MOE, any_model
+from models import padded_batch
+
+import patchkit
+
+
+def describe(out: tuple) -> list[str]:
+    return [type(x).__name__ + (str(tuple(x.shape)) if isinstance(x, torch.Tensor) else "") for x in out]
+
+
+def patch_name(family: str) -> str:
+    return "llama2" if family == "llama" else family
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES])
+def test_a_training_step_returning_a_tuple_keeps_every_element_in_place(family):
+    """In training transformers keeps a DynamicCache when the config's use_cache is on; patchkit kept none, so the
+    tuple lost that element and every later one moved (`loss, logits, past = out` raised; a mixture of experts'
+    out[3] was its router logits). The tuple now has the same elements, equal at real tokens."""
+    model = any_model(family, "sdpa").train()
+    ids, mask = padded_batch("right")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), return_dict=False,
+              **({"output_router_logits": True} if family in MOE else {}))
+    want = model(**kw)
+    with patchkit.apply_patch(patch_name(family), backend="sdpa") as handle:
+        got = model(**kw)
+        assert handle.calls == model.config.get_text_config().num_hidden_layers and handle.stepped_aside == {}
+    assert describe(got) == describe(want)
+    real = mask.bool()
+    for ours, theirs in zip(got, want):
+        if isinstance(theirs, torch.Tensor) and theirs.dim() == 3:  # the logits: zeros at padding under the patch
+            torch.testing.assert_close(ours[real], theirs[real], atol=3e-5, rtol=1e-4)
+        elif isinstance(theirs, torch.Tensor):
+            torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-4)
+    cache_at = next(i for i, x in enumerate(want) if hasattr(x, "get_seq_length"))
+    assert got[cache_at].get_seq_length() == want[cache_at].get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_a_moe_base_model_tuple_gives_router_logits_per_padded_token(family):
+    """Router logits in a tuple come back (batch x length, experts), as named outputs do, so transformers' own
+    load-balancing loss reads them against the 2D mask and equals unpatched."""
+    model = any_model(family, "sdpa").eval()
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    ids, mask = padded_batch("right")
+    kw = dict(input_ids=ids, attention_mask=mask, return_dict=False, output_router_logits=True, use_cache=False)
+    with torch.no_grad():
+        want = base(**kw)
+        with patchkit.apply_patch(family, backend="sdpa") as handle:
+            got = base(**kw)
+            assert handle.calls == model.config.get_text_config().num_hidden_layers
+    assert describe(got[-1]) == describe(want[-1]) and len(got) == len(want)
+    real = mask.bool().flatten()
+    for ours, theirs in zip(got[-1], want[-1]):
+        torch.testing.assert_close(ours[real], theirs[real], atol=3e-5, rtol=1e-4)
+    text = model.config.get_text_config()
+    loss = importlib.import_module(type(base).__module__).load_balancing_loss_func
+    experts = getattr(text, "num_local_experts", getattr(text, "num_experts", None))
+    torch.testing.assert_close(loss(got[-1], experts, text.num_experts_per_tok, mask),
+                               loss(want[-1], experts, text.num_experts_per_tok, mask), atol=1e-6, rtol=1e-5)
