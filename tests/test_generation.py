@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from models import padded_batch, static_decode, tiny_model
@@ -141,7 +143,9 @@ def test_generate_modes_equal_unpatched(family, mode, cache):
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_assisted_generation_equals_unpatched(family):
     """Assisted generation: a second, smaller-seeded model drafts tokens that the main one checks several at a time
-    behind its cache, which is cropped to the accepted ones; both models patched. Same tokens and scores."""
+    behind its cache, which is cropped to the accepted ones; both models patched. Same tokens and scores. The
+    assistant is sometimes handed a mask whose last column is 0 behind its cache and its next token read there:
+    those drafting forwards step aside (their drafts equal unpatched too), the rest run patched."""
     from families import any_model
 
     main, assistant = any_model(family), any_model(family)
@@ -150,10 +154,10 @@ def test_assisted_generation_equals_unpatched(family):
     ids = torch.randint(3, 90, (1, 14), generator=torch.Generator().manual_seed(2))
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0,
               assistant_model=assistant, return_dict_in_generate=True, output_scores=True)
-    same_generation(main, kw)
+    same_generation(main, kw, aside={"right_padded_generation"})
 
 
-def same_generation(model, kw: dict) -> None:
+def same_generation(model, kw: dict, aside: frozenset = frozenset()) -> None:
     """generate(**kw) unpatched and under apply_patch (strict: every forward patched): the same tokens and scores.
     Where transformers itself cannot run it (4.56-5.0 refuse to crop a sliding-window cache past its window, as
     prompt lookup and assisted decoding do; every era refuses them on a static cache), the patched run meets the
@@ -168,10 +172,11 @@ def same_generation(model, kw: dict) -> None:
             model.generate(**kw)
         assert str(also.value) == str(refused)
         return
-    with patchkit.apply_patch(backend="sdpa", strict=True) as handle:
+    with patchkit.apply_patch(backend="sdpa", strict=not aside) as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `aside`: the causes this generation may step aside for (named elsewhere)
         torch.manual_seed(0)
         got = model.generate(**kw)
-        assert handle.calls > 0 and not handle.stepped_aside
+        assert handle.calls > 0 and set(handle.stepped_aside) <= set(aside)
     assert torch.equal(got.sequences, want.sequences)
     for step_got, step_want in zip(got.scores, want.scores):
         finite = step_want.isfinite()  # sampling's filtered scores are -inf

@@ -249,3 +249,33 @@ def test_the_trainers_evaluate_and_predict_run_packed_and_equal_unpatched(family
     assert abs(got_loss - want_loss) < 1e-5
     real = torch.stack([r["attention_mask"] for r in rows]).bool()
     torch.testing.assert_close(torch.as_tensor(got)[real], torch.as_tensor(want)[real], atol=1e-4, rtol=1e-4)
+
+
+def chunked_loss_and_grads(model, ids, mask, labels, name) -> tuple[torch.Tensor, dict]:
+    """A long sequence fed in two chunks, the second behind the first's cache (the mask past + new wide)."""
+    model.zero_grad(set_to_none=True)
+    first = model(input_ids=ids[:, :10], attention_mask=mask[:, :10], labels=labels[:, :10], use_cache=True)
+    second = model(input_ids=ids[:, 10:], attention_mask=mask, labels=labels[:, 10:], use_cache=True,
+                   **{name: first.past_key_values})
+    (first.loss + second.loss).backward()
+    return (first.loss + second.loss).detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+
+
+@pytest.mark.parametrize("labels_at_padding", [True, False])
+def test_a_chunk_behind_a_past_with_labels_at_padding_steps_aside_exactly(labels_at_padding):
+    """A training loop that feeds a right-padded sequence in chunks with the cache: its second chunk's labels read
+    logits at padding. The check compared labels with the mask only when their widths agreed (the mask is past + new
+    wide), so gradients came out 5.6e-2 off, silently; now that chunk steps aside, and the -100 one runs patched."""
+    from models import CACHE
+
+    model = any_model("llama", "sdpa").train()
+    ids, mask = padded_batch("right")  # rows end in padding inside the second chunk
+    labels = ids if labels_at_padding else ids.masked_fill(mask == 0, -100)
+    want = chunked_loss_and_grads(model, ids, mask, labels, CACHE)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = chunked_loss_and_grads(model, ids, mask, labels, CACHE)
+        assert handle.stepped_aside == ({"labels_from_padding": 2} if labels_at_padding else {})  # both chunks
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)

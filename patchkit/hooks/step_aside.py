@@ -210,6 +210,8 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     generate() passes `logits_to_keep` (1, or 0 when told) and either its empty dynamic cache (5.4+) or a
     `cache_position` from 0 (up to 5.3, which lets the model make the cache); a plain forward passes neither. A
     model whose forward takes no `logits_to_keep` (Qwen2-VL before 5.0) is told by the `cache_position` alone.
+    Behind a past already there (PEFT's prefix tuning fills the cache with its virtual tokens before the prefill),
+    `logits_to_keep` with a padding last column is enough: generate()'s decode steps end in a real column.
     """
     if (logits_to_keep is not None and not isinstance(logits_to_keep, int)) or fixed_slots(cache):
         return False  # continuous batching passes a tensor; a static cache's mask covers its slots
@@ -218,7 +220,7 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
         return False  # not generate()
     if cache is not None:
         length = getattr(cache, "get_seq_length", None)
-        if length is None or length() != 0:
+        if length is None or (logits_to_keep is None and length() != 0):
             return False
     elif not from_zero:
         return False
@@ -242,6 +244,9 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
         mask = real_tokens_of_4d(mask)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
+    new = (labels if isinstance(labels, torch.Tensor) else shift_labels).shape
+    if len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
+        mask = mask[:, -new[1]:]  # behind a past (a chunked loop, prefix tuning): the new tokens' own columns
     pad = mask == 0
     hits = []
     if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
