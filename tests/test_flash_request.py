@@ -166,3 +166,33 @@ def test_the_launcher_runs_a_flash_attention_2_script_unmodified(tmp_path):
     masks_counted = importlib.util.find_spec("transformers.masking_utils") is not None  # transformers >= 4.53
     assert spy["padded_attention"] == 0 and spy["padded_masks"] == (0 if masks_counted else None)
     assert spy["patches"] == [["llama2", "sdpa", 2]] and spy["impl"] == NAME
+
+
+@pytest.mark.skipif(CHECK != "_check_and_adjust_attn_implementation", reason="the transformers >= 4.56 wrapper")
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl_moe"])
+def test_a_vision_language_model_asking_for_flash_attention_2_runs_images_as_unpatched(family):
+    """The request reaches each part of the model: the rewrite gave 'patchkit' to the vision tower too, and the first
+    forward with an image was refused, telling the user to stop naming patchkit for the whole model (they never
+    did). The language model loads with patchkit's name and the vision tower with transformers' sdpa."""
+    from families import family_model, served_here
+    from test_qwen_vl import image_rows
+
+    if not served_here(family):
+        pytest.skip(f"patchkit's {family} patch does not serve this transformers")
+    reference = family_model(family)
+    config = reference.config
+    config._attn_implementation = "flash_attention_2"
+    with patchkit.apply_patch(backend="sdpa") as group:
+        with pytest.warns(RuntimeWarning, match="vision or audio tower in it: transformers' 'sdpa'"):
+            model = type(reference)(config).eval()
+        model.load_state_dict(reference.state_dict())
+        assert model.config.get_text_config()._attn_implementation == NAME
+        assert model.config.vision_config._attn_implementation == "sdpa"
+        batch = image_rows(model, left=False)
+        with torch.no_grad():
+            got = model(**batch).logits
+        assert group.calls == config.get_text_config().num_hidden_layers and not group.stepped_aside
+    with torch.no_grad():
+        want = reference(**batch).logits
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)

@@ -44,13 +44,21 @@ def _serve(state: PatchState, model_class: str, refusal: BaseException) -> str:
         f"{state.backend.name!r} backend (the {state.patch!r} class patch serves every model of its family; exact "
         f"varlen attention, no "
         f"(B, 1, N, N) mask): transformers cannot use flash-attn here ({reason}). The model loads with "
-        f"attn_implementation={name!r}.",
+        f"attn_implementation={name!r} (a vision or audio tower in it: transformers' 'sdpa').",
     )
     return name
 
 
+def tower_of(model: Any) -> str:
+    """A multimodal model's non-language part (its config's `base_config_key`: "vision_config", ...), else ''."""
+    key = getattr(type(getattr(model, "config", None)), "base_config_key", "")
+    return key if isinstance(key, str) and key not in ("", "text_config") else ""
+
+
 def make_check_and_adjust(original: Callable, serving: Serving) -> Callable:
-    """Wrap `PreTrainedModel._check_and_adjust_attn_implementation` (transformers >= 4.56)."""
+    """Wrap `PreTrainedModel._check_and_adjust_attn_implementation` (transformers >= 4.56). A vision (or audio)
+    tower of a served family's model gets transformers' sdpa, which serves its bidirectional attention exactly:
+    the request for the whole model reaches each part, and patchkit serves the language model alone."""
 
     @functools.wraps(original)
     def _check_and_adjust_attn_implementation(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +68,8 @@ def make_check_and_adjust(original: Callable, serving: Serving) -> Callable:
             state = serving(type(self)) if attn_implementation == FLASH_REQUEST else None
             if state is None:
                 raise
+            if tower_of(self):
+                return original(self, "sdpa", *args, **kwargs)  # said once, with the language model's warning
             return _serve(state, type(self).__name__, exc)
 
     return _check_and_adjust_attn_implementation
