@@ -393,3 +393,30 @@ def test_generate_with_a_row_that_is_all_padding_equals_unpatched(cache, unpad):
             got = model.generate(input_ids=ids, **kw)
         assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 4
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("revert_class_first", [True, False])
+def test_an_instance_patch_over_a_class_patch_counts_its_own_forwards(revert_class_first):
+    """A class patch, a model built under it, then an instance patch on that model: its forwards ran through both
+    wrappers and were counted on the class handle, even after the class patch was reverted (the instance patch had
+    wrapped the class's patched forward), while the instance handle said 0 calls and 0 layers. The instance patch
+    now wraps transformers' own forward: its handle counts every forward, the class handle none, exact throughout."""
+    ids, mask = padded_batch("right")
+    model = tiny_model()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    cls = patchkit.apply_patch("llama2", backend="sdpa")
+    instance = patchkit.apply_patch(model=model, backend="sdpa")
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask).logits
+        assert instance.layers_patched == model.config.num_hidden_layers and cls.calls == 0
+        (cls if revert_class_first else instance).revert()
+        second = model(input_ids=ids, attention_mask=mask).logits
+    (instance if revert_class_first else cls).revert()
+    layers = model.config.num_hidden_layers
+    assert cls.calls == (0 if revert_class_first else layers)  # the class patch serves the model once alone
+    assert instance.calls == (2 * layers if revert_class_first else layers)
+    real = mask.bool()
+    for got in (first, second):
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    assert not is_patched_forward(model.model.forward)

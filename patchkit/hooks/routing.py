@@ -109,10 +109,14 @@ def inside_route(config: Any, state: Any, mask: VarlenMask) -> bool:
 
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:
     """`module.attr` as a function of (self, ...): the instance's own (a framework's `model.forward = ...`) if it
-    has one, else its class's; what an instance patch wraps and what its revert puts back."""
+    has one, else its class's (transformers' own, under a class patch too: the instance's forwards then run and are
+    counted on the instance patch alone, before and after the class patch's revert); what an instance patch wraps."""
     own = vars(module).get(attr)
-    if own is None:
-        return getattr(type(module), attr)
+    if own is None:  # the class's own function under any class patch of patchkit's: an instance patch stands alone
+        method = getattr(type(module), attr)
+        while hasattr(method, "__wrapped_original__"):
+            method = method.__wrapped_original__
+        return method
 
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return own(*args, **kwargs)
