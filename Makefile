@@ -19,8 +19,9 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py
 
-# The suite on both cores (pytest-xdist); PYTEST_ARGS="-n 0" runs it in one process.
-PYTEST_ARGS ?= -n 2
+# The suite on both cores (pytest-xdist, idle workers take queued tests: the slow ones do not pile up at the end);
+# PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 2 --dist worksteal
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -50,3 +50,12 @@ def test_matrix_versions_get_no_tested_version(ran, monkeypatch, tmp_path):
     monkeypatch.delenv(matrix.TESTED_ENV, raising=False)
     assert matrix.main(["--versions", "5.0.0", "--cache-dir", str(tmp_path)]) == 0
     assert matrix.TESTED_ENV not in ran["5.0.0"]
+
+
+def test_each_era_runs_its_tests_and_the_slow_ones_run_on_the_boundaries():
+    assert matrix.tests_for("4.36.2", matrix.DEFAULT_TESTS) == matrix.LEGACY_TESTS
+    assert set(matrix.HEAVY_TESTS) <= set(matrix.tests_for("4.53.3", matrix.DEFAULT_TESTS))
+    between = matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS)
+    assert not set(matrix.HEAVY_TESTS) & set(between) and "tests/test_families.py" in between
+    assert set(matrix.HEAVY_VERSIONS) <= set(matrix.DEFAULT_VERSIONS)
+    assert matrix.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
