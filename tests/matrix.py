@@ -103,7 +103,8 @@ DEFAULT_TESTS = [
 # boundaries where what they cross changes (the single attention class, the mask interface, the last 4.x, the last
 # release that names the cache past_key_values), not on every version between.
 HEAVY_TESTS = ("tests/test_compile.py", "tests/test_checkpointing.py", "tests/test_launch.py", "tests/test_examples.py",
-               "tests/test_train_example.py", "tests/test_demo.py")
+               "tests/test_train_example.py", "tests/test_demo.py", "tests/test_doctor.py", "tests/test_verify.py",
+               "tests/test_cli.py")
 HEAVY_VERSIONS = ("4.48.3", "4.53.3", "4.57.6", "5.23.0")
 
 
