@@ -24,7 +24,9 @@ def pytest_configure(config: pytest.Config) -> None:
         from hypothesis import settings
     except ImportError:  # hypothesis is a test extra; test_property.py is skipped without it
         return
-    settings.register_profile("patchkit", max_examples=200, deadline=None, derandomize=True, database=None)
+    # PATCHKIT_HYPOTHESIS_EXAMPLES: fewer draws per property (the version matrix, which runs them on every era)
+    examples = int(os.environ.get("PATCHKIT_HYPOTHESIS_EXAMPLES", "200"))
+    settings.register_profile("patchkit", max_examples=examples, deadline=None, derandomize=True, database=None)
     settings.register_profile("patchkit-slow", max_examples=1000, deadline=None, database=None, print_blob=True)
     settings.load_profile("patchkit-slow" if config.getoption("--runslow") else "patchkit")
 

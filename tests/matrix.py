@@ -137,6 +137,7 @@ class Result:
         return not self.problem and self.failed == 0 and self.errors == 0 and self.passed > 0
 
 
+HYPOTHESIS_ENV, ERA_EXAMPLES = "PATCHKIT_HYPOTHESIS_EXAMPLES", "50"  # tests/conftest.py: 200 in make test
 NEWEST = "newest"  # --versions newest: the newest transformers release the package index has now
 TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"  # patchkit/hooks/self_check.py: a newer release verified, no self-check
 
@@ -241,6 +242,7 @@ def environment(target: Optional[Path], trusted: Optional[str] = None) -> dict[s
     if target is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
     env.update(PYTHONNOUSERSITE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    env.setdefault(HYPOTHESIS_ENV, ERA_EXAMPLES)  # each era draws a quarter of the pinned version's property cases
     return env
 
 

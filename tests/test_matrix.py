@@ -59,3 +59,10 @@ def test_each_era_runs_its_tests_and_the_slow_ones_run_on_the_boundaries():
     assert not set(matrix.HEAVY_TESTS) & set(between) and "tests/test_families.py" in between
     assert set(matrix.HEAVY_VERSIONS) <= set(matrix.DEFAULT_VERSIONS)
     assert matrix.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
+
+
+def test_each_era_draws_fewer_property_cases_than_the_pinned_run(monkeypatch):
+    monkeypatch.delenv(matrix.HYPOTHESIS_ENV, raising=False)
+    assert matrix.environment(None)[matrix.HYPOTHESIS_ENV] == matrix.ERA_EXAMPLES
+    monkeypatch.setenv(matrix.HYPOTHESIS_ENV, "1000")  # a caller's own count wins
+    assert matrix.environment(None)[matrix.HYPOTHESIS_ENV] == "1000"
