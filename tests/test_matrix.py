@@ -54,7 +54,7 @@ def test_matrix_versions_get_no_tested_version(ran, monkeypatch, tmp_path):
 
 def test_each_era_runs_its_tests_and_the_slow_ones_run_on_the_boundaries():
     assert matrix.tests_for("4.36.2", matrix.DEFAULT_TESTS) == matrix.LEGACY_TESTS
-    assert set(matrix.HEAVY_TESTS) <= set(matrix.tests_for("4.53.3", matrix.DEFAULT_TESTS))
+    assert set(matrix.HEAVY_TESTS) <= set(matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS))
     between = matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS)
     assert not set(matrix.HEAVY_TESTS) & set(between) and "tests/test_families.py" in between
     assert set(matrix.HEAVY_VERSIONS) <= set(matrix.DEFAULT_VERSIONS)
