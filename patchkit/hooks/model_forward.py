@@ -345,9 +345,9 @@ def make_model_forward(
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
-        if takes_use_cache:
-            _keep_no_cache_in_training(self, arguments, arguments.get(var_kw, {}) if var_kw else {})
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
+        if takes_use_cache:
+            _keep_no_cache_in_training(self, arguments, extra)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
