@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -42,11 +43,18 @@ def launch(*args: str, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "patchkit.launch", *args], **kw)
 
 
+def tagged(stdout: str, tag: str) -> Any:
+    """The JSON a script printed after `TAG ` at the start of a line (the first such line), read to its own end: the
+    ranks of a process group share stdout, unbuffered (`clean_env`), so another rank's line may run on into it."""
+    found = re.search(rf"(?m)^{re.escape(tag)} ", stdout)
+    assert found is not None, f"no {tag} line in the output:\n{stdout[-2000:]}"
+    return json.JSONDecoder().raw_decode(stdout, found.end())[0]
+
+
 def spy_of(proc: subprocess.CompletedProcess) -> dict:
     """The SPY line a user script prints through `attention_spy.report()`; the script must have succeeded."""
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("SPY "))
-    return json.loads(line[len("SPY "):])
+    return tagged(proc.stdout, "SPY")
 
 
 def free_port() -> int:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import sys
 
 import pytest
-from entrypoints import clean_env, free_port, run
+from entrypoints import clean_env, free_port, run, tagged
 
 # The user's training script: one process, or DDP under torchrun / accelerate launch (gloo on CPU).
 TRAIN_SCRIPT = '''"""A tiny padded-batch training run, single process or DDP, for patchkit's tests."""
@@ -136,8 +135,7 @@ def single_process_losses(train_script):
 
 
 def losses_of(stdout: str) -> list[float]:
-    line = next(x for x in stdout.splitlines() if x.startswith("LOSSES "))
-    return json.loads(line[len("LOSSES "):])
+    return tagged(stdout, "LOSSES")
 
 
 def check_ranks_and_losses(proc, reference: list[float]) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 
 import pytest
-from entrypoints import clean_env, run
+from entrypoints import clean_env, run, tagged
 
 # The user's FSDP2 training script: the same tiny padded-batch run unpatched, then patched (apply_patch before the
 # model is built, as the launcher does), in one process per rank so one torchrun start serves both.
@@ -32,6 +31,11 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--compile", default=None, help="torch.compile backend for the patched run; default: eager")
 opts = parser.parse_args()
+
+
+def say(line: str) -> None:
+    """One line in one write: both ranks print to the same stdout."""
+    os.write(1, (line + "\\n").encode())
 
 
 def batch():
@@ -80,8 +84,8 @@ def train(patched: bool) -> list:
         dist.all_reduce(total)
         losses.append((total / n_targets).item())
     if handle is not None:
-        print(f"LIVE rank={rank} layers_patched={handle.layers_patched} check={handle.check(model)} "
-              f"calls={handle.calls}", flush=True)
+        say(f"LIVE rank={rank} layers_patched={handle.layers_patched} check={handle.check(model)} "
+            f"calls={handle.calls}")
         handle.revert()
     return losses
 
@@ -89,7 +93,7 @@ def train(patched: bool) -> list:
 reference = train(patched=False)
 patched = train(patched=True)
 if rank == 0:
-    print("LOSSES " + json.dumps({"unpatched": reference, "patched": patched}), flush=True)
+    say("LOSSES " + json.dumps({"unpatched": reference, "patched": patched}))
 dist.barrier()  # no rank tears gloo down while its peer is still in flight
 dist.destroy_process_group()
 sys.stdout.flush()
@@ -116,9 +120,8 @@ def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, 
         cwd=script.parent, env=clean_env(), timeout=300,
     )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("LOSSES "))
     live = re.findall(r"LIVE rank=(\d) layers_patched=(\d+) check=(\d+) calls=(\d+)", proc.stdout)
-    return json.loads(line[len("LOSSES "):]), sorted(tuple(map(int, row)) for row in live)
+    return tagged(proc.stdout, "LOSSES"), sorted(tuple(map(int, row)) for row in live)
 
 
 def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):

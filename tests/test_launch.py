@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import transformers
-from entrypoints import clean_env, launch, patchkit_cli
+from entrypoints import clean_env, launch, patchkit_cli, tagged
 from families import FAMILIES_FROM, served_here
 from packaging.version import Version
 
@@ -63,8 +63,7 @@ def user_script(tmp_path):
 
 def result_of(proc) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return tagged(proc.stdout, "RESULT")
 
 
 def test_launch_patches_before_the_script_and_leaves_its_argv_untouched(user_script, tmp_path):
@@ -141,8 +140,7 @@ def test_module_target_exit_code_and_rank_line(tmp_path):
     env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
     proc = launch("--backend", "sdpa", "-m", "userpkg.train", "3", "--help", env=env, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    info = json.loads(line[len("RESULT "):])
+    info = tagged(proc.stdout, "RESULT")
     assert info["argv"] == ["3", "--help"] and info["name"] == "__main__"
     if FAMILIES:
         assert info["patches"][:2] == ["llama2", "mistral"]
