@@ -9,7 +9,7 @@ from models import cache_tensors, labels_for, needs_mask_interface, padded_batch
 
 import patchkit
 from patchkit.forward import context
-from patchkit.hooks.model_forward import makes_own_cache
+from patchkit.hooks.padded_cache import makes_own_cache
 
 
 def layer_input_shapes(model) -> list[tuple[int, ...]]:

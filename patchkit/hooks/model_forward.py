@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from packaging.version import Version
 from torch import nn
 
 from patchkit.errors import PatchInputError
@@ -25,14 +23,14 @@ from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
-from patchkit.hooks.model_walk import modeling_files
+from patchkit.hooks.padded_cache import fillable_cache, filled_padded, makes_own_cache, own_cache
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.self_check import CAUSE as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.slots_mask import served_cause, static_layers
+from patchkit.hooks.slots_mask import served_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
     documents_metadata,
@@ -46,13 +44,6 @@ from patchkit.hooks.step_aside import (
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-# The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
-# (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
-# 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.54.1, 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen3_vl in
-# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 4.57.6, 5.0.0, 5.3.0 and 5.23.0).
-OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-                               "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                               "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
 def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
@@ -114,31 +105,6 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     return meta
 
 
-@functools.cache
-def _families_era() -> tuple[bool, bool]:
-    """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56)."""
-    import transformers
-
-    if Version(transformers.__version__).release < (4, 53):
-        return False, False  # before 4.36 there is no cache_utils at all
-    from transformers.cache_utils import DynamicCache
-
-    return True, "config" in inspect.signature(DynamicCache.__init__).parameters
-
-
-def makes_own_cache(module: nn.Module) -> bool:
-    """The base model's own forward would make a DynamicCache that patchkit can make for it (`own_cache`)."""
-    return bool(modeling_files(type(module)) & OWN_DYNAMIC_CACHE) and _families_era()[0]
-
-
-def own_cache(module: nn.Module) -> Any:
-    """The cache the base model's forward makes when it keeps one it was not given: `DynamicCache(config=config)`
-    from transformers 4.56 (sliding layers for a windowed config), `DynamicCache()` on 4.53-4.55."""
-    from transformers.cache_utils import DynamicCache
-
-    return DynamicCache(config=module.config) if _families_era()[1] else DynamicCache()
-
-
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
     """Dynamic and longrope RoPE pick their frequencies from the largest position in the batch, padding included:
     when the packed row's largest position differs, the per-layer path keeps the padded positions (exact)."""
@@ -158,51 +124,6 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
     return dataclasses.replace(
         meta, batch=1, q_len=nnz, kv_len=nnz, indices_q=None, indices_k=None, packed=len(meta.seqlens_q) > 1
     )
-
-
-def fillable_cache(cache: Any) -> bool:
-    """An empty DynamicCache, or StaticCache of full-attention and in-order sliding layers: a prefill can run on the
-    packed row and write its keys and values back padded (a static cache into its first slots)."""
-    kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
-    return kind and callable(getattr(cache, "update", None)) and bool(cache.get_seq_length() == 0)
-
-
-@contextlib.contextmanager
-def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
-    """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D).
-
-    The cache then holds what transformers' padded prefill would store at every real position (filler at padding,
-    which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
-    The filler is zero, but a StaticCache's padding keys are ones: transformers 4.56-5.x count its filled slots as
-    the first row's nonzero keys (the next forward's position when no cache_position is given), and a zero key
-    there would shorten that count and misplace every later step.
-    """
-    original = cache.update
-    fills = (1.0 if static_layers(cache) is not None else 0.0, 0.0)  # keys, values
-
-    def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len, fill).transpose(1, 2)
-                  for t, fill in zip((key_states, value_states), fills)]
-        if args:
-            args = (padded_cache_kwargs(args[0], meta), *args[1:])
-        elif "cache_kwargs" in kwargs:
-            kwargs["cache_kwargs"] = padded_cache_kwargs(kwargs["cache_kwargs"], meta)
-        original(*padded, layer_idx, *args, **kwargs)
-        return key_states, value_states
-
-    cache.update = update
-    try:
-        yield
-    finally:
-        del cache.update  # the class's own method again
-
-
-def padded_cache_kwargs(cache_kwargs: Any, meta: VarlenMetadata) -> Any:
-    """The packed row's `cache_position` (0..nnz-1, passed by transformers 4.56-5.3) names packed slots; the
-    repadded keys fill slots 0..S-1, which a StaticCache writes by position."""
-    if not isinstance(cache_kwargs, dict) or cache_kwargs.get("cache_position") is None:
-        return cache_kwargs
-    return {**cache_kwargs, "cache_position": torch.arange(meta.q_len, device=cache_kwargs["cache_position"].device)}
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:

@@ -24,6 +24,7 @@ from packaging.version import InvalidVersion, Version
 from torch import nn
 
 from patchkit.forward.arguments import cache_parameter
+from patchkit.hooks.padded_cache import empty_cache
 from patchkit.warn import warn_user
 
 # The newest transformers release the whole suite passed on (CI's pinned version; `.ci/run`'s newest-release leg
@@ -252,16 +253,6 @@ def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.T
             steps.append(out.last_hidden_state[:, -1])
     results.append(("left-padded decode outputs", torch.stack(steps, 1)))
     return results
-
-
-def empty_cache(config: Any) -> Any:
-    """The empty DynamicCache generate() makes (with the config from transformers 4.56: sliding layers)."""
-    from transformers.cache_utils import DynamicCache
-
-    try:
-        return DynamicCache(config=config)
-    except TypeError:
-        return DynamicCache()
 
 
 def tiny_config(config: Any) -> Any:

@@ -1,0 +1,104 @@
+"""The KV cache a packed forward returns: made where the model would make one, filled padded as its layers run.
+
+The base model's forward runs on one packed row of real tokens; the cache it hands back must hold what
+transformers' padded forward would have stored, so that decode steps (and generate()) run on it unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Iterator
+
+import torch
+from packaging.version import Version
+from torch import nn
+
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.padding import pad_input
+from patchkit.hooks.model_walk import modeling_files
+from patchkit.hooks.slots_mask import static_layers
+
+# The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
+# (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
+# 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.54.1, 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen3_vl in
+# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 4.57.6, 5.0.0, 5.3.0 and 5.23.0).
+OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+                               "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
+                               "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+
+
+@functools.cache
+def _families_era() -> tuple[bool, bool]:
+    """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56)."""
+    import transformers
+
+    if Version(transformers.__version__).release < (4, 53):
+        return False, False  # before 4.36 there is no cache_utils at all
+    from transformers.cache_utils import DynamicCache
+
+    return True, "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
+def makes_own_cache(module: nn.Module) -> bool:
+    """The base model's own forward would make a DynamicCache that patchkit can make for it (`own_cache`)."""
+    return bool(modeling_files(type(module)) & OWN_DYNAMIC_CACHE) and _families_era()[0]
+
+
+def empty_cache(config: Any) -> Any:
+    """The empty DynamicCache transformers makes for `config`: `DynamicCache(config=config)` from 4.56 (sliding
+    layers for a windowed config), `DynamicCache()` before; generate()'s and the base model's own."""
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=config) if _families_era()[1] else DynamicCache()
+
+
+def own_cache(module: nn.Module) -> Any:
+    """The cache the base model's forward makes when it keeps one it was not given."""
+    return empty_cache(module.config)
+
+
+def fillable_cache(cache: Any) -> bool:
+    """An empty DynamicCache, or StaticCache of full-attention and in-order sliding layers: a prefill can run on the
+    packed row and write its keys and values back padded (a static cache into its first slots)."""
+    kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
+    return kind and callable(getattr(cache, "update", None)) and bool(cache.get_seq_length() == 0)
+
+
+@contextlib.contextmanager
+def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
+    """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D).
+
+    The cache then holds what transformers' padded prefill would store at every real position (filler at padding,
+    which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
+    The filler is zero, but a StaticCache's padding keys are ones: transformers 4.56-5.x count its filled slots as
+    the first row's nonzero keys (the next forward's position when no cache_position is given), and a zero key
+    there would shorten that count and misplace every later step.
+    """
+    original = cache.update
+    fills = (1.0 if static_layers(cache) is not None else 0.0, 0.0)  # keys, values
+
+    def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len, fill).transpose(1, 2)
+                  for t, fill in zip((key_states, value_states), fills)]
+        if args:
+            args = (padded_cache_kwargs(args[0], meta), *args[1:])
+        elif "cache_kwargs" in kwargs:
+            kwargs["cache_kwargs"] = padded_cache_kwargs(kwargs["cache_kwargs"], meta)
+        original(*padded, layer_idx, *args, **kwargs)
+        return key_states, value_states
+
+    cache.update = update
+    try:
+        yield
+    finally:
+        del cache.update  # the class's own method again
+
+
+def padded_cache_kwargs(cache_kwargs: Any, meta: VarlenMetadata) -> Any:
+    """The packed row's `cache_position` (0..nnz-1, passed by transformers 4.56-5.3) names packed slots; the
+    repadded keys fill slots 0..S-1, which a StaticCache writes by position."""
+    if not isinstance(cache_kwargs, dict) or cache_kwargs.get("cache_position") is None:
+        return cache_kwargs
+    return {**cache_kwargs, "cache_position": torch.arange(meta.q_len, device=cache_kwargs["cache_position"].device)}
