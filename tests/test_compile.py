@@ -337,3 +337,70 @@ def test_a_module_imported_between_compiled_steps_compiles_nothing_new():
         del sys.modules[f"patchkit_test_fresh_{step}"]
     torch._dynamo.reset()
     assert compiled_frames[0] == compiled_frames[-1], f"frames compiled after each step: {compiled_frames}"
+
+
+def compiled_step(model, kw: dict, train: bool) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A fullgraph-compiled forward (with backward in training): logits, loss or None, every parameter's grad."""
+    torch._dynamo.reset()
+    model.train(train).zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(train):
+        out = torch.compile(model, backend="eager", fullgraph=True)(**kw)
+    if train:
+        out.loss.backward()
+    return out.logits.detach(), out.loss, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family, way", [("llama", "class"), ("llama", "instance"), ("llama", "name"),
+                                         ("qwen2", "class"), ("qwen2_moe", "class")])
+def test_fullgraph_compile_of_a_patched_model_runs_transformers_attention_with_one_warning(family, way):
+    """torch.compile(fullgraph=True): patchkit's varlen path reads real-token lengths on the host, which a graph that
+    may not break cannot; the model (class and instance patch, the registered name; dense and mixture of experts)
+    compiles, runs transformers' own attention, equal to the unpatched compiled model on a padded training step and
+    an eval forward, with one warning naming the cause, counted. Before, dynamo refused the forward's contextvar
+    and a data-dependent guard: no compile at all."""
+    if way == "name":
+        pytest.importorskip("transformers.masking_utils", reason="the registered name's masks: transformers 4.53+")
+    model = any_model(family, "eager" if way == "name" else "sdpa")
+    ids, mask = padded_batch("right")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    want = [compiled_step(model, kw, train) for train in (True, False)]
+    handle = patchkit.apply_patch(family, backend="sdpa", **({"model": model} if way == "instance" else {}))
+    if way == "name":
+        from patchkit.hooks import attention_interface
+
+        handle.revert()
+        attention_interface.register(backend="sdpa")
+        model.config._attn_implementation = "patchkit"
+        handle = attention_interface.route_state()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"torch.compile\(fullgraph=True\).*compile without fullgraph"):
+            got = [compiled_step(model, kw, train) for train in (True, False)]
+    finally:
+        if way == "name":
+            model.config._attn_implementation = "eager"
+        else:
+            handle.revert()
+    assert handle.stepped_aside.get("compiled_fullgraph", 0) >= 1, handle.stepped_aside
+    real = mask.bool()
+    for (logits, loss, grads), (want_logits, want_loss, want_grads) in zip(got, want):
+        torch.testing.assert_close(logits[real], want_logits[real], atol=2e-5, rtol=1e-4)
+        if loss is not None:
+            torch.testing.assert_close(loss, want_loss, atol=2e-6, rtol=1e-5)
+        for g, w in zip(grads, want_grads):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-3)
+
+
+def test_strict_refuses_a_fullgraph_compile_by_name():
+    """strict=True: the fullgraph compile is refused while dynamo traces it, by patchkit's error (dynamo wraps it)
+    naming the cause and what keeps the model patched."""
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("right")
+    torch._dynamo.reset()
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        with pytest.raises(Exception, match=r"strict=True\): torch.compile\(fullgraph=True\)") as caught:
+            torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask)
+        assert handle.stepped_aside == {}
+    chain = [caught.value, caught.value.__cause__, caught.value.__context__]
+    assert any(isinstance(e, patchkit.PatchkitError) for e in chain), [type(e) for e in chain]

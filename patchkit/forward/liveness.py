@@ -19,6 +19,27 @@ LIVE_MARK = "_patchkit_live"  # every attention layer that ran through a patch h
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling  # <2.3
 
 
+def _tracing_one_graph() -> bool:
+    """Run by dynamo while it traces (its result a constant of the graph): whether this trace may not break,
+    torch.compile(fullgraph=True) or error_on_graph_break. False where this torch does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tracer = InstructionTranslator.current_tx()
+        return bool(tracer.one_graph or getattr(tracer, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - a torch without these internals: the graph may break, as before
+        return False
+
+
+_one_graph = torch._dynamo.assume_constant_result(_tracing_one_graph)
+
+
+def in_one_graph() -> bool:
+    """Inside a compiled graph that may not break (fullgraph=True): no host read, no contextvar, no step aside by
+    data there. Decided when dynamo traces the call, so it costs nothing at run time."""
+    return is_compiling() and _one_graph()
+
+
 def record_call(state: Any, module: nn.Module) -> None:
     """One attention call of `module` through the patch whose state is `state`."""
     if is_compiling():

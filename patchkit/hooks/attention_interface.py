@@ -30,9 +30,11 @@ from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
+    aside_in_graph,
     ends_in_padding,
     lm_cause,
     step_aside,
+    steps_aside_in_graph,
     transformers_mask,
     window_over_hole,
 )
@@ -56,6 +58,10 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     mask it was made from (`patchkit_varlen`) where the cache is one the varlen path places (`static_layers`; a
     class patch's model forward reads the 2D mask back from the tensor itself, `slots_mask`).
     """
+    if steps_aside_in_graph(_graph_aside):  # fullgraph: transformers' mask and attention, counted when traced
+        from transformers.masking_utils import eager_mask
+
+        return eager_mask(*args, **kwargs)
     if beyond_causal(kwargs.get("mask_function")):
         return aside_mask("custom_mask_pattern", args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
@@ -173,6 +179,9 @@ def route_state() -> PatchState:
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
         _function = _function_for(_state)
     return _state
+
+
+_graph_aside = aside_in_graph(lambda: route_state())
 
 
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:

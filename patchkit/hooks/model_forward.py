@@ -33,12 +33,14 @@ from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
+    aside_in_graph,
     documents_metadata,
     forward_cause,
     input_tokens,
     lm_cause,
     sliding_window,
     step_aside,
+    steps_aside_in_graph,
     transformers_mask_in_graph,
 )
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
@@ -262,6 +264,7 @@ def make_model_forward(
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)
     aside_state = state if state is not None else route
+    graph_aside = aside_in_graph(lambda: aside_state) if aside_state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
@@ -271,6 +274,8 @@ def make_model_forward(
             _keep_no_cache_in_training(self, arguments, extra)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
+        if steps_aside_in_graph(graph_aside):
+            return call(self, arguments)  # a graph that may not break: transformers' forward, counted when traced
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
@@ -319,8 +324,8 @@ def make_lm_forward(original: Callable) -> Callable:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        if transformers_mask_in_graph(arguments.get("attention_mask")):
-            return original(self, *args, **kwargs)  # the base model's forward hands that mask on as it is
+        if transformers_mask_in_graph(arguments.get("attention_mask")) or steps_aside_in_graph(None):
+            return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and _resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell

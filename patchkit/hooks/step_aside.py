@@ -8,7 +8,7 @@ layers receive transformers' own mask, so a checkpoint recompute in backward ste
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
-from patchkit.forward.liveness import is_compiling
+from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata, has_holes
 
@@ -73,6 +73,11 @@ CAUSES = {
         "never form",
         "leave output_attentions off",
     ),
+    "compiled_fullgraph": (
+        "torch.compile(fullgraph=True) traces the model into one graph, and patchkit's varlen path reads the "
+        "real-token lengths on the host, which such a graph cannot do",
+        "compile without fullgraph=True (the graph then breaks at patchkit's host reads and the model stays patched)",
+    ),
     "untested_transformers": (
         "this transformers is newer than patchkit was tested with, and this family's self-check differed there",
         "use a transformers patchkit was tested with, or a patchkit release that serves this one",
@@ -102,6 +107,26 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
         f"patchkit: {what}; such forwards run on transformers' own attention (exact; counted in the report). To "
         f"stay patched: {fix}.",
     )
+
+
+def aside_in_graph(state_of: Callable[[], Any]) -> Callable[[], bool]:
+    """A function that steps a forward aside for `compiled_fullgraph` (counted, warned once, refused in strict
+    mode) and returns True. Dynamo runs it once, while it traces a graph that may not break, and keeps its result
+    as a constant: nothing of it runs in the graph. `state_of`: the patch state, read then."""
+
+    def aside() -> bool:
+        step_aside(state_of(), "compiled_fullgraph", {}, {})
+        return True
+
+    return torch._dynamo.assume_constant_result(aside)
+
+
+def steps_aside_in_graph(aside: Optional[Callable[[], bool]]) -> bool:
+    """Inside a graph that may not break, True after stepping aside by `aside` (from `aside_in_graph`; None: a
+    wrapper with no patch state to count on); outside one, False."""
+    if not in_one_graph():
+        return False
+    return aside() if aside is not None else True
 
 
 def packed_call(arguments: dict, extra: dict) -> bool:
