@@ -23,7 +23,7 @@ from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
-from patchkit.hooks.padded_cache import fillable_cache, filled_padded, makes_own_cache, own_cache
+from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, filled_padded, makes_own_cache, own_cache
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
@@ -61,7 +61,9 @@ def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
 def _fills_a_cache(module: nn.Module, args: dict) -> bool:
     """This forward returns a cache the packed path must fill padded: with use_cache in eval, and in training only
     where the caller asked (use_cache=True; a cache brought in training keeps the per-layer path, as before)."""
-    return _resolved_use_cache(module, args.get("use_cache")) and (not module.training or args.get("use_cache") is True)
+    if not _resolved_use_cache(module, args.get("use_cache")):
+        return False
+    return not module.training or (args.get("use_cache") is True and caches_in_training(module))
 
 
 def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMetadata]:
@@ -221,7 +223,8 @@ def _keep_no_cache_in_training(module: nn.Module, args: dict, extra: dict) -> No
     tuple output (return_dict=False) holds a place for: its later elements keep their positions."""
     if args.get("use_cache") is True or not module.training or given_cache(args) is not None:
         return
-    keeps_place = wants_tuple(module, args, extra) and _resolved_use_cache(module, args.get("use_cache"))
+    keeps_place = wants_tuple(module, args, extra) and _resolved_use_cache(module, args.get("use_cache")) and (
+        caches_in_training(module))
     args["use_cache"] = keeps_place
 
 

@@ -27,23 +27,34 @@ from patchkit.hooks.slots_mask import static_layers
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
                                "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+# Those whose base model forward makes no cache in training before transformers 5.0, asked or not (`use_cache and
+# past_key_values is None and not self.training`; read in 4.53.3, 4.56.2 and 4.57.6).
+NO_TRAINING_CACHE_BEFORE_5 = frozenset({"gemma2", "gemma3"})
 
 
 @functools.cache
-def _families_era() -> tuple[bool, bool]:
-    """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56)."""
+def _families_era() -> tuple[bool, bool, bool]:
+    """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56;
+    transformers >= 5.0)."""
     import transformers
 
-    if Version(transformers.__version__).release < (4, 53):
-        return False, False  # before 4.36 there is no cache_utils at all
+    release = Version(transformers.__version__).release
+    if release < (4, 53):
+        return False, False, False  # before 4.36 there is no cache_utils at all
     from transformers.cache_utils import DynamicCache
 
-    return True, "config" in inspect.signature(DynamicCache.__init__).parameters
+    return True, "config" in inspect.signature(DynamicCache.__init__).parameters, release >= (5,)
 
 
 def makes_own_cache(module: nn.Module) -> bool:
     """The base model's own forward would make a DynamicCache that patchkit can make for it (`own_cache`)."""
     return bool(modeling_files(type(module)) & OWN_DYNAMIC_CACHE) and _families_era()[0]
+
+
+def caches_in_training(module: nn.Module) -> bool:
+    """The base model's forward makes a cache in training when use_cache is on (a tuple output then holds its place),
+    as every served family does from transformers 5.0."""
+    return not modeling_files(type(module)) & NO_TRAINING_CACHE_BEFORE_5 or _families_era()[2]
 
 
 def empty_cache(config: Any) -> Any:
