@@ -159,10 +159,15 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     announce(handle, args)
+    os.environ.update(args.to_env())  # a command that re-executes itself or starts workers: they patch the same way
+    ended_by: Optional[BaseException] = None
     try:
         run_target(target)
+    except BaseException as exc:
+        ended_by = exc
+        raise
     finally:
-        report_at_exit(handle)
+        report_at_exit(handle, ended_by=ended_by, handed_down=True)
     return 0
 
 

@@ -162,6 +162,11 @@ class PatchArguments:
             values["patch_unpad"] = _check_choice(ENV_UNPAD, env[ENV_UNPAD], UNPAD_MODES)
         return cls(**values)
 
+    def to_env(self) -> dict[str, str]:
+        """These options as the PATCHKIT_* variables `from_env` reads back: what a child process inherits."""
+        return {ENV_FLASH_ATTN: "1" if self.flash_attn else "0", ENV_PATCH: self.patch, ENV_BACKEND: self.attn_backend,
+                ENV_STRICT: "1" if self.patch_strict else "0", ENV_UNPAD: self.patch_unpad}
+
 
 def apply_from_args(
     args: Any, *more: Any, model: Optional[nn.Module] = None

@@ -5,6 +5,7 @@ Shared by the launcher and the PATCHKIT_FLASH_ATTN startup patch, each naming it
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 from typing import Any, Optional
@@ -18,13 +19,19 @@ def rank_label() -> str:
     return f"rank {rank if rank is not None else local}/{world or '?'} (local {local if local is not None else '?'})"
 
 
-def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchkit.launch") -> None:
+def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchkit.launch",
+                   ended_by: Optional[BaseException] = None, handed_down: bool = False) -> None:
     """At exit, one line per process, named for the way in that applied the patch (`who`): how many attention
-    layers ran through it and how many forwards stepped aside; loud when none ran through it."""
+    layers ran through it and how many forwards stepped aside; loud when none ran through it, and then why: the
+    exception the process ended with (`ended_by`, else an uncaught one), or that the processes it started inherited
+    the patch (`handed_down`: the launcher's PATCHKIT_* variables) and report for themselves."""
     if handle is None:
         return
     stream = stream or sys.stderr
     aside = ", ".join(f"{n} {cause}" for cause, n in handle.stepped_aside.items())
+    ended_by = ended_by if ended_by is not None else getattr(sys, "last_value", None)  # uncaught, at interpreter exit
+    if isinstance(ended_by, SystemExit) and ended_by.code in (None, 0):
+        ended_by = None
     if handle.layers_seen:
         print(
             f"{who}: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
@@ -32,10 +39,17 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
             + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")"),
             file=stream,
         )
+    elif ended_by is not None:
+        print(f"{who}: {rank_label()}: the process ended with {type(ended_by).__name__}: {str(ended_by)[:200]} "
+              f"before any attention layer ran through patch {handle.name!r}.", file=stream)
+    elif multiprocessing.parent_process() is not None:
+        pass  # a worker (a DataLoader's, a pool's) that ran no model: nothing to warn about
     else:
         print(
-            f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r}. "
-            "The script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
+            f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r} in this process. "
+            + ("Processes it started inherited the patch (PATCHKIT_* variables) and report for themselves; if it "
+               "started none, the " if handed_down else "The ")
+            + "script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
             "model's attention was replaced by other code; it ran without patchkit"
             + (f" (forwards stepped aside to transformers' attention: {aside})." if aside else "."),
             file=stream,
