@@ -217,7 +217,9 @@ def test_patched_forwards_show_the_originals_name_docstring_annotations_and_sign
     """transformers' own MoE test reads `ForCausalLM.forward.__annotations__["return"]` to check that the output type
     declares `router_logits`; the class patch's wrapper had no annotations, so under PATCHKIT_FLASH_ATTN=1 that test
     failed for Mixtral, Qwen2-MoE and Qwen3-MoE. Every wrapper shows what the original shows, class and instance
-    patch alike; none sets `__wrapped__`, which frameworks follow to strip wrappers."""
+    patch alike. The model's wrappers set no `__wrapped__`, which frameworks follow to strip a model's forward
+    wrappers (accelerate); the attention class's wrapper points it at the family's forward, whose source frameworks
+    that rewrite it read (`inspect.getsource` follows it: test_source_rewriting)."""
     import inspect
 
     from transformers.models.llama import modeling_llama as ml
@@ -234,7 +236,9 @@ def test_patched_forwards_show_the_originals_name_docstring_annotations_and_sign
     with patchkit.apply_patch("llama2", backend="sdpa"):
         for cls in classes:
             if cls.forward is not originals[cls]:  # the eras this transformers has wrap some of them
-                assert shown(cls.forward) == want[cls] and not hasattr(cls.forward, "__wrapped__"), cls
+                assert shown(cls.forward) == want[cls], cls
+                wrapped = getattr(cls.forward, "__wrapped__", None)
+                assert wrapped is (originals[cls] if cls is ml.LlamaAttention else None), cls
         assert any(cls.forward is not originals[cls] for cls in classes)
     with patchkit.apply_patch(model=model, backend="sdpa"):
         bound = model.forward

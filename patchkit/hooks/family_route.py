@@ -26,7 +26,7 @@ from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.recorded_router import make_recording_forward
-from patchkit.hooks.routing import current_method, make_attention_forward, routes_to
+from patchkit.hooks.routing import current_method, make_attention_forward, rerouting, routes_to
 from patchkit.hooks.step_aside import transformers_mask_in_graph
 from patchkit.registry import PatchSpec
 
@@ -71,10 +71,11 @@ def class_replacements(state: PatchState, classes: Callable, recorders: Callable
     attention, base, lm = classes()
     recording = recorders()
     by_interface = attention_interface.register_route()
-    out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state),
-                       f"{base.__name__}.forward (routes masks to patchkit)"),
-           Replacement(attention, "forward", make_attention_forward(attention.forward, state),
-                       f"{attention.__name__}.forward (routes attention to patchkit)")]
+    routing = Replacement(attention, "forward", make_attention_forward(attention.forward, state),
+                          f"{attention.__name__}.forward (routes attention to patchkit)")
+    keep = rerouting(attention, routing, state)  # a framework's rewritten attention forward, set after the patch
+    out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state, keep_routed=keep),
+                       f"{base.__name__}.forward (routes masks to patchkit)"), routing]
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording), f"{lm.__name__}.forward"))
     for records in (r for r in recording if r is not lm):

@@ -257,12 +257,14 @@ def _route_masks(module: nn.Module, patched_impl: Optional[str], route: Any) -> 
 
 
 def make_model_forward(
-    original: Callable, unpad: str, patched_impl: Optional[str] = None, route: Any = None, state: Any = None
+    original: Callable, unpad: str, patched_impl: Optional[str] = None, route: Any = None, state: Any = None,
+    keep_routed: Optional[Callable[[], None]] = None,
 ) -> Callable:
     """Wrap a base model's forward: no cache in training; under unpad="model", unpad its batch once, run the
     original on the packed row and repad its outputs. `patched_impl`: an instance's implementation at patch time;
     `route`: the patch state that this forward's masks go to through the registered name. With a state (`route`
-    or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`)."""
+    or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`). `keep_routed`: called
+    first (eager forwards), it re-wraps an attention forward a framework set on the class since (`rerouting`)."""
     signature, var_kw, bind, call = _bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)
@@ -270,6 +272,8 @@ def make_model_forward(
     graph_aside = aside_in_graph(lambda: aside_state) if aside_state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if keep_routed is not None and not is_compiling():
+            keep_routed()
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens

@@ -19,7 +19,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.patching import dressed_as
+from patchkit.hooks.patching import Replacement, dressed_as
 from patchkit.hooks.sequence_parallel import (
     refuse_shard_local,
     refuse_unfound,
@@ -152,7 +152,28 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
             return original(self, *args, **kwargs)
 
     forward.__patchkit_route__ = state  # type: ignore[attr-defined]
-    return dressed_as(forward, original)
+    dressed = dressed_as(forward, original)
+    # Frameworks that rewrite the attention forward from its source (axolotl's LoRA kernels, unsloth) read it with
+    # inspect.getsource, which follows __wrapped__: they find the family's own code, not this wrapper's.
+    dressed.__wrapped__ = original  # type: ignore[attr-defined]
+    return dressed
+
+
+def rerouting(attention: type, replacement: Replacement, state: Any) -> Callable[[], None]:
+    """A check for the base model's forward: when code set its own `attention.forward` on the class after the patch
+    (axolotl's LoRA kernels and unsloth exec a rewritten copy of the family's forward and set it there), that forward
+    is wrapped in turn, so its calls route to patchkit for the module's lifetime, checkpoint recomputes included;
+    revert then puts the framework's forward back, as the class would be without patchkit."""
+
+    def keep() -> None:
+        forward = vars(attention).get("forward")
+        if forward is replacement.new or forward is None or routes_to(forward, state):
+            return
+        replacement.original = forward
+        replacement.new = make_attention_forward(forward, state)
+        attention.forward = replacement.new
+
+    return keep
 
 
 def routes_to(forward: Any, state: Any) -> bool:
