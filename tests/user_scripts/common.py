@@ -11,12 +11,15 @@ import torch
 
 
 def checked_way(way: str, allowed: tuple[str, ...]) -> str:
-    """`way` if it is one of `allowed` and PATCHKIT_FLASH_ATTN is on for way 'env' and only for it, else exit."""
+    """`way` if it is one of `allowed` and PATCHKIT_FLASH_ATTN is on for way 'env' and only for it (the launcher
+    sets it itself, for the processes its command starts), else exit."""
     if way not in allowed:
         sys.exit(f"unknown way {way!r} (one of {', '.join(allowed)})")
     if way == "env" and os.environ.get("PATCHKIT_FLASH_ATTN") != "1":
         sys.exit("way 'env' needs PATCHKIT_FLASH_ATTN=1 in the environment (the startup hook applies the patch)")
-    if way != "env" and os.environ.get("PATCHKIT_FLASH_ATTN", "0") not in ("", "0"):
+    if way == "launcher" and not ("patchkit" in sys.modules and sys.modules["patchkit"].active_patches()):
+        sys.exit("way 'launcher' must run under python -m patchkit.launch (nothing was patched before the script)")
+    if way not in ("env", "launcher") and os.environ.get("PATCHKIT_FLASH_ATTN", "0") not in ("", "0"):
         sys.exit(f"way {way!r} must run without PATCHKIT_FLASH_ATTN")
     return way
 
