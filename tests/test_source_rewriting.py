@@ -102,9 +102,8 @@ def test_axolotl_lora_kernels_on_a_class_patched_model_equal_unpatched(tmp_path)
 
         lora_kernels.patch_self_attn_lora(cfg)
         model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").train()
-        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                       "o_proj"], init_lora_weights=False,
-                                  task_type="CAUSAL_LM")
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM",
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         torch.manual_seed(1)  # the adapters' initial weights
         model = lora_kernels.apply_lora_kernel_patches(peft.get_peft_model(model, lora), cfg)
         return train_step(model, ids, mask)
