@@ -1,7 +1,7 @@
 """A pre-norm transformer block on patchkit.nn.VarlenSelfAttention: train on CPU, check it, compare memory.
 
     python examples/transformer_block.py            # 30 steps, memory comparison at N = 8192
-    python examples/transformer_block.py --quick    # 5 steps, memory comparison at N = 2048
+    python examples/transformer_block.py --quick    # 5 steps, memory comparison at N = 1024
 
 1. Trains a tiny causal LM (two blocks, GQA) on padded batches for a few steps and prints the losses.
 2. Checks one block against the same block built on torch.nn.MultiheadAttention (same weights, key-padding
@@ -237,14 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--seq", type=int, default=8192, help="sequence length of the memory comparison")
-    parser.add_argument("--quick", action="store_true", help="5 steps and N = 2048 (for tests)")
+    parser.add_argument("--quick", action="store_true", help="5 steps and N = 1024 (for tests)")
     parser.add_argument("--memory-probe", choices=("mask", "varlen"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     if args.memory_probe:
         memory_probe(args.memory_probe, args.seq)
         return 0
-    steps, seq = (5, 2048) if args.quick else (args.steps, args.seq)
+    steps, seq = (5, 1024) if args.quick else (args.steps, args.seq)
 
     first, last = train(steps)
     trained = last < first

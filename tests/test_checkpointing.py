@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from entrypoints import clean_env, launch, run
+from entrypoints import clean_env, launch, run, tagged
 from families import ATOL, FAMILIES, any_model
 from models import assert_same, padded_batch, step
 
@@ -69,23 +68,22 @@ def test_a_checkpointed_deepcopy_of_an_instance_patch_is_reverted_with_it():
 
 def losses(proc) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    return tagged(proc.stdout, "RESULT")
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
-def test_env_var_and_launcher_train_with_checkpointing_as_unpatched(family, tmp_path):
+@pytest.mark.parametrize("family, reentrant", [("Mistral", "0"), ("Qwen2", "1")])
+def test_env_var_and_launcher_train_with_checkpointing_as_unpatched(family, reentrant, tmp_path):
     """An unmodified script with checkpointing on: the same three losses unpatched, under PATCHKIT_FLASH_ATTN=1 and
-    under the launcher, both reentrant and not."""
+    under the launcher, reentrant and not (one family each: the families' checkpointing runs in-process above)."""
     any_model(family.lower())  # skips where transformers has no family patches
-    for reentrant in ("0", "1"):
-        env = dict(FAMILY=family, REENTRANT=reentrant)
-        plain = losses(run([sys.executable, SCRIPT], env=clean_env(**env), cwd=tmp_path))
-        env_proc = run([sys.executable, SCRIPT], env=clean_env(PATCHKIT_FLASH_ATTN="1", **env), cwd=tmp_path)
-        launcher_proc = launch("--backend", "sdpa", SCRIPT, env=clean_env(**env), cwd=tmp_path)
-        for got in (losses(env_proc), losses(launcher_proc)):
-            assert got["calls"] == 3 * 4  # three steps of 2 layers, each recomputed once
-            assert got["losses"] == pytest.approx(plain["losses"], abs=1e-5)
-        # the exit line names the way in that applied the patch
-        assert "patchkit (PATCHKIT_FLASH_ATTN): rank 0/1 (single process): 2 attention layers ran" in env_proc.stderr
-        assert "patchkit.launch:" not in env_proc.stderr
-        assert "patchkit.launch: rank 0/1 (single process): 2 attention layers ran" in launcher_proc.stderr
+    env = dict(FAMILY=family, REENTRANT=reentrant)
+    plain = losses(run([sys.executable, SCRIPT], env=clean_env(**env), cwd=tmp_path))
+    env_proc = run([sys.executable, SCRIPT], env=clean_env(PATCHKIT_FLASH_ATTN="1", **env), cwd=tmp_path)
+    launcher_proc = launch("--backend", "sdpa", SCRIPT, env=clean_env(**env), cwd=tmp_path)
+    for got in (losses(env_proc), losses(launcher_proc)):
+        assert got["calls"] == 3 * 4  # three steps of 2 layers, each recomputed once
+        assert got["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    # the exit line names the way in that applied the patch
+    assert "patchkit (PATCHKIT_FLASH_ATTN): rank 0/1 (single process): 2 attention layers ran" in env_proc.stderr
+    assert "patchkit.launch:" not in env_proc.stderr
+    assert "patchkit.launch: rank 0/1 (single process): 2 attention layers ran" in launcher_proc.stderr
