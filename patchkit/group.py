@@ -104,9 +104,24 @@ class PatchGroup:
     def __exit__(self, *exc: Any) -> None:
         self.revert()
 
-    def report(self) -> str:
-        lines = [f"patchkit patch {GROUP_NAME!r}: {len(self.handles)} families patched, {len(self.skipped)} skipped"]
+    def report(self, detail: bool = False) -> str:
+        """A summary: the backend, what ran through each family that ran a forward, the families patched that ran
+        none yet, and those skipped with the gate that kept them off. `detail=True` adds each family's own report
+        (its gates, what it replaced, its counts)."""
+        requested, strict, unpad = self.options
+        lines = [f"patchkit patch {GROUP_NAME!r}: {len(self.handles)} families patched, {len(self.skipped)} skipped; "
+                 f"backend {self.backend!r} (requested {requested!r}, strict={strict}), unpad {unpad!r}"]
+        ran = [h for h in self.handles if h.calls or h.layers_seen or h.stepped_aside]
+        for h in ran:
+            aside = ", ".join(f"{n} {cause}" for cause, n in h.stepped_aside.items()) or "none"
+            lines.append(f"  {h.name}: {h.layers_patched} attention layers through the patch ({h.calls} calls); "
+                         f"forwards stepped aside to transformers' attention: {aside}")
+        idle = [h.name for h in self.handles if h not in ran]
+        if idle:
+            lines.append(f"  patched, no forward through them yet: {', '.join(idle)}")
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        if not detail:
+            return "\n".join(lines + ["  (report(detail=True): each family's gates, replacements and counts)"])
         return "\n".join(lines + [h.report() for h in self.handles])
 
     __str__ = report

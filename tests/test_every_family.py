@@ -61,7 +61,7 @@ def test_every_family_is_one_handle_per_family_and_applying_twice_is_once():
     group = patchkit.apply_patch(backend="sdpa")
     again = patchkit.apply_patch("all", backend="sdpa")
     assert again is group  # "all" is the same request
-    report = group.report()
+    report = group.report(detail=True)
     assert "patch 'llama2'" in report
     families = len(registered()) - 1  # every patch but llama1, whose family is llama2's
     if not FAMILIES:  # LLaMA alone; every other family named with the gate that kept it off
@@ -152,3 +152,21 @@ def test_the_startup_hook_watches_every_registered_family_module():
     assert modules <= set(_patchkit_startup.FAMILY_MODULES)
     if len(served) == len(registered()):  # a transformers every patch serves: those modules and no other
         assert set(_patchkit_startup.FAMILY_MODULES) == modules
+
+
+def test_the_groups_report_is_a_summary_that_names_what_ran():
+    """The default apply_patch()'s report was every family's full report (296 lines) ending on an unused family's
+    "0 (0 calls)", which reads as "nothing patched": it is now a summary, each family's report on request."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch(backend="sdpa") as group:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        summary, detail = group.report(), group.report(detail=True)
+    lines = summary.splitlines()
+    assert lines[0].startswith("patchkit patch 'all': ") and "backend 'sdpa'" in lines[0]
+    assert "  llama2: 2 attention layers through the patch (2 calls); forwards stepped aside to transformers' " \
+        "attention: none" in lines
+    idle = len(list(group)) > 1  # one line names every family that ran nothing (none before 4.53: LLaMA alone)
+    assert len(lines) == 3 + idle + len(group.skipped) and "report(detail=True)" in lines[-1]
+    assert summary.splitlines()[:-1] == detail.splitlines()[: len(lines) - 1] and "  gates:" in detail
