@@ -45,10 +45,15 @@ def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any
 
 
 def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
-    """Apply the class patch PATCHKIT_* ask for, unless an explicit apply_patch in this process is doing it now."""
+    """Apply the class patch PATCHKIT_* ask for, unless an explicit apply_patch in this process is doing it now; a
+    value that is not one ends the process with one line naming it."""
     if applying():
         return None  # apply_patch imported LLaMA itself: the explicit call decides, and applies once
-    args = PatchArguments.from_env()  # a bad value raises ValueError naming the variable: the import fails loudly
+    try:
+        args = PatchArguments.from_env()
+    except ValueError as exc:  # one line naming the variable, not a traceback through the user's import
+        raise SystemExit(f"patchkit: {exc}. The startup hook reads it when a model family is imported; fix or "
+                         "unset it.") from None
     if not args.flash_attn:
         return None
     if any(h.key[0] == "class" for h in active_patches()):
