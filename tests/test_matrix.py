@@ -52,16 +52,19 @@ def test_matrix_versions_get_no_tested_version(ran, monkeypatch, tmp_path):
     assert matrix.TESTED_ENV not in ran["5.0.0"]
 
 
-def test_each_era_runs_its_tier_and_the_slow_ones_run_on_the_last_4x():
+def test_each_era_runs_its_tier():
     legacy = matrix.tests_for("4.36.2", matrix.DEFAULT_TESTS)
     assert legacy[: len(matrix.LEGACY_TESTS)] == matrix.LEGACY_TESTS and matrix.FASTCHAT_TEST in legacy
     assert matrix.tests_for("4.31.0", matrix.DEFAULT_TESTS) == matrix.LEGACY_TESTS  # the FastChat script runs there
-    assert matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS) == matrix.CORE_TESTS
-    assert matrix.tests_for("4.53.3", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS
-    assert matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS + matrix.HEAVY_TESTS
-    assert set(matrix.ERA_VERSIONS + matrix.HEAVY_VERSIONS + matrix.FASTCHAT_VERSIONS) <= set(matrix.DEFAULT_VERSIONS)
+    assert matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS) == matrix.CORE_TESTS + matrix.CORE_DESELECTED
+    assert matrix.tests_for("4.48.3", matrix.DEFAULT_TESTS) == (
+        matrix.CORE_TESTS + ["tests/test_checkpointing.py"] + matrix.CORE_DESELECTED)
+    assert matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS
+    assert set(matrix.ERA_VERSIONS) | set(matrix.EXTRA_TESTS) | set(matrix.FASTCHAT_VERSIONS) <= set(
+        matrix.DEFAULT_VERSIONS)
     assert matrix.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
-    files = {t.split("::")[0] for t in matrix.DEFAULT_TESTS + matrix.LEGACY_TESTS + [matrix.FASTCHAT_TEST]}
+    files = {t.split("::")[0] for t in matrix.DEFAULT_TESTS + matrix.LEGACY_TESTS + [matrix.FASTCHAT_TEST,
+                                                                                    matrix.CORE_DESELECTED[1]]}
     assert all((matrix.REPO / f).is_file() for f in files), files
 
 
