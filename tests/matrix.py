@@ -215,7 +215,7 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=cache))
     log = cache / f"install-{version}.log"
-    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-compile",
+    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
            "--target", str(staging), f"transformers=={version}"]
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
@@ -224,8 +224,8 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
         return None, f"pip install failed (exit {proc.returncode}); see {log}"
     extras = era_extras(version)
     if extras:
-        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-compile",
-               "--no-deps", "--target", str(staging), *extras]
+        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-deps",
+               "--target", str(staging), *extras]
         with open(log, "a") as fh:
             proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
