@@ -38,11 +38,12 @@ from patchkit.eras import ERAS  # noqa: E402  (the era table only; tests run in 
 # 4.36 per-layer attention classes, Cache; 4.40 _update_causal_mask, rotary by position_ids; 4.46 position_embeddings;
 # 4.48 first single attention class (to 4.52, the last _update_causal_mask: `--versions 4.52.4`); 4.53
 # create_causal_mask;
-# 4.56 past_key_values + layered DynamicCache; 4.57 last 4.x; 5.23 the last that names the cache past_key_values
+# 4.56 past_key_values + layered DynamicCache (4.57, the last 4.x, has them: `--versions 4.56.2` runs 4.56 itself);
+# 5.23 the last that names the cache past_key_values
 # (5.24 renames it cache), the end of the 5.x era that began with 5.0 (`--versions 5.0.0` runs its start). The pinned
 # version (5.24) is not here: `make test` runs it whole.
-DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.40.2", "4.46.3", "4.48.3", "4.53.3", "4.56.2",
-                    "4.57.6", "5.23.0"]
+DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.40.2", "4.46.3", "4.48.3", "4.53.3", "4.57.6",
+                    "5.23.0"]
 # Before 4.48 only the LLaMA patches exist, and the suite's other files use newer transformers APIs: the era tests
 # (padded logits and gradients, generation with a cache, GQA, packed rows, instance patches, the FastChat-era
 # Trainer script under the launcher) run there. From 4.48 the core test files run too.
