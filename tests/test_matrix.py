@@ -59,7 +59,7 @@ def test_each_era_runs_its_tier():
     assert matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS) == matrix.CORE_TESTS + matrix.CORE_DESELECTED
     assert matrix.tests_for("4.48.3", matrix.DEFAULT_TESTS) == (
         matrix.CORE_TESTS + ["tests/test_checkpointing.py"] + matrix.CORE_DESELECTED)
-    assert matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS
+    assert matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS + matrix.CORE_DESELECTED
     assert set(matrix.ERA_VERSIONS) | set(matrix.EXTRA_TESTS) | set(matrix.FASTCHAT_VERSIONS) <= set(
         matrix.DEFAULT_VERSIONS)
     assert matrix.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
