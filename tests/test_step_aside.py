@@ -286,3 +286,33 @@ def test_a_mask_pattern_beyond_causal_gets_transformers_mask_and_attention(extra
     assert isinstance(plain, VarlenMask)
     torch.testing.assert_close(got_mask, want_mask)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(transformers.__version__ < "4.53", reason="masks through the mask interface: 4.53+")
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_mask_pattern_beyond_causal_in_a_forward_unpadded_at_the_model_reruns_padded_aside(family, monkeypatch):
+    """A mask transformers asks for beyond causal (LLaMA-4's chunks, a caller's and_mask_function) inside a forward
+    patchkit unpadded at the model: transformers' mask over the packed row would join its documents, so the forward
+    reruns padded on transformers' attention, counted, and equals unpatched."""
+    from models import labels_for
+
+    from patchkit.hooks import attention_interface
+
+    model = any_model(family).train()
+    ids, mask = padded_batch("mixed")
+    model.zero_grad()
+    want = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    want.loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    monkeypatch.setattr(attention_interface, "beyond_causal", lambda function: True)
+    handle = patchkit.apply_patch(family if family != "llama" else "llama2", backend="sdpa")
+    model.zero_grad()
+    with pytest.warns(RuntimeWarning, match="beyond causal and padding"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    got.loss.backward()
+    assert handle.stepped_aside == {"custom_mask_pattern": 1}
+    real = mask.bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=2e-5, rtol=1e-3)
+    handle.revert()

@@ -15,8 +15,10 @@ class ForwardContext:
     """What the forward running in this context carries. Immutable: `within` sets fields for the span of a block.
 
     Lifetimes, by who sets each field:
-    - `packed`, `no_mask`, `aside`: the base model's forward, for its call. `packed`: it unpadded its batch into one
-      packed row with these documents (mask builders given no mask hand the layers this metadata); `no_mask`: its
+    - `packed`, `unpadded`, `no_mask`, `aside`: the base model's forward, for its call. `packed`: the documents of
+      its rows (mask builders given no mask hand the layers this metadata); `unpadded`: it unpadded its batch into
+      that one packed row itself (a mask patchkit cannot serve there raises `PaddedOnly`: the forward reruns
+      padded on transformers' attention); `no_mask`: its
       caller gave no attention_mask (position_ids may define documents); `aside`: the cause it steps aside for
       (mask builders hand over to transformers').
     - `lm_cause`: the causal LM's forward, for its call: what of it reads padding positions (labels,
@@ -27,13 +29,14 @@ class ForwardContext:
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 
-    __slots__ = ("packed", "no_mask", "aside", "lm_cause", "route")
+    __slots__ = ("packed", "unpadded", "no_mask", "aside", "lm_cause", "route")
 
     def __init__(
-        self, packed: Optional[VarlenMetadata] = None, no_mask: bool = False, aside: Optional[str] = None,
-        lm_cause: Optional[str] = None, route: Any = None,
+        self, packed: Optional[VarlenMetadata] = None, unpadded: bool = False, no_mask: bool = False,
+        aside: Optional[str] = None, lm_cause: Optional[str] = None, route: Any = None,
     ) -> None:
-        self.packed, self.no_mask, self.aside, self.lm_cause, self.route = packed, no_mask, aside, lm_cause, route
+        self.packed, self.unpadded, self.no_mask = packed, unpadded, no_mask
+        self.aside, self.lm_cause, self.route = aside, lm_cause, route
 
     def replace(self, **fields: Any) -> ForwardContext:
         """A copy with `fields` changed."""
@@ -43,6 +46,15 @@ class ForwardContext:
 
     def __repr__(self) -> str:
         return "ForwardContext(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
+
+
+class PaddedOnly(Exception):
+    """Raised inside a forward the base model unpadded itself, by a mask builder asked for what only transformers'
+    attention serves (`cause`): nothing has run that the forward cannot run again padded, stepped aside."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 _NONE = ForwardContext()

@@ -20,7 +20,7 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.forward.arguments import check_family, given_cache
-from patchkit.forward.context import current
+from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
@@ -63,6 +63,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
 
         return eager_mask(*args, **kwargs)
     if beyond_causal(kwargs.get("mask_function")):
+        if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
+            raise PaddedOnly("custom_mask_pattern")
         return aside_mask("custom_mask_pattern", args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None

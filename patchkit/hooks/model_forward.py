@@ -17,7 +17,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
-from patchkit.forward.context import current, within
+from patchkit.forward.context import PaddedOnly, current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -301,19 +301,25 @@ def make_model_forward(
         meta = unpad_plan(self, arguments, extra) if whole else None
         documents = documents_metadata(arguments, extra) if meta is None and ulysses is None else None
         carried = {} if documents is None else {"packed": documents}  # documents ride the mask, as checkpoints do
-        with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
-                                                             **carried):
-            if meta is None:
-                return call(self, put_rope_rows(arguments, rope_rows))
-            cache = given_cache(arguments)
-            if cache is None and _fills_a_cache(self, arguments):
-                arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
-                cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
-            _unpad_inputs(arguments, meta)
-            put_rope_rows(arguments, rope_rows, meta)
-            filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
-            with within(packed=packed_row_metadata(meta)), filling:
-                out = call(self, arguments)
+        padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
+        try:
+            with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
+                                                                 **carried):
+                if meta is None:
+                    return call(self, put_rope_rows(arguments, rope_rows))
+                cache = given_cache(arguments)
+                if cache is None and _fills_a_cache(self, arguments):
+                    arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
+                    cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
+                _unpad_inputs(arguments, meta)
+                put_rope_rows(arguments, rope_rows, meta)
+                filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
+                with within(packed=packed_row_metadata(meta), unpadded=True), filling:
+                    out = call(self, arguments)
+        except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
+            step_aside(aside_state, only.cause, padded, extra)
+            with within(aside=only.cause):
+                return call(self, put_rope_rows(padded, rope_rows))
         out = repad_outputs(out, meta)
         if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
             hand_up(out)  # to a model around this one that records router logits of its own
