@@ -61,7 +61,8 @@ def cache_parameter(parameters: Iterable[str]) -> str:
 WHY = {
     "sliding_window": "a sliding-window attention (each query sees only the last N keys)",
     "softcap": "attention-logit soft-capping (tanh on the scores)",
-    "s_aux": "attention sinks (extra softmax logits per head)",
+    "sparse_indices": "sparse attention over the keys an indexer selected for each query (DeepSeek-V3.2's DSA)",
+    "block_indices": "sparse attention over the key blocks an indexer selected for each query",
     "output_attentions": "the attention weights, which varlen kernels never form",
     "head_mask": "a per-head mask on the attention weights",
     "is_causal": "bidirectional (non-causal) attention",
@@ -94,8 +95,9 @@ def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
         " Load this model with attn_implementation='sdpa' (or 'eager'), or without the patch; see "
         "patchkit.available_patches() for the families patchkit serves."
     )
+    shown = f"<tensor {tuple(value.shape)}>" if hasattr(value, "shape") else repr(value)
     return PatchInputError(
-        f"{model_label(module)} passes {name}={value!r} to its attention function: {what}. patchkit cannot serve "
+        f"{model_label(module)} passes {name}={shown} to its attention function: {what}. patchkit cannot serve "
         f"it exactly, so it refuses rather than ignore it.{fix}"
     )
 

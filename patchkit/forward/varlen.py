@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from patchkit.backends import Backend, SdpaBackend
+from patchkit.backends import Backend, SdpaBackend, sdpa
 from patchkit.backends.choice import serving_backend
 from patchkit.errors import PatchGateError, PatchInputError
 from patchkit.forward.arguments import check_call, check_family
@@ -144,6 +144,7 @@ def varlen_core(
     fixed_cache: bool = False,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention on real tokens only. q (B, H, S, D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) ->
     (B, S, H, D), padding zero.
@@ -179,6 +180,13 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
+    if sinks is not None:  # gpt-oss's attention sinks: the exact sdpa path, whatever the kernel backend
+        if state.backend.half_only:
+            state.warn_once("sinks", f"patchkit: {type(module).__name__} adds attention sinks (a learned logit per "
+                                     f"head in every softmax), which the {state.backend.name} kernels do not; "
+                                     "those layers run on patchkit's exact sdpa backend.")
+        options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
+        return attend_with_sinks(q, k, v, meta, options, sinks)
     backend = state.backend_for(module, window, softcap, dropout)
     in_dtype = q.dtype
     if backend.half_only:
@@ -187,7 +195,10 @@ def varlen_core(
             state.warn_once,
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
-    out = packing.attend(backend, q, k, v, meta, options)
+    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if v_dim != q.shape[-1]:  # multi-head latent attention: one head size for the kernels, zero columns added
+        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    out = packing.attend(backend, q, k, v, meta, options)[..., :v_dim]  # (the scale is explicit: zeros add nothing)
     return out if out.dtype == in_dtype else out.to(in_dtype)
 
 
@@ -229,6 +240,20 @@ def attend_kv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torc
     return repad(backend.varlen_kvpacked(unpad_rows(q, meta.indices_q), kv, meta, dropout_p=o.dropout,
                                          softmax_scale=o.scaling, causal=True, window_size=o.window,
                                          softcap=o.softcap), meta)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
+    sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
+    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = sdpa.varlen_attention(
+        unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
+        meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
+    )
+    kept = torch.sigmoid(lse.transpose(0, 1) - sinks.float())  # (tokens, H): the weight the keys keep
+    return repad(out * kept.unsqueeze(-1).to(out.dtype), meta)
 
 
 def refuse_gqa_for_qkv(heads: int, kv_heads: int) -> None:
@@ -275,7 +300,8 @@ def make_attention_function(
     transformers hands a registered name to any model that asks: families other than `model_types` (or, by
     `family_of`, a served family's attention class) are refused.
     """
-    model_types = frozenset(model_types)  # read per layer call
+    if isinstance(model_types, (list, tuple)):
+        model_types = frozenset(model_types)  # read per layer call (a registry's ServedTypes answers `in` itself)
 
     def attention(
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -286,12 +312,13 @@ def make_attention_function(
             sliding = attention_mask.window  # a layer that leaves its window to the mask (Qwen2-MoE in 5.x)
         window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
+        sinks = kwargs.pop("s_aux", None)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types, family_of)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
-            scaling=scale, window=window, softcap=softcap,
+            scaling=scale, window=window, softcap=softcap, sinks=sinks,
         )
         return out, None
 
