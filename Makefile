@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test lint matrix newest sp-test bench gpu-test clean
+.PHONY: setup demo test census lint matrix newest sp-test bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ demo: setup
 PYTEST_ARGS ?= -n 2 --dist worksteal
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py
+
+# The census: every causal LM of the pinned transformers, tiny, against its own eager attention every way in
+# (tests/test_census.py; `python tests/census.py` prints the table). Its own part of CI: under 2 minutes.
+census: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_census.py
 
 lint: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
@@ -40,7 +45,7 @@ matrix: setup
 # the registered name, the launcher and env var, the self-check); nothing to run when it is the pinned version.
 NEWEST_TESTS := tests/test_every_family.py tests/test_families.py tests/test_generation.py tests/test_static_cache.py \
 	tests/test_packing.py tests/test_model_unpad.py tests/test_attention_interface.py tests/test_launch.py \
-	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py
+	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py tests/test_census.py
 newest: setup
 	$(BIN)/python tests/matrix.py --versions newest --tests $(NEWEST_TESTS) -- $(PYTEST_ARGS)
 

@@ -1,16 +1,20 @@
 """patchkit's interpreter-start hook (patchkit-startup.pth): opt in without `import patchkit`, free otherwise.
 
 The .pth file calls `install()` in every interpreter of the environment patchkit is installed in. It imports only
-the standard library and puts one finder on `sys.meta_path` that watches three transformers modules and runs a
+the standard library and puts one finder on `sys.meta_path` that watches transformers modules and runs a
 callback right after each has executed:
 
 - `transformers.modeling_utils` and `transformers.masking_utils` (once both exist, transformers >= 4.53): register
   `attn_implementation="patchkit"` as two small stubs that import patchkit on first use, so the name works in a
   process that never imports patchkit (a TRL config, a config.json).
-- the modeling module of every family patchkit serves (`FAMILY_MODULES`, `transformers.models.llama.modeling_llama`
-  and the others): when PATCHKIT_FLASH_ATTN is on ("1", "true", "yes", "on"), apply patchkit's class patch
+- the modeling module of every family patchkit has a module for (`FAMILY_MODULES`,
+  `transformers.models.llama.modeling_llama` and the others): when PATCHKIT_FLASH_ATTN is on ("1", "true",
+  "yes", "on"), apply patchkit's class patch
   (`patchkit.entry.autostart`) before any model can be built from the module. A process that never imports such a
   module never imports torch or patchkit for it.
+- any other family's modeling module (the families patchkit serves from data, `patchkit.patches.table`): with
+  PATCHKIT_FLASH_ATTN on, the same patch at the first model built (`_apply_at_first_model`), which then patches
+  that model's family too.
 
 It lives outside the `patchkit` package because importing `patchkit` imports torch and transformers.
 """
@@ -93,6 +97,35 @@ def _apply_from_env(_module: ModuleType) -> None:
     autostart.apply_at_import()
 
 
+def is_modeling_module(name: str) -> bool:
+    """Any family's modeling module (`transformers.models.olmo.modeling_olmo`, not the auto classes): the families
+    served from data (patchkit.patches.table) are applied as their first model is built, under the patch this
+    import applies."""
+    return (name.startswith("transformers.models.") and not name.startswith("transformers.models.auto.")
+            and name.rpartition(".")[2].startswith("modeling_"))
+
+
+def _apply_at_first_model(_module: ModuleType) -> None:
+    """PATCHKIT_FLASH_ATTN on, after any other family's modeling module: apply at the first model built, not at the
+    import (a library that imports a modeling module of its own, as peft imports BLOOM's, must not apply the patch
+    before the script's own apply_patch). One wrapper on `PreTrainedModel.post_init`, gone at its first call."""
+    if _owner is not None or requested() is False:
+        return
+    pretrained = getattr(sys.modules.get(MODELING_UTILS), "PreTrainedModel", None)
+    original = getattr(pretrained, "__dict__", {}).get("post_init")
+    if original is None or getattr(original, "_patchkit_at_first_model", False):
+        return
+
+    def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if pretrained.__dict__.get("post_init") is post_init:
+            pretrained.post_init = original
+        _apply_from_env(_module)
+        return pretrained.post_init(self, *args, **kwargs)  # patchkit's own hook, if the patch installed it
+
+    post_init._patchkit_at_first_model = True  # type: ignore[attr-defined]
+    pretrained.post_init = post_init
+
+
 HOOKS: dict[str, Callable[[ModuleType], None]] = {
     MODELING_UTILS: _register_name,
     MASKING_UTILS: _register_name,
@@ -125,7 +158,7 @@ class PostImportFinder:
 
     @classmethod
     def find_spec(cls, fullname: str, path: Any = None, target: Any = None) -> Any:
-        callback = HOOKS.get(fullname)
+        callback = HOOKS.get(fullname) or (_apply_at_first_model if is_modeling_module(fullname) else None)
         if callback is None:
             return None
         for finder in sys.meta_path:

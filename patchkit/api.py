@@ -20,10 +20,11 @@ from patchkit.group import GROUP_NAME, PatchGroup
 from patchkit.hooks import batch_errors, flash_request, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.registry import PatchSpec, for_model, registered, resolve
+from patchkit.registry import PatchSpec, for_model, registered, resolve, table_spec
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
+_GROUP_CHOSEN: Optional[tuple] = None  # its backend and gates, for the families it adopts as their models are built
 _applying = 0  # class patches being built now: building one imports transformers' LLaMA, which fires the startup hook
 
 
@@ -246,7 +247,7 @@ def _apply(
             raise
         weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
     else:
-        unserved.attach(_served)
+        unserved.attach(_served, _adopt)
         flash_request.attach(_serving)
     return handle
 
@@ -289,10 +290,32 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
         raise
     finally:
         _applying -= 1
-    global _GROUP
-    if _GROUP is None or list(_GROUP) != handles:
+    global _GROUP, _GROUP_CHOSEN
+    _GROUP_CHOSEN = chosen
+    if _GROUP is None or list(_GROUP)[: len(handles)] != handles:
         _GROUP = PatchGroup(handles, skipped)
     return _GROUP  # the same families with the same options: the same group (twice == once)
+
+
+def _adopt(model: nn.Module) -> bool:
+    """Under `apply_patch()` with no name: a model of a family the table serves (no module of its own, so not applied
+    up front: that would import every modeling module) gets its family's class patch as it is built, with the
+    group's options, before its first forward. True when it was patched now."""
+    group = _GROUP
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if group is None or not group.active or model_type in group.skipped or not isinstance(model_type, str):
+        return False
+    if any(key[0] == "class" and model_type in h.spec.model_types for key, h in list(_ACTIVE.items())):
+        return False
+    try:
+        spec = table_spec(model_type)
+    except PatchTargetError:
+        return False
+    if not _gates.transformers_gate(_gates.probe_environment(), spec.supported, spec.name).passed:
+        return False
+    backend, strict, unpad = group.options
+    group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN))
+    return True
 
 
 def _served() -> dict[type, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from packaging.specifiers import SpecifierSet
 from torch import nn
@@ -60,6 +60,7 @@ class PatchSpec:
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
+    verified: bool = True  # the census saw it exact on CI's transformers (else: a self-check before the first forward)
 
     @property
     def family(self) -> str:
@@ -76,35 +77,95 @@ class PatchSpec:
         return names + (["model_config"] if self.check_model else [])
 
 
+TABLE = "patchkit.patches.table"  # every other decoder LM, served from data (imported by name: no import circle)
+
+
 def resolve(name: str) -> PatchSpec:
-    """The spec for a patch name or alias; an unknown name lists the known ones."""
+    """The spec for a patch name or alias, else for a model type the table serves; an unknown name lists the known
+    ones, a family the table refuses is named with the feature that stops it."""
     if not isinstance(name, str):
         raise TypeError(f"patch name must be a string, got {type(name).__name__}")
     key = ALIASES.get(name.lower(), name.lower())
-    if key not in PATCH_MODULES:
+    if key in PATCH_MODULES:
+        return importlib.import_module(PATCH_MODULES[key]).SPEC
+    try:
+        return table_spec(key)
+    except PatchTargetError as stop:
         known = ", ".join(sorted(PATCH_MODULES) + [f"{a} (= {t})" for a, t in ALIASES.items()])
-        raise ValueError(f"unknown patch {name!r}; available patches: {known}")
-    return importlib.import_module(PATCH_MODULES[key]).SPEC
+        raise ValueError(f"unknown patch {name!r}; available patches: {known}; or a decoder model_type served from "
+                         f"data ({stop})") from None
+
+
+_TABLE_SPECS: dict[str, PatchSpec | PatchTargetError] = {}
+
+
+def table_spec(model_type: Optional[str]) -> PatchSpec:
+    """The table's spec for `model_type` (made once), or `PatchTargetError` naming what stops it."""
+    if not isinstance(model_type, str):
+        raise PatchTargetError(f"model_type {model_type!r} is no family")
+    if model_type not in _TABLE_SPECS:
+        try:
+            _TABLE_SPECS[model_type] = importlib.import_module(TABLE).spec(model_type)
+        except (PatchTargetError, ImportError, AttributeError, KeyError) as stop:
+            _TABLE_SPECS[model_type] = stop if isinstance(stop, PatchTargetError) else PatchTargetError(str(stop))
+    found = _TABLE_SPECS[model_type]
+    if isinstance(found, PatchTargetError):
+        raise found
+    return found
 
 
 def registered() -> list[PatchSpec]:
     return [resolve(name) for name in PATCH_MODULES]
 
 
-def served_model_types() -> set[str]:
-    """Every `config.model_type` some registered patch serves."""
-    return {t for spec in registered() for t in spec.model_types}
+class ServedTypes:
+    """Every `config.model_type` patchkit serves: the registered patches' and the census's by name (iterated), and
+    any other the table serves, asked one at a time (`in`: inspects the family once)."""
+
+    def __init__(self, named: set[str]) -> None:
+        self.named = named
+
+    def __contains__(self, model_type: object) -> bool:
+        if model_type in self.named:
+            return True
+        try:
+            table_spec(model_type)  # type: ignore[arg-type]
+        except PatchTargetError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.named))
+
+
+_SERVED: Optional[ServedTypes] = None
+
+
+def served_model_types() -> ServedTypes:
+    """Every `config.model_type` some registered patch or the table serves."""
+    global _SERVED
+    if _SERVED is None:
+        named = {t for spec in registered() for t in spec.model_types}
+        _SERVED = ServedTypes(named | set(importlib.import_module(TABLE).VERIFIED))
+    return _SERVED
 
 
 def for_model_type(model_type: Optional[str]) -> PatchSpec:
-    """The patch serving `config.model_type` (llama2 for LLaMA); an unregistered family lists the served ones."""
+    """The patch serving `config.model_type` (llama2 for LLaMA, the table's for a family without a module); an
+    unserved family is named with what stops it and the served ones."""
     for name in PATCH_MODULES:
         spec = resolve(name)
         if model_type in spec.model_types and name != "llama1":
             return spec
-    served = sorted(served_model_types())
+    try:
+        return table_spec(model_type)
+    except PatchTargetError as stop:
+        why = stop
+    named = sorted({t for spec in registered() for t in spec.model_types})
+    more = len(set(served_model_types())) - len(named)
     raise PatchTargetError(
-        f"no patch for model_type {model_type!r}: patchkit serves {', '.join(served)}. Nothing was patched."
+        f"no patch for model_type {model_type!r}: patchkit serves {', '.join(named)} and {more} families more from "
+        f"data; this one: {why}. Nothing was patched."
     )
 
 

@@ -191,3 +191,39 @@ def test_registered_name_without_the_startup_hook_is_transformers_generic_error(
             "num_attention_heads=2, vocab_size=16, attn_implementation='patchkit'))\n")
     proc = run([sys.executable, "-S", "-c", code])
     assert proc.returncode != 0 and 'Specified `attn_implementation="patchkit"` is not supported' in proc.stderr
+
+
+FROM_DATA = '''
+import peft                                          # imports BLOOM's modeling module: no patch yet
+import patchkit, torch, transformers as tf
+print("BEFORE", len(patchkit.active_patches()))
+config = tf.OlmoConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
+torch.manual_seed(0)
+model = tf.OlmoForCausalLM(config)                   # the first model: the patch, with OLMo's family from data
+ids = torch.randint(3, 97, (2, 8))
+mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+handle = next(h for h in patchkit.active_patches() if h.name == "olmo")
+print("OLMO", handle.calls, handle.stepped_aside, round(loss.item(), 6))
+'''
+
+
+@needs_mask_interface
+def test_the_variable_serves_a_family_from_data_from_its_first_model(tmp_path):
+    """OLMo has no module in patches/: PATCHKIT_FLASH_ATTN=1 applies the patch when the first model is built (an
+    import alone, as peft's of BLOOM, applies nothing), and OLMo's family with it; the loss equals unpatched."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.0"):
+        pytest.skip("families from data: transformers 5.x")
+    path = tmp_path / "from_data.py"
+    path.write_text(FROM_DATA)
+    plain = FROM_DATA.split("handle =")[0] + "print('LOSS', round(loss.item(), 6))\n"
+    patched, unpatched = run_both(([sys.executable, path], {"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa"}),
+                                  ([sys.executable, "-c", plain], {}))
+    assert patched.returncode == 0, patched.stderr[-3000:]
+    assert "BEFORE 0" in patched.stdout and "OLMO 2 {} " in patched.stdout, patched.stdout
+    loss = patched.stdout.split("OLMO 2 {} ")[1].split()[0]
+    assert f"LOSS {loss}" in unpatched.stdout, unpatched.stdout + unpatched.stderr[-2000:]

@@ -25,7 +25,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.routing import ROUTE_NAME
-from patchkit.hooks.self_check import CAUSE as UNTRUSTED
+from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
@@ -203,7 +203,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_model_types(), spec_for_class)  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
-        what = untrusted_what(module.config) if cause == UNTRUSTED else None  # the family's check: what differed
+        what = untrusted_what(module.config) if cause in UNTRUSTED else None  # the family's check: what differed
         step_aside(routed or route_state(), cause, {}, {}, what)
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:

@@ -51,6 +51,17 @@ def family_spec(
     def recorders() -> tuple[type, ...]:
         return tuple(getattr(modeling(), prefix + name) for name in records)
 
+    return family_spec_of(model_type, classes, description, transformers=transformers, recorders=recorders)
+
+
+def family_spec_of(
+    model_type: str, classes: Callable[[], tuple[type, type, Optional[type]]], description: str, *,
+    transformers: str = ROUTE_TRANSFORMERS, recorders: Callable[[], tuple[type, ...]] = tuple,
+    unpad: Optional[str] = None, verified: bool = True,
+) -> PatchSpec:
+    """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
+    family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
+    `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward)."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -58,15 +69,18 @@ def family_spec(
         transformers=transformers,
         flash_attn_min="2.1",
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
-        build_class=lambda state: class_replacements(state, classes, recorders),
-        build_instance=lambda state, model: instance_replacements(state, model, classes, recorders),
+        build_class=lambda state: class_replacements(state, classes, recorders, unpad),
+        build_instance=lambda state, model: instance_replacements(state, model, classes, recorders, unpad),
         attention_class=lambda: classes()[0],
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),
+        verified=verified,
     )
 
 
-def class_replacements(state: PatchState, classes: Callable, recorders: Callable = tuple) -> list[Replacement]:
+def class_replacements(
+    state: PatchState, classes: Callable, recorders: Callable = tuple, unpad: Optional[str] = None
+) -> list[Replacement]:
     """Before load: every model of the family routes through patchkit, whatever implementation it names."""
     attention, base, lm = classes()
     recording = recorders()
@@ -74,7 +88,8 @@ def class_replacements(state: PatchState, classes: Callable, recorders: Callable
     routing = Replacement(attention, "forward", make_attention_forward(attention.forward, state),
                           f"{attention.__name__}.forward (routes attention to patchkit)")
     keep = rerouting(attention, routing, state)  # a framework's rewritten attention forward, set after the patch
-    out = [Replacement(base, "forward", make_model_forward(base.forward, state.unpad, route=state, keep_routed=keep),
+    out = [Replacement(base, "forward", make_model_forward(base.forward, unpad or state.unpad, route=state,
+                                                           keep_routed=keep),
                        f"{base.__name__}.forward (routes masks to patchkit)"), routing]
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording), f"{lm.__name__}.forward"))
@@ -88,7 +103,7 @@ def class_replacements(state: PatchState, classes: Callable, recorders: Callable
 
 
 def instance_replacements(
-    state: PatchState, model: nn.Module, classes: Callable, recorders: Callable = tuple
+    state: PatchState, model: nn.Module, classes: Callable, recorders: Callable = tuple, unpad: Optional[str] = None
 ) -> list[Replacement]:
     """A loaded instance: only its base model's (and LM's) forward change; the config only during a forward."""
     attention, base, lm = classes()
@@ -102,7 +117,8 @@ def instance_replacements(
     by_interface = attention_interface.register_route()
     out = []
     for b in bases:
-        wrapped = make_model_forward(current_method(b), state.unpad, b.config._attn_implementation, route=state)
+        wrapped = make_model_forward(current_method(b), unpad or state.unpad, b.config._attn_implementation,
+                                     route=state)
         out.append(bound_replacement(wrapped, b, "forward", f"{type(b).__name__}.forward (routes masks to patchkit)",
                                      state.track_copy))
         if not by_interface:

@@ -27,7 +27,7 @@ from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, fill
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
-from patchkit.hooks.self_check import CAUSE as UNTRUSTED
+from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause
@@ -293,7 +293,7 @@ def make_model_forward(
         if cause is not None:
             if padding_first:
                 raise refuse_step_aside(cause, *CAUSES[cause])
-            step_aside(aside_state, cause, arguments, extra, untrusted_what(self) if cause == UNTRUSTED else None)
+            step_aside(aside_state, cause, arguments, extra, untrusted_what(self) if cause in UNTRUSTED else None)
             with within(aside=cause):
                 return call(self, put_rope_rows(arguments, rope_rows))
         # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one

@@ -33,6 +33,8 @@ from patchkit.warn import warn_user
 TESTED_TRANSFORMERS = "5.24.0"
 TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"
 CAUSE = "untested_transformers"
+UNVERIFIED = "unverified_family"  # a family served from data that the census has not seen, whose check differed
+CAUSES = (CAUSE, UNVERIFIED)
 
 LAYERS, HEADS, VOCAB, BATCH, SEQ, STEPS = 2, 2, 64, 3, 10, 3
 WINDOW = 4  # shorter than the check's rows: a family's sliding window bites
@@ -40,6 +42,7 @@ LENGTHS = (SEQ, SEQ - 3, SEQ - 6)  # real tokens per row
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # max abs difference, relative past 1; half: HALF_TOLERANCE
 HALF_TOLERANCE = 5e-2
 
+unverified: set[str] = set()  # model types served from data that the census has not seen: checked on any transformers
 _verdicts: dict[type, Optional[str]] = {}  # base model class -> None (exact) or what differed
 _by_config: dict[type, type] = {}  # config class -> the base model class checked for it (registered name)
 _checking: set[type] = set()  # classes whose check is running (its own forwards must not check again)
@@ -87,7 +90,7 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     """`untested_transformers` when this model's family failed its check on this transformers, else None.
 
     The check runs once per process and class, at the class's first forward outside a compiled graph."""
-    if untested() is None:
+    if untested() is None and model_type(module) not in unverified:
         return None
     cls = type(module)
     if cls not in _verdicts:
@@ -102,13 +105,17 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
             seconds[cls] = time.perf_counter() - start
         finally:
             _checking.discard(cls)
-    return None if _verdicts[cls] is None else CAUSE
+    return None if _verdicts[cls] is None else failed_cause()
+
+
+def failed_cause() -> str:
+    return CAUSE if untested() is not None else UNVERIFIED
 
 
 def untrusted_mask_cause(config: Any) -> Optional[str]:
     """Under the registered name alone (no patch wraps the model): `untested_transformers` for a model whose family
     failed its check, found by its config (the model that builds the mask, from the stack, the first time)."""
-    if config is None or untested() is None:
+    if config is None or (untested() is None and getattr(config, "model_type", None) not in unverified):
         return None
     cls = _by_config.get(type(config))
     if cls is None:
@@ -117,7 +124,7 @@ def untrusted_mask_cause(config: Any) -> Optional[str]:
             return None
         cls = _by_config[type(config)] = type(module)
         untrusted_cause(module, None)
-    return None if _verdicts.get(cls) is None else CAUSE
+    return None if _verdicts.get(cls) is None else failed_cause()
 
 
 def building_model(config: Any, depth: int = 12) -> Optional[nn.Module]:
@@ -136,10 +143,17 @@ def untrusted_what(module: Any) -> str:
     import transformers
 
     cls = module if isinstance(module, type) else _by_config.get(type(module), type(module))  # a module or config
+    if untested() is None:  # a family the census has not seen, on a tested transformers
+        return (f"{cls.__name__} is a family patchkit's census has not verified, and its self-check found: "
+                f"{_verdicts.get(cls)}")
     return (
         f"transformers {transformers.__version__} is newer than patchkit was tested with ({newest_tested()}), "
         f"and {cls.__name__}'s self-check there found: {_verdicts.get(cls)}"
     )
+
+
+def model_type(module: nn.Module) -> Optional[str]:
+    return getattr(getattr(module, "config", None), "model_type", None)
 
 
 def forget() -> None:

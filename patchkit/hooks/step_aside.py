@@ -82,6 +82,11 @@ CAUSES = {
         "this transformers is newer than patchkit was tested with, and this family's self-check differed there",
         "use a transformers patchkit was tested with, or a patchkit release that serves this one",
     ),
+    "unverified_family": (
+        "this family is served from data (no module of its own) and patchkit's census has not verified it; its "
+        "self-check on a tiny model of its config differed",
+        "load it with attn_implementation='sdpa' or 'eager' (exact), and tell patchkit's maintainers the family",
+    ),
 }
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:

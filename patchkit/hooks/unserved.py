@@ -65,8 +65,9 @@ def note(model: Any, served: dict[type, str]) -> None:
     )
 
 
-def attach(served: Callable[[], dict[type, str]]) -> None:
-    """While a class patch is active, every model built checks its family against `served()` (idempotent)."""
+def attach(served: Callable[[], dict[type, str]], adopt: Callable[[Any], bool] = lambda model: False) -> None:
+    """While a class patch is active, every model built is offered to `adopt` (every family's patch takes a family
+    it serves from data as its first model is built), then checks its family against `served()` (idempotent)."""
 
     def build() -> list[Replacement]:
         cls = _pretrained_model()
@@ -74,6 +75,7 @@ def attach(served: Callable[[], dict[type, str]]) -> None:
 
         def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(self, *args, **kwargs)
+            adopt(self)
             note(self, served())
             return out
 

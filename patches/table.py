@@ -1,0 +1,153 @@
+"""Every other decoder LM, served from data: its classes found in its modeling module, the census's verdicts here.
+
+A family whose attention module calls transformers' attention interface (`ALL_ATTENTION_FUNCTIONS`) and whose
+base model and causal LM are in transformers' auto mappings is served by `family_route` with no module of its own:
+`find_classes` reads its attention, base model and causal-LM classes from the installed transformers. The census
+(`tests/test_census.py`) runs every such family through every way in against transformers' eager attention; what
+it found exact is `VERIFIED`. A family it has not seen (a model type transformers added after CI's version) is
+served too, after its self-check (`patchkit.hooks.self_check`) on a tiny model of the user's config passes;
+`REFUSED` names the families the varlen path cannot serve, with the feature that stops each.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Optional
+
+from packaging.specifiers import SpecifierSet
+from torch import nn
+
+from patchkit.errors import PatchTargetError
+from patchkit.hooks import self_check
+from patchkit.hooks.family_route import family_spec_of
+from patchkit.registry import PatchSpec
+
+TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
+
+# Served exactly by the census on CI's transformers (every way in: class, instance, registered name; padded and
+# packed training steps, left-padded generation). The explicit modules in patches/ are verified the same way.
+VERIFIED = frozenset({
+    "afmoe", "apertus", "arcee", "aria_text", "beam", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe",
+    "cwm", "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo",
+    "glm", "glm4_moe", "gpt2", "gpt_neox", "gptj", "granitemoe", "granitemoeshared", "helium",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
+    "laguna", "mellum", "minimax_m2", "ministral", "ministral3", "modernbert-decoder", "nanochat",
+    "nemotron", "olmo", "olmo3", "olmoe", "phimoe", "sarvam_moe", "seed_oss", "solar_open", "stablelm",
+    "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3",
+    # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)
+    "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
+    # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
+    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1",
+    # the base model reads the mask itself (positions counted from it) or mixes tokens outside attention (linear
+    # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
+    *("biogpt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
+      "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
+})
+# Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
+# (or positions the base model counts from the mask).
+# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES)
+ATTENTION_UNPAD = frozenset({"biogpt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2"})
+MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
+
+REFUSED = {
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text", "glm5_next", "hy_v4",
+                     "mistral_large4", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4"),
+                    "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
+                    "blocks), which a key-padding mask cannot express"),
+    "inkling_text": "a relative position bias added to the attention scores (`position_bias`)",
+    "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
+    **dict.fromkeys(("ctrl", "gpt_bigcode", "llama4_text", "moshi", "persimmon"),
+                    "documents packed in a row (position_ids restarting) that its attention layers are not told of: "
+                    "the census finds packed rows other than transformers' eager attention gives"),
+    **dict.fromkeys(("opt", "lfm3"), "layers that never reach patchkit's attention through its route (the census "
+                                     "counts no patched call)"),
+}
+
+
+def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
+    """(attention, base model, causal LM) of `model_type` in the installed transformers, or `PatchTargetError`
+    naming what is missing: not a causal LM, no base model beside it, no attention through the interface."""
+    from transformers.models.auto import modeling_auto as auto
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    for kind in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"):
+        if model_type in getattr(auto, kind, {}):
+            raise PatchTargetError(f"model_type {model_type!r} is an encoder or encoder-decoder family; patchkit "
+                                   "serves decoder-only causal LMs")
+    lm_name, base_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
+    if not isinstance(lm_name, str) or not isinstance(base_name, str):
+        raise PatchTargetError(f"model_type {model_type!r} has no causal LM with a base model in this transformers")
+    if lm_name.endswith("ForConditionalGeneration"):
+        raise PatchTargetError(f"{lm_name} is a multimodal model: patchkit serves its language model by that "
+                               "model's own model_type")
+    if base_name.endswith("Encoder"):
+        raise PatchTargetError(f"{base_name} is an encoder; patchkit serves decoder-only causal LMs")
+    import transformers
+
+    lm = getattr(transformers, lm_name)
+    base = getattr(transformers, base_name)
+    module = sys.modules[lm.__module__]
+    if base.__module__ != module.__name__:
+        raise PatchTargetError(f"{lm_name} wraps a model of another family ({base.__module__})")
+    attention = interface_attention(module, lm_name.removesuffix("ForCausalLM"))
+    if attention is None:
+        raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface")
+    return attention, base, lm
+
+
+def interface_attention(module: object, stem: str) -> Optional[type]:
+    """The attention class of a modeling module: one whose forward calls transformers' attention interface (the
+    text one, `{stem}Attention` or `{stem}TextAttention`, where a vision tower's does too), else None."""
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, nn.Module)
+             and c.__module__ == module.__name__ and calls_interface(c)]
+    named = [c for c in found if c.__name__ in (f"{stem}Attention", f"{stem}TextAttention")]
+    text = [c for c in found if not any(w in c.__name__ for w in ("Vision", "Audio", "Cross", "Encoder"))]
+    return (named or (text if len(text) == 1 else [None]))[0]
+
+
+def calls_interface(cls: type) -> bool:
+    forward = cls.__dict__.get("forward")
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def mixes_outside_attention(model_type: str) -> bool:
+    """A family whose layers mix tokens outside attention (its default config's `layer_types` say so)."""
+    if model_type in ATTENTION_UNPAD:
+        return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        kinds = getattr(CONFIG_MAPPING[model_type](), "layer_types", None) or ()
+    except Exception:  # a config that will not build on defaults: say nothing of it
+        return False
+    return any(isinstance(k, str) and k.startswith(MIXER_LAYER_TYPES) for k in kinds)
+
+
+def is_causal_lm(model_type: str) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def spec(model_type: str) -> PatchSpec:
+    """The PatchSpec serving `model_type` from data, or `PatchTargetError` with the feature that stops it."""
+    if model_type in REFUSED:
+        raise PatchTargetError(f"model_type {model_type!r} uses {REFUSED[model_type]}")
+    import transformers
+
+    if transformers.__version__ not in SpecifierSet(TABLE_TRANSFORMERS):
+        raise PatchTargetError(f"families served from data need transformers{TABLE_TRANSFORMERS} (the census's)")
+    if not is_causal_lm(model_type):
+        raise PatchTargetError(f"model_type {model_type!r} is not a causal LM of this transformers")
+    find_classes(model_type)  # what stops it, said now rather than at the first forward
+    verified = model_type in VERIFIED
+    if not verified:
+        self_check.unverified.add(model_type)  # checked on a tiny model of the user's config before its first forward
+    return family_spec_of(
+        model_type, lambda: find_classes(model_type),
+        f"{model_type}: served from data" + ("" if verified else " (not in the census: self-checked first)"),
+        transformers=TABLE_TRANSFORMERS, unpad="attention" if mixes_outside_attention(model_type) else None,
+        verified=verified,
+    )

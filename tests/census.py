@@ -1,0 +1,129 @@
+"""Every causal-LM model type of the installed transformers, a tiny random model of each (no hub, CPU, seconds)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from models import VOCAB
+
+# Small sizes under every name the configs use; a key is set only where the config has it (or maps it).
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, num_experts_per_token=2,
+    moe_intermediate_size=16, shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+    n_group=1, topk_group=1, expert_interval=1, moe_layer_freq=1, decoder_sparse_step=1, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, ffn_hidden_size=64, n_embd=32,
+    n_layer=2, n_head=4, ffn_dim=64, word_embed_proj_dim=32, n_positions=256, rotary_dim=4, partial_rotary_factor=0.5,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+)
+MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str):
+    """`model_type`'s config at SMALL sizes, no dropout, eager attention."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    kw = {k: v for k, v in SMALL.items() if hasattr(default, k) or k in getattr(cls, "attribute_map", {})}
+    if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size, set from it
+        kw.pop("head_dim", None)
+        kw["num_key_value_heads"] = kw["num_attention_heads"]  # its keys have every head
+    for key, value in default.to_dict().items():  # dropout, router jitter: training steps must be deterministic
+        if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "jitter")):
+            kw[key] = 0.0
+    config = cls(**kw)
+    try:
+        kinds = list(getattr(config, "layer_types", None) or [])
+    except Exception:  # a per-layer config (Gemma4's) answers per layer only
+        kinds = []
+    if kinds and not any(k in ATTENTION_KINDS for k in kinds):  # a hybrid's first layers: give it an attention one
+        try:
+            config = cls(**kw, layer_types=[kinds[0], "full_attention"])
+        except Exception:  # layer_types computed from other fields: the defaults' layers, as they are
+            pass
+    return config
+
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+
+
+def tiny_lm(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
+    """(the tiny causal LM of `model_type` in fp32, eager attention, train mode; '') or (None, why not)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = tiny_config(model_type)
+            with torch.device("meta"):
+                size = sum(p.numel() for p in lm._from_config(config, attn_implementation="eager").parameters())
+            if size > MAX_PARAMETERS:
+                return None, f"no tiny model: {size / 1e6:.0f}M parameters at the census's sizes"
+            torch.manual_seed(seed)
+            model = lm._from_config(config, attn_implementation="eager").float()
+    except Exception as exc:  # a config that needs what the census does not set (sub-configs, timm, ...)
+        return None, f"no tiny model: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return model.train(), ""
+
+
+PACKED = [[7, 9, 8], [11, 13]]  # document lengths of two packed rows
+
+
+def packed_rows(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of documents packed as TRL's padding-free collator packs them: input_ids and position_ids restarting
+    at 0 at each document, no mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=g)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED])
+    return ids, positions
+
+
+@torch.no_grad()
+def document_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The packed rows' logits as each document gives them run alone (what flash_attention_2 gives packed rows)."""
+    rows = []
+    for row, lengths in zip(ids, PACKED):
+        starts = torch.tensor([0, *lengths]).cumsum(0)
+        rows.append(torch.cat([model(input_ids=row[a:b][None], use_cache=False).logits[0]
+                               for a, b in zip(starts[:-1], starts[1:])]))
+    return torch.stack(rows)
+
+
+def main() -> None:
+    """Run the census (`tests/test_census.py`) and print its table: one row per causal-LM model type."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "census.jsonl"
+        env = dict(os.environ, PATCHKIT_CENSUS_OUT=str(out))
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", str(Path(__file__).parent / "test_census.py"),
+                        "-k", "test_census"], env=env, check=False)
+        rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["model_type"])
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("exact", "refused", "untested", "self-checked")}
+    print(f"\ntransformers {transformers.__version__}: " + ", ".join(f"{n} {o}" for o, n in counts.items()))
+    print("| model_type | outcome | why / note |\n|---|---|---|")
+    for r in rows:
+        print(f"| `{r['model_type']}` | {r['outcome']} | {r['detail']} |")
+
+
+if __name__ == "__main__":
+    main()

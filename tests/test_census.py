@@ -1,0 +1,214 @@
+"""The census: every causal LM of the installed transformers, served exactly every way in or refused by name.
+
+For each model type in transformers' causal-LM mapping: a family patchkit serves (a module in patches/ or the table,
+`patches/table.py`) is built tiny and compared with transformers' eager attention through the class patch, the
+instance patch and the registered name (logits at real tokens, loss and every gradient on a mixed-padded batch;
+packed rows, but for the instance patch, which runs the class patch's path; left-padded greedy generation through
+the class patch); a family it does not serve is refused with the feature that stops it.
+No other outcome passes: on CI's transformers the table's VERIFIED list is exactly the families found exact here.
+`python tests/census.py` prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from census import causal_lm_types, document_logits, packed_rows, tiny_lm
+from models import labels_for, padded_batch
+from packaging.version import Version
+from patchkit.patches import table
+
+import patchkit
+from patchkit.errors import PatchkitError, PatchTargetError
+from patchkit.hooks import attention_interface, self_check
+from patchkit.registry import PATCH_MODULES, for_model_type
+
+PINNED = transformers.__version__ == self_check.TESTED_TRANSFORMERS  # the version VERIFIED was made on
+NEW_ENOUGH = Version(transformers.__version__) >= Version("5.0")  # the table serves transformers 5.x's interface
+ATOL = 5e-5
+pytestmark = pytest.mark.skipif(not NEW_ENOUGH, reason="families from data: transformers 5.x")
+
+
+def record(model_type: str, outcome: str, detail: str = "") -> None:
+    """One census row, appended to $PATCHKIT_CENSUS_OUT when set (`python tests/census.py` prints the table)."""
+    path = os.environ.get("PATCHKIT_CENSUS_OUT")
+    if path:
+        line = json.dumps({"model_type": model_type, "outcome": outcome, "detail": detail}) + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # one write per row: workers share the file
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+
+def serving(model_type: str):
+    try:
+        return for_model_type(model_type), ""
+    except PatchTargetError as stop:
+        return None, str(stop)
+
+
+def train_step(model, **inputs) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def runs(model, packed: bool = True) -> dict:
+    """The comparisons' numbers on `model` as it is now (patched or not): a padded step, and packed rows."""
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    out = {"padded": train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))}
+    if packed:
+        rows, positions = packed_rows()
+        out["packed"] = train_step(model, input_ids=rows, position_ids=positions, labels=rows)
+    return out
+
+
+def same(got: dict, want: dict, mask: torch.Tensor) -> str:
+    """'' when every number agrees, else what differed. Packed rows agree with transformers' eager attention on
+    them or, where that joins the documents (a family that does not read documents from position_ids), with each
+    document run alone: the padding-free contract flash_attention_2 keeps."""
+    for key in ("padded", "packed"):
+        if key not in got:
+            continue
+        if key == "packed" and "documents" in want:
+            docs = (got[key][0] - want["documents"]).abs().max().item()
+            if docs <= ATOL * max(1.0, want["documents"].abs().max().item()):
+                continue
+        (gl, gg), (wl, wg) = got[key], want[key]
+        real = mask.bool() if key == "padded" else torch.ones(wl.shape[:2], dtype=torch.bool)
+        diff = (gl[real] - wl[real]).abs().max().item()
+        if not diff <= ATOL * max(1.0, wl[real].abs().max().item()):
+            return f"{key} logits differ by {diff:.2g}"
+        for name in wg:
+            d = (gg[name] - wg[name]).abs().max().item()
+            if not d <= ATOL * max(1.0, wg[name].abs().max().item()):
+                return f"{key} gradient of {name} differs by {d:.2g}"
+    return ""
+
+
+def generated(model) -> torch.Tensor:
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model.generate(input_ids=ids.clamp(max=model.config.vocab_size - 1), attention_mask=mask,
+                                  max_new_tokens=4, do_sample=False, pad_token_id=0)
+    finally:
+        model.train()
+
+
+def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> dict:
+    """What differed from `want` (or '') through the class patch, the instance patch and the registered name."""
+    outcomes = {}
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:  # the class patch (the model built before it)
+        outcomes["class"] = same(runs(model), want, mask)
+        if want_tokens is not None and not outcomes["class"]:
+            got_tokens = generated(model)
+            outcomes["class"] = "" if torch.equal(got_tokens, want_tokens) else "generated tokens differ"
+        assert handle.calls > 0 or handle.stepped_aside, "no forward went through the class patch"
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
+        assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
+    attention_interface.register(backend="sdpa")
+    model.set_attn_implementation(attention_interface.ATTENTION_NAME)
+    try:
+        outcomes["registered name"] = same(runs(model), want, mask)
+    finally:
+        model.set_attn_implementation("eager")
+        attention_interface.register(backend="auto")
+    return outcomes
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_census(model_type, monkeypatch):
+    spec, why = serving(model_type)
+    if spec is None:  # refused by name: the feature that stops it, never served silently
+        assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but not served: {why}"
+        if model_type in table.REFUSED:
+            assert table.REFUSED[model_type] in why
+        with pytest.raises(ValueError, match="unknown patch"):
+            patchkit.apply_patch(model_type, backend="sdpa")
+        record(model_type, "refused", why)
+        pytest.skip(f"not served: {why}")
+    model, why = tiny_lm(model_type)
+    if model is None:
+        assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but has {why}"
+        record(model_type, "untested", why)
+        pytest.skip(why)
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    try:
+        want = runs(model)
+        want["documents"] = document_logits(model, packed_rows()[0])
+    except Exception as exc:  # transformers' own eager attention cannot run this tiny model: nothing to compare
+        assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but its eager run raised {exc!r}"
+        record(model_type, "untested", f"transformers' eager run of the tiny model raised {type(exc).__name__}")
+        pytest.skip(f"eager run raised {exc!r}")
+    try:
+        want_tokens = generated(model)
+    except Exception:  # a tiny config transformers' own generate() cannot run: the census compares the steps only
+        want_tokens = None
+    try:
+        outcomes = patched_outcomes(model_type, model, want, want_tokens, mask)
+    except PatchkitError as refused:  # a family the census has not seen, refused at its first forward by name
+        assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but raised {refused}"
+        record(model_type, "self-checked", str(refused).split(".")[0])
+        pytest.skip(f"refused: {refused}")
+    differed = {way: what for way, what in outcomes.items() if what}
+    if model_type in table.VERIFIED or model_type in PATCH_MODULES or PINNED:
+        assert not differed, f"{model_type} differs from transformers' eager attention: {differed}"
+    record(model_type, "exact" if not differed else "self-checked", "; ".join(differed.values()) or (
+        "unpadded inside attention only" if table.mixes_outside_attention(model_type) else ""))
+    if PINNED and model_type not in PATCH_MODULES:
+        assert spec.verified, f"{model_type} is exact every way in: add it to patches/table.py VERIFIED"
+
+
+def olmo() -> torch.nn.Module:
+    model, why = tiny_lm("olmo")
+    assert model is not None, why
+    return model
+
+
+@pytest.fixture
+def unverified_olmo(monkeypatch):
+    """OLMo as a family transformers added after CI's version would be: served from data, not in the census."""
+    from patchkit import registry
+
+    monkeypatch.setattr(table, "VERIFIED", table.VERIFIED - {"olmo"})
+    monkeypatch.setattr(registry, "_TABLE_SPECS", {})
+    monkeypatch.setattr(self_check, "unverified", set())
+    self_check.forget()
+    yield
+    self_check.forget()
+
+
+def test_a_family_the_census_has_not_seen_is_served_after_its_self_check(unverified_olmo):
+    model = olmo()
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    want = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    with patchkit.apply_patch(backend="sdpa") as group:  # every family: OLMo's adopted as its model is built
+        model = olmo()
+        assert "olmo" in group.model_types and "olmo" in self_check.unverified
+        got = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+        assert not group.stepped_aside and group.calls > 0
+    assert not same({"padded": got}, {"padded": want}, mask)
+    assert list(self_check.seconds) == [type(model.model)]  # checked once, before the first forward
+
+
+def test_an_unseen_family_whose_self_check_differs_steps_aside_by_name(unverified_olmo, monkeypatch):
+    monkeypatch.setattr(self_check, "check_family", lambda module, state: "training step outputs differ by 0.5")
+    model = olmo()
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    want = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    handle = patchkit.apply_patch("olmo", backend="sdpa")
+    with pytest.warns(RuntimeWarning, match="census has not verified, and its self-check found: training step"):
+        got = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    assert handle.stepped_aside == {"unverified_family": 1}
+    assert not same({"padded": got}, {"padded": want}, mask)
+    handle.revert()
