@@ -8,8 +8,17 @@ import os
 # A PATCHKIT_FLASH_ATTN exported in the caller's shell would make the startup hook patch every LLaMA model the
 # moment the tests import transformers' LLaMA; the tests apply and revert patches themselves.
 os.environ.pop("PATCHKIT_FLASH_ATTN", None)
+# Under pytest-xdist each worker has a core of its own: torch's intra-op threads (one per core in every worker)
+# would contend for the same cores on the tiny ops these tests run (the census: 500 s with them, 81 s without).
+# The processes the tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 import patchkit  # noqa: E402
 
