@@ -65,6 +65,13 @@ REFUSED = {
 }
 
 
+def verified_here() -> frozenset[str]:
+    """VERIFIED where this transformers is one the table serves, else nothing."""
+    import transformers
+
+    return VERIFIED if transformers.__version__ in SpecifierSet(TABLE_TRANSFORMERS) else frozenset()
+
+
 def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     """(attention, base model, causal LM) of `model_type` in the installed transformers, or `PatchTargetError`
     naming what is missing: not a causal LM, no base model beside it, no attention through the interface."""

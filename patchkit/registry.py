@@ -146,7 +146,7 @@ def served_model_types() -> ServedTypes:
     global _SERVED
     if _SERVED is None:
         named = {t for spec in registered() for t in spec.model_types}
-        _SERVED = ServedTypes(named | set(importlib.import_module(TABLE).VERIFIED))
+        _SERVED = ServedTypes(named | set(importlib.import_module(TABLE).verified_here()))
     return _SERVED
 
 

@@ -270,7 +270,8 @@ def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
     pytest.param("olmo", r"OlmoAttention \(model_type 'olmo'\), a model family patchkit has no patch for",
                  marks=pytest.mark.skipif(VERSION >= Version("5"), reason="served from data on transformers 5.x")),
     pytest.param("persimmon", r"PersimmonAttention \(model_type 'persimmon'\), a model family patchkit has no "
-                 "patch for", marks=pytest.mark.skipif(VERSION < Version("4.53"), reason="no mask interface")),
+                 "patch for", marks=pytest.mark.skipif(VERSION < Version("5"), reason="its attention reaches the "
+                                                    "interface from transformers 5.0")),
 ])
 def test_registered_name_refuses_what_it_does_not_serve(kind, match):
     """Item 2: the registered name reached BERT and other families and ran them silently wrong."""
