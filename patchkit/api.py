@@ -21,6 +21,7 @@ from patchkit.hooks import batch_errors, flash_request, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
 from patchkit.registry import PatchSpec, for_model, registered, resolve, table_spec
+from patchkit.warn import warn_user
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
@@ -314,7 +315,11 @@ def _adopt(model: nn.Module) -> bool:
     if not _gates.transformers_gate(_gates.probe_environment(), spec.supported, spec.name).passed:
         return False
     backend, strict, unpad = group.options
-    group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN))
+    try:
+        group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN))
+    except PatchkitError as exc:  # never a failed model build: the model runs on transformers' attention, said once
+        warn_user(f"patchkit: {type(model).__name__} (model_type {model_type!r}) runs unpatched: {exc}")
+        return False
     return True
 
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import transformers
-from census import causal_lm_types, document_logits, packed_rows, tiny_lm
+from census import causal_lm_types, document_logits, packed_rows, tiny_config, tiny_lm
 from models import labels_for, padded_batch
 from packaging.version import Version
 from patchkit.patches import table
@@ -212,3 +212,20 @@ def test_an_unseen_family_whose_self_check_differs_steps_aside_by_name(unverifie
     assert handle.stepped_aside == {"unverified_family": 1}
     assert not same({"padded": got}, {"padded": want}, mask)
     handle.revert()
+
+
+def test_a_family_that_cannot_be_adopted_is_built_and_runs_unpatched_saying_why(monkeypatch):
+    from patchkit import api
+
+    real = api._apply
+
+    def failing(spec, *args, **kwargs):
+        if spec.name == "olmo":
+            raise PatchkitError("olmo's gate failed here")
+        return real(spec, *args, **kwargs)
+
+    with patchkit.apply_patch(backend="sdpa") as group:
+        monkeypatch.setattr(api, "_apply", failing)
+        with pytest.warns(RuntimeWarning, match=r"\(model_type 'olmo'\) runs unpatched: olmo's gate failed here"):
+            transformers.OlmoForCausalLM(tiny_config("olmo"))  # (tiny_lm keeps its builds quiet)
+        assert "olmo" not in group.model_types
