@@ -117,8 +117,9 @@ def _apply_at_first_model(_module: ModuleType) -> None:
         return
 
     def post_init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if pretrained.__dict__.get("post_init") is post_init:
-            pretrained.post_init = original
+        if pretrained.__dict__.get("post_init") is not post_init:  # under patchkit's own hook (a script's apply_patch
+            return original(self, *args, **kwargs)  # came first): that hook judges the model; nothing to apply
+        pretrained.post_init = original
         _apply_from_env(_module)
         return pretrained.post_init(self, *args, **kwargs)  # patchkit's own hook, if the patch installed it
 

@@ -227,3 +227,24 @@ def test_the_variable_serves_a_family_from_data_from_its_first_model(tmp_path):
     assert "BEFORE 0" in patched.stdout and "OLMO 2 {} " in patched.stdout, patched.stdout
     loss = patched.stdout.split("OLMO 2 {} ")[1].split()[0]
     assert f"LOSS {loss}" in unpatched.stdout, unpatched.stdout + unpatched.stderr[-2000:]
+
+
+EXPLICIT_AFTER_ANOTHER_IMPORT = '''
+import transformers.models.bloom.modeling_bloom      # another family's import: the variable waits for a model
+import patchkit, torch, transformers as tf
+handle = patchkit.apply_patch("llama2", backend="sdpa", unpad="attention")   # the script's own options
+model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4))
+print("ACTIVE", [(h.name, h.options) for h in patchkit.active_patches()])
+'''
+
+
+def test_an_explicit_apply_after_another_familys_import_keeps_its_options(tmp_path):
+    """With the variable on, an import of a family without a module (peft imports BLOOM's) arms the patch for the
+    first model; the script's own apply_patch before that model wins, and building it runs once through each hook
+    (the armed one under patchkit's own had called back into it without end)."""
+    path = tmp_path / "explicit_after.py"
+    path.write_text(EXPLICIT_AFTER_ANOTHER_IMPORT)
+    proc = run([sys.executable, path], env=clean_env(PATCHKIT_FLASH_ATTN="1", PATCHKIT_BACKEND="sdpa"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ACTIVE [('llama2', ('sdpa', False, 'attention'))]" in proc.stdout, proc.stdout
