@@ -65,11 +65,16 @@ REFUSED = {
 }
 
 
-def verified_here() -> frozenset[str]:
-    """VERIFIED where this transformers is one the table serves, else nothing."""
+def serves_here() -> bool:
+    """Whether the installed transformers is one the table serves (the census's)."""
     import transformers
 
-    return VERIFIED if transformers.__version__ in SpecifierSet(TABLE_TRANSFORMERS) else frozenset()
+    return transformers.__version__ in SpecifierSet(TABLE_TRANSFORMERS)
+
+
+def verified_here() -> frozenset[str]:
+    """VERIFIED where this transformers is one the table serves, else nothing."""
+    return VERIFIED if serves_here() else frozenset()
 
 
 def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
@@ -132,22 +137,12 @@ def mixes_outside_attention(model_type: str) -> bool:
     return any(isinstance(k, str) and k.startswith(MIXER_LAYER_TYPES) for k in kinds)
 
 
-def is_causal_lm(model_type: str) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-
 def spec(model_type: str) -> PatchSpec:
     """The PatchSpec serving `model_type` from data, or `PatchTargetError` with the feature that stops it."""
     if model_type in REFUSED:
         raise PatchTargetError(f"model_type {model_type!r} uses {REFUSED[model_type]}")
-    import transformers
-
-    if transformers.__version__ not in SpecifierSet(TABLE_TRANSFORMERS):
+    if not serves_here():
         raise PatchTargetError(f"families served from data need transformers{TABLE_TRANSFORMERS} (the census's)")
-    if not is_causal_lm(model_type):
-        raise PatchTargetError(f"model_type {model_type!r} is not a causal LM of this transformers")
     find_classes(model_type)  # what stops it, said now rather than at the first forward
     verified = model_type in VERIFIED
     if not verified:

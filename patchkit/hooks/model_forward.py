@@ -301,12 +301,12 @@ def make_model_forward(
         meta = unpad_plan(self, arguments, extra) if whole else None
         documents = documents_metadata(arguments, extra) if meta is None and ulysses is None else None
         carried = {} if documents is None else {"packed": documents}  # documents ride the mask, as checkpoints do
-        padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
         try:
             with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
                                                                  **carried):
                 if meta is None:
                     return call(self, put_rope_rows(arguments, rope_rows))
+                padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
                 if cache is None and _fills_a_cache(self, arguments):
                     arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
