@@ -46,6 +46,7 @@ class SdpaBackend:
 
     name = "sdpa"
     half_only = False
+    in_graph = True  # its op takes cu_seqlens inside a graph that may not break (`sdpa_op`; dropout excepted)
 
     def varlen_qkvpacked(
         self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,

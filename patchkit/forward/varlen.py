@@ -11,9 +11,10 @@ from torch import nn
 
 from patchkit.backends import Backend, SdpaBackend, sdpa
 from patchkit.backends.choice import serving_backend
-from patchkit.errors import PatchGateError, PatchInputError
+from patchkit.errors import PatchGateError, PatchInputError, PatchStateError
 from patchkit.forward.arguments import check_call, check_family
 from patchkit.forward.decode import decode_attention
+from patchkit.forward.in_graph import GraphMask, attend_in_graph
 from patchkit.forward.liveness import record_call
 from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
@@ -195,11 +196,40 @@ def varlen_core(
             state.warn_once,
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
-    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
-    if v_dim != q.shape[-1]:  # multi-head latent attention: one head size for the kernels, zero columns added
-        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    out = packing.attend(backend, q, k, v, meta, options)[..., :v_dim]  # (the scale is explicit: zeros add nothing)
+    out = one_head_size(packing.attend, backend, q, k, v, meta, options)
     return out if out.dtype == in_dtype else out.to(in_dtype)
+
+
+def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, layout: Any, options: KernelOptions) -> torch.Tensor:
+    """`attend(backend, q, k, v, layout, options)`; where values are narrower than queries and keys (multi-head
+    latent attention), zero columns give all three one head size for the kernels, dropped from the output (the scale
+    is explicit: zeros add nothing to the scores)."""
+    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if v_dim != q.shape[-1]:
+        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    out = attend(backend, q, k, v, layout, options)
+    return out if out.shape[-1] == v_dim else out[..., :v_dim]
+
+
+def varlen_in_graph(state: PatchState, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    gmask: GraphMask, kwargs: dict, options: KernelOptions) -> torch.Tensor:
+    """Inside a graph that may not break (the base model's forward planned it, `hooks/graph_plan.py`): the
+    patch's backend on the padded layout (`in_graph.py`). q (B, H, S, D), k/v (B, Hk, S, D), no past ->
+    (B, S, H, Dv)."""
+    if k.shape[2] != q.shape[2]:
+        raise PatchStateError(
+            f"{type(module).__name__}: a compiled graph planned without a past was handled {k.shape[2] - q.shape[2]} "
+            "cached keys; compile without fullgraph=True for generation with a cache"
+        )
+    record_call(state, module)
+    cu, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
+
+    def attend(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: GraphMask,
+               o: KernelOptions) -> torch.Tensor:
+        return attend_in_graph(backend, q, k, v, mask, positions, cu, o)
+
+    return one_head_size(attend, state.backend, q, k, v, gmask, options)
 
 
 class KernelOptions(NamedTuple):
@@ -316,6 +346,9 @@ def make_attention_function(
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
         check_family(module, model_types, family_of)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if isinstance(attention_mask, GraphMask):
+            options = KernelOptions(dropout, scale, window, softcap, state.warn_once)
+            return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options), None
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
             scaling=scale, window=window, softcap=softcap, sinks=sinks,

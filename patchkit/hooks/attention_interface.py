@@ -21,20 +21,21 @@ from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.forward.arguments import check_family, given_cache
 from patchkit.forward.context import PaddedOnly, current
-from patchkit.forward.liveness import is_compiling
+from patchkit.forward.in_graph import GRAPH_ROUTE
+from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.forward.varlen import PatchState, make_attention_function
+from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
-    aside_in_graph,
+    beyond_causal,
     ends_in_padding,
     lm_cause,
     step_aside,
-    steps_aside_in_graph,
     transformers_mask,
     window_over_hole,
 )
@@ -58,10 +59,10 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     mask it was made from (`patchkit_varlen`) where the cache is one the varlen path places (`static_layers`; a
     class patch's model forward reads the 2D mask back from the tensor itself, `slots_mask`).
     """
-    if steps_aside_in_graph(_graph_aside):  # fullgraph: transformers' mask and attention, counted when traced
-        from transformers.masking_utils import eager_mask
-
-        return eager_mask(*args, **kwargs)
+    if in_one_graph():  # fullgraph: the plan made while traced (`graph_plan`), or transformers' mask, counted then
+        served = mask_in_graph(kwargs, route_state)
+        return served if not isinstance(served, str) or not _graph_aside(served) else transformers_eager_mask(
+            args, kwargs)
     if beyond_causal(kwargs.get("mask_function")):
         if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly("custom_mask_pattern")
@@ -144,31 +145,6 @@ def generate_frame(depth: int = 8) -> Optional[FrameType]:
     return None
 
 
-# transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
-# causal, a sliding window over it, packed documents; and the combinators that only join or shift them
-EXPRESSIBLE = {"causal_mask_function", "sliding_window_overlay.<locals>.inner_mask",
-               "packed_sequence_mask_function.<locals>.inner_mask"}
-JOINING = {"and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
-           "add_offsets_to_mask_function.<locals>.inner_mask"}
-
-
-def beyond_causal(function: Any) -> bool:
-    """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
-    bidirectional span, a caller's and_mask_function, chunked attention): read from its closures, no tensor work."""
-    if function is None:
-        return False
-    if getattr(function, "__module__", None) != "transformers.masking_utils":
-        return True
-    name = function.__qualname__
-    if name in EXPRESSIBLE:
-        return False
-    if name not in JOINING:
-        return True
-    parts = [c.cell_contents for c in function.__closure__ or ()]
-    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,)) if callable(f)]
-    return any(beyond_causal(f) for f in parts)
-
-
 def route_state() -> PatchState:
     """The registered route's backend, chosen through the gates on first use (warning or raising as usual)."""
     global _state, _function
@@ -183,7 +159,14 @@ def route_state() -> PatchState:
     return _state
 
 
-_graph_aside = aside_in_graph(lambda: route_state())
+_graph_aside = asides_in_graph(lambda: route_state() if GRAPH_ROUTE[0] is None else GRAPH_ROUTE[0].state)
+
+
+def transformers_eager_mask(args: tuple, kwargs: dict) -> torch.Tensor:
+    """transformers' own eager mask for the call the mask interface made."""
+    from transformers.masking_utils import eager_mask
+
+    return eager_mask(*args, **kwargs)
 
 
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
@@ -241,7 +224,9 @@ def _function_for(state: PatchState) -> Callable:
 
 def register_route() -> bool:
     """What a patch's route needs: the attention entry under ATTENTION_NAME (transformers 4.48+, a plain dict up to
-    4.49) and, from 4.53, the mask entry; True when masks go through the interface."""
+    4.49) and, from 4.53, the mask entry; True when masks go through the interface. The served families are read
+    now, not in a layer's first call, which may be traced by dynamo (which refuses the imports that read them)."""
+    served_model_types()
     if register():
         return True
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -18,11 +18,12 @@ from torch import nn
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
 from patchkit.forward.context import PaddedOnly, current, within
-from patchkit.forward.liveness import is_compiling
+from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
+from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
 from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, filled_padded, makes_own_cache, own_cache
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.recorded_router import hand_up
@@ -33,14 +34,12 @@ from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause
 from patchkit.hooks.step_aside import (
     CAUSES,
-    aside_in_graph,
     documents_metadata,
     forward_cause,
     input_tokens,
     lm_cause,
     sliding_window,
     step_aside,
-    steps_aside_in_graph,
     transformers_mask_in_graph,
 )
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
@@ -269,7 +268,7 @@ def make_model_forward(
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)
     aside_state = state if state is not None else route
-    graph_aside = aside_in_graph(lambda: aside_state) if aside_state is not None else None
+    graph_aside = asides_in_graph(lambda: aside_state) if aside_state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if keep_routed is not None and not is_compiling():
@@ -281,8 +280,12 @@ def make_model_forward(
             _keep_no_cache_in_training(self, arguments, extra)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
-        if steps_aside_in_graph(graph_aside):
-            return call(self, arguments)  # a graph that may not break: transformers' forward, counted when traced
+        if in_one_graph():  # a graph that may not break: planned while traced, served in it or stepped aside
+            cause = "compiled_fullgraph" if route is None else graph_cause(self, arguments, extra, aside_state)
+            if graph_aside is None or (cause is not None and graph_aside(cause)):
+                return call(self, arguments)
+            with routed_in_graph(self.config, route, arguments):
+                return call(self, arguments)
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
@@ -337,8 +340,11 @@ def make_lm_forward(original: Callable) -> Callable:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        if transformers_mask_in_graph(arguments.get("attention_mask")) or steps_aside_in_graph(None):
+        if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
+        if in_one_graph():  # what the base model's traced forward plans by: labels over a padded batch
+            with lm_in_graph(lm_plan(arguments, extra)):
+                return original(self, *args, **kwargs)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and _resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell

@@ -108,6 +108,18 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     return None if _verdicts[cls] is None else failed_cause()
 
 
+def _untrusted_in_graph(module_name: str, class_name: str, family: Optional[str]) -> str:
+    """`untrusted_cause` for a forward dynamo traces, run then (its result a constant of the graph): a family that
+    must check itself and has no verdict yet steps aside, as the check cannot run inside a trace ("" : trusted)."""
+    if untested() is None and family not in unverified:
+        return ""
+    verdict = _verdicts.get(getattr(sys.modules.get(module_name), class_name.rpartition(".")[2], None), "unchecked")
+    return "" if verdict is None else failed_cause()
+
+
+untrusted_in_graph = torch._dynamo.assume_constant_result(_untrusted_in_graph)
+
+
 def failed_cause() -> str:
     return CAUSE if untested() is not None else UNVERIFIED
 

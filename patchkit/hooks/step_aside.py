@@ -8,7 +8,7 @@ layers receive transformers' own mask, so a checkpoint recompute in backward ste
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import current
 from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
-from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata, has_holes
 
@@ -74,9 +74,9 @@ CAUSES = {
         "leave output_attentions off",
     ),
     "compiled_fullgraph": (
-        "torch.compile(fullgraph=True) traces the model into one graph, and patchkit's varlen path reads the "
-        "real-token lengths on the host, which such a graph cannot do",
-        "compile without fullgraph=True (the graph then breaks at patchkit's host reads and the model stays patched)",
+        "torch.compile(fullgraph=True) traces the model into one graph, whose plan cannot read tensor values",
+        "compile without fullgraph=True (the graph breaks at patchkit's host reads, the model stays patched); for a "
+        "padded batch with labels, pass packed rows without a mask, or use apply_patch() (which sees the labels)",
     ),
     "untested_transformers": (
         "this transformers is newer than patchkit was tested with, and this family's self-check differed there",
@@ -112,26 +112,6 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
         f"patchkit: {what}; such forwards run on transformers' own attention (exact; counted in the report). To "
         f"stay patched: {fix}.",
     )
-
-
-def aside_in_graph(state_of: Callable[[], Any]) -> Callable[[], bool]:
-    """A function that steps a forward aside for `compiled_fullgraph` (counted, warned once, refused in strict
-    mode) and returns True. Dynamo runs it once, while it traces a graph that may not break, and keeps its result
-    as a constant: nothing of it runs in the graph. `state_of`: the patch state, read then."""
-
-    def aside() -> bool:
-        step_aside(state_of(), "compiled_fullgraph", {}, {})
-        return True
-
-    return torch._dynamo.assume_constant_result(aside)
-
-
-def steps_aside_in_graph(aside: Optional[Callable[[], bool]]) -> bool:
-    """Inside a graph that may not break, True after stepping aside by `aside` (from `aside_in_graph`; None: a
-    wrapper with no patch state to count on); outside one, False."""
-    if not in_one_graph():
-        return False
-    return aside() if aside is not None else True
 
 
 def packed_call(arguments: dict, extra: dict) -> bool:
@@ -296,3 +276,30 @@ def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))
     return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
+
+
+# transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
+# causal, a sliding window over it, packed documents; and the combinators that only join or shift them
+EXPRESSIBLE = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+               "packed_sequence_mask_function.<locals>.inner_mask")  # tuples: dynamo traces this check
+JOINING = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
+           "add_offsets_to_mask_function.<locals>.inner_mask")
+
+
+def beyond_causal(function: Any) -> bool:
+    """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
+    bidirectional span, a caller's and_mask_function, chunked attention): read from its closures, no tensor work."""
+    if function is None:
+        return False
+    if getattr(function, "__module__", None) != "transformers.masking_utils":
+        return True
+    # the code object's name: dynamo traces a function's __qualname__ wrongly (torch 2.13)
+    name = getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
+    if name in EXPRESSIBLE:
+        return False
+    if name not in JOINING:
+        return True
+    parts = [c.cell_contents for c in function.__closure__ or ()]
+    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,))
+             if not isinstance(f, torch.Tensor) and callable(f)]  # a traced tensor is not asked: dynamo refuses
+    return any(beyond_causal(f) for f in parts)

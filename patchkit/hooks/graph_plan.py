@@ -1,0 +1,188 @@
+"""The plan of a forward inside a compiled graph that may not break, made while dynamo traces it, from what is known
+then: the graph serves it on patchkit's in-graph varlen path (`forward/in_graph.py`), or steps aside by name.
+
+Nothing here reads a tensor's values: whether a label sits after padding, or a padding hole under a sliding window,
+is data a graph cannot branch on, so a forward that could hold one steps aside (exact, warned once, counted when
+traced; refused in strict mode). No contextvar either (dynamo refuses it): the causal LM's and the base model's
+forwards leave their plan in `in_graph.GRAPH_LABELS` / `GRAPH_ROUTE` for the span of the traced call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from patchkit.forward.arguments import given_cache
+from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
+from patchkit.hooks.routing import ROUTE_NAME, Route, attn_name, set_attn_name
+from patchkit.hooks.self_check import untrusted_in_graph
+from patchkit.hooks.sequence_parallel import ulysses_wrapper
+from patchkit.hooks.step_aside import CAUSES, EXPRESSIBLE, JOINING, input_tokens, sliding_window, step_aside
+
+# model types whose attention adds learned sinks (`s_aux`): served exactly on the eager path only
+SINK_TYPES = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "deepseek_v4", "hy_v4",
+                        "hy_v4_vl", "openai_privacy_filter"})
+
+# why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
+IN_GRAPH = {
+    "labels": "torch.compile(fullgraph=True) of a padded batch with labels: whether a label is predicted from a "
+              "padding position (which transformers computes and varlen kernels skip) is data the graph cannot branch "
+              "on",
+    "name_alone": "torch.compile(fullgraph=True) of a padded batch under attn_implementation='patchkit' alone: the "
+                  "graph cannot see whether the caller's labels read padding positions",
+    "cache": "torch.compile(fullgraph=True) of a forward given a KV cache: patchkit's in-graph path serves forwards "
+             "with no past (training, eval, a prefill that fills a new cache)",
+    "window": "torch.compile(fullgraph=True) of a padded batch on a model with a sliding window: a padding hole inside "
+              "the window is data the graph cannot branch on",
+    "sinks": "torch.compile(fullgraph=True) of a model with attention sinks, which patchkit serves on the eager path "
+             "only",
+    "dropout": "torch.compile(fullgraph=True) of a training forward with attention dropout, which patchkit's sdpa op "
+               "does not run",
+    "backend": "torch.compile(fullgraph=True) on the {backend} backend, whose in-graph path is not verified yet",
+    "positions": "torch.compile(fullgraph=True) of a forward with multimodal (k, B, S) position_ids",
+    "sequence_parallel": "torch.compile(fullgraph=True) under sequence parallelism",
+}
+
+def lm_plan(arguments: dict, extra: dict) -> bool:
+    """The causal LM's part, while traced: True where its call has labels over a padded batch (a 2D mask)."""
+    mask = arguments.get("attention_mask")
+    labelled = any(isinstance(x, torch.Tensor) for x in (arguments.get("labels"), extra.get("shift_labels")))
+    return labelled and isinstance(mask, torch.Tensor) and mask.dim() == 2
+
+
+@contextlib.contextmanager
+def lm_in_graph(labels_over_padding: bool) -> Iterator[None]:
+    """For the traced span of a causal LM's call, what its base model's forward plans by."""
+    GRAPH_LABELS[0] = labels_over_padding
+    try:
+        yield
+    finally:
+        GRAPH_LABELS[0] = False
+
+
+def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> Optional[str]:
+    """Why the base model's traced forward cannot be served in the graph (a key of IN_GRAPH, or a step-aside cause
+    of its own name), or None."""
+    config, mask = module.config, arguments.get("attention_mask")
+    padded = isinstance(mask, torch.Tensor)
+    wanted = arguments.get("output_attentions", extra.get("output_attentions"))
+    if wanted or (wanted is None and getattr(config, "output_attentions", False)):
+        return "output_attentions"
+    if padded and GRAPH_LABELS[0]:
+        return "labels"
+    if given_cache(arguments, extra) is not None:
+        return "cache"
+    window = sliding_window(config)
+    tokens = input_tokens(arguments)
+    if padded and window is not None and tokens is not None and window < tokens.shape[1]:
+        return "window"
+    if patterns_beyond_causal(type(module).__module__, type(module).__qualname__):
+        return "custom_mask_pattern"
+    if getattr(config, "model_type", None) in SINK_TYPES:
+        return "sinks"
+    if module.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return "dropout"
+    if not getattr(state.backend, "in_graph", False):
+        return "backend"
+    positions = arguments.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() != 2:
+        return "positions"
+    if ulysses_wrapper(attn_name(config)) is not None:
+        return "sequence_parallel"
+    family = getattr(config, "model_type", None)
+    return untrusted_in_graph(type(module).__module__, type(module).__qualname__, family) or None
+
+
+def asides_in_graph(state_of: Callable[[], Any]) -> Callable[[str], bool]:
+    """A function that steps a traced forward aside for a reason of IN_GRAPH (as `compiled_fullgraph`, in its words)
+    or a step-aside cause of its own and returns True: counted and warned once while dynamo traces (its result a
+    constant of the graph: nothing of it runs there), refused in strict mode. `state_of`: the patch state, read then."""
+
+    def make(reason: str) -> Callable[[], bool]:
+        def aside() -> bool:
+            state = state_of()
+            if reason in IN_GRAPH:
+                what = IN_GRAPH[reason].format(backend=state.backend.name)
+                step_aside(state, "compiled_fullgraph", {}, {}, what)
+            else:
+                step_aside(state, reason, {}, {})
+            return True
+
+        return torch._dynamo.assume_constant_result(aside)
+
+    table = {reason: make(reason) for reason in (*IN_GRAPH, *CAUSES)}
+
+    def aside(reason: str) -> bool:
+        return table[reason]()
+
+    return aside
+
+
+@contextlib.contextmanager
+def routed_in_graph(config: Any, state: Any, arguments: dict) -> Iterator[None]:
+    """For the traced span of the base model's forward: its masks and attention go to patchkit's name on `state`;
+    a caller's position_ids with no mask may hold packed documents (patchkit's rule, cache or not)."""
+    name = attn_name(config)
+    by_position = arguments.get("attention_mask") is None and arguments.get("position_ids") is not None
+    GRAPH_ROUTE[0] = GraphPlan(state, by_position)
+    set_attn_name(config, ROUTE_NAME)
+    try:
+        yield
+    finally:
+        set_attn_name(config, name)
+        GRAPH_ROUTE[0] = None
+
+
+def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | str:
+    """The mask builder's part, while traced: the graph mask of a forward planned in the graph, or the reason it steps
+    aside (a key of IN_GRAPH, or a step-aside cause).
+
+    A forward under the registered name alone (no patched forward planned it; `name_alone()` gives its state) is
+    served where it has no padding, no past and a plain causal (or sliding) pattern. Dynamo cannot read the closures
+    of a mask function made in the graph, only its name: transformers' `and_masks` of a forward a patched model
+    planned is packed documents (the model's own source was checked for other patterns, `patterns_beyond_causal`),
+    whose sequence indices the layers compute from position_ids as transformers does.
+    """
+    mask, window, function = kwargs.get("attention_mask"), kwargs.get("local_size"), kwargs.get("mask_function")
+    plan = GRAPH_ROUTE[0]
+    code = getattr(function, "__code__", None)
+    name = getattr(code, "co_qualname", None) or getattr(function, "__qualname__", "")  # dynamo: not __qualname__
+    packed = name in JOINING
+    if function is not None and (getattr(function, "__module__", None) != "transformers.masking_utils" or (
+            name not in EXPRESSIBLE and not (packed and plan is not None))):
+        return "custom_mask_pattern"
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    if q_length is not None and kv_length is not None and kv_length != q_length:
+        return "cache"  # a past, or a static cache's slots
+    if plan is None:
+        if mask is not None:
+            return "name_alone"
+        plan = GraphPlan(name_alone(), packed)  # transformers' own rule: documents where it found them
+    if mask is not None and window is not None and window < mask.shape[-1]:
+        return "window"
+    return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window)
+
+
+def _patterns_beyond_causal(module_name: str, class_name: str) -> bool:
+    """Whether a base model class's own forward asks transformers for a mask pattern beyond causal, sliding and packed
+    (bidirectional spans, chunks, a caller's and/or mask functions): read from its source, once per class."""
+    if (module_name, class_name) not in _PATTERNS:
+        method = getattr(getattr(sys.modules[module_name], class_name, None), "forward", None)
+        while hasattr(method, "__wrapped_original__"):
+            method = method.__wrapped_original__
+        try:
+            source = inspect.getsource(method)
+        except (OSError, TypeError):
+            source = "or_mask_function"  # unreadable: assume the worst, step aside
+        _PATTERNS[module_name, class_name] = any(marker in source for marker in PATTERN_MARKERS)
+    return _PATTERNS[module_name, class_name]
+
+
+PATTERN_MARKERS = ("or_mask_function", "and_mask_function", "block_sequence_ids", "chunked", "bidirectional")
+_PATTERNS: dict[tuple[str, str], bool] = {}
+patterns_beyond_causal = torch._dynamo.assume_constant_result(_patterns_beyond_causal)  # run while traced

@@ -1,0 +1,177 @@
+"""torch.compile(fullgraph=True) of a patched model runs patchkit's varlen attention inside the one graph."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from families import FAMILIES_FROM, any_model
+from models import labels_for, padded_batch
+from packaging.version import Version
+
+import patchkit
+
+pytestmark = pytest.mark.skipif(
+    Version(__import__("transformers").__version__) < Version(FAMILIES_FROM),
+    reason="the in-graph plan routes masks through transformers' mask interface (4.53+)",
+)
+POSITIONS = torch.cat([torch.arange(10), torch.arange(14)]).expand(4, -1)  # two documents per row
+
+
+def compiled_step(model, kw: dict, train: bool, fullgraph: bool = True) -> tuple:
+    """One forward (with backward in training), compiled with fullgraph or eager: logits, loss, every grad."""
+    torch._dynamo.reset()
+    model.train(train).zero_grad(set_to_none=True)
+    run = torch.compile(model, backend="eager", fullgraph=True) if fullgraph else model
+    with torch.set_grad_enabled(train):
+        out = run(**kw)
+    if train:
+        out.loss.backward()
+    return out.logits.detach(), out.loss, [p.grad for p in model.parameters()]
+
+
+def assert_same(got: tuple, want: tuple, real: torch.Tensor) -> None:
+    (logits, loss, grads), (want_logits, want_loss, want_grads) = got, want
+    torch.testing.assert_close(logits[real], want_logits[real], atol=2e-5, rtol=1e-4)
+    if want_loss is not None:
+        torch.testing.assert_close(loss, want_loss, atol=2e-6, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-3)
+
+
+def patched(family: str, way: str, model) -> patchkit.PatchHandle:
+    """The patch by `way`: the class patch, the instance patch, or the registered name alone (model switched)."""
+    if way != "name":
+        return patchkit.apply_patch(family, backend="sdpa", **({"model": model} if way == "instance" else {}))
+    from patchkit.hooks import attention_interface
+
+    attention_interface.register(backend="sdpa")
+    model.config._attn_implementation = "patchkit"
+    return attention_interface.route_state()
+
+
+CASES = {  # name -> (arguments, training); LLaMA has no sliding window: its padded eval forward is served too
+    "eval_padded": (lambda ids, mask: dict(input_ids=ids, attention_mask=mask), False),
+    "eval_dense": (lambda ids, mask: dict(input_ids=ids), False),
+    "train_dense": (lambda ids, mask: dict(input_ids=ids, labels=ids), True),
+    "train_packed": (lambda ids, mask: dict(input_ids=ids, position_ids=POSITIONS, labels=ids), True),
+}
+
+
+@pytest.mark.parametrize("family, way, case", [
+    ("llama", "class", "eval_padded"), ("llama", "class", "train_dense"), ("llama", "class", "train_packed"),
+    ("llama", "instance", "eval_padded"), ("llama", "instance", "train_packed"),
+    ("llama", "name", "train_dense"), ("qwen2", "class", "train_packed"), ("qwen2", "instance", "eval_dense"),
+    ("qwen2_moe", "class", "train_dense"), ("qwen2_moe", "class", "train_packed"), ("qwen2_moe", "class", "eval_dense"),
+])
+def test_fullgraph_compile_of_a_patched_model_runs_patchkit_attention_in_the_graph(family, way, case):
+    """torch.compile(fullgraph=True) (dense and mixture of experts; class and instance patch, the registered name):
+    the forward runs patchkit's in-graph varlen path (real tokens sorted first on the device, cu_seqlens from the
+    mask or the position_ids, no host read, no graph break), every layer counted, nothing stepped aside. Equal to
+    the unpatched compiled model, packed rows to patchkit's eager path (each document alone, the padding-free
+    contract). Before, every such forward ran transformers' attention."""
+    model = any_model(family, "eager" if way == "name" else "sdpa")
+    ids, mask = padded_batch("mixed")
+    make, train = CASES[case]
+    kw = make(ids, mask)
+    real = mask.bool() if "attention_mask" in kw else torch.ones_like(mask, dtype=torch.bool)
+    if case == "train_packed":
+        with patchkit.apply_patch(family, backend="sdpa"):
+            want = compiled_step(model, kw, train, fullgraph=False)
+    else:
+        want = compiled_step(model, kw, train)
+    handle = patched(family, way, model)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="patchkit: torch.compile")
+            got = compiled_step(model, kw, train)
+        layers = handle.layers_patched if way != "name" else None
+    finally:
+        if way == "name":
+            model.config._attn_implementation = "eager"
+        else:
+            handle.revert()
+    assert handle.stepped_aside == {}, handle.stepped_aside
+    assert getattr(handle, "state", handle).compiled  # a compiled call ran through the patch
+    if layers is not None:
+        assert layers == model.config.num_hidden_layers
+    assert_same(got, want, real)
+
+
+def test_packed_rows_in_the_graph_are_each_document_alone():
+    """Packed rows in the graph, against the unpatched model run on each document alone: the documents do not see
+    each other (transformers' compiled forward in training keeps a cache, so it joins them)."""
+    model = any_model("llama", "sdpa").eval()
+    ids, _ = padded_batch("right")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[:, :10]).logits, model(input_ids=ids[:, 10:]).logits], 1)
+        torch._dynamo.reset()
+        with patchkit.apply_patch("llama", backend="sdpa"):
+            got = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, position_ids=POSITIONS)
+    torch.testing.assert_close(got.logits, alone, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, way, case, words", [
+    ("llama", "class", "padded_labels", "a padded batch with labels"),
+    ("llama", "instance", "padded_labels", "a padded batch with labels"),
+    ("llama", "name", "eval_padded", "attn_implementation='patchkit' alone"),
+    ("qwen2", "class", "eval_padded", "a sliding window"),
+    ("qwen2_moe", "class", "padded_labels", "a padded batch with labels"),
+])
+def test_a_forward_the_graph_cannot_plan_steps_aside_with_one_warning(family, way, case, words):
+    """What the graph cannot decide without reading values (a label after padding; a padding hole under a sliding
+    window; labels the registered name alone cannot see) steps aside: transformers' attention, equal to the
+    unpatched compiled model, one warning naming it, counted when traced."""
+    model = any_model(family, "eager" if way == "name" else "sdpa")
+    ids, mask = padded_batch("right")
+    kw = dict(input_ids=ids, attention_mask=mask)
+    train = case == "padded_labels"
+    if train:
+        kw["labels"] = labels_for(ids, mask)
+    want = compiled_step(model, kw, train)
+    handle = patched(family, way, model)
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"torch.compile\(fullgraph=True\).*{words}.*compile without"):
+            got = compiled_step(model, kw, train)
+    finally:
+        if way == "name":
+            model.config._attn_implementation = "eager"
+        else:
+            handle.revert()
+    assert handle.stepped_aside.get("compiled_fullgraph", 0) >= 1, handle.stepped_aside
+    assert_same(got, want, mask.bool())
+
+
+def test_strict_refuses_a_forward_the_graph_cannot_plan():
+    """strict=True: such a forward is refused while dynamo traces it, by patchkit's error (dynamo wraps it), naming
+    the cause and what keeps the model patched."""
+    model = any_model("llama", "sdpa").train()
+    ids, mask = padded_batch("right")
+    torch._dynamo.reset()
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        with pytest.raises(Exception, match=r"strict=True\): torch.compile\(fullgraph=True\) of a padded batch") as e:
+            torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask,
+                                                                  labels=labels_for(ids, mask))
+        assert handle.stepped_aside == {}
+    chain = [e.value, e.value.__cause__, e.value.__context__]
+    assert any(isinstance(x, patchkit.PatchkitError) for x in chain), [type(x) for x in chain]
+
+
+def test_a_fullgraph_training_step_is_one_graph():
+    """The number the issue asks for: a fullgraph-compiled patched training step (packed rows) and padded eval
+    forward are each one graph (fullgraph forbids a break; nothing else compiled beside it)."""
+    from torch._dynamo.utils import counters
+
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("right")
+    graphs = []
+    with patchkit.apply_patch("llama", backend="sdpa"):
+        for kw, train in ((dict(input_ids=ids, position_ids=POSITIONS, labels=ids), True),
+                          (dict(input_ids=ids, attention_mask=mask), False)):
+            counters.clear()
+            compiled_step(model, kw, train)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1], graphs
