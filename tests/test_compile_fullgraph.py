@@ -175,3 +175,24 @@ def test_a_fullgraph_training_step_is_one_graph():
             compiled_step(model, kw, train)
             graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [1, 1], graphs
+
+
+def test_a_compiled_forward_without_a_mask_runs_the_in_graph_plan_without_a_graph_break():
+    """torch.compile(model) (graph breaks allowed; the Trainer's torch_compile=True): a forward with no mask (packed
+    rows, TRL's padding_free and packing) needs no host read, so it runs the in-graph plan as one graph, equal to
+    patchkit's eager path. A padded batch keeps the eager path's unpadding at the model (the MLP then skips padding),
+    whose host reads break the graph."""
+    model = any_model("llama", "sdpa")
+    ids, _ = padded_batch("right")
+    kw = dict(input_ids=ids, position_ids=POSITIONS, labels=ids)
+    with patchkit.apply_patch("llama", backend="sdpa"):
+        want = compiled_step(model, kw, True, fullgraph=False)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(**kw)
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        out = torch.compile(model, backend="eager")(**kw)
+        out.loss.backward()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert_same((out.logits.detach(), out.loss, [p.grad for p in model.parameters()]), want,
+                torch.ones_like(ids, dtype=torch.bool))

@@ -150,6 +150,9 @@ def varlen_attention(
     outs, lses = [], []
     start_q = start_k = 0
     for idx, (sq, sk) in enumerate(zip(seqlens_q, seqlens_k)):
+        if sq == 0:  # no query rows to emit (a fixed-size cu_seqlens pads with empty documents): nothing to run
+            start_k += sk
+            continue
         slopes = None
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[idx]

@@ -59,10 +59,12 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     mask it was made from (`patchkit_varlen`) where the cache is one the varlen path places (`static_layers`; a
     class patch's model forward reads the 2D mask back from the tensor itself, `slots_mask`).
     """
-    if in_one_graph():  # fullgraph: the plan made while traced (`graph_plan`), or transformers' mask, counted then
+    if GRAPH_ROUTE[0] is not None or in_one_graph():  # the plan made while traced (`graph_plan`)
         served = mask_in_graph(kwargs, route_state)
-        return served if not isinstance(served, str) or not _graph_aside(served) else transformers_eager_mask(
-            args, kwargs)
+        if not isinstance(served, str):
+            return served
+        if in_one_graph() and _graph_aside(served):  # fullgraph: transformers' mask, counted when traced
+            return transformers_eager_mask(args, kwargs)
     if beyond_causal(kwargs.get("mask_function")):
         if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly("custom_mask_pattern")

@@ -280,11 +280,17 @@ def make_model_forward(
             _keep_no_cache_in_training(self, arguments, extra)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
-        if in_one_graph():  # a graph that may not break: planned while traced, served in it or stepped aside
+        one_graph = in_one_graph()
+        if one_graph or (is_compiling() and route is not None and arguments.get("attention_mask") is None):
+            # planned while traced: served in the graph (no host read, no break), or stepped aside in one that may
+            # not break; a compiled forward with no mask needs no host read at all, whatever its compile mode
             cause = "compiled_fullgraph" if route is None else graph_cause(self, arguments, extra, aside_state)
-            if graph_aside is None or (cause is not None and graph_aside(cause)):
-                return call(self, arguments)
-            with routed_in_graph(self.config, route, arguments):
+            if cause is None:
+                with routed_in_graph(self.config, route, arguments):
+                    return call(self, arguments)
+            if one_graph:
+                if graph_aside is not None:
+                    graph_aside(cause)
                 return call(self, arguments)
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
