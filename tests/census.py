@@ -101,8 +101,25 @@ def document_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def main() -> None:
-    """Run the census (`tests/test_census.py`) and print its table: one row per causal-LM model type."""
+PAGE_HEAD = """# Model families
+
+Every causal LM of transformers {version}, built tiny from its config and run through patchkit (`make census`,
+`tests/test_census.py`): **{exact} exact** against transformers' own eager attention every way in (class patch,
+instance patch, `attn_implementation="patchkit"`: logits, loss and every gradient on a mixed-padded batch, packed
+rows, left-padded greedy generation), {refused} refused by name with the feature that stops them, {self_checked}
+stepped aside by their own self-check (their tiny model fails unpatched too), {untested} without a tiny model the
+census can build or run. Families with a module of their own live in `patches/`; every other one is
+served from data (`patches/table.py`). A family transformers adds later and patchkit has not seen checks itself on a
+tiny model before its first forward (`unverified_family`). Written by `python tests/census.py --markdown
+docs/families.md`; a test keeps it equal to the census.
+
+| model_type | outcome | why / note |
+|---|---|---|
+"""
+
+
+def census_rows() -> list[dict]:
+    """Run the census (`tests/test_census.py`) in a subprocess: its rows, by model type."""
     import json
     import os
     import subprocess
@@ -110,19 +127,45 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    import transformers
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "census.jsonl"
         env = dict(os.environ, PATCHKIT_CENSUS_OUT=str(out))
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", str(Path(__file__).parent / "test_census.py"),
                         "-k", "test_census"], env=env, check=False)
-        rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["model_type"])
+        return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["model_type"])
+
+
+def short(detail: str) -> str:
+    """A refusal's own clause (what stops the family), not the list of every served family around it."""
+    import re
+
+    found = re.search(r"this one: (.*?)\. Nothing was patched", detail)
+    return (found.group(1) if found else detail).replace("|", "/")
+
+
+def page(rows: list[dict], version: str) -> str:
+    """The families page: the head with its counts, then one table row per model type."""
     counts = {o: sum(r["outcome"] == o for r in rows) for o in ("exact", "refused", "untested", "self-checked")}
-    print(f"\ntransformers {transformers.__version__}: " + ", ".join(f"{n} {o}" for o, n in counts.items()))
-    print("| model_type | outcome | why / note |\n|---|---|---|")
-    for r in rows:
-        print(f"| `{r['model_type']}` | {r['outcome']} | {r['detail']} |")
+    body = "".join(f"| `{r['model_type']}` | {r['outcome']} | {short(r['detail'])} |\n" for r in rows)
+    return PAGE_HEAD.format(version=version, **{k.replace("-", "_"): v for k, v in counts.items()}) + body
+
+
+def main() -> None:
+    """Run the census and print its table (`--markdown PATH`: write the families page there instead)."""
+    import argparse
+    from pathlib import Path
+
+    import transformers
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    text = page(census_rows(), transformers.__version__)
+    if args.markdown is None:
+        print(text)
+    else:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text)
 
 
 if __name__ == "__main__":

@@ -229,3 +229,22 @@ def test_a_family_that_cannot_be_adopted_is_built_and_runs_unpatched_saying_why(
         with pytest.warns(RuntimeWarning, match=r"\(model_type 'olmo'\) runs unpatched: olmo's gate failed here"):
             transformers.OlmoForCausalLM(tiny_config("olmo"))  # (tiny_lm keeps its builds quiet)
         assert "olmo" not in group.model_types
+
+
+@pytest.mark.skipif(not PINNED, reason="docs/families.md is the census of the pinned transformers")
+def test_the_families_page_is_this_census():
+    """docs/families.md (written by `python tests/census.py --markdown docs/families.md`) lists every causal LM of
+    the pinned transformers, and the ones it calls exact are exactly those patchkit serves verified: a family added
+    to or dropped from VERIFIED or patches/ without the page rewritten fails here."""
+    from pathlib import Path
+
+    from patchkit.registry import resolve
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+    rows = {line.split(" | ")[0][3:-1]: line.split(" | ")[1] for line in page.read_text().splitlines()
+            if line.startswith("| `")}
+    types = set(causal_lm_types())
+    assert set(rows) == types
+    served = set(table.VERIFIED) | {t for name in PATCH_MODULES for t in resolve(name).model_types}
+    assert {t for t, outcome in rows.items() if outcome == "exact"} == served & types
+    assert f"transformers {transformers.__version__}," in page.read_text()
