@@ -4,7 +4,8 @@ HF's own attention for the baseline is sdpa, or eager for a family HF has no sdp
 families train on the same lengths with an image at the front of every row (64 image tokens each); their vision tower
 runs as in transformers on both sides, and they have no packed row (TRL refuses packing for vision datasets).
 
-Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
+The families served from data (GPT-OSS's sinks, DeepSeek-V3's latent attention, GLM-4-MoE) run by their model_type
+like any other. Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
 batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the longest
 rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine hits
 both alike. Prints a table and writes a CSV.
@@ -113,6 +114,16 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
                                                moe_intermediate_size=256, use_sliding_window=True,
                                                sliding_window=WINDOW, max_window_layers=2, **SIZE),
         "phi": lambda: tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **SIZE),
+        # served from data (patches/table.py): attention sinks, multi-head latent attention, a routed MoE
+        "gpt_oss": lambda: tf.GptOssConfig(head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+                                           sliding_window=WINDOW, **{**SIZE, "intermediate_size": 256}),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, **{**SIZE, "num_key_value_heads": SIZE["num_attention_heads"]}),
+        "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=256, first_k_dense_replace=1, n_group=1,
+                                             topk_group=1, **SIZE),
     }
     for implementation in ("sdpa", "eager"):
         torch.manual_seed(0)
