@@ -39,6 +39,8 @@ VERIFIED = frozenset({
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1",
+    # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
+    "gemma4_text", "gemma4_unified_text",
     # the base model reads the mask itself (positions counted from it) or mixes tokens outside attention (linear
     # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
     *("biogpt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",

@@ -18,6 +18,7 @@ SMALL = dict(
     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, ffn_hidden_size=64, n_embd=32,
     n_layer=2, n_head=4, ffn_dim=64, word_embed_proj_dim=32, n_positions=256, rotary_dim=4, partial_rotary_factor=0.5,
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
 )
 MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
 
@@ -34,7 +35,8 @@ def tiny_config(model_type: str):
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
-    kw = {k: v for k, v in SMALL.items() if hasattr(default, k) or k in getattr(cls, "attribute_map", {})}
+    present = default.to_dict()  # not hasattr: a per-layer config (Gemma4's) raises for a per-layer attribute
+    kw = {k: v for k, v in SMALL.items() if k in present or k in getattr(cls, "attribute_map", {})}
     if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size, set from it
         kw.pop("head_dim", None)
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # its keys have every head

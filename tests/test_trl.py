@@ -317,38 +317,3 @@ def test_env_var_and_launcher_run_an_unmodified_trl_script_as_unpatched(tmp_path
         for mode in ("padded", "packing"):
             assert_same_losses(got["losses"][mode], plain["losses"][mode])
 
-
-FROM_DATA = ["gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_5_text", "falcon_h1"]  # sinks, MLA, MoE, two hybrids
-HYBRIDS = ("qwen3_5_text", "falcon_h1")  # their conv / Mamba layers refuse packed rows without their CUDA kernels
-
-
-@pytest.mark.parametrize("family, mode", [(f, "padded") for f in FROM_DATA] + [
-    (f, "padding_free") for f in FROM_DATA if f not in HYBRIDS])
-def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
-    """The families patchkit serves from data (no module of their own: `patches/table.py`), as a user trains
-    them: `apply_patch()` before the tiny model is built (the census's sizes), TRL's defaults (gradient
-    checkpointing), padded and padding-free. Every attention layer runs through the patch in each step's forward
-    and recompute (a hybrid's other layers are its own); the losses equal the unpatched run's. GPT-OSS's eager
-    attention lets the documents of a padding-free row see each other (TRL warns that padding-free needs flash
-    attention): there the reference is its unpatched padded run, the same examples and label tokens."""
-    pytest.importorskip("patches.table")
-    from census import tiny_lm
-
-    from patches.table import serves_here
-
-    if not serves_here():
-        pytest.skip("the table serves transformers 5.x")
-    model, why = tiny_lm(family)
-    if model is None:
-        pytest.skip(why)
-    want = sft_losses(model, tmp_path, **MODES["padded" if family == "gpt_oss" else mode])
-    handle = patchkit.apply_patch(backend="sdpa")
-    try:
-        model, _ = tiny_lm(family)
-        got = sft_losses(model, tmp_path, **MODES[mode])
-        layers = handle.check(model)
-        assert layers >= 1 and handle.calls == STEPS * layers * 2, handle.report()
-        assert not handle.stepped_aside, handle.stepped_aside
-    finally:
-        handle.revert()
-    assert_same_losses(got, want)

@@ -284,38 +284,53 @@ def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.T
 def tiny_config(config: Any) -> Any:
     """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
     it), a small vocabulary and MLP, at most 4 experts, no dropout, per-layer lists cut to 2 layers with each layer
-    type kept, and a sliding window short enough to bite."""
+    type kept (a per-layer config's overrides too: Gemma4's wider full-attention heads), and a sliding window short
+    enough to bite."""
     tiny = copy.deepcopy(config)
-    layers = getattr(config, "num_hidden_layers", LAYERS)
-    heads = getattr(config, "num_attention_heads", HEADS)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = value_of(config, "num_hidden_layers") or LAYERS
+    heads = value_of(config, "num_attention_heads") or HEADS
+    kv_heads = value_of(config, "num_key_value_heads") or heads
+    head_dim = value_of(config, "head_dim") or config.hidden_size // heads
     keep = per_layer_picks(config, layers)
     sizes = {
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
         "hidden_size": HEADS * head_dim, "intermediate_size": 2 * HEADS * head_dim, "vocab_size": VOCAB,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
     }
     for key, value in sizes.items():
-        if getattr(config, key, None) is not None:
+        if value_of(config, key) is not None:
             setattr(tiny, key, value)
-    if getattr(config, "head_dim", None) is not None:
+    if value_of(config, "head_dim") is not None:
         tiny.head_dim = head_dim
     for key in ("num_experts", "num_local_experts"):
-        if isinstance(getattr(config, key, None), int):
-            setattr(tiny, key, min(getattr(config, key), 4))
-    if isinstance(getattr(config, "num_experts_per_tok", None), int):
+        if isinstance(value_of(config, key), int):
+            setattr(tiny, key, min(value_of(config, key), 4))
+    if isinstance(value_of(config, "num_experts_per_tok"), int):
         tiny.num_experts_per_tok = min(config.num_experts_per_tok, 2)
-    if isinstance(getattr(config, "sliding_window", None), int):
+    if isinstance(value_of(config, "sliding_window"), int):
         tiny.sliding_window = WINDOW
     for key, value in vars(config).items():
         if "dropout" in key and isinstance(value, float):
             setattr(tiny, key, 0.0)
         elif isinstance(value, (list, tuple)) and len(value) == layers and layers > LAYERS:
             setattr(tiny, key, type(value)(value[i] for i in keep))
+    overrides = vars(config).get("per_layer_config")
+    if isinstance(overrides, dict) and overrides:  # keyed by zero-padded layer index: the kept layers renumbered
+        width = len(next(iter(overrides)))
+        tiny.per_layer_config = {f"{new:0{width}d}": overrides[f"{old:0{width}d}"] for new, old in enumerate(keep)
+                                 if f"{old:0{width}d}" in overrides}
     tiny._attn_implementation = "eager"  # the reference every family has (Gemma2 refuses sdpa)
     return tiny
+
+
+def value_of(config: Any, key: str) -> Any:
+    """`config.key`, or None; a per-layer config's global value where reading the attribute raises (transformers'
+    heterogeneous configs refuse a global read of a per-layer attribute such as Gemma4's head_dim)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, whatever its base
+        return vars(config).get(key)
 
 
 def per_layer_picks(config: Any, layers: int) -> list[int]:

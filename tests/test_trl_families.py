@@ -1,0 +1,53 @@
+"""TRL's SFTTrainer on the families patchkit serves from data, as users train them (a part of `make census`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_trl import MODES, STEPS, one_thread, sft_losses  # noqa: F401 - one_thread: a fixture
+
+import patchkit
+
+FROM_DATA = ["gpt_oss", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1"]
+HYBRIDS = ("qwen3_5_text", "falcon_h1")  # their conv / Mamba layers refuse packed rows without their CUDA kernels
+JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
+CASES = [(f, mode) for f in FROM_DATA for mode in MODES
+         if mode == "padded" or (f not in HYBRIDS and not (f in JOINS and mode == "packing"))]
+# Gemma4's 512-wide full-attention heads at unit scale: its first step's loss is equal to 1e-6 and its gradients to
+# 2e-5 relative (fp32 rounding, as any two attention kernels), which Adam at lr 1e-2 grows to 1.3e-4 by the third step
+DRIFT = {"gemma4_text": 1e-3}
+
+
+@pytest.mark.parametrize("family, mode", CASES)
+def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
+    """The families patchkit serves from data (no module of their own: `patches/table.py`; sinks, latent attention,
+    routed experts, Gemma4's per-layer head sizes, two hybrids), as a user trains them: `apply_patch()` before the
+    tiny model is built (the census's sizes), TRL's defaults (gradient checkpointing), padded, padding-free and
+    packing. Every attention layer runs through the patch in each step's forward and recompute (a hybrid's other
+    layers are its own); the losses equal the unpatched run's. GPT-OSS's and Gemma4's eager attention let the
+    documents of a packed row see each other (TRL warns that padding-free needs flash attention): there the reference
+    is the unpatched padded run of the same examples (their label tokens are the same; packing makes other batches,
+    which no unpatched run of theirs gives exactly)."""
+    from census import tiny_lm
+
+    from patches.table import serves_here
+
+    if not serves_here():
+        pytest.skip("the table serves transformers 5.x")
+    model, why = tiny_lm(family)
+    if model is None:
+        pytest.skip(why)
+    joins = family in JOINS and mode != "padded"
+    want = sft_losses(model, tmp_path, **MODES["padded" if joins else mode])
+    handle = patchkit.apply_patch(backend="sdpa")
+    try:
+        model, _ = tiny_lm(family)
+        got = sft_losses(model, tmp_path, **MODES[mode])
+        layers = handle.check(model)
+        assert layers >= 1 and handle.calls == STEPS * layers * 2, handle.report()
+        assert not handle.stepped_aside, handle.stepped_aside
+    finally:
+        handle.revert()
+    assert got[0] == pytest.approx(want[0], abs=1e-5), (got, want)  # the first step: before any optimizer step
+    assert got == pytest.approx(want, abs=DRIFT.get(family, 1e-5)), f"patched {got} != unpatched {want}"
