@@ -3,10 +3,11 @@
 Two ways users compile: `torch.compile(model)` (the Trainer's `torch_compile=True`; graph breaks allowed) on a
 right-padded batch and on the same documents packed into one row (position_ids restarting), and
 `torch.compile(model, fullgraph=True)` on the packed row. Packed rows run patchkit's in-graph varlen path both ways
-(`patchkit/forward/in_graph.py`, one graph); the padded batch its eager path's unpadding (host reads, graph breaks). The unpatched packed row
-runs with `use_cache=False`, so transformers finds the documents from position_ids too (same work, same numbers).
-LLaMA at the main benchmark's size, a batch of 8 lognormal lengths scaled down for the CPU; providers alternate step
-by step, the median is kept; the compile itself (first steps) is not timed. Prints a table and writes a CSV.
+(`patchkit/forward/in_graph.py`, one graph); the padded batch its eager path's unpadding (host reads, graph breaks).
+The unpatched packed row runs with `use_cache=False`, so transformers finds the documents from position_ids too
+(same work, same numbers). LLaMA at the main benchmark's size, a batch of 8 lognormal lengths scaled down for the
+CPU; providers alternate step by step, the median is kept; the compile itself (first steps) is not timed. Prints a
+table and writes a CSV.
 
     python benchmarks/compiled.py [--reps 5] [--scale 0.25] [--backend inductor] [--csv out.csv]
 """

@@ -1,14 +1,14 @@
 """Padded and packed training steps per model family: patchkit against HF sdpa, in real tokens per second.
 
 HF's own attention for the baseline is sdpa, or eager for a family HF has no sdpa path for (Gemma2). The Qwen VL
-families train on the same lengths with an image at the front of every row (64 image tokens each); their vision tower
-runs as in transformers on both sides, and they have no packed row (TRL refuses packing for vision datasets).
+families train on the same lengths with an image at the front of every row (64 image tokens each); their vision
+tower runs as in transformers on both sides, and they have no packed row (TRL refuses packing for vision datasets).
 
 The families served from data (GPT-OSS's sinks, DeepSeek-V3's latent attention, GLM-4-MoE) run by their model_type
-like any other. Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the same padded
-batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the longest
-rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine hits
-both alike. Prints a table and writes a CSV.
+like any other. Each family runs at the main benchmark's size (hidden 256, 4 layers, 8 heads, 2 K/V heads) on the
+same padded batch of 8 lognormal lengths, with its special feature biting (a sliding window of 256 shorter than the
+longest rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine
+hits both alike. Prints a table and writes a CSV.
 
     python benchmarks/families.py [--families llama mistral qwen3] [--reps 5] [--csv out.csv]
 """
