@@ -156,8 +156,12 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
     if function is not None and (getattr(function, "__module__", None) != "transformers.masking_utils" or (
             name not in EXPRESSIBLE and not (packed and plan is not None))):
         return "custom_mask_pattern"
-    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
-    if q_length is not None and kv_length is not None and kv_length != q_length:
+    q_length, kv_length, cache_position = kwargs.get("q_length"), kwargs.get("kv_length"), kwargs.get("cache_position")
+    if q_length is None and isinstance(cache_position, torch.Tensor):  # transformers 4.53-5.3 pass cache_position
+        q_length = cache_position.shape[-1]
+    if kv_length is None or q_length is None:
+        return "cache"  # where the queries sit is unknown: planned for no past only
+    if kv_length != q_length:
         return "cache"  # a past, or a static cache's slots
     if plan is None:
         if mask is not None:
