@@ -31,6 +31,15 @@ def compiled_step(model, kw: dict, train: bool, fullgraph: bool = True) -> tuple
     return out.logits.detach(), out.loss, [p.grad for p in model.parameters()]
 
 
+def unpatched_step(model, kw: dict, train: bool) -> tuple:
+    """The unpatched model's fullgraph step; skips where this transformers cannot compile it so (transformers 4.56's
+    sliding-window cache branches on a tensor in eval)."""
+    try:
+        return compiled_step(model, kw, train)
+    except torch._dynamo.exc.Unsupported as refused:
+        pytest.skip(f"the unpatched model does not compile with fullgraph=True here: {str(refused).splitlines()[0]}")
+
+
 def assert_same(got: tuple, want: tuple, real: torch.Tensor) -> None:
     (logits, loss, grads), (want_logits, want_loss, want_grads) = got, want
     torch.testing.assert_close(logits[real], want_logits[real], atol=2e-5, rtol=1e-4)
@@ -82,7 +91,7 @@ def test_fullgraph_compile_of_a_patched_model_runs_patchkit_attention_in_the_gra
         with patchkit.apply_patch(family, backend="sdpa"):
             want = compiled_step(model, kw, train, fullgraph=False)
     else:
-        want = compiled_step(model, kw, train)
+        want = unpatched_step(model, kw, train)
     handle = patched(family, way, model)
     try:
         with warnings.catch_warnings():
@@ -131,7 +140,7 @@ def test_a_forward_the_graph_cannot_plan_steps_aside_with_one_warning(family, wa
     train = case == "padded_labels"
     if train:
         kw["labels"] = labels_for(ids, mask)
-    want = compiled_step(model, kw, train)
+    want = unpatched_step(model, kw, train)
     handle = patched(family, way, model)
     try:
         with pytest.warns(RuntimeWarning, match=rf"torch.compile\(fullgraph=True\).*{words}.*compile without"):
