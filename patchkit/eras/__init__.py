@@ -97,9 +97,3 @@ def live_layers(model: nn.Module, state: PatchState) -> tuple[int, int]:
         return family_route.live_layers(model, state, llama_classes)
     layers = find_modules(model, attention_class())
     return sum(1 for m in layers if routes_to(m.forward, state)), len(layers)
-
-
-def describe() -> dict[str, Any]:
-    """The installed version and its era (for reports and doctor)."""
-    era = installed_era()
-    return {"transformers": installed_version(), "era": era.name, "changes": era.changes}
