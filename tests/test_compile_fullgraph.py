@@ -205,3 +205,30 @@ def test_a_compiled_forward_without_a_mask_runs_the_in_graph_plan_without_a_grap
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     assert_same((out.logits.detach(), out.loss, [p.grad for p in model.parameters()]), want,
                 torch.ones_like(ids, dtype=torch.bool))
+
+
+def test_what_the_graph_does_not_serve_is_read_from_the_modeling_source():
+    """The in-graph plan finds attention sinks and mask patterns beyond causal in a family's own modeling code (no
+    list of families to fall behind transformers): GPT-OSS passes sinks, LLaMA-4 asks for chunked masks, LLaMA
+    neither. And a layer handed sinks inside a planned graph refuses rather than drop them."""
+    import transformers.models.gpt_oss.modeling_gpt_oss as gpt_oss
+    import transformers.models.llama.modeling_llama as llama
+
+    from patchkit.hooks.graph_plan import _modeling_cause
+
+    assert _modeling_cause(gpt_oss.__name__, "GptOssModel") == "sinks"
+    assert _modeling_cause(llama.__name__, "LlamaModel") == ""
+    llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+    assert _modeling_cause(llama4.__name__, "Llama4TextModel") == "custom_mask_pattern"
+
+    from patchkit.forward.in_graph import GraphMask
+    from patchkit.forward.varlen import make_attention_function
+    from patchkit.hooks import attention_interface
+
+    attention_interface.register(backend="sdpa")
+    attend = make_attention_function(attention_interface.route_state(), ["llama"])
+    model = any_model("llama", "sdpa")
+    q = torch.randn(1, 4, 5, 8)
+    k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(patchkit.PatchkitError, match="attention sinks inside a compiled graph"):
+        attend(model.model.layers[0].self_attn, q, k, v, GraphMask(None, False, None, None), s_aux=torch.zeros(4))

@@ -347,6 +347,9 @@ def make_attention_function(
         check_family(module, model_types, family_of)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if isinstance(attention_mask, GraphMask):
+            if sinks is not None:  # the graph's plan steps such a model aside; never drop the sinks silently
+                raise PatchStateError(f"{type(module).__name__} passes attention sinks inside a compiled graph that "
+                                      "patchkit planned without them; compile without fullgraph=True")
             options = KernelOptions(dropout, scale, window, softcap, state.warn_once)
             return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options), None
         out = varlen_core(

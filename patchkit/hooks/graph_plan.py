@@ -22,11 +22,7 @@ from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, Grap
 from patchkit.hooks.routing import ROUTE_NAME, Route, attn_name, set_attn_name
 from patchkit.hooks.self_check import untrusted_in_graph
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import CAUSES, EXPRESSIBLE, JOINING, input_tokens, sliding_window, step_aside
-
-# model types whose attention adds learned sinks (`s_aux`): served exactly on the eager path only
-SINK_TYPES = frozenset({"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "deepseek_v4", "hy_v4",
-                        "hy_v4_vl", "openai_privacy_filter"})
+from patchkit.hooks.step_aside import CAUSES, input_tokens, mask_kind, sliding_window, step_aside
 
 # why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
 IN_GRAPH = {
@@ -81,10 +77,9 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
     tokens = input_tokens(arguments)
     if padded and window is not None and tokens is not None and window < tokens.shape[1]:
         return "window"
-    if patterns_beyond_causal(type(module).__module__, type(module).__qualname__):
-        return "custom_mask_pattern"
-    if getattr(config, "model_type", None) in SINK_TYPES:
-        return "sinks"
+    cause = modeling_cause(type(module).__module__, type(module).__qualname__)
+    if cause:
+        return cause
     if module.training and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
         return "dropout"
     if not getattr(state.backend, "in_graph", False):
@@ -145,16 +140,14 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
     A forward under the registered name alone (no patched forward planned it; `name_alone()` gives its state) is
     served where it has no padding, no past and a plain causal (or sliding) pattern. Dynamo cannot read the closures
     of a mask function made in the graph, only its name: transformers' `and_masks` of a forward a patched model
-    planned is packed documents (the model's own source was checked for other patterns, `patterns_beyond_causal`),
+    planned is packed documents (the model's own source was checked for other patterns, `modeling_cause`),
     whose sequence indices the layers compute from position_ids as transformers does.
     """
     mask, window, function = kwargs.get("attention_mask"), kwargs.get("local_size"), kwargs.get("mask_function")
     plan = GRAPH_ROUTE[0]
-    code = getattr(function, "__code__", None)
-    name = getattr(code, "co_qualname", None) or getattr(function, "__qualname__", "")  # dynamo: not __qualname__
-    packed = name in JOINING
-    if function is not None and (getattr(function, "__module__", None) != "transformers.masking_utils" or (
-            name not in EXPRESSIBLE and not (packed and plan is not None))):
+    kind = "expressible" if function is None else mask_kind(function)
+    packed = kind == "joining"
+    if kind == "beyond" or (packed and plan is None):
         return "custom_mask_pattern"
     q_length, kv_length, cache_position = kwargs.get("q_length"), kwargs.get("kv_length"), kwargs.get("cache_position")
     if q_length is None and isinstance(cache_position, torch.Tensor):  # transformers 4.53-5.3 pass cache_position
@@ -172,21 +165,26 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
     return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window)
 
 
-def _patterns_beyond_causal(module_name: str, class_name: str) -> bool:
-    """Whether a base model class's own forward asks transformers for a mask pattern beyond causal, sliding and packed
-    (bidirectional spans, chunks, a caller's and/or mask functions): read from its source, once per class."""
-    if (module_name, class_name) not in _PATTERNS:
-        method = getattr(getattr(sys.modules[module_name], class_name, None), "forward", None)
+def _modeling_cause(module_name: str, class_name: str) -> str:
+    """What in a base model's modeling code the in-graph path does not serve, read from its source once per class
+    (run while traced): "custom_mask_pattern" where its forward asks transformers for a mask beyond causal, sliding
+    and packed (bidirectional spans, chunks, a caller's and/or mask functions), "sinks" where its module passes
+    attention sinks (`s_aux`), else ""."""
+    key = (module_name, class_name)
+    if key not in _MODELING:
+        module = sys.modules[module_name]
+        method = getattr(getattr(module, class_name, None), "forward", None)
         while hasattr(method, "__wrapped_original__"):
             method = method.__wrapped_original__
         try:
-            source = inspect.getsource(method)
-        except (OSError, TypeError):
-            source = "or_mask_function"  # unreadable: assume the worst, step aside
-        _PATTERNS[module_name, class_name] = any(marker in source for marker in PATTERN_MARKERS)
-    return _PATTERNS[module_name, class_name]
+            forward, whole = inspect.getsource(method), inspect.getsource(module)
+        except (OSError, TypeError):  # unreadable: assume the worst, step aside
+            forward, whole = PATTERN_MARKERS[0], ""
+        _MODELING[key] = ("custom_mask_pattern" if any(m in forward for m in PATTERN_MARKERS)
+                          else "sinks" if "s_aux" in whole else "")
+    return _MODELING[key]
 
 
 PATTERN_MARKERS = ("or_mask_function", "and_mask_function", "block_sequence_ids", "chunked", "bidirectional")
-_PATTERNS: dict[tuple[str, str], bool] = {}
-patterns_beyond_causal = torch._dynamo.assume_constant_result(_patterns_beyond_causal)  # run while traced
+_MODELING: dict[tuple[str, str], str] = {}
+modeling_cause = torch._dynamo.assume_constant_result(_modeling_cause)  # run while traced

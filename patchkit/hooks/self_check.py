@@ -90,7 +90,7 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     """`untested_transformers` when this model's family failed its check on this transformers, else None.
 
     The check runs once per process and class, at the class's first forward outside a compiled graph."""
-    if untested() is None and model_type(module) not in unverified:
+    if trusted(model_type(module)):
         return None
     cls = type(module)
     if cls not in _verdicts:
@@ -108,10 +108,15 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     return None if _verdicts[cls] is None else failed_cause()
 
 
+def trusted(family: Optional[str]) -> bool:
+    """A family served without a self-check: a transformers CI has tested, and a family the census has verified."""
+    return untested() is None and family not in unverified
+
+
 def _untrusted_in_graph(module_name: str, class_name: str, family: Optional[str]) -> str:
     """`untrusted_cause` for a forward dynamo traces, run then (its result a constant of the graph): a family that
     must check itself and has no verdict yet steps aside, as the check cannot run inside a trace ("" : trusted)."""
-    if untested() is None and family not in unverified:
+    if trusted(family):
         return ""
     verdict = _verdicts.get(getattr(sys.modules.get(module_name), class_name.rpartition(".")[2], None), "unchecked")
     return "" if verdict is None else failed_cause()
@@ -127,7 +132,7 @@ def failed_cause() -> str:
 def untrusted_mask_cause(config: Any) -> Optional[str]:
     """Under the registered name alone (no patch wraps the model): `untested_transformers` for a model whose family
     failed its check, found by its config (the model that builds the mask, from the stack, the first time)."""
-    if config is None or (untested() is None and getattr(config, "model_type", None) not in unverified):
+    if config is None or trusted(getattr(config, "model_type", None)):
         return None
     cls = _by_config.get(type(config))
     if cls is None:

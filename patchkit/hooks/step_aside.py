@@ -286,19 +286,24 @@ JOINING = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<
            "add_offsets_to_mask_function.<locals>.inner_mask")
 
 
+def mask_kind(function: Any) -> str:
+    """What transformers' `mask_function` is by its name alone: "expressible" (causal, sliding, packed), "joining" (a
+    combinator whose parts decide) or "beyond" (anything else). The code object's name: dynamo traces a function's
+    __qualname__ wrongly (torch 2.13) and cannot read the closures of one made in its graph."""
+    if getattr(function, "__module__", None) != "transformers.masking_utils":
+        return "beyond"
+    name = getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
+    return "expressible" if name in EXPRESSIBLE else "joining" if name in JOINING else "beyond"
+
+
 def beyond_causal(function: Any) -> bool:
     """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
     bidirectional span, a caller's and_mask_function, chunked attention): read from its closures, no tensor work."""
     if function is None:
         return False
-    if getattr(function, "__module__", None) != "transformers.masking_utils":
-        return True
-    # the code object's name: dynamo traces a function's __qualname__ wrongly (torch 2.13)
-    name = getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
-    if name in EXPRESSIBLE:
-        return False
-    if name not in JOINING:
-        return True
+    kind = mask_kind(function)
+    if kind != "joining":
+        return kind == "beyond"
     parts = [c.cell_contents for c in function.__closure__ or ()]
     parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,))
              if not isinstance(f, torch.Tensor) and callable(f)]  # a traced tensor is not asked: dynamo refuses
