@@ -41,15 +41,20 @@ VERIFIED = frozenset({
     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
+    # packed documents read from the mask builder or the model forward, for layers not handed position_ids
+    "ctrl", "gpt_bigcode", "moshi", "persimmon",
+    # chunked attention (documents cut at the chunk size), NoPE layers whose temperature reads the row's length
+    "llama4_text",
     # the base model reads the mask itself (positions counted from it) or mixes tokens outside attention (linear
     # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
-    *("biogpt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
+    *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
-# (or positions the base model counts from the mask).
+# (or positions the base model counts from the mask, or, Llama 4's NoPE layers, a temperature from the row's length)
 # (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES)
-ATTENTION_UNPAD = frozenset({"biogpt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2"})
+ATTENTION_UNPAD = frozenset({"biogpt", "opt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2",
+                             "llama4_text"})
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 REFUSED = {
@@ -59,11 +64,6 @@ REFUSED = {
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": "a relative position bias added to the attention scores (`position_bias`)",
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
-    **dict.fromkeys(("ctrl", "gpt_bigcode", "llama4_text", "moshi", "persimmon"),
-                    "documents packed in a row (position_ids restarting) that its attention layers are not told of: "
-                    "the census finds packed rows other than transformers' eager attention gives"),
-    **dict.fromkeys(("opt", "lfm3"), "layers that never reach patchkit's attention through its route (the census "
-                                     "counts no patched call)"),
 }
 
 
@@ -107,7 +107,24 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     attention = interface_attention(module, lm_name.removesuffix("ForCausalLM"))
     if attention is None:
         raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface")
-    return attention, base, lm
+    return attention, mask_builder(module, base), lm
+
+
+def mask_builder(module: object, base: type) -> type:
+    """The model whose forward builds the masks: the base model, or the one class of its module that does where the
+    causal LM calls past the base model (OPT's `self.model.decoder`)."""
+    if builds_masks(base):
+        return base
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, nn.Module)
+             and c.__module__ == module.__name__ and builds_masks(c)]
+    return found[0] if len(found) == 1 else base
+
+
+def builds_masks(cls: type) -> bool:
+    forward = cls.__dict__.get("forward")
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and any(n == "_update_causal_mask" or (n.startswith("create_") and "mask" in n)
+                                    for n in code.co_names)
 
 
 def interface_attention(module: object, stem: str) -> Optional[type]:

@@ -19,6 +19,8 @@ SMALL = dict(
     n_layer=2, n_head=4, ffn_dim=64, word_embed_proj_dim=32, n_positions=256, rotary_dim=4, partial_rotary_factor=0.5,
     kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+    # chunks and NoPE layers that bite at these lengths (Llama 4's chunked attention and temperature; SmolLM3's NoPE)
+    attention_chunk_size=8, floor_scale=4, no_rope_layer_interval=2,
 )
 MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
 

@@ -291,7 +291,7 @@ def test_a_mask_pattern_beyond_causal_gets_transformers_mask_and_attention(extra
 @pytest.mark.skipif(transformers.__version__ < "4.53", reason="masks through the mask interface: 4.53+")
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_a_mask_pattern_beyond_causal_in_a_forward_unpadded_at_the_model_reruns_padded_aside(family, monkeypatch):
-    """A mask transformers asks for beyond causal (LLaMA-4's chunks, a caller's and_mask_function) inside a forward
+    """A mask transformers asks for beyond causal (a bidirectional span, a caller's and_mask_function) inside a forward
     patchkit unpadded at the model: transformers' mask over the packed row would join its documents, so the forward
     reruns padded on transformers' attention, counted, and equals unpatched."""
     from models import labels_for
@@ -304,7 +304,7 @@ def test_a_mask_pattern_beyond_causal_in_a_forward_unpadded_at_the_model_reruns_
     want = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
     want.loss.backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    monkeypatch.setattr(attention_interface, "beyond_causal", lambda function: True)
+    monkeypatch.setattr(attention_interface, "beyond_causal", lambda function, chunks=False: True)
     handle = patchkit.apply_patch(family if family != "llama" else "llama2", backend="sdpa")
     model.zero_grad()
     with pytest.warns(RuntimeWarning, match="beyond causal and padding"):

@@ -9,7 +9,7 @@ from test_trl import MODES, STEPS, one_thread, sft_losses  # noqa: F401 - one_th
 
 import patchkit
 
-FROM_DATA = ["gpt_oss", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1"]
+FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1"]
 HYBRIDS = ("qwen3_5_text", "falcon_h1")  # their conv / Mamba layers refuse packed rows without their CUDA kernels
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
 CASES = [(f, mode) for f in FROM_DATA for mode in MODES
@@ -19,30 +19,42 @@ CASES = [(f, mode) for f in FROM_DATA for mode in MODES
 DRIFT = {"gemma4_text": 1e-3}
 
 
+def built(family: str):
+    """The census's tiny model of `family`, as TRL can train it. TRL 1.16's fused LM head finds the backbone by
+    `base_model_prefix`, which Llama4ForCausalLM names "language_model" (its multimodal model's name) while its
+    backbone is `model`, and reads the load-balancing loss's expert count as `num_experts`, which Llama 4's config
+    names `num_local_experts`: unpatched TRL raises on both, so both runs point them at Llama 4's own."""
+    from census import tiny_lm
+
+    model, why = tiny_lm(family)
+    if model is not None and family == "llama4_text" and not hasattr(model, model.base_model_prefix):
+        model.base_model_prefix = "model"
+        model.config.num_experts = model.config.num_local_experts
+    return model, why
+
+
 @pytest.mark.parametrize("family, mode", CASES)
 def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
     """The families patchkit serves from data (no module of their own: `patches/table.py`; sinks, latent attention,
-    routed experts, Gemma4's per-layer head sizes, two hybrids), as a user trains them: `apply_patch()` before the
-    tiny model is built (the census's sizes), TRL's defaults (gradient checkpointing), padded, padding-free and
-    packing. Every attention layer runs through the patch in each step's forward and recompute (a hybrid's other
-    layers are its own); the losses equal the unpatched run's. GPT-OSS's and Gemma4's eager attention let the
-    documents of a packed row see each other (TRL warns that padding-free needs flash attention): there the reference
-    is the unpatched padded run of the same examples (their label tokens are the same; packing makes other batches,
-    which no unpatched run of theirs gives exactly)."""
-    from census import tiny_lm
-
+    routed experts, Llama 4's chunks and NoPE layers, Gemma4's per-layer head sizes, two hybrids), as a user trains
+    them: `apply_patch()` before the tiny model is built (the census's sizes), TRL's defaults (gradient
+    checkpointing), padded, padding-free and packing. Every attention layer runs through the patch in each step's
+    forward and recompute (a hybrid's other layers are its own); the losses equal the unpatched run's. GPT-OSS's and
+    Gemma4's eager attention let the documents of a packed row see each other (TRL warns that padding-free needs
+    flash attention): there the reference is the unpatched padded run of the same examples (their label tokens are
+    the same; packing makes other batches, which no unpatched run of theirs gives exactly)."""
     from patches.table import serves_here
 
     if not serves_here():
         pytest.skip("the table serves transformers 5.x")
-    model, why = tiny_lm(family)
+    model, why = built(family)
     if model is None:
         pytest.skip(why)
     joins = family in JOINS and mode != "padded"
     want = sft_losses(model, tmp_path, **MODES["padded" if joins else mode])
     handle = patchkit.apply_patch(backend="sdpa")
     try:
-        model, _ = tiny_lm(family)
+        model, _ = built(family)
         got = sft_losses(model, tmp_path, **MODES[mode])
         layers = handle.check(model)
         assert layers >= 1 and handle.calls == STEPS * layers * 2, handle.report()

@@ -8,13 +8,14 @@ import torch
 
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.context import current
-from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows
+from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows, seq_idx_lengths
 from patchkit.forward.metadata import (
     PastMetadata,
     VarlenMetadata,
     dense_metadata,
     host_lengths,
     real_runs,
+    split_at_chunks,
 )
 from patchkit.forward.padding import cu_seqlens_from_lengths
 
@@ -81,6 +82,15 @@ def _from_cu_seqlens(
         batch, q_len, kv_len, None, None, cu_q, cu_k, max(lens_q, default=0), max(lens_k, default=0),
         lens_q, lens_k, packed=len(lens_q) > batch,
     )
+
+
+def sequence_ids_metadata(seq_ids: torch.Tensor) -> VarlenMetadata:
+    """Packed documents given as a (B, N) id per token, a new document wherever the id changes in a row
+    (transformers' `packed_sequence_mask`, found from position_ids): the metadata of their runs, no past."""
+    batch, seqlen = seq_ids.shape
+    lengths = torch.tensor(seq_idx_lengths(seq_ids, batch, seqlen, None), device=seq_ids.device)
+    cu = cu_seqlens_from_lengths(lengths.to(torch.int32))
+    return _from_cu_seqlens(batch, seqlen, seqlen, cu, cu)
 
 
 def build_metadata(
@@ -169,12 +179,13 @@ class VarlenMask:
     reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "_key", "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "_key",
+                 "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
         fixed_cache: bool = False, key_offset: int = 0, slots: Optional[int] = None, route: Any = None,
-        window: Optional[int] = None,
+        window: Optional[int] = None, chunk: Optional[int] = None,
     ) -> None:
         self.mask = check_mask(mask)
         self.route = route  # the routed forward's route (`routing.Route`) the mask was built in, or None
@@ -183,19 +194,20 @@ class VarlenMask:
         self.slots = slots
         self.key_offset = key_offset  # the mask column of the first key the cache returns (a sliding-window cache)
         self.window = window
-        self._meta = meta
+        self.chunk = chunk  # chunked attention's size (Llama 4's): documents cut every `chunk` tokens
+        self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
     @classmethod
     def for_forward(
         cls, mask: Optional[torch.Tensor], past_len: Optional[int] = None, fixed_cache: bool = False,
-        key_offset: int = 0, slots: Optional[int] = None, window: Optional[int] = None,
+        key_offset: int = 0, slots: Optional[int] = None, window: Optional[int] = None, chunk: Optional[int] = None,
     ) -> VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running; with the route of
         the forward building it, which its layers (and their checkpoint recomputes) then read from the mask."""
         context = current()
         return cls(mask, context.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
-                   context.route, window)
+                   context.route, window, chunk)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.
@@ -246,6 +258,7 @@ class VarlenMask:
                 fa_kwargs.get("cu_seq_lens_q"), fa_kwargs.get("cu_seq_lens_k"),
             )
             check_seq_idx(fa_kwargs.get("seq_idx"), self._meta)
+            self._meta = split_at_chunks(self._meta, self.chunk)
             self._key = key
         return self._meta
 

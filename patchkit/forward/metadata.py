@@ -56,6 +56,17 @@ class VarlenMetadata:
         return self.cu_seqlens_k.diff()
 
 
+def split_at_chunks(meta: VarlenMetadata, chunk: Optional[int]) -> VarlenMetadata:
+    """Every sequence cut each `chunk` tokens from its first (chunked attention, Llama 4's: a query sees the keys
+    of its own chunk only), as more, shorter documents over the same tokens; `meta` itself where none is cut."""
+    if not chunk or not meta.same_qk or meta.max_seqlen_q <= chunk:
+        return meta
+    lengths = [piece for n in meta.seqlens_q for piece in [chunk] * (n // chunk) + [n % chunk][: n % chunk > 0]]
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths, dtype=torch.int32, device=meta.cu_seqlens_q.device))
+    return dataclasses.replace(meta, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=chunk, max_seqlen_k=chunk,
+                               seqlens_q=lengths, seqlens_k=lengths, packed=True)
+
+
 def host_lengths(*lengths: torch.Tensor) -> list[list[int]]:
     """Bring several 1D length vectors (any integer or bool dtypes: cat promotes them) to the host in one transfer
     (one sync per model forward)."""

@@ -23,7 +23,8 @@ from patchkit.forward.arguments import check_family, given_cache
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
-from patchkit.forward.masks import VarlenMask
+from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
+from patchkit.forward.metadata import has_holes
 from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.routing import ROUTE_NAME
@@ -33,8 +34,10 @@ from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
     beyond_causal,
+    chunk_size,
     ends_in_padding,
     lm_cause,
+    packed_sequence_ids,
     step_aside,
     transformers_mask,
     window_over_hole,
@@ -65,7 +68,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
             return served
         if in_one_graph() and _graph_aside(served):  # fullgraph: transformers' mask, counted when traced
             return transformers_eager_mask(args, kwargs)
-    if beyond_causal(kwargs.get("mask_function")):
+    function = kwargs.get("mask_function")
+    if beyond_causal(function, chunks=True):
         if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly("custom_mask_pattern")
         return aside_mask("custom_mask_pattern", args, kwargs)
@@ -79,11 +83,18 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
     window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
+    chunk = chunk_size(function)
+    if chunk is not None and chunk_behind_cache(chunk, attention_mask, q_offset, q_length):
+        return aside_mask("chunk_behind_cache", args, kwargs)
+    documents = packed_sequence_ids(function) if attention_mask is None else None
+    if documents is not None and current().packed is None:  # for layers not handed position_ids (GPT-BigCode)
+        return VarlenMask(None, sequence_ids_metadata(documents), route=current().route, window=window, chunk=chunk)
     if q_offset is None:
-        return VarlenMask.for_forward(attention_mask, window=window)
+        return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)
     past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
-    varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window)
+    varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window,
+                                    chunk)
     maker = generate_frame()  # once per forward: a few frames up
     if maker is None:
         return varlen
@@ -95,6 +106,15 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     if static_layers(given_cache(maker.f_locals)) is not None:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
+
+
+def chunk_behind_cache(chunk: int, mask: Any, q_offset: Any, q_length: Any) -> bool:
+    """Chunked attention whose chunk bites where documents cannot express it: a chunk boundary behind the cache
+    (a query past the first chunk with cached keys), or a row with padding between its real tokens."""
+    past = int(q_offset) if q_offset is not None else 0
+    if past > 0 and past + int(q_length or 0) > chunk:
+        return True
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > chunk and has_holes(mask)
 
 
 def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -63,6 +63,11 @@ CAUSES = {
         "express",
         "not possible for this pattern, which needs transformers' attention",
     ),
+    "chunk_behind_cache": (
+        "chunked attention (Llama 4's attention_chunk_size) where a chunk boundary falls behind the KV cache, or "
+        "inside a row with padding between real tokens, which transformers counts and varlen kernels do not",
+        "none needed: generation past the first chunk runs on transformers' attention; pad on one side only",
+    ),
     "window_over_padding_hole": (
         "a sliding window over a row with padding between real tokens (generate() on a right-padded prompt makes "
         "one): transformers counts the padding columns inside the window, varlen kernels count real tokens only",
@@ -182,17 +187,29 @@ def input_tokens(arguments: dict) -> Any:
 
 
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
-    """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
-    metadata the mask builders hand every layer (`ForwardContext.packed`): on the mask object they reach a
-    checkpoint's recompute, where kwargs may not (transformers 4.48-4.51 call checkpointed layers without them)."""
+    """Caller-made documents with no mask (`cu_seq_lens_*`, a 4D block-diagonal mask turned into them, or
+    position_ids restarting in a row with no past) as the metadata the mask builders hand every layer
+    (`ForwardContext.packed`): on the mask object they reach a checkpoint's recompute, where kwargs may not
+    (transformers 4.48-4.51 call checkpointed layers without them), and the layers of a family whose decoder does
+    not pass position_ids on to attention (GPT-BigCode, Persimmon, Llama 4) while its mask builder reads them."""
     cu_q, tokens = extra.get("cu_seq_lens_q"), input_tokens(arguments)
-    if cu_q is None or arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
+    if arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
         return None
     batch, seqlen = tokens.shape[:2]
-    meta = build_metadata(None, batch, seqlen, seqlen, tokens.device, arguments.get("position_ids"), cu_q,
-                          extra.get("cu_seq_lens_k"))
+    positions = arguments.get("position_ids")
+    if cu_q is None and not packed_positions(arguments, positions, seqlen):
+        return None
+    meta = build_metadata(None, batch, seqlen, seqlen, tokens.device, positions, cu_q, extra.get("cu_seq_lens_k"))
     check_seq_idx(extra.get("seq_idx"), meta)
-    return meta
+    return meta if cu_q is not None or meta.packed else None
+
+
+def packed_positions(arguments: dict, positions: Any, seqlen: int) -> bool:
+    """position_ids that may hold packed documents: text positions (B, S) of this forward's tokens, no past."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != seqlen or seqlen < 2:
+        return False
+    cache = given_cache(arguments)
+    return cache is None or (not fixed_slots(cache) and cache.get_seq_length() == 0)
 
 
 def sliding_window(config: Any) -> Optional[int]:
@@ -284,6 +301,7 @@ EXPRESSIBLE = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_ma
                "packed_sequence_mask_function.<locals>.inner_mask")  # tuples: dynamo traces this check
 JOINING = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
            "add_offsets_to_mask_function.<locals>.inner_mask")
+CHUNKED = "chunked_overlay.<locals>.inner_mask"  # Llama 4's chunks: documents split at the chunk size, when asked
 
 
 def mask_kind(function: Any) -> str:
@@ -293,18 +311,54 @@ def mask_kind(function: Any) -> str:
     if getattr(function, "__module__", None) != "transformers.masking_utils":
         return "beyond"
     name = getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
+    if name == CHUNKED:
+        return "chunked"
     return "expressible" if name in EXPRESSIBLE else "joining" if name in JOINING else "beyond"
 
 
-def beyond_causal(function: Any) -> bool:
+def mask_parts(function: Any) -> list[Any]:
+    """The functions and tensors a joining mask function (`and_masks`, ...) closes over, one level down."""
+    parts = [c.cell_contents for c in function.__closure__ or ()]
+    return [f for p in parts for f in (p if isinstance(p, tuple) else (p,))]
+
+
+def packed_sequence_ids(function: Any) -> Optional[torch.Tensor]:
+    """The (B, N) document ids transformers found in position_ids and joined into its `mask_function` (a packed
+    batch, no mask), or None: its documents, for layers that are not handed position_ids themselves."""
+    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
+        return None
+    name = getattr(getattr(function, "__code__", None), "co_qualname", "")
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+        return next((t for t in mask_parts(function) if isinstance(t, torch.Tensor) and t.dim() == 2), None)
+    if name not in JOINING:
+        return None
+    found = (packed_sequence_ids(f) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
+    return next((ids for ids in found if ids is not None), None)
+
+
+def beyond_causal(function: Any, chunks: bool = False) -> bool:
     """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
-    bidirectional span, a caller's and_mask_function, chunked attention): read from its closures, no tensor work."""
+    bidirectional span, a caller's and_mask_function, chunked attention unless `chunks` are served): read from its
+    closures, no tensor work."""
     if function is None:
         return False
     kind = mask_kind(function)
     if kind != "joining":
-        return kind == "beyond"
-    parts = [c.cell_contents for c in function.__closure__ or ()]
-    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,))
+        return kind == "beyond" or (kind == "chunked" and not chunks)
+    parts = [f for f in mask_parts(function)
              if not isinstance(f, torch.Tensor) and callable(f)]  # a traced tensor is not asked: dynamo refuses
-    return any(beyond_causal(f) for f in parts)
+    return any(beyond_causal(f, chunks) for f in parts)
+
+
+def chunk_size(function: Any) -> Optional[int]:
+    """The chunk size of chunked attention (Llama 4's `attention_chunk_size`) joined into transformers'
+    `mask_function`, or None."""
+    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
+        return None
+    kind = mask_kind(function)
+    if kind == "chunked":
+        return next((c for c in mask_parts(function) if isinstance(c, int) and not isinstance(c, bool)), None)
+    if kind != "joining":
+        return None
+    found = (chunk_size(f) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
+    return next((size for size in found if size is not None), None)
