@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from patchkit import eras
-from patchkit.forward.varlen import QKV_PACKED
 from patchkit.gates import GateResult
 from patchkit.hooks.model_walk import model_config
-from patchkit.registry import PatchSpec
+from patchkit.hooks.registry import PatchSpec
+from patchkit.hooks.varlen import QKV_PACKED
 
 
 def check_model(model: nn.Module) -> list[GateResult]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from patchkit import eras
-from patchkit.forward.varlen import KV_PACKED
-from patchkit.registry import PatchSpec
+from patchkit.hooks.registry import PatchSpec
+from patchkit.hooks.varlen import KV_PACKED
 
 SPEC = PatchSpec(
     name="llama2",

@@ -21,7 +21,7 @@ from torch import nn
 from patchkit.errors import PatchTargetError
 from patchkit.hooks import self_check
 from patchkit.hooks.family_route import family_spec_of
-from patchkit.registry import PatchSpec
+from patchkit.hooks.registry import PatchSpec
 
 TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
 

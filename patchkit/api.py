@@ -14,13 +14,13 @@ from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
 from patchkit.forward.liveness import live_layers
-from patchkit.forward.varlen import UNPAD_MODES, PatchState
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
 from patchkit.hooks import batch_errors, flash_request, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.registry import PatchSpec, for_model, registered, resolve, table_spec
+from patchkit.hooks.registry import PatchSpec, for_model, registered, resolve, table_spec
+from patchkit.hooks.varlen import UNPAD_MODES, PatchState
 from patchkit.warn import warn_user
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
@@ -249,7 +249,8 @@ def _apply(
         weakref.finalize(model, _forget, key, weakref.ref(handle))  # a collected model leaves no handle behind
     else:
         unserved.attach(_served, _adopt)
-        flash_request.attach(_serving)
+        if not eras.legacy_installed():  # before 4.48 no era of ours serves a flash_attention_2 request
+            flash_request.attach(_serving)
     return handle
 
 

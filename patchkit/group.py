@@ -8,7 +8,7 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.model_walk import model_config
-from patchkit.registry import spec_for_model
+from patchkit.hooks.registry import spec_for_model
 
 GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
 

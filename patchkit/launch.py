@@ -15,7 +15,7 @@ from patchkit.entry.autostart import stand_down
 from patchkit.entry.config import PatchArguments, apply_from_args, patch_names
 from patchkit.entry.process_report import rank_label, report_at_exit
 from patchkit.errors import PatchkitError
-from patchkit.forward.varlen import UNPAD_MODES
+from patchkit.hooks.varlen import UNPAD_MODES
 from patchkit.warn import attributed_to
 
 # Usage:

@@ -14,8 +14,8 @@ from patchkit.errors import PatchInputError
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
-from patchkit.forward.varlen import half_dtype, to_half
 from patchkit.gates import GateResult
+from patchkit.hooks.varlen import half_dtype, to_half
 from patchkit.warn import warn_user
 
 FLASH_MIN = "2.0"

@@ -55,7 +55,7 @@ def _targets() -> dict[str, object]:
     the PreTrainedModel hooks the class patches share."""
     from torch import nn
 
-    from patchkit.registry import registered
+    from patchkit.hooks.registry import registered
 
     found: dict[str, object] = {}
     modules = {"transformers.models.llama.modeling_llama"}

@@ -25,7 +25,7 @@ from patchkit.patches import table
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks import attention_interface, self_check
-from patchkit.registry import PATCH_MODULES, for_model_type
+from patchkit.hooks.registry import PATCH_MODULES, for_model_type
 
 PINNED = transformers.__version__ == self_check.TESTED_TRANSFORMERS  # the version VERIFIED was made on
 NEW_ENOUGH = Version(transformers.__version__) >= Version("5.0")  # the table serves transformers 5.x's interface
@@ -178,7 +178,7 @@ def olmo() -> torch.nn.Module:
 @pytest.fixture
 def unverified_olmo(monkeypatch):
     """OLMo as a family transformers added after CI's version would be: served from data, not in the census."""
-    from patchkit import registry
+    from patchkit.hooks import registry
 
     monkeypatch.setattr(table, "VERIFIED", table.VERIFIED - {"olmo"})
     monkeypatch.setattr(registry, "_TABLE_SPECS", {})
@@ -238,7 +238,7 @@ def test_the_families_page_is_this_census():
     to or dropped from VERIFIED or patches/ without the page rewritten fails here."""
     from pathlib import Path
 
-    from patchkit.registry import resolve
+    from patchkit.hooks.registry import resolve
 
     page = Path(__file__).resolve().parents[1] / "docs" / "families.md"
     rows = {line.split(" | ")[0][3:-1]: line.split(" | ")[1] for line in page.read_text().splitlines()

@@ -222,8 +222,8 @@ def test_what_the_graph_does_not_serve_is_read_from_the_modeling_source():
     assert _modeling_cause(llama4.__name__, "Llama4TextModel") == "custom_mask_pattern"
 
     from patchkit.forward.in_graph import GraphMask
-    from patchkit.forward.varlen import make_attention_function
     from patchkit.hooks import attention_interface
+    from patchkit.hooks.varlen import make_attention_function
 
     attention_interface.register(backend="sdpa")
     attend = make_attention_function(attention_interface.route_state(), ["llama"])

@@ -18,7 +18,7 @@ import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.group import PatchGroup
 from patchkit.hooks import unserved
-from patchkit.registry import registered, resolve
+from patchkit.hooks.registry import registered, resolve
 
 SERVED = sorted({t for s in registered() for t in s.model_types})
 # before 4.53 only LLaMA's patches exist: apply_patch() patches LLaMA and names every other family as skipped; a

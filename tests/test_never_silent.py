@@ -301,8 +301,8 @@ def test_registered_name_serves_windows_and_softcap_exactly(kind):
 def test_an_unserved_argument_is_refused_by_name():
     """The allow-list: an argument patchkit does not implement (sparse attention's selected keys) raises, never
     ignored."""
-    from patchkit.forward.varlen import make_attention_function
     from patchkit.hooks.attention_interface import route_state
+    from patchkit.hooks.varlen import make_attention_function
 
     layer = tiny_model().model.layers[0].self_attn
     q = torch.randn(1, 4, 3, 16)

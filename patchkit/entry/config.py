@@ -10,9 +10,9 @@ from torch import nn
 
 from patchkit.api import PatchHandle, apply_patch
 from patchkit.backends import BACKEND_NAMES
-from patchkit.forward.varlen import UNPAD_MODES
 from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.registry import ALIASES, PATCH_MODULES
+from patchkit.hooks.registry import ALIASES, PATCH_MODULES
+from patchkit.hooks.varlen import UNPAD_MODES
 
 ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
 ENV_PATCH = "PATCHKIT_PATCH"

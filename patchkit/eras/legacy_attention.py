@@ -20,7 +20,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import check_call
-from patchkit.forward.varlen import PatchState, varlen_core
+from patchkit.hooks.varlen import PatchState, varlen_core
 
 STATIC_CACHES = ("StaticCache", "SlidingWindowCache", "HybridCache", "OffloadedStaticCache")
 

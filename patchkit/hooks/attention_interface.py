@@ -25,8 +25,8 @@ from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
-from patchkit.forward.varlen import PatchState, make_attention_function
 from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
+from patchkit.hooks.registry import resolve, served_model_types, spec_for_class
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
@@ -42,7 +42,7 @@ from patchkit.hooks.step_aside import (
     transformers_mask,
     window_over_hole,
 )
-from patchkit.registry import resolve, served_model_types, spec_for_class
+from patchkit.hooks.varlen import PatchState, make_attention_function
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 

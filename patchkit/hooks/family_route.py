@@ -20,15 +20,15 @@ from torch import nn
 from patchkit.errors import PatchTargetError
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
-from patchkit.forward.varlen import KV_PACKED, PatchState
 from patchkit.hooks import attention_interface
 from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.recorded_router import make_recording_forward
+from patchkit.hooks.registry import PatchSpec
 from patchkit.hooks.routing import current_method, make_attention_forward, rerouting, routes_to
 from patchkit.hooks.step_aside import transformers_mask_in_graph
-from patchkit.registry import PatchSpec
+from patchkit.hooks.varlen import KV_PACKED, PatchState
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from patchkit.forward.varlen import PatchState
 from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.hooks.varlen import PatchState
 from patchkit.warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
@@ -94,13 +94,9 @@ def make_check_and_enable(original: classmethod, serving: Serving) -> classmetho
 
 
 def replacements(serving: Serving) -> list[Replacement]:
-    """The wrapper on transformers' PreTrainedModel check (none before 4.48, where no era of ours serves it)."""
+    """The wrapper on transformers' PreTrainedModel check (the caller attaches it from 4.48, the newest era)."""
     from transformers.modeling_utils import PreTrainedModel
 
-    from patchkit import eras
-
-    if eras.legacy_installed():
-        return []
     if "_check_and_adjust_attn_implementation" in vars(PreTrainedModel):
         original = vars(PreTrainedModel)["_check_and_adjust_attn_implementation"]
         new: Any = make_check_and_adjust(original, serving)

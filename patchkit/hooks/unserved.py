@@ -21,7 +21,7 @@ def why_unserved(model_type: Optional[str], families: str) -> str:
     """Why `model_type` runs unpatched: no patch for it, the gate its patch fails, or its patch was not applied."""
     from patchkit import gates
     from patchkit.errors import PatchTargetError
-    from patchkit.registry import for_model_type
+    from patchkit.hooks.registry import for_model_type
 
     try:
         spec = for_model_type(model_type)

@@ -10,10 +10,10 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from patchkit.errors import PatchTargetError
-from patchkit.forward.varlen import PatchState
 from patchkit.gates import GateResult
 from patchkit.hooks.model_walk import model_config
 from patchkit.hooks.patching import Replacement
+from patchkit.hooks.varlen import PatchState
 
 # name -> module holding its SPEC; modules are imported on first use.
 PATCH_MODULES = {
