@@ -256,8 +256,8 @@ def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
                                                     layer_types=["full_attention"], **common))
     if kind == "olmo":
         return tf.OlmoForCausalLM(tf.OlmoConfig(num_key_value_heads=2, **common))
-    if kind == "persimmon":
-        return tf.PersimmonForCausalLM(tf.PersimmonConfig(**common))
+    if kind == "doge":
+        return tf.DogeForCausalLM(tf.DogeConfig(**common))
     return tf.BertModel(tf.BertConfig(**common))
 
 
@@ -269,9 +269,8 @@ def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
                                           " no registered name reaches it)")),
     pytest.param("olmo", r"OlmoAttention \(model_type 'olmo'\), a model family patchkit has no patch for",
                  marks=pytest.mark.skipif(VERSION >= Version("5"), reason="served from data on transformers 5.x")),
-    pytest.param("persimmon", r"PersimmonAttention \(model_type 'persimmon'\), a model family patchkit has no "
-                 "patch for", marks=pytest.mark.skipif(VERSION < Version("5"), reason="its attention reaches the "
-                                                    "interface from transformers 5.0")),
+    pytest.param("doge", r"model_type 'doge', which uses dynamic mask attention", marks=pytest.mark.skipif(
+        VERSION < Version("5"), reason="served from data, or refused by name, on transformers 5.x")),
 ])
 def test_registered_name_refuses_what_it_does_not_serve(kind, match):
     """Item 2: the registered name reached BERT and other families and ran them silently wrong."""

@@ -19,6 +19,7 @@ from torch import nn
 from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
+from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import check_family, given_cache
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
@@ -26,7 +27,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
-from patchkit.hooks.registry import resolve, served_model_types, spec_for_class
+from patchkit.hooks.registry import refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
@@ -68,6 +69,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
             return served
         if in_one_graph() and _graph_aside(served):  # fullgraph: transformers' mask, counted when traced
             return transformers_eager_mask(args, kwargs)
+    refuse_refused(kwargs.get("config"))
     function = kwargs.get("mask_function")
     if beyond_causal(function, chunks=True):
         if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
@@ -106,6 +108,16 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     if static_layers(given_cache(maker.f_locals)) is not None:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
+
+
+def refuse_refused(config: Any) -> None:
+    """A family the table refuses by name (its own code reads the mask: sparse or dynamic-mask attention) is told
+    so before its mask is built, rather than when its code meets patchkit's mask."""
+    model_type = getattr(config, "model_type", None)
+    feature = refusal(model_type) if current().route is None else None
+    if feature is not None:
+        raise PatchInputError(f"attn_implementation='patchkit' was given to a model of model_type {model_type!r}, "
+                              f"which uses {feature}. Load it with attn_implementation='sdpa'.")
 
 
 def chunk_behind_cache(chunk: int, mask: Any, q_offset: Any, q_length: Any) -> bool:

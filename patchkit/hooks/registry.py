@@ -114,6 +114,11 @@ def table_spec(model_type: Optional[str]) -> PatchSpec:
     return found
 
 
+def refusal(model_type: Optional[str]) -> Optional[str]:
+    """The feature the table names for a family it refuses (DeepSeek-V3.2's sparse attention, ...), else None."""
+    return getattr(importlib.import_module(TABLE), "REFUSED", {}).get(model_type)
+
+
 def registered() -> list[PatchSpec]:
     return [resolve(name) for name in PATCH_MODULES]
 
