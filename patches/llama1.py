@@ -1,4 +1,4 @@
-"""LLaMA-1 patch: q, k, v packed into one tensor for the varlen qkvpacked kernel; training only."""
+"""LLaMA-1 patch (FastChat's qkvpacked one): q, k, v with one head count, no past; training and prefill only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from patchkit.hooks.varlen import QKV_PACKED
 
 
 def check_model(model: nn.Module) -> list[GateResult]:
-    """qkvpacked needs as many K/V heads as query heads: a GQA config is refused, not failed in stack()."""
+    """FastChat's qkvpacked contract: as many K/V heads as query heads; a GQA config is refused by name."""
     config = model_config(model, ("llama",))
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -29,7 +29,7 @@ def check_model(model: nn.Module) -> list[GateResult]:
 
 SPEC = PatchSpec(
     name="llama1",
-    description="LLaMA-1: flash_attn_varlen_qkvpacked_func on packed q/k/v; training and prefill, no past, no GQA",
+    description="LLaMA-1 (FastChat's qkvpacked contract): training and prefill, no past, no GQA",
     packing=QKV_PACKED,
     transformers=eras.LLAMA_TRANSFORMERS,
     flash_attn_min="2.0",

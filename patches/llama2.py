@@ -1,4 +1,4 @@
-"""LLaMA-2 patch: kvpacked varlen kernel with KV cache (generation) and grouped-query attention."""
+"""LLaMA-2 patch: the varlen kernel with a KV cache (generation on the padded cache) and grouped-query attention."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from patchkit.hooks.varlen import KV_PACKED
 
 SPEC = PatchSpec(
     name="llama2",
-    description="LLaMA-2 family: flash_attn_varlen_kvpacked_func, KV cache and generation, GQA/MQA",
+    description="LLaMA-2 family: KV cache and generation, GQA/MQA",
     packing=KV_PACKED,
     transformers=eras.LLAMA_TRANSFORMERS,
     flash_attn_min="2.1",

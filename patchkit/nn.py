@@ -175,12 +175,9 @@ class VarlenSelfAttention(nn.Module):
             )
         dropout_p = self.dropout if self.training else 0.0
         options = {"dropout_p": dropout_p, "softmax_scale": self.softmax_scale, "causal": self.causal}
-        if h == hk:
-            out = backend.varlen_qkvpacked(qkv.view(nnz, 3, h, d), meta, **options)
-        else:
-            q, kv = qkv[:, : h * d].view(nnz, h, d), qkv[:, h * d :].view(nnz, 2, hk, d)
-            out = backend.varlen_kvpacked(q, kv, meta, **options)
-        return out.to(in_dtype)
+        q = qkv[:, : h * d].view(nnz, h, d)  # views of the one projection: no copy for the kernel
+        k, v = qkv[:, h * d :].view(nnz, 2, hk, d).unbind(1)
+        return backend.varlen(q, k, v, meta, **options).to(in_dtype)
 
     def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x (B, S, E), key_padding_mask (B, S) with True = real token -> (B, S, E), zero at padding."""

@@ -8,6 +8,7 @@ import sys
 import types
 from typing import Optional
 
+import flash_stand_in as stand_in
 import torch
 from packaging.version import Version
 
@@ -48,12 +49,20 @@ class RecordingFlashAttn(types.ModuleType):
                  dropout_p=dropout_p, **(kw or {}))
         )
 
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, **kw):
+        assert q.dim() == k.dim() == v.dim() == 3 and k.shape[:2] == v.shape[:2] and q.shape[1] % k.shape[1] == 0
+        self._check("varlen", [q, k, v], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, dropout_p, kw)
+        return stand_in.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               dropout_p, softmax_scale, causal, **kw)
+
     def flash_attn_varlen_qkvpacked_func(self, qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                          causal=False, **kw):
         assert qkv.dim() == 4 and qkv.shape[1] == 3
         self._check("qkvpacked", [qkv], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
                     dropout_p, kw)
-        return sdpa.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+        return stand_in.flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                                      **kw)
 
     def flash_attn_varlen_kvpacked_func(self, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -61,7 +70,7 @@ class RecordingFlashAttn(types.ModuleType):
         assert q.dim() == 3 and kv.dim() == 4 and kv.shape[1] == 2 and q.shape[1] % kv.shape[2] == 0
         self._check("kvpacked", [q, kv], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     causal, dropout_p, kw)
-        return sdpa.flash_attn_varlen_kvpacked_func(
+        return stand_in.flash_attn_varlen_kvpacked_func(
             q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, **kw
         )
 
@@ -95,7 +104,7 @@ class RecordingFlashAttn(types.ModuleType):
             **{key: val for key, val in (("window_size", tuple(window_size)), ("softcap", softcap))
                if val not in ((-1, -1), 0.0)},
         ))
-        rows = [sdpa.flash_attn_func(q[b : b + 1], k_cache[b : b + 1, s:e], v_cache[b : b + 1, s:e],
+        rows = [stand_in.flash_attn_func(q[b : b + 1], k_cache[b : b + 1, s:e], v_cache[b : b + 1, s:e],
                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                      softcap=softcap)
                 for b, (s, e) in enumerate(zip(starts, ends))]

@@ -32,16 +32,13 @@ def test_every_call_matches_the_kernel_contract(monkeypatch, patch, kv_heads):
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     total = sum(nonzero)
     for call in fake.calls:
-        assert call["name"] == ("qkvpacked" if patch == "llama1" else "kvpacked")
+        assert call["name"] == "varlen"
         assert call["dtype"] == torch.bfloat16
         assert call["cu_q"] == call["cu_k"] == expected_cu
         assert call["max_q"] == call["max_k"] == max(nonzero)
         assert call["causal"] is True and call["dropout_p"] == 0.0
         assert call["softmax_scale"] == pytest.approx(head_dim**-0.5)
-        if patch == "llama1":
-            assert call["shapes"] == [(total, 3, 4, head_dim)]
-        else:
-            assert call["shapes"] == [(total, 4, head_dim), (total, 2, kv_heads, head_dim)]
+        assert call["shapes"] == [(total, 4, head_dim), (total, kv_heads, head_dim), (total, kv_heads, head_dim)]
     real = mask.bool()
     assert (ours - truth)[real].abs().max() <= 2 * (eager - truth)[real].abs().max() + 1e-3
 
@@ -56,7 +53,7 @@ def test_decode_calls_use_cache_lengths(monkeypatch):
                              return_dict_in_generate=True)
     decode = [c for c in fake.calls if c["name"] == "kvcache"]
     assert len(decode) == 2 * model.config.num_hidden_layers  # every step after the prefill
-    assert all(c["name"] == "kvpacked" for c in fake.calls[: model.config.num_hidden_layers])  # prefill: varlen
+    assert all(c["name"] == "varlen" for c in fake.calls[: model.config.num_hidden_layers])  # prefill: varlen
     real = mask.sum(-1).tolist()
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     first = decode[0]
@@ -98,7 +95,7 @@ def test_decode_on_a_flash_attn_without_cache_leftpad_gathers_with_one_warning_o
             model.generate(input_ids=ids, attention_mask=mask, **kw)
     assert sum("cache_leftpad" in str(w.message) for w in record) == 1
     decode = [c for c in fake.calls if c["shapes"][0][0] == 3]  # one query token per row
-    assert decode and all(c["name"] == "kvpacked" for c in decode)
+    assert decode and all(c["name"] == "varlen" for c in decode)
     real = mask.sum(-1).tolist()
     assert decode[0]["cu_q"] == [0, 1, 2, 3]
     assert decode[0]["cu_k"] == torch.tensor([0, *[n + 1 for n in real]]).cumsum(0).tolist()
@@ -125,7 +122,7 @@ def test_decode_layouts_the_kernel_cannot_express_take_the_varlen_kernel(monkeyp
         warnings.simplefilter("error")
         with torch.no_grad(), patchkit.apply_patch("llama2", strict=True):
             decode_logits(model, ids, mask, 2)
-        assert [c["name"] for c in fake.calls] == ["kvpacked"] * 3 * model.config.num_hidden_layers
+        assert [c["name"] for c in fake.calls] == ["varlen"] * 3 * model.config.num_hidden_layers
         fake.calls.clear()
         left, lmask = padded_batch("left", batch=3, seq=16)
         with patchkit.apply_patch("llama2", strict=True):
@@ -133,7 +130,7 @@ def test_decode_layouts_the_kernel_cannot_express_take_the_varlen_kernel(monkeyp
             nxt = torch.cat([lmask, torch.ones_like(lmask[:, :1])], 1)
             step = model(input_ids=left[:, :1], attention_mask=nxt, **{CACHE: out.past_key_values})
             step.logits.sum().backward()  # grad enabled, eval mode: the cache path declines
-    assert [c["name"] for c in fake.calls] == ["kvpacked"] * 2 * model.config.num_hidden_layers
+    assert [c["name"] for c in fake.calls] == ["varlen"] * 2 * model.config.num_hidden_layers
 
 
 @needs_mask_interface

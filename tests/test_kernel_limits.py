@@ -22,7 +22,7 @@ from patchkit.forward.padding import unpad_input
 
 ROOT = Path(__file__).resolve().parents[1]
 # all that patchkit may call: the kernels
-KERNELS = {"flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"}
+KERNELS = {"flash_attn_varlen_func", "flash_attn_with_kvcache"}
 OPTS = {"dropout_p": 0.0, "softmax_scale": 0.1, "causal": True}
 
 
@@ -43,8 +43,7 @@ def backends() -> list:
     reached: list[str] = []
     fa = types.SimpleNamespace(
         __version__="2.8.3",
-        flash_attn_varlen_kvpacked_func=lambda *a, **k: reached.append("flash_attn") or "kernel",
-        flash_attn_varlen_qkvpacked_func=lambda *a, **k: reached.append("flash_attn") or "kernel",
+        flash_attn_varlen_func=lambda *a, **k: reached.append("flash_attn") or "kernel",
     )
     return [(FlashAttnBackend(module=fa), reached), (TorchVarlenBackend(fn=lambda *a, **k: "kernel"), reached)]
 
@@ -54,7 +53,8 @@ def test_a_packed_batch_past_int32_in_backward_is_refused_naming_size_and_fix(wh
     backend, _ = backends()[which]
     heads, head_dim, total = 32, 128, 600_000  # (600_000 + 128) x 32 x 128 = 2.46e9 >= 2**31
     with pytest.raises(PatchInputError) as err:
-        backend.varlen_kvpacked(huge(total, heads, head_dim), huge(total, 2, 8, head_dim), packed_meta([total]), **OPTS)
+        kv = huge(total, 2, 8, head_dim)
+        backend.varlen(huge(total, heads, head_dim), kv[:, 0], kv[:, 1], packed_meta([total]), **OPTS)
     text = str(err.value)
     assert f"{(total + 128) * heads * head_dim:,} elements" in text and "2**31" in text
     assert "smaller micro-batch" in text and "backend='sdpa'" in text and backend.name in text
@@ -69,7 +69,7 @@ def test_many_short_documents_count_the_128_rows_per_sequence(which):
     q = huge(400_000, heads, head_dim)
     assert q.numel() < INT32_LIMIT
     with pytest.raises(PatchInputError, match=r"dq accumulator.*batch 40000"):
-        backend.varlen_qkvpacked(huge(400_000, 3, heads, head_dim), meta, **OPTS)
+        backend.varlen(*huge(400_000, 3, heads, head_dim).unbind(1), meta, **OPTS)
 
 
 def test_just_under_the_limit_and_forward_only_calls_reach_the_kernel():
@@ -77,10 +77,10 @@ def test_just_under_the_limit_and_forward_only_calls_reach_the_kernel():
     heads, head_dim, total = 32, 128, 500_000  # (500_000 + 128) x 4096 = 2.05e9 < 2**31
     assert (total + 128) * heads * rounded_head_dim(head_dim) < INT32_LIMIT
     q, kv = huge(total, heads, head_dim), huge(total, 2, 8, head_dim)
-    assert flash.varlen_kvpacked(q, kv, packed_meta([total]), **OPTS) == "kernel" and reached == ["flash_attn"]
+    assert flash.varlen(q, kv[:, 0], kv[:, 1], packed_meta([total]), **OPTS) == "kernel" and reached == ["flash_attn"]
     big_q, big_kv = huge(600_000, heads, head_dim), huge(600_000, 2, 8, head_dim)
     with torch.no_grad():  # no backward, no 32-bit dq accumulator: the forward kernel indexes in 64 bits
-        assert varlen.varlen_kvpacked(big_q, big_kv, packed_meta([600_000]), **OPTS) == "kernel"
+        assert varlen.varlen(big_q, big_kv[:, 0], big_kv[:, 1], packed_meta([600_000]), **OPTS) == "kernel"
     assert rounded_head_dim(72) == 96 and rounded_head_dim(160) == 192 and rounded_head_dim(256) == 256
 
 

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import warnings
 
+import flash_stand_in as stand_in
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,6 @@ import torch.nn.functional as F
 import patchkit.nn as pnn
 from patchkit import PatchGateError, PatchInputError
 from patchkit import gates as pk_gates
-from patchkit.backends import sdpa as sdpa_module
 from patchkit.backends.flash_attn import FlashAttnBackend
 from patchkit.nn import VarlenSelfAttention
 
@@ -208,13 +208,9 @@ class RecordingFlash:
     def __init__(self) -> None:
         self.dtypes: list[torch.dtype] = []
 
-    def flash_attn_varlen_qkvpacked_func(self, qkv, *args, **kwargs):
-        self.dtypes.append(qkv.dtype)
-        return sdpa_module.flash_attn_varlen_qkvpacked_func(qkv, *args, **kwargs)
-
-    def flash_attn_varlen_kvpacked_func(self, q, kv, *args, **kwargs):
+    def flash_attn_varlen_func(self, q, k, v, *args, **kwargs):
         self.dtypes.append(q.dtype)
-        return sdpa_module.flash_attn_varlen_kvpacked_func(q, kv, *args, **kwargs)
+        return stand_in.flash_attn_varlen_func(q, k, v, *args, **kwargs)
 
 
 @pytest.fixture

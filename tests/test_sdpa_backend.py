@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import flash_stand_in as stand_in
 import pytest
 import torch
 
-from patchkit.backends import sdpa
 from patchkit.forward.padding import pad_input, unpad_input
 
 
@@ -63,7 +63,7 @@ CASES = {
 def test_varlen_matches_reference_fp32_with_gradients(case, causal, hk):
     lens_q, lens_k = CASES[case]
     q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, hk=hk)
-    out = sdpa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    out = stand_in.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
     want, _ = reference(q, k, v, lens_q, lens_k, causal)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
@@ -78,7 +78,7 @@ def test_varlen_matches_reference_fp32_with_gradients(case, causal, hk):
 def test_window_softcap_scale_and_lse(window):
     lens = [6, 9]
     q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, hk=2)
-    out, lse, _ = sdpa.flash_attn_varlen_func(
+    out, lse, _ = stand_in.flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, 9, 9, softmax_scale=0.3, causal=False, window_size=window, softcap=5.0,
         return_attn_probs=True,
     )
@@ -90,7 +90,7 @@ def test_window_softcap_scale_and_lse(window):
 
 def test_query_that_sees_no_key_gives_zero_output_and_infinite_lse():
     q, k, v, cu_q, cu_k = varlen_inputs([4], [2], hk=4)
-    out, lse, _ = sdpa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 2, causal=True, return_attn_probs=True)
+    out, lse, _ = stand_in.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 2, causal=True, return_attn_probs=True)
     assert out[:2].abs().max() == 0 and torch.isinf(lse[:, :2]).all()  # bottom-right: rows 0, 1 see nothing
     assert out[2:].abs().max() > 0
 
@@ -100,7 +100,7 @@ def test_bf16_error_within_twice_torch_reference_error():
     q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, hk=2)
     q16, k16, v16 = (t.detach().bfloat16() for t in (q, k, v))
     truth, _ = reference(q, k, v, lens, lens, True)
-    ours = sdpa.flash_attn_varlen_func(q16, k16, v16, cu_q, cu_k, 64, 64, causal=True)
+    ours = stand_in.flash_attn_varlen_func(q16, k16, v16, cu_q, cu_k, 64, 64, causal=True)
     # the plain PyTorch reference in bf16 (flash-attn's own test rule: error <= 2x the reference's error)
     ref16, _ = reference(q16, k16, v16, lens, lens, True)
     ref16 = ref16.bfloat16().double()
@@ -112,18 +112,18 @@ def test_packed_and_dense_entry_points_agree():
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(b, s, h, d, generator=g), torch.randn(b, s, hk, d, generator=g), torch.randn(b, s, hk, d,
                                                                                                        generator=g)
-    dense = sdpa.flash_attn_func(q, k, v, causal=True)
-    kvp = sdpa.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True)
-    want = sdpa.reference_attention(q, k, v, causal=True)
+    dense = stand_in.flash_attn_func(q, k, v, causal=True)
+    kvp = stand_in.flash_attn_kvpacked_func(q, torch.stack([k, v], 2), causal=True)
+    want = stand_in.reference_attention(q, k, v, causal=True)
     torch.testing.assert_close(dense.double(), want, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(kvp, dense)
     qkv = torch.stack([q, q, q], 2)
     torch.testing.assert_close(
-        sdpa.flash_attn_qkvpacked_func(qkv, causal=True).double(), sdpa.reference_attention(q, q, q, True),
+        stand_in.flash_attn_qkvpacked_func(qkv, causal=True).double(), stand_in.reference_attention(q, q, q, True),
         atol=2e-6, rtol=1e-5,
     )
     cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
-    var = sdpa.flash_attn_varlen_kvpacked_func(
+    var = stand_in.flash_attn_varlen_kvpacked_func(
         q.reshape(-1, h, d), torch.stack([k, v], 2).reshape(-1, 2, hk, d), cu, cu, s, s, causal=True
     )
     torch.testing.assert_close(var.view(b, s, h, d), dense)
@@ -134,14 +134,14 @@ def test_dropout_scales_kept_probabilities():
     q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, hk=4)
     v = torch.ones_like(v)  # output = sum of kept probabilities / (1 - p): mean stays 1
     torch.manual_seed(0)
-    out = sdpa.flash_attn_varlen_func(q.detach(), k.detach(), v, cu_q, cu_k, 64, 64, dropout_p=0.5)
+    out = stand_in.flash_attn_varlen_func(q.detach(), k.detach(), v, cu_q, cu_k, 64, 64, dropout_p=0.5)
     assert out.mean().item() == pytest.approx(1.0, abs=0.05) and (out != 1).any()
 
 
 def test_gqa_head_count_must_divide():
     q, k, v, cu_q, cu_k = varlen_inputs([4], [4], h=6, hk=4)
     with pytest.raises(ValueError, match="6.*divisible.*4"):
-        sdpa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4)
+        stand_in.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4)
 
 
 def test_unpad_input_returns_flash_attn_27_five_tuple_and_pad_input_inverts_it():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import flash_stand_in as stand_in
 import pytest
 import torch
 
@@ -151,7 +152,7 @@ PAGED_CASES = [
 def test_paged_kv_cache_within_flash_attn_rule_forward_and_backward(seqlen_q, seqlen_k, page, causal, mha_type):
     c = paged_case(seqlen_q, seqlen_k, page, causal, {"mha": 6, "gqa": 2, "mqa": 1}[mha_type])
     leaves = [c["q_unpad"].requires_grad_(), c["k_paged"].requires_grad_(), c["v_paged"].requires_grad_()]
-    out_unpad = sdpa.flash_attn_varlen_func(
+    out_unpad = stand_in.flash_attn_varlen_func(
         *leaves, c["cu_q"], c["cu_k"], c["max_q"], c["max_k"], 0.0, causal=causal, block_table=c["block_table"]
     )
     out = c["pad_fn"](out_unpad)
@@ -174,7 +175,7 @@ def test_paged_kv_cache_within_flash_attn_rule_forward_and_backward(seqlen_q, se
 def test_paged_kv_cache_with_local_window_and_lse(page, swap):
     seqlen_q, seqlen_k = (37, 91)[::-1] if swap else (37, 91)
     c = paged_case(seqlen_q, seqlen_k, page, True, 2, local=True, seed=3)
-    out, lse, _ = sdpa.flash_attn_varlen_func(
+    out, lse, _ = stand_in.flash_attn_varlen_func(
         c["q_unpad"], c["k_paged"], c["v_paged"], c["cu_q"], c["cu_k"], c["max_q"], c["max_k"], 0.0, causal=True,
         window_size=c["window"], return_attn_probs=True, block_table=c["block_table"],
     )
@@ -187,10 +188,11 @@ def test_paged_call_is_the_unpaged_call_on_the_gathered_keys():
     """Same numbers, bit for bit, as flash_attn_varlen_func on the packed keys the table points at."""
     c = paged_case(37, 91, 16, True, 2)
     args = (c["cu_q"], c["cu_k"], c["max_q"], c["max_k"])
-    paged = sdpa.flash_attn_varlen_func(c["q_unpad"], c["k_paged"], c["v_paged"], *args, block_table=c["block_table"])
+    paged = stand_in.flash_attn_varlen_func(c["q_unpad"], c["k_paged"], c["v_paged"], *args,
+                                            block_table=c["block_table"])
     k_unpad, *_ = unpad(dense_from_pages(c["k_paged"], c["block_table"], 91), c["kpm"])
     v_unpad, *_ = unpad(dense_from_pages(c["v_paged"], c["block_table"], 91), c["kpm"])
-    assert torch.equal(paged, sdpa.flash_attn_varlen_func(c["q_unpad"], k_unpad, v_unpad, *args))
+    assert torch.equal(paged, stand_in.flash_attn_varlen_func(c["q_unpad"], k_unpad, v_unpad, *args))
 
 
 def test_shared_pages_sum_gradients_and_unread_entries_may_be_minus_one():
@@ -204,14 +206,14 @@ def test_shared_pages_sum_gradients_and_unread_entries_may_be_minus_one():
     q = torch.randn(5, 4, d, generator=g, dtype=torch.float64)
     cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
     cu_k = torch.tensor([0, *lens_k], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    out = sdpa.flash_attn_varlen_func(q, k_paged, v_paged, cu_q, cu_k, 3, 11, causal=True, block_table=table)
+    out = stand_in.flash_attn_varlen_func(q, k_paged, v_paged, cu_q, cu_k, 3, 11, causal=True, block_table=table)
     flat_k, flat_v = k_paged.reshape(-1, hk, d), v_paged.reshape(-1, hk, d)
     rows = [  # (page, tokens read) of each sequence -> rows of the flattened cache
         torch.tensor([p * page + t for p, n in pages for t in range(n)])
         for pages in ([(3, 4), (0, 2)], [(3, 4), (4, 4), (1, 3)])
     ]
     want = torch.cat([
-        sdpa.flash_attn_varlen_func(q[a:b], flat_k[r], flat_v[r], torch.tensor([0, b - a], dtype=torch.int32),
+        stand_in.flash_attn_varlen_func(q[a:b], flat_k[r], flat_v[r], torch.tensor([0, b - a], dtype=torch.int32),
                                     torch.tensor([0, len(r)], dtype=torch.int32), b - a, len(r), causal=True)
         for (a, b), r in zip([(0, 2), (2, 5)], rows)
     ])
@@ -231,7 +233,7 @@ def bad_call(**change):
         block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
     )
     args.update(change)
-    return sdpa.flash_attn_varlen_func(**args)
+    return stand_in.flash_attn_varlen_func(**args)
 
 
 def test_valid_paged_call_runs():
@@ -267,9 +269,9 @@ def test_paged_path_still_reaches_sdpa_without_a_mask(monkeypatch):
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32)
     k, v = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
     full = torch.tensor([0, 7, 13], dtype=torch.int32)
-    sdpa.flash_attn_varlen_func(torch.randn(13, 4, 8), k, v, full, full, 7, 7, causal=True, block_table=table)
+    stand_in.flash_attn_varlen_func(torch.randn(13, 4, 8), k, v, full, full, 7, 7, causal=True, block_table=table)
     decode = torch.tensor([0, 1, 2], dtype=torch.int32)
-    sdpa.flash_attn_varlen_func(torch.randn(2, 4, 8), k, v, decode, full, 1, 7, causal=True, block_table=table)
+    stand_in.flash_attn_varlen_func(torch.randn(2, 4, 8), k, v, decode, full, 1, 7, causal=True, block_table=table)
     assert len(masks) == 4 and all(m is None for m in masks)
 
 
@@ -296,7 +298,7 @@ def test_math_path_backward_is_as_accurate_as_pytorch(case, d):
     q = torch.randn(2, 97, 4, d, generator=g) * kw.get("softcap", 1.0)
     k, v = torch.randn(2, seqlen_k, nheads_k, d, generator=g), torch.randn(2, seqlen_k, nheads_k, d, generator=g)
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    out = sdpa.flash_attn_func(*leaves, **kw)
+    out = stand_in.flash_attn_func(*leaves, **kw)
     out = out[0] if kw.get("return_attn_probs") else out
     ref_kw = dict(causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
                   softcap=kw.get("softcap", 0.0))
@@ -327,7 +329,7 @@ def test_varlen_qkvpacked_backward_within_flash_attn_rule(seqlen, d, causal, loc
     mask = random_padding_mask(seqlen, batch, g)
     qkv_unpad, cu, max_len, pad_fn = unpad(qkv, mask)
     qkv_unpad.requires_grad_()
-    out_unpad, lse, _ = sdpa.flash_attn_varlen_qkvpacked_func(
+    out_unpad, lse, _ = stand_in.flash_attn_varlen_qkvpacked_func(
         qkv_unpad, cu, max_len, 0.0, causal=causal, window_size=window, return_attn_probs=True
     )
     out = pad_fn(out_unpad)
@@ -352,7 +354,7 @@ def test_math_path_keeps_float64_inputs_in_float64(case):
     q = torch.randn(2, 97, 4, 16, generator=g, dtype=torch.float64) * kw.get("softcap", 1.0)
     k = torch.randn(2, seqlen_k, nheads_k, 16, generator=g, dtype=torch.float64)
     v = torch.randn(2, seqlen_k, nheads_k, 16, generator=g, dtype=torch.float64)
-    out = sdpa.flash_attn_func(q, k, v, **kw)
+    out = stand_in.flash_attn_func(q, k, v, **kw)
     out = out[0] if kw.get("return_attn_probs") else out
     want = attention_ref(q, k, v, causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
                          softcap=kw.get("softcap", 0.0))

@@ -154,7 +154,7 @@ def test_the_backend_refuses_what_its_kernel_cannot_honour():
     for extra in (dict(softcap=3.0), dict(dropout_p=0.1)):
         opts = {"dropout_p": 0.0, "softmax_scale": 0.3, "causal": True, **extra}
         with pytest.raises(PatchInputError):
-            backend.varlen_kvpacked(q, kv, meta, **opts)
+            backend.varlen(q, kv[:, 0], kv[:, 1], meta, **opts)
 
 
 def test_kernel_window_is_torchs_spelling_of_flash_attns():

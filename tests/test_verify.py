@@ -22,9 +22,8 @@ GENERATION = ["cached decode: logits", "greedy 12 tokens: mismatches"]
 # A bug of the kind verify exists to catch: the kernel ignores causality (as with a wrong causal alignment).
 BREAK_CAUSAL = '''
 from patchkit.backends import SdpaBackend
-for name in ("varlen_kvpacked", "varlen_qkvpacked"):
-    original = getattr(SdpaBackend, name)
-    setattr(SdpaBackend, name, lambda self, *a, _f=original, **k: _f(self, *a, **{**k, "causal": False}))
+original = SdpaBackend.varlen
+SdpaBackend.varlen = staticmethod(lambda *a, _f=original, **k: _f(*a, **{**k, "causal": False}))
 '''
 
 
@@ -35,10 +34,9 @@ def reverted():
 
 
 def break_causal(monkeypatch) -> None:
-    for name in ("varlen_kvpacked", "varlen_qkvpacked"):
-        original = getattr(SdpaBackend, name)
-        broken = lambda self, *a, _f=original, **k: _f(self, *a, **{**k, "causal": False})  # noqa: E731
-        monkeypatch.setattr(SdpaBackend, name, broken)
+    original = SdpaBackend.varlen
+    broken = staticmethod(lambda *a, _f=original, **k: _f(*a, **{**k, "causal": False}))
+    monkeypatch.setattr(SdpaBackend, "varlen", broken)
 
 
 def test_fp32_llama2_passes_with_real_differences():

@@ -15,10 +15,11 @@ BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
 
 
 class Backend(Protocol):
-    """What a patched layer needs: flash-attn's two varlen entry points, fed with patchkit metadata.
+    """What a patched layer needs: one varlen entry, q (nnz_q, H, D) and k/v (nnz_k, Hk, D) on real tokens with
+    patchkit's metadata -> (nnz_q, H, Dv). How a kernel wants them laid out is the backend's own business.
 
     Optional (`patchkit.forward.decode` looks them up with getattr; a backend without them runs decode steps through
-    `varlen_kvpacked` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
+    `varlen` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
     window_size, softcap)`, a decode step on the padded cache in place (q (B, H, q_len, D), k/v (B, Hk, K, D) as
     transformers keeps them -> (B, q_len, H, D)), returning None for a layout it cannot take; and
     `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
@@ -27,14 +28,9 @@ class Backend(Protocol):
     name: str
     half_only: bool
 
-    def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
-        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor: ...
-
-    def varlen_kvpacked(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    def varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
     def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
@@ -48,23 +44,10 @@ class SdpaBackend:
     half_only = False
     in_graph = True  # its op takes cu_seqlens inside a graph that may not break (`sdpa_op`; dropout excepted)
 
-    def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
-        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        q, k, v = qkv.unbind(1)
-        return self._varlen(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
-
-    def varlen_kvpacked(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        k, v = kv.unbind(1)
-        return self._varlen(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
-
     @staticmethod
-    def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout_p: float,
-                softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float) -> torch.Tensor:
+    def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float,
+               softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1),
+               softcap: float = 0.0) -> torch.Tensor:
         """Eager: the loop on the metadata's host lengths. In a compiled graph: one op on cu_seqlens (`sdpa_op`),
         so the graph is not guarded on the lengths (a recompile per batch)."""
         if is_compiling() and sdpa_op.served(dropout_p):

@@ -16,7 +16,7 @@ from patchkit.gates import build_config
 
 
 class FlashAttnBackend:
-    """Runs flash-attn's `flash_attn_varlen_qkvpacked_func` / `flash_attn_varlen_kvpacked_func`."""
+    """Runs flash-attn's `flash_attn_varlen_func` (and `flash_attn_with_kvcache` for decode steps)."""
 
     name = "flash_attn"
     half_only = True
@@ -76,23 +76,15 @@ class FlashAttnBackend:
             softmax_scale=softmax_scale, causal=True, **extra,
         )
 
-    def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
-        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    def varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
-        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
-        return self._fa.flash_attn_varlen_qkvpacked_func(
-            qkv, meta.cu_seqlens_q, meta.max_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
-            causal=causal, **self._features(window_size, softcap),
-        )
-
-    def varlen_kvpacked(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
-        return self._fa.flash_attn_varlen_kvpacked_func(
-            q, kv, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+        """q (Tq, H, D), k/v (Tk, Hk, D) as they are: the kernel reads strided rows (views of one projection, as
+        `VarlenSelfAttention` hands them, need no copy), so nothing is stacked for its packed entry points."""
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, k, v)
+        return self._fa.flash_attn_varlen_func(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, **self._features(window_size, softcap),
         )
 

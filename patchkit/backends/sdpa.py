@@ -1,10 +1,9 @@
-"""Torch-native stand-in for flash-attn 2: the same functions, signatures and semantics, on CPU or GPU.
+"""Torch-native varlen attention with flash-attn 2's semantics, on CPU or GPU: the sdpa backend's kernel.
 
 Semantics kept (see flash-attn's `flash_attn_interface.py`): causal masks aligned bottom-right when
 q_len != kv_len, GQA/MQA with fewer K/V heads, `softmax_scale` defaulting to D ** -0.5, `window_size`,
-`softcap`, `alibi_slopes`, dropout, zeros (never NaN) for a query that sees no key, the log-sum-exp
-returned with `return_attn_probs=True` (the third element, the dropout mask, is returned as None), and the
-paged KV cache of `flash_attn_varlen_func(..., block_table=...)` (see `paged.py`).
+`softcap`, `alibi_slopes`, dropout, zeros (never NaN) for a query that sees no key, and the log-sum-exp
+(`return_lse`). tests/flash_stand_in.py wraps it in flash-attn's own functions for the contract tests.
 
 Speed: each sequence goes to `F.scaled_dot_product_attention` without an explicit mask whenever its
 causal pattern allows (that reaches SDPA's fused flash kernels on CPU and GPU); only the rare patterns
@@ -13,23 +12,12 @@ that need a mask (chunked prefill, windows) build one, for that one sequence.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from patchkit.backends.paged import gather_pages
-
-__all__ = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "varlen_attention",
-]
+__all__ = ["varlen_attention"]
 
 
 def _visible(sq: int, sk: int, causal: bool, window: tuple[int, int], device: torch.device) -> Optional[torch.Tensor]:
@@ -187,120 +175,3 @@ def _attend_batched(
     out = torch.stack([o for o, _ in outs])
     lse = torch.stack([lse for _, lse in outs]) if need_lse else None
     return out, lse
-
-
-def _check(*tensors: torch.Tensor) -> None:
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise ValueError(f"q, k and v must have the same dtype, got {sorted(map(str, dtypes))}")
-
-
-def _lengths(cu_seqlens: torch.Tensor) -> list[int]:
-    return cu_seqlens.diff().tolist()
-
-
-def _result(out: torch.Tensor, lse: Optional[torch.Tensor], return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
-
-
-def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
-):
-    """q (Tq, H, D), k/v (Tk, Hk, D), int32 cu_seqlens (B+1,) -> out (Tq, H, D) [, lse (H, Tq), None].
-
-    With `block_table` (B, max_blocks_per_seq) int32, k/v are paged caches (num_blocks, page_block_size, Hk, D):
-    sequence b's keys are the first `cu_seqlens_k[b+1] - cu_seqlens_k[b]` tokens of its pages `block_table[b]`.
-    """
-    _check(q, k, v)
-    seqlens_k = _lengths(cu_seqlens_k)
-    if block_table is not None:
-        k, v = gather_pages(k, v, block_table, seqlens_k)
-    out, lse = varlen_attention(
-        q, k, v, _lengths(cu_seqlens_q), seqlens_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, return_attn_probs,
-    )
-    return _result(out, lse, return_attn_probs)
-
-
-def flash_attn_varlen_qkvpacked_func(
-    qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-):
-    """qkv (T, 3, H, D) -> out (T, H, D)."""
-    q, k, v = qkv.unbind(1)
-    return flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-    )
-
-
-def flash_attn_varlen_kvpacked_func(
-    q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False,
-):
-    """q (Tq, H, D), kv (Tk, 2, Hk, D) -> out (Tq, H, D)."""
-    k, v = kv.unbind(1)
-    return flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-    )
-
-
-def flash_attn_func(
-    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
-):
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) -> out (B, Sq, H, D) [, lse (B, H, Sq), None]."""
-    _check(q, k, v)
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    out, lse = varlen_attention(
-        q.reshape(b * sq, h, d), k.reshape(b * sk, k.shape[2], d), v.reshape(b * sk, v.shape[2], v.shape[-1]),
-        [sq] * b, [sk] * b, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-    )
-    out = out.view(b, sq, h, -1)
-    if lse is not None:
-        lse = lse.view(h, b, sq).transpose(0, 1)
-    return _result(out, lse, return_attn_probs)
-
-
-def flash_attn_qkvpacked_func(
-    qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
-):
-    """qkv (B, S, 3, H, D) -> out (B, S, H, D)."""
-    q, k, v = qkv.unbind(2)
-    return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
-    )
-
-
-def flash_attn_kvpacked_func(
-    q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-    alibi_slopes=None, deterministic=False, return_attn_probs=False,
-):
-    """q (B, Sq, H, D), kv (B, Sk, 2, Hk, D) -> out (B, Sq, H, D)."""
-    k, v = kv.unbind(2)
-    return flash_attn_func(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs,
-    )
-
-
-def reference_attention(q, k, v, causal: bool, softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """Dense float64 reference for tests: q (B, Sq, H, D), k/v (B, Sk, Hk, D), bottom-right causal."""
-    b, sq, h, d = q.shape
-    hk = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(d)
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
-    kd, vd = kd.repeat_interleave(h // hk, 1), vd.repeat_interleave(h // hk, 1)
-    scores = qd @ kd.transpose(-1, -2) * scale
-    vis = _visible(sq, k.shape[1], causal, (-1, -1), q.device)
-    if vis is not None:
-        scores = scores.masked_fill(~vis, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, -1), nan=0.0)
-    return (probs @ vd).transpose(1, 2)

@@ -58,27 +58,12 @@ class TorchVarlenBackend:
             return f"torch_varlen: attention dropout is fixed at 0 in torch {torch.__version__}'s varlen_attn"
         return None
 
-    def varlen_qkvpacked(
-        self, qkv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float, causal: bool,
-        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        check_index_range(self.name, meta, qkv.shape[2], qkv.shape[3], qkv)
-        q, k, v = qkv.unbind(1)
-        return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
-
-    def varlen_kvpacked(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float, softmax_scale: float,
-        causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    ) -> torch.Tensor:
-        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, kv)
-        k, v = kv.unbind(1)
-        return self._attend(q, k, v, meta, dropout_p, softmax_scale, causal, window_size, softcap)
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout_p: float,
-        softmax_scale: float, causal: bool, window_size: tuple[int, int], softcap: float,
+    def varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float,
+        softmax_scale: float, causal: bool, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     ) -> torch.Tensor:
         """q (Tq, H, D), k/v (Tk, Hk, D) -> (Tq, H, D); what the kernel cannot honour is refused, never dropped."""
+        check_index_range(self.name, meta, q.shape[1], q.shape[2], q, k, v)
         missing = self.missing_feature(window_size, softcap, dropout_p)
         if missing is not None:  # backend_for falls back before this; a direct caller must not get wrong numbers
             raise PatchInputError(f"{missing}; use backend='sdpa' (or flash_attn) for this call")

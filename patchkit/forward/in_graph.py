@@ -95,7 +95,7 @@ def graph_metadata(batch: int, q_len: int, cu_seqlens: torch.Tensor) -> VarlenMe
 def attend_in_graph(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: GraphMask,
                     position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor],
                     options: Any) -> torch.Tensor:
-    """q, k, v (B, H, S, D), no past -> (B, S, H, Dv), zeros at padding: the backend's varlen kvpacked entry on the
+    """q, k, v (B, H, S, D), no past -> (B, S, H, Dv), zeros at padding: the backend's varlen entry on the
     flat batch in the mask's layout. Rows the kernel does not read are zeroed on the way in and out, so a kernel
     that leaves them unwritten (flash-attn's empty outputs and gradients) adds nothing."""
     batch, heads, q_len, _ = q.shape
@@ -104,9 +104,9 @@ def attend_in_graph(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if lay.order is not None:
         keep = lay.real.view(-1, 1, 1)
         q, k, v = (torch.where(keep, x.index_select(0, lay.order), 0) for x in (q, k, v))
-    out = backend.varlen_kvpacked(q, torch.stack((k, v), dim=1), graph_metadata(batch, q_len, lay.cu_seqlens),
-                                  dropout_p=options.dropout, softmax_scale=options.scaling, causal=True,
-                                  window_size=options.window, softcap=options.softcap)
+    out = backend.varlen(q, k, v, graph_metadata(batch, q_len, lay.cu_seqlens), dropout_p=options.dropout,
+                         softmax_scale=options.scaling, causal=True, window_size=options.window,
+                         softcap=options.softcap)
     if lay.order is not None:
         out = torch.zeros_like(out).index_copy(0, lay.order, torch.where(lay.real.view(-1, 1, 1), out, 0))
     return out.view(batch, q_len, *out.shape[1:])

@@ -25,8 +25,8 @@ from patchkit.hooks.patching import BoundPatch
 from patchkit.warn import warn_user
 
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
-QKV_PACKED = "qkv"  # LLaMA-1: q, k, v stacked, varlen qkvpacked kernel, no past
-KV_PACKED = "kv"  # LLaMA-2: kv stacked, varlen kvpacked kernel, KV cache and GQA
+QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
+KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 
 
 @dataclasses.dataclass(eq=False)
@@ -249,27 +249,23 @@ def repad(out: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
     return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
 
 
-def attend_qkv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+                    o: KernelOptions) -> torch.Tensor:
+    """q, k, v (B, H, S, D) gathered to their real tokens, the backend's varlen kernel, repadded (B, S, H, D)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
+    out = backend.varlen(unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k),
+                         meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True, window_size=o.window,
+                         softcap=o.softcap)
+    return repad(out, meta)
+
+
+def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
                       o: KernelOptions) -> torch.Tensor:
-    """LLaMA-1: q, k, v ((B, H, S, D)) stacked on real tokens, the varlen qkvpacked kernel."""
-    qkv = unpad_rows(torch.stack((q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), dim=2), meta.indices_q)
-    return repad(backend.varlen_qkvpacked(qkv, meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True,
-                                          window_size=o.window, softcap=o.softcap), meta)
-
-
-def attend_kv_packed(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
-                     o: KernelOptions) -> torch.Tensor:
     """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
-    else k, v stacked on real tokens and the varlen kvpacked kernel. q, k, v: (B, H, S, D)."""
+    else the varlen kernel on the real tokens. q, k, v: (B, H, S, D)."""
     out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
                            softcap=o.softcap, warn_once=o.warn_once)
-    if out is not None:
-        return out
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
-    kv = unpad_rows(torch.stack((k, v), dim=2), meta.indices_k)
-    return repad(backend.varlen_kvpacked(unpad_rows(q, meta.indices_q), kv, meta, dropout_p=o.dropout,
-                                         softmax_scale=o.scaling, causal=True, window_size=o.window,
-                                         softcap=o.softcap), meta)
+    return out if out is not None else attend_unpadded(backend, q, k, v, meta, o)
 
 
 def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
@@ -305,7 +301,7 @@ def refuse_past_for_qkv(q_len: int, kv_len: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """How a patch stacks q/k/v for the kernel: what it refuses, and how it attends."""
+    """What a patch accepts of q/k/v (LLaMA-1 refuses GQA and a past), and how it attends."""
 
     check_heads: Callable[[int, int], None]
     check_keys: Callable[[int, int], None]
@@ -317,8 +313,8 @@ def _accept(*_: Any) -> None:
 
 
 PACKINGS = {
-    QKV_PACKED: Packing(refuse_gqa_for_qkv, refuse_past_for_qkv, attend_qkv_packed),
-    KV_PACKED: Packing(_accept, _accept, attend_kv_packed),
+    QKV_PACKED: Packing(refuse_gqa_for_qkv, refuse_past_for_qkv, attend_unpadded),
+    KV_PACKED: Packing(_accept, _accept, attend_with_cache),
 }
 
 
