@@ -49,12 +49,15 @@ VERIFIED = frozenset({
     # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
+    # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)
+    *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
 # (or positions the base model counts from the mask, or, Llama 4's NoPE layers, a temperature from the row's length)
-# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES)
+# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES; LFM2-MoE's default has
+# none: its convolution layers are named only in a checkpoint's config)
 ATTENTION_UNPAD = frozenset({"biogpt", "opt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2",
-                             "llama4_text"})
+                             "lfm2_moe", "llama4_text"})
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 REFUSED = {
