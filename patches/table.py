@@ -34,11 +34,11 @@ VERIFIED = frozenset({
     "hunyuan_v1_dense", "hunyuan_v1_moe", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
     "laguna", "mellum", "minimax_m2", "ministral", "ministral3", "modernbert-decoder", "nanochat",
     "nemotron", "olmo", "olmo3", "olmoe", "phimoe", "sarvam_moe", "seed_oss", "solar_open", "stablelm",
-    "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3",
+    "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3", "dbrx", "gemma3n_text",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
-    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1",
+    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1", "longcat_flash",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from the mask builder or the model forward, for layers not handed position_ids

@@ -21,9 +21,10 @@ SMALL = dict(
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
     # chunks and NoPE layers that bite at these lengths (Llama 4's chunked attention and temperature; SmolLM3's NoPE)
     attention_chunk_size=8, floor_scale=4, no_rope_layer_interval=2,
-    # hybrids' sizes only some configs have: Mamba heads that divide the tiny width, Bamba's attention layer (by
-    # index), LFM2-MoE's dense layers (one: its second is an MoE one)
-    mamba_n_heads=4, attn_layer_indices=[1], num_dense_layers=1,
+    # hybrids and MoE sizes only some configs have: Mamba heads that divide the tiny width, Bamba's attention layer
+    # (by index), LongCat's experts, Gemma3n's KV-sharing layers (more than the tiny model has), LFM2-MoE's dense ones
+    mamba_n_heads=4, attn_layer_indices=[1], expert_ffn_hidden_size=16, zero_expert_num=2, num_kv_shared_layers=0,
+    num_dense_layers=1,
 )
 MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
 
@@ -42,8 +43,10 @@ def tiny_config(model_type: str):
     default = cls()
     present = default.to_dict()  # not hasattr: a per-layer config (Gemma4's) raises for a per-layer attribute
     kw = {k: v for k, v in SMALL.items() if k in present or k in getattr(cls, "attribute_map", {})}
-    if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size, set from it
+    if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size (LongCat's a field)
         kw.pop("head_dim", None)
+        if "head_dim" in present:
+            kw["head_dim"] = kw["qk_rope_head_dim"]
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # its keys have every head
     for key, value in present.items():  # dropout, router jitter: training steps must be deterministic
         if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "jitter")):
@@ -85,6 +88,10 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "hybrid")
 # What SMALL and the general rules cannot say, per family (each a transformers default that cannot build tiny)
 OVERRIDES = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer_types: the model reads them
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define; d_model by its own name
+    # (the FFN sub-config copies it before hidden_size is mapped onto it)
+    "dbrx": dict(d_model=SMALL["hidden_size"], attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
     # one attention block shared by every hybrid layer: transformers ties it from the first to the others, two at least
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
 }
