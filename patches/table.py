@@ -34,11 +34,11 @@ VERIFIED = frozenset({
     "hunyuan_v1_dense", "hunyuan_v1_moe", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
     "laguna", "mellum", "minimax_m2", "ministral", "ministral3", "modernbert-decoder", "nanochat",
     "nemotron", "olmo", "olmo3", "olmoe", "phimoe", "sarvam_moe", "seed_oss", "solar_open", "stablelm",
-    "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3",
+    "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3", "dbrx", "gemma3n_text",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
-    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1",
+    "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1", "longcat_flash",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from the mask builder or the model forward, for layers not handed position_ids
@@ -49,12 +49,15 @@ VERIFIED = frozenset({
     # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
+    # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)
+    *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
 # (or positions the base model counts from the mask, or, Llama 4's NoPE layers, a temperature from the row's length)
-# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES)
+# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES; LFM2-MoE's default has
+# none: its convolution layers are named only in a checkpoint's config)
 ATTENTION_UNPAD = frozenset({"biogpt", "opt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2",
-                             "llama4_text"})
+                             "lfm2_moe", "llama4_text"})
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 REFUSED = {

@@ -21,6 +21,10 @@ SMALL = dict(
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
     # chunks and NoPE layers that bite at these lengths (Llama 4's chunked attention and temperature; SmolLM3's NoPE)
     attention_chunk_size=8, floor_scale=4, no_rope_layer_interval=2,
+    # hybrids and MoE sizes only some configs have: Mamba heads that divide the tiny width, Bamba's attention layer
+    # (by index), LongCat's experts, Gemma3n's KV-sharing layers (more than the tiny model has), LFM2-MoE's dense ones
+    mamba_n_heads=4, attn_layer_indices=[1], expert_ffn_hidden_size=16, zero_expert_num=2, num_kv_shared_layers=0,
+    num_dense_layers=1,
 )
 MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
 
@@ -32,33 +36,94 @@ def causal_lm_types() -> list[str]:
 
 
 def tiny_config(model_type: str):
-    """`model_type`'s config at SMALL sizes, no dropout, eager attention."""
+    """`model_type`'s config at SMALL sizes, no dropout, eager attention, with at least one attention layer."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     present = default.to_dict()  # not hasattr: a per-layer config (Gemma4's) raises for a per-layer attribute
     kw = {k: v for k, v in SMALL.items() if k in present or k in getattr(cls, "attribute_map", {})}
-    if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size, set from it
+    if "qk_rope_head_dim" in kw:  # multi-head latent attention: head_dim is its rotary size (LongCat's a field)
         kw.pop("head_dim", None)
+        if "head_dim" in present:
+            kw["head_dim"] = kw["qk_rope_head_dim"]
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # its keys have every head
-    for key, value in default.to_dict().items():  # dropout, router jitter: training steps must be deterministic
+    for key, value in present.items():  # dropout, router jitter: training steps must be deterministic
         if isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "jitter")):
             kw[key] = 0.0
-    config = cls(**kw)
-    try:
-        kinds = list(getattr(config, "layer_types", None) or [])
-    except Exception:  # a per-layer config (Gemma4's) answers per layer only
-        kinds = []
-    if kinds and not any(k in ATTENTION_KINDS for k in kinds):  # a hybrid's first layers: give it an attention one
+    kw.update(OVERRIDES.get(model_type, {}))
+    config, kw = first_built(cls, kw, default)
+    kinds = layer_kinds(config)
+    if kinds and not any(map(attends, kinds)):  # a hybrid's first layers: give it an attention one
         try:
             config = cls(**kw, layer_types=[kinds[0], "full_attention"])
         except Exception:  # layer_types computed from other fields: the defaults' layers, as they are
             pass
+    if kinds and not any(map(attends, layer_kinds(config))):  # or as many layers as reach its first attention one
+        try:
+            config = grown(cls, kw, default)
+        except Exception:  # none among the default's layers either: the config as it is
+            pass
     return config
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+def first_built(cls, kw: dict, default) -> tuple:
+    """(config, its keywords): `kw`; else grown to its first attention layer (a layer pattern longer than SMALL's
+    layers, Zamba2's); else either with the defaults a validator wants over SMALL's larger sizes (ZAYA's one expert
+    a token)."""
+    present = default.to_dict()
+    lower = {k: v for k, v in kw.items() if not (type(v) is int and type(present.get(k)) is int and v > present[k])}
+    error = None
+    for keywords in (kw, lower):
+        for build in (cls, lambda **k: grown(cls, k, default)):
+            try:
+                return build(**keywords), keywords
+            except Exception as exc:
+                error = error or exc
+    raise error
+
+
+# A hybrid layer (Zamba's, ZAYA's) runs attention beside its state-space mixer; a layer of any other kind mixes alone.
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "hybrid")
+# What SMALL and the general rules cannot say, per family (each a transformers default that cannot build tiny)
+OVERRIDES = {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer_types: the model reads them
+    # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define; d_model by its own name
+    # (the FFN sub-config copies it before hidden_size is mapped onto it)
+    "dbrx": dict(d_model=SMALL["hidden_size"], attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2)),
+    # one attention block shared by every hybrid layer: transformers ties it from the first to the others, two at least
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+}
+
+
+def attends(kind) -> bool:
+    return isinstance(kind, str) and kind.startswith(ATTENTION_KINDS)
+
+
+def layer_kinds(config) -> list:
+    """The kinds of `config`'s layers, by the names configs use (a property some compute from other fields)."""
+    for name in ("layer_types", "layers_block_type"):
+        try:
+            kinds = getattr(config, name, None)
+        except Exception:  # a per-layer config (Gemma4's) answers per layer only
+            kinds = None
+        if isinstance(kinds, (list, tuple)) and kinds:
+            return list(kinds)
+    return []
+
+
+def grown(cls, kw: dict, default):
+    """`cls` at `kw` with as many layers as the default's layer pattern takes to reach its first attention layer
+    (Jamba's fifth, RecurrentGemma's third, Zamba2's seventh), per-layer lists cut to those layers."""
+    kinds = layer_kinds(default)
+    first = next((i for i, k in enumerate(kinds) if attends(k)), None)
+    if first is None:
+        raise ValueError("no attention layer among the default config's layers")
+    layers = max(first + 1, SMALL["num_hidden_layers"])
+    cut = {k: v[:layers] for k, v in default.to_dict().items()
+           if k not in kw and isinstance(v, list) and len(v) == len(kinds)}
+    return cls(**{**kw, **cut, "num_hidden_layers": layers})
 
 
 def tiny_lm(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
