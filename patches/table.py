@@ -50,7 +50,7 @@ VERIFIED = frozenset({
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
     # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)
-    *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe"),
+    *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
 # (or positions the base model counts from the mask, or, Llama 4's NoPE layers, a temperature from the row's length)
@@ -88,7 +88,8 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     from transformers.models.auto import modeling_auto as auto
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    for kind in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"):
+    for kind in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                 "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"):
         if model_type in getattr(auto, kind, {}):
             raise PatchTargetError(f"model_type {model_type!r} is an encoder or encoder-decoder family; patchkit "
                                    "serves decoder-only causal LMs")
@@ -98,6 +99,10 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     if lm_name.endswith("ForConditionalGeneration"):
         raise PatchTargetError(f"{lm_name} is a multimodal model: patchkit serves its language model by that "
                                "model's own model_type")
+    composite = composite_of(model_type)
+    if composite:
+        raise PatchTargetError(f"{lm_name} is a composite model (its config holds {composite}): patchkit serves "
+                               "decoder language models under their own model_type")
     if base_name.endswith("Encoder"):
         raise PatchTargetError(f"{base_name} is an encoder; patchkit serves decoder-only causal LMs")
     import transformers
@@ -111,6 +116,21 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     if attention is None:
         raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface")
     return attention, mask_builder(module, base), lm
+
+
+TOWERS = ("text_config", "vision_config", "audio_config", "decoder", "decoder_config")
+
+
+def composite_of(model_type: str) -> str:
+    """The towers a composite model's config holds (a language model beside a vision, audio or patch encoder), as
+    words, with the language model's own model_type where the config names it; '' for a plain decoder's config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    subs = getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {} if model_type in CONFIG_MAPPING else {}
+    if not any(name in subs for name in TOWERS):
+        return ""
+    text = getattr(subs.get("text_config"), "model_type", None)
+    return ", ".join(sorted(subs)) + (f"; its language model's model_type is {text!r}" if text else "")
 
 
 def mask_builder(module: object, base: type) -> type:

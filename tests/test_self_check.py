@@ -149,3 +149,18 @@ def test_the_check_runs_once_per_family_and_process(newer, monkeypatch):
         tiny_model()(input_ids=ids, attention_mask=mask)
         model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)
     assert runs == [1] and set(self_check.seconds) == {type(model.model)} and self_check.seconds[type(model.model)] > 0
+
+
+@pytest.mark.skipif(not hasattr(transformers, "BambaConfig"), reason="a Mamba-2 hybrid: transformers 4.53+")
+def test_a_mamba_hybrids_check_model_derives_its_head_size_from_the_tiny_width():
+    """Mamba-2 hybrids derive their Mamba head size from hidden_size when the config is built: a tiny copy made by
+    setting fields kept the full width's head size, and the check's model failed unpatched (every unverified
+    Mamba-2 hybrid then stepped aside). The tiny config is built again through its class."""
+    config = transformers.BambaConfig(attn_layer_indices=[1, 5, 9])  # a user's hybrid: attention among Mamba layers
+    tiny = self_check.tiny_config(config)
+    assert tiny.hidden_size < config.hidden_size and tiny.mamba_d_head != config.mamba_d_head
+    assert tiny.layer_types == ["linear_attention", "full_attention"]
+    model = transformers.BambaForCausalLM(tiny).eval()
+    ids, mask = padded_batch("right", batch=2)
+    with torch.no_grad():
+        assert model(input_ids=ids.clamp(max=tiny.vocab_size - 1), attention_mask=mask).logits.isfinite().all()

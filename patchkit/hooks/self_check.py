@@ -325,8 +325,23 @@ def tiny_config(config: Any) -> Any:
         width = len(next(iter(overrides)))
         tiny.per_layer_config = {f"{new:0{width}d}": overrides[f"{old:0{width}d}"] for new, old in enumerate(keep)
                                  if f"{old:0{width}d}" in overrides}
+    tiny = with_derived_sizes(config, tiny)
     tiny._attn_implementation = "eager"  # the reference every family has (Gemma2 refuses sdpa)
     return tiny
+
+
+def with_derived_sizes(config: Any, tiny: Any) -> Any:
+    """`tiny` built again through its class where the class derives fields from hidden_size (Mamba-2 hybrids' head
+    size and head count), so they follow the tiny width; `tiny` itself where it derives none or will not build."""
+    cls = type(config)
+    try:
+        narrow, wide = cls().to_dict(), cls(hidden_size=2 * cls().hidden_size).to_dict()
+        derived = {k for k, v in narrow.items() if k != "hidden_size" and wide.get(k) != v}
+        if not derived:
+            return tiny
+        return cls(**{k: v for k, v in tiny.to_dict().items() if k not in derived})
+    except Exception:  # a config that will not build on defaults, or not from its own dict: the copy as it is
+        return tiny
 
 
 def value_of(config: Any, key: str) -> Any:

@@ -187,29 +187,17 @@ def input_tokens(arguments: dict) -> Any:
 
 
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
-    """Caller-made documents with no mask (`cu_seq_lens_*`, a 4D block-diagonal mask turned into them, or
-    position_ids restarting in a row with no past) as the metadata the mask builders hand every layer
-    (`ForwardContext.packed`): on the mask object they reach a checkpoint's recompute, where kwargs may not
-    (transformers 4.48-4.51 call checkpointed layers without them), and the layers of a family whose decoder does
-    not pass position_ids on to attention (GPT-BigCode, Persimmon, Llama 4) while its mask builder reads them."""
+    """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
+    metadata the mask builders hand every layer (`ForwardContext.packed`): on the mask object they reach a
+    checkpoint's recompute, where kwargs may not (transformers 4.48-4.51 call checkpointed layers without them)."""
     cu_q, tokens = extra.get("cu_seq_lens_q"), input_tokens(arguments)
-    if arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
+    if cu_q is None or arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:
         return None
     batch, seqlen = tokens.shape[:2]
-    positions = arguments.get("position_ids")
-    if cu_q is None and not packed_positions(arguments, positions, seqlen):
-        return None
-    meta = build_metadata(None, batch, seqlen, seqlen, tokens.device, positions, cu_q, extra.get("cu_seq_lens_k"))
+    meta = build_metadata(None, batch, seqlen, seqlen, tokens.device, arguments.get("position_ids"), cu_q,
+                          extra.get("cu_seq_lens_k"))
     check_seq_idx(extra.get("seq_idx"), meta)
-    return meta if cu_q is not None or meta.packed else None
-
-
-def packed_positions(arguments: dict, positions: Any, seqlen: int) -> bool:
-    """position_ids that may hold packed documents: text positions (B, S) of this forward's tokens, no past."""
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[-1] != seqlen or seqlen < 2:
-        return False
-    cache = given_cache(arguments)
-    return cache is None or (not fixed_slots(cache) and cache.get_seq_length() == 0)
+    return meta
 
 
 def sliding_window(config: Any) -> Optional[int]:
