@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test census lint matrix newest sp-test bench gpu-test clean
+.PHONY: setup demo test docs census lint matrix newest sp-test bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ PYTEST_ARGS ?= -n 2 --dist worksteal
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py --ignore=tests/test_trl_families.py
+
+# The docs site: README's pages under docs/ (mkdocs.yml), built strict (a broken link or nav entry fails) into
+# site/ (git-ignored). mkdocs comes from the `docs` extra, installed into the venv once.
+$(VENV)/.docs-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	$(BIN)/python -m mkdocs build --strict --site-dir site
 
 # The census: every causal LM of the pinned transformers, tiny, against its own eager attention every way in
 # (tests/test_census.py; `python tests/census.py` prints the table), and TRL's SFTTrainer on the families served
@@ -75,4 +84,4 @@ gpu-test: setup
 	$(BIN)/python tests/run_gpu.py
 
 clean:
-	rm -rf $(VENV) $(SP_DIR) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SP_DIR) site *.egg-info .pytest_cache .ruff_cache
