@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test docs census lint matrix newest sp-test bench gpu-test clean
+.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,16 @@ PYTEST_ARGS ?= -n 2 --dist worksteal
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py --ignore=tests/test_trl_families.py
+
+# A user's install: `pip install <clone>` (not editable) into a fresh venv beside the clone, with whatever transformers
+# pip resolves (the newest), then the demo and `patchkit verify` run from outside the clone, as a user runs them.
+FRESH_DIR := .fresh
+fresh-install:
+	rm -rf $(FRESH_DIR) && $(PYTHON) -m venv $(FRESH_DIR)
+	$(FRESH_DIR)/bin/pip install -q "$(TORCH)"
+	$(FRESH_DIR)/bin/pip install -q .
+	cd /tmp && $(CURDIR)/$(FRESH_DIR)/bin/python $(CURDIR)/examples/demo.py
+	cd /tmp && $(CURDIR)/$(FRESH_DIR)/bin/patchkit verify
 
 # The docs site: README's pages under docs/ (mkdocs.yml), built strict (a broken link or nav entry fails) into
 # site/ (git-ignored). mkdocs comes from the `docs` extra, installed into the venv once.
@@ -84,4 +94,4 @@ gpu-test: setup
 	$(BIN)/python tests/run_gpu.py
 
 clean:
-	rm -rf $(VENV) $(SP_DIR) site *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SP_DIR) $(FRESH_DIR) site *.egg-info .pytest_cache .ruff_cache
