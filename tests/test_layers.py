@@ -1,0 +1,88 @@
+"""The packages import downwards only (docs/architecture.md's table), read from the source: no import circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# bottom to top; a module may import its own layer's and any lower layer's
+LAYERS = [
+    {"patchkit.errors", "patchkit.warn", "patchkit.dtypes", "patchkit.gates"},
+    {"forward"},
+    {"backends"},
+    {"hooks"},
+    {"eras"},
+    {"patches"},
+    {"patchkit", "patchkit.api", "patchkit.group", "patchkit.nn", "patchkit.launch", "entry"},
+]
+
+
+def node_of(module: str) -> str | None:
+    """The layer table's name for a patchkit module: its subpackage, or itself when it sits at the top level."""
+    parts = module.split(".")
+    if parts[0] == "patches" or parts[:2] == ["patchkit", "patches"]:
+        return "patches"
+    if parts[0] != "patchkit":
+        return None
+    if len(parts) == 1:
+        return "patchkit"
+    return parts[1] if (ROOT / "patchkit" / parts[1]).is_dir() else f"patchkit.{parts[1]}"
+
+
+def is_module(name: str) -> bool:
+    """`from patchkit import name` names a module or subpackage (not an attribute of the package)."""
+    return (ROOT / "patchkit" / name).is_dir() or (ROOT / "patchkit" / f"{name}.py").exists()
+
+
+def runtime_imports(path: Path) -> list[tuple[str, int]]:
+    """(module, line) of every import in `path` outside `if TYPE_CHECKING:` blocks, lazy ones inside functions too."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(
+        node.test) for child in node.body for n in ast.walk(child)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"patchkit.{a.name}" if is_module(a.name) else "patchkit" for a in node.names
+                     ] if node.module == "patchkit" else [node.module]
+            found += [(name, node.lineno) for name in names]
+    return found
+
+
+def edges() -> list[tuple[str, str, str]]:
+    """(importing node, imported node, where) for every import between two different nodes."""
+    files = [*ROOT.joinpath("patchkit").rglob("*.py"), *ROOT.joinpath("patches").glob("*.py")]
+    out = []
+    for path in files:
+        rel = path.relative_to(ROOT).with_suffix("")
+        src = node_of(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+        for module, line in runtime_imports(path):
+            dst = node_of(module)
+            if dst is not None and dst != src:
+                out.append((src, dst, f"{path.relative_to(ROOT)}:{line}"))
+    return out
+
+
+def layer(node: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if node in names)
+
+
+def test_every_module_has_a_layer():
+    nodes = {n for src, dst, _ in edges() for n in (src, dst)}
+    assert not [n for n in nodes if not any(n in names for names in LAYERS)], "add it to LAYERS"
+
+
+def test_no_package_imports_one_above_it():
+    upward = [f"{src} -> {dst} ({where})" for src, dst, where in edges() if layer(dst) > layer(src)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_circle_below_the_entry_points():
+    """Within a layer too: the packages below the top one import each other in one direction only."""
+    below = [(s, d) for s, d, _ in edges() if layer(s) < len(LAYERS) - 1 and layer(s) == layer(d)]
+    pairs = {(s, d) for s, d in below}
+    assert not [(s, d) for s, d in pairs if (d, s) in pairs], pairs
