@@ -8,9 +8,8 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.model_walk import model_config
+from patchkit.names import GROUP_NAME
 from patchkit.registry import spec_for_model
-
-GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
 
 
 class PatchGroup:
