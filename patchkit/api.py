@@ -274,7 +274,7 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
         raise PatchGateError(f"no patchkit patch serves the installed transformers: {'; '.join(skipped.values())}")
     flash_min = max((s.flash_attn_min for s in specs), key=Version)
     chosen = choose_backend(
-        f"every family ({', '.join(s.name for s in specs)})", flash_min, specs[0].flash_attn_why, backend, strict,
+        GROUP_NAME, flash_min, specs[0].flash_attn_why, backend, strict,
         env,
     )
     handles, fresh = [], []
