@@ -76,6 +76,13 @@ def _register_name(_module: ModuleType) -> None:
     utils, masking = sys.modules.get(MODELING_UTILS), sys.modules.get(MASKING_UTILS)
     if utils is None or masking is None or "patchkit.hooks.attention_interface" in sys.modules:
         return  # not both yet, or patchkit is imported (or importing) and registers the real functions itself
+    if sys.modules.get("patchkit") is not None:  # `import patchkit` came first, left registering to this hook
+        try:  # importing patchkit's attention registers it (a partial import registers as it completes)
+            __import__("patchkit.hooks.attention_interface")
+        except Exception as exc:  # noqa: BLE001 - as below: say why, never break `import transformers`
+            print(f"patchkit: could not register attn_implementation={NAME!r}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        return
     attention_interface = getattr(utils, "AttentionInterface", None)
     mask_interface = getattr(masking, "AttentionMaskInterface", None)
     if attention_interface is None or mask_interface is None:

@@ -119,13 +119,18 @@ class PatchHandle:
         return live
 
     def report(self) -> str:
-        """What was applied, on which backend, every gate with its result, and what ran through it."""
+        """What was applied, on which backend and what ran through it (the first five lines), then the transformers
+        version, the unpad mode, every gate with its result and what it replaced."""
         where = (f"class (every {self.spec.family} model)" if self._model is None
                  else f"instance {type(self._model()).__name__}")
         lines = [
             f"patchkit patch {self.name!r} ({self.spec.description})",
             f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
             f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
+            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
+            + ("; compiled calls are not counted)" if self.state.compiled else ")"),
+            "  forwards stepped aside to transformers' own attention: "
+            + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
             f"  transformers: {eras.installed_version()}"
             + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
                else ""),
@@ -138,10 +143,6 @@ class PatchHandle:
             *(f"    - {r.describe()}" for r in self.replacements),
             *(f"    - {label} (shared by the active class patches)" for label in
               (flash_request.installed() if self._model is None and self.active else [])),
-            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
-            + ("; compiled calls are not counted)" if self.state.compiled else ")"),
-            "  forwards stepped aside to transformers' own attention: "
-            + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
         ]
         return "\n".join(lines)
 
@@ -275,7 +276,7 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
         raise PatchGateError(f"no patchkit patch serves the installed transformers: {'; '.join(skipped.values())}")
     flash_min = max((s.flash_attn_min for s in specs), key=Version)
     chosen = choose_backend(
-        f"every family ({', '.join(s.name for s in specs)})", flash_min, specs[0].flash_attn_why, backend, strict,
+        GROUP_NAME, flash_min, specs[0].flash_attn_why, backend, strict,
         env,
     )
     handles, fresh = [], []

@@ -9,8 +9,7 @@ from torch import nn
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.model_walk import model_config
 from patchkit.hooks.registry import spec_for_model
-
-GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
+from patchkit.names import GROUP_NAME
 
 
 class PatchGroup:
@@ -105,24 +104,29 @@ class PatchGroup:
         self.revert()
 
     def report(self, detail: bool = False) -> str:
-        """A summary: the backend, what ran through each family that ran a forward, the families patched that ran
-        none yet, and those skipped with the gate that kept them off. `detail=True` adds each family's own report
-        (its gates, what it replaced, its counts)."""
+        """A summary first: the backend, the families that ran with their counts, the forwards stepped aside by
+        cause, the families skipped and why; `detail=True` then adds each family's own report (gates, replacements,
+        counts), those that ran first. The families patched that ran nothing yet end it, on one line."""
         requested, strict, unpad = self.options
-        lines = [f"patchkit patch {GROUP_NAME!r}: {len(self.handles)} families patched, {len(self.skipped)} skipped; "
-                 f"backend {self.backend!r} (requested {requested!r}, strict={strict}), unpad {unpad!r}"]
         ran = [h for h in self.handles if h.calls or h.layers_seen or h.stepped_aside]
-        for h in ran:
-            aside = ", ".join(f"{n} {cause}" for cause, n in h.stepped_aside.items()) or "none"
-            lines.append(f"  {h.name}: {h.layers_patched} attention layers through the patch ({h.calls} calls); "
-                         f"forwards stepped aside to transformers' attention: {aside}")
-        idle = [h.name for h in self.handles if h not in ran]
+        idle = [h for h in self.handles if h not in ran]
+        aside = self.stepped_aside
+        lines = [
+            f"patchkit patch {GROUP_NAME!r}: backend {self.backend!r} (requested {requested!r}, strict={strict}), "
+            f"unpad {unpad!r}; {len(self.handles)} families patched, {len(self.skipped)} skipped",
+            "  ran: " + (", ".join(f"{h.name} ({h.layers_patched} attention layers, {h.calls} calls)" for h in ran)
+                         or "no forward through any family yet"),
+            "  forwards stepped aside to transformers' attention: "
+            + (", ".join(f"{n} {cause}" for cause, n in aside.items()) or "none"),
+            *(f"  skipped {name}: {why}" for name, why in self.skipped.items()),
+        ]
+        if detail:
+            lines += [h.report() for h in ran + idle]
+        else:
+            lines.append("  (report(detail=True): each family's gates, replacements and counts)")
         if idle:
-            lines.append(f"  patched, no forward through them yet: {', '.join(idle)}")
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
-        if not detail:
-            return "\n".join(lines + ["  (report(detail=True): each family's gates, replacements and counts)"])
-        return "\n".join(lines + [h.report() for h in self.handles])
+            lines.append(f"  patched, no forward through them yet: {', '.join(h.name for h in idle)}")
+        return "\n".join(lines)
 
     __str__ = report
 

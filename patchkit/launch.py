@@ -7,16 +7,17 @@ import os
 import runpy
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from patchkit.api import PatchHandle
-from patchkit.backends import BACKEND_NAMES
 from patchkit.entry.autostart import stand_down
-from patchkit.entry.config import PatchArguments, apply_from_args, patch_names
 from patchkit.entry.process_report import rank_label, report_at_exit
 from patchkit.errors import PatchkitError
-from patchkit.hooks.varlen import UNPAD_MODES
+from patchkit.names import BACKEND_NAMES, UNPAD_MODES, patch_names
 from patchkit.warn import attributed_to
+
+if TYPE_CHECKING:  # torch is imported once the options parse: `patchkit run --help` answers without it
+    from patchkit.api import PatchHandle
+    from patchkit.entry.config import PatchArguments
 
 # Usage:
 #   python -m patchkit.launch [--patch all|llama2|mistral|...] [--backend auto|flash_attn|torch_varlen|sdpa] \
@@ -97,6 +98,8 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[s
 
 def resolve_options(ns: argparse.Namespace) -> PatchArguments:
     """Flags over PATCHKIT_* variables over defaults; the launcher itself opts in unless told not to."""
+    from patchkit.entry.config import PatchArguments
+
     defaults = {"flash_attn": True}
     args = PatchArguments.from_env(**defaults)
     if ns.no_patch:
@@ -152,6 +155,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
         args = resolve_options(ns)
     except ValueError as exc:
         parser.error(str(exc))
+    from patchkit.entry.config import apply_from_args
+
     try:
         with attributed_to(target.script or target.module or "<launcher>"):
             handle = apply_from_args(args)  # its warnings name the user's script, not the launcher's lines

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from entrypoints import REPO, run, spy_of
+from entrypoints import REPO, clean_env, run, spy_of
 from families import FAMILIES_FROM
 from models import padded_batch, tiny_model
 from packaging.version import Version
@@ -295,3 +295,18 @@ def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
     masks_counted = importlib.util.find_spec("transformers.masking_utils") is not None  # transformers >= 4.53
     assert spy["padded_attention"] == 0 and spy["padded_masks"] == (0 if masks_counted else None)
     assert spy["patches"] == [["llama2", "sdpa", 2]]
+
+
+@pytest.mark.parametrize(
+    "var,value,allowed",
+    [("PATCHKIT_BACKEND", "flashh", "auto, flash_attn, torch_varlen, sdpa"),
+     ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_UNPAD", "layers", "model, attention"),
+     ("PATCHKIT_PATCH", "gpt2", "all, gemma, "), ("PATCHKIT_STRICT", "2", "1, true, yes, on"),
+     ("PATCHKIT_TESTED_TRANSFORMERS", "five", "a transformers version such as")],
+)
+def test_a_bad_variable_fails_import_patchkit_in_one_line_with_the_hook_off(var, value, allowed):
+    env = clean_env(**{var: value})  # PATCHKIT_FLASH_ATTN unset (except its own case): the startup hook is off
+    proc = run([sys.executable, "-c", "import patchkit\nprint('IMPORTED')"], env=env)
+    assert proc.returncode == 1 and "IMPORTED" not in proc.stdout
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"patchkit: {var}={value!r} is not valid; allowed values: {allowed}"), proc.stderr

@@ -70,7 +70,21 @@ def test_doctor_text_report_runs_fast_and_names_everything():
         assert text in out, text
     if not torch.cuda.is_available():
         assert "llama2 (alias llama): applies, backend sdpa" in out
-        assert "cuda_available: FAILED" in out and "GPU                 none" in out
+        assert "torch_varlen gates failed (cuda_available" in out and "GPU                 none" in out
+    # one line per patch, the shared reason once; the gates themselves only under --verbose
+    section = out.split("patches (backend='auto')\n")[1].split("\nstartup hook")[0].splitlines()
+    names = [p["name"] for p in patchkit.available_patches()]
+    assert [line.split(":")[0].split(" (alias")[0].strip() for line in section[: len(names)]] == names
+    assert len(section) == len(names) + 2 and section[-1].endswith("every gate of every patch, with its fix)")
+    assert "FAILED" not in out and len(out.splitlines()) < 60, out
+
+
+def test_doctor_verbose_lists_every_gate_of_every_patch(monkeypatch):
+    data = simulated(monkeypatch, device_name="Tesla T4", compute_capability=(7, 5), bf16_supported=False)
+    short, verbose = format_report(data), format_report(data, verbose=True)
+    gate = "compute_capability: FAILED (required >= 8.0 (Ampere or newer); found 7.5)"
+    assert gate not in short and verbose.count(gate) >= len(data["patches"])
+    assert len(verbose.splitlines()) > len(short.splitlines()) + 5 * len(data["patches"])
 
 
 def test_doctor_json_matches_the_function_and_the_installed_packages():
@@ -102,7 +116,7 @@ def test_doctor_backend_is_the_one_apply_patch_chooses(name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = patchkit.apply_patch(name)
-    fell_back = any("runs on the exact torch-native sdpa backend" in str(w.message) for w in caught)
+    fell_back = any("runs on the exact sdpa backend" in str(w.message) for w in caught)
     assert fell_back == (handle.backend == "sdpa")
     assert verdict["applies"] and handle.backend == verdict["backend"]
     failed_gates = [g["name"] for g in verdict["gates"] if not g["passed"]]
@@ -189,7 +203,8 @@ def test_doctor_on_a_simulated_turing_gpu_falls_back_and_says_why(monkeypatch):
             assert p["backend"] == "sdpa" and "compute_capability" in p["why"]
         else:
             assert not p["applies"] and p["backend"] is None and p["why"] == GATED_OFF
-    assert "compute_capability: FAILED (required >= 8.0 (Ampere or newer); found 7.5)" in format_report(data)
+    assert "compute_capability: FAILED (required >= 8.0 (Ampere or newer); found 7.5)" in format_report(data, True)
+    assert "gates failed (compute_capability" in format_report(data)
     assert exit_code(data) == 0
 
 
@@ -202,7 +217,9 @@ def test_doctor_with_unsupported_transformers_says_no_patch_applies(monkeypatch)
 
 
 def test_doctor_prints_a_failed_transformers_gate_once_per_patch(monkeypatch):
-    report = format_report(simulated(monkeypatch, transformers_version="4.30.0"))
+    data = simulated(monkeypatch, transformers_version="4.30.0")
+    short, report = format_report(data), format_report(data, verbose=True)
+    assert short.count("does NOT apply (transformers_version: found 4.30.0)") == len(data["patches"])
     names = [p["name"] for p in patchkit.available_patches()]
     section = report.split("patches (backend='auto')")[1]
     alternatives = "|".join(names)

@@ -164,9 +164,18 @@ def test_the_groups_report_is_a_summary_that_names_what_ran():
             model(input_ids=ids, attention_mask=mask)
         summary, detail = group.report(), group.report(detail=True)
     lines = summary.splitlines()
-    assert lines[0].startswith("patchkit patch 'all': ") and "backend 'sdpa'" in lines[0]
-    assert "  llama2: 2 attention layers through the patch (2 calls); forwards stepped aside to transformers' " \
-        "attention: none" in lines
+    assert lines[0].startswith("patchkit patch 'all': backend 'sdpa' (requested 'sdpa', strict=False)")
+    assert lines[1:3] == ["  ran: llama2 (2 attention layers, 2 calls)",
+                          "  forwards stepped aside to transformers' attention: none"]
     idle = len(list(group)) > 1  # one line names every family that ran nothing (none before 4.53: LLaMA alone)
-    assert len(lines) == 3 + idle + len(group.skipped) and "report(detail=True)" in lines[-1]
-    assert summary.splitlines()[:-1] == detail.splitlines()[: len(lines) - 1] and "  gates:" in detail
+    assert len(lines) == 4 + idle + len(group.skipped) and "report(detail=True)" in lines[3 + len(group.skipped)]
+    assert detail.splitlines()[:3] == lines[:3] and "  gates:" in detail
+    if idle:  # the tail names what is patched but idle, never an unused family's "0 (0 calls)"
+        for text in (summary, detail):
+            assert text.splitlines()[-1].startswith("  patched, no forward through them yet: mistral, ")
+            assert not any("0 (0 calls)" in line for line in text.splitlines()[-3:]), text.splitlines()[-3:]
+        llama2 = detail.index("patchkit patch 'llama2'")
+        assert all(llama2 < detail.index(f"patchkit patch {h.name!r}") for h in group if h.name != "llama2")
+    first = next(h for h in group if h.name == "llama2").report().splitlines()[:5]  # a family's own: summary first
+    assert first[2].startswith("  backend: sdpa") and first[3] == "  attention layers through the patch: 2 (2 calls)"
+    assert first[4] == "  forwards stepped aside to transformers' own attention: none"

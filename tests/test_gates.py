@@ -29,7 +29,7 @@ FLASH_ONLY = ("flash_attn_installed", "flash_attn_version")  # torch's own varle
 def test_failing_gate_falls_back_with_a_warning_naming_it(monkeypatch, gate):
     """A flash-attn gate alone: auto takes torch's varlen kernel; no GPU kernel at all: the exact sdpa backend."""
     monkeypatch.setattr(gates, "probe_environment", lambda: env(**FAILING[gate]))
-    fallback = "torch_varlen" if gate in FLASH_ONLY else "exact torch-native sdpa"
+    fallback = "torch_varlen" if gate in FLASH_ONLY else "exact sdpa"
     with pytest.warns(RuntimeWarning, match=rf"runs on the {fallback} backend \(not flash_attn: {gate}: FAILED"):
         handle = patchkit.apply_patch("llama2")
     assert handle.backend == ("torch_varlen" if gate in FLASH_ONLY else "sdpa")
@@ -42,7 +42,8 @@ def test_failing_gate_in_strict_mode_raises_and_patches_nothing(monkeypatch, gat
     monkeypatch.setattr(gates, "probe_environment", lambda: env(**FAILING[gate]))
     mod = sys.modules["transformers.models.llama.modeling_llama"]
     before = mod.LlamaAttention.__dict__["forward"]
-    with pytest.raises(PatchGateError, match=f"{gate}: FAILED.*Fix: .*Nothing was patched"):
+    refusal = f"(?s)Nothing was patched.*\\n  simplest: backend='sdpa'.*\\n  - flash_attn: {gate}: FAILED.*Fix: "
+    with pytest.raises(PatchGateError, match=refusal):
         patchkit.apply_patch("llama2", backend="flash_attn", strict=True)
     assert mod.LlamaAttention.__dict__["forward"] is before
     assert patchkit.active_patches() == []
@@ -120,3 +121,17 @@ def test_llama1_refuses_gqa_config_clearly():
     with patchkit.apply_patch("llama1", backend="sdpa"):  # class patch: refused when the GQA model runs
         with pytest.raises(PatchGateError, match="4 query heads and 2 key/value heads"):
             model(input_ids=ids, attention_mask=mask)
+
+
+def test_the_strict_error_lists_one_failed_gate_per_line_the_simplest_fix_first(monkeypatch):
+    no_gpu = {**FAILING["cuda_available"], **FAILING["flash_attn_installed"]}
+    monkeypatch.setattr(gates, "probe_environment", lambda: env(**no_gpu))
+    with pytest.raises(PatchGateError) as exc:
+        patchkit.apply_patch(backend="auto", strict=True)
+    lines = str(exc.value).splitlines()
+    failed = [line for line in lines if line.startswith("  - ")]
+    assert lines[0].startswith("Patch 'all', backend 'auto': ") and lines[0].endswith("Nothing was patched.")
+    assert lines[1].startswith("  simplest: backend='sdpa'") and len(lines) == 2 + len(failed) >= 4
+    assert "flash_attn_installed: FAILED" in failed[0] and "pip install" in failed[0]  # a pip install before hardware
+    assert any("cuda_available: FAILED" in line for line in failed[2:]) and "mistral" not in str(exc.value)
+    assert all(len(line) <= 300 for line in lines), max(map(len, lines))

@@ -182,7 +182,7 @@ def test_sdpa_backend_has_no_warning(monkeypatch):
 
 def test_auto_falls_back_with_a_warning_naming_the_gate(monkeypatch):
     monkeypatch.setattr(pk_gates, "probe_environment", lambda: NO_GPU)
-    with pytest.warns(RuntimeWarning, match=r"VarlenSelfAttention runs on the exact torch-native sdpa backend \(not "):
+    with pytest.warns(RuntimeWarning, match=r"VarlenSelfAttention runs on the exact sdpa backend \(not "):
         module = VarlenSelfAttention(E, H)
     assert module.backend.name == "sdpa"
     assert {g.name for g in module.gates if not g.passed} >= {"flash_attn_installed", "cuda_available"}

@@ -107,7 +107,7 @@ def test_cli_verify_local_checkpoint_json(tmp_path):
     assert data["model"] == str(tmp_path / "ckpt") and data["patch"] == "llama1" and data["passed"] is True
     assert [c["name"] for c in data["checks"]] == CHECKS
     if not FLASH_USABLE:  # auto fell back: the warning reaches the user
-        assert "warning: patchkit: patch 'llama1' runs on the exact torch-native sdpa backend" in proc.stderr
+        assert "warning: patchkit: patch 'llama1' runs on the exact sdpa backend" in proc.stderr
 
 
 def test_cli_verify_exits_one_when_a_tolerance_is_exceeded(tmp_path):

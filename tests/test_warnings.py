@@ -38,10 +38,10 @@ def test_the_fallback_warning_is_one_short_line_and_the_report_keeps_every_gate(
     assert len(record) == 1
     text = str(record[0].message)
     assert len(text) <= MAX_WARNING_CHARS and "\n" not in text, (len(text), text)
-    assert text.startswith("patchkit: patch 'llama2' runs on the exact torch-native sdpa backend")
-    assert "not flash_attn: flash_attn_installed: FAILED" in text and "`patchkit doctor` explains" in text
-    assert "not torch_varlen: cuda_available: FAILED" in text
-    assert "compute_capability" not in text and "Fix" not in text  # each better backend's first reason only
+    assert text.startswith("patchkit: patch 'llama2' runs on the exact sdpa backend")
+    assert "not flash_attn: flash_attn_installed: FAILED" in text and "Fix: `patchkit doctor`" in text
+    assert "not torch_varlen: cuda_available: FAILED" in text and MAX_WARNING_CHARS <= 200
+    assert "compute_capability" not in text  # each better backend's first reason only
     report = patchkit.active_patches()[0].report()
     failed = [g for g in patchkit.active_patches()[0].gates if not g.passed]
     assert {g.name for g in failed} >= {"flash_attn_installed", "flash_attn_version", "cuda_available",
@@ -53,7 +53,7 @@ def test_the_fallback_warning_is_one_short_line_and_the_report_keeps_every_gate(
 def test_doctor_lists_every_gate_of_every_backend(monkeypatch):
     monkeypatch.setattr(gates, "probe_environment", lambda: env(**NO_GPU))
     data = doctor()
-    text = format_report(data)
+    text = format_report(data, verbose=True)  # `patchkit doctor --verbose`; the default is one line per patch
     llama2 = next(p for p in data["patches"] if p["name"] == "llama2")
     names = [(g["backend"], g["name"]) for g in llama2["gates"]]
     assert ("flash_attn", "flash_attn_installed") in names and ("flash_attn", "compute_capability") in names
@@ -134,3 +134,6 @@ def test_the_startup_hook_and_the_launcher_name_the_users_script(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert f"{script}:{line}: RuntimeWarning: patchkit:" in proc.stderr, proc.stderr[-2000:]
         assert "patchkit/" not in proc.stderr.split("RuntimeWarning")[0].splitlines()[-1]
+        message = proc.stderr.split("RuntimeWarning: ")[1].splitlines()[0]  # every family's patch, one short line
+        assert message.startswith("patchkit: patch 'all' runs on the exact sdpa backend (not flash_attn: ")
+        assert len(message) <= MAX_WARNING_CHARS <= 200 and "mistral" not in message, message

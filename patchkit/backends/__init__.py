@@ -10,8 +10,7 @@ from patchkit.backends import sdpa, sdpa_op
 from patchkit.backends.padded_cache import attend_padded_cache
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
-
-BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
+from patchkit.names import BACKEND_NAMES  # noqa: F401 - re-exported
 
 
 class Backend(Protocol):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Optional
 
 from patchkit import gates as _gates
@@ -11,7 +12,7 @@ from patchkit.gates import Environment, GateResult
 from patchkit.warn import warn_user
 
 AUTO_ORDER = ("flash_attn", "torch_varlen")  # backend="auto" tries these in turn, then the exact sdpa backend
-MAX_WARNING_CHARS = 320  # the fallback warning is one line a person reads; the full list is in report() and doctor
+MAX_WARNING_CHARS = 200  # the fallback warning is one line a person reads; the full list is in report() and doctor
 
 
 def candidates(requested: str) -> tuple[str, ...]:
@@ -60,16 +61,49 @@ def pick(
 
 
 def fallback_message(who: str, choice: Choice) -> str:
-    """One line: what runs, the first reason each better backend was passed over, and where the rest is."""
-    reasons = "; ".join(f"not {g.backend}: {g.brief()}" for g in choice.passed_over)
-    kind = "the exact torch-native sdpa backend" if choice.backend == "sdpa" else f"the {choice.backend} backend"
-    return f"patchkit: {who} runs on {kind} ({reasons}). `patchkit doctor` explains."
+    """One line of at most MAX_WARNING_CHARS: the backend that runs, the first failed gate of each better backend
+    (what was found, cut to fit), and the fix; every gate is in report() and `patchkit doctor`."""
+    kind = "the exact sdpa backend" if choice.backend == "sdpa" else f"the {choice.backend} backend"
+    fix = "Fix: `patchkit doctor`; backend='sdpa' silences it" if choice.backend == "sdpa" else \
+        "`patchkit doctor` explains"
+    for width in (40, 24, 16, 0):
+        reasons = "; ".join(f"not {g.backend}: {g.name}: FAILED" + (f", {_cut(g.found, width)}" if width else "")
+                            for g in choice.passed_over)
+        text = f"patchkit: {who} runs on {kind} ({reasons}). {fix}."
+        if len(text) <= MAX_WARNING_CHARS:
+            break
+    return text
+
+
+def _cut(text: str, width: int) -> str:
+    """`text` within `width` characters (a parenthesised detail goes first)."""
+    text = text.split(" (")[0] if len(text) > width else text
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 def refusal_message(who: str, requested: str, choice: Choice, refusal: str = "") -> str:
-    """The strict-mode error: every failed gate of every backend tried, each with its fix."""
-    failed = "; ".join(f"{g.backend}: {g.describe()}" for g in choice.gates if not g.passed)
-    return f"{who[:1].upper()}{who[1:]}, backend {requested!r}: {failed}.{refusal}"
+    """The strict-mode error: what was refused, the simplest way out, then every failed gate of every backend tried,
+    one per line, the gates a pip install fixes before those that need another torch or other hardware."""
+    failed = [g for g in choice.gates if not g.passed]
+    ordered = sorted(failed, key=lambda g: (_effort(g), choice.gates.index(g)))
+    return "\n".join([
+        f"{who[:1].upper()}{who[1:]}, backend {requested!r}: {len(failed)} gate(s) failed.{refusal}",
+        "  simplest: backend='sdpa' (exact, torch-native, CPU or GPU, no gate), or strict=False to fall back to it",
+        *(f"  - {g.backend}: {_without_sdpa(g.describe())}" for g in ordered),
+    ])
+
+
+def _without_sdpa(text: str) -> str:
+    """A gate's text without its own "or use backend='sdpa'" tail, said once above the list."""
+    return re.sub(r",? or (?:use )?backend='sdpa'(?: \(torch-native, runs on CPU\))?$", "", text)
+
+
+def _effort(gate: GateResult) -> int:
+    """How much a gate's fix asks: 0 a pip install, 1 another torch or a rebuild, 2 other hardware."""
+    fix = (gate.fix or "").lower()
+    if "pip install" in fix:
+        return 0
+    return 2 if "gpu" in fix else 1
 
 
 def resolve(

@@ -14,12 +14,15 @@ import os
 import site
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from patchkit.api import PatchHandle, active_patches, applying
-from patchkit.entry.config import ENV_FLASH_ATTN, PatchArguments, apply_from_args
 from patchkit.entry.process_report import rank_label, report_at_exit
-from patchkit.group import PatchGroup
+from patchkit.env import ENV_FLASH_ATTN
+
+if TYPE_CHECKING:  # imported where used: `patchkit --help` and `stand_down` must not import torch
+    from patchkit.api import PatchHandle
+    from patchkit.entry.config import PatchArguments
+    from patchkit.group import PatchGroup
 
 PTH_NAME = "patchkit-startup.pth"
 ORIGIN = f"applied when a served family's modeling module was imported, because {ENV_FLASH_ATTN} is on"
@@ -34,6 +37,8 @@ def stand_down(owner: str) -> None:
 
 def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any = None) -> None:
     """The one line on stderr: which variable did it, which patch, which backend, which process."""
+    from patchkit.group import PatchGroup
+
     scope = "every family patchkit serves" if isinstance(handle, PatchGroup) else f"every {handle.spec.family} model"
     print(
         f"patchkit: {ENV_FLASH_ATTN}={os.environ.get(ENV_FLASH_ATTN, '')}, {rank_label()}: patch {handle.name!r} "
@@ -47,6 +52,9 @@ def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any
 def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
     """Apply the class patch PATCHKIT_* ask for, unless an explicit apply_patch in this process is doing it now; a
     value that is not one ends the process with one line naming it."""
+    from patchkit.api import active_patches, applying
+    from patchkit.entry.config import PatchArguments, apply_from_args
+
     if applying():
         return None  # apply_patch imported LLaMA itself: the explicit call decides, and applies once
     try:

@@ -11,16 +11,14 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from patchkit import __version__
-from patchkit.backends import BACKEND_NAMES
-from patchkit.entry.config import patch_names
 from patchkit.errors import PatchkitError
+from patchkit.names import BACKEND_NAMES, patch_names
 
 USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
   run     [--patch NAME] [--backend B] [--unpad model|attention] [--strict] [--no-patch]
           (SCRIPT.py | -m MODULE) [args...]                      apply the patch, then run the script or module
-  doctor  [--json]                                               versions, GPU, flash-attn, which patch applies
+  doctor  [--json] [--verbose]                                   versions, GPU, flash-attn, which patch applies
   verify  [--patch NAME] [--dtype fp32|bf16|fp16] [--model PATH] patched vs unpatched logits and gradients
   bench   [--quick | --full] [--out DIR] [...]                   benchmarks/bench.py (source checkout only)
 
@@ -37,32 +35,34 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_doctor(argv: list[str]) -> int:
     """`patchkit doctor`: print (or --json) `patchkit.entry.doctor.doctor()`; exit 1 when no patch applies here."""
-    from patchkit.entry.doctor import doctor, exit_code, format_report
-
     parser = argparse.ArgumentParser(prog="patchkit doctor", description="Versions, GPU, flash-attn and, for each "
                                      "patch, whether it would apply here and with which backend. Patches nothing.")
     parser.add_argument("--json", action="store_true", help="print the same data as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="every gate of every patch, with its fix (default: one line per patch)")
     ns = parser.parse_args(argv)
+    from patchkit.entry.doctor import doctor, exit_code, format_report  # torch: after --help has answered
+
     data = doctor()
-    print(json.dumps(data, indent=2) if ns.json else format_report(data))
+    print(json.dumps(data, indent=2) if ns.json else format_report(data, verbose=ns.verbose))
     return exit_code(data)
 
 
 def cmd_verify(argv: list[str]) -> int:
     """`patchkit verify`: the table of `patchkit.entry.verify.verify()`; exit 1 when a tolerance is exceeded."""
-    from patchkit.entry.verify import DTYPES, verify
-
     parser = argparse.ArgumentParser(prog="patchkit verify", description="Run padded batches and a short greedy "
                                      "generation through patched and unpatched (eager) attention; print the largest "
                                      "differences of logits and gradients against tolerances.")
     parser.add_argument("--patch", default="llama2", choices=patch_names())
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])  # verify.DTYPES
     parser.add_argument("--model", default=None, metavar="PATH", help="local checkpoint (default: tiny random LLaMA)")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     parser.add_argument("--strict", action="store_true", help="raise instead of falling back when a gate fails")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     ns = parser.parse_args(argv)
+    from patchkit.entry.verify import verify  # torch: after --help has answered
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         try:
@@ -78,9 +78,7 @@ def cmd_verify(argv: list[str]) -> int:
 
 def bench_script() -> Path:
     """benchmarks/bench.py of the source checkout patchkit is installed from (editable installs only)."""
-    import patchkit
-
-    return Path(patchkit.__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+    return Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -110,6 +108,16 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+def package_version() -> str:
+    """The installed distribution's version (what `pip show patchkit` says), read without importing the package."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("patchkit")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Dispatch `patchkit COMMAND ...`; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -117,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] == "--version":
-        print(f"patchkit {__version__}")
+        print(f"patchkit {package_version()}")
         return 0
     command = COMMANDS.get(argv[0])
     if command is None:
@@ -131,3 +139,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -3,49 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping, Optional
 
 from torch import nn
 
 from patchkit.api import PatchHandle, apply_patch
-from patchkit.backends import BACKEND_NAMES
-from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.hooks.registry import ALIASES, PATCH_MODULES
-from patchkit.hooks.varlen import UNPAD_MODES
-
-ENV_FLASH_ATTN = "PATCHKIT_FLASH_ATTN"
-ENV_PATCH = "PATCHKIT_PATCH"
-ENV_BACKEND = "PATCHKIT_BACKEND"
-ENV_STRICT = "PATCHKIT_STRICT"
-ENV_UNPAD = "PATCHKIT_UNPAD"
-
-TRUE_VALUES = ("1", "true", "yes", "on")
-FALSE_VALUES = ("0", "false", "no", "off", "")
-
-
-def patch_names() -> list[str]:
-    """Every accepted patch name: "all" (every family, the default), registered names, then aliases."""
-    return [GROUP_NAME, *sorted(PATCH_MODULES), *sorted(ALIASES)]
-
-
-def _check_choice(where: str, value: Any, allowed: list[str] | tuple[str, ...]) -> str:
-    """`value` if it is one of `allowed` (case-insensitive), else a ValueError naming `where` and the choices."""
-    if isinstance(value, str) and value.strip().lower() in allowed:
-        return value.strip().lower()
-    raise ValueError(f"{where}={value!r} is not valid; allowed values: {', '.join(allowed)}")
-
-
-def parse_bool(where: str, value: Any) -> bool:
-    """A boolean from a bool or a string such as "1"/"0", "true"/"false", "yes"/"no", "on"/"off"."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in TRUE_VALUES + FALSE_VALUES:
-        return value.strip().lower() in TRUE_VALUES
-    raise ValueError(
-        f"{where}={value!r} is not valid; allowed values: {', '.join(TRUE_VALUES)} (on) or "
-        f"{', '.join(v for v in FALSE_VALUES if v)} or empty (off)"
-    )
+from patchkit.env import (  # noqa: F401 - re-exported: the variables' names and checks live in entry.env
+    ENV_BACKEND,
+    ENV_FLASH_ATTN,
+    ENV_PATCH,
+    ENV_STRICT,
+    ENV_UNPAD,
+    FALSE_VALUES,
+    TRUE_VALUES,
+    check_choice,
+    parse_bool,
+    read_env,
+)
+from patchkit.group import PatchGroup
+from patchkit.names import BACKEND_NAMES, GROUP_NAME, UNPAD_MODES, patch_names
 
 
 def _flash_attn_field() -> Any:
@@ -111,9 +87,9 @@ class PatchOptions:
 
     def __post_init__(self) -> None:
         self.patch_strict = parse_bool("patch_strict", self.patch_strict)
-        self.patch = _check_choice("patch", self.patch, patch_names())
-        self.attn_backend = _check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
-        self.patch_unpad = _check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
+        self.patch = check_choice("patch", self.patch, patch_names())
+        self.attn_backend = check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
+        self.patch_unpad = check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
 
 
 @dataclasses.dataclass
@@ -137,9 +113,9 @@ class PatchArguments:
     def __post_init__(self) -> None:
         self.flash_attn = parse_bool("flash_attn", self.flash_attn)
         self.patch_strict = parse_bool("patch_strict", self.patch_strict)
-        self.patch = _check_choice("patch", self.patch, patch_names())
-        self.attn_backend = _check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
-        self.patch_unpad = _check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
+        self.patch = check_choice("patch", self.patch, patch_names())
+        self.attn_backend = check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
+        self.patch_unpad = check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **defaults: Any) -> PatchArguments:
@@ -147,19 +123,7 @@ class PatchArguments:
 
         A bad value raises ValueError naming the variable and its allowed values.
         """
-        env = os.environ if environ is None else environ
-        values = dict(defaults)
-        if ENV_FLASH_ATTN in env:
-            values["flash_attn"] = parse_bool(ENV_FLASH_ATTN, env[ENV_FLASH_ATTN])
-        if ENV_PATCH in env:
-            values["patch"] = _check_choice(ENV_PATCH, env[ENV_PATCH], patch_names())
-        if ENV_BACKEND in env:
-            values["attn_backend"] = _check_choice(ENV_BACKEND, env[ENV_BACKEND], BACKEND_NAMES)
-        if ENV_STRICT in env:
-            values["patch_strict"] = parse_bool(ENV_STRICT, env[ENV_STRICT])
-        if ENV_UNPAD in env:
-            values["patch_unpad"] = _check_choice(ENV_UNPAD, env[ENV_UNPAD], UNPAD_MODES)
-        return cls(**values)
+        return cls(**{**defaults, **read_env(environ)})
 
     def to_env(self) -> dict[str, str]:
         """These options as the PATCHKIT_* variables `from_env` reads back: what a child process inherits."""

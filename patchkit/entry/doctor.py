@@ -116,8 +116,34 @@ def _build_lines(build: dict[str, Any]) -> list[str]:
             "a call it lacks runs on the sdpa backend with a warning (strict: refused)"]
 
 
-def format_report(data: dict[str, Any]) -> str:
-    """The human-readable report of `doctor()`."""
+def _patch_line(p: dict[str, Any], common_why: Optional[str]) -> str:
+    """One patch, one line: its name, its verdict (and why, unless it is the reason every patch shares)."""
+    alias = f" (alias {', '.join(p['aliases'])})" if p["aliases"] else ""
+    if not p["applies"]:
+        failed = next((g for g in p["gates"] if not g["passed"]), None)
+        why = f"{failed['name']}: found {failed['found']}" if failed else p["why"]
+        return f"  {p['name']}{alias}: does NOT apply ({why}); needs transformers{p['transformers']}"
+    why = "" if p["why"] == common_why else f" ({p['why']})"
+    return f"  {p['name']}{alias}: applies, backend {p['backend']}{why}; transformers{p['transformers']}"
+
+
+def patch_lines(patches: list[dict[str, Any]], verbose: bool = False) -> list[str]:
+    """One line per patch and, once, why backend='auto' lands where it does; `verbose`: every gate, with its fix."""
+    whys = [p["why"] for p in patches if p["applies"]]
+    common = max(set(whys), key=whys.count) if whys else None
+    lines = []
+    for p in patches:
+        lines.append(_patch_line(p, None if verbose else common))
+        if verbose:
+            lines += _gates.gate_lines([_gates.GateResult(**g) for g in p["gates"]], "    ")
+    if common and not verbose:
+        lines.append(f"  why: {common}")
+        lines.append("  (`patchkit doctor --verbose`: every gate of every patch, with its fix)")
+    return lines
+
+
+def format_report(data: dict[str, Any], verbose: bool = False) -> str:
+    """The human-readable report of `doctor()`: one line per patch, or every gate with `verbose`."""
     v, hw, fa = data["versions"], data["hardware"], data["flash_attn"]
     cuda = v["cuda"] or "none (CPU build of torch)"
     lines = [
@@ -138,13 +164,8 @@ def format_report(data: dict[str, Any]) -> str:
         "  " + ("imports: ok" if fa["cuda_extension_imports"] else f"does not import: {fa['error']}"),
         *_build_lines(fa.get("build") or {}),
         "patches (backend='auto')",
+        *patch_lines(data["patches"], verbose),
     ]
-    for p in data["patches"]:
-        verdict = f"applies, backend {p['backend']}" if p["applies"] else "does NOT apply"
-        alias = f" (alias {', '.join(p['aliases'])})" if p["aliases"] else ""
-        lines.append(f"  {p['name']}{alias}: {verdict}; transformers{p['transformers']}")
-        lines.append(f"    why: {p['why']}")
-        lines += _gates.gate_lines([_gates.GateResult(**g) for g in p["gates"]], "    ")
     hook = data["startup_hook"]
     flag = hook["PATCHKIT_FLASH_ATTN"]
     lines += [
@@ -153,7 +174,7 @@ def format_report(data: dict[str, Any]) -> str:
         _row("active here", "yes" if hook["active"] else "no"),
         _row("PATCHKIT_FLASH_ATTN", "unset (off)" if flag is None else flag),
     ]
-    lines.append(f"({data['seconds']:.2f} s)")
+    lines.append(f"(gates probed in {data['seconds']:.2f} s)")
     return "\n".join(lines)
 
 

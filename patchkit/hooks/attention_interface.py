@@ -291,3 +291,9 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     AttentionInterface.register(ATTENTION_NAME, _attention)
     AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
     return True
+
+
+try:  # importing patchkit's attention registers the name (`import patchkit` loads this lazily, or the hook does)
+    register()
+except Exception:  # noqa: BLE001 - a broken transformers must not make patchkit's imports fail
+    pass

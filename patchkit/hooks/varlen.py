@@ -22,9 +22,9 @@ from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import text_positions
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
 from patchkit.hooks.patching import BoundPatch
+from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 from patchkit.warn import warn_user
 
-UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
 KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 

@@ -1,0 +1,61 @@
+"""`import patchkit` and the CLI's --help stay light: no torch dynamo, no transformers modeling code, no torch."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import pytest
+from entrypoints import clean_env, run
+
+HEAVY = ("torch", "torch._dynamo", "transformers", "transformers.modeling_utils")
+
+
+def loaded_after(code: str) -> dict[str, bool]:
+    """Which HEAVY modules a fresh interpreter holds after `code`."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
+    proc = run([sys.executable, "-c", probe], env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_import_patchkit_loads_neither_dynamo_nor_transformers_modeling_code():
+    assert loaded_after("import patchkit") == dict.fromkeys(HEAVY, False)
+    # the public names still resolve, and loading them is what imports the heavy code
+    assert loaded_after("import patchkit\npatchkit.apply_patch")["transformers.modeling_utils"]
+
+
+def test_the_registered_name_is_patchkits_own_once_transformers_loads_after_patchkit():
+    code = ("import patchkit\nfrom transformers import LlamaForCausalLM\n"
+            "from transformers.modeling_utils import AttentionInterface\n"
+            "from transformers.masking_utils import AttentionMaskInterface\n"
+            "from patchkit.hooks import attention_interface as ai\n"
+            "print(AttentionInterface._global_mapping['patchkit'] is ai._attention, "
+            "AttentionMaskInterface._global_mapping['patchkit'] is ai.mask_function)")
+    proc = run([sys.executable, "-c", code], env=clean_env())
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["doctor", "--help"], ["verify", "--help"]])
+def test_cli_help_answers_without_torch(argv):
+    code = (f"import sys\nfrom patchkit.entry.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    proc = run([sys.executable, "-c", code], env=clean_env())
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "TORCH False"
+
+
+def cpu_seconds(code: str) -> float:
+    """CPU seconds (user + system) of a fresh interpreter running `code`: stable on a loaded machine, unlike wall."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = run([sys.executable, "-c", code], env=clean_env())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def test_import_patchkit_costs_under_a_cpu_second_beyond_torch():
+    torch_alone = min(cpu_seconds("import torch") for _ in range(2))
+    both = min(cpu_seconds("import torch\nimport patchkit") for _ in range(2))
+    assert both - torch_alone < 1.0, (both, torch_alone)
