@@ -111,7 +111,7 @@ def test_the_registered_name_alone_steps_aside_where_the_check_fails(newer, monk
     ids, mask = padded_batch("right")
     want = model(input_ids=ids, attention_mask=mask).logits
     model.set_attn_implementation(attention_interface.ATTENTION_NAME)
-    served = attention_interface._function_for(attention_interface.route_state())
+    served = attention_interface.function_for(attention_interface.route_state())
     monkeypatch.setattr(attention_interface, "_function", lambda *a, **k: (served(*a, **k)[0] * 1.01, None))
     with pytest.warns(RuntimeWarning, match="LlamaModel's self-check there found: training step outputs differ"):
         got = model(input_ids=ids, attention_mask=mask).logits

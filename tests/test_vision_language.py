@@ -41,8 +41,9 @@ def llava(text: type = tf.LlamaConfig) -> torch.nn.Module:
     return tf.LlavaForConditionalGeneration(config).float()
 
 
-# A language model patchkit does not serve (Cohere is served from data on transformers 5.x, Persimmon refused there)
-UNSERVED_TEXT = tf.PersimmonConfig if Version(tf.__version__) >= Version("5") else tf.CohereConfig
+# A language model patchkit does not serve (Cohere is served from data on transformers 5.x; Doge, whose dynamic mask
+# attention reads the mask itself, is refused there)
+UNSERVED_TEXT = tf.DogeConfig if Version(tf.__version__) >= Version("5") else tf.CohereConfig
 
 
 def gemma3() -> torch.nn.Module:
@@ -96,7 +97,7 @@ def test_a_loaded_llava_patches_its_language_model_not_its_vision_tower():
 
 
 def test_a_loaded_vision_language_model_with_an_unserved_language_model_is_refused_by_its_own_model_type():
-    """LLaVA around a language model patchkit does not serve (Cohere; Persimmon on 5.x): the refusal named the
+    """LLaVA around a language model patchkit does not serve (Cohere; Doge on 5.x): the refusal named the
     vision tower's model_type, the first config with attention heads ('clip_vision_model'), as if the tower were
     what the user asked to patch. It names the model's own model_type now, and leaves the model as it was."""
     model = llava(UNSERVED_TEXT)

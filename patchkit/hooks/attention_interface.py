@@ -189,7 +189,7 @@ def route_state() -> PatchState:
             gates.probe_environment(),
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
-        _function = _function_for(_state)
+        _function = function_for(_state)
     return _state
 
 
@@ -225,9 +225,9 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention
-            return through_ulysses(route.ulysses, _function_for(routed), module, query, key, value, attention_mask,
+            return through_ulysses(route.ulysses, function_for(routed), module, query, key, value, attention_mask,
                                    **kwargs)
-        return _function_for(routed)(module, query, key, value, attention_mask, **kwargs)
+        return function_for(routed)(module, query, key, value, attention_mask, **kwargs)
     refuse_shard_local()  # a model loaded with this name alone: no route checked it
     if _state is None or _function is None:
         route_state()
@@ -248,8 +248,9 @@ def family_eager_attention(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _function_for(state: PatchState) -> Callable:
-    """The attention function on `state` (built once per patch state)."""
+def function_for(state: PatchState) -> Callable:
+    """The attention function on `state`, built once per patch state: when the patch is applied, not in a layer's
+    first call, which dynamo may trace (it would guard on the unbuilt function and compile the layer again)."""
     function = state.route_function
     if function is None:
         function = state.route_function = make_attention_function(state, served_model_types(), spec_for_class)
@@ -261,6 +262,7 @@ def register_route() -> bool:
     4.49) and, from 4.53, the mask entry; True when masks go through the interface. The served families are read
     now, not in a layer's first call, which may be traced by dynamo (which refuses the imports that read them)."""
     served_model_types()
+    refusal(None)
     if register():
         return True
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

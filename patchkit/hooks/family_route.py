@@ -85,6 +85,7 @@ def class_replacements(
     attention, base, lm = classes()
     recording = recorders()
     by_interface = attention_interface.register_route()
+    attention_interface.function_for(state)
     routing = Replacement(attention, "forward", make_attention_forward(attention.forward, state),
                           f"{attention.__name__}.forward (routes attention to patchkit)")
     keep = rerouting(attention, routing, state)  # a framework's rewritten attention forward, set after the patch
@@ -115,6 +116,7 @@ def instance_replacements(
             "nothing was patched."
         )
     by_interface = attention_interface.register_route()
+    attention_interface.function_for(state)
     out = []
     for b in bases:
         wrapped = make_model_forward(current_method(b), unpad or state.unpad, b.config._attn_implementation,

@@ -88,9 +88,14 @@ def table_spec(model_type: Optional[str]) -> PatchSpec:
     return found
 
 
+_REFUSED: list[dict] = []  # the table's REFUSED, read once (an import inside a traced forward guards sys.modules)
+
+
 def refusal(model_type: Optional[str]) -> Optional[str]:
     """The feature the table names for a family it refuses (DeepSeek-V3.2's sparse attention, ...), else None."""
-    return getattr(importlib.import_module(TABLE), "REFUSED", {}).get(model_type)
+    if not _REFUSED:
+        _REFUSED.append(dict(getattr(importlib.import_module(TABLE), "REFUSED", {})))
+    return _REFUSED[0].get(model_type)
 
 
 def registered() -> list[PatchSpec]:
