@@ -124,6 +124,14 @@ def build(family: str) -> tuple[torch.nn.Module, str]:
         "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                                              moe_intermediate_size=256, first_k_dense_replace=1, n_group=1,
                                              topk_group=1, **SIZE),
+        # served from data, their layers not handed position_ids (GPT-BigCode's multi-query attention, learned
+        # positions); Llama 4's chunks (a chunk of 256, shorter than the longest rows) and NoPE layers
+        "gpt_bigcode": lambda: tf.GPTBigCodeConfig(n_embd=256, n_layer=4, n_head=8, n_inner=512, vocab_size=1024,
+                                                   n_positions=4096, multi_query=True),
+        "persimmon": lambda: tf.PersimmonConfig(**{k: v for k, v in SIZE.items() if k != "num_key_value_heads"}),
+        "llama4_text": lambda: tf.Llama4TextConfig(
+            head_dim=32, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=512,
+            attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0], **{**SIZE, "intermediate_size": 256}),
     }
     for implementation in ("sdpa", "eager"):
         torch.manual_seed(0)
