@@ -334,3 +334,38 @@ def test_a_module_imported_between_compiled_steps_compiles_nothing_new():
         del sys.modules[f"patchkit_test_fresh_{step}"]
     torch._dynamo.reset()
     assert compiled_frames[0] == compiled_frames[-1], f"frames compiled after each step: {compiled_frames}"
+
+
+COMPILED_STEPS = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import torch, patchkit
+from models import labels_for, padded_batch, tiny_model
+warnings.simplefilter("always")
+model = tiny_model(kv_heads=2, layers=2).train()
+ids, mask = padded_batch("mixed")
+labels = labels_for(ids, mask)
+if {way!r} == "registered name":
+    patchkit.register_attention(backend="sdpa")
+    model.set_attn_implementation("patchkit")
+else:
+    patchkit.apply_patch("llama2", backend="sdpa")
+compiled = torch.compile(model, backend="eager")
+for _ in range(2):
+    compiled(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+"""
+
+
+@pytest.mark.parametrize("way", ["class patch", "registered name"])
+def test_compiling_a_patched_model_warns_of_nothing_inside_patchkit(way):
+    """Dynamo warned of `sys._getframe` (the frame walks for labels and generate()) and of a `functools.cache` call
+    ("silent incorrectness") inside patchkit: the walks now run outside the trace, the cached answers are read
+    before it. A fresh process, as dynamo warns once per process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = COMPILED_STEPS.format(tests=str(Path(__file__).parent), way=way)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "_getframe" not in proc.stderr and "lru_cache" not in proc.stderr, proc.stderr[-2000:]

@@ -30,7 +30,7 @@ from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.registry import refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
-from patchkit.hooks.self_check import untrusted_mask_cause, untrusted_what
+from patchkit.hooks.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
@@ -155,6 +155,7 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
 
 
+@torch.compiler.disable  # a frame walk in a traced forward: run eagerly, never traced (dynamo cannot trace it)
 def lm_frame(depth: int = 16) -> Optional[FrameType]:
     """The running causal LM's `forward` (the first one up the stack that takes `labels`), or None: a base model
     called alone, or generate() building a mask before the model runs."""
@@ -167,6 +168,7 @@ def lm_frame(depth: int = 16) -> Optional[FrameType]:
     return None
 
 
+@torch.compiler.disable
 def generate_frame(depth: int = 8) -> Optional[FrameType]:
     """generate()'s `create_masks_for_generate`, when it is building a static cache's mask before the model runs
     (it calls `.contiguous()` on the result, a no-op on a contiguous tensor, and hands it to the model as its
@@ -262,7 +264,6 @@ def register_route() -> bool:
     4.49) and, from 4.53, the mask entry; True when masks go through the interface. The served families are read
     now, not in a layer's first call, which may be traced by dynamo (which refuses the imports that read them)."""
     served_model_types()
-    refusal(None)
     if register():
         return True
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -278,6 +279,8 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     current setting.
     """
     global _state, _function
+    refusal(None)  # read now, not first inside a traced forward: the table's refusals, the installed transformers'
+    trusted(None)  # verdict (an import there guards sys.modules; a functools.cache call warns)
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     try:

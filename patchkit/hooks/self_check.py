@@ -108,9 +108,15 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     return None if _verdicts[cls] is None else failed_cause()
 
 
+_installed: list[Optional[str]] = []  # untested() of the installed transformers: trusted() runs in traced forwards,
+# where dynamo warns of "silent incorrectness" at a functools.cache call
+
+
 def trusted(family: Optional[str]) -> bool:
     """A family served without a self-check: a transformers CI has tested, and a family the census has verified."""
-    return untested() is None and family not in unverified
+    if not _installed:
+        _installed.append(untested())
+    return _installed[0] is None and family not in unverified
 
 
 def _untrusted_in_graph(module_name: str, class_name: str, family: Optional[str]) -> str:
@@ -144,6 +150,7 @@ def untrusted_mask_cause(config: Any) -> Optional[str]:
     return None if _verdicts.get(cls) is None else failed_cause()
 
 
+@torch.compiler.disable  # a frame walk: never traced
 def building_model(config: Any, depth: int = 12) -> Optional[nn.Module]:
     """The model up the stack whose config is `config` (the base model building its mask), or None."""
     frame = sys._getframe(2)
@@ -179,6 +186,7 @@ def forget() -> None:
     _by_config.clear()
     seconds.clear()
     untested.cache_clear()
+    _installed.clear()
 
 
 def check_family(module: nn.Module, state: Any) -> Optional[str]:
