@@ -336,7 +336,7 @@ def test_a_module_imported_between_compiled_steps_compiles_nothing_new():
     assert compiled_frames[0] == compiled_frames[-1], f"frames compiled after each step: {compiled_frames}"
 
 
-COMPILED_STEPS = """
+COMPILE_SCRIPT = """
 import sys, warnings
 sys.path.insert(0, {tests!r})
 import torch, patchkit
@@ -365,7 +365,7 @@ def test_compiling_a_patched_model_warns_of_nothing_inside_patchkit(way):
     import sys
     from pathlib import Path
 
-    script = COMPILED_STEPS.format(tests=str(Path(__file__).parent), way=way)
+    script = COMPILE_SCRIPT.format(tests=str(Path(__file__).parent), way=way)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "_getframe" not in proc.stderr and "lru_cache" not in proc.stderr, proc.stderr[-2000:]
