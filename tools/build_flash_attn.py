@@ -394,6 +394,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         wheel, config = build(args, out, archs, head_dims, disabled, request, log_path)
     except BaseException as e:  # an interrupt too: the status must not stay "running"
+        if args.quiet_build:  # the detached child: its error in the log before the status says failed (a poller
+            with open(log_path, "a") as log:  # reads the log as soon as it does)
+                log.write(f"build_flash_attn: {e}\n")
         write_status(out, state="failed", finished=now(), error=f"{type(e).__name__}: {e}")
         raise
     write_status(out, state="done", finished=now(), wheel=str(wheel) if wheel else None, config=config)
@@ -431,7 +434,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise BuildError(f"--sdist {args.sdist}: no such file")
         return run(args, argv)
     except BuildError as e:
-        print(f"build_flash_attn: {e}", file=sys.stderr)
+        if not args.quiet_build:  # the detached child wrote it to its log already
+            print(f"build_flash_attn: {e}", file=sys.stderr)
         return 1
 
 
