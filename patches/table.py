@@ -41,7 +41,7 @@ VERIFIED = frozenset({
     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1", "longcat_flash",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
-    # packed documents read from the mask builder or the model forward, for layers not handed position_ids
+    # packed documents read from transformers' mask function, for layers not handed position_ids
     "ctrl", "gpt_bigcode", "moshi", "persimmon",
     # chunked attention (documents cut at the chunk size), NoPE layers whose temperature reads the row's length
     "llama4_text",
@@ -126,7 +126,7 @@ def composite_of(model_type: str) -> str:
     words, with the language model's own model_type where the config names it; '' for a plain decoder's config."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    subs = getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {} if model_type in CONFIG_MAPPING else {}
+    subs = (getattr(CONFIG_MAPPING[model_type], "sub_configs", None) if model_type in CONFIG_MAPPING else None) or {}
     if not any(name in subs for name in TOWERS):
         return ""
     text = getattr(subs.get("text_config"), "model_type", None)
@@ -144,10 +144,7 @@ def mask_builder(module: object, base: type) -> type:
 
 
 def builds_masks(cls: type) -> bool:
-    forward = cls.__dict__.get("forward")
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and any(n == "_update_causal_mask" or (n.startswith("create_") and "mask" in n)
-                                    for n in code.co_names)
+    return any(n == "_update_causal_mask" or (n.startswith("create_") and "mask" in n) for n in forward_names(cls))
 
 
 def interface_attention(module: object, stem: str) -> Optional[type]:
@@ -160,10 +157,15 @@ def interface_attention(module: object, stem: str) -> Optional[type]:
     return (named or (text if len(text) == 1 else [None]))[0]
 
 
-def calls_interface(cls: type) -> bool:
+def forward_names(cls: type) -> tuple[str, ...]:
+    """The global and attribute names `cls`'s own forward reads (none where it defines no forward)."""
     forward = cls.__dict__.get("forward")
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    return code.co_names if code is not None else ()
+
+
+def calls_interface(cls: type) -> bool:
+    return "ALL_ATTENTION_FUNCTIONS" in forward_names(cls)
 
 
 def mixes_outside_attention(model_type: str) -> bool:

@@ -88,9 +88,11 @@ def sequence_ids_metadata(seq_ids: torch.Tensor) -> VarlenMetadata:
     """Packed documents given as a (B, N) id per token, a new document wherever the id changes in a row
     (transformers' `packed_sequence_mask`, found from position_ids): the metadata of their runs, no past."""
     batch, seqlen = seq_ids.shape
-    lengths = torch.tensor(seq_idx_lengths(seq_ids, batch, seqlen, None), device=seq_ids.device)
-    cu = cu_seqlens_from_lengths(lengths.to(torch.int32))
-    return _from_cu_seqlens(batch, seqlen, seqlen, cu, cu)
+    lengths = seq_idx_lengths(seq_ids, batch, seqlen, None)  # on the host: one sync
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths, dtype=torch.int32, device=seq_ids.device))
+    longest = max(lengths, default=0)
+    return VarlenMetadata(batch, seqlen, seqlen, None, None, cu, cu, longest, longest, lengths, lengths,
+                          packed=len(lengths) > batch)
 
 
 def build_metadata(

@@ -343,7 +343,8 @@ def with_derived_sizes(config: Any, tiny: Any) -> Any:
     size and head count), so they follow the tiny width; `tiny` itself where it derives none or will not build."""
     cls = type(config)
     try:
-        narrow, wide = cls().to_dict(), cls(hidden_size=2 * cls().hidden_size).to_dict()
+        default = cls()
+        narrow, wide = default.to_dict(), cls(hidden_size=2 * default.hidden_size).to_dict()
         derived = {k for k, v in narrow.items() if k != "hidden_size" and wide.get(k) != v}
         if not derived:
             return tiny

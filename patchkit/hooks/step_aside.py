@@ -285,20 +285,26 @@ def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
 # causal, a sliding window over it, packed documents; and the combinators that only join or shift them
-EXPRESSIBLE = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask",
-               "packed_sequence_mask_function.<locals>.inner_mask")  # tuples: dynamo traces this check
+PACKED = "packed_sequence_mask_function.<locals>.inner_mask"  # documents transformers found in position_ids
+EXPRESSIBLE = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask", PACKED)  # tuples: dynamo
+# traces this check
 JOINING = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
            "add_offsets_to_mask_function.<locals>.inner_mask")
 CHUNKED = "chunked_overlay.<locals>.inner_mask"  # Llama 4's chunks: documents split at the chunk size, when asked
 
 
+def mask_name(function: Any) -> str:
+    """A mask function's name by its code object: dynamo traces a function's __qualname__ wrongly (torch 2.13) and
+    cannot read the closures of one made in its graph."""
+    return getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
+
+
 def mask_kind(function: Any) -> str:
-    """What transformers' `mask_function` is by its name alone: "expressible" (causal, sliding, packed), "joining" (a
-    combinator whose parts decide) or "beyond" (anything else). The code object's name: dynamo traces a function's
-    __qualname__ wrongly (torch 2.13) and cannot read the closures of one made in its graph."""
+    """What transformers' `mask_function` is by its name alone: "expressible" (causal, sliding, packed), "chunked"
+    (Llama 4's chunks), "joining" (a combinator whose parts decide) or "beyond" (anything else)."""
     if getattr(function, "__module__", None) != "transformers.masking_utils":
         return "beyond"
-    name = getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
+    name = mask_name(function)
     if name == CHUNKED:
         return "chunked"
     return "expressible" if name in EXPRESSIBLE else "joining" if name in JOINING else "beyond"
@@ -310,18 +316,23 @@ def mask_parts(function: Any) -> list[Any]:
     return [f for p in parts for f in (p if isinstance(p, tuple) else (p,))]
 
 
+def leaf_parts(function: Any, leaf: str) -> Optional[list[Any]]:
+    """What the first mask function named `leaf` joined into transformers' `mask_function` closes over, or None."""
+    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
+        return None
+    name = mask_name(function)
+    if name == leaf:
+        return mask_parts(function)
+    if name not in JOINING:
+        return None
+    found = (leaf_parts(f, leaf) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
+    return next((parts for parts in found if parts is not None), None)
+
+
 def packed_sequence_ids(function: Any) -> Optional[torch.Tensor]:
     """The (B, N) document ids transformers found in position_ids and joined into its `mask_function` (a packed
     batch, no mask), or None: its documents, for layers that are not handed position_ids themselves."""
-    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
-        return None
-    name = getattr(getattr(function, "__code__", None), "co_qualname", "")
-    if name == "packed_sequence_mask_function.<locals>.inner_mask":
-        return next((t for t in mask_parts(function) if isinstance(t, torch.Tensor) and t.dim() == 2), None)
-    if name not in JOINING:
-        return None
-    found = (packed_sequence_ids(f) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
-    return next((ids for ids in found if ids is not None), None)
+    return next((t for t in leaf_parts(function, PACKED) or () if isinstance(t, torch.Tensor) and t.dim() == 2), None)
 
 
 def beyond_causal(function: Any, chunks: bool = False) -> bool:
@@ -341,12 +352,5 @@ def beyond_causal(function: Any, chunks: bool = False) -> bool:
 def chunk_size(function: Any) -> Optional[int]:
     """The chunk size of chunked attention (Llama 4's `attention_chunk_size`) joined into transformers'
     `mask_function`, or None."""
-    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
-        return None
-    kind = mask_kind(function)
-    if kind == "chunked":
-        return next((c for c in mask_parts(function) if isinstance(c, int) and not isinstance(c, bool)), None)
-    if kind != "joining":
-        return None
-    found = (chunk_size(f) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
-    return next((size for size in found if size is not None), None)
+    return next((c for c in leaf_parts(function, CHUNKED) or () if isinstance(c, int) and not isinstance(c, bool)),
+                None)
