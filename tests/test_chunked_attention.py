@@ -109,3 +109,19 @@ def test_documents_are_cut_every_chunk_from_their_first_token():
     assert cut.seqlens_q == [3, 3, 1, 3, 3, 1] and cut.packed and cut.max_seqlen_q == 3
     assert cut.cu_seqlens_q.tolist() == [0, 3, 6, 7, 10, 13, 14] and cut.indices_q is None
     assert split_at_chunks(meta, 7) is meta and split_at_chunks(meta, None) is meta
+
+
+def test_packed_documents_that_start_off_a_chunk_boundary_step_aside_by_name():
+    """transformers counts a packed document's chunks by its positions: one starting at position 3 has its first
+    boundary 3 tokens earlier than a cut from its first token. Such a forward runs on transformers' attention, by
+    name, with its numbers."""
+    model = llama4()
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(3, 13), torch.arange(10)])[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with patchkit.apply_patch("llama4_text", backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="chunk boundary"):
+                got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert handle.stepped_aside.get("chunk_behind_cache", 0) > 0
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -36,6 +36,7 @@ from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.step_aside import (
     beyond_causal,
     chunk_size,
+    chunks_off_start,
     ends_in_padding,
     lm_cause,
     packed_sequence_ids,
@@ -86,7 +87,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
     window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
     chunk = chunk_size(function)
-    if chunk is not None and chunk_behind_cache(chunk, attention_mask, q_offset, q_length):
+    if chunk is not None and (chunk_behind_cache(chunk, attention_mask, q_offset, q_length)
+                              or chunks_off_start(function, chunk)):
         return aside_mask("chunk_behind_cache", args, kwargs)
     documents = packed_sequence_ids(function) if attention_mask is None else None
     if documents is not None and current().packed is None:  # for layers not handed position_ids (GPT-BigCode)

@@ -64,7 +64,8 @@ CAUSES = {
         "not possible for this pattern, which needs transformers' attention",
     ),
     "chunk_behind_cache": (
-        "chunked attention (Llama 4's attention_chunk_size) where a chunk boundary falls behind the KV cache, or "
+        "chunked attention (Llama 4's attention_chunk_size) where a chunk boundary falls behind the KV cache, at a "
+        "packed document's position rather than its first token, or "
         "inside a row with padding between real tokens, which transformers counts and varlen kernels do not",
         "none needed: generation past the first chunk runs on transformers' attention; pad on one side only",
     ),
@@ -347,6 +348,22 @@ def beyond_causal(function: Any, chunks: bool = False) -> bool:
     parts = [f for f in mask_parts(function)
              if not isinstance(f, torch.Tensor) and callable(f)]  # a traced tensor is not asked: dynamo refuses
     return any(beyond_causal(f, chunks) for f in parts)
+
+
+REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"  # packed documents' own positions
+
+
+def chunks_off_start(function: Any, chunk: int) -> bool:
+    """Packed documents whose first position is not a multiple of `chunk`: transformers counts chunks by position,
+    patchkit's documents from their first token."""
+    ids = packed_sequence_ids(function)
+    positions = next((t for t in leaf_parts(function, REMAP) or () if isinstance(t, torch.Tensor) and t.dim() == 2),
+                     None)
+    if ids is None or positions is None:
+        return False
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return bool((positions.expand_as(ids)[starts] % chunk != 0).any())
 
 
 def chunk_size(function: Any) -> Optional[int]:
