@@ -81,7 +81,7 @@ PARTS = ("train", "decode", "pad", "mem")  # the padded/packed train step, prefi
 
 def run_suite(
     mode: str, csv_path: Path, plots: Optional[Path], mem_cap_gib: float, log: Callable[[str], None],
-    device_name: str = "auto", parts: tuple[str, ...] = PARTS,
+    device_name: str = "auto", parts: tuple[str, ...] = PARTS, mem_lengths: Optional[list[int]] = None,
 ) -> Recorder:
     import torch
 
@@ -109,6 +109,9 @@ def run_suite(
         provs = [(p, "padded") for p in hf + patch_providers]
         provs += [(p, "packed_pos") for p in patch_providers] + [(p, "packed_cu") for p in patch_providers]
         provs += [(FLOOR, "packed_pos")]
+        # HF's own padding-free path (DataCollatorWithFlattening's rows: position_ids, and with
+        # return_flash_attn_kwargs the cu_seq_lens too): the fair yardstick for patchkit's packed rows
+        provs += [(p, lay) for p in hf if p == "hf_flash_attention_2" for lay in ("packed_pos", "packed_cu")]
         if tag and "gqa_providers" in sizes:
             gqa = set(sizes["gqa_providers"]) | set(patch_providers)  # every patchkit backend that runs here
             provs = [(p, lay) for p, lay in provs if p in gqa and lay != "packed_cu"]
@@ -149,7 +152,7 @@ def run_suite(
 
     t0 = time.time()
     measured: dict[str, list[tuple[int, float]]] = {}
-    for n in sizes["lengths"] if "mem" in parts else []:
+    for n in (mem_lengths or sizes["lengths"]) if "mem" in parts else []:
         for p in hf + patch_providers:
             if (p == "hf_flash_attention_2" and device.type != "cuda") or p not in sizes.get("mem_providers", [p]):
                 continue
@@ -227,6 +230,8 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
                         help="which parts to run, comma-separated (default all): train (padded and packed train "
                         "step), decode (prefill + greedy decode), pad (padding sweep), mem (long-sequence memory); "
                         "a GPU machine lent for minutes runs them in separate calls")
+    parser.add_argument("--mem-lengths", default=None,
+                        help="the memory part's N, comma-separated (default: the mode's, e.g. 2048 to 32768 on cuda)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:  # the benchmark decides per provider what is patched; PATCHKIT_FLASH_ATTN must not patch HF's providers
@@ -255,7 +260,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
         parser.error(f"--parts: {', '.join(unknown) or 'nothing'} is not a part; the parts are {', '.join(PARTS)}")
     csv_path, plots = output_paths(args.out, args.csv, args.plots, args.no_plots)
     start = time.time()
-    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device, parts)
+    mem_lengths = [int(n) for n in args.mem_lengths.split(",")] if args.mem_lengths else None
+    rec = run_suite(mode, csv_path, plots, args.mem_cap_gib, lambda s: print(s, flush=True), args.device, parts,
+                    mem_lengths)
     print_report(rec, lambda s: print(s, flush=True))
     print(f"\n{len(rec.rows)} rows appended to {csv_path}; total {time.time() - start:.0f}s", flush=True)
     return 0

@@ -178,19 +178,24 @@ def ratio_table(rec: Recorder) -> list[tuple[str, str, str, str]]:
 
 
 def gpu_comparisons(rec: Recorder, judged: str) -> list[tuple[str, str, str, str]]:
-    """On CUDA, every patchkit backend that ran against HF's flash_attention_2 and sdpa on the padded step (info,
-    no target); the `judged` backend's row against hf_sdpa is the target row above."""
+    """On CUDA, every patchkit backend that ran against HF's flash_attention_2 and sdpa on the padded step, and
+    its packed rows against HF's padding-free path (flash_attention_2 on the same packed rows): info, no target; the
+    `judged` backend's padded row against hf_sdpa is the target row above."""
     rows = []
     for tag, title in (("", "MHA"), ("_gqa2", "GQA 2 K/V")):
-        work = f"train_padded{tag}"
-        for ref in ("hf_flash_attention_2", "hf_sdpa"):
-            den = rec.get(ref, work)
-            for mine in PATCHKIT_ORDER:
-                num = rec.get(mine, work)
-                if rec.device == "cuda" and num is not None and den and (mine, ref) != (judged, "hf_sdpa"):
-                    paired = rec.paired((mine, work), (ref, work))
-                    r = paired if paired is not None else num / den
-                    rows.append((f"[{title}] padded train: {mine} / {ref}", f"{r:.2f}x", "-", "info (no target)"))
+        for lay in ("padded", "packed_pos", "packed_cu"):
+            work = f"train_{lay}{tag}"
+            refs = ("hf_flash_attention_2", "hf_sdpa") if lay == "padded" else ("hf_flash_attention_2",)
+            for ref in refs:
+                den = rec.get(ref, work)
+                for mine in PATCHKIT_ORDER:
+                    num = rec.get(mine, work)
+                    if rec.device == "cuda" and num is not None and den and (mine, ref, lay) != (
+                            judged, "hf_sdpa", "padded"):
+                        paired = rec.paired((mine, work), (ref, work))
+                        r = paired if paired is not None else num / den
+                        rows.append((f"[{title}] {lay} train: {mine} / {ref} {lay}", f"{r:.2f}x", "-",
+                                     "info (no target)"))
     return rows
 
 
