@@ -71,7 +71,7 @@ class PatchHandle:
 
     @property
     def stepped_aside(self) -> dict[str, int]:
-        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.step_aside.CAUSES`)."""
+        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.causes.CAUSES`)."""
         return dict(self.state.stepped_aside)
 
     @property

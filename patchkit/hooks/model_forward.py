@@ -23,6 +23,7 @@ from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
+from patchkit.hooks.causes import CAUSES
 from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
 from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, filled_padded, makes_own_cache, own_cache
 from patchkit.hooks.patching import dressed_as
@@ -33,7 +34,6 @@ from patchkit.hooks.self_check import untrusted_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.slots_mask import served_cause
 from patchkit.hooks.step_aside import (
-    CAUSES,
     documents_metadata,
     forward_cause,
     input_tokens,

@@ -19,81 +19,10 @@ from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, 
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata, has_holes
+from patchkit.hooks.causes import CAUSES
 
 IGNORE_INDEX = -100
 
-# cause -> (what the forward asks for, what would keep it patched)
-CAUSES = {
-    "labels_from_padding": (
-        "a label is predicted from a padding position (labels not -100 at padding, or right after left padding), "
-        "and transformers computes those positions' logits, which varlen kernels skip",
-        "set labels to -100 at padding and at the first real token after left padding (TRL's and transformers' "
-        "collators do)",
-    ),
-    "right_padded_generation": (
-        "generate() on a right-padded prompt (or a row that is all padding) reads a row's next token from a padding "
-        "position, which varlen kernels skip",
-        "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token",
-    ),
-    "custom_4d_mask": (
-        "the model was given a 4D attention mask (a custom attention pattern; a vision-language model's own masks, "
-        "such as Gemma3's, whose image tokens see each other both ways; or one generate() built before the "
-        "model ran for a cache patchkit does not place: a static cache before transformers 4.56, or 4.57 on a model "
-        "with a sliding window, sliding-window caches, continuous batching), which a key-padding mask cannot "
-        "express",
-        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); a "
-        "vision-language model that builds its own masks stays exact on transformers' attention",
-    ),
-    "window_under_4d_mask": (
-        "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
-        "sliding window over it), and a document or row is longer than the model's sliding window, which patchkit's "
-        "kernels would apply",
-        "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); transformers "
-        "then applies the window too",
-    ),
-    "window_rolling_cache": (
-        "a static, hybrid or sliding-window cache on a model with a sliding window, before transformers 4.56 (whose "
-        "caches have no layers that say how their slots are placed): its sliding layers may roll a buffer of the "
-        "window's length, which patchkit does not place",
-        "use the default dynamic cache, or transformers >= 4.56",
-    ),
-    "custom_mask_pattern": (
-        "transformers was asked for a mask beyond causal and padding (a bidirectional span such as an image's "
-        "tokens, or an or_mask_function / and_mask_function / block_sequence_ids), which a key-padding mask cannot "
-        "express",
-        "not possible for this pattern, which needs transformers' attention",
-    ),
-    "chunk_behind_cache": (
-        "chunked attention (Llama 4's attention_chunk_size) where a chunk boundary falls behind the KV cache, at a "
-        "packed document's position rather than its first token, or "
-        "inside a row with padding between real tokens, which transformers counts and varlen kernels do not",
-        "none needed: generation past the first chunk runs on transformers' attention; pad on one side only",
-    ),
-    "window_over_padding_hole": (
-        "a sliding window over a row with padding between real tokens (generate() on a right-padded prompt makes "
-        "one): transformers counts the padding columns inside the window, varlen kernels count real tokens only",
-        "pad on one side only (left for generation), or pack documents with position_ids and no mask",
-    ),
-    "output_attentions": (
-        "output_attentions=True (on the call or the config) asks for the attention weights, which varlen kernels "
-        "never form",
-        "leave output_attentions off",
-    ),
-    "compiled_fullgraph": (
-        "torch.compile(fullgraph=True) traces the model into one graph, whose plan cannot read tensor values",
-        "compile without fullgraph=True (the graph breaks at patchkit's host reads, the model stays patched); for a "
-        "padded batch with labels, pass packed rows without a mask, or use apply_patch() (which sees the labels)",
-    ),
-    "untested_transformers": (
-        "this transformers is newer than patchkit was tested with, and this family's self-check differed there",
-        "use a transformers patchkit was tested with, or a patchkit release that serves this one",
-    ),
-    "unverified_family": (
-        "this family is served from data (no module of its own) and patchkit's census has not verified it; its "
-        "self-check on a tiny model of its config differed",
-        "load it with attn_implementation='sdpa' or 'eager' (exact), and tell patchkit's maintainers the family",
-    ),
-}
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:
     """Count one forward stepped aside for `cause` and warn once per cause (`what`: this forward's own words for
