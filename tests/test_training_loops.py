@@ -26,7 +26,7 @@ def loss_and_grads(model, **batch) -> tuple[torch.Tensor, dict]:
 
 
 def aside_warnings(caught) -> list[str]:
-    return [str(w.message) for w in caught if "transformers' own attention (exact" in str(w.message)]
+    return [str(w.message) for w in caught if "ran on transformers' attention, exact" in str(w.message)]
 
 
 @pytest.mark.parametrize("way", ["class", "instance"])

@@ -1,4 +1,4 @@
-"""Why a forward steps aside to transformers' attention: each cause, what it asks for and what keeps it patched."""
+"""Why a forward steps aside to transformers' attention: each cause in full (strict errors) and in brief (warnings)."""
 
 from __future__ import annotations
 
@@ -73,4 +73,30 @@ CAUSES = {
         "self-check on a tiny model of its config differed",
         "load it with attn_implementation='sdpa' or 'eager' (exact), and tell patchkit's maintainers the family",
     ),
+}
+
+# cause -> (what, in a few words, as the warning says it; the fix, as short): the long forms above are for strict
+# errors, the full table is docs/never-silently-wrong.md#the-causes
+BRIEF = {
+    "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and right after left "
+                            "padding"),
+    "right_padded_generation": ("generate() on a right-padded prompt, or a row that is all padding, reads a "
+                                "next token at padding", "pad prompts on the left"),
+    "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
+    "window_under_4d_mask": ("a 4D attention mask on a sliding-window model (transformers applies no sliding "
+                             "window over it)", "pass the 2D padding mask"),
+    "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
+                             "the dynamic cache, or transformers >= 4.56"),
+    "custom_mask_pattern": ("a mask beyond causal and padding (a bidirectional span, an or/and mask function)",
+                            "none: this pattern needs transformers' attention"),
+    "chunk_behind_cache": ("chunked attention: a chunk boundary falls behind the KV cache, off a packed "
+                           "document's start, or in a padding hole", "none needed"),
+    "window_over_padding_hole": ("a sliding window over a row with a padding hole", "pad on one side only"),
+    "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
+    "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",
+                           "compile without fullgraph=True, or pass packed rows without a mask"),
+    "untested_transformers": ("this transformers is newer than patchkit was tested with and the self-check differed",
+                              "a tested transformers"),
+    "unverified_family": ("a family the census has not verified, whose self-check differed",
+                          "attn_implementation='sdpa'"),
 }

@@ -19,7 +19,7 @@ from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, 
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata, has_holes
-from patchkit.hooks.causes import CAUSES
+from patchkit.hooks.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
 
@@ -42,10 +42,12 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
             f"attention; strict refuses instead. To stay patched: {fix}."
         )
     state.stepped_aside[cause] = state.stepped_aside.get(cause, 0) + 1
+    brief, short_fix = BRIEF[cause]
+    said = brief if what is CAUSES[cause][0] else what  # the forward's own words where it gave them
     state.warn_once(
         f"aside:{cause}:{what}",
-        f"patchkit: {what}; such forwards run on transformers' own attention (exact; counted in the report). To "
-        f"stay patched: {fix}.",
+        f"patchkit: {said} ({cause}): ran on transformers' attention, exact and counted in patchkit.report(). "
+        f"Fix: {short_fix}.",
     )
 
 
