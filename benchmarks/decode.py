@@ -22,14 +22,13 @@ import copy
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from providers import HF_PROVIDERS, probe_providers  # noqa: E402
+from providers import HF_PROVIDERS, add_run_args, no_cuda, probed, timed  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import MODEL, MODES, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
@@ -54,7 +53,7 @@ def model_config(device: torch.device) -> tuple[dict[str, int], torch.dtype]:
 def providers(device: torch.device) -> tuple[str, ...]:
     """PROVIDERS, plus each other provider bench.py's probe finds usable here (on a GPU: HF flash_attention_2 and
     patchkit's flash_attn and torch_varlen backends, where installed and their gates pass)."""
-    ok, _ = probe_providers(device)
+    ok = probed(device)[0]
     return PROVIDERS + tuple(p for p in ok if p not in PROVIDERS)
 
 
@@ -97,8 +96,8 @@ def build(kv_heads: int, device: torch.device, window: int | None = None) -> dic
     return {name: provider_model(base, name) for name in providers(device)}
 
 
-def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: float) -> None:
-    """The arguments decode.py and static_decode.py share."""
+def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: float, budget: bool = False) -> None:
+    """The arguments decode.py and static_decode.py share (`budget`: --budget-s too)."""
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[MODEL["heads"]],
@@ -107,8 +106,7 @@ def add_common_args(parser: argparse.ArgumentParser, reps: int, smoke_scale: flo
                         help=f"multiply the prompt lengths ({smoke_scale} for a smoke run)")
     parser.add_argument("--window", type=int, default=None,
                         help="a Mistral of the same size whose layers slide over this many keys (default: LLaMA)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: bf16, bench.py's CUDA model, the flash-attn and torch_varlen providers too")
+    add_run_args(parser, budget)
 
 
 def where(device: torch.device) -> str:
@@ -122,8 +120,7 @@ def start(
 ) -> tuple[torch.device, list[int]] | None:
     """A run's device and prompt lengths, its first line printed (`into`: where the tokens go, `settings`: what
     else the run holds fixed); None, said, for --device cuda on a machine without one."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"{prog}: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.")
+    if no_cuda(prog, args.device):
         return None
     device = torch.device(args.device)
     lengths = lognormal_lengths(BATCH, args.scale)
@@ -133,10 +130,11 @@ def start(
     return device, lengths
 
 
-def ratios(total: dict[str, list[float]], name: str) -> dict[str, Any]:
-    """vs_hf_sdpa and vs_hf_fa2 (empty when HF flash_attention_2 did not run): ratios of medians, higher is faster."""
+def ratios(total: dict[str, list[float]], name: str, fa2_name: str = FA2) -> dict[str, Any]:
+    """vs_hf_sdpa and vs_hf_fa2 (against `fa2_name`, HF flash_attention_2 as the caller runs it; empty when that did
+    not run): ratios of medians, higher is faster."""
     med = statistics.median(total[name])
-    fa2 = round(statistics.median(total[FA2]) / med, 2) if FA2 in total else ""
+    fa2 = round(statistics.median(total[fa2_name]) / med, 2) if total.get(fa2_name) else ""
     return dict(vs_hf_sdpa=round(statistics.median(total["hf_sdpa"]) / med, 2), vs_hf_fa2=fa2)
 
 
@@ -160,14 +158,10 @@ class Table:
 
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> tuple[float, Any]:
     """Seconds for a greedy generate() of exactly `new` tokens, and the sequences."""
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
-    sync()
-    start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)
-    sync()
-    return time.perf_counter() - start, out
+        seconds, _, out = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                                       min_new_tokens=new, do_sample=False, pad_token_id=0), ids.device)
+    return seconds, out
 
 
 def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device,

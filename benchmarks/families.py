@@ -10,7 +10,16 @@ same padded batch of 8 lognormal lengths, with its special feature biting (a sli
 longest rows, Gemma2's softcap). Providers alternate step by step and the median is kept, so load on the machine
 hits both alike. Prints a table and writes a CSV.
 
-    python benchmarks/families.py [--families llama mistral qwen3] [--reps 5] [--csv out.csv]
+    python benchmarks/families.py [--families llama mistral qwen3] [--reps 5] [--csv out.csv] [--device cpu|cuda]
+        [--budget-s SECONDS]
+
+`--device cuda`: bf16 on the GPU, each family at bench.py's CUDA size (workloads.MODES["cuda"]: hidden 2048, 16
+heads of head_dim 128, 2 K/V heads; the head dims a flash-attn build has) on a batch of 16; patchkit on its best
+backend whose gates pass (flash_attn, else torch_varlen, else sdpa; the `backend` column), and HF's
+flash_attention_2 on the padded batch beside HF sdpa where it loads and runs (else a `skipped` row with the reason).
+CUDA rows add device, dtype, backend, the step's peak memory above what was allocated before it, vs_hf_fa2 and a
+note. `--budget-s` stops starting families and rounds once spent (a family started keeps at least one timed round);
+the CSV is rewritten after every family, so the rows measured are kept.
 """
 
 from __future__ import annotations
@@ -20,64 +29,82 @@ import copy
 import inspect
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from providers import (  # noqa: E402
+    HF_PROVIDERS,
+    Budget,
+    add_run_args,
+    device_and_dtype,
+    no_cuda,
+    patchkit_backends,
+    probed,
+    timed,
+)
 from report import write_rows  # noqa: E402
-from workloads import lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
+from workloads import MODES, hf_size, lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
 
 import patchkit  # noqa: E402
+from patchkit.errors import PatchkitError  # noqa: E402
 
 TARGET = 1.4  # the padded training step of every family: at least 1.4x HF sdpa
 WINDOW = 256
-SIZE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+FA2 = "hf_flash_attention_2"
 
 
-# The Qwen VL families: the language model at SIZE (head_dim 32: 16 rotary frequencies in time, height, width rows),
-# a 2-block vision tower of hidden 128, images of 16 x 16 patches merged 2 x 2 into 64 tokens.
+# The Qwen VL families: the language model at the size (on the CPU head_dim 32: 16 rotary frequencies in time,
+# height, width rows), a 2-block vision tower of hidden 128, images of 16 x 16 patches merged 2 x 2 into 64 tokens.
 VL = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
-MROPE = [4, 6, 6]
-VL_TOKENS = dict(image_token_id=SIZE["vocab_size"] - 3, video_token_id=SIZE["vocab_size"] - 2,
-                 vision_start_token_id=SIZE["vocab_size"] - 1)
+MROPE = [4, 6, 6]  # for head_dim 32; scaled with the head_dim
 PATCHES = 16
 
 
-def vl_config(family: str) -> object:
-    """The Qwen VL `family`'s config at the benchmark size."""
+def vl_tokens(size: dict) -> dict[str, int]:
+    """The image, video and vision-start token ids: the vocabulary's last three."""
+    vocab = size["vocab_size"]
+    return dict(image_token_id=vocab - 3, video_token_id=vocab - 2, vision_start_token_id=vocab - 1)
+
+
+def vl_config(family: str, size: dict) -> object:
+    """The Qwen VL `family`'s config at `size` (the vision tower's heads of head_dim 32 on the CPU, 64 on CUDA)."""
     import transformers as tf
 
-    size = dict(SIZE, bos_token_id=1, eos_token_id=2)
-    vision = dict(depth=2, hidden_size=128, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    head = size["hidden_size"] // size["num_attention_heads"]
+    mrope = [n * head // 32 for n in MROPE]
+    tokens = vl_tokens(size)
+    text = dict(size, bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=2, hidden_size=128, num_heads=128 // min(head, 64), patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
     if family == "qwen2_vl":
-        return tf.Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": MROPE}, **size),
-                                vision_config=dict(vision, hidden_size=SIZE["hidden_size"], embed_dim=128, mlp_ratio=2),
-                                **VL_TOKENS)
+        return tf.Qwen2VLConfig(text_config=dict(rope_scaling={"type": "mrope", "mrope_section": mrope}, **text),
+                                vision_config=dict(vision, hidden_size=size["hidden_size"], embed_dim=128, mlp_ratio=2),
+                                **tokens)
     if family == "qwen2_5_vl":
         return tf.Qwen2_5_VLConfig(
-            text_config=dict(rope_scaling={"type": "mrope", "mrope_section": MROPE}, **size), **VL_TOKENS,
-            vision_config=dict(vision, intermediate_size=256, out_hidden_size=SIZE["hidden_size"], window_size=112,
+            text_config=dict(rope_scaling={"type": "mrope", "mrope_section": mrope}, **text), **tokens,
+            vision_config=dict(vision, intermediate_size=256, out_hidden_size=size["hidden_size"], window_size=112,
                                fullatt_block_indexes=[1]))
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True, "mrope_section": MROPE}
-    vision = dict(vision, patch_size=16, intermediate_size=256, out_hidden_size=SIZE["hidden_size"],
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True, "mrope_section": mrope}
+    vision = dict(vision, patch_size=16, intermediate_size=256, out_hidden_size=size["hidden_size"],
                   deepstack_visual_indexes=[0])
-    text = dict(head_dim=32, rope_parameters=rope, **size)
+    text = dict(head_dim=head, rope_parameters=rope, **text)
     if family == "qwen3_vl":
-        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **VL_TOKENS)
-    return tf.Qwen3VLMoeConfig(text_config=dict(text, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256),
-                               vision_config=vision, **VL_TOKENS)
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=size["intermediate_size"] // 2)
+    return tf.Qwen3VLMoeConfig(text_config=dict(text, **moe), vision_config=vision, **tokens)
 
 
 def image_batch(model: torch.nn.Module, docs: list[torch.Tensor]) -> dict:
     """The padded batch of `docs` with an image after each row's first token (vision start, 64 image tokens, the next
     token): the images' random patches and grids, labels -100 at padding and at image tokens."""
     ids, mask, _ = padded_batch(docs)
-    image = VL_TOKENS["image_token_id"]
+    tokens = vl_tokens(dict(vocab_size=model.config.get_text_config().vocab_size))
+    image = tokens["image_token_id"]
     span = (PATCHES // 2) ** 2
-    ids[:, 1], ids[:, 2:2 + span] = VL_TOKENS["vision_start_token_id"], image
+    ids[:, 1], ids[:, 2:2 + span] = tokens["vision_start_token_id"], image
     vision = model.config.vision_config
     patch = 3 * vision.temporal_patch_size * vision.patch_size ** 2
     g = torch.Generator().manual_seed(0)
@@ -89,109 +116,174 @@ def image_batch(model: torch.nn.Module, docs: list[torch.Tensor]) -> dict:
     return batch
 
 
-def build(family: str) -> tuple[torch.nn.Module, str]:
-    """A random model of `family` at the benchmark size, fp32, and its HF attention: sdpa, else eager (Gemma2)."""
+def text_config(family: str, size: dict) -> object:
+    """The text `family`'s config at `size`, its special feature biting (window, softcap, chunks, sinks, latents)."""
     import transformers as tf
 
-    if family in VL:
-        torch.manual_seed(0)
-        model = tf.AutoModelForImageTextToText.from_config(vl_config(family), attn_implementation="sdpa")
-        return model.float().train(), "sdpa"
-
+    head = size["hidden_size"] // size["num_attention_heads"]  # 32 on the CPU, 128 on CUDA
+    expert = size["intermediate_size"] // 2
+    # multi-head latent attention: q/k head dim rope + nope, 48 on the CPU; on CUDA 128, a head dim flash-attn has
+    rope, nope, v = (16, 32, 32) if head == 32 else (head // 2, head // 2, head)
     configs = {
-        "llama": lambda: tf.LlamaConfig(**SIZE),
-        "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **SIZE),
-        "qwen2": lambda: tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, **SIZE),
-        "qwen3": lambda: tf.Qwen3Config(head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
-                                        max_window_layers=2, **SIZE),
-        "gemma": lambda: tf.GemmaConfig(head_dim=32, **SIZE),
-        "gemma2": lambda: tf.Gemma2Config(head_dim=32, sliding_window=WINDOW, **SIZE),
-        "gemma3_text": lambda: tf.Gemma3TextConfig(head_dim=32, sliding_window=WINDOW, **SIZE),
-        "phi3": lambda: tf.Phi3Config(sliding_window=WINDOW, **SIZE),
+        "llama": lambda: tf.LlamaConfig(**size),
+        "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **size),
+        "qwen2": lambda: tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, **size),
+        "qwen3": lambda: tf.Qwen3Config(head_dim=head, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=2, **size),
+        "gemma": lambda: tf.GemmaConfig(head_dim=head, **size),
+        "gemma2": lambda: tf.Gemma2Config(head_dim=head, sliding_window=WINDOW, **size),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(head_dim=head, sliding_window=WINDOW, **size),
+        "phi3": lambda: tf.Phi3Config(sliding_window=WINDOW, **size),
         "mixtral": lambda: tf.MixtralConfig(sliding_window=WINDOW, num_local_experts=8, num_experts_per_tok=2,
-                                            **{**SIZE, "intermediate_size": 256}),
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(head_dim=32, num_experts=8, num_experts_per_tok=2,
-                                               moe_intermediate_size=256, use_sliding_window=True,
-                                               sliding_window=WINDOW, max_window_layers=2, **SIZE),
-        "phi": lambda: tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **SIZE),
+                                            **{**size, "intermediate_size": expert}),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(head_dim=head, num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=expert, use_sliding_window=True,
+                                               sliding_window=WINDOW, max_window_layers=2, **size),
+        "phi": lambda: tf.PhiConfig(partial_rotary_factor=0.5, qk_layernorm=True, **size),
         # served from data (patches/table.py): attention sinks, multi-head latent attention, a routed MoE
-        "gpt_oss": lambda: tf.GptOssConfig(head_dim=32, num_local_experts=8, num_experts_per_tok=2,
-                                           sliding_window=WINDOW, **{**SIZE, "intermediate_size": 256}),
+        "gpt_oss": lambda: tf.GptOssConfig(head_dim=head, num_local_experts=8, num_experts_per_tok=2,
+                                           sliding_window=WINDOW, **{**size, "intermediate_size": expert}),
         "deepseek_v3": lambda: tf.DeepseekV3Config(
-            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
-            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
-            qk_nope_head_dim=32, v_head_dim=32, **{**SIZE, "num_key_value_heads": SIZE["num_attention_heads"]}),
-        "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-                                             moe_intermediate_size=256, first_k_dense_replace=1, n_group=1,
-                                             topk_group=1, **SIZE),
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=size["hidden_size"] // 4,
+            q_lora_rank=size["hidden_size"] // 2, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
+            **{**size, "num_key_value_heads": size["num_attention_heads"]}),
+        "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=head, n_routed_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=expert, first_k_dense_replace=1, n_group=1,
+                                             topk_group=1, **size),
         # served from data, their layers not handed position_ids (GPT-BigCode's multi-query attention, learned
         # positions); Llama 4's chunks (a chunk of 256, shorter than the longest rows) and NoPE layers
-        "gpt_bigcode": lambda: tf.GPTBigCodeConfig(n_embd=256, n_layer=4, n_head=8, n_inner=512, vocab_size=1024,
-                                                   n_positions=4096, multi_query=True),
-        "persimmon": lambda: tf.PersimmonConfig(**{k: v for k, v in SIZE.items() if k != "num_key_value_heads"}),
+        "gpt_bigcode": lambda: tf.GPTBigCodeConfig(
+            n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"], n_head=size["num_attention_heads"],
+            n_inner=size["intermediate_size"], vocab_size=size["vocab_size"], n_positions=4096, multi_query=True),
+        "persimmon": lambda: tf.PersimmonConfig(**{k: v for k, v in size.items() if k != "num_key_value_heads"}),
         "llama4_text": lambda: tf.Llama4TextConfig(
-            head_dim=32, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=512,
-            attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0], **{**SIZE, "intermediate_size": 256}),
+            head_dim=head, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=size["intermediate_size"],
+            attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0], **{**size, "intermediate_size": expert}),
     }
+    return configs[family]()
+
+
+def build(family: str, device: torch.device) -> tuple[torch.nn.Module, str]:
+    """A random model of `family` at the device's size, in training mode on `device` in its dtype (fp32 on the CPU,
+    bf16 on CUDA), and its HF attention: sdpa, else eager (Gemma2)."""
+    import transformers as tf
+
+    dtype = device_and_dtype(device.type)[1]
     for implementation in ("sdpa", "eager"):
         torch.manual_seed(0)
-        try:
-            model = tf.AutoModelForCausalLM.from_config(configs[family](), attn_implementation=implementation)
-        except ValueError:  # transformers has no sdpa path for this family (Gemma2's softcap)
-            continue
-        return model.float().train(), implementation
+        with torch.device(device):  # made where it runs: no host-side init of a GPU-sized model
+            try:
+                if family in VL:
+                    model = tf.AutoModelForImageTextToText.from_config(vl_config(family, hf_size(device.type)),
+                                                                       attn_implementation=implementation)
+                else:
+                    model = tf.AutoModelForCausalLM.from_config(text_config(family, hf_size(device.type)),
+                                                                attn_implementation=implementation)
+            except ValueError:  # transformers has no sdpa path for this family (Gemma2's softcap)
+                continue
+        return model.to(dtype).train(), implementation
     raise RuntimeError(f"{family}: no HF attention implementation loads")
 
 
-def timed_step(model: torch.nn.Module, batch: dict) -> float:
-    """Seconds for one forward + backward of the batch (loss over real tokens)."""
+def timed_step(model: torch.nn.Module, batch: dict) -> tuple[float, float | None]:
+    """Seconds for one forward + backward of the batch (loss over real tokens), and on CUDA its peak memory (MiB)."""
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    model(**batch).loss.backward()
-    return time.perf_counter() - start
+    seconds, peak, _ = timed(lambda: model(**batch).loss.backward(), model.device)
+    return seconds, peak
 
 
-def measure(family: str, lengths: list[int], reps: int) -> list[dict]:
-    """Median step time of HF sdpa on the padded batch and of patchkit on the padded and packed batches."""
+def patched(model: torch.nn.Module, family: str, device: torch.device) -> tuple[object, str, str]:
+    """`model` patched on the best backend of patchkit_backends that takes this family: (handle, backend, why the
+    better ones did not)."""
+    patch = "llama2" if family == "llama" else family
+    refused = []
+    for backend in patchkit_backends(device):
+        try:
+            return patchkit.apply_patch(patch, model=model, backend=backend, strict=True), backend, "; ".join(refused)
+        except PatchkitError as exc:
+            refused.append(f"{backend}: {str(exc).splitlines()[0][:160]}")
+    raise RuntimeError(f"{family}: no patchkit backend takes it: {'; '.join(refused)}")
+
+
+def fa2_model(reference: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module | None, str]:
+    """A copy of `reference` on HF's flash_attention_2, or None and why not (on the CPU: None, "")."""
+    if device.type != "cuda":
+        return None, ""
+    why = dict(probed(device)[1]).get(FA2)
+    if why:
+        return None, why
+    model = copy.deepcopy(reference)
+    try:
+        model.set_attn_implementation(HF_PROVIDERS[FA2])
+    except (ValueError, ImportError) as exc:  # this family has no flash_attention_2 path in transformers
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    return model, ""
+
+
+def measure(family: str, lengths: list[int], reps: int, device: torch.device, budget: Budget) -> list[dict]:
+    """Median step time of HF (sdpa, and on CUDA flash_attention_2) on the padded batch and of patchkit on the padded
+    and packed batches; rounds stop early once `budget` is spent (one timed round at least)."""
     if family in VL:  # room for the image in every row (the full-size mix's shortest row, 96, has it)
         lengths = [max(n, (PATCHES // 2) ** 2 + 3) for n in lengths]
-    docs = make_tokens(lengths, SIZE["vocab_size"] - 3)  # the VL families' image and vision tokens stay out
-    reference, implementation = build(family)
+    docs = make_tokens(lengths, hf_size(device.type)["vocab_size"] - 3)  # the VL image and vision tokens stay out
+    reference, implementation = build(family, device)
     if family in VL:
         padded = image_batch(reference, docs)
     else:
         ids, mask, labels = padded_batch(docs)
         padded = dict(input_ids=ids, attention_mask=mask, labels=labels)
-        packed = {k: v for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
+        packed = {k: v.to(device) for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
+    padded = {k: v.to(device) for k, v in padded.items()}
     model = copy.deepcopy(reference)
-    patch = "llama2" if family == "llama" else family
-    hf = f"hf_{implementation} padded"
-    times: dict[str, list[float]] = {hf: [], "patchkit padded": []} if family in VL else \
-        {hf: [], "patchkit padded": [], "patchkit packed": []}
-    handle = patchkit.apply_patch(patch, model=model, backend="sdpa", strict=True)
+    hf, fa2_key = f"hf_{implementation} padded", f"{FA2} padded"
+    fa2, fa2_why = fa2_model(reference, device)
+    steps = {hf: (reference, padded), **({fa2_key: (fa2, padded)} if fa2 is not None else {}),
+             "patchkit padded": (model, padded), **({} if family in VL else {"patchkit packed": (model, packed)})}
+    skipped = {fa2_key: fa2_why} if fa2_why else {}
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    peaks = dict.fromkeys(steps, 0.0)
+    handle, backend, refused = patched(model, family, device)
     try:
         for rep in range(reps + 1):  # the first round warms up
-            got = {
-                hf: timed_step(reference, padded),
-                "patchkit padded": timed_step(model, padded),
-            }
-            if family not in VL:
-                got["patchkit packed"] = timed_step(model, packed)
-            if rep:
-                for key, value in got.items():
-                    times[key].append(value)
+            if rep > 1 and budget.spent(f"{family}: rounds {rep}-{reps} of {reps}"):
+                break
+            for key, (net, batch) in list(steps.items()):
+                try:
+                    seconds, peak = timed_step(net, batch)
+                except Exception as exc:  # noqa: BLE001 - HF flash_attention_2 failing on its first step: a skip
+                    if key != fa2_key or rep:
+                        raise
+                    skipped[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                    del steps[key], times[key]
+                    continue
+                if rep:
+                    times[key].append(seconds)
+                    peaks[key] = max(peaks[key], peak or 0.0)
     finally:
         handle.revert()
     real = sum(lengths)
     base = statistics.median(times[hf])
-    rows = [
-        dict(family=family, provider=key, median_s=round(statistics.median(v), 4),
-             real_tokens_per_s=round(real / statistics.median(v), 1), vs_hf=round(base / statistics.median(v), 2))
-        for key, v in times.items()
-    ]
-    for row in rows:
-        print(f"{row['family']:<14}{row['provider']:<18}{row['median_s']:>10.3f}{row['real_tokens_per_s']:>12.1f}"
-              f"{row['vs_hf']:>11.2f}x", flush=True)
+    cuda = device.type == "cuda"
+    rows = []
+    for key, v in times.items():
+        med = statistics.median(v)
+        row = dict(family=family, provider=key, median_s=round(med, 4), real_tokens_per_s=round(real / med, 1),
+                   vs_hf=round(base / med, 2))
+        if cuda:
+            row.update(vs_hf_fa2=round(statistics.median(times[fa2_key]) / med, 2) if fa2_key in times else "",
+                       backend=backend if key.startswith("patchkit") else HF_PROVIDERS[key.split()[0]],
+                       peak_mib=round(peaks[key], 1), reps=len(v), device="cuda", dtype="bfloat16",
+                       note=f"better backends refused: {refused}" if refused and key.startswith("patchkit") else "")
+        rows.append(row)
+        print(f"{family:<14}{key:<18}{med:>10.3f}{row['real_tokens_per_s']:>12.1f}{row['vs_hf']:>11.2f}x"
+              + (f"{row['vs_hf_fa2'] or '':>10}{row['peak_mib']:>10.0f}  {backend if key.startswith('p') else ''}"
+                 if cuda else ""), flush=True)
+    for key, why in skipped.items():
+        rows.append(dict(family=family, provider=key, median_s="", real_tokens_per_s="", vs_hf="", vs_hf_fa2="",
+                         backend=HF_PROVIDERS[FA2], peak_mib="", reps=0, device="cuda", dtype="bfloat16",
+                         note=f"skipped: {why}"))
+        print(f"{family:<14}{key:<18} skipped: {why}", flush=True)
     return rows
 
 
@@ -201,22 +293,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the sequence lengths (0.25 for a smoke run)")
     parser.add_argument("--csv", type=Path, default=None)
+    add_run_args(parser)
     args = parser.parse_args(argv)
+    if no_cuda("families", args.device):
+        return 0
+    budget = Budget(args.budget_s)
+    device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    lengths = lognormal_lengths(8, args.scale)
-    print(f"batch of 8, lengths {lengths}, {padding_fraction(lengths):.1%} padding; fp32, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}; {args.reps} alternating reps, medians")
-    print(f"{'family':<14}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}")
-    rows = [row for family in args.families for row in measure(family, lengths, args.reps)]
+    batch = MODES["cuda"]["batch"] if device.type == "cuda" else 8
+    lengths = lognormal_lengths(batch, args.scale)
+    where = (f"bf16 on {torch.cuda.get_device_name()}" if device.type == "cuda"
+             else f"fp32, {torch.get_num_threads()} threads")
+    print(f"batch of {batch}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; {where}, torch "
+          f"{torch.__version__}; {args.reps} alternating reps, medians")
+    print(f"{'family':<14}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}"
+          + (f"{'vs fa2':>10}{'peak MiB':>10}  backend" if device.type == "cuda" else ""))
+    rows: list[dict] = []
+    try:
+        for family in args.families:
+            if budget.spent(f"family {family}"):
+                continue
+            rows += measure(family, lengths, args.reps, device, budget)
+            if args.csv:
+                write_rows(args.csv, rows)  # after every family: a budget or a failure keeps what was measured
+    finally:
+        budget.report("families")
     for row in (r for r in rows if r["provider"] == "patchkit padded"):
-        if args.scale != 1.0:
-            print(f"{row['family']}: {row['vs_hf']}x HF (target {TARGET}x stated for the full-size run: not judged)")
+        if args.scale != 1.0 or device.type == "cuda":
+            run = "the full-size run" if device.type == "cpu" else "the CPU run"
+            print(f"{row['family']}: {row['vs_hf']}x HF (target {TARGET}x stated for {run}: not judged)")
             continue
         status = "ok" if row["vs_hf"] >= TARGET else "MISS"
         print(f"target padded step >= {TARGET}x HF (sdpa, or eager where HF has no sdpa): {row['family']}: "
               f"{row['vs_hf']}x {status}")
-    if args.csv:
-        write_rows(args.csv, rows)
     return 0
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import functools
+import time
 from typing import Any, Callable, Optional
 
 from workloads import FLOOR, PAD
@@ -128,6 +131,81 @@ def probe_hf_flash(device: Any) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return None
+
+
+@functools.cache
+def probed(device: Any) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """probe_providers(device), probed once per process: (usable providers, (provider, why not) pairs)."""
+    ok, skipped = probe_providers(device)
+    return tuple(ok), tuple(skipped.items())
+
+
+def patchkit_backends(device: Any) -> list[str]:
+    """patchkit's backends for a script's patched provider on `device`, best first: on CUDA each whose gates pass
+    (flash_attn, torch_varlen), sdpa last; on the CPU sdpa alone. A caller takes the first a model accepts."""
+    if device.type != "cuda":
+        return ["sdpa"]
+    ok = probed(device)[0]
+    return [b for b in PATCHKIT_BACKENDS if b != "sdpa" and f"patchkit_{b}" in ok] + ["sdpa"]
+
+
+def add_run_args(parser: argparse.ArgumentParser, budget: bool = True) -> None:
+    """--device (and --budget-s), as the benchmark scripts share them."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16 on the GPU at a size the GPU is timed at, HF flash_attention_2 as a baseline "
+                        "and patchkit's best kernel backend, where usable (without CUDA: says so, exits 0)")
+    if budget:
+        parser.add_argument("--budget-s", type=float, default=None,
+                            help="stop starting measurements once this many seconds are spent; the rows measured "
+                            "are written and what was left out is printed")
+
+
+def no_cuda(prog: str, device: str) -> bool:
+    """True, said in one line, when the run asks for CUDA on a machine without it (the script then exits 0)."""
+    import torch
+
+    if device != "cuda" or torch.cuda.is_available():
+        return False
+    print(f"{prog}: --device cuda: no CUDA device here (torch {torch.__version__}); nothing was run.", flush=True)
+    return True
+
+
+class Budget:
+    """--budget-s: a measurement asks `spent(what)` before it starts; what was left out is printed by `report`."""
+
+    def __init__(self, seconds: Optional[float]) -> None:
+        self.seconds, self.start = seconds, time.monotonic()
+        self.left_out: list[str] = []
+
+    def spent(self, what: str) -> bool:
+        """Whether the budget is spent, `what` (the measurement not started) noted as left out if so."""
+        over = self.seconds is not None and time.monotonic() - self.start >= self.seconds
+        if over:
+            self.left_out.append(what)
+        return over
+
+    def report(self, prog: str) -> None:
+        if self.left_out:
+            print(f"{prog}: --budget-s {self.seconds:g} spent ({time.monotonic() - self.start:.0f} s); left out: "
+                  + "; ".join(self.left_out), flush=True)
+
+
+def timed(fn: Callable[[], Any], device: Any) -> tuple[float, Optional[float], Any]:
+    """fn()'s seconds (synchronized before and after on CUDA), its peak memory above what was allocated before it
+    (MiB; None on the CPU), and its result."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None, out
 
 
 def probe_providers(device: Any) -> tuple[list[str], dict[str, str]]:

@@ -15,10 +15,15 @@ sdpa's tokens; compiled ones print their share.
 
 `--device cuda` is decode.py's: bench.py's CUDA model in bf16, the same batch, and the GPU kernel providers
 (HF flash_attention_2, patchkit flash_attn and torch_varlen) where bench.py's probe finds them usable; tokens are
-compared, not required. `--compile-mode` is torch.compile's mode ("reduce-overhead": CUDA graphs, as HF users run
-static-cache decode on a GPU). Each compiled provider's `recompiles` (graphs dynamo compiled during the timed rounds,
-after the warm-up round compiled prefill and decode) and `graph_breaks` are counted: a serving path must show 0
-and 0.
+compared, not required. There patchkit runs on its best backend whose gates pass (flash_attn, else torch_varlen) in
+every way it is compiled, HF flash_attention_2 runs with the same static cache eager and compiled by generate() (a
+way that raises is a `skipped` row with the reason), and the rows add `peak_mib` (generate()'s peak memory above what
+was allocated before it) and `note`. `--compile-mode` is torch.compile's mode ("reduce-overhead": CUDA graphs, as HF
+users run static-cache decode on a GPU). `--budget-s` stops warming up further providers (those are left out) and
+starting further rounds once spent (a provider warmed up gets one timed round); the CSV is written after each
+`--kv-heads` run and on the way out, so the rows measured are kept. Each compiled provider's `recompiles` (graphs
+dynamo compiled during the timed rounds, after the warm-up round compiled prefill and decode) and `graph_breaks` are
+counted: a serving path must show 0 and 0.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ import argparse
 import inspect
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ from decode import (  # noqa: E402
     ratios,
     start,
 )
+from providers import Budget, patchkit_backends, probed, timed  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import make_tokens, padded_batch  # noqa: E402
 
@@ -59,21 +64,42 @@ FLASH = (FA2, "patchkit_flash_attn", "patchkit_torch_varlen")  # eager only, whe
 
 
 def static_providers(device: torch.device) -> tuple[str, ...]:
-    """PROVIDERS, plus the GPU kernel providers decode.py's probe finds usable on `device`."""
-    return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
+    """PROVIDERS on the CPU. On CUDA, most telling first (a --budget-s drops the last): HF sdpa, HF flash_attention_2
+    where the probe finds it, and patchkit on its best backend, eager, then compiled by generate(), then with
+    `model.forward` compiled (HF sdpa and patchkit only); then the other patchkit backends that run, and HF eager."""
+    if device.type != "cuda":
+        return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
+    best = f"patchkit_{patchkit_backends(device)[0]}"
+    fa2 = (FA2,) if FA2 in providers(device) else ()
+    first = ("hf_sdpa", *fa2, best, "hf_sdpa" + BY_GENERATE, *(f + BY_GENERATE for f in fa2), best + BY_GENERATE,
+             "hf_sdpa_compiled", best + "_compiled")
+    rest = (p for p in providers(device) if p.startswith("patchkit_") and p not in first)
+    return tuple(dict.fromkeys((*first, *rest, "hf_eager")))
+
+
+def skipped_fa2(device: torch.device) -> dict[str, str]:
+    """On CUDA without a usable HF flash_attention_2: its providers here, each with the probe's reason."""
+    why = dict(probed(device)[1]).get(FA2) if device.type == "cuda" else None
+    return {FA2: why, FA2 + BY_GENERATE: why} if why else {}
 
 
 def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mode: str | None,
-          window: int | None = None) -> dict[str, torch.nn.Module]:
+          window: int | None = None, skipped: dict[str, str] | None = None) -> dict[str, torch.nn.Module]:
     """One model per provider, the same weights (decode.py's): `_compiled` ones with `model.forward` compiled after
     the patch, as a user would; `_generate_compiled` ones with a `compile_config`, so that generate() compiles each
     decode step's call and runs the prefill eager. Every other provider has generate()'s own compilation turned off:
     on a GPU it compiles a static cache's decode steps unasked (CUDA graphs), which would time compiled decode
-    under an eager name."""
+    under an eager name. On CUDA a provider whose attention does not load is left out, its reason in `skipped`."""
     base = base_model(kv_heads, device, window)
     models = {}
     for name in static_providers(device):
-        model = provider_model(base, name)
+        try:
+            model = provider_model(base, name)
+        except (ValueError, ImportError) as exc:  # e.g. HF flash_attention_2 refusing this model
+            if device.type != "cuda" or skipped is None:
+                raise
+            skipped[name] = why(exc)
+            continue
         if name.endswith(BY_GENERATE):
             model.generation_config.compile_config = generate_compile_config(compile_backend, compile_mode)
         else:
@@ -85,9 +111,18 @@ def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mod
     return models
 
 
+def why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def suffix(name: str) -> str:
+    """How provider `name` is compiled: "", "_compiled" or "_generate_compiled"."""
+    return next((s for s in (BY_GENERATE, "_compiled") if name.endswith(s)), "")
+
+
 def hf_counterpart(name: str) -> str:
     """The HF sdpa provider compiled the way `name` is: hf_sdpa, hf_sdpa_compiled or hf_sdpa_generate_compiled."""
-    return "hf_sdpa" + next((s for s in (BY_GENERATE, "_compiled") if name.endswith(s)), "")
+    return "hf_sdpa" + suffix(name)
 
 
 def generate_compile_config(backend: str, mode: str | None) -> Any:
@@ -126,41 +161,54 @@ def cache_name(model: torch.nn.Module) -> str:
 
 
 def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int, cache: Any) -> tuple[
-        float, Any]:
+        float, float | None, Any]:
     """Seconds for a greedy generate() of exactly `new` tokens into `cache` (a StaticCache, emptied first: one size
-    for every call, so a compiled forward keeps its two graphs, prefill and decode), and the sequences."""
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    for every call, so a compiled forward keeps its two graphs, prefill and decode), its peak memory on CUDA (MiB,
+    else None), and the sequences."""
     cache.reset()
-    sync()
-    start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0, **{cache_name(model): cache})
-    sync()
-    return time.perf_counter() - start, out
+        return timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                            do_sample=False, pad_token_id=0, **{cache_name(model): cache}), ids.device)
 
 
 def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device, compile_backend: str,
-            compile_mode: str | None = None, window: int | None = None) -> list[dict]:
+            compile_mode: str | None = None, window: int | None = None, budget: Budget | None = None) -> list[dict]:
     """Round-robin medians of prefill + decode and of prefill + one token, per provider; tokens compared; for the
-    compiled providers, graphs compiled and graph breaks met in the timed rounds."""
+    compiled providers, graphs compiled and graph breaks met in the timed rounds. Once `budget` is spent no further
+    provider is warmed up and no further round started; on CUDA a provider failing in its warm-up is a skipped row."""
+    budget = budget or Budget(None)
     ids, mask, _ = padded_batch(make_tokens(lengths, model_config(device)[0]["vocab"]), left=True)
     ids, mask = ids.to(device), mask.to(device)
-    models = build(kv_heads, device, compile_backend, compile_mode, window)
+    skipped = skipped_fa2(device)
+    models = build(kv_heads, device, compile_backend, compile_mode, window, skipped)
     caches = {name: static_cache(m, len(lengths), ids.shape[1] + new) for name, m in models.items()}
     total: dict[str, list[float]] = {name: [] for name in models}
     prefill: dict[str, list[float]] = {name: [] for name in models}
+    peak = dict.fromkeys(models, 0.0)
     recompiles = dict.fromkeys(models, 0)
     breaks = dict.fromkeys(models, 0)
     tokens: dict[str, torch.Tensor] = {}
     for rep in range(reps + 1):  # the first round warms up (and compiles)
-        for name, model in models.items():
+        if rep > 1 and budget.spent(f"kv_heads {kv_heads}: rounds {rep}-{reps} of {reps}"):
+            break
+        for name, model in list(models.items()):
+            if not rep and name != "hf_sdpa" and budget.spent(f"kv_heads {kv_heads}: {name}"):
+                del models[name]
+                continue
             graphs, broken = compile_counts()
-            seconds, tokens[name] = timed_generate(model, ids, mask, new, caches[name])
-            first, _ = timed_generate(model, ids, mask, 1, caches[name])
+            try:
+                seconds, used, tokens[name] = timed_generate(model, ids, mask, new, caches[name])
+                first, _, _ = timed_generate(model, ids, mask, 1, caches[name])
+            except Exception as exc:  # noqa: BLE001 - on CUDA a provider failing its warm-up is a skipped row
+                if rep or device.type != "cuda" or name == "hf_sdpa":
+                    raise
+                skipped[name] = why(exc)
+                del models[name]
+                continue
             if rep:
                 total[name].append(seconds)
                 prefill[name].append(first)
+                peak[name] = max(peak[name], used or 0.0)
                 graphs_now, broken_now = compile_counts()
                 recompiles[name] += graphs_now - graphs
                 breaks[name] += broken_now - broken
@@ -172,23 +220,29 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
     for name in models:
         med, first = statistics.median(total[name]), statistics.median(prefill[name])
         compiled = name.endswith("_compiled")
+        twin = total.get(hf_counterpart(name))
         rows.append(dict(
             provider=name, kv_heads=kv_heads, window=window or "", new_tokens=new, median_s=round(med, 4),
             min_s=round(min(total[name]), 4),
             max_s=round(max(total[name]), 4), prefill_s=round(first, 4), real_tokens_per_s=round(real / med, 1),
             decode_tokens_per_s=round(len(lengths) * (new - 1) / (med - first), 1) if med > first else float("nan"),
-            **ratios(total, name), vs_hf_same=round(statistics.median(total[hf_counterpart(name)]) / med, 2),
-            same_tokens=round(same[name], 4), reps=reps,
+            **ratios(total, name, FA2 + suffix(name)),
+            vs_hf_same=round(statistics.median(twin) / med, 2) if twin else "",
+            same_tokens=round(same[name], 4), reps=len(total[name]),
             compile_backend=compile_backend if compiled else "", compile_mode=(compile_mode or "default") if compiled
             else "", recompiles=recompiles[name] if compiled else "", graph_breaks=breaks[name] if compiled else "",
             device=device.type, threads=torch.get_num_threads(), torch=torch.__version__,
+            **(dict(peak_mib=round(peak[name], 1), note="") if device.type == "cuda" else {}),
         ))
+    blank = dict.fromkeys(rows[0], "") if rows else {}
+    rows += [dict(blank, provider=name, kv_heads=kv_heads, new_tokens=new, reps=0, device=device.type,
+                  note=f"skipped: {reason}") for name, reason in skipped.items()]
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/static_decode.py", description=__doc__.split("\n\n")[0])
-    add_common_args(parser, reps=3, smoke_scale=0.05)
+    add_common_args(parser, reps=3, smoke_scale=0.05, budget=True)
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: a smoke run)")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode (default: its default; reduce-overhead: CUDA graphs)")
@@ -199,14 +253,26 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         return 0
     device, lengths = run
+    budget = Budget(args.budget_s)
+    cuda = device.type == "cuda"
     table = Table(38, fa2=FA2 in static_providers(device),
-                  extra=(("vs HF same", "vs_hf_same"), ("recompiles", "recompiles"), ("graph breaks", "graph_breaks")))
-    rows = []
-    for kv_heads in args.kv_heads:
-        for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device, args.compile_backend,
-                           args.compile_mode, args.window):
-            rows.append(row)
-            table.row(row)
+                  extra=(("vs HF same", "vs_hf_same"), ("recompiles", "recompiles"), ("graph breaks", "graph_breaks"))
+                  + ((("peak MiB", "peak_mib"),) if cuda else ()))
+    rows: list[dict] = []
+    try:
+        for kv_heads in args.kv_heads:
+            if rows and budget.spent(f"kv_heads {kv_heads}"):
+                continue
+            for row in measure(lengths, args.new_tokens, args.reps, kv_heads, device, args.compile_backend,
+                               args.compile_mode, args.window, budget):
+                rows.append(row)
+                if row.get("note", "").startswith("skipped"):
+                    print(f"{row['provider']:<38}{row['kv_heads']:>4}  {row['note']}", flush=True)
+                else:
+                    table.row(row)
+            write_rows(args.csv, rows)  # after every run: a budget or a failure keeps what was measured
+    finally:
+        budget.report("static_decode")
     bad = [f"{r['provider']} (kv {r['kv_heads']}): {r['recompiles']} recompiles, {r['graph_breaks']} graph breaks"
            for r in rows if r["recompiles"] not in ("", 0) or r["graph_breaks"] not in ("", 0)]
     print("compiled providers: " + ("; ".join(bad) if bad else "0 recompiles and 0 graph breaks after warm-up"))
@@ -215,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         verdict = ("ok" if row["vs_hf_same"] >= 1.0 else "MISS") if judged else "not judged (not the stated run)"
         print(f"target {row['provider']} >= {hf_counterpart(row['provider'])}, kv_heads {row['kv_heads']}: "
               f"{row['vs_hf_same']}x {verdict}")
-    write_rows(args.csv, rows)
     print(f"rows written to {args.csv}")
     return 0
 

@@ -40,6 +40,21 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+# families.py's and compiled.py's models on the CPU, as HF config arguments (2 K/V heads)
+HF_SIZE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+
+
+def hf_size(device: str) -> dict[str, int]:
+    """HF config arguments of families.py's and compiled.py's models: HF_SIZE on the CPU; on "cuda" the cuda mode's
+    model (head_dim 128: a head dim the flash-attn build has), with HF_SIZE's 2 K/V heads."""
+    if device != "cuda":
+        return HF_SIZE
+    cfg = MODES["cuda"]["model"]
+    return dict(HF_SIZE, vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+                num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"])
+
+
 def lognormal_lengths(batch: int, scale: float = 1.0) -> list[int]:
     """The fixed-seed realistic mix (median ~300, max 2048, ~55% padding at batch 8), optionally scaled."""
     import torch
