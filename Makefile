@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test clean
+.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,8 @@ demo: setup
 PYTEST_ARGS ?= -n 2 --dist worksteal
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py --ignore=tests/test_trl_families.py
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py --ignore=tests/test_trl_families.py \
+		--ignore=tests/test_gpu_truth.py
 
 # A user's install: `pip install <clone>` (not editable) into a fresh venv beside the clone, with whatever transformers
 # pip resolves (the newest), then the demo and `patchkit verify` run from outside the clone, as a user runs them.
@@ -93,5 +94,18 @@ bench: setup
 gpu-test: setup
 	$(BIN)/python tests/run_gpu.py
 
+# A lent GPU's one run (tools/gpu_truth.py): flash-attn built from the carried sdist beside the gpu tests, then the
+# CUDA benchmarks, each part inside its time budget; summary.md, log.txt and truth.tar.gz under $$OUT (else
+# gpu-truth-out/). The GPU machine has no .venv and no network: its own python3 runs it, the wheels in .gpu/ carried.
+# Without CUDA it rehearses every part in its smallest CPU form (GPU_TRUTH_ARGS=--dry-run forces that).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-truth:
+	$(GPU_PYTHON) tools/gpu_truth.py $(GPU_TRUTH_ARGS)
+
+# Its CPU side (a CI part, ~1 min): every benchmark command of the GPU run accepted by its script, the test parts
+# rehearsed, the summary and archive written (tests/test_gpu_truth.py).
+gpu-truth-check: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_gpu_truth.py
+
 clean:
-	rm -rf $(VENV) $(SP_DIR) $(FRESH_DIR) site *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SP_DIR) $(FRESH_DIR) gpu-truth-out site *.egg-info .pytest_cache .ruff_cache

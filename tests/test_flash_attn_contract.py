@@ -186,7 +186,7 @@ def test_autocast_dtype_is_the_compute_dtype(monkeypatch):
 @pytest.mark.parametrize("patch", ["llama1", "llama2"])
 def test_gpu_flash_attn_matches_eager_bf16(patch):
     pytest.importorskip("flash_attn")
-    model = tiny_model(hidden=256, heads=4, kv_heads=4).cuda()  # head_dim 64: a build trimmed to 64,128 has it
+    model = tiny_model(hidden=512, heads=4, kv_heads=4).cuda()  # head_dim 128: every trimmed build here keeps it
     ids, mask = (t.cuda() for t in padded_batch("mixed"))
     with torch.no_grad():
         truth = model(input_ids=ids, attention_mask=mask).logits
