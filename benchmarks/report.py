@@ -194,7 +194,8 @@ def gpu_comparisons(rec: Recorder, judged: str) -> list[tuple[str, str, str, str
                             judged, "hf_sdpa", "padded"):
                         paired = rec.paired((mine, work), (ref, work))
                         r = paired if paired is not None else num / den
-                        rows.append((f"[{title}] {lay} train: {mine} / {ref} {lay}", f"{r:.2f}x", "-",
+                        same = "" if lay == "padded" else " on the same rows"
+                        rows.append((f"[{title}] {lay} train: {mine} / {ref}{same}", f"{r:.2f}x", "-",
                                      "info (no target)"))
     return rows
 
