@@ -289,3 +289,19 @@ def test_hf_trainer_with_images_and_gradient_checkpointing_equals_unpatched(fami
     got, calls = trainer_losses(family, tmp_path, patched=True)
     assert got == pytest.approx(want, abs=1e-5), (got, want)
     assert calls == 3 * 2 * 2  # 3 steps, 2 layers, forward and recompute
+
+
+def test_the_head_dim_gate_reads_the_language_model_not_the_vision_tower():
+    """The kernel gates' head_dim is the language model's: a vision tower first in module order whose hidden size
+    over its heads is 1024 (as the GPU benchmark's Qwen2-VL had: every kernel backend refused, wrongly) is not it."""
+    from patchkit.hooks.model_walk import head_dim
+
+    text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=128, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, embed_dim=32, hidden_size=1024, num_heads=1, mlp_ratio=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision)
+    with torch.device("meta"):
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    assert model.config.vision_config.hidden_size // model.config.vision_config.num_heads == 1024
+    assert head_dim(model, ("qwen2_vl",)) == 16
+    assert head_dim(model) == 16  # no model_types given: the first config with a vocabulary

@@ -16,18 +16,22 @@ def find_modules(model: nn.Module, cls: type) -> list[nn.Module]:
 
 
 def model_config(model: nn.Module, model_types: Optional[Collection[str]] = None) -> Any:
-    """The transformer config inside `model`: the first module's whose `model_type` is one of `model_types` (a
-    vision-language model's language model, not its vision tower), else the first module's with attention heads."""
-    first = None
+    """The transformer config inside `model`: the first module's whose `model_type` is one of `model_types` (or its
+    `_text` part: a vision-language model's language model, not its vision tower), else the first language model's
+    (a config with a vocabulary), else the first module's with attention heads."""
+    first = language = None
     for m in model.modules():
         config = getattr(m, "config", None)
         if config is None or not hasattr(config, "num_attention_heads"):
             continue
-        if model_types is None or getattr(config, "model_type", None) in model_types:
+        kind = getattr(config, "model_type", None) or ""
+        if model_types is not None and (kind in model_types or kind.removesuffix("_text") in model_types):
             return config
+        if language is None and getattr(config, "vocab_size", None):
+            language = config
         first = config if first is None else first
-    if first is not None:
-        return first
+    if language is not None or first is not None:
+        return language if language is not None else first
     raise PatchTargetError(f"{type(model).__name__} has no module with a transformers config (num_attention_heads)")
 
 
