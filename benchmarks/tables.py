@@ -170,6 +170,31 @@ def gpu_decode() -> str:
     return "`cuda/decode.csv`\n\n" + table(["provider", "K/V heads", "vs HF sdpa", "vs HF flash_attention_2"], out)
 
 
+def truth_facts() -> str:
+    """The `make gpu-truth` run's machine line, from the summary it wrote."""
+    facts = dict(line.strip("|").split("|")[:2] for line in (RESULTS / "cuda/truth/summary.md").read_text().splitlines()
+                 if line.startswith("| ") and line.count("|") == 3)
+    facts = {k.strip(): v.strip() for k, v in facts.items()}
+    return (f"`cuda/truth/`: {facts['gpu']}, torch {facts['torch']}, transformers {facts['transformers']}, "
+            f"{facts['flash-attn'].split(' from ')[0]}, bf16")
+
+
+def gpu_truth() -> str:
+    """The issue's goals against the `make gpu-truth` run (tools/gpu_truth_report.py measures them)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from gpu_truth_report import goals
+
+    return truth_facts() + "\n\n" + "\n".join(goals(RESULTS / "cuda/truth"))
+
+
+def gpu_families() -> str:
+    out = [[r["family"], r["provider"], f"{float(r['real_tokens_per_s']):.0f}", x(float(r["vs_hf"])),
+            x(float(r["vs_hf_fa2"])) if r["vs_hf_fa2"] else "-", r["backend"], f"{float(r['peak_mib']):.0f}"]
+           for r in read("cuda/truth/families.csv") if r["real_tokens_per_s"]]
+    header = ["family", "run", "tokens/s", "vs HF sdpa", "vs HF flash_attention_2", "backend", "peak MiB"]
+    return "`cuda/truth/families.csv`\n\n" + table(header, out)
+
+
 def headline() -> str:
     """The README's two lines: one CPU, one GPU, each naming its machine."""
     run = Run("results.csv")
@@ -181,12 +206,24 @@ def headline() -> str:
             f"{run.ratio((run.patch, 'train_packed_pos'), ('hf_sdpa', 'train_padded'))} packed.\n"
             f"- **GPU** ({gpu['gpu']}, bf16, 1B-class layers, batch 16 of up to 2048 tokens): a padded training step "
             f"{x(float(half['vs_hf_fa2']))} HF `flash_attention_2` at 50% padding, "
-            f"{x(float(gpu['vs_hf_fa2']))} at {float(gpu['padding']):.0%}.")
+            f"{x(float(gpu['vs_hf_fa2']))} at {float(gpu['padding']):.0%}; packed rows "
+            f"{truth_ratio('train_packed_pos')} HF's own padding-free path (`flash_attention_2` on the same rows), "
+            f"{truth_ratio('train_packed_cu')} when they carry `cu_seq_lens`.")
+
+
+def truth_ratio(workload: str) -> str:
+    """patchkit flash_attn over HF flash_attention_2 on the gpu-truth run's `workload` (MHA)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from gpu_truth_report import median, read_csv
+
+    rows = read_csv(RESULTS / "cuda/truth/train/results.csv")
+    return x(median(rows, "patchkit_flash_attn", workload) / median(rows, "hf_flash_attention_2", workload))
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
+    "gpu-truth": gpu_truth, "gpu-families": gpu_families,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
