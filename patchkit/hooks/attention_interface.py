@@ -87,7 +87,9 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
     window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
     chunk = chunk_size(function)
-    if chunk is not None and (chunk_behind_cache(chunk, attention_mask, q_offset, q_length)
+    # q_offset is a tensor before transformers 5.4: read on the host once, here if chunks need it, else below
+    past_len = int(q_offset) if q_offset is not None and chunk is not None else None
+    if chunk is not None and (chunk_behind_cache(chunk, attention_mask, past_len, q_length)
                               or chunks_off_start(function, chunk)):
         return aside_mask("chunk_behind_cache", args, kwargs)
     documents = packed_sequence_ids(function) if attention_mask is None else None
@@ -95,7 +97,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
         return VarlenMask(None, sequence_ids_metadata(documents), route=current().route, window=window, chunk=chunk)
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)
-    past_len, key_offset = int(q_offset), int(kwargs.get("kv_offset") or 0)
+    past_len = int(q_offset) if past_len is None else past_len
+    key_offset = int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
     varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window,
                                     chunk)
@@ -122,10 +125,10 @@ def refuse_refused(config: Any) -> None:
                               f"which uses {feature}. Load it with attn_implementation='sdpa'.")
 
 
-def chunk_behind_cache(chunk: int, mask: Any, q_offset: Any, q_length: Any) -> bool:
+def chunk_behind_cache(chunk: int, mask: Any, past_len: Optional[int], q_length: Any) -> bool:
     """Chunked attention whose chunk bites where documents cannot express it: a chunk boundary behind the cache
     (a query past the first chunk with cached keys), or a row with padding between its real tokens."""
-    past = int(q_offset) if q_offset is not None else 0
+    past = past_len or 0
     if past > 0 and past + int(q_length or 0) > chunk:
         return True
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > chunk and has_holes(mask)
