@@ -37,15 +37,12 @@ from providers import (  # noqa: E402
     add_run_args,
     device_and_dtype,
     no_cuda,
-    patchkit_backends,
+    patch_on_best,
     probed,
     timed,
 )
 from report import write_rows  # noqa: E402
 from workloads import MODES, hf_size, lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402,E501
-
-import patchkit  # noqa: E402
-from patchkit.errors import PatchkitError  # noqa: E402
 
 WARMUP = 2
 FA2 = "hf_flash_attention_2"
@@ -62,23 +59,12 @@ def model(device: torch.device, attn: str = "sdpa") -> torch.nn.Module:
     return net.to(device_and_dtype(device.type)[1]).train()
 
 
-def patch(net: torch.nn.Module, device: torch.device) -> tuple[Any, str, str]:
-    """`net` patched on the best backend of patchkit_backends that takes it: (handle, backend, why better ones
-    did not)."""
-    refused = []
-    for backend in patchkit_backends(device):
-        try:
-            return patchkit.apply_patch("llama", model=net, backend=backend), backend, "; ".join(refused)
-        except PatchkitError as exc:
-            refused.append(f"{backend}: {str(exc).splitlines()[0][:160]}")
-    raise RuntimeError("no patchkit backend takes the model: " + "; ".join(refused))
-
-
 def stepper(provider: str, fullgraph: bool, backend: str, data: dict, device: torch.device) -> Callable[[], float]:
     """A function running one timed training step (forward, backward) of its own compiled model; the loss.
     `provider`: hf_sdpa, hf_flash_attention_2 or patchkit."""
     net = model(device, HF_PROVIDERS.get(provider, "sdpa"))
-    handle, patched_on, refused = patch(net, device) if provider == "patchkit" else (None, HF_PROVIDERS[provider], "")
+    handle, patched_on, refused = (patch_on_best("llama", net, device, strict=False) if provider == "patchkit"
+                                   else (None, HF_PROVIDERS[provider], ""))
     compiled = torch.compile(net, backend=backend, fullgraph=fullgraph)
 
     def step() -> float:

@@ -40,15 +40,12 @@ from providers import (  # noqa: E402
     add_run_args,
     device_and_dtype,
     no_cuda,
-    patchkit_backends,
+    patch_on_best,
     probed,
     timed,
 )
 from report import write_rows  # noqa: E402
 from workloads import MODES, hf_size, lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
-
-import patchkit  # noqa: E402
-from patchkit.errors import PatchkitError  # noqa: E402
 
 TARGET = 1.4  # the padded training step of every family: at least 1.4x HF sdpa
 WINDOW = 256
@@ -195,19 +192,6 @@ def timed_step(model: torch.nn.Module, batch: dict) -> tuple[float, float | None
     return seconds, peak
 
 
-def patched(model: torch.nn.Module, family: str, device: torch.device) -> tuple[object, str, str]:
-    """`model` patched on the best backend of patchkit_backends that takes this family: (handle, backend, why the
-    better ones did not)."""
-    patch = "llama2" if family == "llama" else family
-    refused = []
-    for backend in patchkit_backends(device):
-        try:
-            return patchkit.apply_patch(patch, model=model, backend=backend, strict=True), backend, "; ".join(refused)
-        except PatchkitError as exc:
-            refused.append(f"{backend}: {str(exc).splitlines()[0][:160]}")
-    raise RuntimeError(f"{family}: no patchkit backend takes it: {'; '.join(refused)}")
-
-
 def fa2_model(reference: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module | None, str]:
     """A copy of `reference` on HF's flash_attention_2, or None and why not (on the CPU: None, "")."""
     if device.type != "cuda":
@@ -245,7 +229,7 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
     skipped = {fa2_key: fa2_why} if fa2_why else {}
     times: dict[str, list[float]] = {key: [] for key in steps}
     peaks = dict.fromkeys(steps, 0.0)
-    handle, backend, refused = patched(model, family, device)
+    handle, backend, refused = patch_on_best("llama2" if family == "llama" else family, model, device, strict=True)
     try:
         for rep in range(reps + 1):  # the first round warms up
             if rep > 1 and budget.spent(f"{family}: rounds {rep}-{reps} of {reps}"):

@@ -149,6 +149,24 @@ def patchkit_backends(device: Any) -> list[str]:
     return [b for b in PATCHKIT_BACKENDS if b != "sdpa" and f"patchkit_{b}" in ok] + ["sdpa"]
 
 
+def patch_on_best(patch: str, model: Any, device: Any, strict: bool) -> tuple[Any, str, str]:
+    """`model` patched by `patch` on the best of patchkit_backends that takes it: (handle, the backend it runs on,
+    why the better ones did not). Without `strict` a failed gate falls back inside apply_patch, which the handle's
+    backend says."""
+    import patchkit
+    from patchkit.errors import PatchkitError
+
+    refused = []
+    for backend in patchkit_backends(device):
+        try:
+            handle = patchkit.apply_patch(patch, model=model, backend=backend, strict=strict)
+        except PatchkitError as exc:
+            refused.append(f"{backend}: {str(exc).splitlines()[0][:160]}")
+            continue
+        return handle, handle.backend, "; ".join(refused)
+    raise RuntimeError(f"{patch}: no patchkit backend takes the model: {'; '.join(refused)}")
+
+
 def add_run_args(parser: argparse.ArgumentParser, budget: bool = True) -> None:
     """--device (and --budget-s), as the benchmark scripts share them."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
