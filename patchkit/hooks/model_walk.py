@@ -30,8 +30,9 @@ def model_config(model: nn.Module, model_types: Optional[Collection[str]] = None
         if language is None and getattr(config, "vocab_size", None):
             language = config
         first = config if first is None else first
-    if language is not None or first is not None:
-        return language if language is not None else first
+    found = language if language is not None else first
+    if found is not None:
+        return found
     raise PatchTargetError(f"{type(model).__name__} has no module with a transformers config (num_attention_heads)")
 
 

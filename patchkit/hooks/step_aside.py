@@ -261,10 +261,15 @@ def leaf_parts(function: Any, leaf: str) -> Optional[list[Any]]:
     return next((parts for parts in found if parts is not None), None)
 
 
+def leaf_rows(function: Any, leaf: str) -> Optional[torch.Tensor]:
+    """The (B, N) tensor the first mask function named `leaf` in transformers' `mask_function` closes over, or None."""
+    return next((t for t in leaf_parts(function, leaf) or () if isinstance(t, torch.Tensor) and t.dim() == 2), None)
+
+
 def packed_sequence_ids(function: Any) -> Optional[torch.Tensor]:
     """The (B, N) document ids transformers found in position_ids and joined into its `mask_function` (a packed
     batch, no mask), or None: its documents, for layers that are not handed position_ids themselves."""
-    return next((t for t in leaf_parts(function, PACKED) or () if isinstance(t, torch.Tensor) and t.dim() == 2), None)
+    return leaf_rows(function, PACKED)
 
 
 def beyond_causal(function: Any, chunks: bool = False) -> bool:
@@ -287,9 +292,7 @@ REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"  # packed docu
 def chunks_off_start(function: Any, chunk: int) -> bool:
     """Packed documents whose first position is not a multiple of `chunk`: transformers counts chunks by position,
     patchkit's documents from their first token."""
-    ids = packed_sequence_ids(function)
-    positions = next((t for t in leaf_parts(function, REMAP) or () if isinstance(t, torch.Tensor) and t.dim() == 2),
-                     None)
+    ids, positions = packed_sequence_ids(function), leaf_rows(function, REMAP)
     if ids is None or positions is None:
         return False
     starts = torch.ones_like(ids, dtype=torch.bool)
