@@ -22,6 +22,8 @@ RESULTS = HERE / "results"
 REPO = HERE.parent
 PAGES = [REPO / "docs" / "performance.md", REPO / "README.md"]
 PATCHKIT_ORDER = ("patchkit_flash_attn", "patchkit_torch_varlen", "patchkit_sdpa")  # as benchmarks/report.py judges
+sys.path.insert(0, str(REPO / "tools"))
+from gpu_truth_report import goals, median, read_csv  # noqa: E402  (the gpu-truth run's goals, measured once)
 
 
 def read(name: str) -> list[dict[str, str]]:
@@ -181,9 +183,6 @@ def truth_facts() -> str:
 
 def gpu_truth() -> str:
     """The issue's goals against the `make gpu-truth` run (tools/gpu_truth_report.py measures them)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from gpu_truth_report import goals
-
     return truth_facts() + "\n\n" + "\n".join(goals(RESULTS / "cuda/truth"))
 
 
@@ -213,9 +212,6 @@ def headline() -> str:
 
 def truth_ratio(workload: str) -> str:
     """patchkit flash_attn over HF flash_attention_2 on the gpu-truth run's `workload` (MHA)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from gpu_truth_report import median, read_csv
-
     rows = read_csv(RESULTS / "cuda/truth/train/results.csv")
     return x(median(rows, "patchkit_flash_attn", workload) / median(rows, "hf_flash_attention_2", workload))
 
