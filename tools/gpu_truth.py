@@ -209,9 +209,10 @@ class Flash:
         self.state = "building" if self.building else f"build did not start (exit {code})"
 
     def wait(self, until: float) -> None:
-        """Until the background build is done, failed, or the clock reaches `until`; then install its wheel."""
+        """Until the background build is done, failed, or the clock reaches `until` (the status is read at least
+        once, so `until` = now asks whether it is done); then install its wheel."""
         t0 = time.time()
-        while self.building and time.time() < until:
+        while self.building:
             status = read_status(FLASH_OUT) or {}
             if status.get("state") == "done" and status.get("wheel"):
                 self.building = False
@@ -221,8 +222,10 @@ class Flash:
             elif status.get("state") == "failed":
                 self.building = False
                 self.state = f"build failed: {str(status.get('error', '?'))[:160]}"
-            else:
+            elif time.time() < until:
                 time.sleep(5)
+            else:
+                break
         if self.building:
             self.state = f"build not done after waiting {time.time() - t0:.0f} s"
 
