@@ -51,6 +51,8 @@ BENCH = ROOT / "benchmarks"
 SITE = Path("/tmp/patchkit-site")  # the carried wheels' target folder, first on PYTHONPATH
 FLASH_OUT = Path("/tmp/patchkit-flash-build")
 WORK = Path("/tmp/gpu-truth-work")  # every part's CSVs, plots and logs; archived into OUT/truth.tar.gz
+# the build's local version (+pk.sm90...) as it leaves the device and comes back: no '+' in a returned file's name
+CARRIED = ("+pk.", "_pk.")
 FLASH_ATTN = "2.8.3.post2"  # the sdist carried and built (tools/build_flash_attn.py knows its layout)
 FLASH_IMPORTS = "import flash_attn, flash_attn_2_cuda; print(flash_attn.__version__)"
 FLASH_BUILD = ["--head-dims", "128", "--disable", "dropout,alibi,uneven_k", "--jobs", "14", "--nvcc-threads", "1"]
@@ -180,8 +182,8 @@ class Flash:
         return proc.stdout.strip() or None if proc.returncode == 0 else None
 
     def install(self, wheel: Path) -> None:
-        if "+" not in wheel.name and "_pk." in wheel.name:  # as it came back from a run: its local version restored
-            named = Path("/tmp") / wheel.name.replace("_pk.", "+pk.", 1)
+        if CARRIED[1] in wheel.name:  # as it came back from a run: its local version's '+' restored
+            named = Path("/tmp") / wheel.name.replace(CARRIED[1], CARRIED[0], 1)
             shutil.copy2(wheel, named)
             wheel = named
         pip = [PY, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)]
@@ -347,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if (FLASH_OUT / "build.log").exists():
         (work / "flash_build.log").write_text((FLASH_OUT / "build.log").read_text(errors="replace")[-200_000:])
     if flash.wheel is not None and flash.version:  # the device returns no file named with '+': carried as '_'
-        shutil.copy2(flash.wheel, out / flash.wheel.name.replace("+", "_"))
+        shutil.copy2(flash.wheel, out / flash.wheel.name.replace(CARRIED[0], CARRIED[1], 1))
     with tarfile.open(out / "truth.tar.gz", "w:gz") as tar:
         tar.add(work, arcname="gpu-truth")
     ran = [p for p in steps if p.status != "left out (--only)"]
