@@ -37,6 +37,7 @@ from providers import (  # noqa: E402
     add_run_args,
     device_and_dtype,
     no_cuda,
+    one_line,
     patch_on_best,
     probed,
     timed,
@@ -95,7 +96,7 @@ def build(layout: str, providers: list[str], data: dict, args: argparse.Namespac
             if device.type != "cuda" or provider == "hf_sdpa":
                 raise
             steps.pop(name, None)
-            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            skipped[name] = one_line(exc)
 
 
 def main(argv: list[str] | None = None) -> int:

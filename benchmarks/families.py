@@ -40,6 +40,7 @@ from providers import (  # noqa: E402
     add_run_args,
     device_and_dtype,
     no_cuda,
+    one_line,
     patch_on_best,
     probed,
     timed,
@@ -203,7 +204,7 @@ def fa2_model(reference: torch.nn.Module, device: torch.device) -> tuple[torch.n
     try:
         model.set_attn_implementation(HF_PROVIDERS[FA2])
     except (ValueError, ImportError) as exc:  # this family has no flash_attention_2 path in transformers
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return None, one_line(exc)
     return model, ""
 
 
@@ -240,7 +241,7 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
                 except Exception as exc:  # noqa: BLE001 - HF flash_attention_2 failing on its first step: a skip
                     if key != fa2_key or rep:
                         raise
-                    skipped[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                    skipped[key] = one_line(exc)
                     del steps[key], times[key]
                     continue
                 if rep:
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows += measure(family, lengths, args.reps, device, budget)
             except Exception as exc:  # noqa: BLE001 - one family failing must not cost the others' rows
-                failed[family] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                failed[family] = one_line(exc, 300)
                 print(f"{family:<14}failed: {failed[family]}", flush=True)
             if args.csv and rows:
                 write_rows(args.csv, rows)  # after every family: a budget or a failure keeps what was measured

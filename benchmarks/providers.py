@@ -115,6 +115,12 @@ def step_fn(provider: Provider, workload: str, data: dict[str, Any], decode_toke
     return run
 
 
+def one_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception in one line for a skipped row: its type and the first `limit` characters of its first line."""
+    first = str(exc).splitlines()[0][:limit] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
+
+
 def probe_hf_flash(device: Any) -> Optional[str]:
     """None when HF's flash_attention_2 loads and runs one forward on `device`, else why not."""
     import torch
@@ -129,7 +135,7 @@ def probe_hf_flash(device: Any) -> Optional[str]:
         model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
         model(input_ids=torch.ones(1, 4, dtype=torch.long, device=device))
     except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return one_line(exc)
     return None
 
 

@@ -49,7 +49,7 @@ from decode import (  # noqa: E402
     ratios,
     start,
 )
-from providers import Budget, patchkit_backends, probed, timed  # noqa: E402
+from providers import Budget, one_line, patchkit_backends, probed, timed  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import make_tokens, padded_batch  # noqa: E402
 
@@ -98,7 +98,7 @@ def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mod
         except (ValueError, ImportError) as exc:  # e.g. HF flash_attention_2 refusing this model
             if device.type != "cuda" or skipped is None:
                 raise
-            skipped[name] = why(exc)
+            skipped[name] = one_line(exc)
             continue
         if name.endswith(BY_GENERATE):
             model.generation_config.compile_config = generate_compile_config(compile_backend, compile_mode)
@@ -109,10 +109,6 @@ def build(kv_heads: int, device: torch.device, compile_backend: str, compile_mod
                                               fullgraph=True)
         models[name] = model
     return models
-
-
-def why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def suffix(name: str) -> str:
@@ -202,7 +198,7 @@ def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torc
             except Exception as exc:  # noqa: BLE001 - on CUDA a provider failing its warm-up is a skipped row
                 if rep or device.type != "cuda" or name == "hf_sdpa":
                     raise
-                skipped[name] = why(exc)
+                skipped[name] = one_line(exc)
                 del models[name]
                 continue
             if rep:
