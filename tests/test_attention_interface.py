@@ -135,3 +135,36 @@ def test_strict_refuses_labels_at_padding_under_the_name_alone_and_the_next_call
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got_g, want_g, atol=2e-5, rtol=1e-3)
+
+
+class PassThrough(torch.nn.Module):
+    """A module that only forwards its call (FSDP's and accelerate's wrappers add frames like these)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def test_labels_at_padding_are_read_however_deeply_the_base_model_is_wrapped():
+    """Under the name alone the mask function finds the causal LM's call up the stack; wrappers around the base
+    model (FSDP units, accelerate's hooks) put frames between them. Six pass-through wrappers add 18 frames: the
+    labels predicted from padding must still be read, and the forward step aside with eager's loss."""
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_config(kv_heads=2))
+    named = LlamaForCausalLM(tiny_config(kv_heads=2))
+    named.load_state_dict(eager.state_dict())
+    named.config._attn_implementation = "patchkit"
+    base = named.model
+    for _ in range(6):
+        base = PassThrough(base)
+    named.model = base
+    ids, mask = padded_batch("right")
+    state = attention_interface.route_state()
+    want = eager(input_ids=ids, attention_mask=mask, labels=ids).loss
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+        got = named(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert state.stepped_aside == {"labels_from_padding": 2}
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
