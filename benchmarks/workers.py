@@ -31,13 +31,14 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     On CUDA each piece is timed between synchronizations: the metadata's time holds no GPU work queued before it
     (its first host read would wait for it: the H100 run's padded shares, 8.7% MHA and 17.3% GQA, were timed so),
     and the replay times kernels, not their launches. Every place that builds metadata or unpads is counted: once
-    per model forward (`model_forward`, and the caller-made documents of `step_aside.documents_metadata`) and inside
-    attention.
+    per model forward (`plan.unpad_plan` and `model_forward`'s unpad and repad, and the caller-made documents of
+    `step_aside.documents_metadata`) and inside attention.
     """
     import torch
 
     import patchkit.forward.masks as pm
     import patchkit.hooks.model_forward as pmu
+    import patchkit.hooks.plan as pp
     import patchkit.hooks.step_aside as psa
     import patchkit.hooks.varlen as pa
 
@@ -68,7 +69,7 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
         return out
 
     hooks = [(pa, "unpad_rows", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
-             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pmu, "build_metadata", build),
+             (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pp, "build_metadata", build),
              (psa, "build_metadata", build)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
     for mod, name, fn in hooks:

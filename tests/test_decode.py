@@ -11,7 +11,7 @@ from models import cache_tensors, decode_logits, needs_set_attn_implementation, 
 
 import patchkit
 from patchkit.forward import decode, masks, metadata, padding
-from patchkit.hooks import model_forward
+from patchkit.hooks import plan
 from patchkit.hooks import varlen as attention_module
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -103,7 +103,7 @@ def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(masks, "build_metadata", counting_metadata)
-    monkeypatch.setattr(model_forward, "build_metadata", counting_metadata)  # the packed prefill's, model-level
+    monkeypatch.setattr(plan, "build_metadata", counting_metadata)  # the packed prefill's, model-level
     monkeypatch.setattr(decode, "DecodePlan", CountingPlan)
     with patchkit.apply_patch("llama2", backend="sdpa"):
         decode_logits(model, ids, mask, 5)

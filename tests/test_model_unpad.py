@@ -238,7 +238,7 @@ def test_packed_context_is_reset_when_the_forward_raises():
     model = tiny_model()
     ids, mask = padded_batch("right")
     def boom(module, args):
-        assert context.current().packed is not None  # inside the packed forward
+        assert context.current().plan.packed is not None  # inside the packed forward
         raise RuntimeError("boom")
 
     hook = model.model.layers[1].register_forward_pre_hook(boom)
@@ -246,7 +246,7 @@ def test_packed_context_is_reset_when_the_forward_raises():
         with pytest.raises(RuntimeError, match="boom"):
             model(input_ids=ids, attention_mask=mask, use_cache=False)
         hook.remove()
-        assert context.current().packed is None
+        assert context.current().plan is context.NO_PLAN
         # and the next forward (padded, with a cache) is not mistaken for a packed one
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
     want = model(input_ids=ids, attention_mask=mask, use_cache=True)

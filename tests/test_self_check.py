@@ -18,7 +18,7 @@ from families import FAMILIES, family_model, served_here
 from models import padded_batch, tiny_model
 
 import patchkit
-from patchkit.hooks import model_forward, self_check
+from patchkit.hooks import model_forward, plan, self_check
 
 OPTIONS = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
 
@@ -37,7 +37,8 @@ def newer(monkeypatch):
 def cache_lost(monkeypatch):
     """The patched model forward knows the cache by its old name only, `past_key_values` (patchkit 0.1 on
     transformers 5.24, which renamed it `cache`): it makes a cache of its own beside generate()'s."""
-    monkeypatch.setattr(model_forward, "given_cache", lambda arguments, extra=None: arguments.get("past_key_values"))
+    for module in (model_forward, plan):
+        monkeypatch.setattr(module, "given_cache", lambda arguments, extra=None: arguments.get("past_key_values"))
     monkeypatch.setattr(model_forward, "cache_parameter", lambda parameters: "past_key_values")
     monkeypatch.setattr(model_forward, "check_one_cache", lambda arguments: None)
 

@@ -34,8 +34,8 @@ def _varlen_mask(attention_mask: Any, past_len: Any) -> VarlenMask:
     """The 2D mask (None where the model made an all-ones one up: inside a packed forward, or the caller gave none,
     so that position_ids define documents as they do without a mask) and where the queries sit."""
     refuse_4d(attention_mask, False)
-    context = current()
-    made_up = context.packed is not None or context.no_mask
+    plan = current().plan
+    made_up = plan.packed is not None or plan.no_mask
     return VarlenMask.for_forward(None if made_up else attention_mask, past_len)
 
 

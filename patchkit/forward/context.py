@@ -5,22 +5,45 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
     from patchkit.forward.metadata import VarlenMetadata
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardPlan:
+    """What one base model's forward is, decided once from its arguments (`hooks/plan.py`), for every mask builder
+    and layer it runs.
+
+    - `aside`: the cause it steps aside for (mask builders hand over to transformers', so its layers and their
+      checkpoint recomputes run transformers' attention), or None: served.
+    - `padded`: the padded batch's metadata when the forward unpadded its batch into one packed row itself (a mask
+      patchkit cannot serve there raises `PaddedOnly`: the forward reruns padded, stepped aside), else None.
+    - `packed`: the documents of its rows, which mask builders given no mask hand the layers (the packed row's, or
+      caller-made `cu_seq_lens`), else None.
+    - `no_mask`: its caller gave no attention_mask (position_ids may define documents).
+    """
+
+    aside: Optional[str] = None
+    padded: Optional[VarlenMetadata] = None
+    packed: Optional[VarlenMetadata] = None
+    no_mask: bool = False
+
+    @property
+    def unpadded(self) -> bool:
+        return self.padded is not None
+
+
+NO_PLAN = ForwardPlan()  # outside any patched base model's forward
+
+
 class ForwardContext:
     """What the forward running in this context carries. Immutable: `within` sets fields for the span of a block.
 
     Lifetimes, by who sets each field:
-    - `packed`, `unpadded`, `no_mask`, `aside`: the base model's forward, for its call. `packed`: the documents of
-      its rows (mask builders given no mask hand the layers this metadata); `unpadded`: it unpadded its batch into
-      that one packed row itself (a mask patchkit cannot serve there raises `PaddedOnly`: the forward reruns
-      padded on transformers' attention); `no_mask`: its
-      caller gave no attention_mask (position_ids may define documents); `aside`: the cause it steps aside for
-      (mask builders hand over to transformers').
+    - `plan`: the base model's forward, for its call (`ForwardPlan`).
     - `lm_cause`: the causal LM's forward, for its call: what of it reads padding positions (labels,
       generate()'s next token), for the base model's forward to step aside for.
     - `route`: one routed forward or attention call, for its span: the patch state (and sequence-parallel wrapper)
@@ -29,14 +52,10 @@ class ForwardContext:
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 
-    __slots__ = ("packed", "unpadded", "no_mask", "aside", "lm_cause", "route")
+    __slots__ = ("plan", "lm_cause", "route")
 
-    def __init__(
-        self, packed: Optional[VarlenMetadata] = None, unpadded: bool = False, no_mask: bool = False,
-        aside: Optional[str] = None, lm_cause: Optional[str] = None, route: Any = None,
-    ) -> None:
-        self.packed, self.unpadded, self.no_mask = packed, unpadded, no_mask
-        self.aside, self.lm_cause, self.route = aside, lm_cause, route
+    def __init__(self, plan: ForwardPlan = NO_PLAN, lm_cause: Optional[str] = None, route: Any = None) -> None:
+        self.plan, self.lm_cause, self.route = plan, lm_cause, route
 
     def replace(self, **fields: Any) -> ForwardContext:
         """A copy with `fields` changed."""

@@ -168,7 +168,7 @@ class VarlenMask:
     """What the patched mask builder hands to every layer: the 2D mask, with metadata computed once.
 
     The first patched layer of a forward computes the metadata; the others reuse it. Nothing of size
-    (batch, 1, q_len, kv_len) is ever built. Inside a packed forward (`ForwardContext.packed`) a builder given no mask
+    (batch, 1, q_len, kv_len) is ever built. Inside a packed forward (`ForwardPlan.packed`) a builder given no mask
     hands the layers that metadata itself: the model forward has already unpadded its batch into one packed row.
 
     `past_len` is how many tokens the KV cache held when the mask was built (None: no cache, or unknown) and
@@ -208,7 +208,7 @@ class VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running; with the route of
         the forward building it, which its layers (and their checkpoint recomputes) then read from the mask."""
         context = current()
-        return cls(mask, context.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
+        return cls(mask, context.plan.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
                    context.route, window, chunk)
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:

@@ -73,7 +73,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     refuse_refused(kwargs.get("config"))
     function = kwargs.get("mask_function")
     if beyond_causal(function, chunks=True):
-        if current().unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
+        if current().plan.unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly("custom_mask_pattern")
         return aside_mask("custom_mask_pattern", args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
@@ -93,7 +93,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
                               or chunks_off_start(function, chunk)):
         return aside_mask("chunk_behind_cache", args, kwargs)
     documents = packed_sequence_ids(function) if attention_mask is None else None
-    if documents is not None and current().packed is None:  # for layers not handed position_ids (GPT-BigCode)
+    if documents is not None and current().plan.packed is None:  # for layers not handed position_ids (GPT-BigCode)
         return VarlenMask(None, sequence_ids_metadata(documents), route=current().route, window=window, chunk=chunk)
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)

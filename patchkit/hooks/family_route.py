@@ -166,7 +166,7 @@ def make_update_causal_mask(original: Callable) -> Callable:
         self: nn.Module, attention_mask: Any, input_tensor: Any = None, cache_position: Any = None,
         past_key_values: Any = None, *args: Any, **kwargs: Any,
     ) -> Any:
-        if transformers_mask_in_graph(attention_mask) or current().aside is not None:
+        if transformers_mask_in_graph(attention_mask) or current().plan.aside is not None:
             return original(self, attention_mask, input_tensor, cache_position, past_key_values, *args, **kwargs)
         past_len, fixed = cache_placement(past_key_values, cache_position)
         refuse_4d(attention_mask, fixed)

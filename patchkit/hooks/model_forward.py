@@ -8,7 +8,6 @@ wrapper keeps the packed path off a batch whose labels are predicted from paddin
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 from typing import Any, Callable, Iterator, Optional
 
@@ -17,116 +16,23 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
-from patchkit.forward.context import PaddedOnly, current, within
+from patchkit.forward.context import ForwardPlan, PaddedOnly, current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
-from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
 from patchkit.hooks.causes import CAUSES
 from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
-from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, filled_padded, makes_own_cache, own_cache
+from patchkit.hooks.padded_cache import caches_in_training, filled_padded, own_cache
 from patchkit.hooks.patching import dressed_as
+from patchkit.hooks.plan import fills_a_cache, plan_forward, resolved_use_cache
 from patchkit.hooks.recorded_router import hand_up
 from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
-from patchkit.hooks.self_check import untrusted_cause, untrusted_what
+from patchkit.hooks.self_check import untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.slots_mask import served_cause
-from patchkit.hooks.step_aside import (
-    documents_metadata,
-    forward_cause,
-    input_tokens,
-    lm_cause,
-    sliding_window,
-    step_aside,
-    transformers_mask_in_graph,
-)
+from patchkit.hooks.step_aside import lm_cause, step_aside, transformers_mask_in_graph
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
-
-FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-
-
-def _resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
-    """use_cache as given, else the config's (a vision-language model's: its text config's)."""
-    if use_cache is not None:
-        return bool(use_cache)
-    config = module.config
-    if not hasattr(config, "use_cache") and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return bool(getattr(config, "use_cache", False))
-
-
-def _fills_a_cache(module: nn.Module, args: dict) -> bool:
-    """This forward returns a cache the packed path must fill padded: with use_cache in eval, and in training only
-    where the caller asked (use_cache=True; a cache brought in training keeps the per-layer path, as before)."""
-    if not _resolved_use_cache(module, args.get("use_cache")):
-        return False
-    return not module.training or (args.get("use_cache") is True and caches_in_training(module))
-
-
-def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMetadata]:
-    """The padded batch's metadata when this forward can run packed, else None (run the original as is).
-
-    Packed needs a 2D mask with padding, no past, and no caller-made packing (`cu_seq_lens_*`). A cache to return
-    must be an empty DynamicCache (generate()'s prefill), or none where the model would make one itself (an eval
-    forward with use_cache: `own_cache`); `filled_padded` fills it padded. Everything else, decode steps above all,
-    keeps the per-layer path, which is exact there too.
-    """
-    mask = args.get("attention_mask")
-    tokens = input_tokens(args)
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or tokens.dim() < 2:
-        return None
-    if any(extra.get(k) is not None for k in FLASH_KWARGS):
-        return None
-    if args.get("output_attentions") or extra.get("output_attentions"):
-        return None  # refused by the attention layers with the reason
-    if current().lm_cause is not None:
-        return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
-    cache = given_cache(args)
-    if _fills_a_cache(module, args):
-        if cache is None and not makes_own_cache(module):
-            return None  # an era whose own cache was not checked: the per-layer path lets the model make it
-        if cache is not None and not fillable_cache(cache):
-            return None  # a cache with a past, or one patchkit cannot fill from the packed row: the per-layer path
-    elif cache is not None:
-        return None
-    batch, seqlen = tokens.shape[:2]
-    if tuple(mask.shape) != (batch, seqlen):
-        return None  # the per-layer path raises its clear shape error
-    position_ids = args.get("position_ids")
-    meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
-    if meta.indices_q is None or meta.nnz_q == 0:
-        return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
-    if rope_reads_padded_length(module, mask, position_ids, seqlen):
-        return None
-    if meta.holes and sliding_window(module.config) is not None:
-        return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
-    visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
-    if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
-        return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it
-    return meta
-
-
-def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
-    """Dynamic and longrope RoPE pick their frequencies from the largest position in the batch, padding included:
-    when the packed row's largest position differs, the per-layer path keeps the padded positions (exact)."""
-    kinds = [getattr(m, "rope_type", "") for m in module.children()]
-    kinds = [k for kind in kinds for k in (kind.values() if isinstance(kind, dict) else [kind])]
-    if not any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
-        return False
-    if position_ids is None:
-        return not bool(mask[:, -1].any())  # 0..S-1 in every row: the largest is S-1 only if a row reaches it
-    positions = position_ids.expand(mask.shape)
-    return bool(positions.max() != positions[mask.bool()].max())
-
-
-def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
-    """The same documents as one row of `nnz` real tokens: no gather, the cu_seqlens unchanged."""
-    nnz = meta.nnz_q
-    return dataclasses.replace(
-        meta, batch=1, q_len=nnz, kv_len=nnz, indices_q=None, indices_k=None, packed=len(meta.seqlens_q) > 1
-    )
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
@@ -222,7 +128,7 @@ def _keep_no_cache_in_training(module: nn.Module, args: dict, extra: dict) -> No
     tuple output (return_dict=False) holds a place for: its later elements keep their positions."""
     if args.get("use_cache") is True or not module.training or given_cache(args) is not None:
         return
-    keeps_place = wants_tuple(module, args, extra) and _resolved_use_cache(module, args.get("use_cache")) and (
+    keeps_place = wants_tuple(module, args, extra) and resolved_use_cache(module, args.get("use_cache")) and (
         caches_in_training(module))
     args["use_cache"] = keeps_place
 
@@ -295,39 +201,31 @@ def make_model_forward(
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
-        cause = forward_cause(self, arguments, extra) if aside_state is not None else None
-        cause = served_cause(self, arguments, extra, cause)  # packed documents, static caches' masks: patched
-        if cause is None and aside_state is not None:
-            cause = untrusted_cause(self, aside_state)  # a transformers newer than CI's: the family's self-check
-        if cause is not None:
+        plan = plan_forward(self, arguments, extra, aside_state, unpad, ulysses is not None)
+        if plan.aside is not None:
             if padding_first:
-                raise refuse_step_aside(cause, *CAUSES[cause])
-            step_aside(aside_state, cause, arguments, extra, untrusted_what(self) if cause in UNTRUSTED else None)
-            with within(aside=cause):
+                raise refuse_step_aside(plan.aside, *CAUSES[plan.aside])
+            what = untrusted_what(self) if plan.aside in UNTRUSTED else None
+            step_aside(aside_state, plan.aside, arguments, extra, what)
+            with within(plan=plan):
                 return call(self, put_rope_rows(arguments, rope_rows))
-        # under sequence parallelism every rank keeps its equal-length shard: attention unpads the gathered one
-        whole = unpad == "model" and ulysses is None
-        meta = unpad_plan(self, arguments, extra) if whole else None
-        documents = documents_metadata(arguments, extra) if meta is None and ulysses is None else None
-        carried = {} if documents is None else {"packed": documents}  # documents ride the mask, as checkpoints do
+        meta = plan.padded
         try:
-            with _route_masks(self, patched_impl, route), within(no_mask=arguments.get("attention_mask") is None,
-                                                                 **carried):
+            with _route_masks(self, patched_impl, route), within(plan=plan):
                 if meta is None:
                     return call(self, put_rope_rows(arguments, rope_rows))
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
-                if cache is None and _fills_a_cache(self, arguments):
+                if cache is None and fills_a_cache(self, arguments):
                     arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
                     cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
                 _unpad_inputs(arguments, meta)
                 put_rope_rows(arguments, rope_rows, meta)
-                filling = filled_padded(cache, meta) if cache is not None else contextlib.nullcontext()
-                with within(packed=packed_row_metadata(meta), unpadded=True), filling:
+                with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext():
                     out = call(self, arguments)
         except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
             step_aside(aside_state, only.cause, padded, extra)
-            with within(aside=only.cause):
+            with within(plan=ForwardPlan(aside=only.cause)):
                 return call(self, put_rope_rows(padded, rope_rows))
         out = repad_outputs(out, meta)
         if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
@@ -352,7 +250,7 @@ def make_lm_forward(original: Callable) -> Callable:
             with lm_in_graph(lm_plan(arguments, extra)):
                 return original(self, *args, **kwargs)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
-                wants_tuple(self, arguments, extra) and _resolved_use_cache(self, None)):
+                wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra)
         if cause is None and (is_compiling() or current().lm_cause is None):

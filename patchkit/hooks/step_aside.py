@@ -120,7 +120,7 @@ def input_tokens(arguments: dict) -> Any:
 
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
     """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
-    metadata the mask builders hand every layer (`ForwardContext.packed`): on the mask object they reach a
+    metadata the mask builders hand every layer (`ForwardPlan.packed`): on the mask object they reach a
     checkpoint's recompute, where kwargs may not (transformers 4.48-4.51 call checkpointed layers without them)."""
     cu_q, tokens = extra.get("cu_seq_lens_q"), input_tokens(arguments)
     if cu_q is None or arguments.get("attention_mask") is not None or tokens is None or tokens.dim() < 2:

@@ -1,0 +1,127 @@
+"""What one base model's forward is, decided once from its arguments: stepped aside (and why), unpadded at the
+model into one packed row, or served per layer (with the documents its layers read). `plan_forward` is the one
+place that decides; the forward wrapper (`model_forward.py`) carries the plan out, and it rides the forward's
+context (`ForwardContext.plan`) to every mask builder and layer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from patchkit.forward.arguments import given_cache
+from patchkit.forward.context import ForwardPlan, current
+from patchkit.forward.masks import build_metadata
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
+from patchkit.hooks.self_check import untrusted_cause
+from patchkit.hooks.slots_mask import served_cause
+from patchkit.hooks.step_aside import documents_metadata, forward_cause, input_tokens, sliding_window
+
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
+
+
+def plan_forward(
+    module: nn.Module, arguments: dict, extra: dict, state: Any, unpad: str, sequence_parallel: bool
+) -> ForwardPlan:
+    """The plan of this forward. With a patch state (`state`), a forward the varlen path cannot serve exactly steps
+    aside (`forward_cause`; a transformers newer than CI's: the family's self-check). The masks patchkit serves are
+    put in the form its path reads first, in `arguments` / `extra` in place (`served_cause`). Under unpad="model"
+    the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
+    cause = forward_cause(module, arguments, extra) if state is not None else None
+    cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
+    if cause is None and state is not None:
+        cause = untrusted_cause(module, state)
+    if cause is not None:
+        return ForwardPlan(aside=cause)
+    no_mask = arguments.get("attention_mask") is None
+    if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
+        return ForwardPlan(no_mask=no_mask)
+    meta = unpad_plan(module, arguments, extra) if unpad == "model" else None
+    if meta is not None:
+        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask)
+    return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask)
+
+
+def resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
+    """use_cache as given, else the config's (a vision-language model's: its text config's)."""
+    if use_cache is not None:
+        return bool(use_cache)
+    config = module.config
+    if not hasattr(config, "use_cache") and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return bool(getattr(config, "use_cache", False))
+
+
+def fills_a_cache(module: nn.Module, args: dict) -> bool:
+    """This forward returns a cache the packed path must fill padded: with use_cache in eval, and in training only
+    where the caller asked (use_cache=True; a cache brought in training keeps the per-layer path, as before)."""
+    if not resolved_use_cache(module, args.get("use_cache")):
+        return False
+    return not module.training or (args.get("use_cache") is True and caches_in_training(module))
+
+
+def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMetadata]:
+    """The padded batch's metadata when this forward can run packed, else None (run the original as is).
+
+    Packed needs a 2D mask with padding, no past, and no caller-made packing (`cu_seq_lens_*`). A cache to return
+    must be an empty DynamicCache (generate()'s prefill), or none where the model would make one itself (an eval
+    forward with use_cache: `own_cache`); `filled_padded` fills it padded. Everything else, decode steps above all,
+    keeps the per-layer path, which is exact there too.
+    """
+    mask = args.get("attention_mask")
+    tokens = input_tokens(args)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or tokens.dim() < 2:
+        return None
+    if any(extra.get(k) is not None for k in FLASH_KWARGS):
+        return None
+    if args.get("output_attentions") or extra.get("output_attentions"):
+        return None  # refused by the attention layers with the reason
+    if current().lm_cause is not None:
+        return None  # padding positions' logits are read (eras without stepping aside: the per-layer path)
+    cache = given_cache(args)
+    if fills_a_cache(module, args):
+        if cache is None and not makes_own_cache(module):
+            return None  # an era whose own cache was not checked: the per-layer path lets the model make it
+        if cache is not None and not fillable_cache(cache):
+            return None  # a cache with a past, or one patchkit cannot fill from the packed row: the per-layer path
+    elif cache is not None:
+        return None
+    batch, seqlen = tokens.shape[:2]
+    if tuple(mask.shape) != (batch, seqlen):
+        return None  # the per-layer path raises its clear shape error
+    position_ids = args.get("position_ids")
+    meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
+    if meta.indices_q is None or meta.nnz_q == 0:
+        return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
+    if rope_reads_padded_length(module, mask, position_ids, seqlen):
+        return None
+    if meta.holes and sliding_window(module.config) is not None:
+        return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
+    visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
+    if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
+        return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it
+    return meta
+
+
+def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
+    """Dynamic and longrope RoPE pick their frequencies from the largest position in the batch, padding included:
+    when the packed row's largest position differs, the per-layer path keeps the padded positions (exact)."""
+    kinds = [getattr(m, "rope_type", "") for m in module.children()]
+    kinds = [k for kind in kinds for k in (kind.values() if isinstance(kind, dict) else [kind])]
+    if not any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+        return False
+    if position_ids is None:
+        return not bool(mask[:, -1].any())  # 0..S-1 in every row: the largest is S-1 only if a row reaches it
+    positions = position_ids.expand(mask.shape)
+    return bool(positions.max() != positions[mask.bool()].max())
+
+
+def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
+    """The same documents as one row of `nnz` real tokens: no gather, the cu_seqlens unchanged."""
+    nnz = meta.nnz_q
+    return dataclasses.replace(
+        meta, batch=1, q_len=nnz, kv_len=nnz, indices_q=None, indices_k=None, packed=len(meta.seqlens_q) > 1
+    )
