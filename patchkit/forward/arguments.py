@@ -7,7 +7,7 @@ allow-list, not a deny-list, so an argument added by a future transformers is re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from torch import nn
 
@@ -127,17 +127,3 @@ def model_type_of(module: nn.Module) -> Any:
     except AttributeError:  # no instance dict (None, or a config with slots)
         return getattr(config, "model_type", None)
     return own["model_type"] if "model_type" in own else getattr(type(config), "model_type", None)
-
-
-def check_family(module: nn.Module, model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None
-                 ) -> None:
-    """The registered name serves only the families patchkit has a patch for: a served `model_type`, or (`family_of`
-    a class) a served family's attention layer under a model_type of its own; any other model is refused."""
-    if model_type_of(module) not in model_types and (family_of is None or family_of(type(module)) is None):
-        allowed = sorted(set(model_types))
-        raise PatchInputError(
-            f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
-            f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "
-            "arguments do not show, so patchkit refuses rather than guess."
-            + (part_of_multimodal(module) or " Load it with attn_implementation='sdpa'.")
-        )

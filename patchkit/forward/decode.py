@@ -1,7 +1,8 @@
 """Decode steps on the padded KV cache: a per-row key mask instead of gathering every cached key for each new token.
 
-This module plans such a step (which keys each query sees, once per model forward) and hands it to the backend's
-`attend_kvcache`; the kernels that run it live with the backends (`patchkit.backends.padded_cache` for torch's).
+This module plans such a step (which keys each query sees, once per model forward); `hooks/attend.py` hands the
+plan to the backend's `attend_kvcache`, and the kernels that run it live with the backends
+(`patchkit.backends.padded_cache` for torch's).
 
 The varlen path unpads the keys of every layer: for a decode step (a few new tokens behind a cache of K keys)
 that is a copy of the whole cache per layer per token, costlier than the attention itself. Here a step attends to
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -127,30 +128,3 @@ def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
     )
     meta.decode_plan = plan
     return plan
-
-
-def decode_attention(
-    backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
-    dropout: float, scaling: float, window: tuple[int, int], softcap: float, warn_once: Callable[[str, str], None],
-) -> Optional[torch.Tensor]:
-    """A decode step on the padded cache: q (B, H, q_len, D), k/v (B, Hk, K, D) as transformers keeps them ->
-    (B, q_len, H, D), padding zero.
-
-    None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
-    kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old
-    for this step (`kvcache_missing`) warns once and gathers, in strict mode too: that is the same kernel, and exact,
-    on a copy of the cache (slower), not a fallback to another backend.
-    """
-    attend = getattr(backend, "attend_kvcache", None)
-    if attend is None or not is_decode_step(meta):
-        return None
-    plan = decode_plan(meta, q.device)
-    missing = getattr(backend, "kvcache_missing", None)
-    reason = missing(plan) if missing is not None else None
-    if reason is not None:
-        warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
-        return None
-    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap)
-    if out is None or plan.real_q is None:
-        return out
-    return out.where(plan.real_q, out.new_zeros(()))

@@ -92,21 +92,23 @@ def graph_metadata(batch: int, q_len: int, cu_seqlens: torch.Tensor) -> VarlenMe
     return VarlenMetadata(batch, q_len, q_len, None, None, cu_seqlens, cu_seqlens, q_len, q_len, [], [])
 
 
-def attend_in_graph(backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: GraphMask,
-                    position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor],
-                    options: Any) -> torch.Tensor:
-    """q, k, v (B, H, S, D), no past -> (B, S, H, Dv), zeros at padding: the backend's varlen entry on the
-    flat batch in the mask's layout. Rows the kernel does not read are zeroed on the way in and out, so a kernel
-    that leaves them unwritten (flash-attn's empty outputs and gradients) adds nothing."""
-    batch, heads, q_len, _ = q.shape
+def flat_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: GraphMask,
+                   position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, VarlenMetadata, Layout]:
+    """q, k, v (B, H, S, D), no past, as the flat batch in the mask's layout, (B * S, H, D) each, with what a
+    backend's varlen entry reads of it. Rows the kernel does not read are zeroed on the way in (and out,
+    `back_in_rows`), so a kernel that leaves them unwritten (flash-attn's empty outputs and gradients) adds nothing."""
+    batch, _, q_len, _ = q.shape
     lay = gmask.layout(batch, q_len, q.device, position_ids, cu_seq_lens)
     q, k, v = (x.transpose(1, 2).reshape(batch * q_len, *x.shape[1:2], x.shape[-1]) for x in (q, k, v))
     if lay.order is not None:
         keep = lay.real.view(-1, 1, 1)
         q, k, v = (torch.where(keep, x.index_select(0, lay.order), 0) for x in (q, k, v))
-    out = backend.varlen(q, k, v, graph_metadata(batch, q_len, lay.cu_seqlens), dropout_p=options.dropout,
-                         softmax_scale=options.scaling, causal=True, window_size=options.window,
-                         softcap=options.softcap)
+    return q, k, v, graph_metadata(batch, q_len, lay.cu_seqlens), lay
+
+
+def back_in_rows(out: torch.Tensor, lay: Layout, batch: int, q_len: int) -> torch.Tensor:
+    """A kernel's (B * S, H, Dv) output in the layout's order -> (B, S, H, Dv), zeros at padding."""
     if lay.order is not None:
         out = torch.zeros_like(out).index_copy(0, lay.order, torch.where(lay.real.view(-1, 1, 1), out, 0))
     return out.view(batch, q_len, *out.shape[1:])

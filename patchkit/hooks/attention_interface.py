@@ -20,7 +20,7 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import check_family, given_cache
+from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
@@ -44,7 +44,7 @@ from patchkit.hooks.step_aside import (
     transformers_mask,
     window_over_hole,
 )
-from patchkit.hooks.varlen import PatchState, make_attention_function
+from patchkit.hooks.varlen import PatchState, check_family, make_attention_function
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 

@@ -1,26 +1,33 @@
-"""The varlen attention every patch runs: its state, how it stacks q/k/v, unpad, kernel, repad (decode.py)."""
+"""The varlen attention every patch runs: its state, which backend serves a layer, what it refuses; the kernel
+calls themselves (unpad, kernel, repad; the padded cache in place) are `attend.py`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
-from patchkit.backends import Backend, SdpaBackend, sdpa
+from patchkit.backends import Backend, SdpaBackend
 from patchkit.backends.choice import serving_backend
 from patchkit.errors import PatchGateError, PatchInputError, PatchStateError
-from patchkit.forward.arguments import check_call, check_family
-from patchkit.forward.decode import decode_attention
-from patchkit.forward.in_graph import GraphMask, attend_in_graph
+from patchkit.forward.arguments import check_call, model_label, model_type_of, part_of_multimodal
+from patchkit.forward.in_graph import GraphMask
 from patchkit.forward.liveness import record_call
 from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import text_positions
 from patchkit.gates import HALF_DTYPES, dtype_gate, head_dim_gate
+from patchkit.hooks.attend import (
+    KernelOptions,
+    attend_in_graph,
+    attend_unpadded,
+    attend_with_cache,
+    attend_with_sinks,
+    one_head_size,
+)
 from patchkit.hooks.patching import BoundPatch
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 from patchkit.warn import warn_user
@@ -150,8 +157,8 @@ def varlen_core(
     """Attention on real tokens only. q (B, H, S, D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) ->
     (B, S, H, D), padding zero.
 
-    A decode step (a few new tokens behind a cache) attends to the padded cache in place (`decode.py`) when the
-    backend can; everything else unpads, runs the varlen kernel and repads.
+    A decode step (a few new tokens behind a cache) attends to the padded cache in place when the backend can
+    (`attend.py`, planned by `decode.py`); everything else unpads, runs the varlen kernel and repads.
 
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
     """
@@ -200,18 +207,6 @@ def varlen_core(
     return out if out.dtype == in_dtype else out.to(in_dtype)
 
 
-def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, layout: Any, options: KernelOptions) -> torch.Tensor:
-    """`attend(backend, q, k, v, layout, options)`; where values are narrower than queries and keys (multi-head
-    latent attention), zero columns give all three one head size for the kernels, dropped from the output (the scale
-    is explicit: zeros add nothing to the scores)."""
-    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
-    if v_dim != q.shape[-1]:
-        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    out = attend(backend, q, k, v, layout, options)
-    return out if out.shape[-1] == v_dim else out[..., :v_dim]
-
-
 def varlen_in_graph(state: PatchState, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     gmask: GraphMask, kwargs: dict, options: KernelOptions) -> torch.Tensor:
     """Inside a graph that may not break (the base model's forward planned it, `hooks/graph_plan.py`): the
@@ -230,56 +225,6 @@ def varlen_in_graph(state: PatchState, module: nn.Module, q: torch.Tensor, k: to
         return attend_in_graph(backend, q, k, v, mask, positions, cu, o)
 
     return one_head_size(attend, state.backend, q, k, v, gmask, options)
-
-
-class KernelOptions(NamedTuple):
-    """What one attention call asks of the kernel, beside q/k/v and the metadata (a tuple: built per layer call)."""
-
-    dropout: float
-    scaling: float
-    window: tuple[int, int]
-    softcap: float
-    warn_once: Callable[[str, str], None]
-
-
-def repad(out: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
-    """A kernel's (nnz, H, D) output as (B, S, H, D), zeros at padding."""
-    if meta.indices_q is None:
-        return out.view(meta.batch, meta.q_len, *out.shape[1:])
-    return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
-
-
-def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
-                    o: KernelOptions) -> torch.Tensor:
-    """q, k, v (B, H, S, D) gathered to their real tokens, the backend's varlen kernel, repadded (B, S, H, D)."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
-    out = backend.varlen(unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k),
-                         meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True, window_size=o.window,
-                         softcap=o.softcap)
-    return repad(out, meta)
-
-
-def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
-                      o: KernelOptions) -> torch.Tensor:
-    """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
-    else the varlen kernel on the real tokens. q, k, v: (B, H, S, D)."""
-    out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
-                           softcap=o.softcap, warn_once=o.warn_once)
-    return out if out is not None else attend_unpadded(backend, q, k, v, meta, o)
-
-
-def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
-                      sinks: torch.Tensor) -> torch.Tensor:
-    """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
-    sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
-    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too."""
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    out, lse = sdpa.varlen_attention(
-        unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
-        meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
-    )
-    kept = torch.sigmoid(lse.transpose(0, 1) - sinks.float())  # (tokens, H): the weight the keys keep
-    return repad(out * kept.unsqueeze(-1).to(out.dtype), meta)
 
 
 def refuse_gqa_for_qkv(heads: int, kv_heads: int) -> None:
@@ -316,6 +261,20 @@ PACKINGS = {
     QKV_PACKED: Packing(refuse_gqa_for_qkv, refuse_past_for_qkv, attend_unpadded),
     KV_PACKED: Packing(_accept, _accept, attend_with_cache),
 }
+
+
+def check_family(module: nn.Module, model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None
+                 ) -> None:
+    """The registered name serves only the families patchkit has a patch for: a served `model_type`, or (`family_of`
+    a class) a served family's attention layer under a model_type of its own; any other model is refused."""
+    if model_type_of(module) not in model_types and (family_of is None or family_of(type(module)) is None):
+        allowed = sorted(set(model_types))
+        raise PatchInputError(
+            f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
+            f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "
+            "arguments do not show, so patchkit refuses rather than guess."
+            + (part_of_multimodal(module) or " Load it with attn_implementation='sdpa'.")
+        )
 
 
 def make_attention_function(

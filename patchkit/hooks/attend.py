@@ -1,0 +1,116 @@
+"""How one attention call reaches a backend: q/k/v unpadded to the varlen kernel and repadded, a decode step on the
+padded cache in place (`forward/decode.py` plans it), or the exact path for attention sinks. The kernel contract is
+the backend's (`backends/`); what runs is decided before (`varlen.py`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from patchkit.backends import Backend, sdpa
+from patchkit.forward.decode import decode_plan, is_decode_step
+from patchkit.forward.in_graph import GraphMask, back_in_rows, flat_in_layout
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.padding import pad_input, unpad_rows
+
+
+class KernelOptions(NamedTuple):
+    """What one attention call asks of the kernel, beside q/k/v and the metadata (a tuple: built per layer call)."""
+
+    dropout: float
+    scaling: float
+    window: tuple[int, int]
+    softcap: float
+    warn_once: Callable[[str, str], None]
+
+
+def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, layout: Any, options: KernelOptions) -> torch.Tensor:
+    """`attend(backend, q, k, v, layout, options)`; where values are narrower than queries and keys (multi-head
+    latent attention), zero columns give all three one head size for the kernels, dropped from the output (the scale
+    is explicit: zeros add nothing to the scores)."""
+    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if v_dim != q.shape[-1]:
+        q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    out = attend(backend, q, k, v, layout, options)
+    return out if out.shape[-1] == v_dim else out[..., :v_dim]
+
+
+def repad(out: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
+    """A kernel's (nnz, H, D) output as (B, S, H, D), zeros at padding."""
+    if meta.indices_q is None:
+        return out.view(meta.batch, meta.q_len, *out.shape[1:])
+    return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
+
+
+def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+                    o: KernelOptions) -> torch.Tensor:
+    """q, k, v (B, H, S, D) gathered to their real tokens, the backend's varlen kernel, repadded (B, S, H, D)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
+    out = backend.varlen(unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k),
+                         meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True, window_size=o.window,
+                         softcap=o.softcap)
+    return repad(out, meta)
+
+
+def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
+                      o: KernelOptions) -> torch.Tensor:
+    """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
+    else the varlen kernel on the real tokens. q, k, v: (B, H, S, D)."""
+    out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
+                           softcap=o.softcap, warn_once=o.warn_once)
+    return out if out is not None else attend_unpadded(backend, q, k, v, meta, o)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
+    sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
+    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    out, lse = sdpa.varlen_attention(
+        unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
+        meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
+    )
+    kept = torch.sigmoid(lse.transpose(0, 1) - sinks.float())  # (tokens, H): the weight the keys keep
+    return repad(out * kept.unsqueeze(-1).to(out.dtype), meta)
+
+
+def decode_attention(
+    backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
+    dropout: float, scaling: float, window: tuple[int, int], softcap: float, warn_once: Callable[[str, str], None],
+) -> Optional[torch.Tensor]:
+    """A decode step on the padded cache: q (B, H, q_len, D), k/v (B, Hk, K, D) as transformers keeps them ->
+    (B, q_len, H, D), padding zero.
+
+    None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
+    kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old
+    for this step (`kvcache_missing`) warns once and gathers, in strict mode too: that is the same kernel, and exact,
+    on a copy of the cache (slower), not a fallback to another backend.
+    """
+    attend = getattr(backend, "attend_kvcache", None)
+    if attend is None or not is_decode_step(meta):
+        return None
+    plan = decode_plan(meta, q.device)
+    missing = getattr(backend, "kvcache_missing", None)
+    reason = missing(plan) if missing is not None else None
+    if reason is not None:
+        warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
+        return None
+    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap)
+    if out is None or plan.real_q is None:
+        return out
+    return out.where(plan.real_q, out.new_zeros(()))
+
+
+def attend_in_graph(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: GraphMask,
+                    position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor],
+                    options: KernelOptions) -> torch.Tensor:
+    """Inside one compiled graph, no past: q, k, v (B, H, S, D) -> (B, S, H, Dv), zeros at padding, the backend's
+    varlen entry on the flat batch in the mask's layout (`forward/in_graph.py`)."""
+    batch, _, q_len, _ = q.shape
+    q, k, v, meta, lay = flat_in_layout(q, k, v, gmask, position_ids, cu_seq_lens)
+    out = backend.varlen(q, k, v, meta, dropout_p=options.dropout, softmax_scale=options.scaling, causal=True,
+                         window_size=options.window, softcap=options.softcap)
+    return back_in_rows(out, lay, batch, q_len)
