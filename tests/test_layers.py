@@ -1,4 +1,5 @@
-"""The packages import downwards only (docs/architecture.md's table), read from the source: no import circle."""
+"""The packages import downwards only (docs/architecture.md's table), read from the source: no import circle; and
+one forward calls downwards only."""
 
 from __future__ import annotations
 
@@ -106,3 +107,17 @@ def test_no_import_circle():
 
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
     assert not circles, circles
+
+
+def test_a_padded_training_step_and_a_decode_step_call_downward_only():
+    """Imports go downward; so must calls. A callback handed down (a registry's set, a backend object) lets the core
+    call back up, and the path of one forward goes back and forth: tools/walk_forward.py profiles a tiny LLaMA's
+    padded training step and decode step and lists every call from a package into one above it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("walk_forward", ROOT / "tools" / "walk_forward.py")
+    walk_forward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(walk_forward)
+    for what, (modules, upward) in walk_forward.walks().items():
+        assert any(m.startswith("patchkit.backends.") for m in modules), what  # the walk saw the kernel call
+        assert not upward, f"{what} calls upward: {upward}"

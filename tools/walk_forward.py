@@ -2,12 +2,15 @@
 
 Runs a tiny LLaMA under `apply_patch("llama2", backend="sdpa")` on CPU (a padded training step with labels, then
 a decode step behind a left-padded prefill) and prints, for each, the patchkit modules its calls enter in order
-(consecutive calls in one module counted once) and the packages in order. `--json` prints them as JSON.
+(consecutive calls in one module counted once), the packages in order, and every upward call: a call from a
+package into one above it in the layer table (tests/test_layers.py), which only a callback handed down can make.
+`--json` prints them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -16,9 +19,15 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def walk(run: Callable[[], object]) -> list[str]:
-    """The patchkit modules `run` enters, in order, consecutive repeats collapsed."""
+def walk(run: Callable[[], object]) -> tuple[list[str], dict[str, int]]:
+    """The patchkit modules `run` enters, in order, consecutive repeats collapsed; and its upward calls, counted by
+    "caller -> callee" (a generator resumed is no call)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_layers import LAYERS, node_of
+
+    rank = {node: i for i, layer in enumerate(LAYERS) for node in layer}
     seen: list[str] = []
+    upward: dict[str, int] = {}
 
     def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
         if event != "call":
@@ -26,13 +35,23 @@ def walk(run: Callable[[], object]) -> list[str]:
         name = frame.f_globals.get("__name__", "")
         if (name.startswith("patchkit") or name.startswith("patches")) and (not seen or seen[-1] != name):
             seen.append(name)
+        caller = frame.f_back
+        callee_node = node_of(name)
+        caller_node = None if caller is None else node_of(caller.f_globals.get("__name__", ""))
+        resumed = frame.f_code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > 0
+        if callee_node is None or caller_node is None or resumed:
+            return
+        if rank[callee_node] > rank[caller_node]:
+            key = (f"{caller.f_globals['__name__']}.{caller.f_code.co_name} -> "
+                   f"{name}.{frame.f_code.co_name}")
+            upward[key] = upward.get(key, 0) + 1
 
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
-    return seen
+    return seen, upward
 
 
 def packages(modules: list[str]) -> list[str]:
@@ -47,10 +66,8 @@ def packages(modules: list[str]) -> list[str]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def walks() -> dict[str, tuple[list[str], dict[str, int]]]:
+    """The walk of a padded training step and of a decode step of a tiny LLaMA, patched on the sdpa backend."""
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from models import labels_for, padded_batch, tiny_model
@@ -70,14 +87,25 @@ def main() -> None:
             step_mask = torch.cat([lmask, torch.ones_like(lmask[:, :1])], 1)
             decode = walk(lambda: model(input_ids=left[:, :1], attention_mask=step_mask,
                                         past_key_values=out.past_key_values, use_cache=True))
-    result = {"padded training step": train, "decode step": decode}
+    return {"padded training step": train, "decode step": decode}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = walks()
     if args.json:
-        print(json.dumps({k: {"modules": v, "packages": packages(v)} for k, v in result.items()}, indent=1))
+        print(json.dumps({k: {"modules": v, "packages": packages(v), "upward": up} for k, (v, up) in result.items()},
+                         indent=1))
         return
-    for what, modules in result.items():
-        print(f"{what}: {len(modules)} module entries, {len(set(modules))} modules")
+    for what, (modules, upward) in result.items():
+        ups = sum(upward.values())
+        print(f"{what}: {len(modules)} module entries, {len(set(modules))} modules, {ups} upward calls")
         print("  modules:  " + " -> ".join(m.removeprefix("patchkit.") for m in modules))
         print("  packages: " + " -> ".join(packages(modules)))
+        for call, count in upward.items():
+            print(f"  upward:   {call} ({count}x)")
 
 
 if __name__ == "__main__":
