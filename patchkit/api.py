@@ -20,7 +20,8 @@ from patchkit.hooks import batch_errors, flash_request, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
 from patchkit.hooks.registry import PatchSpec, for_model, registered, resolve, table_spec
-from patchkit.hooks.varlen import UNPAD_MODES, PatchState
+from patchkit.hooks.state import PatchState
+from patchkit.hooks.varlen import UNPAD_MODES
 from patchkit.warn import warn_user
 
 _ACTIVE: dict[tuple, PatchHandle] = {}

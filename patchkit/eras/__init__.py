@@ -22,7 +22,7 @@ from patchkit.hooks import family_route
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement
 from patchkit.hooks.routing import routes_to
-from patchkit.hooks.varlen import PatchState
+from patchkit.hooks.state import PatchState
 
 LLAMA_TRANSFORMERS = ">=4.31,<6"  # the union of the eras below
 

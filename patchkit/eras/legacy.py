@@ -24,7 +24,7 @@ from patchkit.forward.masks import VarlenMask, refuse_4d
 from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.model_walk import find_modules
 from patchkit.hooks.patching import Replacement, bound_replacement
-from patchkit.hooks.varlen import PatchState
+from patchkit.hooks.state import PatchState
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")

@@ -20,7 +20,8 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import check_call
-from patchkit.hooks.varlen import PatchState, varlen_core
+from patchkit.hooks.state import PatchState
+from patchkit.hooks.varlen import varlen_core
 
 STATIC_CACHES = ("StaticCache", "SlidingWindowCache", "HybridCache", "OffloadedStaticCache")
 

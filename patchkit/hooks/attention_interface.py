@@ -33,6 +33,7 @@ from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
 from patchkit.hooks.slots_mask import static_layers
+from patchkit.hooks.state import PatchState
 from patchkit.hooks.step_aside import (
     beyond_causal,
     chunk_size,
@@ -44,7 +45,7 @@ from patchkit.hooks.step_aside import (
     transformers_mask,
     window_over_hole,
 )
-from patchkit.hooks.varlen import PatchState, check_family, make_attention_function
+from patchkit.hooks.varlen import check_family, make_attention_function
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 

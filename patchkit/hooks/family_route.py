@@ -27,8 +27,9 @@ from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.recorded_router import make_recording_forward
 from patchkit.hooks.registry import PatchSpec
 from patchkit.hooks.routing import current_method, make_attention_forward, rerouting, routes_to
+from patchkit.hooks.state import PatchState
 from patchkit.hooks.step_aside import transformers_mask_in_graph
-from patchkit.hooks.varlen import KV_PACKED, PatchState
+from patchkit.hooks.varlen import KV_PACKED
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 

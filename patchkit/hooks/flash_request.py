@@ -17,7 +17,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from patchkit.hooks.patching import Replacement, SharedInstall
-from patchkit.hooks.varlen import PatchState
+from patchkit.hooks.state import PatchState
 from patchkit.warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"

@@ -13,7 +13,7 @@ from patchkit.errors import PatchTargetError
 from patchkit.gates import GateResult
 from patchkit.hooks.model_walk import model_config
 from patchkit.hooks.patching import Replacement
-from patchkit.hooks.varlen import PatchState
+from patchkit.hooks.state import PatchState
 from patchkit.names import ALIASES, PATCH_MODULES
 
 
