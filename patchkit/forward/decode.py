@@ -106,7 +106,7 @@ def _columns(q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tenso
 def decode_plan(meta: VarlenMetadata, device: torch.device) -> DecodePlan:
     """The forward's decode plan: built by its first layer from the metadata, reused by the others."""
     plan = meta.decode_plan
-    if isinstance(plan, DecodePlan):
+    if plan is not None:
         return plan
     batch, q_len, kv_len = meta.batch, meta.q_len, meta.kv_len
     queries, keys = meta.real_masks()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from patchkit.forward.padding import cu_seqlens_from_lengths
+
+if TYPE_CHECKING:
+    from patchkit.forward.decode import DecodePlan
 
 
 @dataclasses.dataclass
@@ -33,7 +36,7 @@ class VarlenMetadata:
     packed: bool = False
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
     # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
-    decode_plan: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    decode_plan: Optional[DecodePlan] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # every layer asks; the lengths never change. A field, not a cached_property: Python 3.11's takes an RLock,
