@@ -283,3 +283,38 @@ def test_all_padding_batch_without_a_cache_does_not_crash():
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert logits.shape == (2, 8, 97) and torch.isfinite(logits).all()
     assert handle.calls == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["packed", "aside"])
+def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
+    """The base model's forward decides once (`plan_forward`) and every layer's attention runs under that plan: a
+    padded batch unpadded at the model, or one whose labels sit on padding stepped aside; no layer decides again."""
+    from patchkit.hooks import model_forward
+
+    made, seen = [], []
+    plan_forward = model_forward.plan_forward
+
+    def counting(*args, **kwargs):
+        made.append(plan_forward(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(model_forward, "plan_forward", counting)
+    model = tiny_model(layers=3)
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda *_: seen.append(context.current().plan))
+             for layer in model.model.layers]
+    ids, mask = padded_batch("left")
+    labels = ids if kind == "aside" else labels_for(ids, mask)  # ids: a label right after each left padding
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        if kind == "aside":
+            with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+                model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        else:
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    (plan,) = made
+    assert seen == [plan] * 3
+    if kind == "aside":
+        assert plan.aside == "labels_from_padding" and handle.calls == 0
+    else:
+        assert plan.aside is None and plan.unpadded and plan.packed.batch == 1 and handle.calls == 3
