@@ -299,7 +299,7 @@ def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
         return made[-1]
 
     monkeypatch.setattr(model_forward, "plan_forward", counting)
-    model = tiny_model(layers=3)
+    model = tiny_model(layers=3).train()  # a training forward: no cache to fill, in every era
     hooks = [layer.self_attn.register_forward_pre_hook(lambda *_: seen.append(context.current().plan))
              for layer in model.model.layers]
     ids, mask = padded_batch("left")
