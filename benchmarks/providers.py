@@ -115,10 +115,14 @@ def step_fn(provider: Provider, workload: str, data: dict[str, Any], decode_toke
     return run
 
 
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """The first `limit` characters of an exception's first line ("" for an empty message)."""
+    return str(exc).splitlines()[0][:limit] if str(exc) else ""
+
+
 def one_line(exc: BaseException, limit: int = 160) -> str:
     """An exception in one line for a skipped row: its type and the first `limit` characters of its first line."""
-    first = str(exc).splitlines()[0][:limit] if str(exc) else ""
-    return f"{type(exc).__name__}: {first}"
+    return f"{type(exc).__name__}: {first_line(exc, limit)}"
 
 
 def probe_hf_flash(device: Any) -> Optional[str]:
@@ -167,7 +171,7 @@ def patch_on_best(patch: str, model: Any, device: Any, strict: bool) -> tuple[An
         try:
             handle = patchkit.apply_patch(patch, model=model, backend=backend, strict=strict)
         except PatchkitError as exc:
-            refused.append(f"{backend}: {str(exc).splitlines()[0][:160]}")
+            refused.append(f"{backend}: {first_line(exc)}")
             continue
         return handle, handle.backend, "; ".join(refused)
     raise RuntimeError(f"{patch}: no patchkit backend takes the model: {'; '.join(refused)}")
@@ -251,5 +255,5 @@ def probe_providers(device: Any) -> tuple[list[str], dict[str, str]]:
             patchkit.apply_patch("llama2", backend=backend, strict=True).revert()
             ok.append(f"patchkit_{backend}")
         except PatchkitError as exc:
-            skipped[f"patchkit_{backend}"] = str(exc).splitlines()[0][:200]
+            skipped[f"patchkit_{backend}"] = first_line(exc, 200)
     return ok, skipped
