@@ -164,9 +164,9 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
 @torch.compiler.disable  # a frame walk in a traced forward: run eagerly, never traced (dynamo cannot trace it)
 def lm_frame(depth: int = 256) -> Optional[FrameType]:
     """The running causal LM's `forward` (the first one up the stack that takes `labels`), or None: a base model
-    called alone, or generate() building a mask before the model runs. The whole stack, not the few frames a plain
-    model puts between them: every wrapper of the base model (an FSDP unit, accelerate's hooks, a PEFT layer) adds
-    three, and a causal LM missed there would read logits at padding that varlen kernels never computed."""
+    called alone, or generate() building a mask before the model runs. Up to `depth` frames, far more than the few a
+    plain model puts between them: every wrapper of the base model (an FSDP unit, accelerate's hooks, a PEFT layer)
+    adds three, and a causal LM missed there would read logits at padding that varlen kernels never computed."""
     frame = sys._getframe(3)
     while frame is not None and depth:
         code = frame.f_code
