@@ -120,6 +120,41 @@ def test_the_registered_name_alone_steps_aside_where_the_check_fails(newer, monk
     torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-5)
 
 
+def test_the_registered_name_alone_finds_a_remote_code_family_to_check_by_its_config_class(newer, monkeypatch):
+    """A model of remote code (its config class outside transformers' AutoModel table) under the name alone: the
+    mask call finds the base model class of its config class among the loaded classes (no frame of the model is
+    read), checks it, and the fault in the name's attention makes it step aside with transformers' own logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    from patchkit.hooks import attention_interface
+
+    class RemoteConfig(LlamaConfig):
+        model_type = "remote_llama"
+
+    class RemoteModel(LlamaModel):
+        config_class = RemoteConfig
+
+    class RemoteForCausalLM(LlamaForCausalLM):
+        config_class = RemoteConfig
+
+    assert self_check.base_model_class(LlamaConfig) is LlamaModel
+    assert self_check.base_model_class(RemoteConfig) is RemoteModel
+    patchkit.register_attention(backend="sdpa")
+    plain = tiny_model()
+    model = RemoteForCausalLM(RemoteConfig(**plain.config.to_diff_dict()))
+    model.load_state_dict(plain.state_dict())
+    ids, mask = padded_batch("right")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.config._attn_implementation = attention_interface.ATTENTION_NAME
+    served = attention_interface.function_for(attention_interface.route_state())
+    monkeypatch.setattr(attention_interface, "_function", lambda *a, **k: (served(*a, **k)[0] * 1.01, None))
+    with pytest.warns(RuntimeWarning, match="RemoteModel is a family patchkit's census has not verified|"
+                                            "RemoteModel's self-check there found: training step outputs differ"):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-5)
+
+
 def test_every_family_passes_its_check_and_is_served_patched(newer):
     """Where patchkit is right (the suite's own verdict on this transformers), every family's check agrees: its
     forward runs through the patch, equal to unpatched, and the check's own runs leave the report's counts alone."""

@@ -80,7 +80,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None
     if cause is None and current().route is None:
-        cause = untrusted_mask_cause(kwargs.get("config"))  # a transformers newer than CI's: the family's check
+        cause = untrusted_mask_cause(kwargs.get("config"), call_device(kwargs), kwargs.get("dtype"))  # a
+        # transformers newer than CI's: the family's check
     if cause is not None:
         return aside_mask(cause, args, kwargs)
     q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
@@ -114,6 +115,15 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     if static_layers(given_cache(maker.f_locals)) is not None:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
+
+
+def call_device(kwargs: dict) -> Optional[torch.device]:
+    """The device a mask call builds for: its own `device` (5.x), else its 2D mask's or cache positions'."""
+    device = kwargs.get("device")
+    for tensor in (kwargs.get("attention_mask"), kwargs.get("cache_position")):
+        if device is None and isinstance(tensor, torch.Tensor):
+            device = tensor.device
+    return None if device is None else torch.device(device)
 
 
 def refuse_refused(config: Any) -> None:

@@ -92,7 +92,15 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     The check runs once per process and class, at the class's first forward outside a compiled graph."""
     if trusted(model_type(module)):
         return None
-    cls = type(module)
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    return verdict_cause(type(module), module.config, device, dtype, state)
+
+
+def verdict_cause(cls: type, config: Any, device: torch.device, dtype: torch.dtype, state: Any) -> Optional[str]:
+    """`untested_transformers` when `cls` failed its check (run now, on `device` in `dtype`, if it has no verdict
+    yet and nothing is traced), else None."""
     if cls not in _verdicts:
         from patchkit.forward.liveness import is_compiling
 
@@ -101,7 +109,7 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
         _checking.add(cls)
         try:
             start = time.perf_counter()
-            _verdicts[cls] = check_family(module, state)
+            _verdicts[cls] = check_family(cls, config, device, dtype, state)
             seconds[cls] = time.perf_counter() - start
         finally:
             _checking.discard(cls)
@@ -135,31 +143,40 @@ def failed_cause() -> str:
     return CAUSE if untested() is not None else UNVERIFIED
 
 
-def untrusted_mask_cause(config: Any) -> Optional[str]:
+def untrusted_mask_cause(config: Any, device: Optional[torch.device] = None,
+                         dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Under the registered name alone (no patch wraps the model): `untested_transformers` for a model whose family
-    failed its check, found by its config (the model that builds the mask, from the stack, the first time)."""
+    failed its check, found by its config's class (`base_model_class`); the check runs on the mask call's device in
+    its dtype."""
     if config is None or trusted(getattr(config, "model_type", None)):
         return None
     cls = _by_config.get(type(config))
     if cls is None:
-        module = building_model(config)
-        if module is None:
+        cls = base_model_class(type(config))
+        if cls is None:
             return None
-        cls = _by_config[type(config)] = type(module)
-        untrusted_cause(module, None)
-    return None if _verdicts.get(cls) is None else failed_cause()
+        _by_config[type(config)] = cls
+    floating = dtype is not None and dtype.is_floating_point
+    return verdict_cause(cls, config, device or torch.device("cpu"), dtype if floating else torch.float32, None)
 
 
-@torch.compiler.disable  # a frame walk: never traced
-def building_model(config: Any, depth: int = 12) -> Optional[nn.Module]:
-    """The model up the stack whose config is `config` (the base model building its mask), or None."""
-    frame = sys._getframe(2)
-    while frame is not None and depth:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and getattr(owner, "config", None) is config:
-            return owner
-        frame, depth = frame.f_back, depth - 1
-    return None
+def base_model_class(config_class: type) -> Optional[type]:
+    """The base model class built from `config_class` (LlamaConfig -> LlamaModel): transformers' AutoModel table,
+    else a loaded class of that config named `*Model` (a model of remote code, which the table does not hold)."""
+    from transformers.modeling_utils import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING.get(config_class, None)
+    if cls is not None:
+        return cls
+    found, todo = [], list(PreTrainedModel.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        todo.extend(sub.__subclasses__())
+        if getattr(sub, "config_class", None) is config_class and sub.__name__.endswith("Model") and not (
+                sub.__name__.endswith("PreTrainedModel")):
+            found.append(sub)
+    return min(found, key=lambda c: len(c.__name__)) if found else None
 
 
 def untrusted_what(module: Any) -> str:
@@ -189,15 +206,12 @@ def forget() -> None:
     _installed.clear()
 
 
-def check_family(module: nn.Module, state: Any) -> Optional[str]:
-    """Run the tiny model of `module`'s class both ways; what differed, or None."""
-    param = next(module.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+def check_family(cls: type, config: Any, device: torch.device, dtype: torch.dtype, state: Any) -> Optional[str]:
+    """Run a tiny model of `cls` (from a tiny copy of `config`) both ways; what differed, or None."""
     with quiet_forward(device):
         try:
             torch.manual_seed(0)
-            tiny = type(module)(tiny_config(module.config)).to(device=device, dtype=dtype)
+            tiny = cls(tiny_config(config)).to(device=device, dtype=dtype)
             want = run_both_checks(tiny, reference=True)
         except Exception as exc:  # no verdict without a reference: transformers' own attention serves, exact
             return f"the check's tiny model failed unpatched ({type(exc).__name__}: {exc})"
