@@ -76,7 +76,7 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
     return repad(out)
 
 
-def _bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable, Callable]:
+def bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable, Callable]:
     """`original`'s signature, its **kwargs name, a binder of a call's arguments to a dict, and a caller that passes
     such a dict by keyword.
 
@@ -170,7 +170,7 @@ def make_model_forward(
     `route`: the patch state that this forward's masks go to through the registered name. With a state (`route`
     or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`). `keep_routed`: called
     first (eager forwards), it re-wraps an attention forward a framework set on the class since (`rerouting`)."""
-    signature, var_kw, bind, call = _bound_call(original)
+    signature, var_kw, bind, call = bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)
     aside_state = state if state is not None else route
@@ -238,7 +238,7 @@ def make_model_forward(
 
 def make_lm_forward(original: Callable) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions."""
-    signature, var_kw, bind, _ = _bound_call(original)
+    signature, var_kw, bind, _ = bound_call(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
