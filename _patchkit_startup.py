@@ -90,9 +90,50 @@ def _register_name(_module: ModuleType) -> None:
     try:
         attention_interface.register(NAME, _attention)
         mask_interface.register(NAME, _mask)
+        _watch_names(utils.PreTrainedModel)
     except Exception as exc:  # noqa: BLE001 - a hook must never break `import transformers`; it says why instead
         print(f"patchkit: could not register attn_implementation={NAME!r}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
+
+
+def _names(config: Any) -> bool:
+    """`config` (or its text part) resolves attention to patchkit's name."""
+    get_text = getattr(config, "get_text_config", None)
+    for part in (config, get_text() if callable(get_text) else None):
+        name = getattr(part, "_attn_implementation", None)
+        if name == NAME or (isinstance(name, dict) and NAME in name.values()):
+            return True
+    return False
+
+
+def _adopt(model: Any) -> None:
+    """A model got patchkit's name: import patchkit, which adopts it (`patchkit.hooks.named`) and watches from now."""
+    from patchkit.hooks import attention_interface, named  # noqa: F401 - importing registers the name and watches
+
+    named.adopt(model)
+
+
+def _watch_names(pretrained: type) -> None:
+    """Until patchkit is imported, a model built with patchkit's name, or given it by `set_attn_implementation`,
+    imports patchkit to be adopted (its mask function then reads the model's calls, not the stack)."""
+
+    def watched(original: Callable, named_after: Callable[[Any], bool]) -> Callable:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            if "patchkit.hooks.named" not in sys.modules and named_after(self):  # else patchkit's own watch adopts
+                _adopt(self)
+            return out
+
+        method.__name__, method.__doc__ = original.__name__, original.__doc__
+        return method
+
+    post_init = pretrained.__dict__.get("post_init")
+    if post_init is not None:
+        pretrained.post_init = watched(post_init, lambda model: _names(getattr(model, "config", None)))
+    setter = pretrained.__dict__.get("set_attn_implementation")  # transformers 4.54+
+    if setter is not None:
+        pretrained.set_attn_implementation = watched(setter, lambda model: any(
+            _names(getattr(m, "config", None)) for m in model.modules()))
 
 
 def _apply_from_env(_module: ModuleType) -> None:

@@ -55,6 +55,9 @@ def _targets() -> dict[str, object]:
     the PreTrainedModel hooks the class patches share."""
     from torch import nn
 
+    # importing attention_interface registers the name and watches model builds for the process (`hooks/named.py`):
+    # those wrappers stay, like the name itself
+    from patchkit.hooks import attention_interface  # noqa: F401
     from patchkit.hooks.registry import registered
 
     found: dict[str, object] = {}

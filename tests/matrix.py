@@ -86,6 +86,7 @@ ERA_TESTS = CORE_TESTS + [
     "tests/test_gates.py",
     "tests/test_dtypes.py",
     "tests/test_attention_interface.py",
+    "tests/test_named.py",
     "tests/test_step_aside.py",
     "tests/test_never_silent.py",
     "tests/test_vision_language.py",

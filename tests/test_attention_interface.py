@@ -149,9 +149,10 @@ class PassThrough(torch.nn.Module):
 
 
 def test_labels_at_padding_are_read_however_deeply_the_base_model_is_wrapped():
-    """Under the name alone the mask function finds the causal LM's call up the stack; wrappers around the base
-    model (FSDP units, accelerate's hooks) put frames between them. Six pass-through wrappers add 18 frames: the
-    labels predicted from padding must still be read, and the forward step aside with eager's loss."""
+    """Under the name alone the causal LM's adopted forward tells the masks of its labels, however many wrappers
+    (FSDP units, accelerate's hooks) sit around the base model: the stack walk this replaced looked at 16 frames
+    and missed the LM behind six pass-through wrappers (18 frames), running labels predicted from padding patched
+    with no warning. The forward must step aside, with eager's loss."""
     torch.manual_seed(0)
     eager = LlamaForCausalLM(tiny_config(kv_heads=2))
     named = LlamaForCausalLM(tiny_config(kv_heads=2))

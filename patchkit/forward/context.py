@@ -49,13 +49,16 @@ class ForwardContext:
     - `route`: one routed forward or attention call, for its span: the patch state (and sequence-parallel wrapper)
       that the registered attention name serves it on. Masks built within the span carry it (`VarlenMask.route`):
       layers read it there, which a compiled graph can do without a break.
+    - `generating`: generate()'s preparation of a step's inputs under the registered name, for its span (the
+      masks built there are made before the model runs): whether patchkit places the cache it was given.
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 
-    __slots__ = ("plan", "lm_cause", "route")
+    __slots__ = ("plan", "lm_cause", "route", "generating")
 
-    def __init__(self, plan: ForwardPlan = NO_PLAN, lm_cause: Optional[str] = None, route: Any = None) -> None:
-        self.plan, self.lm_cause, self.route = plan, lm_cause, route
+    def __init__(self, plan: ForwardPlan = NO_PLAN, lm_cause: Optional[str] = None, route: Any = None,
+                 generating: Optional[bool] = None) -> None:
+        self.plan, self.lm_cause, self.route, self.generating = plan, lm_cause, route, generating
 
     def replace(self, **fields: Any) -> ForwardContext:
         """A copy with `fields` changed."""

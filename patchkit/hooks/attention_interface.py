@@ -10,7 +10,6 @@ which transformers 5.x would take for a flash-attn build or a hub kernel.
 from __future__ import annotations
 
 import sys
-from types import FrameType
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,26 +19,24 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
+from patchkit.hooks.named import adopted, watch
 from patchkit.hooks.registry import refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.routing import ROUTE_NAME
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
-from patchkit.hooks.slots_mask import static_layers
 from patchkit.hooks.state import PatchState
 from patchkit.hooks.step_aside import (
     beyond_causal,
     chunk_size,
     chunks_off_start,
     ends_in_padding,
-    lm_cause,
     packed_sequence_ids,
     step_aside,
     transformers_mask,
@@ -104,15 +101,15 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
     varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window,
                                     chunk)
-    maker = generate_frame()  # once per forward: a few frames up
-    if maker is None:
+    placed = current().generating  # None: the model's own mask; else generate()'s, made ahead (`named.preparation`)
+    if placed is None:
         return varlen
     if past_len == 0 and isinstance(attention_mask, torch.Tensor) and ends_in_padding(attention_mask):
         return aside_mask("right_padded_generation", args, kwargs)  # a static cache's prefill reads its last column
     from transformers.masking_utils import eager_mask
 
     mask = eager_mask(*args, **kwargs)  # a tensor generate() can hand the model
-    if static_layers(given_cache(maker.f_locals)) is not None:
+    if placed:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
 
@@ -158,45 +155,17 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
     """Under this name alone (no patch wraps the model's forward): why this call needs transformers' values at
     padding positions, which varlen kernels never compute, or None.
 
-    The causal LM's call, read from its frame (`lm_frame`), may predict a label from padding or be generate()'s
-    right-padded prefill; a sliding window may span a padding hole (the class patches decide the same at the
-    model's forward, `step_aside.forward_cause`).
+    The causal LM of a model adopted where it got the name (`named`) says what of its call reads padding (labels,
+    generate()'s right-padded prefill); a model patchkit never saw get the name cannot say, and steps aside. A
+    sliding window may span a padding hole (the class patches decide the same at the model's forward,
+    `step_aside.forward_cause`).
     """
-    frame = lm_frame()
-    if frame is not None:
-        local = frame.f_locals
-        cause = lm_cause(local, local.get("kwargs") or {})
-        if cause is not None:
-            return cause
+    if config is not None and not adopted(config):
+        return "named_unseen"
+    cause = current().lm_cause
+    if cause is not None:
+        return cause
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
-
-
-@torch.compiler.disable  # a frame walk in a traced forward: run eagerly, never traced (dynamo cannot trace it)
-def lm_frame(depth: int = 256) -> Optional[FrameType]:
-    """The running causal LM's `forward` (the first one up the stack that takes `labels`), or None: a base model
-    called alone, or generate() building a mask before the model runs. Up to `depth` frames, far more than the few a
-    plain model puts between them: every wrapper of the base model (an FSDP unit, accelerate's hooks, a PEFT layer)
-    adds three, and a causal LM missed there would read logits at padding that varlen kernels never computed."""
-    frame = sys._getframe(3)
-    while frame is not None and depth:
-        code = frame.f_code
-        if code.co_name == "forward" and "labels" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
-            return frame
-        frame, depth = frame.f_back, depth - 1
-    return None
-
-
-@torch.compiler.disable
-def generate_frame(depth: int = 8) -> Optional[FrameType]:
-    """generate()'s `create_masks_for_generate`, when it is building a static cache's mask before the model runs
-    (it calls `.contiguous()` on the result, a no-op on a contiguous tensor, and hands it to the model as its
-    attention_mask), or None."""
-    frame = sys._getframe(2)
-    while frame is not None and depth:
-        if frame.f_code.co_name == "create_masks_for_generate":
-            return frame
-        frame, depth = frame.f_back, depth - 1
-    return None
 
 
 def route_state() -> PatchState:
@@ -313,6 +282,7 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
         _state = _function = None
     AttentionInterface.register(ATTENTION_NAME, _attention)
     AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
+    watch()  # models get the name from now on: adopted where they get it (`named`)
     return True
 
 

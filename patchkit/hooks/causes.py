@@ -54,6 +54,13 @@ CAUSES = {
         "one): transformers counts the padding columns inside the window, varlen kernels count real tokens only",
         "pad on one side only (left for generation), or pack documents with position_ids and no mask",
     ),
+    "named_unseen": (
+        "the model got attn_implementation='patchkit' where patchkit could not see it (its config's "
+        "_attn_implementation_internal written directly, or the model built before patchkit was imported and then "
+        "named by its config field), so patchkit cannot read its calls (whether a label is predicted from padding)",
+        "load it with attn_implementation='patchkit', call model.set_attn_implementation('patchkit'), or import "
+        "patchkit before building the model",
+    ),
     "output_attentions": (
         "output_attentions=True (on the call or the config) asks for the attention weights, which varlen kernels "
         "never form",
@@ -92,6 +99,8 @@ BRIEF = {
     "chunk_behind_cache": ("chunked attention: a chunk boundary falls behind the KV cache, off a packed "
                            "document's start, or in a padding hole", "none needed"),
     "window_over_padding_hole": ("a sliding window over a row with a padding hole", "pad on one side only"),
+    "named_unseen": ("the model was named 'patchkit' where patchkit could not see it",
+                     "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
     "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",
                            "compile without fullgraph=True, or pass packed rows without a mask"),

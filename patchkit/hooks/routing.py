@@ -91,12 +91,12 @@ def routed(config: Any, state: Any) -> Iterator[None]:
             if ulysses is None and name != ROUTE_NAME and ulysses_active():
                 raise refuse_unfound(name)
         scope = within(route=Route(state, ulysses))
-    set_attn_name(config, ROUTE_NAME)
-    try:
-        with scope:
+    with scope:  # the name is written within the route: the config's watched property adopts nothing then (`named`)
+        set_attn_name(config, ROUTE_NAME)
+        try:
             yield
-    finally:
-        set_attn_name(config, name)
+        finally:
+            set_attn_name(config, name)
 
 
 def inside_route(config: Any, state: Any, mask: VarlenMask) -> bool:

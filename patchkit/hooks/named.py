@@ -1,0 +1,215 @@
+"""Models opted in by attn_implementation="patchkit" alone are adopted where they get the name, not found up the stack.
+
+Under the registered name no patch wraps a model's class, yet its mask function must know what only the causal LM's
+call shows (labels predicted from padding, generate()'s right-padded prefill) and tell generate()'s masks, made
+before the model runs, from the model's own. So patchkit watches the three places a model gets the name (built with
+it, `set_attn_implementation`, the config's `_attn_implementation` property) and adopts it there: its causal LM's
+`forward` and its `prepare_inputs_for_generation` become instance wrappers (`BoundPatch`: they follow deepcopies and
+pickle as the originals) that put what they see on the forward's context. A model named where patchkit could not
+see it (a config field written past the property, a model built before patchkit was imported) is not adopted; its
+forwards step aside, exact and warned (`named_unseen`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import weakref
+from typing import Any, Callable
+
+from torch import nn
+
+from patchkit.forward.arguments import given_cache
+from patchkit.forward.context import current, within
+from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.hooks.model_forward import bound_call
+from patchkit.hooks.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
+from patchkit.hooks.routing import ROUTE_NAME, attn_name
+from patchkit.hooks.slots_mask import static_layers
+from patchkit.hooks.step_aside import lm_cause
+
+_adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every adopted model
+_built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
+_watching: list[Replacement] = []
+_binders: dict[type, tuple] = {}  # a causal LM class -> (its **kwargs name, its binder of a call's arguments)
+SEEN = "_patchkit_seen"  # every model built while patchkit watches holds a `Seen` here
+
+
+class Seen:
+    """A model part's record that patchkit saw it built (and adopted it, `named`): a deepcopy of the part carries
+    one for the copy, so a copy named later is found; a pickle carries none (it loads where patchkit is not
+    installed)."""
+
+    __slots__ = ("config", "module", "named")
+
+    def __init__(self, config: Any, module: nn.Module, named: bool) -> None:
+        self.config, self.module, self.named = config, weakref.ref(module), named
+        _built[id(config)] = module
+        if named:
+            _adopted[id(config)] = weakref.ref(config)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        module = self.module()  # the part being copied: its copy is in `memo` already
+        if module is None:
+            return False
+        return Seen(copy.deepcopy(self.config, memo), copy.deepcopy(module, memo), self.named)
+
+    def __reduce__(self) -> tuple:
+        return bool, ()
+
+
+def names_patchkit(config: Any) -> bool:
+    """`config` resolves attention to patchkit's name (a composite's per-part dict naming it counts)."""
+    name = attn_name(config)
+    return ROUTE_NAME in name.values() if isinstance(name, dict) else name == ROUTE_NAME
+
+
+def adopted(config: Any) -> bool:
+    """`config` is one of an adopted model's parts (or of a deepcopy of one)."""
+    ref = _adopted.get(id(config))
+    return ref is not None and ref() is config
+
+
+def seen(module: nn.Module, named: bool = False) -> None:
+    """Record that patchkit saw `module` (a model part) built, and adopted it where `named`."""
+    record = vars(module).get(SEEN)
+    if not isinstance(record, Seen) or record.config is not module.config or (named and not record.named):
+        setattr(module, SEEN, Seen(module.config, module, named))
+
+
+def adopt(model: nn.Module) -> None:
+    """Count `model`'s parts as named and wrap its causal LMs' calls and generate()'s input preparation (once)."""
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    replacements = []
+    for m in model.modules():
+        if not isinstance(m, pretrained):
+            continue
+        seen(m, named=True)
+        if "labels" in inspect.signature(type(m).forward).parameters and not _ours(m, "forward"):
+            replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
+        if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
+            replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
+    apply_replacements(replacements)
+
+
+def _copied(_module: nn.Module, _attr: str) -> None:
+    """A deepcopy of an adopted module keeps its wrappers (its `Seen` record adopts the copy)."""
+
+
+def _ours(module: nn.Module, attr: str) -> bool:
+    own = vars(module).get(attr)
+    return isinstance(own, BoundPatch) and own.on_copy is _copied
+
+
+def wrapped(module: nn.Module, attr: str, make: Callable[[Callable], Callable], what: str) -> Replacement:
+    """`module.attr` on this instance replaced by `make`'s wrapper of what it is now, as introspection sees the
+    class's own (generate() and the Trainer read its parameters)."""
+    wrapper = dressed_as(make(present(module, attr)), getattr(type(module), attr))
+    return bound_replacement(wrapper, module, attr, f"{type(module).__name__}.{attr} ({what})", _copied)
+
+
+def present(module: nn.Module, attr: str) -> Callable:
+    """`module.attr` as a function of (self, ...): the instance's own (accelerate's hooks), kept on the instance so
+    that a deepcopy calls its own copy of it, else its class's at call time (a class patch applied later included)."""
+    own = vars(module).get(attr)
+    if own is None:
+        return lambda self, *args, **kwargs: getattr(type(self), attr)(self, *args, **kwargs)
+    key = f"_patchkit_own_{attr}"
+    setattr(module, key, own)
+    return lambda self, *args, **kwargs: vars(self)[key](*args, **kwargs)
+
+
+def lm_forward(call: Callable) -> Callable:
+    """A causal LM's forward that, under patchkit's name, tells the masks what of its call reads padding positions
+    (`step_aside.lm_cause`). Inside a graph that may not break it only passes the call on: a padded batch under the
+    name alone steps aside there by its mask (`graph_plan`)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if in_one_graph() or not names_patchkit(self.config):
+            return call(self, *args, **kwargs)
+        binder = _binders.get(type(self))
+        if binder is None:
+            _, var_kw, bind, _ = bound_call(type(self).forward)
+            binder = _binders[type(self)] = (var_kw, bind)
+        arguments = binder[1](self, args, kwargs)
+        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {})
+        if cause is None and current().lm_cause is None:
+            return call(self, *args, **kwargs)
+        with within(lm_cause=cause):
+            return call(self, *args, **kwargs)
+
+    return forward
+
+
+def preparation(call: Callable) -> Callable:
+    """generate()'s preparation of a step's inputs: under patchkit's name, the masks it builds (a static cache's, before
+    the model runs) know they are made ahead and whether patchkit places the cache they are for."""
+
+    def prepare(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not names_patchkit(self.config):
+            return call(self, *args, **kwargs)
+        with within(generating=static_layers(given_cache(kwargs)) is not None):
+            return call(self, *args, **kwargs)
+
+    return prepare
+
+
+def watch() -> None:
+    """Watch where models get patchkit's name, from now on in this process (idempotent)."""
+    if _watching:
+        return
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    configs = importlib.import_module("transformers.configuration_utils").PretrainedConfig
+    post_init, replacements = pretrained.post_init, []
+
+    def watched_post_init(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = post_init(self, *args, **kwargs)
+        config = getattr(self, "config", None)
+        if config is not None:
+            if names_patchkit(config) or names_patchkit(text_config(config)):
+                adopt(self)
+            else:
+                seen(self)
+        return out
+
+    replacements.append(Replacement(pretrained, "post_init", dressed_as(watched_post_init, post_init)))
+    setter = getattr(pretrained, "set_attn_implementation", None)  # transformers 4.54+
+    if setter is not None:
+        def watched_setter(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out = setter(self, *args, **kwargs)
+            if any(names_patchkit(m.config) for m in self.modules() if isinstance(m, pretrained)):
+                adopt(self)
+            return out
+
+        replacements.append(Replacement(pretrained, "set_attn_implementation", dressed_as(watched_setter, setter)))
+    prop = inspect.getattr_static(configs, "_attn_implementation", None)
+    if isinstance(prop, property) and prop.fset is not None:
+        replacements.append(Replacement(configs, "_attn_implementation", watched_property(prop)))
+    apply_replacements(replacements)
+    _watching.extend(replacements)
+
+
+def watched_property(prop: property) -> property:
+    """The config's `_attn_implementation` property, adopting the model built with the config when it is named
+    (`model.config._attn_implementation = "patchkit"`); never inside a trace or a routed forward (patchkit's own
+    writes)."""
+
+    def fset(config: Any, value: Any) -> None:
+        prop.fset(config, value)
+        if is_compiling() or current().route is not None or not names_patchkit(config) or adopted(config):
+            return
+        model = _built.get(id(config))
+        if model is not None and getattr(model, "config", None) is config:
+            adopt(model)
+
+    return property(prop.fget, fset, prop.fdel, prop.__doc__)
+
+
+def text_config(config: Any) -> Any:
+    """A composite config's text part (itself elsewhere, or where the config cannot name one)."""
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get() if callable(get) else config
+    except ValueError:  # several text parts: each part's own model is adopted by its own post_init
+        return config

@@ -1,0 +1,126 @@
+"""attn_implementation="patchkit" alone: a model is adopted where it gets the name, and its masks read its calls there.
+
+The mask function must know what only the causal LM's call shows (a label predicted from padding steps aside). It
+learns it from the LM's own adopted forward, however the LM is called (PEFT calls `.forward` directly, compile,
+wrappers) and whichever way the model got the name; a model named where patchkit could not see it steps aside.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from models import labels_for, needs_mask_interface, padded_batch, tiny_config
+from transformers import LlamaForCausalLM
+
+import patchkit
+from patchkit.hooks import attention_interface, named
+
+pytestmark = needs_mask_interface
+
+
+@pytest.fixture(autouse=True)
+def sdpa_route():
+    attention_interface.register(backend="sdpa")
+    yield
+    attention_interface.register(backend="auto", strict=False)
+
+
+@pytest.fixture
+def pair():
+    """An unpatched model and an unnamed copy of it, built while patchkit watches."""
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_config(kv_heads=2))
+    plain = LlamaForCausalLM(tiny_config(kv_heads=2))
+    plain.load_state_dict(eager.state_dict())
+    return eager, plain
+
+
+def loss_of(model, ids, mask, labels):
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+@pytest.mark.parametrize("way", ["config field", "set_attn_implementation", "deepcopy, then config field"])
+def test_labels_at_padding_step_aside_and_real_labels_run_patched_whichever_way_the_model_got_the_name(pair, way):
+    eager, plain = pair
+    if way == "set_attn_implementation":
+        if not hasattr(plain, "set_attn_implementation"):
+            pytest.skip("set_attn_implementation: transformers 4.54+")
+        plain.set_attn_implementation("patchkit")
+        model = plain
+    else:
+        model = copy.deepcopy(plain) if way.startswith("deepcopy") else plain
+        model.config._attn_implementation = "patchkit"
+    ids, mask = padded_batch("right")
+    state = attention_interface.route_state()
+    calls, aside = state.calls, dict(state.stepped_aside)
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+        got = loss_of(model, ids, mask, ids)
+    torch.testing.assert_close(got, loss_of(eager, ids, mask, ids), atol=1e-6, rtol=1e-6)
+    assert state.stepped_aside.get("labels_from_padding", 0) - aside.get("labels_from_padding", 0) == 2
+    real = labels_for(ids, mask)
+    torch.testing.assert_close(loss_of(model, ids, mask, real), loss_of(eager, ids, mask, real), atol=2e-5,
+                               rtol=1e-4)
+    assert state.calls - calls == 2  # the real labels' forward, both layers, patched
+
+
+def test_peft_calling_the_lms_forward_directly_still_reports_labels_at_padding(pair):
+    """PEFT's LoRA model calls the causal LM's `.forward` itself, past any module hook: the adopted forward is the
+    instance's own, so it still sees the labels."""
+    peft = pytest.importorskip("peft")
+    eager, plain = pair
+    plain.config._attn_implementation = "patchkit"
+    lora = peft.get_peft_model(plain, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      task_type="CAUSAL_LM"))  # B starts at 0: the same numbers
+    ids, mask = padded_batch("right")
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+        got = loss_of(lora, ids, mask, ids)
+    torch.testing.assert_close(got, loss_of(eager, ids, mask, ids), atol=1e-6, rtol=1e-6)
+
+
+def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):
+    """The config's internal field written directly (past the property patchkit watches): patchkit cannot read the
+    model's calls, so the forward runs on transformers' attention, with one warning that names the fix."""
+    eager, plain = pair
+    plain.config._attn_implementation_internal = "patchkit"
+    ids, mask = padded_batch("right")
+    state = attention_interface.route_state()
+    aside = state.stepped_aside.get("named_unseen", 0)
+    with pytest.warns(RuntimeWarning, match=r"named_unseen.*set_attn_implementation"):
+        got = plain(input_ids=ids, attention_mask=mask).logits
+    want = eager(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)  # padding positions too: transformers' own
+    assert state.stepped_aside["named_unseen"] - aside == 2
+    attention_interface.register(strict=True)
+    with pytest.raises(patchkit.PatchkitError, match="could not see it"):
+        plain(input_ids=ids, attention_mask=mask)
+
+
+def test_an_adopted_model_pickles_as_transformers_own(pair):
+    """A pickled model (torch.save of the whole model) holds nothing of patchkit's: it loads where patchkit is not
+    installed, and runs unpatched until it is named again."""
+    _, plain = pair
+    plain.config._attn_implementation = "patchkit"
+    assert named.adopted(plain.config) and "forward" in vars(plain)
+
+    class WithoutPatchkit(pickle.Unpickler):
+        def find_class(self, module, name):
+            assert not module.startswith(("patchkit", "_patchkit")), f"the pickle needs {module}.{name}"
+            return super().find_class(module, name)
+
+    loaded = WithoutPatchkit(io.BytesIO(pickle.dumps(plain))).load()
+    assert vars(loaded)["forward"].__func__ is LlamaForCausalLM.forward  # the class's own, bound
+    assert not named.adopted(loaded.config)
+
+
+def test_nothing_on_patchkits_path_reads_the_call_stack():
+    """Decisions come from the calls patchkit wraps, never from frames up the stack; only the warnings' own line
+    finder (`warn.py`) and the build-time judgment of a model's parts (`unserved.py`) read frames."""
+    root = Path(patchkit.__file__).parent
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
+    assert readers == ["hooks/unserved.py", "warn.py"]
