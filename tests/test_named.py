@@ -82,6 +82,19 @@ def test_peft_calling_the_lms_forward_directly_still_reports_labels_at_padding(p
     torch.testing.assert_close(got, loss_of(eager, ids, mask, ids), atol=1e-6, rtol=1e-6)
 
 
+def test_a_compiled_named_model_steps_aside_for_labels_at_padding(pair):
+    eager, plain = pair
+    plain.config._attn_implementation = "patchkit"
+    compiled = torch.compile(plain, backend="eager")
+    ids, mask = padded_batch("right")
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):  # once: the second call is not warned again
+        losses = [loss_of(compiled, ids, mask, ids) for _ in range(2)]
+    want = loss_of(eager, ids, mask, ids)
+    for got in losses:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):
     """The config's internal field written directly (past the property patchkit watches): patchkit cannot read the
     model's calls, so the forward runs on transformers' attention, with one warning that names the fix."""

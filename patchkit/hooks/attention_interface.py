@@ -148,6 +148,7 @@ def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
 
     mask = eager_mask(*args, **kwargs)
     mask.patchkit_cause = cause
+    mask.patchkit_alone = current().route is None  # under the name alone: no patched forward counted it
     return mask
 
 
@@ -200,6 +201,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     transformers' attention: no contextvar, no count, nothing that would break the graph.
     """
     if transformers_mask(attention_mask) and is_compiling():
+        if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
+            _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
     route = current().route if route is None else route
