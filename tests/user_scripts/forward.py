@@ -13,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--attn", default=None, help="attn_implementation for from_pretrained (default: transformers')")
+parser.add_argument("--set-attn", default=None, help="then model.set_attn_implementation(this), once loaded")
+parser.add_argument("--labels-at-padding", action="store_true", help="labels = the tokens, padding included")
 args = parser.parse_args()
 
 attention_spy.install()
@@ -24,10 +26,13 @@ with tempfile.TemporaryDirectory() as path:
     kwargs = {} if args.attn is None else {"attn_implementation": args.attn}
     model = LlamaForCausalLM.from_pretrained(path, **kwargs)
 attention_spy.mark("loaded")
+if args.set_attn is not None:
+    model.set_attn_implementation(args.set_attn)
 ids = torch.randint(3, 97, (3, 12))
 mask = torch.ones(3, 12, dtype=torch.long)
 mask[1, 7:] = 0
 mask[2, 9:] = 0
-loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+labels = ids if args.labels_at_padding else ids.masked_fill(mask == 0, -100)
+loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
 loss.backward()
 attention_spy.report(impl=model.config._attn_implementation, loss=loss.item(), argv=sys.argv[1:])
