@@ -1,4 +1,4 @@
-"""The registered attention name: `attn_implementation="patchkit"` opts one model in, no global patch.
+"""The registered attention name: `attn_implementation="patchkit"` opts one model in, no family's class patched.
 
 transformers >= 4.53 dispatches attention through `AttentionInterface` and builds masks through
 `AttentionMaskInterface`, both keyed by `config._attn_implementation`. patchkit registers its varlen
