@@ -202,7 +202,7 @@ def test_a_family_the_census_has_not_seen_is_served_after_its_self_check(unverif
 
 
 def test_an_unseen_family_whose_self_check_differs_steps_aside_by_name(unverified_olmo, monkeypatch):
-    monkeypatch.setattr(self_check, "check_family", lambda module, state: "training step outputs differ by 0.5")
+    monkeypatch.setattr(self_check, "check_family", lambda *args: "training step outputs differ by 0.5")
     model = olmo()
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     want = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
