@@ -16,7 +16,7 @@ from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
 from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.hooks import batch_errors, flash_request, self_check, unserved
+from patchkit.hooks import batch_errors, flash_request, lm_head, self_check, unserved
 from patchkit.hooks.model_walk import head_dim, modeling_files
 from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
 from patchkit.hooks.registry import PatchSpec, for_model, registered, resolve, table_spec
@@ -76,6 +76,12 @@ class PatchHandle:
         return dict(self.state.stepped_aside)
 
     @property
+    def heads(self) -> dict[str, int]:
+        """Causal-LM forwards over a batch unpadded at the model, by where their head and loss ran: "real tokens",
+        else why they ran on the padded batch (see `patchkit.hooks.lm_head`)."""
+        return dict(self.state.heads)
+
+    @property
     def calls(self) -> int:
         """Attention calls through this patch outside torch.compile'd graphs (counting inside would recompile)."""
         return self.state.calls
@@ -94,6 +100,7 @@ class PatchHandle:
             flash_request.detach()
         if not _ACTIVE:
             batch_errors.detach()
+            lm_head.detach()
 
     def __enter__(self) -> PatchHandle:
         return self
@@ -132,6 +139,7 @@ class PatchHandle:
             + ("; compiled calls are not counted)" if self.state.compiled else ")"),
             "  forwards stepped aside to transformers' own attention: "
             + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
+            *([lm_head.heads_line(self.heads)] if self.heads else []),
             f"  transformers: {eras.installed_version()}"
             + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
                else ""),
@@ -242,6 +250,7 @@ def _apply(
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
     _ACTIVE[key] = handle
     batch_errors.attach()
+    lm_head.attach()
     if model is not None:
         try:
             handle.check(model)
@@ -358,6 +367,7 @@ def _forget(key: tuple, handle_ref: weakref.ref) -> None:
         del _ACTIVE[key]
         if not _ACTIVE:
             batch_errors.detach()
+            lm_head.detach()
 
 
 def _patch_tiny(tiny: nn.Module, state: PatchState) -> Any:

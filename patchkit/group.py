@@ -7,6 +7,7 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from patchkit.errors import PatchTargetError
+from patchkit.hooks.lm_head import heads_line
 from patchkit.hooks.model_walk import model_config
 from patchkit.hooks.registry import spec_for_model
 from patchkit.names import GROUP_NAME
@@ -72,6 +73,15 @@ class PatchGroup:
                 out[cause] = out.get(cause, 0) + n
         return out
 
+    @property
+    def heads(self) -> dict[str, int]:
+        """Causal-LM forwards over unpadded batches, every family's, by where their head and loss ran."""
+        out: dict[str, int] = {}
+        for handle in self.handles:
+            for where, n in handle.heads.items():
+                out[where] = out.get(where, 0) + n
+        return out
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self.handles)
 
@@ -118,6 +128,7 @@ class PatchGroup:
                          or "no forward through any family yet"),
             "  forwards stepped aside to transformers' attention: "
             + (", ".join(f"{n} {cause}" for cause, n in aside.items()) or "none"),
+            *([heads_line(self.heads)] if self.heads else []),
             *(f"  skipped {name}: {why}" for name, why in self.skipped.items()),
         ]
         if detail:

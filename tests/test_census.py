@@ -24,7 +24,7 @@ from patchkit.patches import table
 
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
-from patchkit.hooks import attention_interface, self_check
+from patchkit.hooks import attention_interface, lm_head, self_check
 from patchkit.hooks.registry import PATCH_MODULES, for_model_type
 
 PINNED = transformers.__version__ == self_check.TESTED_TRANSFORMERS  # the version VERIFIED was made on
@@ -113,6 +113,9 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
             got_tokens = generated(model)
             outcomes["class"] = "" if torch.equal(got_tokens, want_tokens) else "generated tokens differ"
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the class patch"
+        padded_heads = {why: n for why, n in handle.heads.items() if why != lm_head.REAL_TOKENS}
+        if padded_heads:  # a batch unpadded at the model whose LM head and loss ran on the padded batch
+            outcomes["head"] = f"LM head on the padded batch: {padded_heads}"
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"

@@ -91,8 +91,8 @@ def class_replacements(state: PatchState, mod: Any) -> list[Replacement]:
     out.append(Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
                            "LlamaModel.forward"))
     if state.unpad == "model":
-        out.append(Replacement(mod.LlamaForCausalLM, "forward", make_lm_forward(mod.LlamaForCausalLM.forward),
-                               "LlamaForCausalLM.forward"))
+        lm_forward = make_lm_forward(mod.LlamaForCausalLM.forward, state=state)
+        out.append(Replacement(mod.LlamaForCausalLM, "forward", lm_forward, "LlamaForCausalLM.forward"))
     attr, builder = _mask_method(mod)
     if builder is not None:
         return out + [Replacement(mod.LlamaModel, attr, builder, f"LlamaModel.{attr}")]
@@ -125,6 +125,6 @@ def instance_replacements(state: PatchState, model: nn.Module, mod: Any) -> list
         out.append(bound_replacement(builder, base, attr, f"LlamaModel.{attr}", state.track_copy))
     if state.unpad == "model":
         for lm in find_modules(model, mod.LlamaForCausalLM):
-            out.append(bound_replacement(make_lm_forward(type(lm).forward), lm, "forward",
+            out.append(bound_replacement(make_lm_forward(type(lm).forward, state=state), lm, "forward",
                                          f"{type(lm).__name__}.forward", state.track_copy))
     return out

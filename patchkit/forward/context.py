@@ -51,14 +51,16 @@ class ForwardContext:
       layers read it there, which a compiled graph can do without a break.
     - `generating`: generate()'s preparation of a step's inputs under the registered name, for its span (the
       masks built there are made before the model runs): whether patchkit places the cache it was given.
+    - `head`: the causal LM's forward, for its call: its ask of the base model for the packed row of real tokens
+      (`hooks/lm_head.HeadRequest`), which the base model's forward takes (its own calls run without it) and answers.
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 
-    __slots__ = ("plan", "lm_cause", "route", "generating")
+    __slots__ = ("plan", "lm_cause", "route", "generating", "head")
 
     def __init__(self, plan: ForwardPlan = NO_PLAN, lm_cause: Optional[str] = None, route: Any = None,
-                 generating: Optional[bool] = None) -> None:
-        self.plan, self.lm_cause, self.route, self.generating = plan, lm_cause, route, generating
+                 generating: Optional[bool] = None, head: Any = None) -> None:
+        self.plan, self.lm_cause, self.route, self.generating, self.head = plan, lm_cause, route, generating, head
 
     def replace(self, **fields: Any) -> ForwardContext:
         """A copy with `fields` changed."""

@@ -94,7 +94,8 @@ def class_replacements(
                                                            keep_routed=keep),
                        f"{base.__name__}.forward (routes masks to patchkit)"), routing]
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
-        out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording), f"{lm.__name__}.forward"))
+        out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording, unpad or state.unpad, state),
+                               f"{lm.__name__}.forward"))
     for records in (r for r in recording if r is not lm):
         out.append(Replacement(records, "forward", make_recording_forward(records.forward),
                                f"{records.__name__}.forward (returns the repadded router logits)"))
@@ -134,8 +135,8 @@ def instance_replacements(
                                      "attention to patchkit)", state.track_copy))
     if lm is not None:
         for m in find_modules(model, lm):
-            out.append(bound_replacement(outer_forward(current_method(m), lm in recording), m, "forward",
-                                         f"{type(m).__name__}.forward", state.track_copy))
+            forward = outer_forward(current_method(m), lm in recording, unpad or state.unpad, state)
+            out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
     for records in (r for r in recording if r is not lm):
         for m in find_modules(model, records):
             out.append(bound_replacement(make_recording_forward(current_method(m)), m, "forward",
@@ -144,9 +145,9 @@ def instance_replacements(
     return out
 
 
-def outer_forward(original: Callable, records: bool) -> Callable:
+def outer_forward(original: Callable, records: bool, unpad: str, state: PatchState) -> Callable:
     """The causal LM's wrapped forward; one that records router logits of its own returns the repadded ones."""
-    forward = make_lm_forward(original)
+    forward = make_lm_forward(original, unpad, state)
     return make_recording_forward(forward) if records else forward
 
 

@@ -23,6 +23,7 @@ from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
 from patchkit.hooks.causes import CAUSES
 from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
+from patchkit.hooks.lm_head import HeadRequest, declined, finish, hand_packed, servable_forward
 from patchkit.hooks.padded_cache import caches_in_training, filled_padded, own_cache
 from patchkit.hooks.patching import dressed_as
 from patchkit.hooks.plan import fills_a_cache, plan_forward, resolved_use_cache
@@ -74,6 +75,18 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
             out[key] = repad(out[key])
         return out
     return repad(out)
+
+
+def exit_outputs(out: Any, meta: VarlenMetadata, head: Optional[HeadRequest]) -> Any:
+    """The base model's outputs at its exit: repadded, except the last hidden state a causal LM asked for packed
+    (`head`), which it gets as the packed row (and the request the forward's metadata)."""
+    packed = hand_packed(out, meta) if head is not None and head.wanted else None
+    out = repad_outputs(out, meta)
+    if head is not None and (packed is not None or not head.wanted):
+        head.meta = meta  # what the causal LM counts (and, handed the packed row, repads its logits by)
+    if packed is not None:
+        out["last_hidden_state"] = packed
+    return out
 
 
 def bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Callable, Callable]:
@@ -179,6 +192,13 @@ def make_model_forward(
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if keep_routed is not None and not is_compiling():
             keep_routed()
+        head = None if is_compiling() else current().head
+        if head is None:
+            return served(self, args, kwargs, None)
+        with within(head=None):  # the causal LM's ask is for this forward, not for any model it runs
+            return served(self, args, kwargs, head)
+
+    def served(self: nn.Module, args: tuple, kwargs: dict, head: Optional[HeadRequest]) -> Any:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
@@ -227,7 +247,7 @@ def make_model_forward(
             step_aside(aside_state, only.cause, padded, extra)
             with within(plan=ForwardPlan(aside=only.cause)):
                 return call(self, put_rope_rows(padded, rope_rows))
-        out = repad_outputs(out, meta)
+        out = exit_outputs(out, meta, head)
         if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
             hand_up(out)  # to a model around this one that records router logits of its own
         return out
@@ -236,9 +256,13 @@ def make_model_forward(
     return dressed_as(forward, original, signature)
 
 
-def make_lm_forward(original: Callable) -> Callable:
-    """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions."""
+def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
+    """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
+    under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
+    in `state`'s `heads`)."""
     signature, var_kw, bind, _ = bound_call(original)
+    servable = servable_forward(original)
+    heads = state.heads if state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
@@ -253,9 +277,15 @@ def make_lm_forward(original: Callable) -> Callable:
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra)
-        if cause is None and (is_compiling() or current().lm_cause is None):
+        if cause is None and unpad == "model" and not is_compiling():
+            head = HeadRequest(declined(self, arguments, extra, servable))
+            with within(lm_cause=None, head=head):
+                out = original(self, *args, **kwargs)
+            labelled = arguments.get("labels") is not None or extra.get("shift_labels") is not None
+            return finish(self, out, head, labelled, heads)
+        if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
-        with within(lm_cause=cause):
+        with within(lm_cause=cause, head=None):
             return original(self, *args, **kwargs)
 
     return dressed_as(forward, original, signature)

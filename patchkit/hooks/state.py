@@ -32,6 +32,7 @@ class PatchState:
     compiled: bool = False  # a torch.compile'd call ran: count the layers by their mark (liveness.live_layers)
     warned: set = dataclasses.field(default_factory=set)
     stepped_aside: dict = dataclasses.field(default_factory=dict)  # cause -> forwards run on transformers' attention
+    heads: dict = dataclasses.field(default_factory=dict)  # LM forwards over an unpadded batch: where the head ran
     copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
     route_function: Optional[Callable] = None  # the attention function on this state, for routed families
     serving: dict = dataclasses.field(default_factory=dict)  # (head_dim, window, softcap, dropout) -> backend

@@ -1,0 +1,214 @@
+"""The causal LM's head and loss on real tokens only: the base model hands its LM the packed row, not the padded batch.
+
+Under unpad="model" the base model runs on one packed row of real tokens. Without this module it repads its hidden
+states at its exit, and the LM then runs its head (B·N·H -> B·N·V, the step's largest matmul at a large vocabulary)
+and transformers' loss (which upcasts every logit to float32) on padding too. Here the causal LM's wrapper asks its
+base model for the packed row (`HeadRequest`), so the family's own forward runs its head, its logit transforms
+(softcapping, scaling) and its loss on (nnz + 1, V):
+
+- one zero row follows the nnz real tokens, so the logits at padding keep the meaning they have always had in
+  patchkit: the head (and the family's transforms) of a zero hidden state; the LM's `logits` come back (B, N, V);
+- the labels are shifted in the padded layout (no label crosses a row's end), then unpadded; transformers' loss
+  function receives them as `shift_labels` (`PreTrainedModel.loss_function`, wrapped while a patch is active).
+
+Served where the family's forward computes its loss through `self.loss_function` on its head's logits (read once
+per class), the loss is transformers' `ForCausalLMLoss` and the caller wants every position's logits
+(`logits_to_keep=0`); everything else keeps the padded exit, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchkit.errors import PatchkitError
+from patchkit.forward.context import current
+from patchkit.forward.liveness import is_compiling
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.padding import unpad_rows
+from patchkit.hooks.patching import Replacement, SharedInstall
+
+IGNORE_INDEX = -100
+_hook = SharedInstall()
+
+
+class HeadRequest:
+    """A causal LM's word to its base model, for one call: hand me the packed row (`wanted`), or why not. The base
+    model's wrapper answers with the forward's metadata (`meta`) when it ran packed (and handed the packed row if
+    wanted); the loss wrapper counts its calls on that row (`losses`)."""
+
+    __slots__ = ("wanted", "why_not", "meta", "losses")
+
+    def __init__(self, why_not: Optional[str]) -> None:
+        self.wanted = why_not is None
+        self.why_not = why_not
+        self.meta: Optional[VarlenMetadata] = None
+        self.losses = 0
+
+
+def _default_loss() -> Optional[Callable]:
+    """transformers' ForCausalLMLoss where it takes `shift_labels` (4.50+), else None (the padded exit serves)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return None
+    loss = LOSS_MAPPING.get("ForCausalLM")
+    return loss if loss is not None and "shift_labels" in inspect.signature(loss).parameters else None
+
+
+def servable_forward(forward: Callable) -> bool:
+    """A causal LM's (unpatched) forward computes its loss through `self.loss_function` from its head's logits and
+    slices by `logits_to_keep`: its head and loss can run on the packed row (read once, when it is wrapped)."""
+    try:
+        source = inspect.getsource(inspect.unwrap(forward))
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in source and "logits_to_keep" in source and "CrossEntropyLoss" not in source
+
+
+REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
+
+
+def declined(lm: nn.Module, arguments: dict, extra: dict, servable: bool) -> Optional[str]:
+    """Why this call of a causal LM cannot take its base model's packed row ("" where it needs no more than the
+    padded exit gives: a few positions' logits), or None: it can. It can when its forward is `servable_forward`,
+    every position's logits are asked for in a dict output and, with labels, the loss is transformers' own
+    causal-LM loss (not one the user set)."""
+    keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep", 0)))
+    if not (keep is None or (isinstance(keep, int) and keep == 0)):
+        return ""  # generate()'s last position, or chosen positions: no head on padding to save
+    if not servable:
+        return f"{type(lm).__name__}'s forward computes its loss without transformers' loss_function"
+    asked = arguments.get("return_dict", extra.get("return_dict"))
+    if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
+        return "a tuple output (return_dict=False)"
+    if arguments.get("labels") is None and extra.get("shift_labels") is None:
+        return None
+    loss = _default_loss()
+    if loss is None:
+        return "this transformers' causal-LM loss takes no shift_labels"
+    return None if _lm_loss(lm) is loss else "a loss function other than transformers' ForCausalLMLoss"
+
+
+def _lm_loss(lm: nn.Module) -> Optional[Callable]:
+    """The loss function transformers' own property gives this model (not patchkit's wrapper of it)."""
+    original = _hook.replacements[0].original if _hook.replacements else type(lm).loss_function
+    try:
+        return original.fget(lm) if isinstance(original, property) else None
+    except Exception:  # noqa: BLE001 - a model whose loss cannot be resolved keeps the padded exit
+        return None
+
+
+def hand_packed(out: Any, meta: VarlenMetadata) -> Optional[torch.Tensor]:
+    """The base model's (1, nnz, H) last hidden state with one zero row after the real tokens, for the LM's head;
+    None where the output has no such field (the base model then repads it)."""
+    if not hasattr(out, "keys") or "last_hidden_state" not in out.keys():  # noqa: SIM118 - a ModelOutput
+        return None
+    hidden = out["last_hidden_state"]
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (1, meta.nnz_q):
+        return None
+    return torch.cat([hidden, hidden.new_zeros(1, 1, hidden.shape[-1])], dim=1)
+
+
+def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
+    """(1, nnz + 1, V) -> (B, N, V): each real token's logits at its place, the zero row's at every padding place."""
+    nnz = meta.nnz_q
+    rows = logits[0]
+    padded = rows[nnz].expand(meta.batch * meta.q_len, rows.shape[-1]).index_copy(0, meta.indices_q, rows[:nnz])
+    return padded.view(meta.batch, meta.q_len, rows.shape[-1])
+
+
+def packed_labels(meta: VarlenMetadata, labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor],
+                  ) -> torch.Tensor:
+    """(1, nnz + 1) shifted labels of the packed row: shifted in the padded layout (a row's last token predicts
+    nothing), the real tokens' taken, -100 for the zero row."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    real = unpad_rows(shift_labels, meta.indices_q)
+    return torch.cat([real, real.new_full((1,), IGNORE_INDEX)]).unsqueeze(0)
+
+
+def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                 vocab_size: Optional[int] = None, *args: Any, shift_labels: Optional[torch.Tensor] = None,
+                 **kwargs: Any) -> torch.Tensor:
+    meta = request.meta
+    if meta is None or (labels is None and shift_labels is None):
+        return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
+    request.losses += 1
+    shifted = packed_labels(meta, labels, shift_labels)
+    return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
+
+
+def _loss_property(original: property) -> property:
+    """transformers' `loss_function`, which inside a causal LM whose base model handed it the packed row returns the
+    same loss on that row's labels."""
+    getter = original.fget
+
+    def loss_function(self: nn.Module) -> Callable:
+        loss = getter(self)
+        if is_compiling():
+            return loss
+        request = current().head
+        if request is None or request.meta is None or not request.wanted:
+            return loss
+        return functools.partial(_packed_loss, loss, request)
+
+    return property(functools.wraps(getter)(loss_function), original.fset, original.fdel, original.__doc__)
+
+
+def replacements() -> list[Replacement]:
+    """The wrapper on PreTrainedModel.loss_function (none where this transformers has no such property)."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = vars(PreTrainedModel).get("loss_function")
+    if not isinstance(original, property) or _default_loss() is None:
+        return []
+    return [Replacement(PreTrainedModel, "loss_function", _loss_property(original),
+                        "PreTrainedModel.loss_function (the loss on the packed row's labels)")]
+
+
+def attach() -> None:
+    """While any patch is active, a causal LM handed the packed row computes its loss there (idempotent)."""
+    _hook.attach(replacements)
+
+
+def detach() -> None:
+    """The last patch is gone: transformers' own property again (identity)."""
+    _hook.detach()
+
+
+def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads: Optional[dict]) -> Any:
+    """The LM's output with its logits back at (B, N, V), once its base model handed it the packed row, counted in
+    `heads` (a patch state's: where the head ran, on a batch its base model unpadded). A family that computed a loss
+    with labels outside `loss_function` would have seen the packed row: refused by name."""
+    meta = request.meta
+    if meta is None:
+        return out
+    if not request.wanted:
+        if request.why_not and heads is not None:
+            heads[request.why_not] = heads.get(request.why_not, 0) + 1
+        return out
+    if heads is not None:
+        heads[REAL_TOKENS] = heads.get(REAL_TOKENS, 0) + 1
+    if labelled and request.losses == 0:
+        raise PatchkitError(
+            f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the packed row "
+            "of real tokens patchkit handed it; this loss cannot be trusted. This is a patchkit bug: report it, and "
+            "meanwhile apply the patch with unpad='attention'."
+        )
+    logits = out.get("logits") if hasattr(out, "keys") else None
+    if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == (1, meta.nnz_q + 1):
+        out["logits"] = repad_logits(logits, meta)
+    return out
+
+
+def heads_line(heads: dict[str, int]) -> str:
+    """A report's line on where the LM head and loss ran over batches unpadded at the model."""
+    real = heads.get(REAL_TOKENS, 0)
+    padded = "; ".join(f"{n} on the padded batch: {why}" for why, n in heads.items() if why != REAL_TOKENS)
+    return f"  LM head and loss: {real} forwards on real tokens" + (f"; {padded}" if padded else "")

@@ -1,0 +1,181 @@
+"""The causal LM's head and loss run on real tokens only (`patchkit/hooks/lm_head.py`), with unpatched numbers.
+
+Every family's padded training step is compared with unpatched by the census (loss, logits, every gradient) and
+it requires the head on real tokens wherever the base model unpads; these tests pin what the census does not
+read: how many rows the head sees, the logits at padding, the families' own logit transforms and auxiliary loss,
+and the callers whose calls keep the padded exit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from census import tiny_lm
+from models import labels_for, padded_batch
+
+import patchkit
+from patchkit.errors import PatchkitError
+from patchkit.hooks import lm_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def family(model_type: str, **overrides) -> torch.nn.Module:
+    model, why = tiny_lm(model_type)
+    assert model is not None, why
+    for key, value in overrides.items():
+        setattr(model.config.get_text_config(), key, value)
+    return model
+
+
+def batch(model: torch.nn.Module) -> dict:
+    ids, mask = padded_batch("mixed", batch=4, seq=16)
+    ids = ids.clamp(max=model.config.get_text_config().vocab_size - 1)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), use_cache=False)
+
+
+def head_rows(model: torch.nn.Module) -> list:
+    """The row counts the LM's head sees, one entry per call (a forward hook on its output embeddings)."""
+    seen: list = []
+    model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:-1].numel()))
+    return seen
+
+
+def step(model: torch.nn.Module, **inputs) -> tuple:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.detach(), grads, out
+
+
+def assert_same(got: tuple, want: tuple, mask: torch.Tensor) -> None:
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    real = mask.bool()
+    torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+# llama: the plain head; gemma2: final_logit_softcapping; cohere: logit_scale; granite: logits_scaling; phi: a head
+# with a bias; mixtral: the router's auxiliary loss added to the loss (output_router_logits)
+FAMILIES = {"llama": {}, "gemma2": {}, "cohere": {}, "granite": {}, "phi": {},
+            "mixtral": {"output_router_logits": True, "router_aux_loss_coef": 0.5}}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_head_and_the_loss_run_on_real_tokens_with_unpatched_numbers(model_type):
+    model = family(model_type, **FAMILIES[model_type])
+    inputs = batch(model)
+    mask = inputs["attention_mask"]
+    want = step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        rows = head_rows(model)
+        got = step(model, **inputs)
+        assert handle.heads == {lm_head.REAL_TOKENS: 1}
+    assert rows == [int(mask.sum()) + 1]  # the real tokens and one zero row, whose logits fill the padding
+    assert_same(got, want, mask)
+    if model_type == "mixtral":
+        assert got[3].aux_loss is not None
+        torch.testing.assert_close(got[3].aux_loss, want[3].aux_loss)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi", "gemma2"])
+def test_logits_at_padding_are_the_heads_of_a_zero_hidden_state(model_type):
+    """What patchkit's logits at padding have always been (the base model repadded zeros): the family's head and
+    logit transforms of a zero vector, so a bias or a softcap shows there as before."""
+    model = family(model_type).eval()
+    inputs = batch(model)
+    del inputs["labels"]
+    with patchkit.apply_patch(model=model, backend="sdpa"), torch.no_grad():
+        logits = model(**inputs).logits
+        text = model.config.get_text_config()
+        zero = model.get_output_embeddings()(torch.zeros(1, text.hidden_size))
+        cap = getattr(text, "final_logit_softcapping", None)
+        if cap:
+            zero = torch.tanh(zero / cap) * cap
+    pad = inputs["attention_mask"] == 0
+    torch.testing.assert_close(logits[pad], zero.expand(int(pad.sum()), -1))
+
+
+def test_callers_own_shift_labels_and_num_items_in_batch_reach_the_loss_on_real_tokens():
+    model = family("llama")
+    inputs = batch(model)
+    labels = inputs.pop("labels")
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    inputs.update(labels=labels, shift_labels=shift, num_items_in_batch=torch.tensor(int((shift != -100).sum()) + 5))
+    want = step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = step(model, **inputs)
+        assert handle.heads == {lm_head.REAL_TOKENS: 1}
+    assert_same(got, want, inputs["attention_mask"])
+
+
+@pytest.mark.parametrize("how", ["logits_to_keep", "own_loss", "tuple"])
+def test_calls_the_packed_row_cannot_serve_keep_the_padded_exit_and_say_why(how):
+    model = family("llama")
+    inputs = batch(model)
+    if how == "logits_to_keep":
+        inputs.pop("labels")
+        inputs["logits_to_keep"] = 3
+    elif how == "own_loss":
+        model.loss_function = lambda logits, labels, vocab_size, **kw: torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    else:
+        inputs["return_dict"] = False
+    with torch.no_grad():
+        want = model(**inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle, torch.no_grad():
+        rows = head_rows(model)
+        got = model(**inputs)
+        why = handle.heads
+    n, seq = inputs["input_ids"].shape
+    assert rows == [n * (3 if how == "logits_to_keep" else seq)]
+    if how == "logits_to_keep":
+        assert why == {}  # the last positions only: no head on padding to save
+    else:
+        assert list(why) != [lm_head.REAL_TOKENS] and sum(why.values()) == 1
+        assert ("return_dict=False" if how == "tuple" else "ForCausalLMLoss") in next(iter(why))
+    got_logits, want_logits = (got[1], want[1]) if how == "tuple" else (got.logits, want.logits)
+    real = inputs["attention_mask"].bool()
+    if how == "logits_to_keep":
+        real = real[:, -3:]
+    torch.testing.assert_close(got_logits[real], want_logits[real], atol=2e-5, rtol=1e-4)
+    if how != "logits_to_keep":
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_report_says_where_the_head_ran():
+    model = family("llama")
+    inputs = batch(model)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        model(**inputs)
+        model(**{**inputs, "return_dict": False})
+        report = handle.report()
+    assert "LM head and loss: 1 forwards on real tokens; 1 on the padded batch: a tuple output" in report
+
+
+def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name():
+    """A family whose forward reads as one that computes its loss through `self.loss_function` but does not would
+    compute it on the packed row: patchkit refuses it rather than return that loss."""
+    from transformers import LlamaForCausalLM
+
+    class OwnLoss(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kwargs):
+            # reads like transformers' (self.loss_function(...)), computes its own
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            logits = self.lm_head(out.last_hidden_state)
+            loss = logits.logsumexp(-1).mean()  # every position's, padding's too: not transformers' loss
+            return {"loss": loss, "logits": logits}
+
+    base = family("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = OwnLoss(base.config)
+    inputs = batch(model)
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        with pytest.raises(PatchkitError, match="computed its loss without transformers' loss_function"):
+            model(**inputs)
