@@ -176,6 +176,37 @@ def test_a_boolean_4d_mask_through_the_registered_name_steps_aside_exactly():
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("pattern", ["causal_and_padding", "block_diagonal"])
+def test_a_boolean_4d_mask_gives_what_the_loaded_attention_gives(attn, pattern):
+    """transformers' eager attention adds the mask to its scores: a boolean one (True +1, False 0) masks nothing
+    there. Patched, an eager model steps aside with the mask as given (same numbers, the cause named); an sdpa
+    model, which reads a boolean mask as a mask, stays patched."""
+    model = any_model("llama", attn)
+    ids, mask = padded_batch("right", batch=2, seq=14)
+    if pattern == "causal_and_padding":
+        allowed = torch.ones(14, 14).tril().bool()[None, None] & mask.bool()[:, None, None, :]
+    else:
+        allowed = torch.block_diag(torch.ones(7, 7).tril(), torch.ones(7, 7).tril()).bool()[None, None].expand(
+            2, 1, 14, 14)
+        mask = torch.ones_like(mask)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = model(input_ids=ids, attention_mask=allowed).logits
+        with patchkit.apply_patch(backend="sdpa") as group:
+            got = model(input_ids=ids, attention_mask=allowed).logits
+            aside, calls = group.stepped_aside, group.calls
+    real = mask.bool()
+    if attn == "eager":
+        assert aside == {"bool_mask_on_eager": 1} and calls == 0
+        (said,) = aside_messages(caught)
+        assert "boolean 4D mask on eager attention" in said and "additive float 4D mask" in said
+        torch.testing.assert_close(got, want)
+    else:
+        assert not aside and calls == 2
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
 def neat_packing_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """LLaMA-Factory's prepare_4d_attention_mask: document ids (0 = padding) -> an additive (B, 1, S, S) mask that
     lets each token see the earlier tokens of its own document only."""

@@ -24,6 +24,13 @@ CAUSES = {
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); a "
         "vision-language model that builds its own masks stays exact on transformers' attention",
     ),
+    "bool_mask_on_eager": (
+        "a boolean 4D attention mask on a model loaded with attn_implementation='eager', whose attention adds the "
+        "mask to the scores (True as +1, False as 0), so it masks nothing; patchkit's kernels would mask",
+        "pass the 2D [batch, seq] padding mask, or the 4D mask as additive floats (0 where a key is seen, the "
+        "dtype's minimum elsewhere), or load the model with attn_implementation='sdpa', which reads a boolean mask "
+        "as a mask",
+    ),
     "window_under_4d_mask": (
         "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
         "sliding window over it), and a document or row is longer than the model's sliding window, which patchkit's "
@@ -90,6 +97,8 @@ BRIEF = {
     "right_padded_generation": ("generate() on a right-padded prompt, or a row that is all padding, reads a "
                                 "next token at padding", "pad prompts on the left"),
     "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
+    "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
+                           "the 2D padding mask, or an additive float 4D mask"),
     "window_under_4d_mask": ("a 4D attention mask on a sliding-window model (transformers applies no sliding "
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
