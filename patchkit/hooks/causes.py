@@ -11,8 +11,8 @@ CAUSES = {
         "collators do)",
     ),
     "right_padded_generation": (
-        "generate() on a right-padded prompt (or a row that is all padding) reads a row's next token from a padding "
-        "position, which varlen kernels skip",
+        "generate() on a right-padded prompt, or generate() or a hand-written decode loop's prefill into its cache "
+        "with a row that is all padding, reads a row's next token from a padding position, which varlen kernels skip",
         "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token",
     ),
     "custom_4d_mask": (
@@ -94,8 +94,8 @@ CAUSES = {
 BRIEF = {
     "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and right after left "
                             "padding"),
-    "right_padded_generation": ("generate() on a right-padded prompt, or a row that is all padding, reads a "
-                                "next token at padding", "pad prompts on the left"),
+    "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
+                                "that is all padding, reads a next token at padding", "pad prompts on the left"),
     "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
     "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
                            "the 2D padding mask, or an additive float 4D mask"),

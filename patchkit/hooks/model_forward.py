@@ -252,7 +252,7 @@ def make_lm_forward(original: Callable) -> Callable:
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
-        cause = lm_cause(arguments, extra)
+        cause = lm_cause(arguments, extra, self.training)
         if cause is None and (is_compiling() or current().lm_cause is None):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause):

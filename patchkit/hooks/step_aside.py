@@ -203,16 +203,38 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     return bool(torch.stack(hits).any()) if hits else False
 
 
-def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
+def lm_cause(arguments: dict, extra: dict, training: bool = False) -> Optional[str]:
     """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
-    token (its prefill; a plain forward's logits at padding are zeros, as documented)."""
+    token (its prefill; a plain forward's logits at padding are zeros, as documented), or a hand-written decode
+    loop's for a row that is all padding, in eval mode (`training`: the model's mode)."""
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
     cache = given_cache(arguments, extra)
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))
-    return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
+    if right_padded_generation(mask, cache, keep, position):
+        return "right_padded_generation"
+    if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments)):
+        return "right_padded_generation"
+    return None
+
+
+def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any) -> bool:
+    """A hand-written decode loop's prefill (in eval mode) into an empty cache the caller brought (dynamic or static)
+    with a row that is all padding: the loop reads that row's next token at padding, as generate() would
+    (`right_padded_generation`), where transformers computes logits of its own and the packed row gives zeros. (A
+    row with real tokens ending in padding stays patched: its logits at padding are zeros, as documented.) A static
+    cache's mask may cover all its slots: its first q_len columns are the prompt's."""
+    if cache is None or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or not isinstance(mask, torch.Tensor):
+        return False
+    q_len = tokens.shape[1]
+    if mask.dim() != 2 or mask.shape[-1] < q_len or (mask.shape[-1] > q_len and not fixed_slots(cache)):
+        return False  # behind a past: a decode step, or a chunk after the first
+    length = getattr(cache, "get_seq_length", None)
+    if length is None or is_compiling() or length() != 0:
+        return False
+    return bool((mask[:, :q_len] == 0).all(dim=-1).any())
 
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
