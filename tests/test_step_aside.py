@@ -109,8 +109,10 @@ def test_paged_generation_runs_as_unpatched():
         got = model.generate(input_ids=ids, **kw)
         aside = group.stepped_aside
     assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
-    if aside:  # the versions whose continuous batching hands the layers a 4D mask (5.x after 5.0)
-        assert set(aside) == {"custom_4d_mask"}
+    if aside:  # the versions whose continuous batching reaches patchkit's model forward (5.x after 5.0)
+        assert set(aside) == {"continuous_batching"}  # named for what it is, not "pass the 2D mask" (not possible)
+        (said,) = aside_messages(caught)
+        assert "continuous batching" in said and "2D" not in said
         (where,) = {w.filename for w in caught if "ran on transformers' attention" in str(w.message)}
         assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
 
@@ -126,7 +128,7 @@ def test_a_refusal_inside_continuous_batching_reaches_the_caller():
         try:
             got = model.generate(input_ids=ids, **kw)
         except PatchkitError as err:
-            assert "strict=True" in str(err) and "4D attention mask" in str(err)
+            assert "strict=True" in str(err) and "continuous batching" in str(err)
         else:  # a continuous batching that never reaches patchkit's attention (its own paged one): as unpatched
             assert torch.equal(got, want), "a refusal was swallowed: the prompts came back"
         handle.revert()

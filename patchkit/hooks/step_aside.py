@@ -22,6 +22,7 @@ from patchkit.forward.metadata import VarlenMetadata, has_holes
 from patchkit.hooks.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
+OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
 
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:
@@ -29,7 +30,7 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
     it); strict mode refuses it instead, and so does a batch of packed documents, which transformers' attention
     would let see each other (no exact path)."""
     what, fix = what or CAUSES[cause][0], CAUSES[cause][1]
-    if cause != "custom_4d_mask" and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
+    if cause not in OWN_DOCUMENTS and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
         raise PatchInputError(
             f"patch {state.patch!r}: {what}, in a batch of packed documents (position_ids restarting inside a row, "
             "or cu_seq_lens). transformers' own attention would let those documents attend to each other, and "
@@ -86,12 +87,21 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         wanted = getattr(module.config, "output_attentions", False)
     if wanted:
         return "output_attentions"
+    cache = given_cache(arguments)
+    if paged_cache(cache):
+        return "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
-    cache = given_cache(arguments)
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def paged_cache(cache: Any) -> bool:
+    """Continuous batching's cache (`generate_batch()`, `generate(cache_implementation="paged")`): blocks of keys
+    shared by many requests, read and written by index, under masks it builds itself. Read by class name: the module
+    moved between transformers releases."""
+    return type(cache).__name__ == "PagedAttentionCache"
 
 
 def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
