@@ -88,6 +88,18 @@ def test_all_padding_batch_gives_every_parameter_a_zero_gradient_as_unpatched(pa
         torch.testing.assert_close(got[name], grad, msg=name)
 
 
+def test_an_empty_sequence_fails_as_unpatched():
+    """N = 0 with a (B, 0) mask: transformers' own error (its reshape of no tokens), not one from patchkit's
+    metadata ("step must be nonzero")."""
+    model = tiny_model()
+    ids, mask = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(RuntimeError) as unpatched:
+        model(input_ids=ids, attention_mask=mask)
+    with patchkit.apply_patch(backend="sdpa"), pytest.raises(RuntimeError) as patched:
+        model(input_ids=ids, attention_mask=mask)
+    assert str(patched.value) == str(unpatched.value)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_bf16_error_at_most_twice_eager_error(kv_heads):
     ref32 = tiny_model(kv_heads=kv_heads)
