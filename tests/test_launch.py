@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -246,6 +247,32 @@ def test_usage_errors(tmp_path, capsys, monkeypatch):
         assert exc.value.code == code and text in out.out + out.err, (argv, out)
     with pytest.raises(SystemExit, match="script not found"):
         main(["--no-patch", str(tmp_path / "missing.py")])
+def test_a_command_on_path_runs_like_a_script_and_a_missing_one_fails_before_patching(in_process, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """`patchkit run axolotl train cfg.yml`: a console script on PATH (a Python file pip wrote) runs patched as a
+    script path would; a name that is neither a file nor a command fails at once, before the patch's imports."""
+    from patchkit import launch as launch_module
+    from patchkit.entry import config
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    command = bin_dir / "probe-cli"
+    command.write_text(f"#!/usr/bin/env python\n{PROBE}")
+    command.chmod(0o755)
+    (bin_dir / "shell-cli").write_text("#!/bin/sh\necho hi\n")
+    (bin_dir / "shell-cli").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "out.json"
+    assert launch_module.main(["--backend", "sdpa", "probe-cli", str(out)]) == 0
+    assert {backend for _, backend, _ in json.loads(out.read_text())} == {"sdpa"}  # patched before it ran
+    patchkit.revert_patch()
+    monkeypatch.setattr(config, "apply_from_args", lambda *a: pytest.fail("patched before the command was found"))
+    with pytest.raises(SystemExit, match="'no-such-cli' is neither a file nor a command on PATH"):
+        launch_module.main(["no-such-cli", "train"])
+    with pytest.raises(SystemExit, match="'shell-cli' .* is not a Python script.*PATCHKIT_FLASH_ATTN=1"):
+        launch_module.main(["shell-cli"])
+
+
 def test_in_process_split_keeps_script_options(monkeypatch):
     from patchkit.launch import build_parser, split_argv
 
