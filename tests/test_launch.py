@@ -11,6 +11,7 @@ import pytest
 import transformers
 from entrypoints import clean_env, launch, patchkit_cli, tagged
 from families import FAMILIES_FROM, served_here
+from models import tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -294,3 +295,21 @@ def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path)
     proc = launch("--backend", "sdpa", str(idle))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "WARNING: no attention layer ran through patch 'all'" in proc.stderr
+
+
+def test_the_exit_line_says_compiled_calls_are_not_counted():
+    """Under torch.compile the layers are counted by their marks but the calls are not: the exit line said "0
+    calls" and no more."""
+    import io
+
+    import torch
+
+    from patchkit.entry.process_report import report_at_exit
+
+    model = torch.compile(tiny_model(hidden=32, layers=1))
+    ids = torch.randint(3, 90, (2, 8))
+    with patchkit.apply_patch(backend="sdpa") as group, torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        stream = io.StringIO()
+        report_at_exit(group, stream)
+    assert "attention layers ran through patch 'all' (0 calls; compiled calls are not counted" in stream.getvalue()
