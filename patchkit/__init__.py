@@ -20,6 +20,7 @@ _LAZY = {
     "PatchGateError": "patchkit.errors", "PatchInputError": "patchkit.errors",
     "PatchTargetError": "patchkit.errors", "PatchkitError": "patchkit.errors",
     "register_attention": "patchkit.hooks.attention_interface",  # its `register`
+    "report": "patchkit.entry.report",
 }
 ATTENTION_NAME = "patchkit"  # patchkit.hooks.routing.ROUTE_NAME: attn_implementation="patchkit"
 
@@ -77,5 +78,6 @@ __all__ = [
     "default_dtype",
     "doctor",
     "register_attention",
+    "report",
     "revert_patch",
 ]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from patchkit.entry.autostart import stand_down
 from patchkit.entry.process_report import rank_label, report_at_exit
+from patchkit.env import ENV_FLASH_ATTN
 from patchkit.errors import PatchkitError
 from patchkit.names import BACKEND_NAMES, UNPAD_MODES, patch_names
 from patchkit.warn import attributed_to
@@ -137,11 +139,32 @@ def run_target(target: Target) -> None:
         runpy.run_module(target.module, run_name="__main__", alter_sys=True)
         return
     script = target.script or ""
-    if not os.path.exists(script):
-        raise SystemExit(f"patchkit.launch: script not found: {script!r}")
     sys.argv = [script, *target.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+
+
+def resolve_script(script: str) -> str:
+    """The file to run: `script` where it exists, else a command on PATH (`axolotl`, `llamafactory-cli`) whose file
+    is a Python script (a console script pip wrote), as `python -m`'s runpy would run it. Checked before any heavy
+    import, so a typo fails at once."""
+    if os.path.exists(script):
+        return script
+    command = shutil.which(script) if os.sep not in script else None
+    if command is None:
+        raise SystemExit(f"patchkit.launch: script not found: {script!r} is neither a file nor a command on PATH")
+    try:
+        with open(command, "rb") as file:
+            first = file.readline(256)
+    except OSError as exc:
+        raise SystemExit(f"patchkit.launch: cannot read the command {script!r} ({command}): {exc}") from None
+    if not (first.startswith(b"#!") and b"python" in first):
+        raise SystemExit(
+            f"patchkit.launch: the command {script!r} ({command}) is not a Python script, so the launcher cannot run "
+            f"it in its own process; run it with {ENV_FLASH_ATTN}=1 set instead (every Python process it starts "
+            "patches itself)"
+        )
+    return command
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launch") -> int:
@@ -151,6 +174,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
     parser = build_parser(prog)
     options, target = split_argv(argv, parser)
     ns = parser.parse_args(options)
+    if target.script is not None:
+        target.script = resolve_script(target.script)
     try:
         args = resolve_options(ns)
     except ValueError as exc:

@@ -154,17 +154,23 @@ def test_decode_steps_build_no_gather_indices(monkeypatch):
 @pytest.mark.parametrize("kind", ["right", "mixed"])
 def test_holes_and_all_padding_rows_decode_exactly_with_zeros_not_nan(kind, gathers):
     """A right-padded prompt leaves a hole before the new tokens (no window: served exactly); the mixed batch's last
-    row is all padding, and a step whose new token is padding too sees no real key: zeros, never NaN."""
+    row is all padding, and a step whose new token is padding too sees no real key: zeros, never NaN. The prefill
+    of a row that is all padding steps aside (its next token is read at padding, as in generate())."""
     model = tiny_model(kv_heads=2, seed=5)
     ids, mask = padded_batch(kind, batch=4, seq=16)
     feed = torch.randint(3, 90, (4, 4), generator=torch.Generator().manual_seed(1))
     want, _ = decode_logits(model, ids, mask, 4, feed)
-    with patchkit.apply_patch("llama2", backend="sdpa"):
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
         got, _ = decode_logits(model, ids, mask, 4, feed)
+        aside = handle.stepped_aside
     last_real = mask[:, -1].bool()  # the prefill's last logits: a padding position in right-padded rows
     torch.testing.assert_close(got[last_real, 0], want[last_real, 0], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got[:, 1:], want[:, 1:], atol=ATOL, rtol=RTOL)
-    assert prompt_only(gathers, 4, 16), gathers
+    if kind == "mixed":
+        assert aside == {"right_padded_generation": 1} and gathers == []  # the decode steps gather no cache
+        torch.testing.assert_close(got[-1, 0], want[-1, 0], atol=ATOL, rtol=RTOL)
+    else:
+        assert not aside and prompt_only(gathers, 4, 16), gathers
 
     attn_in: list[torch.Tensor] = []
     hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: attn_in.append(a[0]))

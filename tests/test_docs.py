@@ -163,3 +163,15 @@ def test_the_performance_prose_quotes_no_ratio_of_its_own(tables):
     """A ratio on the performance page sits in a table the CSVs write, never in the prose around them."""
     text = tables.MARKED.sub("", (REPO / "docs" / "performance.md").read_text())
     assert re.findall(r"\d+(?:\.\d+)?x\b", text) == []
+
+
+def test_the_causes_table_names_every_cause_patchkit_steps_aside_for():
+    """docs/never-silently-wrong.md's table of causes is the one a warning's cause name leads a reader to: it holds
+    every cause in `hooks/causes.py`, and no other."""
+    from patchkit.hooks.causes import BRIEF, CAUSES
+
+    text = (REPO / "docs" / "never-silently-wrong.md").read_text()
+    section = text.split("## The causes", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
+    assert len(rows) == len(set(rows)), rows
+    assert sorted(rows) == sorted(CAUSES) == sorted(BRIEF)

@@ -65,6 +65,41 @@ def test_all_padding_batch_does_not_crash():
     assert handle.calls == model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("patch", ["llama2", "llama1", "all"])
+def test_all_padding_batch_gives_every_parameter_a_zero_gradient_as_unpatched(patch):
+    """Labels all -100 on a batch that is all padding: unpatched, every parameter gets a gradient of zeros, which
+    DDP expects and AdamW's weight decay reads (None skips the decay). Patched must give the same, not None."""
+    model = tiny_model().train()
+    ids, mask = torch.randint(3, 90, (2, 8)), torch.zeros(2, 8, dtype=torch.long)
+
+    def step() -> dict:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        (logits * mask[..., None]).sum().backward()  # a summed loss over real tokens: none here
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    want = step()
+    with patchkit.apply_patch(patch, backend="sdpa") as handle:
+        got = step()
+        assert handle.calls == model.config.num_hidden_layers
+    assert all(g is not None for g in want.values())
+    for name, grad in want.items():
+        assert got[name] is not None, name
+        torch.testing.assert_close(got[name], grad, msg=name)
+
+
+def test_an_empty_sequence_fails_as_unpatched():
+    """N = 0 with a (B, 0) mask: transformers' own error (its reshape of no tokens), not one from patchkit's
+    metadata ("step must be nonzero")."""
+    model = tiny_model()
+    ids, mask = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(RuntimeError) as unpatched:
+        model(input_ids=ids, attention_mask=mask)
+    with patchkit.apply_patch(backend="sdpa"), pytest.raises(RuntimeError) as patched:
+        model(input_ids=ids, attention_mask=mask)
+    assert str(patched.value) == str(unpatched.value)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_bf16_error_at_most_twice_eager_error(kv_heads):
     ref32 = tiny_model(kv_heads=kv_heads)

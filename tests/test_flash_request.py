@@ -65,8 +65,8 @@ def test_class_patch_serves_the_request_with_one_warning_and_matches_eager():
     model.load_state_dict(reference.state_dict())
     model.eval()
     assert len(messages) == 1 and SERVED in messages[0], messages
-    assert "transformers cannot use flash-attn here (FlashAttention2 has been toggled on" in messages[0]
-    assert f"The model loads with attn_implementation={NAME!r}" in messages[0]
+    assert "flash-attn unusable here: " in messages[0] and f"it loads as {NAME!r}." in messages[0]
+    assert len(messages[0]) < 260, messages[0]  # transformers' whole refusal made it ~480 characters
     assert model.config._attn_implementation == NAME
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
@@ -104,7 +104,7 @@ def test_every_active_family_is_served_mistral_too():
     model.load_state_dict(reference.state_dict())
     model.eval()
     assert len(messages) == 1, messages
-    assert "for MistralForCausalLM is served by patchkit's 'sdpa' backend (the 'mistral' class patch" in messages[0]
+    assert "for MistralForCausalLM is served by patchkit's 'sdpa' backend, exact" in messages[0]
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
     assert group.check(model) == 2
@@ -183,7 +183,7 @@ def test_a_vision_language_model_asking_for_flash_attention_2_runs_images_as_unp
     config = reference.config
     config._attn_implementation = "flash_attention_2"
     with patchkit.apply_patch(backend="sdpa") as group:
-        with pytest.warns(RuntimeWarning, match="vision or audio tower in it: transformers' 'sdpa'"):
+        with pytest.warns(RuntimeWarning, match="vision or audio tower: transformers' 'sdpa'"):
             model = type(reference)(config).eval()
         model.load_state_dict(reference.state_dict())
         assert model.config.get_text_config()._attn_implementation == NAME

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 import transformers
 from entrypoints import clean_env, launch, patchkit_cli, tagged
 from families import FAMILIES_FROM, served_here
+from models import tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -246,6 +248,32 @@ def test_usage_errors(tmp_path, capsys, monkeypatch):
         assert exc.value.code == code and text in out.out + out.err, (argv, out)
     with pytest.raises(SystemExit, match="script not found"):
         main(["--no-patch", str(tmp_path / "missing.py")])
+def test_a_command_on_path_runs_like_a_script_and_a_missing_one_fails_before_patching(in_process, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """`patchkit run axolotl train cfg.yml`: a console script on PATH (a Python file pip wrote) runs patched as a
+    script path would; a name that is neither a file nor a command fails at once, before the patch's imports."""
+    from patchkit import launch as launch_module
+    from patchkit.entry import config
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    command = bin_dir / "probe-cli"
+    command.write_text(f"#!/usr/bin/env python\n{PROBE}")
+    command.chmod(0o755)
+    (bin_dir / "shell-cli").write_text("#!/bin/sh\necho hi\n")
+    (bin_dir / "shell-cli").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "out.json"
+    assert launch_module.main(["--backend", "sdpa", "probe-cli", str(out)]) == 0
+    assert {backend for _, backend, _ in json.loads(out.read_text())} == {"sdpa"}  # patched before it ran
+    patchkit.revert_patch()
+    monkeypatch.setattr(config, "apply_from_args", lambda *a: pytest.fail("patched before the command was found"))
+    with pytest.raises(SystemExit, match="'no-such-cli' is neither a file nor a command on PATH"):
+        launch_module.main(["no-such-cli", "train"])
+    with pytest.raises(SystemExit, match="'shell-cli' .* is not a Python script.*PATCHKIT_FLASH_ATTN=1"):
+        launch_module.main(["shell-cli"])
+
+
 def test_in_process_split_keeps_script_options(monkeypatch):
     from patchkit.launch import build_parser, split_argv
 
@@ -267,3 +295,21 @@ def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path)
     proc = launch("--backend", "sdpa", str(idle))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "WARNING: no attention layer ran through patch 'all'" in proc.stderr
+
+
+def test_the_exit_line_says_compiled_calls_are_not_counted():
+    """Under torch.compile the layers are counted by their marks but the calls are not: the exit line said "0
+    calls" and no more."""
+    import io
+
+    import torch
+
+    from patchkit.entry.process_report import report_at_exit
+
+    model = torch.compile(tiny_model(hidden=32, layers=1))
+    ids = torch.randint(3, 90, (2, 8))
+    with patchkit.apply_patch(backend="sdpa") as group, torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        stream = io.StringIO()
+        report_at_exit(group, stream)
+    assert "attention layers ran through patch 'all' (0 calls; compiled calls are not counted" in stream.getvalue()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from families import set_attention
-from models import VOCAB, dynamic_cache, needs_mask_interface, padded_batch, static_decode, tiny_model
+from models import CACHE, VOCAB, dynamic_cache, needs_mask_interface, padded_batch, static_decode, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -400,6 +400,37 @@ def test_generate_with_a_row_that_is_all_padding_equals_unpatched(cache, unpad):
             got = model.generate(input_ids=ids, **kw)
         assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 4
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static over every slot"])
+def test_a_hand_written_decode_loop_with_a_row_that_is_all_padding_equals_unpatched(cache):
+    """The loop generate() runs, by hand: its prefill into an empty cache reads each row's next token at the last
+    prompt column, padding for a row with no real token (transformers computes logits there, varlen kernels give
+    zeros: 0.3 off, and other tokens after). It steps aside as generate() does, named; the steps after run patched."""
+    model = set_attention(tiny_model(kv_heads=2), "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    mask[1] = 0
+    if cache == "dynamic":
+        def loop():
+            kv, step_mask, nxt, logits = dynamic_cache(model), mask, ids, []
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            for _ in range(4):
+                out = model(input_ids=nxt, attention_mask=step_mask, position_ids=positions, **{CACHE: kv},
+                            use_cache=True)
+                logits.append(out.logits[:, -1])
+                nxt, positions = out.logits[:, -1:].argmax(-1), positions[:, -1:] + 1
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], -1)
+            return torch.stack(logits, 1)
+    else:
+        def loop():
+            return static_decode(model, ids, mask, steps=3, max_len=20, full_mask=cache != "static")
+    with torch.no_grad():
+        want = loop()
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="decode loop.*a row that is all padding"):
+                got = loop()
+            assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 3
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("revert_class_first", [True, False])

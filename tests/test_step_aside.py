@@ -109,8 +109,10 @@ def test_paged_generation_runs_as_unpatched():
         got = model.generate(input_ids=ids, **kw)
         aside = group.stepped_aside
     assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
-    if aside:  # the versions whose continuous batching hands the layers a 4D mask (5.x after 5.0)
-        assert set(aside) == {"custom_4d_mask"}
+    if aside:  # the versions whose continuous batching reaches patchkit's model forward (5.x after 5.0)
+        assert set(aside) == {"continuous_batching"}  # named for what it is, not "pass the 2D mask" (not possible)
+        (said,) = aside_messages(caught)
+        assert "continuous batching" in said and "2D" not in said
         (where,) = {w.filename for w in caught if "ran on transformers' attention" in str(w.message)}
         assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
 
@@ -126,7 +128,7 @@ def test_a_refusal_inside_continuous_batching_reaches_the_caller():
         try:
             got = model.generate(input_ids=ids, **kw)
         except PatchkitError as err:
-            assert "strict=True" in str(err) and "4D attention mask" in str(err)
+            assert "strict=True" in str(err) and "continuous batching" in str(err)
         else:  # a continuous batching that never reaches patchkit's attention (its own paged one): as unpatched
             assert torch.equal(got, want), "a refusal was swallowed: the prompts came back"
         handle.revert()
@@ -174,6 +176,37 @@ def test_a_boolean_4d_mask_through_the_registered_name_steps_aside_exactly():
         finally:
             patchkit.register_attention(backend="auto")
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("pattern", ["causal_and_padding", "block_diagonal"])
+def test_a_boolean_4d_mask_gives_what_the_loaded_attention_gives(attn, pattern):
+    """transformers' eager attention adds the mask to its scores: a boolean one (True +1, False 0) masks nothing
+    there. Patched, an eager model steps aside with the mask as given (same numbers, the cause named); an sdpa
+    model, which reads a boolean mask as a mask, stays patched."""
+    model = any_model("llama", attn)
+    ids, mask = padded_batch("right", batch=2, seq=14)
+    if pattern == "causal_and_padding":
+        allowed = torch.ones(14, 14).tril().bool()[None, None] & mask.bool()[:, None, None, :]
+    else:
+        allowed = torch.block_diag(torch.ones(7, 7).tril(), torch.ones(7, 7).tril()).bool()[None, None].expand(
+            2, 1, 14, 14)
+        mask = torch.ones_like(mask)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = model(input_ids=ids, attention_mask=allowed).logits
+        with patchkit.apply_patch(backend="sdpa") as group:
+            got = model(input_ids=ids, attention_mask=allowed).logits
+            aside, calls = group.stepped_aside, group.calls
+    real = mask.bool()
+    if attn == "eager":
+        assert aside == {"bool_mask_on_eager": 1} and calls == 0
+        (said,) = aside_messages(caught)
+        assert "boolean 4D mask on eager attention" in said and "additive float 4D mask" in said
+        torch.testing.assert_close(got, want)
+    else:
+        assert not aside and calls == 2
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
 
 
 def neat_packing_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
     if handle.layers_seen:
         print(
             f"{who}: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
-            f"{handle.name!r} ({handle.calls} calls, backend {handle.backend!r}"
+            f"{handle.name!r} ({handle.calls} calls{'; compiled calls are not counted' if compiled(handle) else ''}, "
+            f"backend {handle.backend!r}"
             + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")"),
             file=stream,
         )
@@ -55,3 +56,10 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
             file=stream,
         )
     stream.flush()
+
+
+def compiled(handle: Any) -> bool:
+    """A torch.compile'd call ran through the patch (or one of a group's): its calls are not counted (counting inside
+    a graph would recompile it), so the count alone would read as "0 calls"."""
+    handles = getattr(handle, "handles", None) or [handle]
+    return any(getattr(getattr(h, "state", None), "compiled", False) for h in handles)

@@ -102,11 +102,10 @@ def real_runs(real: torch.Tensor) -> torch.Tensor:
 
 
 def dense_metadata(batch: int, q_len: int, kv_len: int, device: torch.device) -> VarlenMetadata:
-    """No padding anywhere: every row is one sequence; no gather needed."""
-    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    cu_k = cu_q
-    if q_len != kv_len:
-        cu_k = torch.arange(0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device)
+    """No padding anywhere: every row is one sequence; no gather needed. (Rows of no token, q_len 0, too.)"""
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    cu_q = rows * q_len
+    cu_k = cu_q if q_len == kv_len else rows * kv_len
     return VarlenMetadata(
         batch, q_len, kv_len, None, None, cu_q, cu_k, q_len, kv_len, [q_len] * batch, [kv_len] * batch
     )

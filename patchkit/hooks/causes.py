@@ -11,18 +11,32 @@ CAUSES = {
         "collators do)",
     ),
     "right_padded_generation": (
-        "generate() on a right-padded prompt (or a row that is all padding) reads a row's next token from a padding "
-        "position, which varlen kernels skip",
+        "generate() on a right-padded prompt, or generate() or a hand-written decode loop's prefill into its cache "
+        "with a row that is all padding, reads a row's next token from a padding position, which varlen kernels skip",
         "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token",
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern; a vision-language model's own masks, "
         "such as Gemma3's, whose image tokens see each other both ways; or one generate() built before the "
         "model ran for a cache patchkit does not place: a static cache before transformers 4.56, or 4.57 on a model "
-        "with a sliding window, sliding-window caches, continuous batching), which a key-padding mask cannot "
+        "with a sliding window, sliding-window caches), which a key-padding mask cannot "
         "express",
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); a "
         "vision-language model that builds its own masks stays exact on transformers' attention",
+    ),
+    "bool_mask_on_eager": (
+        "a boolean 4D attention mask on a model loaded with attn_implementation='eager', whose attention adds the "
+        "mask to the scores (True as +1, False as 0), so it masks nothing; patchkit's kernels would mask",
+        "pass the 2D [batch, seq] padding mask, or the 4D mask as additive floats (0 where a key is seen, the "
+        "dtype's minimum elsewhere), or load the model with attn_implementation='sdpa', which reads a boolean mask "
+        "as a mask",
+    ),
+    "continuous_batching": (
+        "continuous batching (generate_batch(), or generate(cache_implementation='paged')) runs the model on its "
+        "paged cache, whose keys it reads and writes by block index under masks it builds itself, which patchkit's "
+        "kernels do not read",
+        "none needed: continuous batching stays exact on transformers' paged attention; generate() with the default "
+        "dynamic cache runs patched",
     ),
     "window_under_4d_mask": (
         "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
@@ -87,9 +101,13 @@ CAUSES = {
 BRIEF = {
     "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and right after left "
                             "padding"),
-    "right_padded_generation": ("generate() on a right-padded prompt, or a row that is all padding, reads a "
-                                "next token at padding", "pad prompts on the left"),
+    "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
+                                "that is all padding, reads a next token at padding", "pad prompts on the left"),
     "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
+    "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
+                           "the 2D padding mask, or an additive float 4D mask"),
+    "continuous_batching": ("continuous batching (generate_batch, paged attention) builds its own masks over its "
+                            "paged cache", "none needed; generate() with the default cache runs patched"),
     "window_under_4d_mask": ("a 4D attention mask on a sliding-window model (transformers applies no sliding "
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",

@@ -36,23 +36,36 @@ def served_name() -> str:
         return "sdpa"
 
 
-def _serve(state: PatchState, model_class: str, refusal: BaseException) -> str:
+def _serve(state: PatchState, model_class: str, refusal: BaseException, towers: bool = False) -> str:
     name = served_name()
-    reason = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
+    tower = " (its vision or audio tower: transformers' 'sdpa')" if towers else ""
     warn_user(
         f"patchkit: attn_implementation={FLASH_REQUEST!r} for {model_class} is served by patchkit's "
-        f"{state.backend.name!r} backend (the {state.patch!r} class patch serves every model of its family; exact "
-        f"varlen attention, no "
-        f"(B, 1, N, N) mask): transformers cannot use flash-attn here ({reason}). The model loads with "
-        f"attn_implementation={name!r} (a vision or audio tower in it: transformers' 'sdpa').",
+        f"{state.backend.name!r} backend, exact (flash-attn unusable here: {refusal_reason(refusal)}); it loads as "
+        f"{name!r}{tower}.",
     )
     return name
+
+
+def refusal_reason(refusal: BaseException) -> str:
+    """transformers' refusal in a few words: the cause its first line gives after "the following error:", up to its
+    first sentence's end (the rest points at its docs), at most 100 characters."""
+    text = str(refusal).strip().splitlines()[0] if str(refusal).strip() else type(refusal).__name__
+    text = text.split("the following error:", 1)[-1].strip()
+    text = text.split(". ", 1)[0].rstrip(".")
+    return text if len(text) <= 100 else text[:99] + "…"
 
 
 def tower_of(model: Any) -> str:
     """A multimodal model's non-language part (its config's `base_config_key`: "vision_config", ...), else ''."""
     key = getattr(type(getattr(model, "config", None)), "base_config_key", "")
     return key if isinstance(key, str) and key not in ("", "text_config") else ""
+
+
+def has_towers(model: Any) -> bool:
+    """A multimodal model whose config has a vision or audio sub-config (those towers get transformers' sdpa)."""
+    config = getattr(model, "config", None)
+    return any(getattr(config, key, None) is not None for key in ("vision_config", "audio_config"))
 
 
 def make_check_and_adjust(original: Callable, serving: Serving) -> Callable:
@@ -70,7 +83,7 @@ def make_check_and_adjust(original: Callable, serving: Serving) -> Callable:
                 raise
             if tower_of(self):
                 return original(self, "sdpa", *args, **kwargs)  # said once, with the language model's warning
-            return _serve(state, type(self).__name__, exc)
+            return _serve(state, type(self).__name__, exc, towers=has_towers(self))
 
     return _check_and_adjust_attn_implementation
 

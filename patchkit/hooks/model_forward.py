@@ -276,7 +276,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
-        cause = lm_cause(arguments, extra)
+        cause = lm_cause(arguments, extra, self.training)
         if cause is None and unpad == "model" and not is_compiling():
             head = HeadRequest(declined(self, arguments, extra, servable))
             with within(lm_cause=None, head=head):

@@ -133,7 +133,7 @@ def lm_forward(call: Callable) -> Callable:
             _, var_kw, bind, _ = bound_call(type(self).forward)
             binder = _binders[type(self)] = (var_kw, bind)
         arguments = binder[1](self, args, kwargs)
-        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {})
+        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {}, self.training)
         if cause is None and current().lm_cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):

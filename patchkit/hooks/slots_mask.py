@@ -21,6 +21,7 @@ from patchkit.forward.arguments import given_cache
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
+from patchkit.hooks.routing import attn_name
 from patchkit.hooks.step_aside import (
     documents_in_4d_mask,
     ends_in_padding,
@@ -162,12 +163,22 @@ def cut_slots_mask(module: Any, arguments: dict) -> None:
         arguments["attention_mask"] = mask[:, : past + tokens.shape[1]]
 
 
+def adds_a_bool_mask(module: Any, mask: Any) -> bool:
+    """A boolean 4D mask on a model loaded with eager attention: transformers' eager attention adds the mask to the
+    scores, so a boolean one masks nothing there (True is +1, False 0). Only stepping aside gives those numbers."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool and (
+        attn_name(module.config) == "eager")
+
+
 def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """What a forward given a 4D mask steps aside for, or None where the mask is one the varlen path serves exactly:
     packed documents (now `cu_seq_lens`), or a static cache's causal-and-padding mask (now the 2D mask), both in
     `arguments` / `extra`, in place. A static-cache prefill whose last column is padding in a row with real tokens
     (right padding: generate() reads that row's next token there, which varlen kernels skip) steps aside as
-    right_padded_generation; documents longer than the model's sliding window as window_under_4d_mask."""
+    right_padded_generation; documents longer than the model's sliding window as window_under_4d_mask; a boolean
+    mask that eager attention adds to its scores as bool_mask_on_eager."""
+    if adds_a_bool_mask(module, arguments.get("attention_mask")):
+        return "bool_mask_on_eager"
     documents = documents_in_4d_mask(arguments, extra)
     if documents is not None:
         window = sliding_window(module.config)

@@ -22,6 +22,7 @@ from patchkit.forward.metadata import VarlenMetadata, has_holes
 from patchkit.hooks.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
+OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
 
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:
@@ -29,7 +30,7 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
     it); strict mode refuses it instead, and so does a batch of packed documents, which transformers' attention
     would let see each other (no exact path)."""
     what, fix = what or CAUSES[cause][0], CAUSES[cause][1]
-    if cause != "custom_4d_mask" and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
+    if cause not in OWN_DOCUMENTS and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
         raise PatchInputError(
             f"patch {state.patch!r}: {what}, in a batch of packed documents (position_ids restarting inside a row, "
             "or cu_seq_lens). transformers' own attention would let those documents attend to each other, and "
@@ -86,12 +87,21 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         wanted = getattr(module.config, "output_attentions", False)
     if wanted:
         return "output_attentions"
+    cache = given_cache(arguments)
+    if paged_cache(cache):
+        return "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
-    cache = given_cache(arguments)
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def paged_cache(cache: Any) -> bool:
+    """Continuous batching's cache (`generate_batch()`, `generate(cache_implementation="paged")`): blocks of keys
+    shared by many requests, read and written by index, under masks it builds itself. Read by class name: the module
+    moved between transformers releases."""
+    return type(cache).__name__ == "PagedAttentionCache"
 
 
 def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
@@ -203,16 +213,38 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     return bool(torch.stack(hits).any()) if hits else False
 
 
-def lm_cause(arguments: dict, extra: dict) -> Optional[str]:
+def lm_cause(arguments: dict, extra: dict, training: bool = False) -> Optional[str]:
     """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
-    token (its prefill; a plain forward's logits at padding are zeros, as documented)."""
+    token (its prefill; a plain forward's logits at padding are zeros, as documented), or a hand-written decode
+    loop's for a row that is all padding, in eval mode (`training`: the model's mode)."""
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
     cache = given_cache(arguments, extra)
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))
-    return "right_padded_generation" if right_padded_generation(mask, cache, keep, position) else None
+    if right_padded_generation(mask, cache, keep, position):
+        return "right_padded_generation"
+    if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments)):
+        return "right_padded_generation"
+    return None
+
+
+def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any) -> bool:
+    """A hand-written decode loop's prefill (in eval mode) into an empty cache the caller brought (dynamic or static)
+    with a row that is all padding: the loop reads that row's next token at padding, as generate() would
+    (`right_padded_generation`), where transformers computes logits of its own and the packed row gives zeros. (A
+    row with real tokens ending in padding stays patched: its logits at padding are zeros, as documented.) A static
+    cache's mask may cover all its slots: its first q_len columns are the prompt's."""
+    if cache is None or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or not isinstance(mask, torch.Tensor):
+        return False
+    q_len = tokens.shape[1]
+    if mask.dim() != 2 or mask.shape[-1] < q_len or (mask.shape[-1] > q_len and not fixed_slots(cache)):
+        return False  # behind a past: a decode step, or a chunk after the first
+    length = getattr(cache, "get_seq_length", None)
+    if length is None or is_compiling() or length() != 0:
+        return False
+    return bool((mask[:, :q_len] == 0).all(dim=-1).any())
 
 
 # transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:

@@ -76,6 +76,13 @@ def to_half(
     return tuple(t.to(dtype) for t in tensors)
 
 
+def _zeros_on_graph(out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
+    """`out` (zeros) tied to `inputs` by a zero product: backward reaches every parameter behind q, k, v (and the
+    sinks) with a zero gradient, as unpatched attention's does, so DDP and weight decay see a gradient, not None."""
+    tie = sum(x.sum() for x in inputs if x is not None and x.requires_grad)
+    return out if isinstance(tie, int) else out + tie * 0
+
+
 def varlen_core(
     state: PatchState,
     module: nn.Module,
@@ -114,7 +121,7 @@ def varlen_core(
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
-        return q.new_zeros(batch, q_len, heads, v.shape[-1])
+        return _zeros_on_graph(q.new_zeros(batch, q_len, heads, v.shape[-1]), q, k, v, sinks)
     bites = window[0] >= 0 and window[0] + 1 < kv_len  # a window as long as the keys in use never bites
     if bites and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:
         raise PatchInputError(
