@@ -179,3 +179,27 @@ def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name(
     with patchkit.apply_patch(model=model, backend="sdpa"):
         with pytest.raises(PatchkitError, match="computed its loss without transformers' loss_function"):
             model(**inputs)
+
+
+def test_a_loss_the_caller_computes_from_the_logits_gets_unpatched_gradients():
+    """The Trainer's label smoothing and `compute_loss_func` pass no labels and read `logits` (B, N, V): gradients
+    flow back through the repadded logits to the head and every layer."""
+    model = family("phi")  # a head with a bias
+    inputs = batch(model)
+    labels = inputs.pop("labels")
+
+    def caller_step() -> dict:
+        model.zero_grad(set_to_none=True)
+        logits = model(**inputs).logits
+        smoothed = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                     label_smoothing=0.1)
+        smoothed.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = caller_step()
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = caller_step()
+        assert handle.heads == {lm_head.REAL_TOKENS: 1}
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-3, msg=name)
