@@ -203,3 +203,35 @@ def test_a_loss_the_caller_computes_from_the_logits_gets_unpatched_gradients():
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path):
+    """The HF Trainer, 2 micro-batches per step: it passes num_items_in_batch (the labelled tokens of both), which
+    the loss on real tokens divides by as transformers' does; the losses and the trained weights equal unpatched."""
+    import transformers as tf
+
+    def train(patched: bool) -> tuple[list, dict, dict]:
+        model = family("llama")
+        ids, mask = padded_batch("right", batch=4, seq=16)
+        rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
+        args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
+                                    gradient_accumulation_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
+                                    save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
+                                    disable_tqdm=True)
+        handle = patchkit.apply_patch(model=model, backend="sdpa") if patched else None
+        try:
+            trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
+            trainer.train()
+            heads = handle.heads if handle else {}
+        finally:
+            if handle is not None:
+                handle.revert()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads
+
+    want, want_weights, _ = train(patched=False)
+    got, got_weights, heads = train(patched=True)
+    assert heads[lm_head.REAL_TOKENS] >= 3  # rows 2-4 are padded (row 1 has none: nothing unpadded, nothing to count)
+    assert got == pytest.approx(want, abs=1e-5), (got, want)
+    for name in want_weights:
+        torch.testing.assert_close(got_weights[name], want_weights[name], atol=2e-5, rtol=1e-4, msg=name)
