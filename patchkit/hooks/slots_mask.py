@@ -171,8 +171,19 @@ def served_cause(module: Any, arguments: dict, extra: dict, cause: Optional[str]
     if cause == "custom_4d_mask":
         return served_4d_cause(module, arguments, extra)
     if cause is None:
+        no_masks_made(arguments)
         cut_slots_mask(module, arguments)
     return cause
+
+
+def no_masks_made(arguments: dict) -> None:
+    """Masks per layer type made before this forward (a multimodal model's for its language model, generate()'s)
+    that are all None, transformers' sdpa skip (causal, no padding, nothing else): no mask at all, so this forward
+    builds its own, patchkit's. Handed on as None, its layers would run patchkit's attention on the forward's route
+    and transformers' in a checkpoint's recompute, which sees no patchkit mask (Gemma 4's CheckpointError)."""
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, dict) and mask and all(m is None for m in mask.values()):
+        arguments["attention_mask"] = None
 
 
 def cut_slots_mask(module: Any, arguments: dict) -> None:
