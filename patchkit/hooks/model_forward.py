@@ -36,9 +36,9 @@ from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
-    """input_ids / inputs_embeds, Qwen3-VL's `visual_pos_masks` (where its deepstack features go) and position_ids
-    (B, S, ...) -> (1, nnz, ...) in place in `args`."""
-    for name in ("input_ids", "inputs_embeds", "visual_pos_masks"):
+    """input_ids / inputs_embeds, Qwen3-VL's `visual_pos_masks` (where its deepstack features go), Gemma 4's
+    `per_layer_inputs` (a multimodal model's, made padded) and position_ids (B, S, ...) -> (1, nnz, ...) in place."""
+    for name in ("input_ids", "inputs_embeds", "visual_pos_masks", "per_layer_inputs"):
         x = args.get(name)
         if x is not None:
             args[name] = unpad_rows(x, meta.indices_q).unsqueeze(0)
