@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.0
 
 
 def shared_model() -> torch.nn.Module:
-    """The census's tiny Gemma 4: its last (full-attention) layer reuses layer 1's keys and values."""
+    """The census's tiny Gemma 4: its last (full-attention) layer reuses layer 0's keys and values."""
     model, why = tiny_lm("gemma4_text")
     assert model is not None, why
     assert model.config.num_kv_shared_layers == 1
