@@ -82,3 +82,23 @@ def test_an_index_the_mask_cannot_place_names_it():
     static = VarlenMask(torch.ones(2, 6, dtype=torch.long), past_len=4, fixed_cache=True)
     with pytest.raises(PatchInputError, match="logits_to_keep=0"):
         static[:, :, slice(-1, None), :]
+
+
+def test_kv_shared_layers_without_padding_and_on_packed_documents_keep_the_unpatched_numbers():
+    """An unpadded prompt (no packed row: the padded path) generates the unpatched tokens; packed documents
+    (position_ids restarting, no cache) with logits_to_keep=1 give the last document's own last logits (computed
+    for every query: a documents mask cannot be cut by query). Before: PatchStateError in both."""
+    model = shared_model()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 90, (2, 12), generator=g)
+    want, want_logits = greedy(model, ids, torch.ones_like(ids))
+    packed, positions = ids[:1], torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+    alone = model(input_ids=packed[:, 5:], logits_to_keep=1, use_cache=False).logits
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got, got_logits = greedy(model, ids, torch.ones_like(ids))
+        documents = model(input_ids=packed, position_ids=positions, logits_to_keep=1, use_cache=False).logits
+        assert not handle.stepped_aside
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
+    assert documents.shape == alone.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(documents, alone, atol=2e-5, rtol=1e-4)

@@ -310,8 +310,10 @@ class VarlenMask:
         start = rest.start or 0
         if start == 0:
             return self  # every query (logits_to_keep=0)
-        if start > 0 or self._meta is not None and self.mask is None or self.fixed_cache:
-            raise PatchInputError(INDEX_MESSAGE.format(item=item))  # a packed row, or a cache's unfilled slots
+        meta = self._meta if self.mask is None else None  # the forward's own (no mask): packed documents?
+        documents = meta is not None and (meta.packed or meta.indices_q is not None)
+        if start > 0 or documents or self.fixed_cache:
+            raise PatchInputError(INDEX_MESSAGE.format(item=item))  # packed documents, or a cache's unfilled slots
         past = None if self.past_len is None or self.mask is None else self.mask.shape[-1] + start
         return VarlenMask(self.mask, None, past, False, self.key_offset, self.slots, self.route, self.window,
                           self.chunk)

@@ -58,8 +58,9 @@ RECORDED = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 def every_query(args: dict, extra: dict, config: Any) -> int:
     """A base model that takes `logits_to_keep` (Gemma 4's text models) slices its hidden states to the last ones
-    before its KV-shared layers, which on one packed row would be the last row's: it computes every query instead,
-    and the number it would have kept is returned (0: none sliced) for `last_queries`."""
+    before its KV-shared layers, which on one packed row would be the last row's, and on packed documents would
+    leave the shared layers' masks to cut by query: it computes every query instead (exact: the kept queries' own
+    numbers), and the number it would have kept is returned (0: none sliced) for `last_queries`."""
     keep = args.get("logits_to_keep")
     if not isinstance(keep, int) or keep <= 0:
         return 0
@@ -235,8 +236,9 @@ def make_model_forward(
         meta = plan.padded
         try:
             with _route_masks(self, patched_impl, route), within(plan=plan):
-                if meta is None:
-                    return call(self, put_rope_rows(arguments, rope_rows))
+                if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
+                    kept = every_query(arguments, extra, self.config)
+                    return last_queries(call(self, put_rope_rows(arguments, rope_rows)), kept)
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
                 if cache is None and fills_a_cache(self, arguments):
