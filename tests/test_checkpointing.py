@@ -87,3 +87,50 @@ def test_env_var_and_launcher_train_with_checkpointing_as_unpatched(family, reen
     assert "patchkit (PATCHKIT_FLASH_ATTN): rank 0/1 (single process): 2 attention layers ran" in env_proc.stderr
     assert "patchkit.launch:" not in env_proc.stderr
     assert "patchkit.launch: rank 0/1 (single process): 2 attention layers ran" in launcher_proc.stderr
+
+
+def gemma4_multimodal() -> torch.nn.Module:
+    """Gemma4ForConditionalGeneration: the census's tiny Gemma 4 text model (sdpa) under a one-layer vision tower."""
+    import transformers
+    from census import tiny_config
+
+    if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+        pytest.skip("Gemma 4: transformers 5.x")
+    text = {k: v for k, v in tiny_config("gemma4_text").to_dict().items()
+            if k not in ("transformers_version", "model_type", "per_layer_config", "architectures")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return transformers.Gemma4ForConditionalGeneration(config).float()
+
+
+@pytest.mark.parametrize("padding", ["none", "mixed"])
+def test_gemma4_multimodal_checkpointed_non_reentrant_matches_unpatched(padding):
+    """Gemma 4's multimodal model builds its language model's masks itself, outside the patch: without padding,
+    sdpa's per-layer-type masks are all None. Those forwards build patchkit's own masks, so a non-reentrant
+    checkpoint's recompute runs the same attention as the forward (before: the forward ran patchkit's attention on
+    the route, the recompute transformers' sdpa on None, and torch raised CheckpointError: saved (B, 2, S, D) keys,
+    recomputed (B, 4, S, D)). Loss and every gradient equal unpatched."""
+    model = checkpointed(gemma4_multimodal().train(), reentrant=False)
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids = ids.clamp(max=model.config.text_config.vocab_size - 1)
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    labels = ids.masked_fill((mask == 0) | (mask.cumsum(-1) == 1), -100)
+
+    def train_step() -> tuple:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want = train_step()
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got_loss, got = train_step()
+        assert handle.calls and not handle.stepped_aside  # served, forward and recompute alike (padded: the masks
+        # read back as the 2D mask, its per_layer_inputs unpadded with the batch)
+    torch.testing.assert_close(got_loss, want_loss, atol=ATOL, rtol=1e-4)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-3, msg=name)

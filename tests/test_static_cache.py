@@ -8,14 +8,18 @@ import inspect
 
 import pytest
 import torch
+import transformers
+from census import tiny_lm
 from families import FAMILIES, any_model, family_model, set_attention, static_cache_served
 from models import padded_batch, static_cache, tiny_model
+from packaging.version import Version
 
 import patchkit
 from patchkit.hooks import attention_interface
 from patchkit.hooks.slots_mask import padding_from_slots_mask
 
 ATOL, RTOL = 2e-5, 1e-4
+NEW_ENOUGH = Version(transformers.__version__) >= Version("5.0")  # hybrids from data, their cache layers
 # generate()'s static-cache mask read back and served patched (slots_mask.static_layers): transformers 4.56+;
 # before it such forwards step aside (exact), which test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly
 # checks from 4.48 on
@@ -259,3 +263,49 @@ def test_static_cache_generation_under_the_registered_name_alone_runs_patched(fa
         patchkit.register_attention(backend="auto", strict=False)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+@served_patched
+@pytest.mark.skipif(not NEW_ENOUGH, reason="hybrid families from data: transformers 5.x")
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])  # Mamba / gated DeltaNet layers beside attention ones
+def test_static_cache_generation_of_a_hybrid_runs_patched_with_unpatched_tokens_and_scores(family):
+    """A hybrid's StaticCache holds key-less layers (LinearAttentionLayer) beside its StaticLayers, and generate()
+    hands its recurrent layers the 2D mask ("linear_attention") beside the 4D ones: the attention layers' masks are
+    read back, the recurrent one is the 2D mask's last columns, so every step runs patched (strict) with the
+    unpatched tokens and per-step logits (before: AttributeError: no max_cache_len on LinearAttentionLayer)."""
+    model, why = tiny_lm(family)
+    assert model is not None, why
+    model.eval()
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    want, want_logits = generate_static(model, ids, mask)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got, got_logits = generate_static(model, ids, mask)
+        assert handle.calls and not handle.stepped_aside
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=ATOL, rtol=RTOL)
+
+
+@served_patched
+@pytest.mark.skipif(not NEW_ENOUGH, reason="hybrid families from data: transformers 5.x")
+def test_a_hybrids_recurrent_mask_is_read_back_exactly_and_anything_else_is_not():
+    """The recurrent layers' 2D mask must be the read-back mask's last q_len columns (None where transformers makes
+    none): a mask that hides another token there is not the 2D mask generate() was given."""
+    from transformers import StaticCache
+
+    model, why = tiny_lm("bamba")
+    assert model is not None, why
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    cache = StaticCache(config=model.config, max_cache_len=14)
+    allowed = torch.ones(14, 14).tril().bool()[None, None] & mask.bool()[:, None, None, :]
+    four_d = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    arguments = {"input_ids": ids, "past_key_values": cache, "cache_position": torch.arange(14),
+                 "attention_mask": {"full_attention": four_d, "linear_attention": mask}}
+    keys, past = padding_from_slots_mask(model.model, arguments)
+    assert past == 0 and torch.equal(keys, mask)
+    other = mask.clone()
+    other[1, -1] = 0
+    arguments["attention_mask"] = {"full_attention": four_d, "linear_attention": other}
+    assert padding_from_slots_mask(model.model, arguments) is None
+    arguments["attention_mask"] = {"full_attention": four_d, "linear_attention": None}  # padding, yet unmasked
+    assert padding_from_slots_mask(model.model, arguments) is None

@@ -148,20 +148,21 @@ def test_a_class_patch_serves_llava_loaded_after_it():
 
 
 def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
-    """Gemma3's image tokens see each other both ways, a pattern no key-padding mask expresses. Its multimodal model
-    builds those masks before its language model runs: `apply_patch(model=...)` picks the gemma3_text patch, and
-    those forwards run transformers' attention, counted; logits equal unpatched, and strict mode refuses."""
+    """Gemma3's image tokens see each other both ways, a pattern no key-padding mask expresses (the text after an
+    image attends into it: no document of its own). Its multimodal model builds those masks before its language
+    model runs: `apply_patch(model=...)` picks the gemma3_text patch, and those forwards run transformers'
+    attention, counted by the image tokens' own cause; logits equal unpatched, and strict mode refuses."""
     model = gemma3().eval()
     batch = image_batch(first=3)
     batch.pop("labels")
     batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
     with torch.no_grad():
         want = model(**batch).logits
-        with pytest.warns(RuntimeWarning, match="4D attention mask"):
+        with pytest.warns(RuntimeWarning, match="image tokens that see each other both ways"):
             with patchkit.apply_patch(model=model, backend="sdpa") as handle:
                 got = model(**batch).logits
                 assert handle.name == "gemma3_text" and handle.check(model) == 2
-                assert handle.stepped_aside == {"custom_4d_mask": 1} and handle.calls == 0
+                assert handle.stepped_aside == {"bidirectional_image_tokens": 1} and handle.calls == 0
         with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
             with pytest.raises(PatchkitError, match="strict=True.*vision-language model.s own masks"):
                 model(**batch)
@@ -170,9 +171,10 @@ def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
 
 
 def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched_and_says_so():
-    """`apply_patch()` before load (the env var's and the launcher's way): Gemma3's image prefill and its decode
-    steps run on transformers' attention with the one warning and counted, on transformers 5.24 too (reported to run
-    unpatched with no word there); its tokens equal unpatched."""
+    """`apply_patch()` before load (the env var's and the launcher's way): Gemma3's image prefill runs on
+    transformers' attention with the one warning and counted, on transformers 5.24 too (reported to run unpatched
+    with no word there); its decode steps (one query each, causal over the cache) run patched; its tokens equal
+    unpatched."""
     batch = image_batch(first=3)
     batch.pop("labels")
     batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
@@ -180,11 +182,12 @@ def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched_and_
     batch["token_type_ids"] = batch["token_type_ids"].flip(-1)  # left-padded for generation
     options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = gemma3().eval().generate(**batch, **options)
-    with pytest.warns(RuntimeWarning, match="4D attention mask"):
+    with pytest.warns(RuntimeWarning, match="image tokens that see each other both ways"):
         with patchkit.apply_patch(backend="sdpa") as group:
             got = gemma3().eval().generate(**batch, **options)
             handle = next(h for h in group if h.name == "gemma3_text")
-            assert handle.stepped_aside == {"custom_4d_mask": options["max_new_tokens"]}
+            assert handle.stepped_aside == {"bidirectional_image_tokens": 1}
+            assert handle.calls == 2 * (options["max_new_tokens"] - 1)  # the decode steps, 2 layers each
     assert torch.equal(got, want)
 
 
@@ -292,3 +295,52 @@ def test_the_name_given_to_a_whole_vlm_refuses_its_vision_tower_naming_the_per_p
     assert attention_interface.route_state().calls - before == 2  # the two language layers
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=3e-6, rtol=1e-5)
+
+
+def text_only(batch: dict) -> dict:
+    """`batch` without its image: the image tokens become text, no pixel values."""
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE, 5)
+    return dict(input_ids=ids, attention_mask=batch["attention_mask"], labels=ids.masked_fill(
+        batch["attention_mask"] == 0, -100))
+
+
+@pytest.mark.parametrize("types", [False, True], ids=["no-token-types", "text-token-types"])
+def test_a_gemma3_text_batch_runs_patched_through_its_multimodal_model(types):
+    """Gemma3ForConditionalGeneration builds its language model's masks itself (4D, per layer type): on a padded
+    batch without image tokens they are exactly causal, windowed and padded, read back as the 2D mask, and the
+    forward runs patched (before: stepped aside as custom_4d_mask, 'pass the 2D padding mask', which the user did).
+    Loss and every gradient equal unpatched."""
+    model = gemma3().train()
+    batch = text_only(image_batch(first=3))
+    if types:
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+    want_loss, want = train_step(model, batch)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got_loss, got = train_step(model, batch)
+        assert handle.calls == 2 and not handle.stepped_aside
+    torch.testing.assert_close(got_loss, want_loss, atol=3e-5, rtol=1e-4)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=3e-5, rtol=1e-4, msg=name)
+
+
+def test_gemma3s_multimodal_labels_and_generation_read_padding_by_their_own_causes():
+    """The multimodal model's own forward tells its language model what of its call reads padding positions: labels
+    predicted from padding step aside as labels_from_padding (exact loss), a left-padded text prompt generates
+    patched (strict) with the unpatched tokens."""
+    model = gemma3().train()
+    batch = text_only(image_batch(first=3))
+    batch["labels"] = batch["input_ids"]  # labels at the right padding, predicted from padding positions
+    want_loss, _ = train_step(model, batch)
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got_loss, _ = train_step(model, batch)
+            assert handle.stepped_aside == {"labels_from_padding": 1}
+    torch.testing.assert_close(got_loss, want_loss, atol=0, rtol=0)
+    model.eval()
+    prompt = dict(input_ids=batch["input_ids"].flip(-1), attention_mask=batch["attention_mask"].flip(-1))
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(**prompt, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model.generate(**prompt, **options)
+        assert handle.calls == 2 * options["max_new_tokens"] and not handle.stepped_aside
+    assert torch.equal(got, want)

@@ -34,6 +34,15 @@ FOREIGN_USE_MESSAGE = (
 )
 
 
+INDEX_MESSAGE = (
+    "the model's own code indexed patchkit's key-padding mask with {item}, as it would a (B, 1, q_len, kv_len) mask. "
+    "patchkit serves a slice of the last queries (Gemma 4 keeps only logits_to_keep queries before its KV-shared "
+    "layers) on a padded batch with no cache or a dynamic one; this index it cannot place. Pass logits_to_keep=0 "
+    "(every position's logits), or use the default dynamic cache, or apply patchkit as a patch "
+    "(patchkit.apply_patch) rather than by attn_implementation='patchkit' alone."
+)
+
+
 def check_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Accept None or a 2D mask; refuse a 4D one with an error that says why and what to do."""
     if mask is None:
@@ -289,8 +298,25 @@ class VarlenMask:
         """A torch op given this mask (transformers' sdpa, say) raises patchkit's error, not a TypeError."""
         raise PatchStateError(FOREIGN_USE_MESSAGE.format(what=f"torch {getattr(func, '__name__', func)}"))
 
-    def __getitem__(self, item: Any) -> Any:
-        raise self._foreign_use("indexing")
+    def __getitem__(self, item: Any) -> VarlenMask:
+        """`mask[:, :, queries, :]`, as transformers slices a 4D mask's query rows (Gemma 4 keeps only the last
+        `logits_to_keep` queries before its KV-shared layers): every query, or the last ones behind the others as
+        if those were cached; any other index is refused by what it is."""
+        full, rest = slice(None), None
+        if isinstance(item, tuple) and len(item) == 4 and item[:2] == (full, full) and item[3] == full:
+            rest = item[2]
+        if not isinstance(rest, slice) or rest.step not in (None, 1) or rest.stop is not None:
+            raise PatchInputError(INDEX_MESSAGE.format(item=item))
+        start = rest.start or 0
+        if start == 0:
+            return self  # every query (logits_to_keep=0)
+        meta = self._meta if self.mask is None else None  # the forward's own (no mask): packed documents?
+        documents = meta is not None and (meta.packed or meta.indices_q is not None)
+        if start > 0 or documents or self.fixed_cache:
+            raise PatchInputError(INDEX_MESSAGE.format(item=item))  # packed documents, or a cache's unfilled slots
+        past = None if self.past_len is None or self.mask is None else self.mask.shape[-1] + start
+        return VarlenMask(self.mask, None, past, False, self.key_offset, self.slots, self.route, self.window,
+                          self.chunk)
 
     def __add__(self, other: Any) -> Any:
         raise self._foreign_use("arithmetic")

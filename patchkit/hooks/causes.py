@@ -38,6 +38,13 @@ CAUSES = {
         "none needed: continuous batching stays exact on transformers' paged attention; generate() with the default "
         "dynamic cache runs patched",
     ),
+    "bidirectional_image_tokens": (
+        "a vision-language model's own masks (Gemma 3's, from token_type_ids) let each image's tokens see each "
+        "other both ways; the text after an image attends into it, so an image is no document of its own, and a "
+        "key-padding mask with causal kernels cannot express it",
+        "none needed for exactness: batches with images run on transformers' attention, batches without image "
+        "tokens run patched; to train patched, put image and text-only samples in separate batches",
+    ),
     "window_under_4d_mask": (
         "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
         "sliding window over it), and a document or row is longer than the model's sliding window, which patchkit's "
@@ -108,6 +115,8 @@ BRIEF = {
                            "the 2D padding mask, or an additive float 4D mask"),
     "continuous_batching": ("continuous batching (generate_batch, paged attention) builds its own masks over its "
                             "paged cache", "none needed; generate() with the default cache runs patched"),
+    "bidirectional_image_tokens": ("image tokens that see each other both ways (the model's own image masks)",
+                                   "none: batches without image tokens run patched"),
     "window_under_4d_mask": ("a 4D attention mask on a sliding-window model (transformers applies no sliding "
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",

@@ -96,6 +96,9 @@ def class_replacements(
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording, unpad or state.unpad, state),
                                f"{lm.__name__}.forward"))
+    for outer in vision_lms(lm):
+        out.append(Replacement(outer, "forward", outer_forward(outer.forward, False, unpad or state.unpad, state),
+                               f"{outer.__name__}.forward"))
     for records in (r for r in recording if r is not lm):
         out.append(Replacement(records, "forward", make_recording_forward(records.forward),
                                f"{records.__name__}.forward (returns the repadded router logits)"))
@@ -137,6 +140,9 @@ def instance_replacements(
         for m in find_modules(model, lm):
             forward = outer_forward(current_method(m), lm in recording, unpad or state.unpad, state)
             out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
+    for m in (m for outer in vision_lms(lm) for m in find_modules(model, outer)):
+        forward = outer_forward(current_method(m), False, unpad or state.unpad, state)
+        out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
     for records in (r for r in recording if r is not lm):
         for m in find_modules(model, records):
             out.append(bound_replacement(make_recording_forward(current_method(m)), m, "forward",
@@ -149,6 +155,25 @@ def outer_forward(original: Callable, records: bool, unpad: str, state: PatchSta
     """The causal LM's wrapped forward; one that records router logits of its own returns the repadded ones."""
     forward = make_lm_forward(original, unpad, state)
     return make_recording_forward(forward) if records else forward
+
+
+def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
+    """The vision-language models beside the family's causal LM in its modeling module (Gemma 3's and Gemma 4's
+    `ForConditionalGeneration`), whose forward takes the labels: wrapped like the causal LM, they tell the language
+    model's forward what of their call reads padding positions (labels predicted from padding, generate()'s next
+    token), which it must know to serve the masks they build themselves (`model_masks`)."""
+    import inspect
+    import sys
+
+    module = sys.modules.get(lm.__module__) if lm is not None else None
+    if module is None:
+        return ()
+    found = []
+    for name, cls in vars(module).items():
+        if (isinstance(cls, type) and name.endswith("ForConditionalGeneration") and cls is not lm
+                and cls.__module__ == lm.__module__ and "labels" in inspect.signature(cls.forward).parameters):
+            found.append(cls)
+    return tuple(found)
 
 
 def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple[int, int]:

@@ -32,14 +32,14 @@ from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import lm_cause, step_aside, transformers_mask_in_graph
+from patchkit.hooks.step_aside import input_tokens, lm_cause, step_aside, transformers_mask_in_graph
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
-    """input_ids / inputs_embeds, Qwen3-VL's `visual_pos_masks` (where its deepstack features go) and position_ids
-    (B, S, ...) -> (1, nnz, ...) in place in `args`."""
-    for name in ("input_ids", "inputs_embeds", "visual_pos_masks"):
+    """input_ids / inputs_embeds, Qwen3-VL's `visual_pos_masks` (where its deepstack features go), Gemma 4's
+    `per_layer_inputs` (a multimodal model's, made padded) and position_ids (B, S, ...) -> (1, nnz, ...) in place."""
+    for name in ("input_ids", "inputs_embeds", "visual_pos_masks", "per_layer_inputs"):
         x = args.get(name)
         if x is not None:
             args[name] = unpad_rows(x, meta.indices_q).unsqueeze(0)
@@ -52,6 +52,30 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
         args["use_cache"] = False
     if args.get("cache_position") is not None:
         args["cache_position"] = None  # recomputed for the packed row
+
+
+RECORDED = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def every_query(args: dict, extra: dict, config: Any) -> int:
+    """A base model that takes `logits_to_keep` (Gemma 4's text models) slices its hidden states to the last ones
+    before its KV-shared layers, which on one packed row would be the last row's, and on packed documents would
+    leave the shared layers' masks to cut by query: it computes every query instead (exact: the kept queries' own
+    numbers), and the number it would have kept is returned (0: none sliced) for `last_queries`."""
+    keep = args.get("logits_to_keep")
+    if not isinstance(keep, int) or keep <= 0:
+        return 0
+    args["logits_to_keep"] = 0
+    recorded = any(extra.get(k) or getattr(config, k, False) for k in RECORDED)  # transformers then slices none
+    return 0 if recorded or keep >= input_tokens(args).shape[1] else keep
+
+
+def last_queries(out: Any, keep: int) -> Any:
+    """The base model's hidden states cut to the `keep` last positions it would have returned (the causal LM's own
+    `logits_to_keep` slice leaves them as they are)."""
+    if keep and hasattr(out, "keys") and out.get("last_hidden_state") is not None:
+        out["last_hidden_state"] = out["last_hidden_state"][:, -keep:]
+    return out
 
 
 def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
@@ -232,13 +256,15 @@ def make_model_forward(
         meta = plan.padded
         try:
             with _route_masks(self, patched_impl, route), within(plan=plan):
-                if meta is None:
-                    return call(self, put_rope_rows(arguments, rope_rows))
+                if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
+                    kept = every_query(arguments, extra, self.config)
+                    return last_queries(call(self, put_rope_rows(arguments, rope_rows)), kept)
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
                 if cache is None and fills_a_cache(self, arguments):
                     arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
                     cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
+                kept = every_query(arguments, extra, self.config)
                 _unpad_inputs(arguments, meta)
                 put_rope_rows(arguments, rope_rows, meta)
                 with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext():
@@ -247,7 +273,7 @@ def make_model_forward(
             step_aside(aside_state, only.cause, padded, extra)
             with within(plan=ForwardPlan(aside=only.cause)):
                 return call(self, put_rope_rows(padded, rope_rows))
-        out = exit_outputs(out, meta, head)
+        out = last_queries(exit_outputs(out, meta, head), kept)
         if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
             hand_up(out)  # to a model around this one that records router logits of its own
         return out

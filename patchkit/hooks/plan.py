@@ -15,6 +15,7 @@ from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
+from patchkit.hooks.model_masks import model_masks_cause
 from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.self_check import untrusted_cause
 from patchkit.hooks.slots_mask import served_cause
@@ -32,6 +33,8 @@ def plan_forward(
     the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
     cause = forward_cause(module, arguments, extra) if state is not None else None
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
+    if cause == "custom_4d_mask":  # a multimodal model's own masks on a batch without images: patched too
+        cause = model_masks_cause(module, arguments)
     if cause is None and state is not None:
         cause = untrusted_cause(module, state)
     if cause is not None:

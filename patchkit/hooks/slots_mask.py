@@ -33,20 +33,29 @@ from patchkit.hooks.step_aside import (
 
 
 def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
-    """A StaticCache's layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57, the
-    StaticSlidingWindowLayers that keep a window's last keys in order; None for any other cache or layer (4.56's
-    sliding layers among them)."""
+    """A StaticCache's attention layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57,
+    the StaticSlidingWindowLayers that keep a window's last keys in order (a hybrid's layers that hold such keys
+    beside a recurrent state alike); None for any other cache or layer (4.56's sliding layers among them).
+
+    A hybrid's layers that hold no keys (a Mamba or linear-attention layer's `LinearAttentionLayer`, a KV-sharing
+    or MLP-only layer's `DummyLayer`) are left out: no attention mask places anything in them."""
     try:
         from transformers import cache_utils
     except ImportError:  # before 4.36: tuple caches, no cache_utils
         return None
     full = getattr(cache_utils, "StaticLayer", None)  # before 4.56 (no cache layers): not served
-    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
     layers = getattr(cache, "layers", None)
     if full is None or type(cache) is not cache_utils.StaticCache or not layers:
         return None
-    kinds = [(type(layer) is sliding, layer.max_cache_len) for layer in layers]
-    return kinds if all(type(layer) in (full, sliding) for layer in layers) else None
+    kinds = {full: False, getattr(cache_utils, "StaticSlidingWindowLayer", None): True,
+             getattr(cache_utils, "LinearAttentionAndStaticFullAttentionLayer", None): False,
+             getattr(cache_utils, "LinearAttentionAndStaticSlidingWindowAttentionLayer", None): True}
+    keyless = tuple(k for k in (getattr(cache_utils, "LinearAttentionLayer", None),
+                                getattr(cache_utils, "DummyLayer", None)) if k is not None)
+    attending = [layer for layer in layers if type(layer) not in keyless]
+    if not attending or any(type(layer) not in kinds for layer in attending):
+        return None
+    return [(kinds[type(layer)], layer.max_cache_len) for layer in attending]
 
 
 def causal_over_slots(
@@ -95,9 +104,28 @@ def layer_type_masks(module: Any, mask: Any) -> Optional[dict[Optional[int], Any
     if not isinstance(mask, dict):
         return {window: mask}
     kinds = {"full_attention": None, "sliding_attention": window}
+    mask = {kind: m for kind, m in mask.items() if kind not in RECURRENT_KINDS}
     if not mask or not set(mask) <= set(kinds) or (window is None and "sliding_attention" in mask):
         return None
     return {kinds[kind]: m for kind, m in mask.items()}
+
+
+# a hybrid's Mamba, linear-attention and convolution layers: generate() hands them the 2D padding mask
+# (`create_recurrent_attention_mask`), not an attention mask
+RECURRENT_KINDS = ("linear_attention", "conv")
+
+
+def same_recurrent_masks(mask: Any, keys: torch.Tensor, q_len: int) -> bool:
+    """Each recurrent layer type's mask in generate()'s `mask` is what the model builds from the 2D mask `keys`
+    (`create_recurrent_attention_mask`): None for one token or a mask without padding, else its last q_len columns."""
+    if not isinstance(mask, dict):
+        return True
+    bare = q_len == 1 or bool(keys.all())
+    for m in (mask[kind] for kind in RECURRENT_KINDS if kind in mask):
+        rebuilt = m is None if bare else isinstance(m, torch.Tensor) and torch.equal(m, keys[:, -q_len:].to(m.dtype))
+        if not rebuilt:
+            return False
+    return True
 
 
 def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torch.Tensor, int]]:
@@ -133,6 +161,8 @@ def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torc
     for window, m in given.items():
         if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, offsets[window])):
             return None
+    if not same_recurrent_masks(arguments.get("attention_mask"), keys, q_len):
+        return None
     return keys.long(), past
 
 
@@ -142,8 +172,19 @@ def served_cause(module: Any, arguments: dict, extra: dict, cause: Optional[str]
     if cause == "custom_4d_mask":
         return served_4d_cause(module, arguments, extra)
     if cause is None:
+        no_masks_made(arguments)
         cut_slots_mask(module, arguments)
     return cause
+
+
+def no_masks_made(arguments: dict) -> None:
+    """Masks per layer type made before this forward (a multimodal model's for its language model, generate()'s)
+    that are all None, transformers' sdpa skip (causal, no padding, nothing else): no mask at all, so this forward
+    builds its own, patchkit's. Handed on as None, its layers would run patchkit's attention on the forward's route
+    and transformers' in a checkpoint's recompute, which sees no patchkit mask (Gemma 4's CheckpointError)."""
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, dict) and mask and all(m is None for m in mask.values()):
+        arguments["attention_mask"] = None
 
 
 def cut_slots_mask(module: Any, arguments: dict) -> None:
