@@ -177,7 +177,8 @@ def apply_patch(
             gate passes (returns a `PatchGroup`; the families skipped are named in its report). "all" means
             the same.
         backend: "auto" (flash_attn when every gate passes, else torch_varlen, else sdpa, with one warning
-            naming the first failed gate of each), "flash_attn" (the flash-attn package), "torch_varlen" (torch's
+            naming the first failed gate of each; flash_attn_4 where installed, first on sm90/sm100), "flash_attn"
+            (the flash-attn package), "flash_attn_4" (flash-attn 4's CuTe kernels), "torch_varlen" (torch's
             own FlashAttention-2 varlen kernel, torch >= 2.10 on CUDA) or "sdpa" (torch-native, exact, CPU or GPU).
         strict: raise `PatchGateError` instead of falling back when a gate fails (with "auto": when neither
             flash_attn nor torch_varlen passes).

@@ -22,6 +22,12 @@ MAX_FLASH_HEAD_DIM = 256
 TORCH_VARLEN_MIN = (2, 10)  # torch.nn.attention.varlen.varlen_attn: FlashAttention-2's varlen kernel inside torch
 # The keyword arguments patchkit passes to varlen_attn (torch 2.13's signature, where causal is window_size (-1, 0))
 TORCH_VARLEN_ARGS = ("scale", "window_size")  # enable_gqa (2.13) is used where present, see torch_varlen.py
+# flash-attn 4 (`flash-attn-4`, the CuTe DSL kernels in `flash_attn.cute`): the keyword arguments patchkit passes to its
+# flash_attn_varlen_func (read from 4.0.0b36's interface.py) and the compute capabilities it runs (forward 8.x-12.x)
+FLASH_ATTN_4_DIST = "flash-attn-4"
+FLASH_ATTN_4_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                     "window_size", "learnable_sink", "softcap")
+FLASH_ATTN_4_MAJORS = (8, 9, 10, 11, 12)
 BUILD_FILE = "_patchkit_build.py"  # beside flash_attn/__init__.py in a wheel tools/build_flash_attn.py built
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -40,6 +46,8 @@ class Environment:
     bf16_supported: bool
     torch_varlen_error: Optional[str] = None  # why torch's varlen_attn cannot be called as patchkit calls it
     flash_attn_archs: Optional[tuple[str, ...]] = None  # a flash-attn built by tools/build_flash_attn.py: its archs
+    flash_attn_4_version: Optional[str] = None  # the flash-attn-4 distribution's version, None: not installed
+    flash_attn_4_error: Optional[str] = None  # why `flash_attn.cute` cannot be called as patchkit calls it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +140,38 @@ def probe_torch_varlen(cuda: bool) -> Optional[str]:
     return None
 
 
+def probe_flash_attn_4(cuda: bool) -> tuple[Optional[str], Optional[str]]:
+    """flash-attn 4's (version, error). Found by its distribution name: flash-attn 2 ships a `flash_attn/cute`
+    folder too, and FA4's own `__version__` reads a distribution that does not exist ("0.0.0"). `flash_attn.cute`
+    (which imports the CUTLASS DSL) is imported only where its kernels could run, on a CUDA machine."""
+    try:
+        version = importlib.metadata.version(FLASH_ATTN_4_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"not installed (no {FLASH_ATTN_4_DIST} distribution)"
+    if not cuda:
+        return version, None  # the cuda gate names what is missing
+    try:
+        module = importlib.import_module("flash_attn.cute")
+    except Exception as exc:  # noqa: BLE001 - any import failure (the DSL's, a missing dependency) is the finding
+        return version, f"import flash_attn.cute failed: {type(exc).__name__}: {exc}"
+    return version, flash4_signature_error(getattr(module, "flash_attn_varlen_func", None))
+
+
+def flash4_signature_error(fn: object) -> Optional[str]:
+    """None when `flash_attn.cute.flash_attn_varlen_func` takes every keyword patchkit passes."""
+    try:
+        params = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return "flash_attn.cute has no flash_attn_varlen_func"
+    missing = [name for name in FLASH_ATTN_4_ARGS if name not in params]
+    return f"flash_attn.cute.flash_attn_varlen_func lacks {', '.join(missing)}" if missing else None
+
+
 def probe_environment() -> Environment:
     """Read the environment once; tests replace this function to simulate other machines."""
     flash_version, flash_error = probe_flash_attn()
     cuda = torch.cuda.is_available()
+    flash4_version, flash4_error = probe_flash_attn_4(cuda)
     capability = tuple(torch.cuda.get_device_capability()) if cuda else None
     return Environment(
         torch_version=torch.__version__,
@@ -148,6 +184,8 @@ def probe_environment() -> Environment:
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
         torch_varlen_error=probe_torch_varlen(cuda),
         flash_attn_archs=tuple(build_config().get("archs", ())) or None if flash_version and not flash_error else None,
+        flash_attn_4_version=flash4_version,
+        flash_attn_4_error=flash4_error,
     )
 
 
@@ -245,6 +283,39 @@ def flash_backend_gates(env: Environment, flash_min: str, why: str) -> list[Gate
     return results + ([flash_attn_arch_gate(env)] if env.flash_attn_archs else [])
 
 
+def flash_attn_4_installed_gate(env: Environment) -> GateResult:
+    ok = env.flash_attn_4_error is None and env.flash_attn_4_version is not None
+    return GateResult(
+        "flash_attn_4_installed",
+        ok,
+        f"{FLASH_ATTN_4_DIST} importable as flash_attn.cute, its flash_attn_varlen_func taking "
+        f"{', '.join(FLASH_ATTN_4_ARGS[4:])}",
+        env.flash_attn_4_version if ok else (env.flash_attn_4_error or "not installed"),
+        f"`pip install {FLASH_ATTN_4_DIST}` (pure Python; kernels compile at first use; CUDA 13: "
+        f"`pip install '{FLASH_ATTN_4_DIST}[cu13]'`), or use backend='flash_attn' or 'sdpa'",
+    )
+
+
+def flash_attn_4_capability_gate(env: Environment) -> GateResult:
+    """flash-attn 4 runs its forward on compute capability 8.x-12.x (its interface asserts that range)."""
+    cap = env.compute_capability
+    ok = cap is not None and cap[0] in FLASH_ATTN_4_MAJORS
+    return GateResult(
+        "compute_capability",
+        ok,
+        "8.x-12.x (Ampere, Hopper, Blackwell; backward from 9.0)",
+        "n/a (no CUDA device)" if cap is None else ".".join(map(str, cap)),
+        "flash-attn 4 does not run on Turing or older GPUs; use backend='flash_attn' on other GPUs, or "
+        "backend='sdpa'",
+    )
+
+
+def flash4_backend_gates(env: Environment) -> list[GateResult]:
+    """Every gate the flash_attn_4 backend must pass on this machine (per call: `FlashAttn4Backend.missing_feature`:
+    head dims by architecture, no dropout, backward from 9.0)."""
+    return [flash_attn_4_installed_gate(env), cuda_gate(env), flash_attn_4_capability_gate(env)]
+
+
 def torch_version_gate(env: Environment) -> GateResult:
     """torch >= 2.10 ships varlen_attn (a pre-release of 2.10 counts as 2.10)."""
     try:
@@ -291,6 +362,14 @@ def dtype_gate(dtype: torch.dtype) -> GateResult:
 
 def head_dim_gate(head_dim: int, backend: str = "flash_attn") -> GateResult:
     """flash-attn pads head_dim to a multiple of 8 itself; torch's varlen_attn gets only sizes it is known to take."""
+    if backend == "flash_attn_4":
+        return GateResult(
+            "head_dim",
+            8 <= head_dim <= MAX_FLASH_HEAD_DIM and head_dim % 8 == 0,
+            f"8 <= head_dim <= {MAX_FLASH_HEAD_DIM}, a multiple of 8 (sm100: <= 128 or 256)",
+            str(head_dim),
+            "flash-attn 4 runs head_dim 8-256 in multiples of 8; use backend='flash_attn' or 'sdpa'",
+        )
     if backend == "torch_varlen":
         return GateResult(
             "head_dim",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
-BACKEND_NAMES = ("auto", "flash_attn", "torch_varlen", "sdpa")
+BACKEND_NAMES = ("auto", "flash_attn", "flash_attn_4", "torch_varlen", "sdpa")
 UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
 
 # name -> module holding its SPEC; modules are imported on first use.

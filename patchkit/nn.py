@@ -78,8 +78,9 @@ class VarlenSelfAttention(nn.Module):
         bias: biases on the input and output projections; default True.
         head_dim: per-head size; default `embed_dim // num_heads`.
         softmax_scale: default `head_dim ** -0.5`.
-        backend: "auto" (flash_attn, else torch_varlen, else sdpa, with a warning naming the failed gates),
-            "flash_attn", "torch_varlen" or "sdpa"; default "auto".
+        backend: "auto" (flash_attn, else torch_varlen, else sdpa, with a warning naming the failed gates;
+            flash_attn_4 where installed, first on sm90/sm100),
+            "flash_attn", "flash_attn_4", "torch_varlen" or "sdpa"; default "auto".
         strict: raise `PatchGateError` instead of falling back or casting; default False.
     """
 
@@ -154,11 +155,12 @@ class VarlenSelfAttention(nn.Module):
             warn_user(message)
 
     def _backend_for(self, device: torch.device) -> Backend:
-        """The chosen backend, unless it is a kernel backend and the input is not on CUDA or needs dropout it lacks
-        (then the exact fallback with one warning, or raise in strict mode)."""
+        """The chosen backend, unless it is a kernel backend and the input is not on CUDA or needs dropout (or, on
+        flash_attn_4, a backward) it lacks (then the exact fallback with one warning, or raise in strict mode)."""
         return serving_backend(
             self.backend, self._fallback, lambda: device_gate(device),
-            ((-1, -1), 0.0, self.dropout if self.training else 0.0, self.head_dim), strict=self.strict,
+            ((-1, -1), 0.0, self.dropout if self.training else 0.0, self.head_dim,
+             torch.is_grad_enabled() and self.in_proj.weight.requires_grad), strict=self.strict,
             who=f"VarlenSelfAttention on the {self.backend.name} backend", uses="VarlenSelfAttention uses",
             warn_once=self._warn_once,
         )

@@ -84,7 +84,7 @@ def test_hf_argument_parser_rejects_a_bad_backend(tmp_path, capsys):
 
 
 def test_dataclass_validates_when_built_in_code():
-    allowed_backends = "auto, flash_attn, torch_varlen, sdpa"
+    allowed_backends = "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"
     with pytest.raises(ValueError, match=rf"attn_backend='gpu' is not valid; allowed values: {allowed_backends}"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
     allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, .*smollm3, starcoder2, llama$"
@@ -148,7 +148,7 @@ def test_env_mapping_argument_instead_of_os_environ():
     [
         ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
         ("PATCHKIT_BACKEND", "cuda",
-         "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, torch_varlen, sdpa"),
+         "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
         ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: all, gemma, .*, llama"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
         ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),
@@ -299,7 +299,7 @@ def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
 
 @pytest.mark.parametrize(
     "var,value,allowed",
-    [("PATCHKIT_BACKEND", "flashh", "auto, flash_attn, torch_varlen, sdpa"),
+    [("PATCHKIT_BACKEND", "flashh", "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
      ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_UNPAD", "layers", "model, attention"),
      ("PATCHKIT_PATCH", "gpt2", "all, gemma, "), ("PATCHKIT_STRICT", "2", "1, true, yes, on"),
      ("PATCHKIT_TESTED_TRANSFORMERS", "five", "a transformers version such as")],

@@ -218,7 +218,7 @@ def test_opt_out_runs_the_script_unpatched(in_process, monkeypatch, capsys, how)
 
 @pytest.mark.parametrize(
     "var,value,allowed",
-    [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, torch_varlen, sdpa"),
+    [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
      ("PATCHKIT_PATCH", "gpt2", "all, gemma, .*starcoder2, llama"),
      ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_STRICT", "2", "1, true, yes, on")],
 )

@@ -131,7 +131,7 @@ def test_missing_target_patches_nothing(monkeypatch):
         (dict(name="llama3"), ValueError, "unknown patch 'llama3'; available patches: gemma, .*llama1, llama2, "
                                           "mistral, .*starcoder2, llama \\(= llama2\\)"),
         (dict(backend="flash"), ValueError,
-         "unknown backend 'flash'; choose one of auto, flash_attn, torch_varlen, sdpa"),
+         "unknown backend 'flash'; choose one of auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
         (dict(strict="yes"), TypeError, "strict must be True or False"),
         (dict(model="path/to/model"), TypeError, "model= must be a loaded torch.nn.Module"),
     ],

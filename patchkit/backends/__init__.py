@@ -21,7 +21,9 @@ class Backend(Protocol):
     `varlen` on the gathered cache): `attend_kvcache(q, k, v, plan, *, softmax_scale, dropout_p,
     window_size, softcap)`, a decode step on the padded cache in place (q (B, H, q_len, D), k/v (B, Hk, K, D) as
     transformers keeps them -> (B, q_len, H, D)), returning None for a layout it cannot take; and
-    `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None.
+    `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None. A backend with
+    `takes_sinks = True` (flash_attn_4) also takes `learnable_sink` (H,) in `varlen` and `attend_kvcache`: GPT-OSS's
+    attention sinks on its kernel; the others' layers with sinks run the exact sdpa path.
     """
 
     name: str
@@ -33,7 +35,8 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...
 
     def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
-        """Why this backend cannot run a window, softcap or attention dropout here (None: it can)."""
+        """Why this backend cannot run a window, softcap or attention dropout here (None: it can). A backend may take
+        more needs after these, with defaults (`head_dim`; flash_attn_4: `backward`, `sinks`)."""
 
 
 class SdpaBackend:
@@ -57,7 +60,8 @@ class SdpaBackend:
         )
         return out
 
-    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0) -> Optional[str]:
+    def missing_feature(self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0,
+                        head_dim: Optional[int] = None, backward: bool = False, sinks: bool = False) -> Optional[str]:
         return None
 
     # A decode step on the padded cache in place: SDPA (or softcap's math) by `patchkit.forward.decode`'s plan.
@@ -65,7 +69,7 @@ class SdpaBackend:
 
 
 def make_backend(name: str) -> Backend:
-    """Instantiate a backend by its resolved name ("flash_attn", "torch_varlen" or "sdpa")."""
+    """Instantiate a backend by its resolved name ("flash_attn", "flash_attn_4", "torch_varlen" or "sdpa")."""
     if name == "sdpa":
         return SdpaBackend()
     if name == "flash_attn":
@@ -76,4 +80,8 @@ def make_backend(name: str) -> Backend:
         from patchkit.backends.torch_varlen import TorchVarlenBackend
 
         return TorchVarlenBackend()
+    if name == "flash_attn_4":
+        from patchkit.backends.flash_attn_4 import FlashAttn4Backend
+
+        return FlashAttn4Backend()
     raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")

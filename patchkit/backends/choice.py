@@ -12,13 +12,21 @@ from patchkit.gates import Environment, GateResult
 from patchkit.warn import warn_user
 
 AUTO_ORDER = ("flash_attn", "torch_varlen")  # backend="auto" tries these in turn, then the exact sdpa backend
+# flash-attn 4 is an optional accelerator: "auto" considers it only where it is installed (no warning for its absence),
+# first on Hopper and datacenter Blackwell (sm90, sm100, sm110: its CuTe kernels target them, and it has the backward
+# and the sinks' backward there), last elsewhere (Ampere: no backward; sm120: no sinks' backward, flash-attn 2 proven
+# there). An expectation from flash-attn 4's design, to be confirmed by `make gpu-truth` on each GPU generation.
+FLASH4_FIRST_MAJORS = (9, 10, 11)
 MAX_WARNING_CHARS = 200  # the fallback warning is one line a person reads; the full list is in report() and doctor
 
 
-def candidates(requested: str) -> tuple[str, ...]:
+def candidates(requested: str, env: Optional[Environment] = None) -> tuple[str, ...]:
     """The kernel backends a request tries, best first; sdpa needs no gate and ends every list."""
     if requested == "auto":
-        return AUTO_ORDER
+        if env is None or env.flash_attn_4_version is None:
+            return AUTO_ORDER
+        first = env.compute_capability is not None and env.compute_capability[0] in FLASH4_FIRST_MAJORS
+        return ("flash_attn_4", *AUTO_ORDER) if first else (*AUTO_ORDER, "flash_attn_4")
     return () if requested == "sdpa" else (requested,)
 
 
@@ -30,6 +38,8 @@ def backend_gates(
         results = _gates.flash_backend_gates(env, flash_min, why)
     elif backend == "torch_varlen":
         results = _gates.torch_varlen_backend_gates(env)
+    elif backend == "flash_attn_4":
+        results = _gates.flash4_backend_gates(env)
     else:
         raise ValueError(f"no gates for backend {backend!r}")
     if head_dim is not None:
@@ -50,7 +60,7 @@ def pick(
     requested: str, env: Environment, flash_min: str, why: str, head_dim: Optional[int] = None
 ) -> Choice:
     """Evaluate every candidate's gates (all of them, for the report) and take the first that passes them all."""
-    evaluated = [(name, backend_gates(name, env, flash_min, why, head_dim)) for name in candidates(requested)]
+    evaluated = [(name, backend_gates(name, env, flash_min, why, head_dim)) for name in candidates(requested, env)]
     chosen = next((name for name, results in evaluated if all(g.passed for g in results)), "sdpa")
     passed_over = []
     for name, results in evaluated:
@@ -127,19 +137,19 @@ def choose_backend(
     patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
     head_dim: Optional[int] = None,
 ) -> tuple[str, list[GateResult]]:
-    """A patch's backend: resolve "auto"/"flash_attn"/"torch_varlen"/"sdpa" against the gates (warn, or raise)."""
+    """A patch's backend: resolve "auto" or a backend's name against the gates (warn, or raise)."""
     choice = resolve(backend, strict, env, flash_min, why, f"patch {patch!r}", head_dim, " Nothing was patched.")
     return choice.backend, choice.gates
 
 
 def serving_backend(
     backend: Any, fallback: Any, gate: Callable[[], GateResult],
-    needs: tuple[tuple[int, int], float, float, Optional[int]], *,
+    needs: tuple[Any, ...], *,
     strict: bool, who: str, uses: str, warn_once: Callable[[str, str], None],
 ) -> Any:
     """The kernel `backend` for one call, unless `gate()` fails or it lacks the window, softcap, dropout or head_dim
-    in `needs`: then the exact `fallback`, with one warning (`uses` says what moves to it), or refused in strict
-    mode."""
+    in `needs` (and, where given, a backward and sinks): then the exact `fallback`, with one warning (`uses` says
+    what moves to it), or refused in strict mode."""
     if not backend.half_only:
         return backend
     checked = gate()

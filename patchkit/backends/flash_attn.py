@@ -37,9 +37,11 @@ class FlashAttnBackend:
         return out
 
     def missing_feature(
-        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None
+        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None,
+        backward: bool = False, sinks: bool = False,
     ) -> Optional[str]:
-        """flash-attn added sliding windows in 2.3 and softcap in 2.6; a trimmed build may lack more."""
+        """flash-attn added sliding windows in 2.3 and softcap in 2.6; a trimmed build may lack more. (It has the
+        backward wherever it runs; sinks never reach it: `takes_sinks` is unset.)"""
         for feature, minimum in (("window_size", "2.3"), ("softcap", "2.6")):
             if feature in self._features(window_size, softcap) and not _at_least(self.version, minimum):
                 return f"flash_attn_version: {feature} needs flash-attn>={minimum} (found {self.version})"

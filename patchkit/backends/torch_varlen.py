@@ -49,7 +49,8 @@ class TorchVarlenBackend:
         self._takes_gqa = takes_enable_gqa(self._varlen_attn)
 
     def missing_feature(
-        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None
+        self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None,
+        backward: bool = False, sinks: bool = False,
     ) -> Optional[str]:
         """torch's varlen_attn has no softcap and no attention dropout (windows it has; head_dim has its gate)."""
         if softcap:

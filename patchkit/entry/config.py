@@ -44,7 +44,8 @@ def _attn_backend_field() -> Any:
     return dataclasses.field(
         default="auto",
         metadata={"help": "patchkit backend: auto (flash_attn when its gates pass, else torch_varlen, else sdpa, "
-                          "with a warning), flash_attn, torch_varlen, or sdpa. Default auto.",
+                          "with a warning; flash_attn_4 where installed, first on sm90/sm100), flash_attn, "
+                          "flash_attn_4, torch_varlen, or sdpa. Default auto.",
                   "choices": list(BACKEND_NAMES)},
     )
 

@@ -61,7 +61,8 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
         "gates": [_gate_dict(tf_gate)] + [_gate_dict(g) for g in choice.gates],
         "runtime_gates": "dtype (fp16/bf16 q/k/v, else cast with a warning) and head_dim <= "
         f"{_gates.MAX_FLASH_HEAD_DIM} (torch_varlen: a multiple of 8) are checked per model/call; a window, softcap "
-        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout), as "
+        "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout; "
+        "flash_attn_4 no dropout, and no backward before compute capability 9.0), as "
         "does a head dim or feature a flash-attn built by tools/build_flash_attn.py was built without"
         + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
     }
@@ -95,6 +96,7 @@ def doctor() -> dict[str, Any]:
             "error": env.flash_attn_error,
             "build": _gates.build_config() if env.flash_attn_error is None and env.flash_attn_version else {},
         },
+        "flash_attn_4": {"version": env.flash_attn_4_version, "error": env.flash_attn_4_error},
         "patches": [evaluate_patch(spec, env) for spec in registered()],
         "startup_hook": startup_hook(),
         "seconds": round(time.perf_counter() - start, 3),
@@ -142,6 +144,13 @@ def patch_lines(patches: list[dict[str, Any]], verbose: bool = False) -> list[st
     return lines
 
 
+def _flash4_row(fa4: dict[str, Any]) -> str:
+    """flash-attn 4's version, and why its kernels cannot be called where they cannot."""
+    if fa4.get("version") is None:
+        return "not installed (optional; backend='flash_attn_4' on sm90/sm100: pip install flash-attn-4)"
+    return fa4["version"] + (f" ({fa4['error']})" if fa4.get("error") else "")
+
+
 def format_report(data: dict[str, Any], verbose: bool = False) -> str:
     """The human-readable report of `doctor()`: one line per patch, or every gate with `verbose`."""
     v, hw, fa = data["versions"], data["hardware"], data["flash_attn"]
@@ -154,6 +163,7 @@ def format_report(data: dict[str, Any], verbose: bool = False) -> str:
         _row("CUDA (torch build)", cuda),
         _row("transformers", v["transformers"] or "not installed"),
         _row("flash-attn", v["flash-attn"] or "not installed"),
+        _row("flash-attn-4", _flash4_row(data.get("flash_attn_4") or {})),
         _row("accelerate", v["accelerate"] or "not installed"),
         _row("peft", v["peft"] or "not installed"),
         "hardware",

@@ -23,6 +23,11 @@ class KernelOptions(NamedTuple):
     window: tuple[int, int]
     softcap: float
     warn_once: Callable[[str, str], None]
+    sinks: Optional[torch.Tensor] = None  # (H,) learned logits, only for a backend that `takes_sinks` (flash_attn_4)
+
+    def sink_kwargs(self) -> dict:
+        """`learnable_sink` for a kernel that takes it, nothing otherwise (the other backends' signatures lack it)."""
+        return {} if self.sinks is None else {"learnable_sink": self.sinks}
 
 
 def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torch.Tensor, k: torch.Tensor,
@@ -50,7 +55,7 @@ def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
     out = backend.varlen(unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k),
                          meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True, window_size=o.window,
-                         softcap=o.softcap)
+                         softcap=o.softcap, **o.sink_kwargs())
     return repad(out, meta)
 
 
@@ -59,7 +64,7 @@ def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: tor
     """LLaMA-2 and every family: a decode step on the padded cache in place when the backend can (`decode.py`),
     else the varlen kernel on the real tokens. q, k, v: (B, H, S, D)."""
     out = decode_attention(backend, q, k, v, meta, dropout=o.dropout, scaling=o.scaling, window=o.window,
-                           softcap=o.softcap, warn_once=o.warn_once)
+                           softcap=o.softcap, warn_once=o.warn_once, extra=o.sink_kwargs())
     return out if out is not None else attend_unpadded(backend, q, k, v, meta, o)
 
 
@@ -80,6 +85,7 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
 def decode_attention(
     backend: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *,
     dropout: float, scaling: float, window: tuple[int, int], softcap: float, warn_once: Callable[[str, str], None],
+    extra: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
     """A decode step on the padded cache: q (B, H, q_len, D), k/v (B, Hk, K, D) as transformers keeps them ->
     (B, q_len, H, D), padding zero.
@@ -98,7 +104,8 @@ def decode_attention(
     if reason is not None:
         warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
         return None
-    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap)
+    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap,
+                 **(extra or {}))
     if out is None or plan.real_q is None:
         return out
     return out.where(plan.real_q, out.new_zeros(()))

@@ -35,7 +35,7 @@ class PatchState:
     heads: dict = dataclasses.field(default_factory=dict)  # LM forwards over an unpadded batch: where the head ran
     copies: list = dataclasses.field(default_factory=list)  # (weakref to a deepcopied module, attribute)
     route_function: Optional[Callable] = None  # the attention function on this state, for routed families
-    serving: dict = dataclasses.field(default_factory=dict)  # (head_dim, window, softcap, dropout) -> backend
+    serving: dict = dataclasses.field(default_factory=dict)  # (head_dim, window, softcap, dropout, ...) -> backend
     fallback = SdpaBackend()
 
     def track_copy(self, module: nn.Module, attr: str) -> None:
@@ -57,19 +57,22 @@ class PatchState:
             warn_user(message)
 
     def backend_for(
-        self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0
+        self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0,
+        backward: bool = False, sinks: bool = False,
     ) -> Backend:
         """The backend for this layer: the kernel backend unless its head_dim gate fails or it lacks the window,
-        softcap or dropout the layer needs (then the exact fallback with one warning, or raise in strict mode).
-        Decided once per head_dim and need: the decode path is host-bound."""
+        softcap or dropout the layer needs, or (flash_attn_4) a backward or the sinks' backward on this GPU (then the
+        exact fallback with one warning, or raise in strict mode). Decided once per head_dim and need: the decode
+        path is host-bound."""
         if not self.backend.half_only:
             return self.backend  # the exact backend serves everything
-        key = (module.head_dim, window, softcap, dropout)
+        key = (module.head_dim, window, softcap, dropout, backward, sinks)
         chosen = self.serving.get(key)
         if chosen is None:
             chosen = self.serving[key] = serving_backend(
                 self.backend, self.fallback, lambda: head_dim_gate(module.head_dim, self.backend.name),
-                (window, softcap, dropout, module.head_dim), strict=self.strict, who=f"patch {self.patch!r}",
+                (window, softcap, dropout, module.head_dim, backward, sinks), strict=self.strict,
+                who=f"patch {self.patch!r}",
                 uses="these layers use", warn_once=self.warn_once,
             )
         return chosen

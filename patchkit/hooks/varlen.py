@@ -134,21 +134,26 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
-    if sinks is not None:  # gpt-oss's attention sinks: the exact sdpa path, whatever the kernel backend
+    kernel_sinks = getattr(state.backend, "takes_sinks", False)
+    if sinks is not None and not kernel_sinks:  # gpt-oss's attention sinks: the exact sdpa path on these backends
         if state.backend.half_only:
             state.warn_once("sinks", f"patchkit: {type(module).__name__} adds attention sinks (a learned logit per "
                                      f"head in every softmax), which the {state.backend.name} kernels do not; "
                                      "those layers run on patchkit's exact sdpa backend.")
         options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
         return attend_with_sinks(q, k, v, meta, options, sinks)
-    backend = state.backend_for(module, window, softcap, dropout)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    backend = state.backend_for(module, window, softcap, dropout, backward=backward, sinks=sinks is not None)
+    if sinks is not None and not getattr(backend, "takes_sinks", False):  # this call fell back to sdpa: exact sinks
+        return attend_with_sinks(q, k, v, meta, KernelOptions(dropout, scaling, window, softcap, state.warn_once),
+                                 sinks)
     in_dtype = q.dtype
     if backend.half_only:
         q, k, v = to_half(
             (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
             state.warn_once,
         )
-    options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
+    options = KernelOptions(dropout, scaling, window, softcap, state.warn_once, sinks)
     out = one_head_size(packing.attend, backend, q, k, v, meta, options)
     return out if out.dtype == in_dtype else out.to(in_dtype)
 
