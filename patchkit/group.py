@@ -67,19 +67,19 @@ class PatchGroup:
     @property
     def stepped_aside(self) -> dict[str, int]:
         """Forwards every family ran on transformers' own attention instead, by cause."""
-        out: dict[str, int] = {}
-        for handle in self.handles:
-            for cause, n in handle.stepped_aside.items():
-                out[cause] = out.get(cause, 0) + n
-        return out
+        return self._summed("stepped_aside")
 
     @property
     def heads(self) -> dict[str, int]:
         """Causal-LM forwards over unpadded batches, every family's, by where their head and loss ran."""
+        return self._summed("heads")
+
+    def _summed(self, counts: str) -> dict[str, int]:
+        """Every family handle's `counts` (a dict of key -> count), added up by key."""
         out: dict[str, int] = {}
         for handle in self.handles:
-            for where, n in handle.heads.items():
-                out[where] = out.get(where, 0) + n
+            for key, n in getattr(handle, counts).items():
+                out[key] = out.get(key, 0) + n
         return out
 
     def __iter__(self) -> Iterator[Any]:
