@@ -161,10 +161,13 @@ PROBE = (
 
 @pytest.fixture
 def in_process(tmp_path, monkeypatch):
-    """Run launch.main() here: sys.argv/sys.path restored, patches reverted, PATCHKIT_* cleared."""
+    """Run launch.main() here: sys.argv/sys.path restored, patches reverted, PATCHKIT_* cleared, and the environment
+    as it was after (the launcher exports its options for the processes the target starts: they must not leak into
+    the tests after this one, which start interpreters of their own)."""
     import patchkit
     from patchkit import launch as launch_module
 
+    environment = dict(os.environ)
     for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT", "PATCHKIT_UNPAD"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
@@ -178,6 +181,8 @@ def in_process(tmp_path, monkeypatch):
 
     yield run
     patchkit.revert_patch()
+    os.environ.clear()
+    os.environ.update(environment)
 
 
 def test_launcher_options_override_environment(in_process, monkeypatch):
