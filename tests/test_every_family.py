@@ -18,6 +18,7 @@ import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.group import PatchGroup
 from patchkit.hooks import unserved
+from patchkit.hooks.lm_head import heads_line
 from patchkit.hooks.registry import registered, resolve
 
 SERVED = sorted({t for s in registered() for t in s.model_types})
@@ -165,10 +166,13 @@ def test_the_groups_report_is_a_summary_that_names_what_ran():
         summary, detail = group.report(), group.report(detail=True)
     lines = summary.splitlines()
     assert lines[0].startswith("patchkit patch 'all': backend 'sdpa' (requested 'sdpa', strict=False)")
-    assert lines[1:3] == ["  ran: llama2 (2 attention layers, 2 calls)",
-                          "  forwards stepped aside to transformers' attention: none"]
+    heads = [heads_line(group.heads)] if group.heads else []  # where the LM's head ran (1 forward)
+    assert sum(group.heads.values()) == 1
+    assert lines[1:3 + len(heads)] == ["  ran: llama2 (2 attention layers, 2 calls)",
+                                       "  forwards stepped aside to transformers' attention: none", *heads]
     idle = len(list(group)) > 1  # one line names every family that ran nothing (none before 4.53: LLaMA alone)
-    assert len(lines) == 4 + idle + len(group.skipped) and "report(detail=True)" in lines[3 + len(group.skipped)]
+    summary_lines = 4 + len(heads) + len(group.skipped)
+    assert len(lines) == summary_lines + idle and "report(detail=True)" in lines[summary_lines - 1]
     assert detail.splitlines()[:3] == lines[:3] and "  gates:" in detail
     if idle:  # the tail names what is patched but idle, never an unused family's "0 (0 calls)"
         for text in (summary, detail):
