@@ -147,6 +147,17 @@ def compiled() -> str:
     return "`compiled.csv`\n\n" + table(["step", "tokens/s", "vs HF sdpa compiled the same way"], out)
 
 
+def vocab() -> str:
+    """The large-vocabulary step (benchmarks/vocab.py): patchkit's speed and memory against HF sdpa and eager."""
+    from vocab import ratios
+
+    rows = [{k: (float(v) if k in NUMERIC and v else v) for k, v in r.items()} for r in read("vocab.csv")]
+    return "`vocab.csv`\n\n" + "\n".join(ratios(rows))
+
+
+NUMERIC = ("vocab", "real_tokens", "padding", "seconds", "real_tok_per_s", "loss", "peak_mib")
+
+
 def gpu_fa2_rows() -> dict[str, dict[str, dict[str, str]]]:
     by: dict[str, dict[str, dict[str, str]]] = {}
     for r in read("cuda/train_pad_sweep_fa2.csv"):
@@ -219,7 +230,7 @@ def truth_ratio(workload: str) -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
-    "gpu-truth": gpu_truth, "gpu-families": gpu_families,
+    "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
