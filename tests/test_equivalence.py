@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from models import clone, labels_for, padded_batch, tiny_model
+from packaging.version import Version
 
 import patchkit
 from patchkit.forward.masks import VarlenMask
@@ -93,11 +95,12 @@ def test_an_empty_sequence_fails_as_unpatched():
     metadata ("step must be nonzero")."""
     model = tiny_model()
     ids, mask = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)
-    with pytest.raises(RuntimeError) as unpatched:
+    with pytest.raises(Exception) as unpatched:  # noqa: B017 - its class differs by era (RuntimeError, IndexError)
         model(input_ids=ids, attention_mask=mask)
-    with patchkit.apply_patch(backend="sdpa"), pytest.raises(RuntimeError) as patched:
+    with patchkit.apply_patch(backend="sdpa"), pytest.raises(Exception) as patched:  # noqa: B017
         model(input_ids=ids, attention_mask=mask)
-    assert str(patched.value) == str(unpatched.value)
+    if Version(transformers.__version__) >= Version("5"):  # 4.5x's own mask raises first unpatched (IndexError)
+        assert (type(patched.value), str(patched.value)) == (type(unpatched.value), str(unpatched.value))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

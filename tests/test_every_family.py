@@ -167,7 +167,7 @@ def test_the_groups_report_is_a_summary_that_names_what_ran():
     lines = summary.splitlines()
     assert lines[0].startswith("patchkit patch 'all': backend 'sdpa' (requested 'sdpa', strict=False)")
     heads = [heads_line(group.heads)] if group.heads else []  # where the LM's head ran (1 forward)
-    assert sum(group.heads.values()) == 1
+    assert sum(group.heads.values()) <= 1  # none where this era unpads inside attention only
     assert lines[1:3 + len(heads)] == ["  ran: llama2 (2 attention layers, 2 calls)",
                                        "  forwards stepped aside to transformers' attention: none", *heads]
     idle = len(list(group)) > 1  # one line names every family that ran nothing (none before 4.53: LLaMA alone)
