@@ -11,6 +11,8 @@ No other outcome passes: on CI's transformers the table's VERIFIED list is exact
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 
@@ -59,11 +61,20 @@ def train_step(model, **inputs) -> tuple[torch.Tensor, dict]:
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def token_types(model, ids: torch.Tensor) -> dict:
+    """`token_type_ids` for a family whose forward takes them (GPT-2, GPT-BigCode, CodeGen, ...), as real checkpoints'
+    callers pass them: one type per token, every row its own."""
+    if "token_type_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"token_type_ids": torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(5))}
+
+
 def runs(model, packed: bool = True) -> dict:
     """The comparisons' numbers on `model` as it is now (patched or not): a padded step, and packed rows."""
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     ids = ids.clamp(max=model.config.vocab_size - 1)
-    out = {"padded": train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))}
+    out = {"padded": train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
+                                **token_types(model, ids))}
     if packed:
         rows, positions = packed_rows()
         out["packed"] = train_step(model, input_ids=rows, position_ids=positions, labels=rows)

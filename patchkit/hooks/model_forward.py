@@ -21,6 +21,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
+from patchkit.forward.token_inputs import pack_token_inputs
 from patchkit.hooks.causes import CAUSES
 from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
 from patchkit.hooks.lm_head import HeadRequest, declined, finish, hand_packed, servable_forward
@@ -36,13 +37,10 @@ from patchkit.hooks.step_aside import input_tokens, lm_cause, step_aside, transf
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 
-def _unpad_inputs(args: dict, meta: VarlenMetadata) -> None:
-    """input_ids / inputs_embeds, Qwen3-VL's `visual_pos_masks` (where its deepstack features go), Gemma 4's
-    `per_layer_inputs` (a multimodal model's, made padded) and position_ids (B, S, ...) -> (1, nnz, ...) in place."""
-    for name in ("input_ids", "inputs_embeds", "visual_pos_masks", "per_layer_inputs"):
-        x = args.get(name)
-        if x is not None:
-            args[name] = unpad_rows(x, meta.indices_q).unsqueeze(0)
+def _unpad_inputs(args: dict, meta: VarlenMetadata, extra: dict) -> None:
+    """The tokens and every per-token input beside them (`token_inputs`), and position_ids: (B, S, ...) ->
+    (1, nnz, ...) in place."""
+    pack_token_inputs(args, extra, meta.indices_q, meta.batch, meta.q_len)
     positions = args.get("position_ids")
     if positions is None:  # transformers' default for a forward without past: 0..S-1 in every row
         positions = torch.arange(meta.q_len, device=meta.cu_seqlens_q.device)
@@ -265,7 +263,7 @@ def make_model_forward(
                     arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
                     cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
                 kept = every_query(arguments, extra, self.config)
-                _unpad_inputs(arguments, meta)
+                _unpad_inputs(arguments, meta, extra)
                 put_rope_rows(arguments, rope_rows, meta)
                 with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext():
                     out = call(self, arguments)

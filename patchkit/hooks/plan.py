@@ -15,6 +15,7 @@ from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.token_inputs import token_inputs
 from patchkit.hooks.model_masks import model_masks_cause
 from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.self_check import untrusted_cause
@@ -95,6 +96,8 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     batch, seqlen = tokens.shape[:2]
     if tuple(mask.shape) != (batch, seqlen):
         return None  # the per-layer path raises its clear shape error
+    if token_inputs(args, extra, batch, seqlen) is None:
+        return None  # an input of the tokens' shape the packed row cannot carry: the padded layout keeps it
     position_ids = args.get("position_ids")
     meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
     if meta.indices_q is None or meta.nnz_q == 0:
