@@ -37,6 +37,7 @@ from patchkit.hooks.step_aside import (
     chunk_size,
     chunks_off_start,
     ends_in_padding,
+    mask_name,
     packed_sequence_ids,
     step_aside,
     transformers_mask,
@@ -71,9 +72,10 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     refuse_refused(kwargs.get("config"))
     function = kwargs.get("mask_function")
     if beyond_causal(function, chunks=True):
+        cause = "cross_attention" if encoder_mask(function) else "custom_mask_pattern"
         if current().plan.unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
-            raise PaddedOnly("custom_mask_pattern")
-        return aside_mask("custom_mask_pattern", args, kwargs)
+            raise PaddedOnly(cause)
+        return aside_mask(cause, args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None
     if cause is None and current().route is None:
@@ -142,11 +144,21 @@ def chunk_behind_cache(chunk: int, mask: Any, past_len: Optional[int], q_length:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > chunk and has_holes(mask)
 
 
+def encoder_mask(function: Any) -> bool:
+    """transformers' bare bidirectional mask, which a decoder asks for over its encoder's tokens (cross-attention,
+    `create_bidirectional_mask`); an image span in a causal mask comes joined (`or_masks`)."""
+    return getattr(function, "__module__", None) == "transformers.masking_utils" and (
+        mask_name(function) == "bidirectional_mask_function")
+
+
 def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
-    """transformers' own eager mask for this forward, tagged with the cause `_attention` steps aside for."""
+    """transformers' own eager mask for this forward, tagged with the cause `_attention` steps aside for; a tensor
+    even where transformers would skip it (bidirectional over no padding: zeros), so the cause reaches attention."""
     from transformers.masking_utils import eager_mask
 
     mask = eager_mask(*args, **kwargs)
+    if mask is None:
+        mask = eager_mask(*args, **{**kwargs, "allow_is_bidirectional_skip": False})
     mask.patchkit_cause = cause
     mask.patchkit_alone = current().route is None  # under the name alone: no patched forward counted it
     return mask

@@ -58,6 +58,12 @@ CAUSES = {
         "window's length, which patchkit does not place",
         "use the default dynamic cache, or transformers >= 4.56",
     ),
+    "cross_attention": (
+        "the decoder was given encoder_hidden_states (cross-attention, a GPT-2 style decoder built with "
+        "add_cross_attention), whose layers attend to the encoder's tokens under the encoder's own mask, beside "
+        "causal self-attention; patchkit serves decoder-only self-attention",
+        "none needed: an encoder-decoder forward stays exact on the attention the model was loaded with",
+    ),
     "custom_mask_pattern": (
         "transformers was asked for a mask beyond causal and padding (a bidirectional span such as an image's "
         "tokens, or an or_mask_function / and_mask_function / block_sequence_ids), which a key-padding mask cannot "
@@ -121,6 +127,7 @@ BRIEF = {
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
                              "the dynamic cache, or transformers >= 4.56"),
+    "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),
     "custom_mask_pattern": ("a mask beyond causal and padding (a bidirectional span, an or/and mask function)",
                             "none: this pattern needs transformers' attention"),
     "chunk_behind_cache": ("chunked attention: a chunk boundary falls behind the KV cache, off a packed "

@@ -82,6 +82,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     lm_cause = current().lm_cause
     if lm_cause is not None:
         return lm_cause
+    if any(where.get("encoder_hidden_states") is not None for where in (arguments, extra)):
+        return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted is None:
         wanted = getattr(module.config, "output_attentions", False)
