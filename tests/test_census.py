@@ -12,7 +12,6 @@ No other outcome passes: on CI's transformers the table's VERIFIED list is exact
 from __future__ import annotations
 
 import inspect
-
 import json
 import os
 
