@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-check clean
+.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ gpu-test: setup
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-truth:
 	$(GPU_PYTHON) tools/gpu_truth.py $(GPU_TRUTH_ARGS)
+
+# The device call before it (.gpu1/ carried): the first part of flash-attn 4's DSL wheel left in /tmp, the flash-attn
+# build started; `python tools/gpu_truth.py --fetch` fills .gpu1/ and .gpu/ and prints both calls.
+gpu-truth-stage1:
+	$(GPU_PYTHON) tools/gpu_truth.py --stage 1
 
 # Its CPU side (a CI part, ~1 min): every benchmark command of the GPU run accepted by its script, the test parts
 # rehearsed, the summary and archive written (tests/test_gpu_truth.py).

@@ -22,7 +22,7 @@ RESULTS = HERE / "results"  # the tracked results of the documented run (README)
 RUNS = HERE / "runs"  # every other run: a fresh folder per run (ignored by git)
 sys.path.insert(0, str(HERE))  # the sibling modules, also when `patchkit bench` loads this file by path
 
-from providers import device_and_dtype, probe_providers  # noqa: E402
+from providers import HF_KERNELS, device_and_dtype, probe_providers  # noqa: E402
 from report import TARGETS, Recorder, draw_plots, print_report, ratio_table, record_throughput  # noqa: E402
 from workers import worker_memory, worker_throughput  # noqa: E402
 from workloads import FLOOR, MODES, lognormal_lengths, padded_lengths, padding_fraction  # noqa: E402
@@ -111,7 +111,7 @@ def run_suite(
         provs += [(FLOOR, "packed_pos")]
         # HF's own padding-free path (DataCollatorWithFlattening's rows: position_ids, and with
         # return_flash_attn_kwargs the cu_seq_lens too): the fair yardstick for patchkit's packed rows
-        provs += [(p, lay) for p in hf if p == "hf_flash_attention_2" for lay in ("packed_pos", "packed_cu")]
+        provs += [(p, lay) for p in hf if p in HF_KERNELS for lay in ("packed_pos", "packed_cu")]
         if tag and "gqa_providers" in sizes:
             gqa = set(sizes["gqa_providers"]) | set(patch_providers)  # every patchkit backend that runs here
             provs = [(p, lay) for p, lay in provs if p in gqa and lay != "packed_cu"]
@@ -154,7 +154,7 @@ def run_suite(
     measured: dict[str, list[tuple[int, float]]] = {}
     for n in (mem_lengths or sizes["lengths"]) if "mem" in parts else []:
         for p in hf + patch_providers:
-            if (p == "hf_flash_attention_2" and device.type != "cuda") or p not in sizes.get("mem_providers", [p]):
+            if (p in HF_KERNELS and device.type != "cuda") or p not in sizes.get("mem_providers", [p]):
                 continue
             pred = predict_quadratic(measured.get(p, []), n)
             cap = min(mem_cap_gib * 1024, mem_available_mib(device) - 2048)
@@ -223,8 +223,9 @@ def main(argv: Optional[list[str]] = None, prog: Optional[str] = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--mem-cap-gib", type=float, default=18.0, help="skip configs predicted to need more")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="cuda: bf16 on the GPU with hf_flash_attention_2, hf_sdpa and patchkit's flash_attn, "
-                        "torch_varlen and sdpa backends (each that cannot run is skipped with the reason); cpu: fp32; "
+                        help="cuda: bf16 on the GPU with hf_flash_attention_2 and _4, hf_sdpa and patchkit's "
+                        "flash_attn_4, flash_attn, torch_varlen and sdpa backends (each that cannot run is skipped "
+                        "with the reason); cpu: fp32; "
                         "auto (default): cuda when a CUDA device is present")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="which parts to run, comma-separated (default all): train (padded and packed train "

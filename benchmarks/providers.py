@@ -9,8 +9,11 @@ from typing import Any, Callable, Optional
 
 from workloads import FLOOR, PAD
 
-PATCHKIT_BACKENDS = ("flash_attn", "torch_varlen", "sdpa")  # patchkit_<backend>, best first
-HF_PROVIDERS = {"hf_eager": "eager", "hf_sdpa": "sdpa", "hf_flash_attention_2": "flash_attention_2"}
+# patchkit_<backend>, best first as backend="auto" orders them on sm90/sm100 (flash_attn_4 only where installed)
+PATCHKIT_BACKENDS = ("flash_attn_4", "flash_attn", "torch_varlen", "sdpa")
+HF_PROVIDERS = {"hf_eager": "eager", "hf_sdpa": "sdpa", "hf_flash_attention_2": "flash_attention_2",
+                "hf_flash_attention_4": "flash_attention_4"}
+HF_KERNELS = ("hf_flash_attention_2", "hf_flash_attention_4")  # HF's flash-attn paths: CUDA only, each if it loads
 
 
 def device_and_dtype(device: Optional[str] = None) -> tuple[Any, Any]:
@@ -125,17 +128,17 @@ def one_line(exc: BaseException, limit: int = 160) -> str:
     return f"{type(exc).__name__}: {first_line(exc, limit)}"
 
 
-def probe_hf_flash(device: Any) -> Optional[str]:
-    """None when HF's flash_attention_2 loads and runs one forward on `device`, else why not."""
+def probe_hf_flash(device: Any, implementation: str = "flash_attention_2") -> Optional[str]:
+    """None when HF's `implementation` (flash_attention_2 or _4) loads and runs one forward on `device`, else why."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if device.type != "cuda":
-        return "flash_attention_2 runs on CUDA only (this run is on the CPU)"
+        return f"{implementation} runs on CUDA only (this run is on the CPU)"
     try:
         # head_dim 128, as the CUDA model's: a flash-attn built for some head dims only is probed on one it has
         cfg = LlamaConfig(hidden_size=256, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          vocab_size=16, attn_implementation="flash_attention_2")
+                          vocab_size=16, attn_implementation=implementation)
         model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
         model(input_ids=torch.ones(1, 4, dtype=torch.long, device=device))
     except Exception as exc:  # noqa: BLE001 - any load failure means "not available here"
@@ -159,7 +162,8 @@ def patchkit_backends(device: Any) -> list[str]:
     return [b for b in PATCHKIT_BACKENDS if b != "sdpa" and f"patchkit_{b}" in ok] + ["sdpa"]
 
 
-def patch_on_best(patch: str, model: Any, device: Any, strict: bool) -> tuple[Any, str, str]:
+def patch_on_best(patch: str, model: Any, device: Any, strict: bool,
+                  exclude: tuple[str, ...] = ()) -> tuple[Any, str, str]:
     """`model` patched by `patch` on the best of patchkit_backends that takes it: (handle, the backend it runs on,
     why the better ones did not). Without `strict` a failed gate falls back inside apply_patch, which the handle's
     backend says."""
@@ -167,7 +171,7 @@ def patch_on_best(patch: str, model: Any, device: Any, strict: bool) -> tuple[An
     from patchkit.errors import PatchkitError
 
     refused = []
-    for backend in patchkit_backends(device):
+    for backend in [b for b in patchkit_backends(device) if b not in exclude]:
         try:
             handle = patchkit.apply_patch(patch, model=model, backend=backend, strict=strict)
         except PatchkitError as exc:
@@ -237,16 +241,18 @@ def timed(fn: Callable[[], Any], device: Any) -> tuple[float, Optional[float], A
 
 
 def probe_providers(device: Any) -> tuple[list[str], dict[str, str]]:
-    """Which providers can run on `device`: HF flash_attention_2 if it loads; patchkit backends whose gates pass."""
+    """Which providers can run on `device`: HF flash_attention_2 and _4 where each loads; patchkit backends whose
+    gates pass."""
     import patchkit
     from patchkit.errors import PatchkitError
 
     ok, skipped = ["hf_eager", "hf_sdpa"], {}
-    why = probe_hf_flash(device)
-    if why is None:
-        ok.append("hf_flash_attention_2")
-    else:
-        skipped["hf_flash_attention_2"] = why
+    for name in HF_KERNELS:
+        why = probe_hf_flash(device, HF_PROVIDERS[name])
+        if why is None:
+            ok.append(name)
+        else:
+            skipped[name] = why
     for backend in PATCHKIT_BACKENDS:
         if backend != "sdpa" and device.type != "cuda":
             skipped[f"patchkit_{backend}"] = f"the {backend} backend runs on CUDA only (this run is on the CPU)"

@@ -69,7 +69,9 @@ def static_providers(device: torch.device) -> tuple[str, ...]:
     `model.forward` compiled (HF sdpa and patchkit only); then the other patchkit backends that run, and HF eager."""
     if device.type != "cuda":
         return PROVIDERS + tuple(p for p in providers(device) if p in FLASH)
-    best = f"patchkit_{patchkit_backends(device)[0]}"
+    # the best backend that is also compiled: not flash_attn_4 (its CuTe kernels under torch.compile are untried),
+    # which runs eager among the rest
+    best = f"patchkit_{next(b for b in patchkit_backends(device) if b != 'flash_attn_4')}"
     fa2 = (FA2,) if FA2 in providers(device) else ()
     first = ("hf_sdpa", *fa2, best, "hf_sdpa" + BY_GENERATE, *(f + BY_GENERATE for f in fa2), best + BY_GENERATE,
              "hf_sdpa_compiled", best + "_compiled")

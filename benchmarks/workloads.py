@@ -32,7 +32,8 @@ MODES: dict[str, dict[str, Any]] = {
         "batch": 16, "scale": 1.0, "decode_tokens": 32, "pad_fracs": [0.0, 0.25, 0.5, 0.75], "pad_len": 2048,
         "lengths": [2048, 4096, 8192, 16384, 32768], "gqa": True, "decode": True,
         # eager's (B, H, N, N) weights: out of memory at N = 8192 on an H100, and a minute spent finding out
-        "mem_providers": ["hf_sdpa", "hf_flash_attention_2", "patchkit_flash_attn", "patchkit_torch_varlen"],
+        "mem_providers": ["hf_sdpa", "hf_flash_attention_2", "hf_flash_attention_4", "patchkit_flash_attn",
+                          "patchkit_flash_attn_4", "patchkit_torch_varlen"],
     },
     "full": {
         "model": MODEL, "reps": 7, "batch": 8, "scale": 1.0, "decode_tokens": 32,

@@ -12,6 +12,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_carry  # noqa: E402
 import gpu_truth  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU side of the GPU run")
@@ -31,9 +33,10 @@ def test_every_benchmark_command_of_the_gpu_run_is_accepted_by_its_script(tmp_pa
         assert "--device" in part.cmd and "cuda" in part.cmd
 
 
-def test_a_rehearsal_runs_a_gpu_tests_part_and_writes_the_summary_and_archive(tmp_path):
+def test_a_rehearsal_runs_a_gpu_tests_part_and_writes_the_summary_and_archive(tmp_path, monkeypatch):
     """The dry run of the flash_attn test part: its `gpu` tests are collected and skip here, the summary says
     what ran and what was left out, and the archive holds the part's JUnit report."""
+    monkeypatch.setattr(gpu_truth, "WORK", tmp_path / "work")  # its own (the tests run side by side)
     out = tmp_path / "out"
     code = gpu_truth.main(["--dry-run", "--only", "flash_attn", "--out", str(out), "--wheels", str(tmp_path / "x")])
     assert code == 0
@@ -45,3 +48,129 @@ def test_a_rehearsal_runs_a_gpu_tests_part_and_writes_the_summary_and_archive(tm
     assert summary.count("left out (--only)") == len(gpu_truth.parts(tmp_path)) - 1
     with tarfile.open(out / "truth.tar.gz") as tar:
         assert "gpu-truth/tests_flash.xml" in tar.getnames()
+
+
+# ---- the two device calls: flash-attn 4's 92 MB DSL wheel carried in two parts (tools/gpu_carry.py)
+
+
+def fake_wheel(path: Path) -> Path:
+    """A wheel as NVIDIA's are built (deflated members, a folder entry, a stored one, random and text bytes)."""
+    import random
+    import zipfile
+
+    rng = random.Random(0)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(zipfile.ZipInfo("pkg/", (2026, 1, 12, 11, 11, 0)), b"")
+        for i, data in enumerate([rng.randbytes(300_000), b"def f():\n    return 1\n" * 20_000, b"x" * 999]):
+            info = zipfile.ZipInfo(f"pkg/m{i}.so", (2026, 1, 12, 11, 11, 2 * i))
+            info.external_attr = 0o755 << 16
+            z.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED if i < 2 else zipfile.ZIP_STORED)
+        z.writestr("pkg-1.0.dist-info/RECORD", "pkg/m0.so,,\n", compress_type=zipfile.ZIP_DEFLATED)
+    return path
+
+
+def packed(tmp_path: Path, first: int) -> tuple[Path, Path, Path, dict]:
+    wheel = fake_wheel(tmp_path / f"{gpu_carry.BIG}4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl")
+    call1, call2 = tmp_path / ".gpu1", tmp_path / ".gpu"
+    call1.mkdir(), call2.mkdir()
+    return wheel, call1, call2, gpu_carry.pack(wheel, call1, call2, first)
+
+
+def test_the_wheel_rebuilt_from_its_two_parts_has_the_original_bytes(tmp_path):
+    """Packed as xz and split at a byte count, the parts rebuild the wheel byte for byte (sha256), each part in its
+    call's folder; a part missing or altered is named, and nothing half-built is installed."""
+    wheel, call1, call2, m = packed(tmp_path, first=40_000)
+    parts = [call1 / m["parts"][0]["name"], call2 / m["parts"][1]["name"]]
+    assert [p.stat().st_size for p in parts] == [40_000, m["xz_size"] - 40_000]
+    assert not list(call2.glob("*.whl")) and "+" not in "".join(p.name for p in parts)
+    rebuilt, what = gpu_carry.assemble(call2 / f"{wheel.stem}.json", [call1, call2], tmp_path / "out")
+    assert rebuilt is not None and gpu_carry.sha256(rebuilt) == gpu_carry.sha256(wheel) == m["sha256"], what
+    assert "the original's sha256" in what
+    assert gpu_carry.assemble(call2 / f"{wheel.stem}.json", [call2], tmp_path / "o2") == (
+        None, f"{wheel.name}: part {parts[0].name} not found (call 1 not run on this machine?)")
+    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"\0")
+    assert gpu_carry.assemble(call2 / f"{wheel.stem}.json", [call1, call2], tmp_path / "o3")[0] is None
+
+
+def test_call_1_leaves_its_part_where_call_2_finds_it(tmp_path):
+    """Call 1 checks and copies its part to /tmp (here a tmp folder); call 2, which carries only .gpu, finds it
+    there and rebuilds the wheel: call 1's folder is not needed in call 2 (carrying it would remove it there)."""
+    wheel, call1, call2, m = packed(tmp_path, first=100_000)
+    parts_at = tmp_path / "tmp-carried"
+    said = gpu_carry.stage1(parts_at, call1)
+    assert said == f"{m['parts'][0]['name']} (100000 bytes, sha256 ok)"
+    import shutil
+
+    shutil.rmtree(call1)
+    rebuilt, _ = gpu_carry.assemble(call2 / f"{wheel.stem}.json", [parts_at, call2], parts_at)
+    assert rebuilt is not None and gpu_carry.sha256(rebuilt) == m["sha256"]
+    code = gpu_truth.stage_one(tmp_path / "out", True, folder=tmp_path / "none", parts_at=parts_at)
+    assert code == 0
+
+
+def test_flash_attn_4_installs_only_with_its_dsl_wheel(tmp_path):
+    names = ["transformers-5.24.0-py3-none-any.whl", "regex-1-cp312.whl", "flash_attn_4-4.0.0b36-py3-none-any.whl",
+             "nvidia_cutlass_dsl-4.8.1-py3-none-any.whl", "nvidia_cutlass_dsl_libs_base-4.8.1-cp312.whl",
+             "apache_tvm_ffi-0.1.15.post2-cp312.whl", "quack_kernels-0.6.5-py3-none-any.whl",
+             "torch_c_dlpack_ext-0.1.5-cp312.whl"]
+    wheels = [tmp_path / n for n in names]
+    assert [w.name for w in gpu_carry.split_for_install(wheels, None)] == names[:2]
+    big = tmp_path / f"{gpu_carry.BIG}4.8.1.whl"
+    assert len(gpu_carry.split_for_install(wheels, big)) == len(names) + 1
+
+
+def test_flash_attn_4s_cute_folder_replaces_flash_attn_2s_own(tmp_path):
+    site, fa2 = tmp_path / "site", tmp_path / "site-packages" / "flash_attn"
+    (site / "flash_attn" / "cute").mkdir(parents=True)
+    (site / "flash_attn" / "cute" / "interface.py").write_text("fa4")
+    (fa2 / "cute").mkdir(parents=True)
+    (fa2 / "cute" / "interface.py").write_text("fa2's old copy")
+    (fa2 / "cute" / "stale.py").write_text("")
+    assert "copied" in gpu_carry.overlay_cute(fa2, site)
+    assert sorted(p.name for p in (fa2 / "cute").iterdir()) == ["interface.py"]
+    assert (fa2 / "cute" / "interface.py").read_text() == "fa4"
+
+
+def test_the_two_calls_name_their_own_folders_and_fit_the_limit(tmp_path):
+    """The printed calls: call 1 `make gpu-truth-stage1` carrying .gpu1 only, call 2 `make gpu-truth` carrying .gpu
+    only, both git-ignored (else they would travel in every call); a call over 64 MiB with the repo is flagged.
+    With the sizes fetched on 2026-11-29 (repo 2.3 MB, sdist 8.5 MB, xz 75.3 MB of the 92.0 MB wheel, 36.3 MB of
+    other wheels, the sdist again) call 1 is filled to the margin and call 2 keeps room."""
+    repo = gpu_carry.repo_bytes()
+    sdist, xz, rest = 8_453_127, 75_258_884, 22_812_251 + 10_164_113
+    call1 = sdist + (gpu_carry.LIMIT - gpu_carry.MARGIN - repo - sdist - 8192)
+    call2 = rest + xz - (call1 - sdist)
+    assert repo + call1 <= gpu_carry.LIMIT - gpu_carry.MARGIN
+    first, second, note = gpu_carry.plan(repo, call1, call2)
+    assert first.startswith('call 1: run(command="make gpu-truth-stage1", carry=[".gpu1"], timeout_s=120)')
+    assert second.startswith('call 2: run(command="make gpu-truth", carry=[".gpu"], timeout_s=600)')
+    assert "OVER" not in first + second and repo + call2 < gpu_carry.LIMIT - 8 * 2**20
+    assert "OVER THE LIMIT by 1.0 MiB" in gpu_carry.plan(repo, gpu_carry.LIMIT - repo + 2**20, 0)[0]
+    ignored = subprocess.run(["git", "check-ignore", ".gpu/x.whl", ".gpu1/x.whl"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == [".gpu/x.whl", ".gpu1/x.whl"]
+    make = (ROOT / "Makefile").read_text()
+    assert "gpu-truth-stage1:\n\t$(GPU_PYTHON) tools/gpu_truth.py --stage 1\n" in make
+    for folder in (gpu_carry.STAGE1, gpu_carry.CARRY):  # where a fetch ran here: the real sizes
+        if gpu_carry.manifests(folder):
+            assert repo + gpu_carry.folder_bytes(folder) <= gpu_carry.LIMIT, folder
+
+
+def test_no_timed_part_runs_while_flash_attn_2_builds(tmp_path):
+    """The parts that time nothing come first (they run while the build holds the cores); every later part waits
+    for the build; the flash-attn 4 benchmarks are the bench parts that take a provider list."""
+    steps = gpu_truth.parts(tmp_path)
+    waits = [p.needs_flash or p.timed for p in steps]
+    assert waits == sorted(waits) and not any(p.timed for p in steps if not (p.needs_flash or p.timed))
+    assert [p.name for p in steps if not p.timed][:2] == ["gpu tests, torch_varlen and sdpa", "gpu tests, flash-attn 4"]
+    import providers
+
+    assert "flash_attn_4" in providers.PATCHKIT_BACKENDS and "hf_flash_attention_4" in providers.HF_KERNELS
+
+
+def test_a_rehearsal_runs_the_flash_attn_4_tests_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_truth, "WORK", tmp_path / "work")
+    out = tmp_path / "out"
+    assert gpu_truth.main(["--dry-run", "--only", "flash-attn 4", "--out", str(out), "--wheels", str(tmp_path)]) == 0
+    row = next(ln for ln in (out / "summary.md").read_text().splitlines() if ln.startswith("| gpu tests, flash-attn 4"))
+    assert "| ok |" in row and "skipped" in row and "passed" not in row, row

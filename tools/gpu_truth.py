@@ -1,16 +1,19 @@
 """`make gpu-truth`: a lent GPU's one budgeted run: flash-attn built beside the gpu tests, then the CUDA benchmarks.
 
-A GPU machine is lent for minutes (15 of device time in all, at most 10 per command, no network), so everything a
-session should learn there is one prepared command. This script:
-  1. says what the machine is (GPU, driver, torch, CUDA, Python, transformers, flash-attn);
-  2. installs the carried wheels (`--wheels`, default .gpu/: transformers and what it lacks there) into a target
-     folder on PYTHONPATH, and patchkit itself (editable, no index, no build isolation);
-  3. gets flash-attn: already importable, else a carried wheel (`--flash-wheel`), else it starts
-     `tools/build_flash_attn.py` on the carried sdist in the background (sm_90 kernels for head dim 128 only:
-     13 objects, one wave of nvcc jobs; head dims 64 and 128 took 6 minutes on 16 cores);
-  4. meanwhile runs the parts that need no flash-attn (the `gpu` tests on torch_varlen and sdpa, memory at long N,
-     static-cache decode, compiled steps), then, once flash-attn imports, the rest (the flash_attn `gpu` tests, the
-     training and decode benchmark against HF flash_attention_2 and its padding-free rows, the family groups);
+A GPU machine is lent for minutes (15 of device time in all, at most 10 per command, no network, 64 MiB carried per
+call), so everything a session should learn there is two prepared calls (tools/gpu_carry.py says why two):
+  0. call 1, `--stage 1` (make gpu-truth-stage1, .gpu1/ carried): leaves the first part of flash-attn 4's DSL library
+     wheel in /tmp and starts the flash-attn 2 build in the background; the machine stays warm 30 s for call 2;
+  1. call 2 (make gpu-truth, .gpu/ carried) says what the machine is (GPU, driver, torch, CUDA, Python, transformers);
+  2. installs the carried wheels (`--wheels`, default .gpu/: transformers, regex, flash-attn 4 and its DSL, that
+     wheel rebuilt from its two parts) into a target folder on PYTHONPATH, and patchkit itself (editable, no index);
+  3. gets flash-attn 2: already importable, else a carried wheel (`--flash-wheel`), else the build call 1 started,
+     else it starts `tools/build_flash_attn.py` on the carried sdist in the background (sm_90 kernels for head dim
+     128 only: 13 objects, one wave of nvcc jobs; head dims 64 and 128 took 6 minutes on 16 cores);
+  4. meanwhile runs what times nothing (the `gpu` tests on torch_varlen, sdpa and flash_attn_4); every timed part
+     waits for the build to end (it holds 14 cores): the flash_attn tests, the training, padding and decode
+     benchmarks against HF flash_attention_2 and flash_attention_4 and its padding-free rows, the family groups
+     (GPT-OSS's sinks on flash_attn_4), static-cache decode, compiled steps, memory at long N;
   5. writes under OUT ($OUT on the device, else gpu-truth-out/): summary.md (the table to paste into a note),
      log.txt (every part's output), truth.tar.gz (every CSV, plot and log, gathered in /tmp/gpu-truth-work) and
      the flash-attn wheel it built (about 11 MB: a later run carries it with --flash-wheel and skips the build).
@@ -19,10 +22,12 @@ budget is not started and is listed as such. Without CUDA, or with --dry-run, it
 same order, each benchmark in its smallest CPU form, the build as `--dry-run` (the trim is checked on the real
 sdist), the tests collected and skipped, the summary and archive written: what CI and a CPU session can check.
 
-    python tools/gpu_truth.py --fetch          # here, once: the carried files into .gpu/ (git-ignored, ~23 MB)
-    python tools/gpu_truth.py [--out DIR] [--budget-s 560] [--dry-run] [--only PART,...]
+    python tools/gpu_truth.py --fetch          # here, once: .gpu1/ and .gpu/ (git-ignored); prints the two calls
+    python tools/gpu_truth.py --stage 1        # call 1 on the device
+    python tools/gpu_truth.py [--out DIR] [--budget-s 560] [--dry-run] [--only PART,...]     # call 2
 
-The device call: `run(command="make gpu-truth", carry=[".gpu"], timeout_s=600)`.
+The device calls: `run(command="make gpu-truth-stage1", carry=[".gpu1"], timeout_s=120)`, then within 30 s
+`run(command="make gpu-truth", carry=[".gpu"], timeout_s=600)` (alone it runs everything but flash-attn 4).
 """
 
 from __future__ import annotations
@@ -43,17 +48,18 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from build_flash_attn import read_status  # noqa: E402
+import gpu_carry  # noqa: E402
+from build_flash_attn import pid_alive, read_status  # noqa: E402
 from gpu_truth_report import summary  # noqa: E402
 
 PY = sys.executable
 BENCH = ROOT / "benchmarks"
 SITE = Path("/tmp/patchkit-site")  # the carried wheels' target folder, first on PYTHONPATH
 FLASH_OUT = Path("/tmp/patchkit-flash-build")
+FA4_CACHE = Path("/tmp/patchkit-fa4-cache")  # flash-attn 4's compiled kernels, shared by every part's processes
 WORK = Path("/tmp/gpu-truth-work")  # every part's CSVs, plots and logs; archived into OUT/truth.tar.gz
 # the build's local version (+pk.sm90...) as it leaves the device and comes back: no '+' in a returned file's name
 CARRIED = ("+pk.", "_pk.")
-FLASH_ATTN = "2.8.3.post2"  # the sdist carried and built (tools/build_flash_attn.py knows its layout)
 FLASH_IMPORTS = "import flash_attn, flash_attn_2_cuda; print(flash_attn.__version__)"
 FLASH_BUILD = ["--head-dims", "128", "--disable", "dropout,alibi,uneven_k", "--jobs", "14", "--nvcc-threads", "1"]
 RESERVE_S = 15  # kept back for the summary and the archive
@@ -64,9 +70,11 @@ import json, platform, torch, transformers
 import patchkit
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 cc = ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else ""
+from patchkit.gates import probe_flash_attn_4
+v4, why4 = probe_flash_attn_4(torch.cuda.is_available())  # imports flash_attn.cute on a GPU
 print(json.dumps(dict(gpu=gpu, cc=cc, torch=torch.__version__, cuda=torch.version.cuda,
                       python=platform.python_version(), transformers=transformers.__version__,
-                      patchkit=patchkit.__version__)))
+                      patchkit=patchkit.__version__, flash_attn_4=why4 or v4 or "not installed")))
 """
 
 
@@ -79,6 +87,7 @@ class Part:
     cmd: list[str]
     rehearsal: list[str]
     needs_flash: bool = False  # waits for the flash-attn build (or runs without it once the build failed)
+    timed: bool = False  # times something: waits for the build too, which holds 14 cores while it runs
     status: str = "not run"
     seconds: float = 0.0
     result: str = ""
@@ -98,47 +107,51 @@ def pytest_cmd(select: str, junit: str) -> list[str]:
 
 
 def parts(work: Path) -> list[Part]:
-    """The run, in order: what needs no flash-attn while it builds (the H100 built it in 3 min 23 s), then the
-    comparisons with HF flash_attention_2, most telling first. Budgets are maxima; what does not fit is listed."""
+    """The run, in order: what times nothing while flash-attn 2 builds (the H100 built it in 3 min 23 s; call 1
+    starts it), then, the build done, the comparisons with HF flash_attention_2 and _4, most telling first. Budgets
+    are maxima; what does not fit is listed."""
     w = str(work)
     bench = [PY, str(BENCH / "bench.py"), "--device", "cuda"]
     rehearse_bench = [PY, str(BENCH / "bench.py"), "--smoke", "--device", "cpu"]
     static = [PY, str(BENCH / "static_decode.py")]
+    flash2 = "flash_attn and not flash_attn_4 and not flash_attn4"  # the test names: flash_attn4_contract's module
     return [
         Part("gpu tests, torch_varlen and sdpa", 100, pytest_cmd("not flash_attn", f"{w}/tests_varlen.xml"),
              pytest_cmd("not flash_attn", f"{w}/tests_varlen.xml")),
-        Part("static-cache decode", 75,
-             static + ["--device", "cuda", "--reps", "3", "--new-tokens", "32", "--budget-s", "50",
-                       "--csv", f"{w}/static_decode.csv"],
-             static + ["--reps", "1", "--scale", "0.1", "--new-tokens", "4", "--compile-backend", "eager",
-                       "--csv", f"{w}/static_decode.csv"]),
-        Part("compiled training step", 80,
-             [PY, str(BENCH / "compiled.py"), "--device", "cuda", "--reps", "3", "--budget-s", "60",
-              "--csv", f"{w}/compiled.csv"],
-             [PY, str(BENCH / "compiled.py"), "--reps", "1", "--scale", "0.1", "--backend", "eager",
-              "--csv", f"{w}/compiled.csv"]),
-        Part("gpu tests, flash_attn", 60, pytest_cmd("flash_attn", f"{w}/tests_flash.xml"),
-             pytest_cmd("flash_attn", f"{w}/tests_flash.xml"), needs_flash=True),
-        Part("train step vs HF flash_attention_2", 90,
+        Part("gpu tests, flash-attn 4", 60, pytest_cmd("flash_attn_4 or flash_attn4", f"{w}/tests_flash4.xml"),
+             pytest_cmd("flash_attn_4 or flash_attn4", f"{w}/tests_flash4.xml")),
+        Part("gpu tests, flash_attn", 60, pytest_cmd(flash2, f"{w}/tests_flash.xml"),
+             pytest_cmd(flash2, f"{w}/tests_flash.xml"), needs_flash=True),
+        Part("train step vs HF flash_attention_2 and _4", 120,
              bench + ["--parts", "train", "--out", f"{w}/train", "--no-plots"],
-             rehearse_bench + ["--parts", "train", "--out", f"{w}/train", "--no-plots"], needs_flash=True),
-        Part("padding sweep vs HF flash_attention_2", 90,
+             rehearse_bench + ["--parts", "train", "--out", f"{w}/train", "--no-plots"], needs_flash=True, timed=True),
+        Part("padding sweep vs HF flash_attention_2 and _4", 100,
              bench + ["--parts", "pad", "--out", f"{w}/pad"],
-             rehearse_bench + ["--parts", "pad", "--out", f"{w}/pad"], needs_flash=True),
-        Part("decode vs HF flash_attention_2", 45,
+             rehearse_bench + ["--parts", "pad", "--out", f"{w}/pad"], needs_flash=True, timed=True),
+        Part("decode vs HF flash_attention_2 and _4", 50,
              [PY, str(BENCH / "decode.py"), "--device", "cuda", "--reps", "3", "--new-tokens", "32",
               "--csv", f"{w}/decode.csv"],
              [PY, str(BENCH / "decode.py"), "--reps", "1", "--scale", "0.1", "--new-tokens", "4",
-              "--csv", f"{w}/decode.csv"], needs_flash=True),
+              "--csv", f"{w}/decode.csv"], needs_flash=True, timed=True),
         Part("family groups", 70,
              [PY, str(BENCH / "families.py"), "--device", "cuda", "--reps", "3", "--budget-s", "50", "--families",
               "llama", "mistral", "qwen3_moe", "qwen2_vl", "gpt_bigcode", "llama4_text", "gpt_oss",
               "--csv", f"{w}/families.csv"],
              [PY, str(BENCH / "families.py"), "--reps", "1", "--scale", "0.1", "--families", "llama",
-              "--csv", f"{w}/families.csv"], needs_flash=True),
+              "--csv", f"{w}/families.csv"], needs_flash=True, timed=True),
+        Part("static-cache decode", 75,
+             static + ["--device", "cuda", "--reps", "3", "--new-tokens", "32", "--budget-s", "50",
+                       "--csv", f"{w}/static_decode.csv"],
+             static + ["--reps", "1", "--scale", "0.1", "--new-tokens", "4", "--compile-backend", "eager",
+                       "--csv", f"{w}/static_decode.csv"], timed=True),
+        Part("compiled training step", 80,
+             [PY, str(BENCH / "compiled.py"), "--device", "cuda", "--reps", "3", "--budget-s", "60",
+              "--csv", f"{w}/compiled.csv"],
+             [PY, str(BENCH / "compiled.py"), "--reps", "1", "--scale", "0.1", "--backend", "eager",
+              "--csv", f"{w}/compiled.csv"], timed=True),
         Part("memory at N = 8192, 16384", 60,
              bench + ["--parts", "mem", "--mem-lengths", "8192,16384", "--out", f"{w}/mem", "--mem-cap-gib", "60"],
-             rehearse_bench + ["--parts", "mem", "--out", f"{w}/mem"], needs_flash=True),
+             rehearse_bench + ["--parts", "mem", "--out", f"{w}/mem"], needs_flash=True, timed=True),
     ]
 
 
@@ -190,6 +203,10 @@ class Flash:
         code, _ = run(pip, 120, self.log, self.env)
         self.version = self.imports() if code == 0 else None
         self.state = f"flash-attn {self.version} from {wheel.name}" if self.version else f"{wheel.name} did not install"
+        if self.version:  # its own flash_attn/cute (an older flash-attn 4) would hide the carried one
+            where = subprocess.run([PY, "-c", "import flash_attn; print(flash_attn.__path__[0])"], capture_output=True,
+                                   text=True, env=self.env).stdout.strip()
+            self.state += "; " + gpu_carry.overlay_cute(Path(where), SITE) if where else ""
 
     def start(self, sdist: Optional[Path], wheel: Optional[Path]) -> None:
         if self.version:
@@ -205,6 +222,13 @@ class Flash:
         if self.rehearse:
             code, _ = run([*cmd, "--archs", "90", "--dry-run"], 120, self.log, self.env)
             self.state = f"build rehearsed (--dry-run, exit {code})"
+            return
+        status = read_status(FLASH_OUT) or {}  # call 1 started it on this machine: its build is adopted
+        if status.get("state") == "running" and (status.get("pid") is None or pid_alive(status["pid"])):
+            self.building, self.state = True, f"building (started {status.get('started', '?')} by call 1)"
+            return
+        if status.get("state") == "done" and status.get("wheel") and Path(status["wheel"]).is_file():
+            self.building = True  # wait() installs it
             return
         code, _ = run([*cmd, "--background"], 60, self.log, self.env)
         self.building = code == 0
@@ -233,16 +257,29 @@ class Flash:
 
 
 def setup_env(wheels: Path, rehearse: bool, log: Path) -> tuple[dict[str, str], str]:
-    """The environment every part runs in: carried wheels first on PYTHONPATH, patchkit installed editable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
+    """The environment every part runs in: carried wheels first on PYTHONPATH (flash-attn 4's set only where its DSL
+    wheel was rebuilt from the two calls' parts), patchkit installed editable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
+               FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(FA4_CACHE))
     env.pop("PATCHKIT_FLASH_ATTN", None)
     found = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith("flash_attn-")) if wheels.is_dir() else []
-    said = []
+    said, flash4 = [], None
+    for man in gpu_carry.manifests(wheels):
+        folders = [gpu_carry.PARTS_AT, wheels, gpu_carry.STAGE1]
+        if rehearse:
+            parts = [gpu_carry.find_part(p["name"], p["sha256"], folders) for p in json.loads(man.read_text())["parts"]]
+            said.append(f"{man.stem}: {sum(p is not None for p in parts)} of {len(parts)} parts here (not rebuilt)")
+            continue
+        flash4, what = gpu_carry.assemble(man, folders, gpu_carry.PARTS_AT)
+        said.append(what if flash4 else f"no flash-attn 4: {what}")
+    found = gpu_carry.split_for_install(found, flash4) if not rehearse else found
     if found and not rehearse:
         code, _ = run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade",
                        "--target", str(SITE), *map(str, found)], 180, log, env)
         said.append(f"{len(found)} carried wheels ({'installed' if code == 0 else f'pip exit {code}'})")
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # the DSL's .pth puts its dsl_packages on sys.path: a --target folder on PYTHONPATH reads no .pth
+        paths = [SITE, *[d for d in (SITE / "nvidia_cutlass_dsl" / "dsl_packages",) if d.is_dir()]]
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     elif found:
         said.append(f"{len(found)} carried wheels: {', '.join(w.name.split('-')[0] for w in found)} (not installed)")
     probe = subprocess.run([PY, "-c", "import patchkit.patches"], capture_output=True, env=env, cwd="/")
@@ -266,27 +303,16 @@ def describe(env: dict[str, str]) -> dict[str, str]:
     return facts
 
 
-def fetch(into: Path) -> int:
-    """Download what the GPU machine lacks into `into`: transformers at the pinned version and regex as Python 3.12
-    x86-64 wheels (its image has transformers 5.17), and flash-attn's sdist (PyPI has no wheel of it)."""
-    into.mkdir(parents=True, exist_ok=True)
-    pinned = re.search(r"^TRANSFORMERS \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
-    wheels = [pinned.group(1) if pinned else "transformers", "regex"]
-    platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-                 for a in ("--platform", p)]
-    code = subprocess.call([PY, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-                            "3.12", "--implementation", "cp", *platforms, "-d", str(into), *wheels])
-    if code == 0 and not list(into.glob(f"flash_attn-{FLASH_ATTN}.tar.gz")):
-        from urllib.request import urlopen  # pip download of this sdist runs its setup.py, which needs CUDA
-
-        page = urlopen("https://pypi.org/simple/flash-attn/", timeout=60).read().decode()
-        link = re.search(rf'href="(https://[^"#]*flash_attn-{re.escape(FLASH_ATTN)}\.tar\.gz)', page)
-        if link is None:
-            print(f"fetch: flash_attn-{FLASH_ATTN}.tar.gz is not on PyPI's index page")
-            return 1
-        (into / f"flash_attn-{FLASH_ATTN}.tar.gz").write_bytes(urlopen(link.group(1), timeout=300).read())
-    print(f"fetch: {code == 0 and 'ok' or 'pip failed'}: " + ", ".join(sorted(f.name for f in into.iterdir())))
-    return code
+def stage_one(out: Path, rehearse: bool, folder: Path = gpu_carry.STAGE1, parts_at: Path = gpu_carry.PARTS_AT) -> int:
+    """Call 1: its part of flash-attn 4's DSL wheel left where call 2 looks (/tmp survives while the machine is
+    warm), and the flash-attn 2 build started in the background on the sdist it carries (rehearsed without CUDA)."""
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"gpu-truth stage 1: {gpu_carry.stage1(parts_at, folder)}", flush=True)
+    flash = Flash(dict(os.environ, PYTHONUNBUFFERED="1"), rehearse, out / "stage1.log")
+    flash.start(next(iter(sorted(folder.glob("flash_attn-*.tar.gz"))), None), None)
+    print(f"gpu-truth stage 1: flash-attn: {flash.state}. Next, within 30 s: "
+          f'run(command="make gpu-truth", carry=["{gpu_carry.CARRY.name}"], timeout_s=600)', flush=True)
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -298,10 +324,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sdist", type=Path, default=None, help="flash-attn sdist (default: the one in --wheels)")
     ap.add_argument("--flash-wheel", type=Path, default=None, help="a flash-attn wheel to install instead of a build")
     ap.add_argument("--only", default="", help="comma-separated words; run only the parts whose name has one")
-    ap.add_argument("--fetch", action="store_true", help="download the carried files into --wheels, then exit")
+    ap.add_argument("--fetch", action="store_true", help="here: download the carried files into --wheels and "
+                    ".gpu1/, pack flash-attn 4's DSL wheel across the two calls, print the calls, then exit")
+    ap.add_argument("--xz-preset", type=int, default=gpu_carry.XZ_PRESET, help="--fetch: the xz preset (0-9)")
+    ap.add_argument("--stage", type=int, choices=(1,), help="1: the first device call (see the module's help)")
     args = ap.parse_args(argv)
     if args.fetch:
-        return fetch(args.wheels)
+        return gpu_carry.fetch(args.wheels, preset=args.xz_preset)
+    cuda = subprocess.run([PY, "-c", "import torch; assert torch.cuda.is_available()"], capture_output=True)
+    rehearse = args.dry_run or cuda.returncode != 0
+    if args.stage == 1:
+        return stage_one(args.out.resolve(), rehearse)
     t0 = time.time()
     deadline = t0 + args.budget_s - RESERVE_S
     out, work = args.out.resolve(), WORK  # OUT holds the three files (the device returns at most 8 files)
@@ -310,8 +343,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     log.write_text("")
-    cuda = subprocess.run([PY, "-c", "import torch; assert torch.cuda.is_available()"], capture_output=True)
-    rehearse = args.dry_run or cuda.returncode != 0
     if rehearse:
         print("gpu-truth: rehearsal (" + ("--dry-run" if args.dry_run else "no CUDA device here") + "): the GPU run's "
               "parts in their smallest CPU form", flush=True)
@@ -328,7 +359,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if words and not any(w in part.name for w in words):
             part.status = "left out (--only)"
             continue
-        if part.needs_flash and flash.building:
+        if (part.needs_flash or part.timed) and flash.building:  # no timing while the build holds the cores
             flash.wait(deadline - part.budget)
             print(f"gpu-truth: flash-attn: {flash.state} ({time.time() - t0:.0f} s)", flush=True)
         left = deadline - time.time() if not rehearse else REHEARSAL_SLACK * part.budget
