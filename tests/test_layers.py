@@ -121,3 +121,41 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     for what, (modules, upward) in walk_forward.walks().items():
         assert any(m.startswith("patchkit.backends.") for m in modules), what  # the walk saw the kernel call
         assert not upward, f"{what} calls upward: {upward}"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every patchkit module's imports of other patchkit modules, typing-only ones included (a reader follows them
+    too): `from patchkit.x import name` counts as importing patchkit.x (or patchkit.x.name where that is a module)."""
+    files = [*ROOT.joinpath("patchkit").rglob("*.py"), *ROOT.joinpath("patches").glob("*.py")]
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        src = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                         for a in node.names]
+            graph.setdefault(src, set()).update(m for m in found if m in names and m != src)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No circle between two modules either, directly or through others."""
+    graph = module_imports()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
+    assert not circles, circles
