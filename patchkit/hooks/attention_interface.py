@@ -19,6 +19,7 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
+from patchkit.forward.arguments import ends_in_padding, transformers_mask, window_over_hole
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
@@ -36,12 +37,9 @@ from patchkit.hooks.step_aside import (
     beyond_causal,
     chunk_size,
     chunks_off_start,
-    ends_in_padding,
     mask_name,
     packed_sequence_ids,
     step_aside,
-    transformers_mask,
-    window_over_hole,
 )
 from patchkit.hooks.varlen import check_family, make_attention_function
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
+from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache, input_tokens
 from patchkit.forward.context import ForwardPlan, PaddedOnly, current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
@@ -33,7 +33,7 @@ from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.self_check import untrusted_what
 from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import input_tokens, lm_cause, step_aside, transformers_mask_in_graph
+from patchkit.hooks.step_aside import lm_cause, step_aside, transformers_mask_in_graph
 from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -20,7 +20,7 @@ from patchkit.hooks.model_masks import model_masks_cause
 from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.self_check import untrusted_cause
 from patchkit.hooks.slots_mask import served_cause
-from patchkit.hooks.step_aside import documents_metadata, forward_cause, input_tokens, sliding_window
+from patchkit.hooks.step_aside import documents_metadata, forward_cause
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 

@@ -13,12 +13,19 @@ from typing import Any, Optional
 import torch
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import (
+    ends_in_padding,
+    given_cache,
+    input_tokens,
+    sliding_window,
+    transformers_mask,
+    window_over_hole,
+)
 from patchkit.forward.context import current
-from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
+from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
-from patchkit.forward.metadata import VarlenMetadata, has_holes
+from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
@@ -61,11 +68,6 @@ def packed_call(arguments: dict, extra: dict) -> bool:
     return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
 
 
-def transformers_mask(mask: Any) -> bool:
-    """A mask transformers built itself (4D): the layer it reaches belongs to a forward patchkit stepped aside for."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 4
-
-
 def transformers_made(mask: Any) -> bool:
     """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
     return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
@@ -106,30 +108,6 @@ def paged_cache(cache: Any) -> bool:
     return type(cache).__name__ == "PagedAttentionCache"
 
 
-def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
-    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
-    (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""
-    cache, mask = given_cache(arguments), arguments.get("attention_mask")
-    if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
-        return None  # a dict of masks per layer type is generate()'s, never packed documents
-    if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
-        return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
-    return block_diagonal_documents(mask)
-
-
-def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:
-    """Replace the 4D mask by its documents as `cu_seq_lens` kwargs (in `arguments` / `extra`, in place)."""
-    cu, longest = documents
-    arguments["attention_mask"] = None
-    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-
-
-def input_tokens(arguments: dict) -> Any:
-    """The forward's tokens, (B, S) ids or (B, S, H) embeddings: `inputs_embeds` where given, else `input_ids`."""
-    embeds = arguments.get("inputs_embeds")
-    return arguments.get("input_ids") if embeds is None else embeds
-
-
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
     """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
     metadata the mask builders hand every layer (`ForwardPlan.packed`): on the mask object they reach a
@@ -142,25 +120,6 @@ def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]
                           extra.get("cu_seq_lens_k"))
     check_seq_idx(extra.get("seq_idx"), meta)
     return meta
-
-
-def sliding_window(config: Any) -> Optional[int]:
-    """The config's sliding window where some layer uses it (generously: a false positive only steps aside)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
-def window_over_hole(config: Any, mask: Any) -> bool:
-    """A window shorter than the mask over a row with a padding hole: the one window varlen kernels cannot place."""
-    window = sliding_window(config)
-    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or window >= mask.shape[-1]:
-        return False
-    return has_holes(mask)
 
 
 def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_position: Any = None) -> bool:
@@ -186,12 +145,6 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
     return ends_in_padding(mask)
-
-
-def ends_in_padding(mask: torch.Tensor) -> bool:
-    """Some row of the 2D mask has a padding last column (a prefill's next token is read there), a row that is all
-    padding too: transformers' attention gives it real logits there, varlen kernels zeros."""
-    return bool((mask[:, -1] == 0).any())
 
 
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
