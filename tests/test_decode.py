@@ -11,8 +11,8 @@ from models import cache_tensors, decode_logits, needs_set_attn_implementation, 
 
 import patchkit
 from patchkit.forward import decode, decode_plan, masks, metadata, padding
-from patchkit.hooks import attend as attention_module
-from patchkit.hooks import plan
+from patchkit.hooks.attention import attend as attention_module
+from patchkit.hooks.decide import plan
 
 ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand

@@ -12,6 +12,14 @@ LAYERS = [
     {"patchkit.errors", "patchkit.warn", "patchkit.dtypes", "patchkit.gates", "patchkit.names", "patchkit.env"},
     {"forward"},
     {"backends"},
+    # hooks/, bottom to top: its rooms by role (docs/architecture.md), hooks/family_route.py on top
+    {"hooks.parallel"},
+    {"hooks.install"},
+    {"hooks.generation"},
+    {"hooks.decide"},
+    {"hooks.attention"},
+    {"hooks.forwards"},
+    {"hooks.name"},
     {"hooks"},
     {"eras"},
     {"patches"},
@@ -34,6 +42,8 @@ def node_of(module: str) -> str | None:
         return "patchkit"
     if parts[1] == "launch":
         return "entry"
+    if parts[1] == "hooks" and len(parts) > 2 and (ROOT / "patchkit" / "hooks" / parts[2]).is_dir():
+        return f"hooks.{parts[2]}"
     return parts[1] if (ROOT / "patchkit" / parts[1]).is_dir() else f"patchkit.{parts[1]}"
 
 

@@ -1,8 +1,8 @@
 """Decode steps on the padded KV cache: a per-row key mask instead of gathering every cached key for each new token.
 
-This module plans such a step (which keys each query sees, once per model forward); `hooks/attend.py` hands the
-plan to the backend's `attend_kvcache`, and the kernels that run it live with the backends
-(`patchkit.backends.padded_cache` for torch's); the plan's type is `forward/decode_plan.py`'s.
+This module plans such a step (which keys each query sees, once per model forward); `hooks/attention/attend.py` hands
+the plan to the backend's `attend_kvcache`, and the kernels that run it live with the backends
+(`patchkit.backends.padded_decode` for torch's); the plan's type is `forward/decode_plan.py`'s.
 
 The varlen path unpads the keys of every layer: for a decode step (a few new tokens behind a cache of K keys)
 that is a copy of the whole cache per layer per token, costlier than the attention itself. Here a step attends to

@@ -26,7 +26,7 @@ from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_toke
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.hooks.causes import BRIEF, CAUSES
+from patchkit.hooks.decide.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
 OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves

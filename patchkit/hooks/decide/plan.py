@@ -16,11 +16,11 @@ from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.token_inputs import token_inputs
-from patchkit.hooks.model_masks import model_masks_cause
-from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
-from patchkit.hooks.self_check import untrusted_cause
-from patchkit.hooks.slots_mask import served_cause
-from patchkit.hooks.step_aside import documents_metadata, forward_cause
+from patchkit.hooks.decide.model_masks import model_masks_cause
+from patchkit.hooks.decide.self_check import untrusted_cause
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
+from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
+from patchkit.hooks.generation.slots_mask import served_cause
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 

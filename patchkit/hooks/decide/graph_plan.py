@@ -19,11 +19,11 @@ from torch import nn
 
 from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
-from patchkit.hooks.causes import CAUSES
-from patchkit.hooks.routing import ROUTE_NAME, Route, attn_name, set_attn_name
-from patchkit.hooks.self_check import untrusted_in_graph
-from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import mask_kind, step_aside
+from patchkit.hooks.decide.causes import CAUSES
+from patchkit.hooks.decide.self_check import untrusted_in_graph
+from patchkit.hooks.decide.step_aside import mask_kind, step_aside
+from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, set_attn_name
+from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 # why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
 IN_GRAPH = {

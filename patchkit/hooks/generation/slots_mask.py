@@ -29,7 +29,7 @@ from patchkit.forward.arguments import (
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
-from patchkit.hooks.routing import attn_name
+from patchkit.hooks.install.routing import attn_name
 
 
 def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
