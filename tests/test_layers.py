@@ -122,7 +122,9 @@ def test_no_import_circle():
 def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     """Imports go downward; so must calls. A callback handed down (a registry's set, a backend object) lets the core
     call back up, and the path of one forward goes back and forth: tools/walk_forward.py profiles a tiny LLaMA's
-    padded training step and decode step and lists every call from a package into one above it."""
+    padded training step and decode step and lists every call from a package into one above it. Each forward
+    wrapper enters the deciding code (hooks/decide/) once: the causal LM's `lm_cause`, the base model's
+    `plan_forward`; everything downstream reads the plan."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("walk_forward", ROOT / "tools" / "walk_forward.py")
@@ -131,6 +133,9 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     for what, (modules, upward) in walk_forward.walks().items():
         assert any(m.startswith("patchkit.backends.") for m in modules), what  # the walk saw the kernel call
         assert not upward, f"{what} calls upward: {upward}"
+        decided = walk_forward.ENTRIES_OF[what].get("hooks.decide", {})  # the deciding code, entered from outside it
+        assert decided == {"model_forward.forward -> step_aside.lm_cause": 1,  # the causal LM's call, once
+                           "model_forward.served -> plan.plan_forward": 1}, decided  # the base model's, once
 
 
 def module_imports() -> dict[str, set[str]]:

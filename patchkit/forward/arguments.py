@@ -170,6 +170,17 @@ def transformers_mask(mask: Any) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 4
 
 
+def transformers_made(mask: Any) -> bool:
+    """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
+    return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
+
+
+def transformers_mask_in_graph(mask: Any) -> bool:
+    """Inside a compiled graph (no host sync, no contextvar there), a transformers-made mask (generate()'s 4D mask
+    of a static cache) goes to transformers' attention as it is, at every level of the model."""
+    return is_compiling() and transformers_made(mask)
+
+
 def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
     """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
     (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""

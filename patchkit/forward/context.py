@@ -24,12 +24,15 @@ class ForwardPlan:
     - `packed`: the documents of its rows, which mask builders given no mask hand the layers (the packed row's, or
       caller-made `cu_seq_lens`), else None.
     - `no_mask`: its caller gave no attention_mask (position_ids may define documents).
+    - `own_cache`: unpadded, it returns a KV cache its caller did not bring, which the model would make itself: the
+      forward makes it and fills it padded.
     """
 
     aside: Optional[str] = None
     padded: Optional[VarlenMetadata] = None
     packed: Optional[VarlenMetadata] = None
     no_mask: bool = False
+    own_cache: bool = False
 
     @property
     def unpadded(self) -> bool:

@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from patchkit.errors import PatchTargetError
+from patchkit.forward.arguments import transformers_mask_in_graph
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.hooks.attention.varlen import KV_PACKED
-from patchkit.hooks.decide.step_aside import transformers_mask_in_graph
 from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.install.model_walk import find_modules

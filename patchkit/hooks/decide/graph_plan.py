@@ -19,9 +19,10 @@ from torch import nn
 
 from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
+from patchkit.forward.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
-from patchkit.hooks.decide.step_aside import mask_kind, step_aside
+from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 

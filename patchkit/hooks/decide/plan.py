@@ -45,7 +45,8 @@ def plan_forward(
         return ForwardPlan(no_mask=no_mask)
     meta = unpad_plan(module, arguments, extra) if unpad == "model" else None
     if meta is not None:
-        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask)
+        own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
+        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own)
     return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask)
 
 

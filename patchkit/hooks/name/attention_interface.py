@@ -23,20 +23,14 @@ from patchkit.forward.arguments import ends_in_padding, transformers_mask, windo
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.forward.mask_functions import beyond_causal, chunk_size, chunks_off_start, mask_name, packed_sequence_ids
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.varlen import check_family, make_attention_function
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.decide.step_aside import (
-    beyond_causal,
-    chunk_size,
-    chunks_off_start,
-    mask_name,
-    packed_sequence_ids,
-    step_aside,
-)
+from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.install.registry import refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.install.routing import ROUTE_NAME
 from patchkit.hooks.install.state import PatchState
