@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 ENV = "PATCHKIT_FLASH_ATTN"
 ON = ("1", "true", "yes", "on")
 OFF = ("0", "false", "no", "off", "")
-NAME = "patchkit"  # patchkit.hooks.attention_interface.ATTENTION_NAME
+NAME = "patchkit"  # patchkit.hooks.name.attention_interface.ATTENTION_NAME
 MODELING_UTILS = "transformers.modeling_utils"
 MASKING_UTILS = "transformers.masking_utils"
 MODELING_LLAMA = "transformers.models.llama.modeling_llama"
@@ -59,14 +59,14 @@ def stand_down(owner: str) -> None:
 
 def _attention(*args: Any, **kwargs: Any) -> Any:
     """attn_implementation="patchkit" before patchkit was imported: importing it registers the real functions."""
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     return attention_interface._attention(*args, **kwargs)
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
     """The mask function for the same name, loaded the same way."""
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     return attention_interface.mask_function(*args, **kwargs)
 
@@ -74,11 +74,11 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
 def _register_name(_module: ModuleType) -> None:
     """Register the name once both interfaces exist; "register both or neither", and never over patchkit's own."""
     utils, masking = sys.modules.get(MODELING_UTILS), sys.modules.get(MASKING_UTILS)
-    if utils is None or masking is None or "patchkit.hooks.attention_interface" in sys.modules:
+    if utils is None or masking is None or "patchkit.hooks.name.attention_interface" in sys.modules:
         return  # not both yet, or patchkit is imported (or importing) and registers the real functions itself
     if sys.modules.get("patchkit") is not None:  # `import patchkit` came first, left registering to this hook
         try:  # importing patchkit's attention registers it (a partial import registers as it completes)
-            __import__("patchkit.hooks.attention_interface")
+            __import__("patchkit.hooks.name.attention_interface")
         except Exception as exc:  # noqa: BLE001 - as below: say why, never break `import transformers`
             print(f"patchkit: could not register attn_implementation={NAME!r}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
@@ -107,8 +107,9 @@ def _names(config: Any) -> bool:
 
 
 def _adopt(model: Any) -> None:
-    """A model got patchkit's name: import patchkit, which adopts it (`patchkit.hooks.named`) and watches from now."""
-    from patchkit.hooks import attention_interface, named  # noqa: F401 - importing registers the name and watches
+    """A model got patchkit's name: import patchkit, which adopts it (`patchkit.hooks.name.named`) and watches from now."""
+    from patchkit.hooks.name import attention_interface
+    from patchkit.hooks.name import named  # noqa: F401 - importing registers the name and watches
 
     named.adopt(model)
 
@@ -120,7 +121,7 @@ def _watch_names(pretrained: type) -> None:
     def watched(original: Callable, named_after: Callable[[Any], bool]) -> Callable:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(self, *args, **kwargs)
-            if "patchkit.hooks.named" not in sys.modules and named_after(self):  # else patchkit's own watch adopts
+            if "patchkit.hooks.name.named" not in sys.modules and named_after(self):  # else patchkit's own watch adopts
                 _adopt(self)
             return out
 

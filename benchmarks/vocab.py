@@ -1,13 +1,13 @@
 """The LM head and loss at large vocabularies: a padded training step where the head, not attention, dominates.
 
 At a 32k-262k vocabulary the head (B·N·H -> B·N·V) is the step's largest matmul and its float32 logits its memory
-peak; patchkit runs both on real tokens only (`patchkit/hooks/lm_head.py`). This benchmark trains a LLaMA of hidden
-256 x 4 layers (the toy where the head dominates) at the vocabularies of LLaMA-2 (32000), Llama 3 (128256), Qwen2.5
-(151936) and Gemma 3 (262144) on the lognormal batch of 8 at about 512 tokens (55.6% padding; half the rows' length
-at 262144, where HF's step needs more memory than this machine has beside its own), right-padded, left-padded (the
-label recipe: -100 at padding and at each row's first token) and packed into one row (position_ids restarting),
-against HF sdpa (and HF eager at 32000). The head's share of a step at bench.py's vocabulary of 4096 is the
-0.5B-1B models' (20-30% of the matmul FLOPs); here it is 70-95%.
+peak; patchkit runs both on real tokens only (`patchkit/hooks/forwards/lm_head.py`). This benchmark trains a LLaMA
+of hidden 256 x 4 layers (the toy where the head dominates) at the vocabularies of LLaMA-2 (32000), Llama 3
+(128256), Qwen2.5 (151936) and Gemma 3 (262144) on the lognormal batch of 8 at about 512 tokens (55.6% padding; half
+the rows' length at 262144, where HF's step needs more memory than this machine has beside its own), right-padded,
+left-padded (the label recipe: -100 at padding and at each row's first token) and packed into one row (position_ids
+restarting), against HF sdpa (and HF eager at 32000). The head's share of a step at bench.py's vocabulary of 4096 is
+the 0.5B-1B models' (20-30% of the matmul FLOPs); here it is 70-95%.
 
 Reported per row: real (non-padding) tokens per second, the median of `--reps` steps with the providers interleaved
 step by step (load on the machine hits all alike), the loss (equal across providers), and the step's peak memory:

@@ -37,10 +37,10 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     import torch
 
     import patchkit.forward.masks as pm
-    import patchkit.hooks.attend as pa
-    import patchkit.hooks.model_forward as pmu
-    import patchkit.hooks.plan as pp
-    import patchkit.hooks.step_aside as psa
+    import patchkit.hooks.attention.attend as pa
+    import patchkit.hooks.decide.plan as pp
+    import patchkit.hooks.decide.step_aside as psa
+    import patchkit.hooks.forwards.model_forward as pmu
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]

@@ -6,9 +6,9 @@ from torch import nn
 
 from patchkit import eras
 from patchkit.gates import GateResult
-from patchkit.hooks.model_walk import model_config
-from patchkit.hooks.registry import PatchSpec
-from patchkit.hooks.varlen import QKV_PACKED
+from patchkit.hooks.attention.varlen import QKV_PACKED
+from patchkit.hooks.install.model_walk import model_config
+from patchkit.hooks.install.registry import PatchSpec
 
 
 def check_model(model: nn.Module) -> list[GateResult]:

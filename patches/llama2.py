@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from patchkit import eras
-from patchkit.hooks.registry import PatchSpec
-from patchkit.hooks.varlen import KV_PACKED
+from patchkit.hooks.attention.varlen import KV_PACKED
+from patchkit.hooks.install.registry import PatchSpec
 
 SPEC = PatchSpec(
     name="llama2",

@@ -3,7 +3,7 @@
 A packed forward routes only the real tokens; the router logits come back repadded for the load-balancing loss,
 as in the other mixtures of experts. Before transformers 5.2 the models around the text model (`Model`,
 `ForConditionalGeneration`) record the router logits with hooks of their own, unpadded in a packed forward: they
-return the repadded ones instead (`records`, `patchkit.hooks.recorded_router`).
+return the repadded ones instead (`records`, `patchkit.hooks.forwards.recorded_router`).
 """
 
 from patchkit.hooks.family_route import family_spec

@@ -5,7 +5,7 @@ base model and causal LM are in transformers' auto mappings is served by `family
 `find_classes` reads its attention, base model and causal-LM classes from the installed transformers. The census
 (`tests/test_census.py`) runs every such family through every way in against transformers' eager attention; what
 it found exact is `VERIFIED`. A family it has not seen (a model type transformers added after CI's version) is
-served too, after its self-check (`patchkit.hooks.self_check`) on a tiny model of the user's config passes;
+served too, after its self-check (`patchkit.hooks.decide.self_check`) on a tiny model of the user's config passes;
 `REFUSED` names the families the varlen path cannot serve, with the feature that stops each.
 """
 
@@ -19,9 +19,9 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 
 from patchkit.errors import PatchTargetError
-from patchkit.hooks import self_check
+from patchkit.hooks.decide import self_check
 from patchkit.hooks.family_route import family_spec_of
-from patchkit.hooks.registry import PatchSpec
+from patchkit.hooks.install.registry import PatchSpec
 
 TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
 

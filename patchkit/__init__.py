@@ -19,10 +19,10 @@ _LAZY = {
     "doctor": "patchkit.entry.doctor",
     "PatchGateError": "patchkit.errors", "PatchInputError": "patchkit.errors",
     "PatchTargetError": "patchkit.errors", "PatchkitError": "patchkit.errors",
-    "register_attention": "patchkit.hooks.attention_interface",  # its `register`
+    "register_attention": "patchkit.hooks.name.attention_interface",  # its `register`
     "report": "patchkit.entry.report",
 }
-ATTENTION_NAME = "patchkit"  # patchkit.hooks.routing.ROUTE_NAME: attn_implementation="patchkit"
+ATTENTION_NAME = "patchkit"  # patchkit.hooks.install.routing.ROUTE_NAME: attn_implementation="patchkit"
 
 check_env()  # a typo fails at `import patchkit`, whether or not the startup hook is on
 
@@ -37,7 +37,7 @@ def _register_when_transformers_loads() -> None:
     if watching and not loaded:
         return
     try:
-        importlib.import_module("patchkit.hooks.attention_interface")  # registers the name as it loads
+        importlib.import_module("patchkit.hooks.name.attention_interface")  # registers the name as it loads
     except Exception:  # noqa: BLE001 - a broken transformers must not make `import patchkit` fail
         pass
 

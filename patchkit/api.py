@@ -16,12 +16,14 @@ from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
 from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
 from patchkit.group import GROUP_NAME, PatchGroup
-from patchkit.hooks import batch_errors, flash_request, lm_head, self_check, unserved
-from patchkit.hooks.model_walk import head_dim, modeling_files
-from patchkit.hooks.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.hooks.registry import PatchSpec, for_model, registered, resolve, table_spec
-from patchkit.hooks.state import PatchState
-from patchkit.hooks.varlen import UNPAD_MODES
+from patchkit.hooks.attention.varlen import UNPAD_MODES
+from patchkit.hooks.decide import self_check
+from patchkit.hooks.forwards import batch_errors, lm_head, unserved
+from patchkit.hooks.install.model_walk import head_dim, modeling_files
+from patchkit.hooks.install.patching import Replacement, apply_replacements, restore_replacements
+from patchkit.hooks.install.registry import PatchSpec, for_model, registered, resolve, table_spec
+from patchkit.hooks.install.state import PatchState
+from patchkit.hooks.name import flash_request
 from patchkit.warn import warn_user
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
@@ -72,13 +74,13 @@ class PatchHandle:
 
     @property
     def stepped_aside(self) -> dict[str, int]:
-        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.causes.CAUSES`)."""
+        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.decide.causes.CAUSES`)."""
         return dict(self.state.stepped_aside)
 
     @property
     def heads(self) -> dict[str, int]:
         """Causal-LM forwards over a batch unpadded at the model, by where their head and loss ran: "real tokens",
-        else why they ran on the padded batch (see `patchkit.hooks.lm_head`)."""
+        else why they ran on the padded batch (see `patchkit.hooks.forwards.lm_head`)."""
         return dict(self.state.heads)
 
     @property

@@ -7,9 +7,9 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from patchkit.errors import PatchTargetError
-from patchkit.hooks.lm_head import heads_line
-from patchkit.hooks.model_walk import model_config
-from patchkit.hooks.registry import spec_for_model
+from patchkit.hooks.forwards.lm_head import heads_line
+from patchkit.hooks.install.model_walk import model_config
+from patchkit.hooks.install.registry import spec_for_model
 from patchkit.names import GROUP_NAME
 
 

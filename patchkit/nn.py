@@ -15,7 +15,7 @@ from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.gates import GateResult
-from patchkit.hooks.varlen import half_dtype, to_half
+from patchkit.hooks.attention.varlen import half_dtype, to_half
 from patchkit.warn import warn_user
 
 FLASH_MIN = "2.0"

@@ -55,10 +55,11 @@ def _targets() -> dict[str, object]:
     the PreTrainedModel hooks the class patches share."""
     from torch import nn
 
-    # importing attention_interface registers the name and watches model builds for the process (`hooks/named.py`):
+    from patchkit.hooks.install.registry import registered
+
+    # importing attention_interface registers the name and watches model builds for the process (`hooks/name/named.py`):
     # those wrappers stay, like the name itself
-    from patchkit.hooks import attention_interface  # noqa: F401
-    from patchkit.hooks.registry import registered
+    from patchkit.hooks.name import attention_interface  # noqa: F401
 
     found: dict[str, object] = {}
     modules = {"transformers.models.llama.modeling_llama"}

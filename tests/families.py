@@ -87,7 +87,7 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             vision_config=QWEN3_VL_VISION, attn_implementation="eager", **VL_TOKENS)),
     }
     if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
-        from patchkit.hooks.registry import resolve
+        from patchkit.hooks.install.registry import resolve
 
         pytest.skip(f"patchkit's {model_type} patch serves transformers {resolve(model_type).supported}")
     torch.manual_seed(seed)
@@ -106,7 +106,7 @@ def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
 def served_here(patch: str) -> bool:
     """Whether this transformers is in `patch`'s own range (before 4.53 only LLaMA's; Qwen2-MoE's from 5.0, the Qwen
     VL families' from 4.54 or 4.57)."""
-    from patchkit.hooks.registry import resolve
+    from patchkit.hooks.install.registry import resolve
 
     return tf.__version__ in resolve(patch).supported
 

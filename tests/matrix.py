@@ -148,7 +148,8 @@ class Result:
 
 HYPOTHESIS_ENV, ERA_EXAMPLES = "PATCHKIT_HYPOTHESIS_EXAMPLES", "50"  # tests/conftest.py: 200 in make test
 NEWEST = "newest"  # --versions newest: the newest transformers release the package index has now
-TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"  # patchkit/hooks/self_check.py: a newer release verified, no self-check
+# patchkit/hooks/decide/self_check.py: a newer release verified, no self-check
+TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"
 
 
 def newest_release(python: str) -> tuple[Optional[str], str]:
@@ -395,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.newest:
         print(f"\n[matrix] the newest release, transformers {args.newest}: "
               + ("FAILED" if args.newest in bad else "passed; move the Makefile's pin and "
-                 "patchkit/hooks/self_check.py's TESTED_TRANSFORMERS to it"))
+                 "patchkit/hooks/decide/self_check.py's TESTED_TRANSFORMERS to it"))
     if bad:
         print(f"\n[matrix] FAILED on: {', '.join(bad)} (logs in {logs})")
         return 1

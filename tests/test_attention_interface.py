@@ -12,7 +12,7 @@ from models import labels_for, needs_mask_interface, padded_batch, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import patchkit
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 pytestmark = needs_mask_interface
 

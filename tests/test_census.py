@@ -25,8 +25,10 @@ from patchkit.patches import table
 
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
-from patchkit.hooks import attention_interface, lm_head, self_check
-from patchkit.hooks.registry import PATCH_MODULES, for_model_type
+from patchkit.hooks.decide import self_check
+from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.install.registry import PATCH_MODULES, for_model_type
+from patchkit.hooks.name import attention_interface
 
 PINNED = transformers.__version__ == self_check.TESTED_TRANSFORMERS  # the version VERIFIED was made on
 NEW_ENOUGH = Version(transformers.__version__) >= Version("5.0")  # the table serves transformers 5.x's interface
@@ -191,7 +193,7 @@ def olmo() -> torch.nn.Module:
 @pytest.fixture
 def unverified_olmo(monkeypatch):
     """OLMo as a family transformers added after CI's version would be: served from data, not in the census."""
-    from patchkit.hooks import registry
+    from patchkit.hooks.install import registry
 
     monkeypatch.setattr(table, "VERIFIED", table.VERIFIED - {"olmo"})
     monkeypatch.setattr(registry, "_TABLE_SPECS", {})
@@ -251,7 +253,7 @@ def test_the_families_page_is_this_census():
     to or dropped from VERIFIED or patches/ without the page rewritten fails here."""
     from pathlib import Path
 
-    from patchkit.hooks.registry import resolve
+    from patchkit.hooks.install.registry import resolve
 
     page = Path(__file__).resolve().parents[1] / "docs" / "families.md"
     rows = {line.split(" | ")[0][3:-1]: line.split(" | ")[1] for line in page.read_text().splitlines()

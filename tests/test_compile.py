@@ -158,7 +158,7 @@ def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone
 
     from torch._dynamo.utils import counters
 
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     compile_config = cpu_compile_config()
     if not static_cache_served(family):

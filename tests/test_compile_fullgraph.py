@@ -55,7 +55,7 @@ def patched(family: str, way: str, model) -> patchkit.PatchHandle:
     """The patch by `way`: the class patch, the instance patch, or the registered name alone (model switched)."""
     if way != "name":
         return patchkit.apply_patch(family, backend="sdpa", **({"model": model} if way == "instance" else {}))
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     attention_interface.register(backend="sdpa")
     model.config._attn_implementation = "patchkit"
@@ -214,7 +214,7 @@ def test_what_the_graph_does_not_serve_is_read_from_the_modeling_source():
     import transformers.models.gpt_oss.modeling_gpt_oss as gpt_oss
     import transformers.models.llama.modeling_llama as llama
 
-    from patchkit.hooks.graph_plan import _modeling_cause
+    from patchkit.hooks.decide.graph_plan import _modeling_cause
 
     assert _modeling_cause(gpt_oss.__name__, "GptOssModel") == "sinks"
     assert _modeling_cause(llama.__name__, "LlamaModel") == ""
@@ -222,8 +222,8 @@ def test_what_the_graph_does_not_serve_is_read_from_the_modeling_source():
     assert _modeling_cause(llama4.__name__, "Llama4TextModel") == "custom_mask_pattern"
 
     from patchkit.forward.in_graph import GraphMask
-    from patchkit.hooks import attention_interface
-    from patchkit.hooks.varlen import make_attention_function
+    from patchkit.hooks.attention.varlen import make_attention_function
+    from patchkit.hooks.name import attention_interface
 
     attention_interface.register(backend="sdpa")
     attend = make_attention_function(attention_interface.route_state(), ["llama"])

@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import patchkit
 from patchkit.errors import PatchInputError
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 ENCODER = 7

@@ -10,9 +10,9 @@ from families import WINDOW, family_model
 from models import cache_tensors, decode_logits, needs_set_attn_implementation, padded_batch, static_decode, tiny_model
 
 import patchkit
-from patchkit.forward import decode, masks, metadata, padding
-from patchkit.hooks import attend as attention_module
-from patchkit.hooks import plan
+from patchkit.forward import decode, decode_plan, masks, metadata, padding
+from patchkit.hooks.attention import attend as attention_module
+from patchkit.hooks.decide import plan
 
 ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
@@ -74,7 +74,7 @@ def test_greedy_tokens_and_per_step_logits_match_unpatched_without_gathering_the
     """Left-padded greedy generation (across the sliding window for Mistral and Gemma2): the same tokens, every
     step's logits within fp32 rounding, and the only gathers are the prefill's (the prompt length, never a cache).
     The tiny models never reach ROW_SPLIT_BYTES: `split` lowers it to 0 to run the per-row SDPA calls too."""
-    monkeypatch.setattr(decode, "ROW_SPLIT_BYTES", {"cpu": 0} if split else {})
+    monkeypatch.setattr(decode_plan, "ROW_SPLIT_BYTES", {"cpu": 0} if split else {})
     model = build()
     ids, mask = padded_batch("left", batch=3, seq=14)
     wanted = {name: generate(with_attention(model, name), ids, mask, steps) for name in references}

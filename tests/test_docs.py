@@ -167,8 +167,8 @@ def test_the_performance_prose_quotes_no_ratio_of_its_own(tables):
 
 def test_the_causes_table_names_every_cause_patchkit_steps_aside_for():
     """docs/never-silently-wrong.md's table of causes is the one a warning's cause name leads a reader to: it holds
-    every cause in `hooks/causes.py`, and no other."""
-    from patchkit.hooks.causes import BRIEF, CAUSES
+    every cause in `hooks/decide/causes.py`, and no other."""
+    from patchkit.hooks.decide.causes import BRIEF, CAUSES
 
     text = (REPO / "docs" / "never-silently-wrong.md").read_text()
     section = text.split("## The causes", 1)[1].split("\n## ", 1)[0]

@@ -9,7 +9,7 @@ import torch
 from models import tiny_model
 
 from patchkit.dtypes import cast_for_training, default_dtype, training_compute_dtype
-from patchkit.hooks.varlen import compute_dtype
+from patchkit.hooks.attention.varlen import compute_dtype
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 LAYERS = 2

@@ -17,9 +17,9 @@ import _patchkit_startup
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.group import PatchGroup
-from patchkit.hooks import unserved
-from patchkit.hooks.lm_head import heads_line
-from patchkit.hooks.registry import registered, resolve
+from patchkit.hooks.forwards import unserved
+from patchkit.hooks.forwards.lm_head import heads_line
+from patchkit.hooks.install.registry import registered, resolve
 
 SERVED = sorted({t for s in registered() for t in s.model_types})
 # before 4.53 only LLaMA's patches exist: apply_patch() patches LLaMA and names every other family as skipped; a

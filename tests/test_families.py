@@ -11,7 +11,7 @@ from models import VOCAB, assert_same, labels_for, needs_mask_interface, padded_
 
 import patchkit
 from patchkit import PatchTargetError
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 pytestmark = needs_mask_interface
 

@@ -22,7 +22,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 import patchkit
 from patchkit.gates import probe_environment
-from patchkit.hooks import flash_request
+from patchkit.hooks.name import flash_request
 
 # transformers >= 4.56 checks the request in this method, older versions in the classmethod
 CHECK = next(n for n in ("_check_and_adjust_attn_implementation", "_check_and_enable_flash_attn_2")

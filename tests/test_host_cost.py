@@ -15,7 +15,7 @@ from models import padded_batch, tiny_model
 
 import patchkit
 from patchkit.forward import liveness
-from patchkit.hooks import routing
+from patchkit.hooks.install import routing
 
 
 def decode_inputs(model: torch.nn.Module) -> dict:
@@ -148,7 +148,7 @@ def test_layers_are_counted_once_each_with_the_weak_set_asked_only_for_unmarked_
 def test_the_family_check_reads_past_the_config_getattribute_and_an_instance_model_type_wins():
     from patchkit.errors import PatchInputError
     from patchkit.forward.arguments import model_type_of
-    from patchkit.hooks.varlen import check_family
+    from patchkit.hooks.attention.varlen import check_family
 
     model = tiny_model(layers=1)
     attention = model.model.layers[0].self_attn

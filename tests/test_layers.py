@@ -12,6 +12,14 @@ LAYERS = [
     {"patchkit.errors", "patchkit.warn", "patchkit.dtypes", "patchkit.gates", "patchkit.names", "patchkit.env"},
     {"forward"},
     {"backends"},
+    # hooks/, bottom to top: its rooms by role (docs/architecture.md), hooks/family_route.py on top
+    {"hooks.parallel"},
+    {"hooks.install"},
+    {"hooks.generation"},
+    {"hooks.decide"},
+    {"hooks.attention"},
+    {"hooks.forwards"},
+    {"hooks.name"},
     {"hooks"},
     {"eras"},
     {"patches"},
@@ -34,6 +42,8 @@ def node_of(module: str) -> str | None:
         return "patchkit"
     if parts[1] == "launch":
         return "entry"
+    if parts[1] == "hooks" and len(parts) > 2 and (ROOT / "patchkit" / "hooks" / parts[2]).is_dir():
+        return f"hooks.{parts[2]}"
     return parts[1] if (ROOT / "patchkit" / parts[1]).is_dir() else f"patchkit.{parts[1]}"
 
 
@@ -112,7 +122,9 @@ def test_no_import_circle():
 def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     """Imports go downward; so must calls. A callback handed down (a registry's set, a backend object) lets the core
     call back up, and the path of one forward goes back and forth: tools/walk_forward.py profiles a tiny LLaMA's
-    padded training step and decode step and lists every call from a package into one above it."""
+    padded training step and decode step and lists every call from a package into one above it. Each forward
+    wrapper enters the deciding code (hooks/decide/) once: the causal LM's `lm_cause`, the base model's
+    `plan_forward`; everything downstream reads the plan."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("walk_forward", ROOT / "tools" / "walk_forward.py")
@@ -121,3 +133,44 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     for what, (modules, upward) in walk_forward.walks().items():
         assert any(m.startswith("patchkit.backends.") for m in modules), what  # the walk saw the kernel call
         assert not upward, f"{what} calls upward: {upward}"
+        decided = walk_forward.ENTRIES_OF[what].get("hooks.decide", {})  # the deciding code, entered from outside it
+        assert decided == {"model_forward.forward -> step_aside.lm_cause": 1,  # the causal LM's call, once
+                           "model_forward.served -> plan.plan_forward": 1}, decided  # the base model's, once
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every patchkit module's imports of other patchkit modules, typing-only ones included (a reader follows them
+    too): `from patchkit.x import name` counts as importing patchkit.x (or patchkit.x.name where that is a module)."""
+    files = [*ROOT.joinpath("patchkit").rglob("*.py"), *ROOT.joinpath("patches").glob("*.py")]
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in files}
+    graph: dict[str, set[str]] = {}
+    for path in files:
+        src = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module
+                         for a in node.names]
+            graph.setdefault(src, set()).update(m for m in found if m in names and m != src)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No circle between two modules either, directly or through others."""
+    graph = module_imports()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
+    assert not circles, circles

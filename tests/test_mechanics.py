@@ -12,8 +12,8 @@ from models import padded_batch, tiny_model
 import patchkit
 from patchkit import PatchInputError, PatchkitError, PatchTargetError, eras
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.patching import Replacement
-from patchkit.hooks.routing import is_patched_forward
+from patchkit.hooks.install.patching import Replacement
+from patchkit.hooks.install.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 
@@ -113,7 +113,7 @@ def test_zero_attention_layers_is_an_error_and_nothing_is_patched():
 def test_missing_target_patches_nothing(monkeypatch):
     """All or nothing: if one target is absent, none is replaced."""
     before = originals()
-    spec = patchkit.hooks.registry.resolve("llama2")
+    spec = patchkit.hooks.install.registry.resolve("llama2")
 
     def with_a_missing_target(state):
         return [*eras.class_replacements(state), Replacement(MOD.LlamaModel, "_no_such_method", None)]

@@ -9,7 +9,7 @@ from models import cache_tensors, labels_for, needs_mask_interface, padded_batch
 
 import patchkit
 from patchkit.forward import context
-from patchkit.hooks.padded_cache import makes_own_cache
+from patchkit.hooks.generation.filled_cache import makes_own_cache
 
 
 def layer_input_shapes(model) -> list[tuple[int, ...]]:
@@ -289,7 +289,7 @@ def test_all_padding_batch_without_a_cache_does_not_crash():
 def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
     """The base model's forward decides once (`plan_forward`) and every layer's attention runs under that plan: a
     padded batch unpadded at the model, or one whose labels sit on padding stepped aside; no layer decides again."""
-    from patchkit.hooks import model_forward
+    from patchkit.hooks.forwards import model_forward
 
     made, seen = [], []
     plan_forward = model_forward.plan_forward

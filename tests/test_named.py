@@ -18,7 +18,7 @@ from models import labels_for, needs_mask_interface, padded_batch, tiny_config
 from transformers import LlamaForCausalLM
 
 import patchkit
-from patchkit.hooks import attention_interface, named
+from patchkit.hooks.name import attention_interface, named
 
 pytestmark = needs_mask_interface
 
@@ -138,4 +138,4 @@ def test_nothing_on_patchkits_path_reads_the_call_stack():
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
-    assert readers == ["hooks/unserved.py", "warn.py"]
+    assert readers == ["hooks/forwards/unserved.py", "warn.py"]

@@ -15,7 +15,7 @@ from packaging.version import Version
 
 import patchkit
 from patchkit import PatchInputError
-from patchkit.hooks.routing import is_patched_forward
+from patchkit.hooks.install.routing import is_patched_forward
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 VERSION = Version(transformers.__version__)
@@ -300,8 +300,8 @@ def test_registered_name_serves_windows_and_softcap_exactly(kind):
 def test_an_unserved_argument_is_refused_by_name():
     """The allow-list: an argument patchkit does not implement (sparse attention's selected keys) raises, never
     ignored."""
-    from patchkit.hooks.attention_interface import route_state
-    from patchkit.hooks.varlen import make_attention_function
+    from patchkit.hooks.attention.varlen import make_attention_function
+    from patchkit.hooks.name.attention_interface import route_state
 
     layer = tiny_model().model.layers[0].self_attn
     q = torch.randn(1, 4, 3, 16)

@@ -40,7 +40,7 @@ def test_the_wheel_holds_every_module_and_the_startup_hook(wheel):
 def test_the_wheel_requires_ranges_from_the_oldest_supported_transformers(wheel):
     """A pin (or a floor above the oldest era) makes pip upgrade a user's old transformers or CUDA torch silently."""
     from patchkit import eras
-    from patchkit.hooks import registry
+    from patchkit.hooks.install import registry
 
     with zipfile.ZipFile(wheel) as zf:
         (name,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]

@@ -40,7 +40,7 @@ from transformers import DynamicCache
 
 import patchkit
 from patchkit.forward.masks import build_metadata
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 given = pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install -e .[test])").given
 st = pytest.importorskip("hypothesis.strategies")

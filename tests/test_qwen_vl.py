@@ -14,7 +14,7 @@ from packaging.version import Version
 
 import patchkit
 from patchkit.errors import PatchkitError
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.54", allow_module_level=True)
@@ -294,7 +294,7 @@ def test_hf_trainer_with_images_and_gradient_checkpointing_equals_unpatched(fami
 def test_the_head_dim_gate_reads_the_language_model_not_the_vision_tower():
     """The kernel gates' head_dim is the language model's: a vision tower first in module order whose hidden size
     over its heads is 1024 (as the GPU benchmark's Qwen2-VL had: every kernel backend refused, wrongly) is not it."""
-    from patchkit.hooks.model_walk import head_dim
+    from patchkit.hooks.install.model_walk import head_dim
 
     text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                 intermediate_size=64, vocab_size=128, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})

@@ -10,7 +10,7 @@ from families import set_attention
 from models import labels_for, needs_mask_interface, padded_batch, tiny_model
 
 import patchkit
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 
 @pytest.fixture

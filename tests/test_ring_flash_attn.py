@@ -25,7 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import patchkit
 from patchkit import PatchInputError
-from patchkit.hooks.sequence_parallel import ring_flash_attn_active
+from patchkit.hooks.parallel.sequence_parallel import ring_flash_attn_active
 
 FLASH = "flash_attention_2"
 MISSING = object()

@@ -18,7 +18,8 @@ from families import FAMILIES, family_model, served_here
 from models import padded_batch, tiny_model
 
 import patchkit
-from patchkit.hooks import model_forward, plan, self_check
+from patchkit.hooks.decide import plan, self_check
+from patchkit.hooks.forwards import model_forward
 
 OPTIONS = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
 
@@ -105,7 +106,7 @@ def test_strict_mode_refuses_a_family_whose_check_fails(newer, cache_lost):
 def test_the_registered_name_alone_steps_aside_where_the_check_fails(newer, monkeypatch):
     """attn_implementation='patchkit' with no patch: the check runs the tiny model under the name, and a fault in
     the name's attention (outputs scaled) makes its family step aside: the model's logits are transformers' own."""
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     patchkit.register_attention(backend="sdpa")
     model = tiny_model()
@@ -126,7 +127,7 @@ def test_the_registered_name_alone_finds_a_remote_code_family_to_check_by_its_co
     read), checks it, and the fault in the name's attention makes it step aside with transformers' own logits."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     class RemoteConfig(LlamaConfig):
         model_type = "remote_llama"

@@ -8,7 +8,7 @@ and compares its loss and every gradient with the same script run as one plain p
 unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
 every rank (a patch that goes round it leaves each rank's attention shard-local, silently). Left-padded batches are
 served exactly where position_ids restart at each row's first real token, and refused by name on every rank where
-they do not (patchkit/hooks/ulysses_padding.py).
+they do not (patchkit/hooks/parallel/ulysses_padding.py).
 """
 
 from __future__ import annotations

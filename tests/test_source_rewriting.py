@@ -20,7 +20,7 @@ from families import any_model
 from models import labels_for, padded_batch
 
 import patchkit
-from patchkit.hooks.routing import routes_to
+from patchkit.hooks.install.routing import routes_to
 
 QKV = "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)"
 O_PROJ = "attn_output = self.o_proj(attn_output)"

@@ -15,8 +15,8 @@ from models import padded_batch, static_cache, tiny_model
 from packaging.version import Version
 
 import patchkit
-from patchkit.hooks import attention_interface
-from patchkit.hooks.slots_mask import padding_from_slots_mask
+from patchkit.hooks.generation.slots_mask import padding_from_slots_mask
+from patchkit.hooks.name import attention_interface
 
 ATOL, RTOL = 2e-5, 1e-4
 NEW_ENOUGH = Version(transformers.__version__) >= Version("5.0")  # hybrids from data, their cache layers

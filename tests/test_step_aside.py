@@ -16,7 +16,7 @@ from models import padded_batch
 import patchkit
 from patchkit import PatchInputError, PatchkitError
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.routing import routed
+from patchkit.hooks.install.routing import routed
 
 
 def patch(family: str, way: str, model: torch.nn.Module, **kw):
@@ -329,7 +329,7 @@ def test_a_mask_pattern_beyond_causal_in_a_forward_unpadded_at_the_model_reruns_
     reruns padded on transformers' attention, counted, and equals unpatched."""
     from models import labels_for
 
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     model = any_model(family).train()
     ids, mask = padded_batch("mixed")

@@ -169,7 +169,7 @@ def test_sft_under_the_registered_name_alone_matches_unpatched(family: str, mode
     (labels -100 at padding by TRL's collator: nothing steps aside) inside SFTTrainer's checkpointed steps."""
     from families import set_attention
 
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     want = sft_losses(build(family), tmp_path, **MODES[mode])
     patchkit.register_attention(backend="sdpa", strict=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patchkit.hooks.ulysses_padding import padding_verdict
+from patchkit.hooks.parallel.ulysses_padding import padding_verdict
 
 CASES = {
     # name: (mask, position_ids, (padding before a real token, some of it unserved))

@@ -121,7 +121,7 @@ def test_a_class_patch_judges_a_vision_language_model_whole(monkeypatch):
     inside its own: LLaVA and Gemma3, whose language models the patch serves, warned that their CLIP / SigLIP vision
     tower "runs unpatched", which it does by design; LLaVA around an unserved language model warned for the tower
     and the inner LlavaModel apart. One judgement per whole model now: none, and one naming 'llava'."""
-    from patchkit.hooks import unserved
+    from patchkit.hooks.forwards import unserved
 
     monkeypatch.setattr(unserved, "_warned", set())
     assert unserved_warnings(llava) == []
@@ -278,7 +278,7 @@ def test_the_name_given_to_a_whole_vlm_refuses_its_vision_tower_naming_the_per_p
     a string to every sub-config), and its bidirectional attention is refused. The error told a LLaVA user to load
     "this model" with sdpa: it now names the dict that gives patchkit to the language model alone, and that dict
     loads a model whose language layers run through the name, with the unpatched logits."""
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     llava().save_pretrained(tmp_path)
     batch = image_batch(first=2)

@@ -16,7 +16,7 @@ import patchkit
 from patchkit import gates
 from patchkit.backends.choice import MAX_WARNING_CHARS
 from patchkit.entry.doctor import doctor, format_report
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 from patchkit.warn import is_internal, user_frame
 
 NO_GPU = dict(flash_attn_version=None, flash_attn_error="not installed (No module named 'flash_attn')",

@@ -2,7 +2,8 @@
 
 Runs a tiny LLaMA under `apply_patch("llama2", backend="sdpa")` on CPU (a padded training step with labels, then
 a decode step behind a left-padded prefill) and prints, for each, the patchkit modules its calls enter in order
-(consecutive calls in one module counted once), the packages in order, and every upward call: a call from a
+(consecutive calls in one module counted once), the packages in order, how often each room (hooks/ by its
+sub-packages) is entered, and every upward call: a call from a
 package into one above it in the layer table (tests/test_layers.py), which only a callback handed down can make.
 `--json` prints them as JSON.
 """
@@ -19,15 +20,21 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ENTRIES_OF: dict[str, dict[str, dict[str, int]]] = {}  # `walks()`'s ENTRIES, by walk
+ENTRIES: dict[str, dict[str, int]] = {}  # the last walk's calls into each room from another, by "caller -> callee"
+
+
 def walk(run: Callable[[], object]) -> tuple[list[str], dict[str, int]]:
     """The patchkit modules `run` enters, in order, consecutive repeats collapsed; and its upward calls, counted by
-    "caller -> callee" (a generator resumed is no call)."""
+    "caller -> callee" (a generator resumed is no call). The calls into each room from another room (hooks/ by its
+    sub-packages; from transformers too) are left in `ENTRIES`."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_layers import LAYERS, node_of
 
     rank = {node: i for i, layer in enumerate(LAYERS) for node in layer}
     seen: list[str] = []
     upward: dict[str, int] = {}
+    ENTRIES.clear()
 
     def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
         if event != "call":
@@ -39,6 +46,12 @@ def walk(run: Callable[[], object]) -> tuple[list[str], dict[str, int]]:
         callee_node = node_of(name)
         caller_node = None if caller is None else node_of(caller.f_globals.get("__name__", ""))
         resumed = frame.f_code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > 0
+        if callee_node is not None and callee_node != caller_node and not resumed:
+            where = "transformers" if caller is None else caller.f_globals.get("__name__", "?").split(".")[-1]
+            what = "" if caller is None else caller.f_code.co_name
+            key = f"{where}.{what} -> {name.split('.')[-1]}.{frame.f_code.co_name}"
+            room = ENTRIES.setdefault(callee_node, {})
+            room[key] = room.get(key, 0) + 1
         if callee_node is None or caller_node is None or resumed:
             return
         if rank[callee_node] > rank[caller_node]:
@@ -55,7 +68,7 @@ def walk(run: Callable[[], object]) -> tuple[list[str], dict[str, int]]:
 
 
 def packages(modules: list[str]) -> list[str]:
-    """The packages of `modules` in order (patchkit.hooks.varlen -> hooks), consecutive repeats collapsed."""
+    """The packages of `modules` in order (patchkit.hooks.attention.varlen -> hooks), consecutive repeats collapsed."""
     out: list[str] = []
     for m in modules:
         parts = m.split(".")
@@ -64,6 +77,12 @@ def packages(modules: list[str]) -> list[str]:
         if not out or out[-1] != pkg:
             out.append(pkg)
     return out
+
+
+def rooms(entries: dict[str, dict[str, int]]) -> dict[str, int]:
+    """How many calls enter each room from another (`ENTRIES` of a walk), busiest first."""
+    counts = {room: sum(calls.values()) for room, calls in entries.items()}
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def walks() -> dict[str, tuple[list[str], dict[str, int]]]:
@@ -80,6 +99,7 @@ def walks() -> dict[str, tuple[list[str], dict[str, int]]]:
     with patchkit.apply_patch("llama2", backend="sdpa"):
         model(input_ids=ids, attention_mask=mask, labels=labels)  # warm: lazy imports and first-call checks
         train = walk(lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward())
+        train_entries = {room: dict(calls) for room, calls in ENTRIES.items()}
         model.eval()
         left, lmask = padded_batch("left")
         with torch.no_grad():
@@ -87,6 +107,7 @@ def walks() -> dict[str, tuple[list[str], dict[str, int]]]:
             step_mask = torch.cat([lmask, torch.ones_like(lmask[:, :1])], 1)
             decode = walk(lambda: model(input_ids=left[:, :1], attention_mask=step_mask,
                                         past_key_values=out.past_key_values, use_cache=True))
+    ENTRIES_OF.update({"padded training step": train_entries, "decode step": dict(ENTRIES)})
     return {"padded training step": train, "decode step": decode}
 
 
@@ -96,14 +117,17 @@ def main() -> None:
     args = parser.parse_args()
     result = walks()
     if args.json:
-        print(json.dumps({k: {"modules": v, "packages": packages(v), "upward": up} for k, (v, up) in result.items()},
-                         indent=1))
+        print(json.dumps({k: {"modules": v, "packages": packages(v), "entries": ENTRIES_OF[k], "upward": up}
+                          for k, (v, up) in result.items()}, indent=1))
         return
     for what, (modules, upward) in result.items():
         ups = sum(upward.values())
         print(f"{what}: {len(modules)} module entries, {len(set(modules))} modules, {ups} upward calls")
         print("  modules:  " + " -> ".join(m.removeprefix("patchkit.") for m in modules))
         print("  packages: " + " -> ".join(packages(modules)))
+        print("  calls into each room: " + ", ".join(f"{room} {n}" for room, n in rooms(ENTRIES_OF[what]).items()))
+        for call, count in ENTRIES_OF[what].get("hooks.decide", {}).items():
+            print(f"  into hooks.decide: {call} ({count}x)")
         for call, count in upward.items():
             print(f"  upward:   {call} ({count}x)")
 

@@ -7,7 +7,7 @@ from typing import Optional, Protocol
 import torch
 
 from patchkit.backends import sdpa, sdpa_op
-from patchkit.backends.padded_cache import attend_padded_cache
+from patchkit.backends.padded_decode import attend_padded_cache
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.names import BACKEND_NAMES  # noqa: F401 - re-exported

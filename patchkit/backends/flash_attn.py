@@ -10,7 +10,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 
 from patchkit.backends.limits import check_index_range
-from patchkit.forward.decode import DecodePlan
+from patchkit.forward.decode_plan import DecodePlan
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.gates import build_config
 

@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 
 from patchkit import gates as _gates
-from patchkit.backends.padded_cache import attend_padded_cache
+from patchkit.backends.padded_decode import attend_padded_cache
 from patchkit.errors import PatchInputError
-from patchkit.forward.decode import DecodePlan
+from patchkit.forward.decode_plan import DecodePlan
 from patchkit.forward.metadata import VarlenMetadata
 
 

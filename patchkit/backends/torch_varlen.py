@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from patchkit.backends.limits import check_index_range
-from patchkit.backends.padded_cache import attend_padded_cache
+from patchkit.backends.padded_decode import attend_padded_cache
 from patchkit.errors import PatchInputError
 from patchkit.forward.metadata import VarlenMetadata
 

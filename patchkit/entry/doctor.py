@@ -13,7 +13,7 @@ import torch
 
 from patchkit import gates as _gates
 from patchkit.backends.choice import Choice, pick
-from patchkit.hooks.registry import registered
+from patchkit.hooks.install.registry import registered
 
 PACKAGES = ("torch", "transformers", "flash-attn", "accelerate", "peft")
 

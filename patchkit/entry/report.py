@@ -8,9 +8,9 @@ from typing import Any
 
 from patchkit import api
 from patchkit.forward.liveness import live_layers
-from patchkit.hooks.routing import ROUTE_NAME
+from patchkit.hooks.install.routing import ROUTE_NAME
 
-NAME_ROUTE = "patchkit.hooks.attention_interface"  # its `_state`: the registered name's, made at its first use
+NAME_ROUTE = "patchkit.hooks.name.attention_interface"  # its `_state`: the registered name's, made at its first use
 
 
 def report(detail: bool = False) -> str:

@@ -19,10 +19,10 @@ from torch import nn
 
 from patchkit.eras import legacy
 from patchkit.hooks import family_route
-from patchkit.hooks.model_walk import find_modules
-from patchkit.hooks.patching import Replacement
-from patchkit.hooks.routing import routes_to
-from patchkit.hooks.state import PatchState
+from patchkit.hooks.install.model_walk import find_modules
+from patchkit.hooks.install.patching import Replacement
+from patchkit.hooks.install.routing import routes_to
+from patchkit.hooks.install.state import PatchState
 
 LLAMA_TRANSFORMERS = ">=4.31,<6"  # the union of the eras below
 

@@ -21,10 +21,10 @@ from patchkit.eras.legacy_attention import make_legacy_forward, rotary_takes_pos
 from patchkit.errors import PatchGateError, PatchTargetError
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, refuse_4d
-from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
-from patchkit.hooks.model_walk import find_modules
-from patchkit.hooks.patching import Replacement, bound_replacement
-from patchkit.hooks.state import PatchState
+from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.install.model_walk import find_modules
+from patchkit.hooks.install.patching import Replacement, bound_replacement
+from patchkit.hooks.install.state import PatchState
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")

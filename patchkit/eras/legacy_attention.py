@@ -20,8 +20,8 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.arguments import check_call
-from patchkit.hooks.state import PatchState
-from patchkit.hooks.varlen import varlen_core
+from patchkit.hooks.attention.varlen import varlen_core
+from patchkit.hooks.install.state import PatchState
 
 STATIC_CACHES = ("StaticCache", "SlidingWindowCache", "HybridCache", "OffloadedStaticCache")
 

@@ -1,4 +1,5 @@
-"""What transformers hands an attention function, and which of it patchkit honours: the rest is refused, never ignored.
+"""What a call hands patchkit, read in one place: a forward's tokens, cache, mask and window, and which of an attention
+function's arguments patchkit honours (the rest is refused, never ignored).
 
 A registered attention name is global: transformers gives it to any model that asks (Mistral, Gemma2, BERT), each
 with its own arguments. An argument that changes the numbers and that patchkit does not implement must raise; an
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
+import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.documents import block_diagonal_documents
 from patchkit.forward.liveness import is_compiling
+from patchkit.forward.masks import fixed_slots
+from patchkit.forward.metadata import has_holes
 
 # Read by patchkit (packing metadata; `seq_idx` checked against it: documents.py); or inert: bookkeeping and loss
 # arguments that transformers' causal-LM forwards pass down through **kwargs, which do not change attention.
@@ -127,3 +132,68 @@ def model_type_of(module: nn.Module) -> Any:
     except AttributeError:  # no instance dict (None, or a config with slots)
         return getattr(config, "model_type", None)
     return own["model_type"] if "model_type" in own else getattr(type(config), "model_type", None)
+
+
+def input_tokens(arguments: dict) -> Any:
+    """The forward's tokens, (B, S) ids or (B, S, H) embeddings: `inputs_embeds` where given, else `input_ids`."""
+    embeds = arguments.get("inputs_embeds")
+    return arguments.get("input_ids") if embeds is None else embeds
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The config's sliding window where some layer uses it (generously: a false positive only steps aside)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def window_over_hole(config: Any, mask: Any) -> bool:
+    """A window shorter than the mask over a row with a padding hole: the one window varlen kernels cannot place."""
+    window = sliding_window(config)
+    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or window >= mask.shape[-1]:
+        return False
+    return has_holes(mask)
+
+
+def ends_in_padding(mask: torch.Tensor) -> bool:
+    """Some row of the 2D mask has a padding last column (a prefill's next token is read there), a row that is all
+    padding too: transformers' attention gives it real logits there, varlen kernels zeros."""
+    return bool((mask[:, -1] == 0).any())
+
+
+def transformers_mask(mask: Any) -> bool:
+    """A mask transformers built itself (4D): the layer it reaches belongs to a forward patchkit stepped aside for."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4
+
+
+def transformers_made(mask: Any) -> bool:
+    """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
+    return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
+
+
+def transformers_mask_in_graph(mask: Any) -> bool:
+    """Inside a compiled graph (no host sync, no contextvar there), a transformers-made mask (generate()'s 4D mask
+    of a static cache) goes to transformers' attention as it is, at every level of the model."""
+    return is_compiling() and transformers_made(mask)
+
+
+def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
+    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
+    (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""
+    cache, mask = given_cache(arguments), arguments.get("attention_mask")
+    if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
+        return None  # a dict of masks per layer type is generate()'s, never packed documents
+    if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
+        return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
+    return block_diagonal_documents(mask)
+
+
+def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:
+    """Replace the 4D mask by its documents as `cu_seq_lens` kwargs (in `arguments` / `extra`, in place)."""
+    cu, longest = documents
+    arguments["attention_mask"] = None
+    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)

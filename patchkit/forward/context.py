@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardPlan:
-    """What one base model's forward is, decided once from its arguments (`hooks/plan.py`), for every mask builder
-    and layer it runs.
+    """What one base model's forward is, decided once from its arguments (`hooks/decide/plan.py`), for every mask
+    builder and layer it runs.
 
     - `aside`: the cause it steps aside for (mask builders hand over to transformers', so its layers and their
       checkpoint recomputes run transformers' attention), or None: served.
@@ -24,12 +24,15 @@ class ForwardPlan:
     - `packed`: the documents of its rows, which mask builders given no mask hand the layers (the packed row's, or
       caller-made `cu_seq_lens`), else None.
     - `no_mask`: its caller gave no attention_mask (position_ids may define documents).
+    - `own_cache`: unpadded, it returns a KV cache its caller did not bring, which the model would make itself: the
+      forward makes it and fills it padded.
     """
 
     aside: Optional[str] = None
     padded: Optional[VarlenMetadata] = None
     packed: Optional[VarlenMetadata] = None
     no_mask: bool = False
+    own_cache: bool = False
 
     @property
     def unpadded(self) -> bool:
@@ -52,7 +55,8 @@ class ForwardContext:
     - `generating`: generate()'s preparation of a step's inputs under the registered name, for its span (the
       masks built there are made before the model runs): whether patchkit places the cache it was given.
     - `head`: the causal LM's forward, for its call: its ask of the base model for the packed row of real tokens
-      (`hooks/lm_head.HeadRequest`), which the base model's forward takes (its own calls run without it) and answers.
+      (`hooks/forwards/lm_head.HeadRequest`), which the base model's forward takes (its own calls run without it)
+      and answers.
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """
 

@@ -11,7 +11,7 @@ import torch
 from patchkit.forward.padding import cu_seqlens_from_lengths
 
 if TYPE_CHECKING:
-    from patchkit.forward.decode import DecodePlan
+    from patchkit.forward.decode_plan import DecodePlan
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ class VarlenMetadata:
     seqlens_k: list[int]
     packed: bool = False
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
-    # patchkit.forward.decode's DecodePlan for this forward's decode steps, built by the first layer that needs it
+    # patchkit.forward.decode_plan's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Optional[DecodePlan] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

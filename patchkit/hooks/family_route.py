@@ -18,18 +18,18 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from patchkit.errors import PatchTargetError
+from patchkit.forward.arguments import transformers_mask_in_graph
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
-from patchkit.hooks import attention_interface
-from patchkit.hooks.model_forward import make_lm_forward, make_model_forward
-from patchkit.hooks.model_walk import find_modules
-from patchkit.hooks.patching import Replacement, bound_replacement, dressed_as
-from patchkit.hooks.recorded_router import make_recording_forward
-from patchkit.hooks.registry import PatchSpec
-from patchkit.hooks.routing import current_method, make_attention_forward, rerouting, routes_to
-from patchkit.hooks.state import PatchState
-from patchkit.hooks.step_aside import transformers_mask_in_graph
-from patchkit.hooks.varlen import KV_PACKED
+from patchkit.hooks.attention.varlen import KV_PACKED
+from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.forwards.recorded_router import make_recording_forward
+from patchkit.hooks.install.model_walk import find_modules
+from patchkit.hooks.install.patching import Replacement, bound_replacement, dressed_as
+from patchkit.hooks.install.registry import PatchSpec
+from patchkit.hooks.install.routing import current_method, make_attention_forward, rerouting, routes_to
+from patchkit.hooks.install.state import PatchState
+from patchkit.hooks.name import attention_interface
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 

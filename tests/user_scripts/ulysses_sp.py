@@ -38,7 +38,7 @@ from common import checked_way, end_process_group
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import patchkit
-from patchkit.hooks import attention_interface
+from patchkit.hooks.name import attention_interface
 
 T0 = time.perf_counter()
 parser = argparse.ArgumentParser()

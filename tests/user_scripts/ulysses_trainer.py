@@ -25,7 +25,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from common import checked_way, end_process_group, patchkit_calls, write_result
 
 import patchkit
-from patchkit.hooks.sequence_parallel import ulysses_wrapper
+from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
 stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0

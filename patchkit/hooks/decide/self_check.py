@@ -24,7 +24,7 @@ from packaging.version import InvalidVersion, Version
 from torch import nn
 
 from patchkit.forward.arguments import cache_parameter
-from patchkit.hooks.padded_cache import empty_cache
+from patchkit.hooks.generation.filled_cache import empty_cache
 from patchkit.warn import warn_user
 
 # The newest transformers release the whole suite passed on (CI's pinned version; `.ci/run`'s newest-release leg
@@ -232,7 +232,7 @@ def check_family(cls: type, config: Any, device: torch.device, dtype: torch.dtyp
 
 def run_patched(tiny: nn.Module, state: Any) -> list[tuple[str, torch.Tensor]]:
     """The checks through the patch: the class's own (a class patch), else an instance patch like `state`'s."""
-    from patchkit.hooks.routing import ROUTE_NAME, is_patched_forward
+    from patchkit.hooks.install.routing import ROUTE_NAME, is_patched_forward
 
     if state is None:  # the registered name alone: the tiny model loaded with it
         tiny.config._attn_implementation = ROUTE_NAME

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.hooks.sequence_parallel import ulysses_of
+from patchkit.hooks.parallel.sequence_parallel import ulysses_of
 
 FIX = (
     "Pad on the right (the collators' default), or pack documents in one row with position_ids restarting at 0 "

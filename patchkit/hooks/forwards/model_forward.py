@@ -15,26 +15,32 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import cache_parameter, check_one_cache, given_cache
+from patchkit.forward.arguments import (
+    cache_parameter,
+    check_one_cache,
+    given_cache,
+    input_tokens,
+    transformers_mask_in_graph,
+)
 from patchkit.forward.context import ForwardPlan, PaddedOnly, current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
 from patchkit.forward.token_inputs import pack_token_inputs
-from patchkit.hooks.causes import CAUSES
-from patchkit.hooks.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
-from patchkit.hooks.lm_head import HeadRequest, declined, finish, hand_packed, servable_forward
-from patchkit.hooks.padded_cache import caches_in_training, filled_padded, own_cache
-from patchkit.hooks.patching import dressed_as
-from patchkit.hooks.plan import fills_a_cache, plan_forward, resolved_use_cache
-from patchkit.hooks.recorded_router import hand_up
-from patchkit.hooks.routing import ROUTE_NAME, attn_name, routed
-from patchkit.hooks.self_check import CAUSES as UNTRUSTED
-from patchkit.hooks.self_check import untrusted_what
-from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import input_tokens, lm_cause, step_aside, transformers_mask_in_graph
-from patchkit.hooks.ulysses_padding import check_padding, refuse_step_aside
+from patchkit.hooks.decide.causes import CAUSES
+from patchkit.hooks.decide.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
+from patchkit.hooks.decide.plan import plan_forward, resolved_use_cache
+from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
+from patchkit.hooks.decide.self_check import untrusted_what
+from patchkit.hooks.decide.step_aside import lm_cause, step_aside
+from patchkit.hooks.forwards.lm_head import HeadRequest, declined, finish, hand_packed, servable_forward
+from patchkit.hooks.forwards.recorded_router import hand_up
+from patchkit.hooks.generation.filled_cache import caches_in_training, filled_padded, own_cache
+from patchkit.hooks.install.patching import dressed_as
+from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
+from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
+from patchkit.hooks.parallel.ulysses_padding import check_padding, refuse_step_aside
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata, extra: dict) -> None:
@@ -259,7 +265,7 @@ def make_model_forward(
                     return last_queries(call(self, put_rope_rows(arguments, rope_rows)), kept)
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
-                if cache is None and fills_a_cache(self, arguments):
+                if plan.own_cache:
                     arguments.pop("past_key_values", None)  # a None under the name 5.24 deprecates: one name given
                     cache = arguments[cache_name] = own_cache(self)  # returned, filled padded, as its own
                 kept = every_query(arguments, extra, self.config)

@@ -18,7 +18,7 @@ from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.rope_rows import text_positions
 from patchkit.gates import HALF_DTYPES, dtype_gate
-from patchkit.hooks.attend import (
+from patchkit.hooks.attention.attend import (
     KernelOptions,
     attend_in_graph,
     attend_unpadded,
@@ -26,7 +26,7 @@ from patchkit.hooks.attend import (
     attend_with_sinks,
     one_head_size,
 )
-from patchkit.hooks.state import PatchState
+from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
 QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
@@ -160,7 +160,7 @@ def varlen_core(
 
 def varlen_in_graph(state: PatchState, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     gmask: GraphMask, kwargs: dict, options: KernelOptions) -> torch.Tensor:
-    """Inside a graph that may not break (the base model's forward planned it, `hooks/graph_plan.py`): the
+    """Inside a graph that may not break (the base model's forward planned it, `hooks/decide/graph_plan.py`): the
     patch's backend on the padded layout (`in_graph.py`). q (B, H, S, D), k/v (B, Hk, S, D), no past ->
     (B, S, H, Dv)."""
     if k.shape[2] != q.shape[2]:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from patchkit.hooks.patching import dressed_as
+from patchkit.hooks.install.patching import dressed_as
 
 _HANDED_UP: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("patchkit_router_logits", default=None)
 

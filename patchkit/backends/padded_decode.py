@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from patchkit.forward.decode import DecodePlan
+from patchkit.forward.decode_plan import DecodePlan
 
 
 def attend_padded_cache(

@@ -11,16 +11,16 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.token_inputs import token_inputs
-from patchkit.hooks.model_masks import model_masks_cause
-from patchkit.hooks.padded_cache import caches_in_training, fillable_cache, makes_own_cache
-from patchkit.hooks.self_check import untrusted_cause
-from patchkit.hooks.slots_mask import served_cause
-from patchkit.hooks.step_aside import documents_metadata, forward_cause, input_tokens, sliding_window
+from patchkit.hooks.decide.model_masks import model_masks_cause
+from patchkit.hooks.decide.self_check import untrusted_cause
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
+from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
+from patchkit.hooks.generation.slots_mask import served_cause
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 
@@ -45,7 +45,8 @@ def plan_forward(
         return ForwardPlan(no_mask=no_mask)
     meta = unpad_plan(module, arguments, extra) if unpad == "model" else None
     if meta is not None:
-        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask)
+        own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
+        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own)
     return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask)
 
 

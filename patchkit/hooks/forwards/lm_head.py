@@ -31,7 +31,7 @@ from patchkit.forward.context import current
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
-from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 IGNORE_INDEX = -100
 _hook = SharedInstall()

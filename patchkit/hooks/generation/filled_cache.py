@@ -17,8 +17,8 @@ from torch import nn
 
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input
-from patchkit.hooks.model_walk import modeling_files
-from patchkit.hooks.slots_mask import static_layers
+from patchkit.hooks.generation.slots_mask import static_layers
+from patchkit.hooks.install.model_walk import modeling_files
 
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
 # (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,

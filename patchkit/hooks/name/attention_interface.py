@@ -19,31 +19,23 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
+from patchkit.forward.arguments import ends_in_padding, transformers_mask, window_over_hole
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.forward.mask_functions import beyond_causal, chunk_size, chunks_off_start, mask_name, packed_sequence_ids
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
-from patchkit.hooks.graph_plan import asides_in_graph, mask_in_graph
-from patchkit.hooks.named import adopted, watch
-from patchkit.hooks.registry import refusal, resolve, served_model_types, spec_for_class
-from patchkit.hooks.routing import ROUTE_NAME
-from patchkit.hooks.self_check import CAUSES as UNTRUSTED
-from patchkit.hooks.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.sequence_parallel import refuse_shard_local, through_ulysses
-from patchkit.hooks.state import PatchState
-from patchkit.hooks.step_aside import (
-    beyond_causal,
-    chunk_size,
-    chunks_off_start,
-    ends_in_padding,
-    mask_name,
-    packed_sequence_ids,
-    step_aside,
-    transformers_mask,
-    window_over_hole,
-)
-from patchkit.hooks.varlen import check_family, make_attention_function
+from patchkit.hooks.attention.varlen import check_family, make_attention_function
+from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
+from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
+from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
+from patchkit.hooks.decide.step_aside import step_aside
+from patchkit.hooks.install.registry import refusal, resolve, served_model_types, spec_for_class
+from patchkit.hooks.install.routing import ROUTE_NAME
+from patchkit.hooks.install.state import PatchState
+from patchkit.hooks.name.named import adopted, watch
+from patchkit.hooks.parallel.sequence_parallel import refuse_shard_local, through_ulysses
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
 

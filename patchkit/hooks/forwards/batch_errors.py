@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Callable
 
 from patchkit.errors import PatchkitError
-from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 _hook = SharedInstall()
 _lock = threading.Lock()

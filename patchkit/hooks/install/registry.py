@@ -11,9 +11,9 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.gates import GateResult
-from patchkit.hooks.model_walk import model_config
-from patchkit.hooks.patching import Replacement
-from patchkit.hooks.state import PatchState
+from patchkit.hooks.install.model_walk import model_config
+from patchkit.hooks.install.patching import Replacement
+from patchkit.hooks.install.state import PatchState
 from patchkit.names import ALIASES, PATCH_MODULES
 
 

@@ -17,13 +17,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
-from patchkit.hooks.causes import CAUSES
-from patchkit.hooks.routing import ROUTE_NAME, Route, attn_name, set_attn_name
-from patchkit.hooks.self_check import untrusted_in_graph
-from patchkit.hooks.sequence_parallel import ulysses_wrapper
-from patchkit.hooks.step_aside import input_tokens, mask_kind, sliding_window, step_aside
+from patchkit.forward.mask_functions import mask_kind
+from patchkit.hooks.decide.causes import CAUSES
+from patchkit.hooks.decide.self_check import untrusted_in_graph
+from patchkit.hooks.decide.step_aside import step_aside
+from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, set_attn_name
+from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 # why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
 IN_GRAPH = {

@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Any, Callable, Optional
 
-from patchkit.hooks.patching import Replacement, SharedInstall
+from patchkit.hooks.install.patching import Replacement, SharedInstall
 from patchkit.warn import warn_user
 
 _hook = SharedInstall()
@@ -21,7 +21,7 @@ def why_unserved(model_type: Optional[str], families: str) -> str:
     """Why `model_type` runs unpatched: no patch for it, the gate its patch fails, or its patch was not applied."""
     from patchkit import gates
     from patchkit.errors import PatchTargetError
-    from patchkit.hooks.registry import for_model_type
+    from patchkit.hooks.install.registry import for_model_type
 
     try:
         spec = for_model_type(model_type)

@@ -13,13 +13,20 @@ from typing import Any, Optional
 import torch
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import (
+    ends_in_padding,
+    given_cache,
+    input_tokens,
+    sliding_window,
+    transformers_made,
+    window_over_hole,
+)
 from patchkit.forward.context import current
-from patchkit.forward.documents import block_diagonal_documents, check_seq_idx, has_packed_rows, real_tokens_of_4d
+from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
-from patchkit.forward.metadata import VarlenMetadata, has_holes
-from patchkit.hooks.causes import BRIEF, CAUSES
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.hooks.decide.causes import BRIEF, CAUSES
 
 IGNORE_INDEX = -100
 OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
@@ -61,22 +68,6 @@ def packed_call(arguments: dict, extra: dict) -> bool:
     return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
 
 
-def transformers_mask(mask: Any) -> bool:
-    """A mask transformers built itself (4D): the layer it reaches belongs to a forward patchkit stepped aside for."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 4
-
-
-def transformers_made(mask: Any) -> bool:
-    """A 4D mask, or generate()'s dict of them per layer type: masks that only transformers' attention reads."""
-    return transformers_mask(mask) or (isinstance(mask, dict) and any(map(transformers_mask, mask.values())))
-
-
-def transformers_mask_in_graph(mask: Any) -> bool:
-    """Inside a compiled graph (no host sync, no contextvar there), a transformers-made mask (generate()'s 4D mask
-    of a static cache) goes to transformers' attention as it is, at every level of the model."""
-    return is_compiling() and transformers_made(mask)
-
-
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """Why the base model's forward with these arguments cannot run patched exactly, or None."""
     lm_cause = current().lm_cause
@@ -106,30 +97,6 @@ def paged_cache(cache: Any) -> bool:
     return type(cache).__name__ == "PagedAttentionCache"
 
 
-def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
-    """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
-    (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""
-    cache, mask = given_cache(arguments), arguments.get("attention_mask")
-    if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
-        return None  # a dict of masks per layer type is generate()'s, never packed documents
-    if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
-        return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
-    return block_diagonal_documents(mask)
-
-
-def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:
-    """Replace the 4D mask by its documents as `cu_seq_lens` kwargs (in `arguments` / `extra`, in place)."""
-    cu, longest = documents
-    arguments["attention_mask"] = None
-    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-
-
-def input_tokens(arguments: dict) -> Any:
-    """The forward's tokens, (B, S) ids or (B, S, H) embeddings: `inputs_embeds` where given, else `input_ids`."""
-    embeds = arguments.get("inputs_embeds")
-    return arguments.get("input_ids") if embeds is None else embeds
-
-
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:
     """Caller-made documents with no mask (`cu_seq_lens_*`, or a 4D block-diagonal mask turned into them) as the
     metadata the mask builders hand every layer (`ForwardPlan.packed`): on the mask object they reach a
@@ -142,25 +109,6 @@ def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]
                           extra.get("cu_seq_lens_k"))
     check_seq_idx(extra.get("seq_idx"), meta)
     return meta
-
-
-def sliding_window(config: Any) -> Optional[int]:
-    """The config's sliding window where some layer uses it (generously: a false positive only steps aside)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window
-
-
-def window_over_hole(config: Any, mask: Any) -> bool:
-    """A window shorter than the mask over a row with a padding hole: the one window varlen kernels cannot place."""
-    window = sliding_window(config)
-    if window is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or window >= mask.shape[-1]:
-        return False
-    return has_holes(mask)
 
 
 def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_position: Any = None) -> bool:
@@ -186,12 +134,6 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
         return False
     return ends_in_padding(mask)
-
-
-def ends_in_padding(mask: torch.Tensor) -> bool:
-    """Some row of the 2D mask has a padding last column (a prefill's next token is read there), a row that is all
-    padding too: transformers' attention gives it real logits there, varlen kernels zeros."""
-    return bool((mask[:, -1] == 0).any())
 
 
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
@@ -247,95 +189,3 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any) -> bool
     if length is None or is_compiling() or length() != 0:
         return False
     return bool((mask[:, :q_len] == 0).all(dim=-1).any())
-
-
-# transformers' mask functions (masking_utils, by qualified name) that a key-padding mask with documents expresses:
-# causal, a sliding window over it, packed documents; and the combinators that only join or shift them
-PACKED = "packed_sequence_mask_function.<locals>.inner_mask"  # documents transformers found in position_ids
-EXPRESSIBLE = ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask", PACKED)  # tuples: dynamo
-# traces this check
-JOINING = ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask",
-           "add_offsets_to_mask_function.<locals>.inner_mask")
-CHUNKED = "chunked_overlay.<locals>.inner_mask"  # Llama 4's chunks: documents split at the chunk size, when asked
-
-
-def mask_name(function: Any) -> str:
-    """A mask function's name by its code object: dynamo traces a function's __qualname__ wrongly (torch 2.13) and
-    cannot read the closures of one made in its graph."""
-    return getattr(getattr(function, "__code__", None), "co_qualname", None) or function.__qualname__
-
-
-def mask_kind(function: Any) -> str:
-    """What transformers' `mask_function` is by its name alone: "expressible" (causal, sliding, packed), "chunked"
-    (Llama 4's chunks), "joining" (a combinator whose parts decide) or "beyond" (anything else)."""
-    if getattr(function, "__module__", None) != "transformers.masking_utils":
-        return "beyond"
-    name = mask_name(function)
-    if name == CHUNKED:
-        return "chunked"
-    return "expressible" if name in EXPRESSIBLE else "joining" if name in JOINING else "beyond"
-
-
-def mask_parts(function: Any) -> list[Any]:
-    """The functions and tensors a joining mask function (`and_masks`, ...) closes over, one level down."""
-    parts = [c.cell_contents for c in function.__closure__ or ()]
-    return [f for p in parts for f in (p if isinstance(p, tuple) else (p,))]
-
-
-def leaf_parts(function: Any, leaf: str) -> Optional[list[Any]]:
-    """What the first mask function named `leaf` joined into transformers' `mask_function` closes over, or None."""
-    if function is None or getattr(function, "__module__", None) != "transformers.masking_utils":
-        return None
-    name = mask_name(function)
-    if name == leaf:
-        return mask_parts(function)
-    if name not in JOINING:
-        return None
-    found = (leaf_parts(f, leaf) for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor))
-    return next((parts for parts in found if parts is not None), None)
-
-
-def leaf_rows(function: Any, leaf: str) -> Optional[torch.Tensor]:
-    """The (B, N) tensor the first mask function named `leaf` in transformers' `mask_function` closes over, or None."""
-    return next((t for t in leaf_parts(function, leaf) or () if isinstance(t, torch.Tensor) and t.dim() == 2), None)
-
-
-def packed_sequence_ids(function: Any) -> Optional[torch.Tensor]:
-    """The (B, N) document ids transformers found in position_ids and joined into its `mask_function` (a packed
-    batch, no mask), or None: its documents, for layers that are not handed position_ids themselves."""
-    return leaf_rows(function, PACKED)
-
-
-def beyond_causal(function: Any, chunks: bool = False) -> bool:
-    """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
-    bidirectional span, a caller's and_mask_function, chunked attention unless `chunks` are served): read from its
-    closures, no tensor work."""
-    if function is None:
-        return False
-    kind = mask_kind(function)
-    if kind != "joining":
-        return kind == "beyond" or (kind == "chunked" and not chunks)
-    parts = [f for f in mask_parts(function)
-             if not isinstance(f, torch.Tensor) and callable(f)]  # a traced tensor is not asked: dynamo refuses
-    return any(beyond_causal(f, chunks) for f in parts)
-
-
-REMAP = "remap_positions_for_packed_sequence.<locals>.inner_mask"  # packed documents' own positions
-
-
-def chunks_off_start(function: Any, chunk: int) -> bool:
-    """Packed documents whose first position is not a multiple of `chunk`: transformers counts chunks by position,
-    patchkit's documents from their first token."""
-    ids, positions = packed_sequence_ids(function), leaf_rows(function, REMAP)
-    if ids is None or positions is None:
-        return False
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return bool((positions.expand_as(ids)[starts] % chunk != 0).any())
-
-
-def chunk_size(function: Any) -> Optional[int]:
-    """The chunk size of chunked attention (Llama 4's `attention_chunk_size`) joined into transformers'
-    `mask_function`, or None."""
-    return next((c for c in leaf_parts(function, CHUNKED) or () if isinstance(c, int) and not isinstance(c, bool)),
-                None)

@@ -12,7 +12,7 @@ from torch import nn
 from patchkit.backends import Backend, SdpaBackend
 from patchkit.backends.choice import serving_backend
 from patchkit.gates import head_dim_gate
-from patchkit.hooks.patching import BoundPatch
+from patchkit.hooks.install.patching import BoundPatch
 from patchkit.warn import warn_user
 
 

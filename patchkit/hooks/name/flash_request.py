@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from patchkit.hooks.patching import Replacement, SharedInstall
-from patchkit.hooks.state import PatchState
+from patchkit.hooks.install.patching import Replacement, SharedInstall
+from patchkit.hooks.install.state import PatchState
 from patchkit.warn import warn_user
 
 FLASH_REQUEST = "flash_attention_2"
@@ -28,7 +28,7 @@ _hook = SharedInstall()
 
 def served_name() -> str:
     """What the served model's config names: patchkit's registered route where it exists, else "sdpa"."""
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     try:
         return attention_interface.ATTENTION_NAME if attention_interface.register() else "sdpa"

@@ -23,11 +23,11 @@ from torch import nn
 from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
-from patchkit.hooks.model_forward import bound_call
-from patchkit.hooks.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.routing import ROUTE_NAME, attn_name
-from patchkit.hooks.slots_mask import static_layers
-from patchkit.hooks.step_aside import lm_cause
+from patchkit.hooks.decide.step_aside import lm_cause
+from patchkit.hooks.forwards.model_forward import bound_call
+from patchkit.hooks.generation.slots_mask import static_layers
+from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
+from patchkit.hooks.install.routing import ROUTE_NAME, attn_name
 
 _adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every adopted model
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it

@@ -19,8 +19,8 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.patching import Replacement, dressed_as
-from patchkit.hooks.sequence_parallel import (
+from patchkit.hooks.install.patching import Replacement, dressed_as
+from patchkit.hooks.parallel.sequence_parallel import (
     refuse_shard_local,
     refuse_unfound,
     ulysses_active,

@@ -17,19 +17,19 @@ from typing import Any, Optional
 
 import torch
 
-from patchkit.forward.arguments import given_cache
-from patchkit.forward.documents import allowed_keys
-from patchkit.forward.liveness import is_compiling
-from patchkit.forward.masks import cache_placement, fixed_slots
-from patchkit.hooks.routing import attn_name
-from patchkit.hooks.step_aside import (
+from patchkit.forward.arguments import (
     documents_in_4d_mask,
     ends_in_padding,
+    given_cache,
     input_tokens,
     sliding_window,
     take_documents,
     window_over_hole,
 )
+from patchkit.forward.documents import allowed_keys
+from patchkit.forward.liveness import is_compiling
+from patchkit.forward.masks import cache_placement, fixed_slots
+from patchkit.hooks.install.routing import attn_name
 
 
 def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:

@@ -14,11 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from patchkit.forward.arguments import given_cache
+from patchkit.forward.arguments import given_cache, input_tokens, window_over_hole
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.masks import cache_placement, fixed_slots
-from patchkit.hooks.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
-from patchkit.hooks.step_aside import input_tokens, window_over_hole
+from patchkit.hooks.generation.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
 
 BIDIRECTIONAL = "bidirectional_image_tokens"
 

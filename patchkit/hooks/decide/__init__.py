@@ -1,0 +1,1 @@
+"""Whether a forward is served: its plan (made once), the causes of stepping aside, the self-check."""

@@ -1,0 +1,1 @@
+"""Sequence parallelism (Ulysses, context parallel): patchkit's attention inside their all-to-alls."""
