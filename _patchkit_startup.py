@@ -107,9 +107,8 @@ def _names(config: Any) -> bool:
 
 
 def _adopt(model: Any) -> None:
-    """A model got patchkit's name: import patchkit, which adopts it (`patchkit.hooks.name.named`) and watches from now."""
-    from patchkit.hooks.name import attention_interface
-    from patchkit.hooks.name import named  # noqa: F401 - importing registers the name and watches
+    """A model got patchkit's name: import patchkit, which adopts it (`hooks/name/named.py`) and watches from now."""
+    from patchkit.hooks.name import attention_interface, named  # noqa: F401 - importing registers the name and watches
 
     named.adopt(model)
 

@@ -30,7 +30,7 @@ def test_the_registered_name_is_patchkits_own_once_transformers_loads_after_patc
     code = ("import patchkit\nfrom transformers import LlamaForCausalLM\n"
             "from transformers.modeling_utils import AttentionInterface\n"
             "from transformers.masking_utils import AttentionMaskInterface\n"
-            "from patchkit.hooks import attention_interface as ai\n"
+            "from patchkit.hooks.name import attention_interface as ai\n"
             "print(AttentionInterface._global_mapping['patchkit'] is ai._attention, "
             "AttentionMaskInterface._global_mapping['patchkit'] is ai.mask_function)")
     proc = run([sys.executable, "-c", code], env=clean_env())
