@@ -32,7 +32,7 @@ from report import write_rows  # noqa: E402
 from workloads import MODEL, make_tokens, padded_batch  # noqa: E402
 
 import patchkit  # noqa: E402
-from patchkit.forward.arguments import cache_parameter  # noqa: E402
+from patchkit.forward.inputs.arguments import cache_parameter  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "host_ops.csv"
 LENGTHS = [24, 9, 17, 32]  # a left-padded batch of 4 prompts

@@ -53,7 +53,7 @@ from providers import Budget, one_line, patchkit_backends, probed, timed  # noqa
 from report import write_rows  # noqa: E402
 from workloads import make_tokens, padded_batch  # noqa: E402
 
-from patchkit.forward.arguments import cache_parameter  # noqa: E402
+from patchkit.forward.inputs.arguments import cache_parameter  # noqa: E402
 
 CSV = Path(__file__).resolve().parent / "results" / "static_decode.csv"
 PROVIDERS = ("hf_eager", "hf_sdpa", "patchkit_sdpa", "patchkit_named_sdpa", "hf_sdpa_compiled",

@@ -3,7 +3,7 @@
 The vision tower keeps transformers' attention (bidirectional over each image's patches). The language model's
 `position_ids` are (3, B, S) rows (4 where the caller packs, from transformers 4.54: text positions first, which
 mark the documents); patchkit unpads every row and finds documents only where transformers does (the text row).
-Before 4.57 the 3-row case hands the time row on as text positions (`patchkit.forward.rope_rows.text_positions`).
+Before 4.57 the 3-row case hands the time row on as text positions (`patchkit.forward.inputs.rope_rows.text_positions`).
 """
 
 from patchkit.hooks.family_route import family_spec

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import patchkit
-from patchkit.forward.arguments import cache_parameter
+from patchkit.forward.inputs.arguments import cache_parameter
 
 VOCAB = 97
 # The cache argument's name in this transformers (`cache` from 5.24, where `past_key_values` is deprecated): the

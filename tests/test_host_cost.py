@@ -147,7 +147,7 @@ def test_layers_are_counted_once_each_with_the_weak_set_asked_only_for_unmarked_
 
 def test_the_family_check_reads_past_the_config_getattribute_and_an_instance_model_type_wins():
     from patchkit.errors import PatchInputError
-    from patchkit.forward.arguments import model_type_of
+    from patchkit.forward.inputs.arguments import model_type_of
     from patchkit.hooks.attention.varlen import check_family
 
     model = tiny_model(layers=1)

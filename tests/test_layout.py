@@ -1,4 +1,5 @@
-"""The house as the README describes it: no import circle among patchkit's modules, none of them over ~400 lines."""
+"""The house as the README describes it: no import circle among patchkit's modules, none of them over ~400 lines,
+no folder of more than ~10 modules."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def modules() -> dict[str, Path]:
 
 
 def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the patchkit modules it imports at module level (imports inside functions are lazy by design)."""
+    """Module -> the patchkit modules it imports anywhere: at module level, inside functions and under TYPE_CHECKING
+    alike (a reader follows each of them, so a circle through a lazy or typing-only import is a circle too)."""
     graph = {}
     for name, path in found.items():
         deps = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("patchkit"):
                 subs = {f"{node.module}.{a.name}" for a in node.names} & found.keys()
                 deps |= subs if len(subs) == len(node.names) else subs | {node.module}
@@ -74,3 +76,12 @@ def test_no_import_circle_among_patchkit_modules():
 def test_no_module_over_about_400_lines():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_no_folder_holds_more_than_about_10_modules():
+    """A folder past this is split into rooms by role (hooks/ is: docs/architecture.md)."""
+    folders: dict[Path, int] = {}
+    for path in modules().values():
+        if path.stem != "__init__" and (REPO / "patchkit") in path.parents:
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    assert {str(f.relative_to(REPO)): n for f, n in folders.items() if n > 10} == {}

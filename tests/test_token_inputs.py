@@ -1,5 +1,5 @@
-"""Per-token inputs beside the tokens (`patchkit/forward/token_inputs.py`): a padded batch that becomes one packed
-row takes its token types with it, or keeps its padded layout, with unpatched numbers either way.
+"""Per-token inputs beside the tokens (`patchkit/forward/inputs/token_inputs.py`): a padded batch that becomes one
+packed row takes its token types with it, or keeps its padded layout, with unpatched numbers either way.
 
 Before, GPT-2's `token_type_ids` stayed (B, S) while the tokens were packed: a shape error, or, where the packed
 length divides B·S, logits off by about 0.5 with no warning.
@@ -13,7 +13,7 @@ from census import tiny_lm
 from models import labels_for, padded_batch
 
 import patchkit
-from patchkit.forward.token_inputs import token_inputs
+from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.hooks.forwards import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

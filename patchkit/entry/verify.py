@@ -14,7 +14,7 @@ from torch import nn
 
 from patchkit.api import active_patches, apply_patch
 from patchkit.errors import PatchkitError
-from patchkit.forward.arguments import cache_parameter
+from patchkit.forward.inputs.arguments import cache_parameter
 from patchkit.hooks.install.registry import resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import check_call
+from patchkit.forward.inputs.arguments import check_call
 from patchkit.hooks.attention.varlen import varlen_core
 from patchkit.hooks.install.state import PatchState
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from patchkit.errors import PatchTargetError
-from patchkit.forward.arguments import transformers_mask_in_graph
 from patchkit.forward.context import current
+from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.hooks.attention.varlen import KV_PACKED
 from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward

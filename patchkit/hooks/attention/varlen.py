@@ -11,12 +11,12 @@ from torch import nn
 
 from patchkit.backends import Backend
 from patchkit.errors import PatchGateError, PatchInputError, PatchStateError
-from patchkit.forward.arguments import check_call, model_label, model_type_of, part_of_multimodal
 from patchkit.forward.in_graph import GraphMask
+from patchkit.forward.inputs.arguments import check_call, model_label, model_type_of, part_of_multimodal
+from patchkit.forward.inputs.rope_rows import text_positions
 from patchkit.forward.liveness import record_call
 from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.forward.rope_rows import text_positions
 from patchkit.gates import HALF_DTYPES, dtype_gate
 from patchkit.hooks.attention.attend import (
     KernelOptions,

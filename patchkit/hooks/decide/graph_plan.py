@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
-from patchkit.forward.mask_functions import mask_kind
+from patchkit.forward.inputs.arguments import given_cache, input_tokens, sliding_window
+from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside

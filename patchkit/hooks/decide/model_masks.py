@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from patchkit.forward.arguments import given_cache, input_tokens, window_over_hole
 from patchkit.forward.documents import allowed_keys
+from patchkit.forward.inputs.arguments import given_cache, input_tokens, window_over_hole
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.hooks.generation.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
 

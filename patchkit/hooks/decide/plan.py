@@ -11,11 +11,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.arguments import given_cache, input_tokens, sliding_window
 from patchkit.forward.context import ForwardPlan, current
+from patchkit.forward.inputs.arguments import given_cache, input_tokens, sliding_window
+from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.forward.token_inputs import token_inputs
 from patchkit.hooks.decide.model_masks import model_masks_cause
 from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause

@@ -23,7 +23,7 @@ import torch
 from packaging.version import InvalidVersion, Version
 from torch import nn
 
-from patchkit.forward.arguments import cache_parameter
+from patchkit.forward.inputs.arguments import cache_parameter
 from patchkit.hooks.generation.filled_cache import empty_cache
 from patchkit.warn import warn_user
 

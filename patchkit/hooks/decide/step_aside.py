@@ -13,7 +13,9 @@ from typing import Any, Optional
 import torch
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import (
+from patchkit.forward.context import current
+from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
+from patchkit.forward.inputs.arguments import (
     ends_in_padding,
     given_cache,
     input_tokens,
@@ -21,8 +23,6 @@ from patchkit.forward.arguments import (
     transformers_made,
     window_over_hole,
 )
-from patchkit.forward.context import current
-from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata

@@ -15,19 +15,19 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import (
+from patchkit.forward.context import ForwardPlan, PaddedOnly, current, within
+from patchkit.forward.inputs.arguments import (
     cache_parameter,
     check_one_cache,
     given_cache,
     input_tokens,
     transformers_mask_in_graph,
 )
-from patchkit.forward.context import ForwardPlan, PaddedOnly, current, within
+from patchkit.forward.inputs.rope_rows import put_rope_rows, take_rope_rows
+from patchkit.forward.inputs.token_inputs import pack_token_inputs
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
-from patchkit.forward.rope_rows import put_rope_rows, take_rope_rows
-from patchkit.forward.token_inputs import pack_token_inputs
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
 from patchkit.hooks.decide.plan import plan_forward, resolved_use_cache

@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from patchkit.forward.arguments import (
+from patchkit.forward.documents import allowed_keys
+from patchkit.forward.inputs.arguments import (
     documents_in_4d_mask,
     ends_in_padding,
     given_cache,
@@ -26,7 +27,6 @@ from patchkit.forward.arguments import (
     take_documents,
     window_over_hole,
 )
-from patchkit.forward.documents import allowed_keys
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.hooks.install.routing import attn_name

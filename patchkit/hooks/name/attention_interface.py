@@ -19,11 +19,17 @@ from patchkit import gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
-from patchkit.forward.arguments import ends_in_padding, transformers_mask, window_over_hole
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
+from patchkit.forward.inputs.arguments import ends_in_padding, transformers_mask, window_over_hole
+from patchkit.forward.inputs.mask_functions import (
+    beyond_causal,
+    chunk_size,
+    chunks_off_start,
+    mask_name,
+    packed_sequence_ids,
+)
 from patchkit.forward.liveness import in_one_graph, is_compiling
-from patchkit.forward.mask_functions import beyond_causal, chunk_size, chunks_off_start, mask_name, packed_sequence_ids
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.varlen import check_family, make_attention_function

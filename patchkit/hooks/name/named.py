@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from patchkit.forward.arguments import given_cache
 from patchkit.forward.context import current, within
+from patchkit.forward.inputs.arguments import given_cache
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.forwards.model_forward import bound_call
