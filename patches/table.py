@@ -82,6 +82,19 @@ def verified_here() -> frozenset[str]:
     return VERIFIED if serves_here() else frozenset()
 
 
+def imported_types() -> list[str]:
+    """The causal-LM model types whose modeling module this process has imported already: a model of these may be
+    built before `apply_patch()` (its `post_init`, where a family is adopted, has run); none where the table is off."""
+    if not serves_here():
+        return []
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    loaded = {name.split(".")[2] for name in list(sys.modules)
+              if name.startswith("transformers.models.") and ".modeling_" in name}
+    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if model_type_to_module_name(t) in loaded]
+
+
 def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     """(attention, base model, causal LM) of `model_type` in the installed transformers, or `PatchTargetError`
     naming what is missing: not a causal LM, no base model beside it, no attention through the interface."""

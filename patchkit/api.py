@@ -21,7 +21,7 @@ from patchkit.hooks.decide import self_check
 from patchkit.hooks.forwards import batch_errors, lm_head, unserved
 from patchkit.hooks.install.model_walk import head_dim, modeling_files
 from patchkit.hooks.install.patching import Replacement, apply_replacements, restore_replacements
-from patchkit.hooks.install.registry import PatchSpec, for_model, registered, resolve, table_spec
+from patchkit.hooks.install.registry import PatchSpec, for_model, imported_table_types, registered, resolve, table_spec
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import flash_request
 from patchkit.warn import warn_user
@@ -310,15 +310,24 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
     _GROUP_CHOSEN = chosen
     if _GROUP is None or list(_GROUP)[: len(handles)] != handles:
         _GROUP = PatchGroup(handles, skipped)
+    for model_type in imported_table_types():  # a model of these may be built already: its post_init has run
+        _adopt_type(model_type, f"model_type {model_type!r}")
     return _GROUP  # the same families with the same options: the same group (twice == once)
 
 
 def _adopt(model: nn.Module) -> bool:
     """Under `apply_patch()` with no name: a model of a family the table serves (no module of its own, so not applied
     up front: that would import every modeling module) gets its family's class patch as it is built, with the
-    group's options, before its first forward. True when it was patched now."""
-    group = _GROUP
+    group's options, before its first forward. True when it was patched now. (The families whose module was imported
+    before `apply_patch()`, whose models may be built already, get theirs then.)"""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return _adopt_type(model_type, f"{type(model).__name__} (model_type {model_type!r})")
+
+
+def _adopt_type(model_type: Any, what: str) -> bool:
+    """The group's class patch of the table's family `model_type`, unless it has one; `what` names it in the warning
+    when it cannot be applied."""
+    group = _GROUP
     if group is None or not group.active or model_type in group.skipped or not isinstance(model_type, str):
         return False
     if any(key[0] == "class" and model_type in h.spec.model_types for key, h in list(_ACTIVE.items())):
@@ -333,7 +342,7 @@ def _adopt(model: nn.Module) -> bool:
     try:
         group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN))
     except PatchkitError as exc:  # never a failed model build: the model runs on transformers' attention, said once
-        warn_user(f"patchkit: {type(model).__name__} (model_type {model_type!r}) runs unpatched: {exc}")
+        warn_user(f"patchkit: {what} runs unpatched: {exc}")
         return False
     return True
 

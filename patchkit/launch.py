@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from patchkit.entry.autostart import stand_down
-from patchkit.entry.process_report import rank_label, report_at_exit
+from patchkit.entry.process_report import (
+    close_channel,
+    open_channel,
+    rank_label,
+    received,
+    record,
+    report_at_exit,
+    send,
+)
 from patchkit.env import ENV_FLASH_ATTN
 from patchkit.errors import PatchkitError
 from patchkit.names import BACKEND_NAMES, UNPAD_MODES, patch_names
@@ -190,6 +198,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
         return 2
     announce(handle, args)
     os.environ.update(args.to_env())  # a command that re-executes itself or starts workers: they patch the same way
+    channel, parent = open_channel() if handle is not None else (None, None)  # and they report back to this process
     ended_by: Optional[BaseException] = None
     try:
         run_target(target)
@@ -197,7 +206,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
         ended_by = exc
         raise
     finally:
-        report_at_exit(handle, ended_by=ended_by, handed_down=True)
+        children = received(channel)
+        report_at_exit(handle, ended_by=ended_by, handed_down=True, children=children)
+        if handle is not None:  # a launcher in front of this one counts this process and the ones it started
+            send([record(handle), *children], parent)
+        close_channel(channel, parent)
     return 0
 
 

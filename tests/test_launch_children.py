@@ -21,6 +21,15 @@ if mode == "reexec":  # as axolotl's CLI re-executes itself under accelerate
     os.execv(sys.executable, [sys.executable, __file__, "train"])
 if mode == "spawn":  # as a wrapper that starts its worker and waits
     sys.exit(subprocess.run([sys.executable, __file__, "train"]).returncode)
+if mode in ("ranks", "idle-ranks"):  # as LLaMA-Factory re-launches itself under torchrun: two ranks, and waits
+    child = "train" if mode == "ranks" else "idle"
+    ranks = [subprocess.Popen([sys.executable, __file__, child],
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})
+             for r in range(2)]
+    sys.exit(max(p.wait() for p in ranks))
+if mode == "idle":  # a rank that imports a served family but runs no model
+    from transformers import LlamaForCausalLM
+    sys.exit(0)
 
 import torch
 import transformers
@@ -63,16 +72,43 @@ def unpatched(script, tmp_path):
 
 @pytest.mark.parametrize("mode", ["reexec", "spawn"])
 def test_a_process_the_command_starts_trains_patched(mode, script, unpatched, tmp_path):
-    proc = launch("--backend", "sdpa", script, mode, cwd=tmp_path)
+    proc = launch("--backend", "sdpa", script, mode, cwd=tmp_path, env=clean_env(TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = tagged(proc.stdout, "RESULT")
     assert result["calls"] == 2, proc.stderr[-3000:]  # one forward, two layers: in the process that trained
     assert result["logits"] == pytest.approx(unpatched["logits"], abs=2e-5)
     assert "patchkit.launch: rank 0/1 (single process): patch 'all' applied, backend 'sdpa'" in proc.stderr
     assert CHILD_LINE in proc.stderr and "backend 'sdpa'" in proc.stderr.split(CHILD_LINE)[1].splitlines()[0]
-    if mode == "spawn":  # the launcher's own process ran no model: it says where the patch went
-        assert "no attention layer ran through patch 'all' in this process. Processes it started inherited the " \
-            "patch" in proc.stderr
+    assert not list(tmp_path.glob("patchkit-report-*"))  # the launcher's report file is gone, re-exec'd or not
+    if mode == "spawn":  # the launcher's own process ran no model: its last line says where the patch went
+        assert proc.stderr.splitlines()[-1] == (
+            "patchkit.launch: rank 0/1 (single process): no attention layer ran in this process; 1 process it started "
+            "ran attention layers through patch 'all' (2 calls; each says so in its own line)."
+        )
+        assert "WARNING" not in proc.stderr
+
+
+def test_the_launchers_last_line_counts_the_ranks_the_command_started(script, tmp_path):
+    """LLaMA-Factory re-launches itself under torchrun: both ranks reported their calls, then the launcher's own last
+    line said "no attention layer ran through patch 'all' in this process ... it ran without patchkit"."""
+    proc = launch("--backend", "sdpa", script, "ranks", cwd=tmp_path, env=clean_env(TMPDIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"patchkit (PATCHKIT_FLASH_ATTN): rank {rank}/2 (local {rank}): 2 attention layers ran" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "patchkit.launch: rank 0/1 (single process): no attention layer ran in this process; 2 processes it started "
+        "ran attention layers through patch 'all' (4 calls; each says so in its own line)."
+    ), proc.stderr[-3000:]
+    assert "without patchkit" not in proc.stderr
+    assert not list(tmp_path.glob("patchkit-report-*"))  # the report file the ranks wrote to is gone
+
+
+def test_ranks_that_ran_no_model_leave_the_launchers_warning(script, tmp_path):
+    proc = launch("--backend", "sdpa", script, "idle-ranks", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("patchkit.launch: rank 0/1 (single process): WARNING: no attention layer ran through patch "
+                           "'all' in this process. No process it started ran one either"), proc.stderr[-3000:]
 
 
 def test_no_patch_is_handed_down_too(script, tmp_path):
@@ -94,3 +130,41 @@ def test_a_process_that_ends_with_an_exception_says_so_at_exit(way, script, tmp_
     assert (f"{who}: rank 0/1 (single process): the process ended with RuntimeError: could not load the model: no "
             "such checkpoint before any attention layer ran through patch 'all'.") in proc.stderr, proc.stderr[-3000:]
     assert "ran without patchkit" not in proc.stderr
+
+
+def test_a_launcher_forwards_what_its_processes_reported_to_the_launcher_in_front_of_it(tmp_path, monkeypatch):
+    """`patchkit run wrapper.py` where the wrapper runs `torchrun -m patchkit.launch train.py`: the inner launcher's
+    ranks report to it, and it hands their records on with its own, so the outer launcher's line counts them."""
+    import io
+    import os
+    from types import SimpleNamespace
+
+    from patchkit.entry.process_report import ENV_REPORT_TO, close_channel, open_channel, received, record, send
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv(ENV_REPORT_TO, raising=False)
+    idle = SimpleNamespace(name="all", layers_seen=0, calls=0, stepped_aside={})
+    real_pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: 11)  # the outer launcher's process
+    outer, parent = open_channel()
+    assert parent is None and os.environ[ENV_REPORT_TO] == outer
+    monkeypatch.setattr(os, "getpid", lambda: 12)  # the inner launcher's, which the outer's command started
+    inner, inner_parent = open_channel()
+    assert inner_parent == outer and os.environ[ENV_REPORT_TO] == inner
+    monkeypatch.setattr(os, "getpid", lambda: real_pid)
+    rank = {"pid": -1, "rank": "rank 0/2 (local 0)", "patch": "all", "layers": 2, "calls": 60}
+    send([rank, {**rank, "pid": -2, "rank": "rank 1/2 (local 1)"}], inner)
+    children = received(inner)
+    assert [c["calls"] for c in children] == [60, 60]
+    send([{**record(idle), "pid": -3}, *children], inner_parent)
+    close_channel(inner, inner_parent)
+    assert os.environ[ENV_REPORT_TO] == outer and not os.path.exists(inner)
+    stream = io.StringIO()
+    from patchkit.entry.process_report import report_at_exit
+
+    report_at_exit(idle, stream, ended_by=None, handed_down=True, children=received(outer))
+    close_channel(outer, parent)
+    assert ENV_REPORT_TO not in os.environ and not os.path.exists(outer)
+    assert stream.getvalue().rstrip().endswith("no attention layer ran in this process; 2 processes it started ran "
+                                               "attention layers through patch 'all' (120 calls; each says so in its "
+                                               "own line).")

@@ -8,6 +8,7 @@ check the family steps aside and generates exactly what transformers does.
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 
@@ -52,6 +53,44 @@ def test_a_newer_transformers_is_announced_once_with_the_newest_tested(newer):
     assert said == [f"patchkit: transformers {transformers.__version__} is newer than the newest release patchkit was "
                     "tested with (5.0.0); each family checks itself on a tiny model before its first forward and "
                     "steps aside to transformers' own attention where it differs."]
+
+
+def announcements(caught) -> list:
+    return [w for w in caught if "is newer than the newest release" in str(w.message)]
+
+
+def test_the_announcement_names_the_line_that_applies_the_patch_not_an_import(newer):
+    """patchkit's attention is registered when a modeling module is imported (`import patchkit` first, or the startup
+    hook): the announcement came from there and named the line that imported transformers' module. It now comes
+    where patchkit starts to serve: the line that applies the patch."""
+
+    from patchkit.hooks import attention_interface
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attention_interface.register()  # what an import of a modeling module runs
+    assert announcements(caught) == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        handle = patchkit.apply_patch("llama2", backend="sdpa")
+    handle.revert()
+    (said,) = announcements(caught)
+    assert (said.filename, said.lineno) == (__file__, line)
+
+
+def test_under_the_name_alone_the_announcement_names_the_line_that_built_the_model(newer):
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, pad_token_id=0, attn_implementation="patchkit")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        LlamaForCausalLM(config)
+    (said,) = announcements(caught)
+    assert (said.filename, said.lineno) == (__file__, line)
 
 
 def test_the_tested_version_runs_no_check_and_a_verified_newer_one_is_named_by_env(monkeypatch):

@@ -1,14 +1,22 @@
 """What one process says about its patch: which rank it is, and at exit how much ran through the patch.
 
-Shared by the launcher and the PATCHKIT_FLASH_ATTN startup patch, each naming itself in the line.
+Shared by the launcher and the PATCHKIT_FLASH_ATTN startup patch, each naming itself in the line. The processes a
+launched command starts (torchrun's ranks, a re-launch) also write their count to the launcher's report file
+(PATCHKIT_REPORT_TO), so the launcher's own last line can say that they ran patched instead of "ran without patchkit".
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import os
 import sys
+import tempfile
 from typing import Any, Optional
+
+ENV_REPORT_TO = "PATCHKIT_REPORT_TO"  # the launcher's report file: each process it starts appends one line at exit
+CHANNEL_PREFIX = "patchkit-report-"  # then the launcher's pid: a command that exec'd itself in its place has it too
 
 
 def rank_label() -> str:
@@ -19,15 +27,98 @@ def rank_label() -> str:
     return f"rank {rank if rank is not None else local}/{world or '?'} (local {local if local is not None else '?'})"
 
 
+def record(handle: Any) -> dict[str, Any]:
+    """What this process tells the launcher's report file: its rank, its patch, its layers and calls."""
+    return {"pid": os.getpid(), "rank": rank_label(), "patch": handle.name, "layers": handle.layers_seen,
+            "calls": handle.calls}
+
+
+def send(records: list[dict[str, Any]], path: Optional[str]) -> None:
+    """Append `records` to the report file at `path` (one JSON line each, one small append: ranks exit together);
+    nothing when there is none or it cannot be written (the process's own line still says it all)."""
+    if not path or not records:
+        return
+    if os.path.basename(path).startswith(f"{CHANNEL_PREFIX}{os.getpid()}-"):  # the launcher's own pid: this process
+        with contextlib.suppress(OSError):  # exec'd itself in the launcher's place, which will never read the file
+            os.unlink(path)
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write("".join(json.dumps(r) + "\n" for r in records))
+    except OSError:
+        pass
+
+
+def received(path: Optional[str]) -> list[dict[str, Any]]:
+    """The records the processes a launcher started appended to its report file (none where it is unreadable)."""
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            found = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a process killed while writing it
+        if isinstance(found, dict) and found.get("pid") != os.getpid():
+            records.append(found)
+    return records
+
+
+def open_channel() -> tuple[Optional[str], Optional[str]]:
+    """A new report file for the processes this launcher starts, named in their environment (PATCHKIT_REPORT_TO);
+    returns it and the one this process inherited (a launcher in front of this one), or None where none can be made."""
+    parent = os.environ.get(ENV_REPORT_TO)
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-", suffix=".jsonl")
+    except OSError:
+        return None, parent
+    os.close(fd)
+    os.environ[ENV_REPORT_TO] = path
+    return path, parent
+
+
+def close_channel(path: Optional[str], parent: Optional[str]) -> None:
+    """Remove this launcher's report file and name the inherited one again."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    if parent is None:
+        os.environ.pop(ENV_REPORT_TO, None)
+    else:
+        os.environ[ENV_REPORT_TO] = parent
+
+
+def children_line(handle: Any, children: list[dict[str, Any]]) -> Optional[str]:
+    """What the processes this one started ran through the patch, as the end of its own exit line; None where none
+    of them ran an attention layer through it."""
+    ran = [c for c in children if c.get("layers")]
+    if not ran:
+        return None
+    calls = sum(int(c.get("calls") or 0) for c in ran)
+    return (f"{len(ran)} process{'es' if len(ran) > 1 else ''} it started ran attention layers through patch "
+            f"{handle.name!r} ({calls} calls; each says so in its own line)")
+
+
 def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchkit.launch",
-                   ended_by: Optional[BaseException] = None, handed_down: bool = False) -> None:
+                   ended_by: Optional[BaseException] = None, handed_down: bool = False,
+                   children: Optional[list[dict[str, Any]]] = None) -> None:
     """At exit, one line per process, named for the way in that applied the patch (`who`): how many attention
-    layers ran through it and how many forwards stepped aside; loud when none ran through it, and then why: the
-    exception the process ended with (`ended_by`, else an uncaught one), or that the processes it started inherited
-    the patch (`handed_down`: the launcher's PATCHKIT_* variables) and report for themselves."""
+    layers ran through it and how many forwards stepped aside; loud when none ran through it nor in the processes it
+    started (`children`: the records they sent the launcher, `handed_down`: they inherited the launcher's PATCHKIT_*
+    variables), and then why: the exception the process ended with (`ended_by`, else an uncaught one). Without
+    `children` the record goes to the launcher's report file, where a launcher started this process."""
     if handle is None:
         return
+    if children is None:
+        send([record(handle)], os.environ.get(ENV_REPORT_TO))
     stream = stream or sys.stderr
+    started = children_line(handle, children or [])
     aside = ", ".join(f"{n} {cause}" for cause, n in handle.stepped_aside.items())
     ended_by = ended_by if ended_by is not None else getattr(sys, "last_value", None)  # uncaught, at interpreter exit
     if isinstance(ended_by, SystemExit) and ended_by.code in (None, 0):
@@ -37,9 +128,13 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
             f"{who}: {rank_label()}: {handle.layers_seen} attention layers ran through patch "
             f"{handle.name!r} ({handle.calls} calls{'; compiled calls are not counted' if compiled(handle) else ''}, "
             f"backend {handle.backend!r}"
-            + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")"),
+            + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")")
+            + (f"; {started}" if started else ""),
             file=stream,
         )
+    elif started is not None:
+        ended = f"; it ended with {type(ended_by).__name__}: {str(ended_by)[:200]}" if ended_by is not None else ""
+        print(f"{who}: {rank_label()}: no attention layer ran in this process; {started}{ended}.", file=stream)
     elif ended_by is not None:
         print(f"{who}: {rank_label()}: the process ended with {type(ended_by).__name__}: {str(ended_by)[:200]} "
               f"before any attention layer ran through patch {handle.name!r}.", file=stream)
@@ -48,8 +143,8 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
     else:
         print(
             f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r} in this process. "
-            + ("Processes it started inherited the patch (PATCHKIT_* variables) and report for themselves; if it "
-               "started none, the " if handed_down else "The ")
+            + ("No process it started ran one either (they inherit the patch through PATCHKIT_* variables and "
+               "report to it at exit). The " if handed_down else "The ")
             + "script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
             "model's attention was replaced by other code; it ran without patchkit"
             + (f" (forwards stepped aside to transformers' attention: {aside})." if aside else "."),

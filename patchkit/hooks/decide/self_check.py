@@ -58,23 +58,31 @@ def attach(patcher: Callable[[nn.Module, Any], Callable[[], None]]) -> None:
 
 @functools.cache
 def untested(version: Optional[str] = None) -> Optional[str]:
-    """The installed transformers when it is newer than `TESTED_TRANSFORMERS` (announced once), else None."""
+    """The installed transformers when it is newer than `TESTED_TRANSFORMERS` (announced once), else None.
+
+    Called where patchkit starts to serve the user (a patch applied, a family's first check), so the announcement
+    names that line; `trusted()`, which runs when patchkit's attention is registered (an import of a modeling
+    module), asks `newer()`, which says nothing."""
+    version = newer(version)
+    if version is not None:
+        warn_user(
+            f"patchkit: transformers {version} is newer than the newest release patchkit was tested with "
+            f"({newest_tested()}); each family checks itself on a tiny model before its first forward and steps "
+            "aside to transformers' own attention where it differs."
+        )
+    return version
+
+
+def newer(version: Optional[str] = None) -> Optional[str]:
+    """`version` (default: the installed transformers) when it is newer than the newest tested, else None; silent."""
     if version is None:
         import transformers
 
         version = transformers.__version__
-    tested = newest_tested()
     try:
-        newer = Version(version).release > Version(tested).release
+        return version if Version(version).release > Version(newest_tested()).release else None
     except InvalidVersion:
-        newer = True
-    if newer:
-        warn_user(
-            f"patchkit: transformers {version} is newer than the newest release patchkit was tested with "
-            f"({tested}); each family checks itself on a tiny model before its first forward and steps "
-            "aside to transformers' own attention where it differs."
-        )
-    return version if newer else None
+        return version
 
 
 def newest_tested() -> str:
@@ -106,6 +114,7 @@ def verdict_cause(cls: type, config: Any, device: torch.device, dtype: torch.dty
 
         if cls in _checking or is_compiling():
             return None
+        untested()  # the check runs because this transformers is newer (else the family is unverified): said once
         _checking.add(cls)
         try:
             start = time.perf_counter()
@@ -116,14 +125,15 @@ def verdict_cause(cls: type, config: Any, device: torch.device, dtype: torch.dty
     return None if _verdicts[cls] is None else failed_cause()
 
 
-_installed: list[Optional[str]] = []  # untested() of the installed transformers: trusted() runs in traced forwards,
+_installed: list[Optional[str]] = []  # newer() of the installed transformers: trusted() runs in traced forwards,
 # where dynamo warns of "silent incorrectness" at a functools.cache call
 
 
 def trusted(family: Optional[str]) -> bool:
-    """A family served without a self-check: a transformers CI has tested, and a family the census has verified."""
+    """A family served without a self-check: a transformers CI has tested, and a family the census has verified.
+    Silent: it first runs where patchkit's attention is registered, inside an import of transformers."""
     if not _installed:
-        _installed.append(untested())
+        _installed.append(newer())
     return _installed[0] is None and family not in unverified
 
 

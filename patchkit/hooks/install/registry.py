@@ -88,6 +88,11 @@ def table_spec(model_type: Optional[str]) -> PatchSpec:
     return found
 
 
+def imported_table_types() -> list[str]:
+    """The model types the table could serve whose modeling module is imported already (see table.imported_types)."""
+    return list(importlib.import_module(TABLE).imported_types())
+
+
 _REFUSED: list[dict] = []  # the table's REFUSED, read once (an import inside a traced forward guards sys.modules)
 
 

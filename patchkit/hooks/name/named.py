@@ -23,6 +23,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import given_cache
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
@@ -79,7 +80,9 @@ def seen(module: nn.Module, named: bool = False) -> None:
 
 
 def adopt(model: nn.Module) -> None:
-    """Count `model`'s parts as named and wrap its causal LMs' calls and generate()'s input preparation (once)."""
+    """Count `model`'s parts as named and wrap its causal LMs' calls and generate()'s input preparation (once); a
+    transformers newer than the tested one is said here, at the line that built or named the model."""
+    self_check.untested()
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     replacements = []
     for m in model.modules():
