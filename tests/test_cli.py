@@ -36,7 +36,7 @@ def test_help_lists_every_command_in_a_real_run():
 
 def test_help_lists_every_launcher_option():
     """The summary in `patchkit --help` names each option `patchkit run --help` has."""
-    from patchkit.launch import build_parser
+    from patchkit.entry.launch import build_parser
 
     options = {s for a in build_parser("x")._actions for s in a.option_strings if s not in ("-h", "--help")}
     for option in options - {"--no-strict"}:  # --no-strict only undoes PATCHKIT_STRICT

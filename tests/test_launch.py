@@ -165,7 +165,7 @@ def in_process(tmp_path, monkeypatch):
     as it was after (the launcher exports its options for the processes the target starts: they must not leak into
     the tests after this one, which start interpreters of their own)."""
     import patchkit
-    from patchkit import launch as launch_module
+    from patchkit.entry import launch as launch_module
 
     environment = dict(os.environ)
     for var in ("PATCHKIT_FLASH_ATTN", "PATCHKIT_PATCH", "PATCHKIT_BACKEND", "PATCHKIT_STRICT", "PATCHKIT_UNPAD"):
@@ -240,7 +240,7 @@ def test_bad_environment_values_are_rejected_naming_the_variable(in_process, mon
 
 
 def test_usage_errors(tmp_path, capsys, monkeypatch):
-    from patchkit.launch import main
+    from patchkit.entry.launch import main
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     cases = [
@@ -258,8 +258,8 @@ def test_a_command_on_path_runs_like_a_script_and_a_missing_one_fails_before_pat
                                                                                         monkeypatch, capsys):
     """`patchkit run axolotl train cfg.yml`: a console script on PATH (a Python file pip wrote) runs patched as a
     script path would; a name that is neither a file nor a command fails at once, before the patch's imports."""
-    from patchkit import launch as launch_module
     from patchkit.entry import config
+    from patchkit.entry import launch as launch_module
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -281,7 +281,7 @@ def test_a_command_on_path_runs_like_a_script_and_a_missing_one_fails_before_pat
 
 
 def test_in_process_split_keeps_script_options(monkeypatch):
-    from patchkit.launch import build_parser, split_argv
+    from patchkit.entry.launch import build_parser, split_argv
 
     parser = build_parser("t")
     options, target = split_argv(["--patch=llama1", "--strict", "s.py", "--patch", "x", "-m", "y"], parser)

@@ -26,7 +26,7 @@ LAYERS = [
     {"patchkit.group"},
     {"patchkit.api"},
     {"patchkit.nn"},
-    {"entry"},  # entry/ and patchkit/launch.py (`python -m patchkit.launch`): the entry points
+    {"entry"},  # entry/ and patchkit/launch.py (`python -m patchkit.launch`, which runs entry/launch.py)
     {"patchkit"},  # the package's public names, loaded on first use
 ]
 

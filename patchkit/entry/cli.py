@@ -28,7 +28,7 @@ USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
 def cmd_run(argv: list[str]) -> int:
     """`patchkit run`: the launcher (`python -m patchkit.launch`) under the patchkit command."""
-    from patchkit.launch import main as launch_main
+    from patchkit.entry.launch import main as launch_main
 
     return launch_main(argv, prog="patchkit run")
 
