@@ -64,7 +64,7 @@ def test_the_announcement_names_the_line_that_applies_the_patch_not_an_import(ne
     hook): the announcement came from there and named the line that imported transformers' module. It now comes
     where patchkit starts to serve: the line that applies the patch."""
 
-    from patchkit.hooks import attention_interface
+    from patchkit.hooks.name import attention_interface
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
