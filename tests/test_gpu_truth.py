@@ -271,3 +271,42 @@ def test_a_run_without_the_parts_csvs_measures_no_goal(tmp_path):
     assert rows and all(g.value is None and g.verdict.startswith("not measured: ") for g in rows)
     assert {g.why.split()[0] for g in rows} == {"train/results.csv", "pad/results.csv", "decode.csv", "families.csv"}
     assert sum(g.bound is not None for g in rows) >= 14
+
+
+def test_families_times_hf_flash_attention_4_and_the_gpt_oss_goal_reads_hf_best(tmp_path, monkeypatch):
+    """benchmarks/families.py's HF kernels on GPT-OSS, with CPU stand-ins for what loads on the GPU: HF
+    flash_attention_4 (here the eager model) is timed beside HF eager, flash_attention_2 failing on its first step is
+    a skipped row with its reason; the GPT-OSS goal reads those rows and sets patchkit against the faster HF one."""
+    import copy
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_families", ROOT / "benchmarks" / "families.py")
+    fam = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fam)  # not `import families`: tests/families.py holds that name
+
+    def fails(**kw):
+        raise RuntimeError("flash_attention_2 takes no s_aux")
+
+    def stand_in(reference, device, name):
+        model = copy.deepcopy(reference)
+        if name == fam.FA2:
+            model.forward = fails
+        return model, ""
+
+    monkeypatch.setattr(fam, "hf_kernel_model", stand_in)
+    rows = fam.measure("gpt_oss", fam.lognormal_lengths(4, 0.05), 1, torch.device("cpu"), fam.Budget(None))
+    by = {r["provider"]: r for r in rows}
+    assert set(by) == {"hf_eager padded", "hf_flash_attention_4 padded", "hf_flash_attention_2 padded",
+                       "patchkit padded", "patchkit packed"}
+    assert by["hf_flash_attention_4 padded"]["median_s"] > 0
+    skipped = by["hf_flash_attention_2 padded"]
+    assert skipped["backend"] == "flash_attention_2" and skipped["median_s"] == ""
+    assert skipped["note"] == "skipped: RuntimeError: flash_attention_2 takes no s_aux"
+    write(tmp_path / "families.csv", rows)
+    from gpu_truth_goals import Run
+
+    oss = Run(tmp_path).gpt_oss()
+    best = min(("hf_eager", "hf_flash_attention_4"), key=lambda p: by[f"{p} padded"]["median_s"])
+    assert oss.value == pytest.approx(by[f"{best} padded"]["median_s"] / by["patchkit padded"]["median_s"])
+    assert f"HF's best, {best} (of hf_eager, hf_flash_attention_4; hf_flash_attention_2 skipped: RuntimeError" in (
+        oss.label)
