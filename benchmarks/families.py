@@ -15,11 +15,13 @@ hits both alike. Prints a table and writes a CSV.
 
 `--device cuda`: bf16 on the GPU, each family at bench.py's CUDA size (workloads.MODES["cuda"]: hidden 2048, 16
 heads of head_dim 128, 2 K/V heads; the head dims a flash-attn build has) on a batch of 16; patchkit on its best
-backend whose gates pass (flash_attn, else torch_varlen, else sdpa; the `backend` column), and HF's
-flash_attention_2 on the padded batch beside HF sdpa where it loads and runs (else a `skipped` row with the reason).
-CUDA rows add device, dtype, backend, the step's peak memory above what was allocated before it, vs_hf_fa2 and a
-note. `--budget-s` stops starting families and rounds once spent (a family started keeps at least one timed round);
-the CSV is rewritten after every family, so the rows measured are kept.
+backend whose gates pass (flash_attn_4 where installed, flash_attn, else torch_varlen, else sdpa; the `backend`
+column), and HF's flash_attention_2 and flash_attention_4 on the padded batch beside HF sdpa, each where it loads and
+runs (bench.py's probe; else a `skipped` row with the reason): HF's best path for a family is the fastest HF row it
+has (GPT-OSS: eager, flash_attention_4 with its sinks as `learnable_sink`). CUDA rows add device, dtype, backend, the
+step's peak memory above what was allocated before it, vs_hf_fa2, vs_hf_fa4 and a note. `--budget-s` stops starting
+families and rounds once spent (a family started keeps at least one timed round); the CSV is rewritten after every
+family, so the rows measured are kept.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from providers import (  # noqa: E402
+    HF_KERNELS,
     HF_PROVIDERS,
     Budget,
     add_run_args,
@@ -50,7 +53,7 @@ from workloads import MODES, hf_size, lognormal_lengths, make_tokens, packed_row
 
 TARGET = 1.4  # the padded training step of every family: at least 1.4x HF sdpa
 WINDOW = 256
-FA2 = "hf_flash_attention_2"
+FA2, FA4 = HF_KERNELS  # "hf_flash_attention_2", "hf_flash_attention_4"
 
 
 # The Qwen VL families: the language model at the size (on the CPU head_dim 32: 16 rotary frequencies in time,
@@ -193,24 +196,25 @@ def timed_step(model: torch.nn.Module, batch: dict) -> tuple[float, float | None
     return seconds, peak
 
 
-def fa2_model(reference: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module | None, str]:
-    """A copy of `reference` on HF's flash_attention_2, or None and why not (on the CPU: None, "")."""
+def hf_kernel_model(reference: torch.nn.Module, device: torch.device, name: str) -> tuple[torch.nn.Module | None, str]:
+    """A copy of `reference` on HF's kernel `name` (hf_flash_attention_2 or _4), or None and why not (on the CPU:
+    None, ""): skipped where bench.py's probe found it unusable, or where this family has no path to it."""
     if device.type != "cuda":
         return None, ""
-    why = dict(probed(device)[1]).get(FA2)
+    why = dict(probed(device)[1]).get(name)
     if why:
         return None, why
     model = copy.deepcopy(reference)
     try:
-        model.set_attn_implementation(HF_PROVIDERS[FA2])
-    except (ValueError, ImportError) as exc:  # this family has no flash_attention_2 path in transformers
+        model.set_attn_implementation(HF_PROVIDERS[name])
+    except (ValueError, ImportError) as exc:  # this family has no path to that kernel in transformers
         return None, one_line(exc)
     return model, ""
 
 
 def measure(family: str, lengths: list[int], reps: int, device: torch.device, budget: Budget) -> list[dict]:
-    """Median step time of HF (sdpa, and on CUDA flash_attention_2) on the padded batch and of patchkit on the padded
-    and packed batches; rounds stop early once `budget` is spent (one timed round at least)."""
+    """Median step time of HF (sdpa, and on CUDA flash_attention_2 and _4) on the padded batch and of patchkit on the
+    padded and packed batches; rounds stop early once `budget` is spent (one timed round at least)."""
     if family in VL:  # room for the image in every row (the full-size mix's shortest row, 96, has it)
         lengths = [max(n, (PATCHES // 2) ** 2 + 3) for n in lengths]
     docs = make_tokens(lengths, hf_size(device.type)["vocab_size"] - 3)  # the VL image and vision tokens stay out
@@ -223,11 +227,11 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
         packed = {k: v.to(device) for k, v in packed_row(docs).items() if k in ("input_ids", "position_ids", "labels")}
     padded = {k: v.to(device) for k, v in padded.items()}
     model = copy.deepcopy(reference)
-    hf, fa2_key = f"hf_{implementation} padded", f"{FA2} padded"
-    fa2, fa2_why = fa2_model(reference, device)
-    steps = {hf: (reference, padded), **({fa2_key: (fa2, padded)} if fa2 is not None else {}),
+    hf, fa2_key, fa4_key = f"hf_{implementation} padded", f"{FA2} padded", f"{FA4} padded"
+    kernels = {f"{name} padded": hf_kernel_model(reference, device, name) for name in HF_KERNELS}
+    steps = {hf: (reference, padded), **{key: (net, padded) for key, (net, _) in kernels.items() if net is not None},
              "patchkit padded": (model, padded), **({} if family in VL else {"patchkit packed": (model, packed)})}
-    skipped = {fa2_key: fa2_why} if fa2_why else {}
+    skipped = {key: why for key, (_, why) in kernels.items() if why}
     times: dict[str, list[float]] = {key: [] for key in steps}
     peaks = dict.fromkeys(steps, 0.0)
     handle, backend, refused = patch_on_best("llama2" if family == "llama" else family, model, device, strict=True)
@@ -238,8 +242,8 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
             for key, (net, batch) in list(steps.items()):
                 try:
                     seconds, peak = timed_step(net, batch)
-                except Exception as exc:  # noqa: BLE001 - HF flash_attention_2 failing on its first step: a skip
-                    if key != fa2_key or rep:
+                except Exception as exc:  # noqa: BLE001 - an HF kernel failing on its first step: a skip
+                    if key not in kernels or rep:
                         raise
                     skipped[key] = one_line(exc)
                     del steps[key], times[key]
@@ -259,17 +263,19 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
                    vs_hf=round(base / med, 2))
         if cuda:
             row.update(vs_hf_fa2=round(statistics.median(times[fa2_key]) / med, 2) if fa2_key in times else "",
+                       vs_hf_fa4=round(statistics.median(times[fa4_key]) / med, 2) if fa4_key in times else "",
                        backend=backend if key.startswith("patchkit") else HF_PROVIDERS[key.split()[0]],
                        peak_mib=round(peaks[key], 1), reps=len(v), device="cuda", dtype="bfloat16",
                        note=f"better backends refused: {refused}" if refused and key.startswith("patchkit") else "")
         rows.append(row)
         print(f"{family:<14}{key:<18}{med:>10.3f}{row['real_tokens_per_s']:>12.1f}{row['vs_hf']:>11.2f}x"
-              + (f"{row['vs_hf_fa2'] or '':>10}{row['peak_mib']:>10.0f}  {backend if key.startswith('p') else ''}"
+              + (f"{row['vs_hf_fa2'] or '':>10}{row['vs_hf_fa4'] or '':>10}{row['peak_mib']:>10.0f}  "
+                 f"{backend if key.startswith('p') else ''}"
                  if cuda else ""), flush=True)
     for key, why in skipped.items():
         rows.append(dict(family=family, provider=key, median_s="", real_tokens_per_s="", vs_hf="", vs_hf_fa2="",
-                         backend=HF_PROVIDERS[FA2], peak_mib="", reps=0, device="cuda", dtype="bfloat16",
-                         note=f"skipped: {why}"))
+                         vs_hf_fa4="", backend=HF_PROVIDERS[key.split()[0]], peak_mib="", reps=0, device="cuda",
+                         dtype="bfloat16", note=f"skipped: {why}"))
         print(f"{family:<14}{key:<18} skipped: {why}", flush=True)
     return rows
 
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch of {batch}, lengths {lengths}, {padding_fraction(lengths):.1%} padding; {where}, torch "
           f"{torch.__version__}; {args.reps} alternating reps, medians")
     print(f"{'family':<14}{'provider':<18}{'median s':>10}{'real tok/s':>12}{'vs HF':>12}"
-          + (f"{'vs fa2':>10}{'peak MiB':>10}  backend" if device.type == "cuda" else ""))
+          + (f"{'vs fa2':>10}{'vs fa4':>10}{'peak MiB':>10}  backend" if device.type == "cuda" else ""))
     rows: list[dict] = []
     failed: dict[str, str] = {}
     try:

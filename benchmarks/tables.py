@@ -23,7 +23,7 @@ REPO = HERE.parent
 PAGES = [REPO / "docs" / "performance.md", REPO / "README.md"]
 PATCHKIT_ORDER = ("patchkit_flash_attn", "patchkit_torch_varlen", "patchkit_sdpa")  # as benchmarks/report.py judges
 sys.path.insert(0, str(REPO / "tools"))
-from gpu_truth_report import goals, median, read_csv  # noqa: E402  (the gpu-truth run's goals, measured once)
+from gpu_truth_goals import goals, median, read_csv  # noqa: E402  (the gpu-truth run's goals, measured once)
 
 
 def read(name: str) -> list[dict[str, str]]:
@@ -193,7 +193,7 @@ def truth_facts() -> str:
 
 
 def gpu_truth() -> str:
-    """The issue's goals against the `make gpu-truth` run (tools/gpu_truth_report.py measures them)."""
+    """The issues' goals against the `make gpu-truth` run (tools/gpu_truth_goals.py measures them)."""
     return truth_facts() + "\n\n" + "\n".join(goals(RESULTS / "cuda/truth"))
 
 

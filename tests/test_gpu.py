@@ -1,8 +1,8 @@
-"""On a CUDA GPU: the flash_attn and torch_varlen backends against HF eager and patchkit's sdpa backend, in bf16.
+"""On a CUDA GPU: the flash_attn, flash_attn_4 and torch_varlen backends against HF eager and the sdpa backend, in bf16.
 
-Every test here is marked `gpu` and skips without CUDA (and, for flash_attn, without the package); `make gpu-test`
-runs them all. bf16 is judged by flash-attn's own rule: no further from the fp32 truth than twice eager bf16's own
-error, plus a small floor.
+Every test here is marked `gpu` and skips without CUDA (and, for flash_attn and flash_attn_4, without the package:
+the skip names the failed gate, e.g. `import flash_attn.cute failed`); `make gpu-test` runs them all. bf16 is judged
+by flash-attn's own rule: no further from the fp32 truth than twice eager bf16's own error, plus a small floor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from patchkit.backends.choice import backend_gates
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["flash_attn", "torch_varlen"]
+KERNELS = [*BACKENDS, "flash_attn_4"]  # flash-attn 4 where the tests ask no compiled step or offloaded cache of it
 
 
 def require(backend: str) -> None:
@@ -52,7 +53,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNELS)
 def test_training_step_logits_and_gradients(backend, kv_heads):
     require(backend)
     truth_model = gpu_model(kv_heads).train()
@@ -84,7 +85,7 @@ def same_greedy(ours: torch.Tensor, ref, prompt_len: int, tie: float = 0.125) ->
                 break
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNELS)
 def test_generation_tokens_match_eager(backend):
     require(backend)
     model = gpu_model().to(torch.bfloat16).eval()
@@ -115,7 +116,7 @@ def test_static_cache_generation_tokens_match_eager(backend, compiled):
     same_greedy(ours, ref, ids.shape[1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNELS)
 def test_packed_rows_never_attend_across_documents(backend):
     require(backend)
     truth_model = gpu_model().eval()
@@ -219,6 +220,61 @@ def test_windows_and_softcap_run_on_the_kernel(backend, model_type):
     with patchkit.apply_patch(model_type, backend=backend, strict=True):
         got = model.generate(input_ids=ids, **kw)
     same_greedy(got, ref, ids.shape[1])
+
+
+def sinks_model() -> torch.nn.Module:
+    """A 2-layer GPT-OSS with head_dim 128: attention sinks on every layer (drawn from N(0, 1), so that they bite), a
+    sliding window of 5 on its sliding layers, both experts taken by every token (no routing flip between bf16 and
+    fp32), fp32 on the GPU."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GptOssConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_local_experts=2,
+                             num_experts_per_tok=2, sliding_window=5, max_position_embeddings=131072, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    model = tf.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model.cuda().eval()
+
+
+def train_and_generate(model_type: str, backend: str) -> None:
+    """A bf16 training step of `model_type` (gemma2, gpt_oss) on `backend` (strict: no per-call fallback): logits
+    and every gradient (GPT-OSS's sinks' included) within 2x bf16 eager's own error against fp32, as the sdpa
+    backend's are; then greedy tokens as eager's."""
+    truth_model = (windowed_model("gemma2") if model_type == "gemma2" else sinks_model()).train()
+    model = clone(truth_model).to(torch.bfloat16).train()
+    ids, mask = (t.cuda() for t in padded_batch("mixed", seq=48))
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    truth, truth_grads = train_step(truth_model, **inputs)
+    eager, eager_grads = train_step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
+        exact, exact_grads = train_step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
+        ours, ours_grads = train_step(model, **inputs)
+    assert handle.backend == backend and handle.calls >= model.config.num_hidden_layers
+    real = mask.bool()
+    for what, logits, grads in ((backend, ours, ours_grads), ("sdpa backend", exact, exact_grads)):
+        close_to_truth(logits[real], eager[real], truth[real], f"{model_type} {what} logits")
+        close_to_truth(grads, eager_grads, truth_grads, f"{model_type} {what} gradients")
+    model.eval()
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True):
+        got = model.generate(input_ids=ids, **kw)
+    same_greedy(got, ref, ids.shape[1])
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_flash_attn_4_trains_and_generates_with_windows_softcap_and_sinks(model_type):
+    """What only flash-attn 4 takes on the kernel: Gemma2's window and softcap, and GPT-OSS's sinks
+    (`learnable_sink`, with their gradient) beside its window; skips without CUDA or without flash-attn 4's
+    `flash_attn.cute`, naming the failed gate."""
+    require("flash_attn_4")
+    train_and_generate(model_type, "flash_attn_4")
 
 
 @pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
