@@ -232,3 +232,31 @@ def test_what_the_graph_does_not_serve_is_read_from_the_modeling_source():
     k = v = torch.randn(1, 2, 5, 8)
     with pytest.raises(patchkit.PatchkitError, match="attention sinks inside a compiled graph"):
         attend(model.model.layers[0].self_attn, q, k, v, GraphMask(None, False, None, None), s_aux=torch.zeros(4))
+
+
+def gpt2(cross_attention: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, add_cross_attention=cross_attention)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("cross_attention", [False, True], ids=["decoder only", "encoder states"])
+def test_a_decoder_that_can_cross_attend_is_served_in_the_graph_unless_given_encoder_states(cross_attention):
+    """GPT-2's forward builds an encoder mask (`create_bidirectional_mask`) only when given encoder states: the graph
+    serves its decoder-only forwards (before, the word "bidirectional" in its source stepped every one aside), and
+    steps a forward with encoder states aside by name, `cross_attention`, as outside a graph."""
+    model = gpt2(cross_attention)
+    ids, mask = padded_batch("mixed", batch=4, seq=16)
+    kw = dict(input_ids=ids.clamp(max=95), attention_mask=mask)
+    if cross_attention:
+        kw["encoder_hidden_states"] = torch.randn(4, 5, 32, generator=torch.Generator().manual_seed(1))
+    want = unpatched_step(model, kw, False)
+    with patchkit.apply_patch("gpt2", backend="sdpa") as handle:
+        got = compiled_step(model, kw, False)
+        aside, compiled = dict(handle.stepped_aside), handle.state.compiled
+    assert aside == ({"cross_attention": 1} if cross_attention else {})
+    assert compiled or cross_attention  # decoder only: a compiled call ran through the patch
+    assert_same(got, want, mask.bool())

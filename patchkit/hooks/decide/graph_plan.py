@@ -75,6 +75,8 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
         return "labels"
     if given_cache(arguments, extra) is not None:
         return "cache"
+    if any(where.get("encoder_hidden_states") is not None for where in (arguments, extra)):
+        return "cross_attention"  # as outside a graph: the whole forward on transformers' attention
     window = sliding_window(config)
     tokens = input_tokens(arguments)
     if padded and window is not None and tokens is not None and window < tokens.shape[1]:
@@ -171,7 +173,9 @@ def _modeling_cause(module_name: str, class_name: str) -> str:
     """What in a base model's modeling code the in-graph path does not serve, read from its source once per class
     (run while traced): "custom_mask_pattern" where its forward asks transformers for a mask beyond causal, sliding
     and packed (bidirectional spans, chunks, a caller's and/or mask functions), "sinks" where its module passes
-    attention sinks (`s_aux`), else ""."""
+    attention sinks (`s_aux`), else "". A decoder's encoder mask (`create_bidirectional_mask`, GPT-2 built with
+    cross-attention) is not such a pattern: `graph_cause` steps a forward given encoder states aside by name, and a
+    bare bidirectional mask is told at the mask call by its name."""
     key = (module_name, class_name)
     if key not in _MODELING:
         module = sys.modules[module_name]
@@ -182,11 +186,13 @@ def _modeling_cause(module_name: str, class_name: str) -> str:
             forward, whole = inspect.getsource(method), inspect.getsource(module)
         except (OSError, TypeError):  # unreadable: assume the worst, step aside
             forward, whole = PATTERN_MARKERS[0], ""
+        forward = forward.replace(ENCODER_MASK, "")
         _MODELING[key] = ("custom_mask_pattern" if any(m in forward for m in PATTERN_MARKERS)
                           else "sinks" if "s_aux" in whole else "")
     return _MODELING[key]
 
 
+ENCODER_MASK = "create_bidirectional_mask("  # cross-attention's mask over the encoder's tokens
 PATTERN_MARKERS = ("or_mask_function", "and_mask_function", "block_sequence_ids", "chunked", "bidirectional")
 _MODELING: dict[tuple[str, str], str] = {}
 modeling_cause = torch._dynamo.assume_constant_result(_modeling_cause)  # run while traced
