@@ -348,8 +348,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sdist", type=Path, help="--prepare: a transformers sdist (default: pip download it)")
     parser.add_argument("--python", default=str(venv_python if venv_python.exists() else sys.executable),
                         help="the interpreter whose environment has transformers and patchkit (default: .venv)")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
-                        help=f"default: all of {' '.join(FAMILIES)}")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), metavar="FAMILY",
+                        help=f"any folder name under transformers' tests/models (with --prepare: the folders to "
+                             f"take from the mirror, added to the default); default: all of {' '.join(FAMILIES)}")
     parser.add_argument("-k", default=DEFAULT_K, help=f"pytest -k expression (default {DEFAULT_K!r}; '' for none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
     parser.add_argument("--no-confirm", dest="confirm", action="store_false",
@@ -367,7 +368,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.prepare:
         if args.mirror is None:
             parser.error("--prepare needs --mirror (a git checkout or bare mirror of transformers)")
-        prepare(args.tests_dir, args.mirror.resolve(), args.rev, args.sdist, args.python)
+        prepare(args.tests_dir, args.mirror.resolve(), args.rev, args.sdist, args.python,
+                tuple(dict.fromkeys([*FAMILIES, *args.families])))
         return 0
     if not (args.tests_dir / "pytest.ini").exists():
         parser.error(f"{args.tests_dir} is not an assembled tests tree: run --prepare first")
