@@ -9,14 +9,18 @@ zucchini-nlp/transformers, whose `tests/` has what the sdist leaves out):
     git clone --depth 1 https://github.com/zucchini-nlp/transformers /tmp/hf-transformers   # or a bare mirror
     .venv/bin/python tools/hf_modeling_tests.py --prepare --tests-dir /tmp/hf_tests \\
         --mirror /tmp/hf-transformers              # [--sdist transformers-X.tar.gz] to skip the pip download
+        [--families gpt2 jamba ...]                # other tests/models folders than the patch modules' families
 
 `--prepare` downloads the sdist of the installed version (`pip download --no-deps --no-binary :all:`), copies the
 mirror's files first and the sdist's over them, and writes what neither has: `tests/distributed_testing_utils.py`
 (a stub whose helpers skip the test: only the tensor-parallel, expert-parallel and FSDP mixins use it), a minimal
 root `conftest.py` (transformers' own registers an xdist-only hook and fails without pytest-xdist), `pytest.ini`
 (markers and warning filters from the sdist's pyproject.toml) and `src/transformers`, a link to the installed
-package (`test_pipeline_mixin.py` imports it from there, as in a transformers checkout). PROVENANCE.json says
-which file came from where. The test files import `parameterized` and `httpx`: pip install them into the venv.
+package (`test_pipeline_mixin.py` imports it from there, as in a transformers checkout). Where the mirror's testers
+import a constant from `transformers.testing_utils` that the installed version lacks (2026-08's
+`_TEXT_MODEL_TESTER_DEFAULTS`, absent from 5.24.0), the conftest copies it from the mirror's testing_utils.
+PROVENANCE.json says which file came from where. The test files import `parameterized`, `httpx` and (the VL
+families) `requests`: pip install them into the venv.
 
 Step 2, compare (each family's test file is run twice, one family at a time, plain then patched):
 

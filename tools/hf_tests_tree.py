@@ -217,7 +217,7 @@ def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], pyth
     (tests_dir / "PROVENANCE.json").write_text(json.dumps(
         {"transformers": version, "sdist": str(sdist), "mirror": f"{mirror}@{rev}", "files": provenance},
         indent=1, sort_keys=True))
-    missing = [m for m in ("parameterized", "httpx") if subprocess.run(
+    missing = [m for m in ("parameterized", "httpx", "requests") if subprocess.run(
         [python, "-c", f"import {m}"], capture_output=True).returncode]
     print(f"assembled {len(provenance)} files for transformers {version} in {tests_dir}")
     if missing:
