@@ -72,3 +72,28 @@ def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     assert "patched run" in changed["test_fails_patched"]["patched_message"]
     assert family["patched_attention_tests"] == 1 and family["patched_calls"] >= 2  # two layers, one forward
     assert "test_fails_patched" in run.stdout and "patched run" in run.stdout
+
+
+def test_prepare_copies_the_testers_missing_testing_utils_constants(tmp_path: Path) -> None:
+    """A later mirror's testers import a constant the installed transformers.testing_utils lacks (2026-08's
+    causal_lm_tester.py: `_TEXT_MODEL_TESTER_DEFAULTS`, absent from 5.24.0): the assembled conftest defines it, copied
+    from the mirror's testing_utils; names the installed version has are left alone."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from hf_tests_tree import testing_utils_shim
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    mirror, tests_dir = tmp_path / "mirror", tmp_path / "tree"
+    (mirror / "src/transformers").mkdir(parents=True)
+    (mirror / "src/transformers/testing_utils.py").write_text(
+        "_MISSING_DEFAULTS = {'batch_size': 13, 'hidden_act': 'gelu'}\nrequire_torch = None\n")
+    subprocess.run(["git", "init", "-q", str(mirror)], check=True)
+    subprocess.run(["git", "-C", str(mirror), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(mirror), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "m"],
+                   check=True)
+    (tests_dir / "tests").mkdir(parents=True)
+    (tests_dir / "tests/causal_lm_tester.py").write_text(
+        "from transformers.testing_utils import _MISSING_DEFAULTS, require_torch\n")
+    shim = testing_utils_shim(tests_dir, mirror, "HEAD", sys.executable)
+    assert "_testing_utils._MISSING_DEFAULTS = {'batch_size': 13, 'hidden_act': 'gelu'}" in shim
+    assert "require_torch" not in shim

@@ -458,3 +458,33 @@ def test_an_instance_patch_over_a_class_patch_counts_its_own_forwards(revert_cla
     for got in (first, second):
         torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     assert not is_patched_forward(model.model.forward)
+
+
+@pytest.mark.parametrize("cache", ["generate", "hand-written prefill"])
+def test_right_padded_prefill_of_a_model_that_takes_no_logits_to_keep_steps_aside(cache):
+    """GPT-2's double-heads model (transformers' own test_generate_with_static_cache and
+    test_generate_compile_model_forward_fullgraph, 2026-11-29): its forward takes no `logits_to_keep` and, on 5.x,
+    generate() passes no `cache_position` either, so patchkit could not tell generate()'s prefill from a plain forward.
+    A right-padded prompt then ran packed and each short row's next token was read from the zeros at its padding:
+    other tokens than unpatched, with no warning (the static cache's prefill stepped aside, so static and dynamic
+    disagreed). Such a model's prefill into an empty cache with a row ending in padding steps aside, named."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2DoubleHeadsModel(config).eval()
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    if cache == "generate":
+        def run():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  pad_token_id=0)
+    else:
+        def run():
+            return model(input_ids=ids, attention_mask=mask, **{CACHE: dynamic_cache(model)},
+                         use_cache=True).logits[:, -1]
+    with torch.no_grad():
+        want = run()
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="right_padded_generation"):
+                got = run()
+            assert handle.stepped_aside == {"right_padded_generation": 1}
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

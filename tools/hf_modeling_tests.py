@@ -9,14 +9,18 @@ zucchini-nlp/transformers, whose `tests/` has what the sdist leaves out):
     git clone --depth 1 https://github.com/zucchini-nlp/transformers /tmp/hf-transformers   # or a bare mirror
     .venv/bin/python tools/hf_modeling_tests.py --prepare --tests-dir /tmp/hf_tests \\
         --mirror /tmp/hf-transformers              # [--sdist transformers-X.tar.gz] to skip the pip download
+        [--families gpt2 jamba ...]                # other tests/models folders than the patch modules' families
 
 `--prepare` downloads the sdist of the installed version (`pip download --no-deps --no-binary :all:`), copies the
 mirror's files first and the sdist's over them, and writes what neither has: `tests/distributed_testing_utils.py`
 (a stub whose helpers skip the test: only the tensor-parallel, expert-parallel and FSDP mixins use it), a minimal
 root `conftest.py` (transformers' own registers an xdist-only hook and fails without pytest-xdist), `pytest.ini`
 (markers and warning filters from the sdist's pyproject.toml) and `src/transformers`, a link to the installed
-package (`test_pipeline_mixin.py` imports it from there, as in a transformers checkout). PROVENANCE.json says
-which file came from where. The test files import `parameterized` and `httpx`: pip install them into the venv.
+package (`test_pipeline_mixin.py` imports it from there, as in a transformers checkout). Where the mirror's testers
+import a constant from `transformers.testing_utils` that the installed version lacks (2026-08's
+`_TEXT_MODEL_TESTER_DEFAULTS`, absent from 5.24.0), the conftest copies it from the mirror's testing_utils.
+PROVENANCE.json says which file came from where. The test files import `parameterized`, `httpx` and (the VL
+families) `requests`: pip install them into the venv.
 
 Step 2, compare (each family's test file is run twice, one family at a time, plain then patched):
 
@@ -348,8 +352,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sdist", type=Path, help="--prepare: a transformers sdist (default: pip download it)")
     parser.add_argument("--python", default=str(venv_python if venv_python.exists() else sys.executable),
                         help="the interpreter whose environment has transformers and patchkit (default: .venv)")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, metavar="FAMILY",
-                        help=f"default: all of {' '.join(FAMILIES)}")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), metavar="FAMILY",
+                        help=f"any folder name under transformers' tests/models (with --prepare: the folders to "
+                             f"take from the mirror, added to the default); default: all of {' '.join(FAMILIES)}")
     parser.add_argument("-k", default=DEFAULT_K, help=f"pytest -k expression (default {DEFAULT_K!r}; '' for none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
     parser.add_argument("--no-confirm", dest="confirm", action="store_false",
@@ -367,7 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.prepare:
         if args.mirror is None:
             parser.error("--prepare needs --mirror (a git checkout or bare mirror of transformers)")
-        prepare(args.tests_dir, args.mirror.resolve(), args.rev, args.sdist, args.python)
+        prepare(args.tests_dir, args.mirror.resolve(), args.rev, args.sdist, args.python,
+                tuple(dict.fromkeys([*FAMILIES, *args.families])))
         return 0
     if not (args.tests_dir / "pytest.ini").exists():
         parser.error(f"{args.tests_dir} is not an assembled tests tree: run --prepare first")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import re
@@ -116,6 +117,45 @@ def installed_transformers(python: str) -> tuple[str, str]:
     return out[0].strip(), out[1].strip()
 
 
+def testing_utils_shim(tests_dir: Path, mirror: Path, rev: str, python: str) -> str:
+    """conftest lines that give the installed transformers.testing_utils the constants the mirror's testers import
+    from it and it lacks (the mirror is a later snapshot than some releases: 2026-08's causal_lm_tester.py imports
+    `_TEXT_MODEL_TESTER_DEFAULTS`, which 5.24.0 does not define). Only literal constants of the mirror's
+    testing_utils are copied; a missing function is left to fail the import, as it would."""
+    wanted: set[str] = set()
+    for path in tests_dir.glob("tests/**/*.py"):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        wanted |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.module == "transformers.testing_utils" for alias in node.names}
+    code = ("import sys, transformers.testing_utils as t; "
+            "print(*[n for n in sys.argv[1:] if not hasattr(t, n)])")
+    missing = subprocess.run([python, "-c", code, *sorted(wanted)], check=True, capture_output=True,
+                             text=True).stdout.split()
+    if not missing:
+        return ""
+    source = subprocess.run(["git", "-C", str(mirror), "show", f"{rev}:src/transformers/testing_utils.py"],
+                            check=True, capture_output=True, text=True).stdout
+    values = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name in missing:
+                try:
+                    values[name] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
+    if not values:
+        return ""
+    lines = ["", "", "# constants the mirror's testers import from transformers.testing_utils, which the installed",
+             "# version lacks: copied from the mirror's src/transformers/testing_utils.py by tools/hf_tests_tree.py",
+             "import transformers.testing_utils as _testing_utils", ""]
+    lines += [f"_testing_utils.{name} = {value!r}" for name, value in sorted(values.items())]
+    return "\n".join(lines) + "\n"
+
+
 def pytest_ini(pyproject: Optional[bytes]) -> str:
     """pytest.ini with the sdist pyproject's markers and warning filters (and nothing that needs a plugin)."""
     options: dict[str, Any] = {}
@@ -129,8 +169,12 @@ def pytest_ini(pyproject: Optional[bytes]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], python: str) -> None:
-    """Assemble the tests tree: mirror files first, the installed version's sdist tests/*.py over them, then stubs."""
+def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], python: str,
+            families: tuple[str, ...] = FAMILIES) -> None:
+    """Assemble the tests tree: mirror files first, the installed version's sdist tests/*.py over them, then stubs.
+
+    `families` names the `tests/models/<family>` folders taken from the mirror (default: the patch-module families).
+    """
     version, package = installed_transformers(python)
     tests_dir.mkdir(parents=True, exist_ok=True)
     if sdist is None:
@@ -142,7 +186,7 @@ def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], pyth
     provenance: dict[str, str] = {}
     # two archives: an exclude pathspec wins over the include of tests/models/<family> in the same call
     for specs in (["tests", ":(exclude)tests/models", "utils/test_module", "utils/fetch_hub_objects_for_ci.py"],
-                  ["tests/models/__init__.py", *(f"tests/models/{family}" for family in FAMILIES)]):
+                  ["tests/models/__init__.py", *(f"tests/models/{family}" for family in families)]):
         with git_tar(mirror, rev, specs) as tar:
             for name in extract(tar, tests_dir):
                 provenance[name] = f"mirror {mirror}@{rev}"
@@ -156,7 +200,7 @@ def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], pyth
         for name in extract(tar, tests_dir, strip=root, keep=lambda n: bool(top_level.match(n))):
             provenance[name] = f"sdist {sdist.name}"
     generated = {
-        "conftest.py": CONFTEST,
+        "conftest.py": CONFTEST + testing_utils_shim(tests_dir, mirror, rev, python),
         "pytest.ini": pytest_ini(pyproject),
     }
     if not (tests_dir / "tests/distributed_testing_utils.py").exists():
@@ -173,7 +217,7 @@ def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], pyth
     (tests_dir / "PROVENANCE.json").write_text(json.dumps(
         {"transformers": version, "sdist": str(sdist), "mirror": f"{mirror}@{rev}", "files": provenance},
         indent=1, sort_keys=True))
-    missing = [m for m in ("parameterized", "httpx") if subprocess.run(
+    missing = [m for m in ("parameterized", "httpx", "requests") if subprocess.run(
         [python, "-c", f"import {m}"], capture_output=True).returncode]
     print(f"assembled {len(provenance)} files for transformers {version} in {tests_dir}")
     if missing:

@@ -158,10 +158,11 @@ def outer_forward(original: Callable, records: bool, unpad: str, state: PatchSta
 
 
 def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
-    """The vision-language models beside the family's causal LM in its modeling module (Gemma 3's and Gemma 4's
-    `ForConditionalGeneration`), whose forward takes the labels: wrapped like the causal LM, they tell the language
-    model's forward what of their call reads padding positions (labels predicted from padding, generate()'s next
-    token), which it must know to serve the masks they build themselves (`model_masks`)."""
+    """The other generative heads beside the family's causal LM in its modeling module, whose forward takes the
+    labels: the vision-language models (Gemma 3's and Gemma 4's `ForConditionalGeneration`) and GPT-2's
+    `DoubleHeadsModel`. Wrapped like the causal LM, they tell the language model's forward what of their call reads
+    padding positions (labels predicted from padding, generate()'s next token), which it must know to serve the masks
+    they build themselves (`model_masks`), and to step aside where generate() reads a token at padding."""
     import inspect
     import sys
 
@@ -170,7 +171,7 @@ def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
         return ()
     found = []
     for name, cls in vars(module).items():
-        if (isinstance(cls, type) and name.endswith("ForConditionalGeneration") and cls is not lm
+        if (isinstance(cls, type) and name.endswith(("ForConditionalGeneration", "DoubleHeadsModel")) and cls is not lm
                 and cls.__module__ == lm.__module__ and "labels" in inspect.signature(cls.forward).parameters):
             found.append(cls)
     return tuple(found)

@@ -157,10 +157,14 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     return bool(torch.stack(hits).any()) if hits else False
 
 
-def lm_cause(arguments: dict, extra: dict, training: bool = False) -> Optional[str]:
+def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: bool = True) -> Optional[str]:
     """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
     token (its prefill; a plain forward's logits at padding are zeros, as documented), or a hand-written decode
-    loop's for a row that is all padding, in eval mode (`training`: the model's mode)."""
+    loop's for a row that is all padding, in eval mode (`training`: the model's mode).
+
+    `takes_keep`: the model's forward takes `logits_to_keep`. One that does not (GPT-2's double-heads model) cannot be
+    told generate()'s prefill by it, nor, on 5.x, by a `cache_position`: there a prefill into an empty cache the caller
+    brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too."""
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
@@ -169,17 +173,20 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False) -> Optional[s
     position = arguments.get("cache_position", extra.get("cache_position"))
     if right_padded_generation(mask, cache, keep, position):
         return "right_padded_generation"
-    if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments)):
+    if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments),
+                                                                          ending=not takes_keep):
         return "right_padded_generation"
     return None
 
 
-def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any) -> bool:
+def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending: bool = False) -> bool:
     """A hand-written decode loop's prefill (in eval mode) into an empty cache the caller brought (dynamic or static)
     with a row that is all padding: the loop reads that row's next token at padding, as generate() would
     (`right_padded_generation`), where transformers computes logits of its own and the packed row gives zeros. (A
     row with real tokens ending in padding stays patched: its logits at padding are zeros, as documented.) A static
-    cache's mask may cover all its slots: its first q_len columns are the prompt's."""
+    cache's mask may cover all its slots: its first q_len columns are the prompt's. `ending`: a row whose last prompt
+    column is padding counts too (a model whose generate() prefill cannot be told otherwise: `lm_cause`'s
+    `takes_keep`)."""
     if cache is None or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or not isinstance(mask, torch.Tensor):
         return False
     q_len = tokens.shape[1]
@@ -188,4 +195,6 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any) -> bool
     length = getattr(cache, "get_seq_length", None)
     if length is None or is_compiling() or length() != 0:
         return False
+    if ending:
+        return bool((mask[:, q_len - 1] == 0).any())
     return bool((mask[:, :q_len] == 0).all(dim=-1).any())

@@ -286,6 +286,11 @@ def make_model_forward(
     return dressed_as(forward, original, signature)
 
 
+def takes_logits_to_keep(signature: inspect.Signature) -> bool:
+    """The forward takes `logits_to_keep` (or its older name), which generate() sets in its prefill."""
+    return any(name in signature.parameters for name in ("logits_to_keep", "num_logits_to_keep"))
+
+
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
@@ -293,6 +298,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     signature, var_kw, bind, _ = bound_call(original)
     servable = servable_forward(original)
     heads = state.heads if state is not None else None
+    takes_keep = takes_logits_to_keep(signature)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
@@ -306,7 +312,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
-        cause = lm_cause(arguments, extra, self.training)
+        cause = lm_cause(arguments, extra, self.training, takes_keep)
         if cause is None and unpad == "model" and not is_compiling():
             head = HeadRequest(declined(self, arguments, extra, servable))
             with within(lm_cause=None, head=head):

@@ -25,7 +25,7 @@ from patchkit.forward.inputs.arguments import given_cache
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.step_aside import lm_cause
-from patchkit.hooks.forwards.model_forward import bound_call
+from patchkit.hooks.forwards.model_forward import bound_call, takes_logits_to_keep
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name
@@ -33,7 +33,8 @@ from patchkit.hooks.install.routing import ROUTE_NAME, attn_name
 _adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every adopted model
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
 _watching: list[Replacement] = []
-_binders: dict[type, tuple] = {}  # a causal LM class -> (its **kwargs name, its binder of a call's arguments)
+# a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
+_binders: dict[type, tuple] = {}
 SEEN = "_patchkit_seen"  # every model built while patchkit watches holds a `Seen` here
 
 
@@ -133,10 +134,10 @@ def lm_forward(call: Callable) -> Callable:
             return call(self, *args, **kwargs)
         binder = _binders.get(type(self))
         if binder is None:
-            _, var_kw, bind, _ = bound_call(type(self).forward)
-            binder = _binders[type(self)] = (var_kw, bind)
+            signature, var_kw, bind, _ = bound_call(type(self).forward)
+            binder = _binders[type(self)] = (var_kw, bind, takes_logits_to_keep(signature))
         arguments = binder[1](self, args, kwargs)
-        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {}, self.training)
+        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {}, self.training, binder[2])
         if cause is None and current().lm_cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
