@@ -460,6 +460,7 @@ def test_an_instance_patch_over_a_class_patch_counts_its_own_forwards(revert_cla
     assert not is_patched_forward(model.model.forward)
 
 
+@pytest.mark.skipif(VERSION < Version("5"), reason="GPT-2 is served from data on transformers 5.x")
 @pytest.mark.parametrize("cache", ["generate", "hand-written prefill"])
 def test_right_padded_prefill_of_a_model_that_takes_no_logits_to_keep_steps_aside(cache):
     """GPT-2's double-heads model (transformers' own test_generate_with_static_cache and
