@@ -181,6 +181,11 @@ def transformers_mask_in_graph(mask: Any) -> bool:
     return is_compiling() and transformers_made(mask)
 
 
+def cross_attends(arguments: Mapping[str, Any], extra: Mapping[str, Any]) -> bool:
+    """The call gives a decoder its encoder's states (cross-attention), by name or through **kwargs."""
+    return any(where.get("encoder_hidden_states") is not None for where in (arguments, extra))
+
+
 def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.Tensor, int]]:
     """A 4D block-diagonal causal mask with no past (LLaMA-Factory's neat_packing) is packed documents: their
     (cu_seqlens, longest), which `take_documents` hands the varlen path instead of stepping aside; else None."""

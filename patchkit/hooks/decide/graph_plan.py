@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
-from patchkit.forward.inputs.arguments import given_cache, input_tokens, sliding_window
+from patchkit.forward.inputs.arguments import cross_attends, given_cache, input_tokens, sliding_window
 from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
@@ -75,7 +75,7 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
         return "labels"
     if given_cache(arguments, extra) is not None:
         return "cache"
-    if any(where.get("encoder_hidden_states") is not None for where in (arguments, extra)):
+    if cross_attends(arguments, extra):
         return "cross_attention"  # as outside a graph: the whole forward on transformers' attention
     window = sliding_window(config)
     tokens = input_tokens(arguments)

@@ -16,6 +16,7 @@ from patchkit.errors import PatchInputError
 from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.inputs.arguments import (
+    cross_attends,
     ends_in_padding,
     given_cache,
     input_tokens,
@@ -73,7 +74,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     lm_cause = current().lm_cause
     if lm_cause is not None:
         return lm_cause
-    if any(where.get("encoder_hidden_states") is not None for where in (arguments, extra)):
+    if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted is None:
