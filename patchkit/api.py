@@ -189,7 +189,9 @@ def apply_patch(
         unpad: "model" (default) unpads a padded batch once per model forward, so embeddings, projections, MLP
             and norms run on real tokens only (one packed row) and the outputs are repadded; it applies when no
             KV cache is kept (use_cache=False, or training). "attention" unpads inside each attention layer
-            only, so the decoder layers and their hooks see the padded (B, S, H) shape.
+            only, so the decoder layers and their hooks see the padded (B, S, H) shape. "loss": as "model", and
+            a training forward given labels returns its loss alone (`logits=None`), computed chunked over the
+            real tokens: no (B, N, V) logits and no float32 copy of them (the loss and gradients as unpatched).
 
     Returns:
         A `PatchHandle`: `.revert()`, a context manager, and `.report()`. Applying the same patch with the same

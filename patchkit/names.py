@@ -4,7 +4,10 @@ from __future__ import annotations
 
 GROUP_NAME = "all"  # the patch name that means "every family" (config, launcher, PATCHKIT_PATCH)
 BACKEND_NAMES = ("auto", "flash_attn", "flash_attn_4", "torch_varlen", "sdpa")
-UNPAD_MODES = ("model", "attention")  # once per model forward (default), or in each attention layer
+UNPAD_MODES = ("model", "attention", "loss")  # once per model forward (default), in each attention layer, or through
+# the loss: as "model", and a training forward with labels returns its loss alone (no (B, N, V) logits)
+WHOLE_MODEL = ("model", "loss")  # the unpad modes that unpad once per model forward
+
 
 # name -> module holding its SPEC; modules are imported on first use.
 PATCH_MODULES = {

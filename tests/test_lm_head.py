@@ -205,9 +205,11 @@ def test_a_loss_the_caller_computes_from_the_logits_gets_unpatched_gradients():
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-3, msg=name)
 
 
-def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path):
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path, unpad):
     """The HF Trainer, 2 micro-batches per step: it passes num_items_in_batch (the labelled tokens of both), which
-    the loss on real tokens divides by as transformers' does; the losses and the trained weights equal unpatched."""
+    the loss on real tokens divides by as transformers' does; the losses and the trained weights equal unpatched
+    (unpad="loss": the Trainer reads the loss alone)."""
     import transformers as tf
 
     def train(patched: bool) -> tuple[list, dict, dict]:
@@ -218,7 +220,7 @@ def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path):
                                     gradient_accumulation_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
                                     save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
                                     disable_tqdm=True)
-        handle = patchkit.apply_patch(model=model, backend="sdpa") if patched else None
+        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if patched else None
         try:
             trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
             trainer.train()
@@ -231,7 +233,8 @@ def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path):
 
     want, want_weights, _ = train(patched=False)
     got, got_weights, heads = train(patched=True)
-    assert heads[lm_head.REAL_TOKENS] >= 3  # rows 2-4 are padded (row 1 has none: nothing unpadded, nothing to count)
+    # rows 2-4 are padded (row 1 has none: nothing unpadded, nothing to count)
+    assert heads[lm_head.LOSS_ONLY if unpad == "loss" else lm_head.REAL_TOKENS] >= 3
     assert got == pytest.approx(want, abs=1e-5), (got, want)
     for name in want_weights:
         torch.testing.assert_close(got_weights[name], want_weights[name], atol=2e-5, rtol=1e-4, msg=name)

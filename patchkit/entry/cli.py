@@ -16,7 +16,7 @@ from patchkit.names import BACKEND_NAMES, patch_names
 
 USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
-  run     [--patch NAME] [--backend B] [--unpad model|attention] [--strict] [--no-patch]
+  run     [--patch NAME] [--backend B] [--unpad model|attention|loss] [--strict] [--no-patch]
           (SCRIPT.py | -m MODULE) [args...]                      apply the patch, then run the script or module
   doctor  [--json] [--verbose]                                   versions, GPU, flash-attn, which patch applies
   verify  [--patch NAME] [--dtype fp32|bf16|fp16] [--model PATH] patched vs unpatched logits and gradients

@@ -61,8 +61,9 @@ def _patch_strict_field() -> Any:
 def _patch_unpad_field() -> Any:
     return dataclasses.field(
         default="model",
-        metadata={"help": "Where padding is removed: model (once per forward; the decoder runs on real tokens "
-                          "only; default) or attention (inside each attention layer).",
+        metadata={"help": "Where padding is removed: model (once per forward; the decoder, the LM head and the "
+                          "loss run on real tokens only; default), attention (inside each attention layer) or loss "
+                          "(as model, and a training forward with labels returns its loss alone, no logits).",
                   "choices": list(UNPAD_MODES)},
     )
 

@@ -68,8 +68,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         help="patch to apply (default all: every family patchkit serves; or $PATCHKIT_PATCH)")
     parser.add_argument("--backend", choices=BACKEND_NAMES, help="backend (default auto or $PATCHKIT_BACKEND)")
     parser.add_argument("--unpad", choices=UNPAD_MODES,
-                        help="remove padding once per model forward (model) or in each attention layer (attention); "
-                        "default model or $PATCHKIT_UNPAD")
+                        help="remove padding once per model forward (model), in each attention layer (attention), or "
+                        "as model with training losses returned alone, no logits (loss); default model or "
+                        "$PATCHKIT_UNPAD")
     parser.add_argument("--strict", dest="strict", action="store_true", default=None,
                         help="raise instead of falling back to sdpa when a flash_attn gate fails")
     parser.add_argument("--no-strict", dest="strict", action="store_false", help="override PATCHKIT_STRICT=1")

@@ -25,6 +25,7 @@ from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_fo
 from patchkit.hooks.install.model_walk import find_modules
 from patchkit.hooks.install.patching import Replacement, bound_replacement
 from patchkit.hooks.install.state import PatchState
+from patchkit.names import WHOLE_MODEL
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
@@ -90,8 +91,8 @@ def class_replacements(state: PatchState, mod: Any) -> list[Replacement]:
     out = [Replacement(cls, "forward", forward, f"{cls.__name__}.forward") for cls in attention_classes(mod)]
     out.append(Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
                            "LlamaModel.forward"))
-    if state.unpad == "model":
-        lm_forward = make_lm_forward(mod.LlamaForCausalLM.forward, state=state)
+    if state.unpad in WHOLE_MODEL:
+        lm_forward = make_lm_forward(mod.LlamaForCausalLM.forward, state.unpad, state)
         out.append(Replacement(mod.LlamaForCausalLM, "forward", lm_forward, "LlamaForCausalLM.forward"))
     attr, builder = _mask_method(mod)
     if builder is not None:
@@ -123,8 +124,8 @@ def instance_replacements(state: PatchState, model: nn.Module, mod: Any) -> list
         out.append(bound_replacement(make_model_forward(type(base).forward, state.unpad), base, "forward",
                                      f"{type(base).__name__}.forward (unpad={state.unpad})", state.track_copy))
         out.append(bound_replacement(builder, base, attr, f"LlamaModel.{attr}", state.track_copy))
-    if state.unpad == "model":
+    if state.unpad in WHOLE_MODEL:
         for lm in find_modules(model, mod.LlamaForCausalLM):
-            out.append(bound_replacement(make_lm_forward(type(lm).forward, state=state), lm, "forward",
+            out.append(bound_replacement(make_lm_forward(type(lm).forward, state.unpad, state), lm, "forward",
                                          f"{type(lm).__name__}.forward", state.track_copy))
     return out

@@ -21,6 +21,7 @@ from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
+from patchkit.names import WHOLE_MODEL
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 
@@ -43,7 +44,7 @@ def plan_forward(
     no_mask = arguments.get("attention_mask") is None
     if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
         return ForwardPlan(no_mask=no_mask)
-    meta = unpad_plan(module, arguments, extra) if unpad == "model" else None
+    meta = unpad_plan(module, arguments, extra) if unpad in WHOLE_MODEL else None
     if meta is not None:
         own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
         return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own)

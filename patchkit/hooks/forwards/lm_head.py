@@ -14,10 +14,14 @@ base model for the packed row (`HeadRequest`), so the family's own forward runs 
 Served where the family's forward computes its loss through `self.loss_function` on its head's logits (read once
 per class), the loss is transformers' `ForCausalLMLoss` and the caller wants every position's logits
 (`logits_to_keep=0`); everything else keeps the padded exit, as before.
+
+Under unpad="loss" a training forward with labels returns its loss alone (`logits=None`): the loss runs chunked
+(`forward/cross_entropy.py`, no float32 copy of the logits) and the (B, N, V) logits are never written.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from typing import Any, Callable, Optional
@@ -28,6 +32,7 @@ from torch import nn
 
 from patchkit.errors import PatchkitError
 from patchkit.forward.context import current
+from patchkit.forward.cross_entropy import chunked_causal_lm_loss
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
@@ -40,15 +45,17 @@ _hook = SharedInstall()
 class HeadRequest:
     """A causal LM's word to its base model, for one call: hand me the packed row (`wanted`), or why not. The base
     model's wrapper answers with the forward's metadata (`meta`) when it ran packed (and handed the packed row if
-    wanted); the loss wrapper counts its calls on that row (`losses`)."""
+    wanted); the loss wrapper counts its calls on that row (`losses`). `loss_only` (unpad="loss", training): the
+    loss runs chunked and the LM returns no logits once it ran."""
 
-    __slots__ = ("wanted", "why_not", "meta", "losses")
+    __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only")
 
-    def __init__(self, why_not: Optional[str]) -> None:
+    def __init__(self, why_not: Optional[str], loss_only: bool = False) -> None:
         self.wanted = why_not is None
         self.why_not = why_not
         self.meta: Optional[VarlenMetadata] = None
         self.losses = 0
+        self.loss_only = loss_only and self.wanted
 
 
 def _default_loss() -> Optional[Callable]:
@@ -72,6 +79,12 @@ def servable_forward(forward: Callable) -> bool:
 
 
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
+LOSS_ONLY = "real tokens, the loss alone"  # ... that returned the loss and no logits (unpad="loss")
+
+
+def padded(heads: dict[str, int]) -> dict[str, int]:
+    """The forwards whose head and loss ran on the padded batch, by why (a state's `heads` without the served)."""
+    return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY)}
 
 
 def declined(lm: nn.Module, arguments: dict, extra: dict, servable: bool) -> Optional[str]:
@@ -145,6 +158,8 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
     shifted = packed_labels(meta, labels, shift_labels)
+    if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked
+        loss = chunked_causal_lm_loss
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
 
 
@@ -197,8 +212,10 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
         if request.why_not and heads is not None:
             heads[request.why_not] = heads.get(request.why_not, 0) + 1
         return out
+    alone = request.loss_only and labelled and request.losses > 0
     if heads is not None:
-        heads[REAL_TOKENS] = heads.get(REAL_TOKENS, 0) + 1
+        key = LOSS_ONLY if alone else REAL_TOKENS
+        heads[key] = heads.get(key, 0) + 1
     if labelled and request.losses == 0:
         raise PatchkitError(
             f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the packed row "
@@ -206,13 +223,22 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
             "meanwhile apply the patch with unpad='attention'."
         )
     logits = out.get("logits") if hasattr(out, "keys") else None
-    if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == (1, meta.nnz_q + 1):
+    if alone and logits is not None:
+        _drop(out, "logits")  # the loss alone: the caller asked for no logits (unpad="loss")
+    elif isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == (1, meta.nnz_q + 1):
         out["logits"] = repad_logits(logits, meta)
     return out
 
 
+def _drop(out: Any, key: str) -> None:
+    """`out` as a ModelOutput built without `key`: the field None and no entry (ModelOutput refuses pop and del)."""
+    collections.OrderedDict.pop(out, key, None)
+    object.__setattr__(out, key, None)
+
+
 def heads_line(heads: dict[str, int]) -> str:
     """A report's line on where the LM head and loss ran over batches unpadded at the model."""
-    real = heads.get(REAL_TOKENS, 0)
-    padded = "; ".join(f"{n} on the padded batch: {why}" for why, n in heads.items() if why != REAL_TOKENS)
-    return f"  LM head and loss: {real} forwards on real tokens" + (f"; {padded}" if padded else "")
+    real, alone = heads.get(REAL_TOKENS, 0) + heads.get(LOSS_ONLY, 0), heads.get(LOSS_ONLY, 0)
+    on_padding = "; ".join(f"{n} on the padded batch: {why}" for why, n in padded(heads).items())
+    return (f"  LM head and loss: {real} forwards on real tokens" + (f" ({alone} returned the loss alone)" if alone
+            else "") + (f"; {on_padding}" if on_padding else ""))

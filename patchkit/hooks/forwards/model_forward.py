@@ -41,6 +41,7 @@ from patchkit.hooks.install.patching import dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.parallel.ulysses_padding import check_padding, refuse_step_aside
+from patchkit.names import WHOLE_MODEL
 
 
 def _unpad_inputs(args: dict, meta: VarlenMetadata, extra: dict) -> None:
@@ -313,8 +314,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
-        if cause is None and unpad == "model" and not is_compiling():
-            head = HeadRequest(declined(self, arguments, extra, servable))
+        if cause is None and unpad in WHOLE_MODEL and not is_compiling():
+            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=unpad == "loss" and self.training)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
             labelled = arguments.get("labels") is not None or extra.get("shift_labels") is not None

@@ -1,0 +1,142 @@
+"""unpad="loss": a training forward with labels returns its loss alone, computed chunked over the real tokens
+(`patchkit/forward/cross_entropy.py`), with unpatched numbers; every other call is served as under unpad="model"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import labels_for, padded_batch
+from test_lm_head import FAMILIES, assert_same, batch, family, head_rows, step
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import patchkit
+from patchkit.forward import cross_entropy
+from patchkit.forward.cross_entropy import chunked_causal_lm_loss, chunked_cross_entropy
+from patchkit.hooks.forwards import lm_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of a few rows, so every test crosses chunk boundaries (and a last, shorter chunk)."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 3 * 50)
+    monkeypatch.setattr(cross_entropy, "CACHE_ELEMENTS", 2 * 50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("items", [None, 7, "tensor"])
+@pytest.mark.parametrize("shifted", [False, True])
+@pytest.mark.parametrize("weight", [3.0, -2.0])  # the gradient the loss receives: a negative one flips the sign last
+def test_the_chunked_loss_is_transformers_causal_lm_loss(small_chunks, dtype, items, shifted, weight):
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 11, 50) * 4).to(dtype).requires_grad_()
+    labels = torch.randint(0, 50, (2, 11))
+    labels[0, :4] = -100
+    num_items = torch.tensor(9) if items == "tensor" else items
+    kwargs = dict(num_items_in_batch=num_items)
+    if shifted:
+        kwargs["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    want = ForCausalLMLoss(logits, labels, 50, **kwargs)
+    want_grad, = torch.autograd.grad(want * weight, logits)
+    got = chunked_causal_lm_loss(logits, labels, 50, **kwargs)
+    got_grad, = torch.autograd.grad(got * weight, logits)
+    assert got_grad.dtype == logits.dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    ulp = 1e-5 if dtype == torch.float32 else 8e-3  # the gradient in float32, cast once: within a bfloat16 ulp
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-7, rtol=ulp)
+
+
+def test_a_batch_without_labels_gives_torchs_nan_loss_and_zero_gradients(small_chunks):
+    logits = torch.randn(5, 50, requires_grad=True)
+    labels = torch.full((5,), -100)
+    want = torch.nn.functional.cross_entropy(logits, labels)
+    want_grad, = torch.autograd.grad(want, logits)
+    got = chunked_cross_entropy(logits, labels)
+    got_grad, = torch.autograd.grad(got, logits)
+    assert torch.isnan(want) and torch.isnan(got)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+def test_a_label_outside_the_vocabulary_raises_as_cross_entropy_does():
+    logits = torch.randn(3, 50)
+    labels = torch.tensor([1, -100, 50])
+    with pytest.raises(IndexError, match="out of bounds"):
+        torch.nn.functional.cross_entropy(logits, labels)
+    with pytest.raises(IndexError, match="Target 50 is out of bounds"):
+        chunked_cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_loss_alone_equals_unpatched(model_type):
+    """Loss and every gradient as unpatched (the families' softcap, logit scale, head bias and router loss), the
+    head on the real tokens, and no logits back."""
+    model = family(model_type, **FAMILIES[model_type])
+    inputs = batch(model)
+    mask = inputs["attention_mask"]
+    want = step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        rows = head_rows(model)
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        got_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert handle.heads == {lm_head.LOSS_ONLY: 1}
+        assert "1 forwards on real tokens (1 returned the loss alone)" in handle.report()
+    assert rows == [int(mask.sum()) + 1]
+    assert out.logits is None and "logits" not in out.keys()  # noqa: SIM118 - a ModelOutput
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    assert got_grads.keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got_grads[name], want[2][name], atol=2e-5, rtol=1e-3, msg=name)
+    if model_type == "mixtral":
+        torch.testing.assert_close(out.aux_loss, want[3].aux_loss)
+
+
+@pytest.mark.parametrize("how", ["eval", "no_labels"])
+def test_forwards_that_are_not_a_training_loss_keep_their_logits(how):
+    """Evaluation (the Trainer's prediction step reads logits) and forwards without labels return the (B, N, V)
+    logits as under unpad="model"."""
+    model = family("llama")
+    inputs = batch(model)
+    if how == "eval":
+        model.eval()
+    else:
+        del inputs["labels"]
+    want = step(model, **inputs) if how == "eval" else (None, model(**inputs).logits.detach())
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        got = step(model, **inputs) if how == "eval" else (None, model(**inputs).logits.detach())
+        assert handle.heads == {lm_head.REAL_TOKENS: 1}
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
+    if how == "eval":
+        assert_same(got, want, inputs["attention_mask"])
+
+
+def test_a_call_the_packed_row_cannot_serve_returns_its_logits_and_says_why():
+    model = family("llama")
+    inputs = {**batch(model), "return_dict": False}
+    want = model(**inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        got = model(**inputs)
+        assert list(handle.heads) == ["a tuple output (return_dict=False)"]
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_packed_row_with_position_ids_is_served_as_under_unpad_model():
+    """Documents packed in one row (position_ids restarting, no mask): nothing to unpad at the model, so the
+    forward is served as under unpad="model" (documents apart) and keeps its logits."""
+    model = family("llama")
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    real = mask.bool()
+    packed = dict(input_ids=ids[real].unsqueeze(0), labels=labels_for(ids, mask)[real].unsqueeze(0),
+                  position_ids=torch.cat([torch.arange(int(n)) for n in mask.sum(1)]).unsqueeze(0))
+    got = {}
+    for unpad in ("model", "loss"):
+        with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) as handle:
+            got[unpad] = step(model, **packed)
+            assert handle.heads == {}  # no batch unpadded at the model
+    assert got["loss"][1] is not None
+    assert_same(got["loss"], got["model"], torch.ones_like(packed["input_ids"]))
