@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -55,11 +56,13 @@ def serving(model_type: str):
         return None, str(stop)
 
 
-def train_step(model, **inputs) -> tuple[torch.Tensor, dict]:
+def train_step(model, **inputs) -> tuple[Optional[torch.Tensor], dict, torch.Tensor]:
+    """The logits (None where the loss came alone), every gradient and the loss of one training step."""
     model.zero_grad(set_to_none=True)
     out = model(**inputs, use_cache=False)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return None if out.logits is None else out.logits.detach(), grads, out.loss.detach()
 
 
 def token_types(model, ids: torch.Tensor) -> dict:
@@ -93,7 +96,7 @@ def same(got: dict, want: dict, mask: torch.Tensor) -> str:
             docs = (got[key][0] - want["documents"]).abs().max().item()
             if docs <= ATOL * max(1.0, want["documents"].abs().max().item()):
                 continue
-        (gl, gg), (wl, wg) = got[key], want[key]
+        (gl, gg, _), (wl, wg, _) = got[key], want[key]
         real = mask.bool() if key == "padded" else torch.ones(wl.shape[:2], dtype=torch.bool)
         diff = (gl[real] - wl[real]).abs().max().item()
         if not diff <= ATOL * max(1.0, wl[real].abs().max().item()):
@@ -102,6 +105,24 @@ def same(got: dict, want: dict, mask: torch.Tensor) -> str:
             d = (gg[name] - wg[name]).abs().max().item()
             if not d <= ATOL * max(1.0, wg[name].abs().max().item()):
                 return f"{key} gradient of {name} differs by {d:.2g}"
+    return ""
+
+
+def loss_alone(model, want: tuple, handle) -> str:
+    """unpad="loss": the padded step's loss and every gradient as `want`'s, and no logits where the head ran on the
+    real tokens ('' when so, else what differed)."""
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    logits, grads, loss = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
+                                     **token_types(model, ids))
+    if (logits is None) != (lm_head.LOSS_ONLY in handle.heads):
+        return f"logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
+    if not (loss - want[2]).abs().item() <= ATOL * max(1.0, want[2].abs().item()):
+        return f"the loss alone differs by {(loss - want[2]).abs().item():.2g}"
+    for name in want[1]:
+        d = (grads[name] - want[1][name]).abs().max().item()
+        if not d <= ATOL * max(1.0, want[1][name].abs().max().item()):
+            return f"loss alone: gradient of {name} differs by {d:.2g}"
     return ""
 
 
@@ -125,12 +146,14 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
             got_tokens = generated(model)
             outcomes["class"] = "" if torch.equal(got_tokens, want_tokens) else "generated tokens differ"
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the class patch"
-        padded_heads = {why: n for why, n in handle.heads.items() if why != lm_head.REAL_TOKENS}
+        padded_heads = lm_head.padded(handle.heads)
         if padded_heads:  # a batch unpadded at the model whose LM head and loss ran on the padded batch
             outcomes["head"] = f"LM head on the padded batch: {padded_heads}"
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        outcomes["loss alone"] = loss_alone(model, want["padded"], handle)
     attention_interface.register(backend="sdpa")
     model.set_attn_implementation(attention_interface.ATTENTION_NAME)
     try:
