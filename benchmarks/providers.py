@@ -163,17 +163,17 @@ def patchkit_backends(device: Any) -> list[str]:
 
 
 def patch_on_best(patch: str, model: Any, device: Any, strict: bool,
-                  exclude: tuple[str, ...] = ()) -> tuple[Any, str, str]:
+                  exclude: tuple[str, ...] = (), **options: Any) -> tuple[Any, str, str]:
     """`model` patched by `patch` on the best of patchkit_backends that takes it: (handle, the backend it runs on,
     why the better ones did not). Without `strict` a failed gate falls back inside apply_patch, which the handle's
-    backend says."""
+    backend says. `options`: apply_patch's others (unpad)."""
     import patchkit
     from patchkit.errors import PatchkitError
 
     refused = []
     for backend in [b for b in patchkit_backends(device) if b not in exclude]:
         try:
-            handle = patchkit.apply_patch(patch, model=model, backend=backend, strict=strict)
+            handle = patchkit.apply_patch(patch, model=model, backend=backend, strict=strict, **options)
         except PatchkitError as exc:
             refused.append(f"{backend}: {first_line(exc)}")
             continue

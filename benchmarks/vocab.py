@@ -6,15 +6,21 @@ of hidden 256 x 4 layers (the toy where the head dominates) at the vocabularies 
 (128256), Qwen2.5 (151936) and Gemma 3 (262144) on the lognormal batch of 8 at about 512 tokens (55.6% padding; half
 the rows' length at 262144, where HF's step needs more memory than this machine has beside its own), right-padded,
 left-padded (the label recipe: -100 at padding and at each row's first token) and packed into one row (position_ids
-restarting), against HF sdpa (and HF eager at 32000). The head's share of a step at bench.py's vocabulary of 4096 is
-the 0.5B-1B models' (20-30% of the matmul FLOPs); here it is 70-95%.
+restarting), against HF sdpa (and HF eager at 32000). `patchkit_loss` is patchkit with unpad="loss": the step
+returns its loss alone, computed chunked, and no (B, N, V) logits. The head's share of a step at bench.py's
+vocabulary of 4096 is the 0.5B-1B models' (20-30% of the matmul FLOPs); here it is 70-95%.
 
 Reported per row: real (non-padding) tokens per second, the median of `--reps` steps with the providers interleaved
 step by step (load on the machine hits all alike), the loss (equal across providers), and the step's peak memory:
 the peak resident set above the resident set before the step, measured alone in a fresh process per provider.
 
+`--device cuda` (`make gpu-truth`): bf16 at bench.py's CUDA layers (hidden 2048, 16 heads of 128, 4 layers: the
+0.5B-3B models' hidden/vocabulary ratio) on the same lognormal mix at a longest row of about 2048, patchkit on its best
+kernel backend against HF sdpa, flash_attention_2 and flash_attention_4 (each where it loads), the peak memory
+`torch.cuda.max_memory_allocated` above what was allocated before the step, in the same process.
+
     python benchmarks/vocab.py [--vocabs 32000 151936] [--layouts right left packed] [--reps 3] [--csv out.csv]
-        [--no-memory]
+        [--no-memory] [--device cpu|cuda] [--budget-s SECONDS]
 """
 
 from __future__ import annotations
@@ -25,31 +31,60 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from providers import (  # noqa: E402
+    HF_KERNELS,
+    HF_PROVIDERS,
+    Budget,
+    add_run_args,
+    build_model,
+    device_and_dtype,
+    no_cuda,
+    patch_on_best,
+    probed,
+    timed,
+)
 from report import write_rows  # noqa: E402
 from workers import current_rss_mib  # noqa: E402
-from workloads import MODEL, lognormal_lengths, make_tokens, packed_row, padded_batch, padding_fraction  # noqa: E402
+from workloads import (  # noqa: E402
+    MODEL,
+    MODES,
+    lognormal_lengths,
+    make_tokens,
+    packed_row,
+    padded_batch,
+    padding_fraction,
+)
 
 VOCABS = (32000, 128256, 151936, 262144)
 LAYOUTS = ("right", "left", "packed")
-PROVIDERS = ("patchkit", "hf_sdpa", "hf_eager")
+PROVIDERS = ("patchkit", "patchkit_loss", "hf_sdpa", "hf_eager")  # patchkit_loss: unpad="loss" (the loss alone)
+BASELINES = ("hf_sdpa", "hf_eager", *HF_KERNELS)  # the table's columns, where the run has them
 SCALE = 0.56  # the lognormal batch of 8 at a longest row of 511 tokens
 BIG = 200_000  # from this vocabulary on, rows at half that length (HF's step would not fit in 24 GiB)
 EAGER_UP_TO = 32000  # HF eager beside sdpa at the smallest vocabulary only (it differs from sdpa in attention alone)
 KV_HEADS = 2
 
 
-def lengths_for(vocab: int) -> list[int]:
-    return lognormal_lengths(8, SCALE / (2 if vocab >= BIG else 1))
+CUDA_SCALE = 4 * SCALE  # a longest row of about 2048 tokens
+RESCALE = {"by": 1.0}  # --scale: every length times this (the rehearsal's tiny run)
 
 
-def inputs(layout: str, vocab: int) -> dict[str, Any]:
-    """The step's model inputs: padded (right or left, with the label recipe) or one packed row."""
-    docs = make_tokens(lengths_for(vocab), vocab, seed=1)
+def lengths_for(vocab: int, device: str = "cpu") -> list[int]:
+    scale = CUDA_SCALE if device == "cuda" else SCALE / (2 if vocab >= BIG else 1)
+    return lognormal_lengths(8, scale * RESCALE["by"])
+
+
+def inputs(layout: str, vocab: int, device: str = "cpu") -> dict[str, Any]:
+    """The step's model inputs: padded (right or left, with the label recipe) or one packed row, on `device`."""
+    docs = make_tokens(lengths_for(vocab, device), vocab, seed=1)
+    return {k: v.to(device) for k, v in _inputs(layout, docs).items()}
+
+
+def _inputs(layout: str, docs: list[Any]) -> dict[str, Any]:
     if layout == "packed":
         row = packed_row(docs)
         return {"input_ids": row["input_ids"], "position_ids": row["position_ids"], "labels": row["labels"]}
@@ -59,21 +94,15 @@ def inputs(layout: str, vocab: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def build(provider: str, vocab: int) -> Any:
-    """The model for `provider`, same weights for every provider (seeded): patchkit is an instance patch on sdpa."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import patchkit
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=MODEL["hidden"], intermediate_size=MODEL["intermediate"],
-                         num_hidden_layers=MODEL["layers"], num_attention_heads=MODEL["heads"],
-                         num_key_value_heads=KV_HEADS, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         attn_implementation="eager" if provider == "hf_eager" else "sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    if provider == "patchkit":
-        patchkit.apply_patch(model=model, backend="sdpa")
+def build(provider: str, vocab: int, device: str = "cpu") -> Any:
+    """The model for `provider`, same weights for every provider (seeded): patchkit is an instance patch (on sdpa on
+    the CPU, its best kernel backend on CUDA); `provider` "patchkit_loss" with unpad="loss"."""
+    dev, dtype = device_and_dtype(device)
+    size = MODES["cuda"]["model"] if dev.type == "cuda" else MODEL
+    model = build_model(dict(size, vocab=vocab), KV_HEADS, HF_PROVIDERS.get(provider, "sdpa"), dev, dtype).train()
+    if provider.startswith("patchkit"):
+        unpad = "loss" if provider == "patchkit_loss" else "model"
+        patch_on_best("llama2", model, dev, strict=False, unpad=unpad)
     return model
 
 
@@ -85,34 +114,42 @@ def step(model: Any, batch: dict[str, Any]) -> float:
     return float(out.loss)
 
 
-def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int) -> list[dict[str, Any]]:
-    """Every layout's steps at `vocab`, providers interleaved step by step: one row per (layout, provider)."""
-    models = {p: build(p, vocab) for p in providers}
+def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int, device: str = "cpu",
+               budget: Optional[Budget] = None) -> list[dict[str, Any]]:
+    """Every layout's steps at `vocab`, providers interleaved step by step: one row per (layout, provider). On CUDA
+    each row also has its step's peak memory (the right-padded layout's; the CPU measures it in fresh processes)."""
+    dev = device_and_dtype(device)[0]
+    models = {p: build(p, vocab, device) for p in providers}
     rows = []
     for layout in layouts:
-        batch = inputs(layout, vocab)
+        if budget is not None and budget.spent(f"vocab {vocab} {layout}"):
+            break
+        batch = inputs(layout, vocab, device)
         real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
         times: dict[str, list[float]] = {p: [] for p in providers}
         losses = {p: step(models[p], batch) for p in providers}  # warm-up, untimed
+        peaks = {p: timed(lambda p=p, b=batch: step(models[p], b), dev)[1] for p in providers} if (
+            dev.type == "cuda" and layout == "right") else {}
         for _ in range(reps):
             for p in providers:
-                start = time.perf_counter()
-                step(models[p], batch)
-                times[p].append(time.perf_counter() - start)
+                seconds = timed(lambda p=p, b=batch: step(models[p], b), dev)[0]
+                times[p].append(seconds)
         for p in providers:
             seconds = statistics.median(times[p])
+            pad = padding_fraction(lengths_for(vocab, device)) if layout != "packed" else 0.0
             rows.append({"vocab": vocab, "layout": layout, "provider": p, "real_tokens": real,
-                         "padding": round(padding_fraction(lengths_for(vocab)) if layout != "packed" else 0.0, 3),
-                         "seconds": round(seconds, 4), "real_tok_per_s": round(real / seconds, 1),
-                         "loss": round(losses[p], 5), "peak_mib": ""})
+                         "padding": round(pad, 3), "seconds": round(seconds, 4),
+                         "real_tok_per_s": round(real / seconds, 1), "loss": round(losses[p], 5),
+                         "peak_mib": round(peaks[p], 1) if peaks.get(p) is not None else ""})
         print(f"vocab {vocab} {layout}: " + ", ".join(f"{p} {statistics.median(times[p]):.2f}s" for p in providers),
               flush=True)
     return rows
 
 
-def memory_worker(spec: dict[str, Any]) -> dict[str, float]:
+def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
     """In a fresh process: one step's peak resident set above the resident set before it (MiB)."""
     model = build(spec["provider"], spec["vocab"])
+    RESCALE["by"] = spec.get("scale", 1.0)
     batch = inputs(spec["layout"], spec["vocab"])
     before = current_rss_mib()
     with open("/proc/self/clear_refs", "w") as f:  # the peak from here: a forked child inherits its parent's
@@ -128,7 +165,7 @@ def peak_hwm_mib() -> float:
 
 
 def memory(vocab: int, layout: str, provider: str) -> float:
-    spec = json.dumps({"vocab": vocab, "layout": layout, "provider": provider})
+    spec = json.dumps({"vocab": vocab, "layout": layout, "provider": provider, "scale": RESCALE["by"]})
     env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
     env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run([sys.executable, __file__, "--memory-worker", spec], capture_output=True, text=True, env=env)
@@ -138,20 +175,29 @@ def memory(vocab: int, layout: str, provider: str) -> float:
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per (vocab, layout): patchkit's speed and memory against HF sdpa's."""
-    lines = ["| vocab | layout | real tokens | padding | patchkit tok/s | x HF sdpa | x HF eager | peak MiB "
-             "| x HF sdpa |", "|---|---|---|---|---|---|---|---|---|"]
+    """One line per (vocab, layout, patchkit mode): its speed against each HF baseline the run has (sdpa, eager,
+    flash_attention_2 and _4 on CUDA) and its memory against HF sdpa's."""
+    present = {r["provider"] for r in rows}
+    baselines = [b for b in BASELINES if b in present]
+    names = {"hf_sdpa": "HF sdpa", "hf_eager": "HF eager", "hf_flash_attention_2": "HF FA2",
+             "hf_flash_attention_4": "HF FA4"}
+    lines = ["| vocab | layout | real tokens | padding | patchkit | tok/s | " + " | ".join(
+        f"x {names[b]}" for b in baselines) + " | peak MiB | x HF sdpa |", "|---|" * (8 + len(baselines))]
+    lines[1] = lines[1].replace("||", "|")
     by = {(r["vocab"], r["layout"], r["provider"]): r for r in rows}
     for vocab, layout in dict.fromkeys((r["vocab"], r["layout"]) for r in rows):
-        ours, sdpa, eager = (by.get((vocab, layout, p)) for p in PROVIDERS)
-        if ours is None:
-            continue
-        speed = [f"{ours['real_tok_per_s'] / o['real_tok_per_s']:.2f}x" if o else "-" for o in (sdpa, eager)]
-        mem = ours.get("peak_mib")
-        mem_ratio = f"{mem / sdpa['peak_mib']:.2f}x" if mem and sdpa and sdpa.get("peak_mib") else "-"
-        lines.append(f"| {vocab:.0f} | {layout} | {ours['real_tokens']:.0f} | {ours['padding']:.1%} | "
-                     f"{ours['real_tok_per_s']:.0f} | {speed[0]} | {speed[1]} | {f'{mem:.0f}' if mem else '-'} | "
-                     f"{mem_ratio} |")
+        sdpa = by.get((vocab, layout, "hf_sdpa"))
+        for mode, ours in (("logits", by.get((vocab, layout, "patchkit"))),
+                           ("loss alone", by.get((vocab, layout, "patchkit_loss")))):
+            if ours is None:
+                continue
+            speed = [f"{ours['real_tok_per_s'] / o['real_tok_per_s']:.2f}x" if o else "-"
+                     for o in (by.get((vocab, layout, b)) for b in baselines)]
+            mem = ours.get("peak_mib")
+            mem_ratio = f"{mem / sdpa['peak_mib']:.2f}x" if mem and sdpa and sdpa.get("peak_mib") else "-"
+            lines.append(f"| {vocab:.0f} | {layout} | {ours['real_tokens']:.0f} | {ours['padding']:.1%} | {mode} | "
+                         f"{ours['real_tok_per_s']:.0f} | " + " | ".join(speed) +
+                         f" | {f'{mem:.0f}' if mem else '-'} | {mem_ratio} |")
     return lines
 
 
@@ -164,8 +210,13 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--no-memory", action="store_true", help="timings only")
     parser.add_argument("--memory-only", action="store_true", help="fill the peaks into the rows of --csv")
+    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    add_run_args(parser)
     args = parser.parse_args()
+    if no_cuda("vocab", args.device):
+        return
+    RESCALE["by"] = args.scale
     if args.memory_worker:
         print(json.dumps(memory_worker(json.loads(args.memory_worker))))
         return
@@ -179,17 +230,21 @@ def main() -> None:
             row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"]) if right else ""
         write_rows(args.csv, rows)
         return
-    rows = []
+    rows, budget, cuda = [], Budget(args.budget_s), args.device == "cuda"
+    extra = [p for p in HF_KERNELS if p in probed(device_and_dtype("cuda")[0])[0]] if cuda else []
     for vocab in args.vocabs:
-        providers = [p for p in args.providers if not (p == "hf_eager" and vocab > EAGER_UP_TO)]
-        found = time_vocab(vocab, args.layouts, providers, args.reps)
-        if not args.no_memory:  # a fresh process per provider
+        if budget.spent(f"vocab {vocab}"):
+            break
+        providers = [p for p in args.providers if not (p == "hf_eager" and (cuda or vocab > EAGER_UP_TO))] + extra
+        found = time_vocab(vocab, args.layouts, providers, args.reps, args.device, budget)
+        if not args.no_memory and not cuda:  # a fresh process per provider
             for row in found:
                 if row["layout"] == "right":
                     row["peak_mib"] = memory(vocab, row["layout"], row["provider"])
         rows += found
         if args.csv:
             write_rows(args.csv, rows)
+    budget.report("vocab")
     print("\n".join(ratios(rows)))
 
 

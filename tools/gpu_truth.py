@@ -135,6 +135,13 @@ def parts(work: Path) -> list[Part]:
               "--csv", f"{w}/decode.csv"],
              [PY, str(BENCH / "decode.py"), "--reps", "1", "--scale", "0.1", "--new-tokens", "4",
               "--csv", f"{w}/decode.csv"], needs_flash=True, timed=True),
+        # the LM head and loss at 32k-262k vocabularies (bench.py's CUDA layers), patchkit with its logits and with
+        # the loss alone (unpad="loss") against HF sdpa, flash_attention_2 and _4: speed and peak memory
+        Part("LM head and loss at large vocabularies", 70,
+             [PY, str(BENCH / "vocab.py"), "--device", "cuda", "--reps", "3", "--layouts", "right", "packed",
+              "--budget-s", "55", "--csv", f"{w}/vocab.csv"],
+             [PY, str(BENCH / "vocab.py"), "--vocabs", "512", "--layouts", "right", "--reps", "1", "--no-memory",
+              "--scale", "0.1", "--csv", f"{w}/vocab.csv"], needs_flash=True, timed=True),
         Part("family groups", 70,
              # the families the last run's budget cut first (GPT-OSS's goal against HF's best among them), then
              # the ones it measured: a budget spent drops the last
