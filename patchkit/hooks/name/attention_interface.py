@@ -181,6 +181,13 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
 
 def route_state() -> PatchState:
     """The registered route's backend, chosen through the gates on first use (warning or raising as usual)."""
+    return _state if _state is not None else _first_route_state()
+
+
+@torch.compiler.disable
+def _first_route_state() -> PatchState:
+    """The gates probe the machine (installed packages, CUDA): host work that runs outside any traced graph, where
+    dynamo would fold `importlib.metadata` lookups of absent packages into an internal error."""
     global _state, _function
     if _state is None:
         spec = resolve("llama2")
