@@ -140,3 +140,26 @@ def test_a_packed_row_with_position_ids_is_served_as_under_unpad_model():
             assert handle.heads == {}  # no batch unpadded at the model
     assert got["loss"][1] is not None
     assert_same(got["loss"], got["model"], torch.ones_like(packed["input_ids"]))
+
+
+def test_under_torch_compile_the_loss_comes_with_its_logits_and_says_so():
+    """A compiled graph runs the LM's head and loss as transformers' own (on the padded batch): the logits come
+    back, the loss is unchanged, and the one warning says that the loss alone is served outside torch.compile."""
+    model = family("llama")
+    inputs = batch(model)
+    want = step(model, **inputs)
+    torch._dynamo.reset()
+    try:
+        with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss"):
+            compiled = torch.compile(model, backend="eager")
+            with pytest.warns(RuntimeWarning, match="unpad='loss' under torch.compile") as said:
+                for _ in range(2):
+                    model.zero_grad(set_to_none=True)
+                    out = compiled(**inputs)
+                    out.loss.backward()
+            got = (out.loss.detach(), out.logits.detach(),
+                   {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, out)
+    finally:
+        torch._dynamo.reset()
+    assert sum("unpad='loss'" in str(w.message) for w in said) == 1
+    assert_same(got, want, inputs["attention_mask"])

@@ -230,6 +230,24 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
     return out
 
 
+COMPILED_LOSS_ALONE = (
+    "patchkit: unpad='loss' under torch.compile: the causal LM's head and loss run inside the compiled graph as "
+    "transformers' own, on the padded batch, and return their logits; the loss alone is served outside "
+    "torch.compile. The loss and gradients are the same."
+)
+
+
+def compiled_loss_alone(state: Any) -> Callable[[], bool]:
+    """Said once per patch while dynamo traces a training forward with labels under unpad="loss" (a constant of the
+    graph: nothing of it runs there): a compiled graph returns the logits."""
+
+    def said() -> bool:
+        state.warn_once("compiled_loss_alone", COMPILED_LOSS_ALONE)
+        return True
+
+    return torch._dynamo.assume_constant_result(said)
+
+
 def _drop(out: Any, key: str) -> None:
     """`out` as a ModelOutput built without `key`: the field None and no entry (ModelOutput refuses pop and del)."""
     collections.OrderedDict.pop(out, key, None)

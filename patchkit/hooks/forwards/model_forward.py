@@ -34,7 +34,14 @@ from patchkit.hooks.decide.plan import plan_forward, resolved_use_cache
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import lm_cause, step_aside
-from patchkit.hooks.forwards.lm_head import HeadRequest, declined, finish, hand_packed, servable_forward
+from patchkit.hooks.forwards.lm_head import (
+    HeadRequest,
+    compiled_loss_alone,
+    declined,
+    finish,
+    hand_packed,
+    servable_forward,
+)
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import caches_in_training, filled_padded, own_cache
 from patchkit.hooks.install.patching import dressed_as
@@ -292,6 +299,11 @@ def takes_logits_to_keep(signature: inspect.Signature) -> bool:
     return any(name in signature.parameters for name in ("logits_to_keep", "num_logits_to_keep"))
 
 
+def labelled(arguments: dict, extra: dict) -> bool:
+    """The LM's call has labels (or a caller's shift_labels): it computes a loss."""
+    return arguments.get("labels") is not None or extra.get("shift_labels") is not None
+
+
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
@@ -300,11 +312,14 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     servable = servable_forward(original)
     heads = state.heads if state is not None else None
     takes_keep = takes_logits_to_keep(signature)
+    compiled_said = compiled_loss_alone(state) if unpad == "loss" and state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
+        if compiled_said is not None and is_compiling() and self.training and labelled(arguments, extra):
+            compiled_said()
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
         if in_one_graph():  # what the base model's traced forward plans by: labels over a padded batch
@@ -318,8 +333,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             head = HeadRequest(declined(self, arguments, extra, servable), loss_only=unpad == "loss" and self.training)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
-            labelled = arguments.get("labels") is not None or extra.get("shift_labels") is not None
-            return finish(self, out, head, labelled, heads)
+            return finish(self, out, head, labelled(arguments, extra), heads)
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
