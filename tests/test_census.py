@@ -115,7 +115,7 @@ def loss_alone(model, want: tuple, handle) -> str:
     ids = ids.clamp(max=model.config.vocab_size - 1)
     logits, grads, loss = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
                                      **token_types(model, ids))
-    if (logits is None) != (lm_head.LOSS_ONLY in handle.heads):
+    if (logits is None) != (lm_head.LOSS_ONLY in handle.heads or lm_head.LOSS_ONLY_KEPT in handle.heads):
         return f"logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
     if not (loss - want[2]).abs().item() <= ATOL * max(1.0, want[2].abs().item()):
         return f"the loss alone differs by {(loss - want[2]).abs().item():.2g}"

@@ -125,21 +125,45 @@ def test_a_call_the_packed_row_cannot_serve_returns_its_logits_and_says_why():
     torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
 
 
-def test_a_packed_row_with_position_ids_is_served_as_under_unpad_model():
-    """Documents packed in one row (position_ids restarting, no mask): nothing to unpad at the model, so the
-    forward is served as under unpad="model" (documents apart) and keeps its logits."""
+def test_a_batch_its_base_model_keeps_returns_the_loss_alone_from_every_position():
+    """Documents packed in one row (position_ids restarting, no mask) have no padding to skip: the base model keeps
+    the row, and the loss still comes alone, chunked, with the loss and gradients of unpad="model"."""
     model = family("llama")
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     real = mask.bool()
     packed = dict(input_ids=ids[real].unsqueeze(0), labels=labels_for(ids, mask)[real].unsqueeze(0),
                   position_ids=torch.cat([torch.arange(int(n)) for n in mask.sum(1)]).unsqueeze(0))
-    got = {}
-    for unpad in ("model", "loss"):
-        with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) as handle:
-            got[unpad] = step(model, **packed)
-            assert handle.heads == {}  # no batch unpadded at the model
-    assert got["loss"][1] is not None
-    assert_same(got["loss"], got["model"], torch.ones_like(packed["input_ids"]))
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="model"):
+        want = step(model, **packed)
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        rows = head_rows(model)
+        model.zero_grad(set_to_none=True)
+        out = model(**packed)
+        out.loss.backward()
+        assert handle.heads == {lm_head.LOSS_ONLY_KEPT: 1}
+        assert "1 returned the loss alone from every position" in handle.report()
+    assert out.logits is None and rows == [packed["input_ids"].numel()]
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-6, rtol=1e-6)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "qwen3_next"])
+def test_a_family_unpadded_inside_attention_returns_the_loss_alone_too(model_type):
+    """Hybrids (Mamba, linear attention) keep the padded batch at the model: their loss comes alone all the same,
+    equal to unpatched."""
+    model = family(model_type)
+    inputs = batch(model)
+    want = step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        assert handle.heads == {lm_head.LOSS_ONLY_KEPT: 1}
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    for name, grad in want[2].items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=2e-5, rtol=1e-3, msg=name)
 
 
 def test_under_torch_compile_the_loss_comes_with_its_logits_and_says_so():

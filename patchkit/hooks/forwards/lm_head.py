@@ -80,11 +80,12 @@ def servable_forward(forward: Callable) -> bool:
 
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
 LOSS_ONLY = "real tokens, the loss alone"  # ... that returned the loss and no logits (unpad="loss")
+LOSS_ONLY_KEPT = "the loss alone"  # unpad="loss" on a batch the base model kept: the head on every position
 
 
 def padded(heads: dict[str, int]) -> dict[str, int]:
     """The forwards whose head and loss ran on the padded batch, by why (a state's `heads` without the served)."""
-    return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY)}
+    return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY, LOSS_ONLY_KEPT)}
 
 
 def declined(lm: nn.Module, arguments: dict, extra: dict, servable: bool) -> Optional[str]:
@@ -163,6 +164,12 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
 
 
+def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """unpad="loss" on a batch its base model did not unpad: transformers' loss, chunked, on every position."""
+    request.losses += 1
+    return chunked_causal_lm_loss(*args, **kwargs)
+
+
 def _loss_property(original: property) -> property:
     """transformers' `loss_function`, which inside a causal LM whose base model handed it the packed row returns the
     same loss on that row's labels."""
@@ -173,8 +180,10 @@ def _loss_property(original: property) -> property:
         if is_compiling():
             return loss
         request = current().head
-        if request is None or request.meta is None or not request.wanted:
+        if request is None or not request.wanted:
             return loss
+        if request.meta is None:  # a batch the base model kept (no padding, or unpadded inside attention only)
+            return functools.partial(_loss_alone, request) if request.loss_only else loss
         return functools.partial(_packed_loss, loss, request)
 
     return property(functools.wraps(getter)(loss_function), original.fset, original.fdel, original.__doc__)
@@ -207,15 +216,16 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
     with labels outside `loss_function` would have seen the packed row: refused by name."""
     meta = request.meta
     if meta is None:
+        if request.loss_only and labelled and request.losses > 0:  # the loss alone, the head on every position
+            _count(heads, LOSS_ONLY_KEPT)
+            _drop_logits(out)
         return out
     if not request.wanted:
         if request.why_not and heads is not None:
             heads[request.why_not] = heads.get(request.why_not, 0) + 1
         return out
     alone = request.loss_only and labelled and request.losses > 0
-    if heads is not None:
-        key = LOSS_ONLY if alone else REAL_TOKENS
-        heads[key] = heads.get(key, 0) + 1
+    _count(heads, LOSS_ONLY if alone else REAL_TOKENS)
     if labelled and request.losses == 0:
         raise PatchkitError(
             f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the packed row "
@@ -223,8 +233,8 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
             "meanwhile apply the patch with unpad='attention'."
         )
     logits = out.get("logits") if hasattr(out, "keys") else None
-    if alone and logits is not None:
-        _drop(out, "logits")  # the loss alone: the caller asked for no logits (unpad="loss")
+    if alone:
+        _drop_logits(out)  # the loss alone: the caller asked for no logits (unpad="loss")
     elif isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == (1, meta.nnz_q + 1):
         out["logits"] = repad_logits(logits, meta)
     return out
@@ -248,15 +258,23 @@ def compiled_loss_alone(state: Any) -> Callable[[], bool]:
     return torch._dynamo.assume_constant_result(said)
 
 
-def _drop(out: Any, key: str) -> None:
-    """`out` as a ModelOutput built without `key`: the field None and no entry (ModelOutput refuses pop and del)."""
-    collections.OrderedDict.pop(out, key, None)
-    object.__setattr__(out, key, None)
+def _count(heads: Optional[dict], key: str) -> None:
+    if heads is not None:
+        heads[key] = heads.get(key, 0) + 1
+
+
+def _drop_logits(out: Any) -> None:
+    """`out` as a ModelOutput built without logits: the field None and no entry (ModelOutput refuses pop and del)."""
+    if hasattr(out, "keys") and out.get("logits") is not None:
+        collections.OrderedDict.pop(out, "logits", None)
+        object.__setattr__(out, "logits", None)
 
 
 def heads_line(heads: dict[str, int]) -> str:
     """A report's line on where the LM head and loss ran over batches unpadded at the model."""
     real, alone = heads.get(REAL_TOKENS, 0) + heads.get(LOSS_ONLY, 0), heads.get(LOSS_ONLY, 0)
+    kept = heads.get(LOSS_ONLY_KEPT, 0)
     on_padding = "; ".join(f"{n} on the padded batch: {why}" for why, n in padded(heads).items())
     return (f"  LM head and loss: {real} forwards on real tokens" + (f" ({alone} returned the loss alone)" if alone
-            else "") + (f"; {on_padding}" if on_padding else ""))
+            else "") + (f"; {kept} returned the loss alone from every position (a batch its base model did not "
+                        "unpad)" if kept else "") + (f"; {on_padding}" if on_padding else ""))

@@ -312,7 +312,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     servable = servable_forward(original)
     heads = state.heads if state is not None else None
     takes_keep = takes_logits_to_keep(signature)
-    compiled_said = compiled_loss_alone(state) if unpad == "loss" and state is not None else None
+    # unpad="loss" asked of the patch: the loss alone, also where this family's base model unpads inside attention
+    loss_alone = state is not None and state.unpad == "loss"
+    compiled_said = compiled_loss_alone(state) if loss_alone else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         arguments = bind(self, args, kwargs)
@@ -329,8 +331,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
-        if cause is None and unpad in WHOLE_MODEL and not is_compiling():
-            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=unpad == "loss" and self.training)
+        if cause is None and (unpad in WHOLE_MODEL or loss_alone) and not is_compiling():
+            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
             return finish(self, out, head, labelled(arguments, extra), heads)
