@@ -97,3 +97,24 @@ def test_prepare_copies_the_testers_missing_testing_utils_constants(tmp_path: Pa
     shim = testing_utils_shim(tests_dir, mirror, "HEAD", sys.executable)
     assert "_testing_utils._MISSING_DEFAULTS = {'batch_size': 13, 'hidden_act': 'gelu'}" in shim
     assert "require_torch" not in shim
+
+
+def test_a_tree_linked_to_another_environments_transformers_is_refused(tmp_path: Path) -> None:
+    """A tree assembled from a removed environment keeps a dangling `src/transformers` link: every test file then
+    fails to import alike in both modes and the comparison would report a family with nothing changed. The tool
+    refuses it by name before running anything."""
+    tree = tmp_path / "hf_tests"
+    (tree / "tests/models/llama").mkdir(parents=True)
+    (tree / "pytest.ini").write_text("[pytest]\n")
+    (tree / "tests/models/llama/test_modeling_llama.py").write_text(textwrap.dedent(FAMILY_TESTS))
+    (tree / "src").mkdir()
+    (tree / "src/transformers").symlink_to(tmp_path / "gone/.venv/lib/python3.11/site-packages/transformers")
+    out = tmp_path / "results"
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--tests-dir", str(tree), "--families", "llama", "--out", str(out),
+         "--python", sys.executable],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "gone/.venv" in run.stderr and "run --prepare again" in run.stderr
+    assert not out.exists()

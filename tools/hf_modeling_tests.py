@@ -377,12 +377,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if not (args.tests_dir / "pytest.ini").exists():
         parser.error(f"{args.tests_dir} is not an assembled tests tree: run --prepare first")
+    version, package = installed_transformers(args.python)
+    link = args.tests_dir / "src/transformers"  # --prepare's link to the installed package, absolute
+    if link.is_symlink() and link.resolve() != Path(package).resolve():
+        # a tree assembled from another environment (a removed worktree's .venv): every test file would fail
+        # to import, the same in both modes, and the comparison would report nothing changed
+        parser.error(f"{link} points at {os.readlink(link)}, not at the transformers of {args.python} ({package}): "
+                     f"run --prepare again with this --python, or relink it")
     out = (args.out or Path(tempfile.gettempdir()) / "hf_modeling_tests" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     if REPO in out.parents or out == REPO:
         parser.error("--out must be outside the repository")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(__file__).resolve().parent / f"{PROBE}.py", out / f"{PROBE}.py")
-    version = installed_transformers(args.python)[0]
     meta = {"transformers": version, "python": args.python, "tests_dir": str(args.tests_dir), "k": args.k,
             "families": args.families, "patched_env": PATCHED_ENV, "common_env": COMMON_ENV,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
