@@ -214,11 +214,17 @@ PACKINGS = {
 }
 
 
+@torch._dynamo.assume_constant_result  # in a compiled graph: answered while dynamo traces (it imports, may raise)
+def _serves(cls: type, model_type: Optional[str], model_types: Iterable[str],
+            family_of: Optional[Callable[[type], Any]]) -> bool:
+    return model_type in model_types or (family_of is not None and family_of(cls) is not None)
+
+
 def check_family(module: nn.Module, model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None
                  ) -> None:
     """The registered name serves only the families patchkit has a patch for: a served `model_type`, or (`family_of`
     a class) a served family's attention layer under a model_type of its own; any other model is refused."""
-    if model_type_of(module) not in model_types and (family_of is None or family_of(type(module)) is None):
+    if not _serves(type(module), model_type_of(module), model_types, family_of):
         allowed = sorted(set(model_types))
         raise PatchInputError(
             f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from patchkit.forward.liveness import in_one_graph
 from patchkit.hooks.install.patching import dressed_as
 
 _HANDED_UP: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("patchkit_router_logits", default=None)
@@ -26,6 +27,8 @@ def make_recording_forward(original: Callable) -> Callable:
     """Wrap the recording model's forward: its output's router logits become those its base model handed up."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if in_one_graph():  # fullgraph: no contextvar there, and no forward unpads at the model: nothing to hand up
+            return original(self, *args, **kwargs)
         holder: list = []
         token = _HANDED_UP.set(holder)
         try:
