@@ -67,6 +67,24 @@ def test_a_label_outside_the_vocabulary_raises_as_cross_entropy_does():
         chunked_cross_entropy(logits, labels)
 
 
+def loss_alone_step(model: torch.nn.Module, **inputs) -> tuple:
+    """One training step under unpad="loss": its output, every gradient, the head's row counts, the patch's `heads`
+    and its report."""
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        rows = head_rows(model)
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out, grads, rows, handle.heads, handle.report()
+
+
+def assert_grads(got: dict, want: dict, atol: float = 2e-5) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=1e-3, msg=name)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_the_loss_alone_equals_unpatched(model_type):
     """Loss and every gradient as unpatched (the families' softcap, logit scale, head bias and router loss), the
@@ -75,20 +93,13 @@ def test_the_loss_alone_equals_unpatched(model_type):
     inputs = batch(model)
     mask = inputs["attention_mask"]
     want = step(model, **inputs)
-    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
-        rows = head_rows(model)
-        model.zero_grad(set_to_none=True)
-        out = model(**inputs)
-        out.loss.backward()
-        got_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        assert handle.heads == {lm_head.LOSS_ONLY: 1}
-        assert "1 forwards on real tokens (1 returned the loss alone)" in handle.report()
+    out, grads, rows, heads, report = loss_alone_step(model, **inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1}
+    assert "1 forwards on real tokens (1 returned the loss alone)" in report
     assert rows == [int(mask.sum()) + 1]
     assert out.logits is None and "logits" not in out.keys()  # noqa: SIM118 - a ModelOutput
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
-    assert got_grads.keys() == want[2].keys()
-    for name in want[2]:
-        torch.testing.assert_close(got_grads[name], want[2][name], atol=2e-5, rtol=1e-3, msg=name)
+    assert_grads(grads, want[2])
     if model_type == "mixtral":
         torch.testing.assert_close(out.aux_loss, want[3].aux_loss)
 
@@ -135,17 +146,12 @@ def test_a_batch_its_base_model_keeps_returns_the_loss_alone_from_every_position
                   position_ids=torch.cat([torch.arange(int(n)) for n in mask.sum(1)]).unsqueeze(0))
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="model"):
         want = step(model, **packed)
-    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
-        rows = head_rows(model)
-        model.zero_grad(set_to_none=True)
-        out = model(**packed)
-        out.loss.backward()
-        assert handle.heads == {lm_head.LOSS_ONLY_KEPT: 1}
-        assert "1 returned the loss alone from every position" in handle.report()
+    out, grads, rows, heads, report = loss_alone_step(model, **packed)
+    assert heads == {lm_head.LOSS_ONLY_KEPT: 1}
+    assert "1 returned the loss alone from every position" in report
     assert out.logits is None and rows == [packed["input_ids"].numel()]
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-6, rtol=1e-6)
-    for name, grad in want[2].items():
-        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=2e-6, rtol=1e-4, msg=name)
+    assert_grads(grads, want[2], atol=2e-6)
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "qwen3_next"])
@@ -155,15 +161,11 @@ def test_a_family_unpadded_inside_attention_returns_the_loss_alone_too(model_typ
     model = family(model_type)
     inputs = batch(model)
     want = step(model, **inputs)
-    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
-        model.zero_grad(set_to_none=True)
-        out = model(**inputs)
-        out.loss.backward()
-        assert handle.heads == {lm_head.LOSS_ONLY_KEPT: 1}
+    out, grads, _, heads, _ = loss_alone_step(model, **inputs)
+    assert heads == {lm_head.LOSS_ONLY_KEPT: 1}
     assert out.logits is None
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
-    for name, grad in want[2].items():
-        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=2e-5, rtol=1e-3, msg=name)
+    assert_grads(grads, want[2])
 
 
 def test_under_torch_compile_the_loss_comes_with_its_logits_and_says_so():
