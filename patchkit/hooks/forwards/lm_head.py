@@ -215,16 +215,16 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
     `heads` (a patch state's: where the head ran, on a batch its base model unpadded). A family that computed a loss
     with labels outside `loss_function` would have seen the packed row: refused by name."""
     meta = request.meta
+    alone = request.loss_only and labelled and request.losses > 0  # unpad="loss" served: no logits back
     if meta is None:
-        if request.loss_only and labelled and request.losses > 0:  # the loss alone, the head on every position
+        if alone:  # the head on every position of a batch its base model kept
             _count(heads, LOSS_ONLY_KEPT)
             _drop_logits(out)
         return out
     if not request.wanted:
-        if request.why_not and heads is not None:
-            heads[request.why_not] = heads.get(request.why_not, 0) + 1
+        if request.why_not:
+            _count(heads, request.why_not)
         return out
-    alone = request.loss_only and labelled and request.losses > 0
     _count(heads, LOSS_ONLY if alone else REAL_TOKENS)
     if labelled and request.losses == 0:
         raise PatchkitError(

@@ -331,7 +331,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
-        if cause is None and (unpad in WHOLE_MODEL or loss_alone) and not is_compiling():
+        if cause is None and (unpad in WHOLE_MODEL or (loss_alone and self.training)) and not is_compiling():
             head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
