@@ -189,3 +189,18 @@ def test_under_torch_compile_the_loss_comes_with_its_logits_and_says_so():
         torch._dynamo.reset()
     assert sum("unpad='loss'" in str(w.message) for w in said) == 1
     assert_same(got, want, inputs["attention_mask"])
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_next"])
+def test_the_loss_alone_under_gradient_checkpointing_equals_unpatched(model_type):
+    """Each layer recomputed in the backward (non-reentrant, transformers' default) on the packed row or the padded
+    batch: the loss alone and every gradient as unpatched, checkpointed alike."""
+    model = family(model_type)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = batch(model)
+    want = step(model, **inputs)
+    out, grads, _, heads, _ = loss_alone_step(model, **inputs)
+    assert sum(heads.values()) == 1 and set(heads) <= {lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT}
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    assert_grads(grads, want[2])
