@@ -51,19 +51,26 @@ class TestInAClass:  # transformers' own tests live in classes (LlamaModelTest)
 
 def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     """Plain and patched runs, the re-run of the changed test, the probe's counters: one pass->fail, stable on
-    re-run, with its message; the forward's attention counted through the patch; the report groups it by cause."""
+    re-run, with its message; the forward's attention counted through the patch; the report groups it by cause.
+    Two families at once (--jobs 2); the second's test file does not import (OPT's needs `timeout_decorator`),
+    which the tool reports by name with a non-zero exit, never as a family where nothing changed."""
     tree = tmp_path / "hf_tests"
     (tree / "tests/models/llama").mkdir(parents=True)
+    (tree / "tests/models/opt").mkdir(parents=True)
     (tree / "pytest.ini").write_text("[pytest]\n")
     (tree / "tests/models/llama/test_modeling_llama.py").write_text(textwrap.dedent(FAMILY_TESTS))
+    (tree / "tests/models/opt/test_modeling_opt.py").write_text(
+        "import not_installed_here_xyz\n\n\ndef test_never_collected():\n    pass\n")
     out = tmp_path / "results"
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--tests-dir", str(tree), "--families", "llama", "--out", str(out), "-k", "",
-         "--python", sys.executable, "--timeout", "300"],
+        [sys.executable, str(TOOL), "--tests-dir", str(tree), "--families", "llama", "opt", "--out", str(out),
+         "-k", "", "--python", sys.executable, "--timeout", "300", "--jobs", "2"],
         capture_output=True, text=True, timeout=600,
     )
-    assert run.returncode == 0, run.stdout + run.stderr
-    family = json.loads((out / "results.json").read_text())["families"][0]
+    assert run.returncode == 1, run.stdout + run.stderr
+    family, opt = json.loads((out / "results.json").read_text())["families"]
+    assert "did not import in both runs: ModuleNotFoundError: No module named 'not_installed_here_xyz'" in opt["error"]
+    assert "opt: not run: tests/models/opt/test_modeling_opt.py did not import" in run.stdout
     assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (5, 4, 4, 2)
     assert (family["pass_to_fail"], family["fail_to_pass"], family["other_changes"]) == (2, 0, 0)
     changed = {row["id"].split("::", 1)[1]: row for row in family["changed"]}  # ids as pytest takes them back

@@ -60,7 +60,7 @@ def print_report(families: list[dict[str, Any]]) -> None:
                 notes.append(f"{row['patched_calls']} patched attention calls")
             print(f"    {row['id']}" + (f"  ({'; '.join(notes)})" if notes else ""))
     print("\npatchkit at exit (patched runs):")
-    for f in families:
+    for f in (f for f in families if "error" not in f):
         for line in f.get("exit_lines", []) or ["(no patchkit exit line: was the startup hook active?)"]:
             print(f"  {f['family']}: {line}")
         for warning in f.get("patchkit_warnings", []):
