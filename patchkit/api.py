@@ -24,6 +24,7 @@ from patchkit.hooks.install.patching import Replacement, apply_replacements, res
 from patchkit.hooks.install.registry import PatchSpec, for_model, imported_table_types, registered, resolve, table_spec
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import flash_request
+from patchkit.names import UNPAD_MEANING
 from patchkit.warn import warn_user
 
 _ACTIVE: dict[tuple, PatchHandle] = {}
@@ -145,9 +146,7 @@ class PatchHandle:
             f"  transformers: {eras.installed_version()}"
             + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
                else ""),
-            f"  unpad:   {self.options[2]} ("
-            + ("once per model forward; the decoder runs on real tokens only" if self.options[2] == "model"
-               else "in each attention layer; hidden states keep their padded shape") + ")",
+            f"  unpad:   {self.options[2]} ({UNPAD_MEANING[self.options[2]]})",
             "  gates:",
             *_gates.gate_lines(self.gates, "    "),
             "  replaced:",

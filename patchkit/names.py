@@ -7,6 +7,11 @@ BACKEND_NAMES = ("auto", "flash_attn", "flash_attn_4", "torch_varlen", "sdpa")
 UNPAD_MODES = ("model", "attention", "loss")  # once per model forward (default), in each attention layer, or through
 # the loss: as "model", and a training forward with labels returns its loss alone (no (B, N, V) logits)
 WHOLE_MODEL = ("model", "loss")  # the unpad modes that unpad once per model forward
+UNPAD_MEANING = {  # what each mode does, in the report's words
+    "model": "once per model forward; the decoder runs on real tokens only",
+    "attention": "in each attention layer; hidden states keep their padded shape",
+    "loss": "once per model forward, as 'model'; a training forward with labels returns its loss alone (logits=None)",
+}
 
 
 # name -> module holding its SPEC; modules are imported on first use.

@@ -96,6 +96,7 @@ def test_the_loss_alone_equals_unpatched(model_type):
     out, grads, rows, heads, report = loss_alone_step(model, **inputs)
     assert heads == {lm_head.LOSS_ONLY: 1}
     assert "1 forwards on real tokens (1 returned the loss alone)" in report
+    assert "unpad:   loss (once per model forward, as 'model'; a training forward with labels returns" in report
     assert rows == [int(mask.sum()) + 1]
     assert out.logits is None and "logits" not in out.keys()  # noqa: SIM118 - a ModelOutput
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
