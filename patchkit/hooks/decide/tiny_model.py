@@ -1,0 +1,86 @@
+"""A tiny copy of a user's config, for the self-check: its family's structure kept, every size cut down."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+LAYERS, HEADS, VOCAB = 2, 2, 64
+WINDOW = 4  # shorter than the self-check's rows (10 tokens): a family's sliding window bites
+
+
+def tiny_config(config: Any) -> Any:
+    """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
+    it), a small vocabulary and MLP, at most 4 experts, no dropout, per-layer lists cut to 2 layers with each layer
+    type kept (a per-layer config's overrides too: Gemma4's wider full-attention heads), and a sliding window short
+    enough to bite."""
+    tiny = copy.deepcopy(config)
+    layers = value_of(config, "num_hidden_layers") or LAYERS
+    heads = value_of(config, "num_attention_heads") or HEADS
+    kv_heads = value_of(config, "num_key_value_heads") or heads
+    head_dim = value_of(config, "head_dim") or config.hidden_size // heads
+    keep = per_layer_picks(config, layers)
+    sizes = {
+        "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
+        "hidden_size": HEADS * head_dim, "intermediate_size": 2 * HEADS * head_dim, "vocab_size": VOCAB,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
+    }
+    for key, value in sizes.items():
+        if value_of(config, key) is not None:
+            setattr(tiny, key, value)
+    if value_of(config, "head_dim") is not None:
+        tiny.head_dim = head_dim
+    for key in ("num_experts", "num_local_experts"):
+        if isinstance(value_of(config, key), int):
+            setattr(tiny, key, min(value_of(config, key), 4))
+    if isinstance(value_of(config, "num_experts_per_tok"), int):
+        tiny.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    if isinstance(value_of(config, "sliding_window"), int):
+        tiny.sliding_window = WINDOW
+    for key, value in vars(config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(tiny, key, 0.0)
+        elif isinstance(value, (list, tuple)) and len(value) == layers and layers > LAYERS:
+            setattr(tiny, key, type(value)(value[i] for i in keep))
+    overrides = vars(config).get("per_layer_config")
+    if isinstance(overrides, dict) and overrides:  # keyed by zero-padded layer index: the kept layers renumbered
+        width = len(next(iter(overrides)))
+        tiny.per_layer_config = {f"{new:0{width}d}": overrides[f"{old:0{width}d}"] for new, old in enumerate(keep)
+                                 if f"{old:0{width}d}" in overrides}
+    tiny = with_derived_sizes(config, tiny)
+    tiny._attn_implementation = "eager"  # the reference every family has (Gemma2 refuses sdpa)
+    return tiny
+
+
+def with_derived_sizes(config: Any, tiny: Any) -> Any:
+    """`tiny` built again through its class where the class derives fields from hidden_size (Mamba-2 hybrids' head
+    size and head count), so they follow the tiny width; `tiny` itself where it derives none or will not build."""
+    cls = type(config)
+    try:
+        default = cls()
+        narrow, wide = default.to_dict(), cls(hidden_size=2 * default.hidden_size).to_dict()
+        derived = {k for k, v in narrow.items() if k != "hidden_size" and wide.get(k) != v}
+        if not derived:
+            return tiny
+        return cls(**{k: v for k, v in tiny.to_dict().items() if k not in derived})
+    except Exception:  # a config that will not build on defaults, or not from its own dict: the copy as it is
+        return tiny
+
+
+def value_of(config: Any, key: str) -> Any:
+    """`config.key`, or None; a per-layer config's global value where reading the attribute raises (transformers'
+    heterogeneous configs refuse a global read of a per-layer attribute such as Gemma4's head_dim)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, whatever its base
+        return vars(config).get(key)
+
+
+def per_layer_picks(config: Any, layers: int) -> list[int]:
+    """Which 2 of the user's layers a per-layer list keeps: the first, and the first of another type if any."""
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
+        other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
+        return [0, other]
+    return [0, 1]
