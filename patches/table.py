@@ -45,6 +45,9 @@ VERIFIED = frozenset({
     "ctrl", "gpt_bigcode", "moshi", "persimmon",
     # chunked attention (documents cut at the chunk size), NoPE layers whose temperature reads the row's length
     "llama4_text",
+    # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
+    # (token_type_ids) is a mask pattern beyond causal, stepped aside for
+    "hrm_text",
     # the base model reads the mask itself (positions counted from it) or mixes tokens outside attention (linear
     # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",

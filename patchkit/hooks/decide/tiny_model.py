@@ -9,13 +9,15 @@ LAYERS, HEADS, VOCAB = 2, 2, 64
 WINDOW = 4  # shorter than the self-check's rows (10 tokens): a family's sliding window bites
 
 
-def tiny_config(config: Any) -> Any:
+def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
     it), a small vocabulary and MLP, at most 4 experts, no dropout, per-layer lists cut to 2 layers with each layer
     type kept (a per-layer config's overrides too: Gemma4's wider full-attention heads), and a sliding window short
-    enough to bite."""
+    enough to bite. `keep_depth`: every layer kept, for a config whose other fields fix its layer count (HRM-Text's
+    `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache slots)."""
     tiny = copy.deepcopy(config)
     layers = value_of(config, "num_hidden_layers") or LAYERS
+    cut = not keep_depth and layers > LAYERS
     heads = value_of(config, "num_attention_heads") or HEADS
     kv_heads = value_of(config, "num_key_value_heads") or heads
     head_dim = value_of(config, "head_dim") or config.hidden_size // heads
@@ -26,6 +28,8 @@ def tiny_config(config: Any) -> Any:
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
     }
+    if keep_depth:
+        del sizes["num_hidden_layers"]
     for key, value in sizes.items():
         if value_of(config, key) is not None:
             setattr(tiny, key, value)
@@ -41,10 +45,10 @@ def tiny_config(config: Any) -> Any:
     for key, value in vars(config).items():
         if "dropout" in key and isinstance(value, float):
             setattr(tiny, key, 0.0)
-        elif isinstance(value, (list, tuple)) and len(value) == layers and layers > LAYERS:
+        elif isinstance(value, (list, tuple)) and len(value) == layers and cut:
             setattr(tiny, key, type(value)(value[i] for i in keep))
     overrides = vars(config).get("per_layer_config")
-    if isinstance(overrides, dict) and overrides:  # keyed by zero-padded layer index: the kept layers renumbered
+    if isinstance(overrides, dict) and overrides and cut:  # keyed by zero-padded layer index: kept ones renumbered
         width = len(next(iter(overrides)))
         tiny.per_layer_config = {f"{new:0{width}d}": overrides[f"{old:0{width}d}"] for new, old in enumerate(keep)
                                  if f"{old:0{width}d}" in overrides}

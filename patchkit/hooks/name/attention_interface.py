@@ -230,7 +230,10 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
         check_family(module, served_model_types(), spec_for_class)  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
         what = untrusted_what(module.config) if cause in UNTRUSTED else None  # the family's check: what differed
-        step_aside(routed or route_state(), cause, {}, {}, what)
+        if not getattr(attention_mask, "patchkit_counted", False):  # a patch counts forwards, not layers; the
+            step_aside(routed or route_state(), cause, {}, {}, what)  # name alone counts attention calls
+            if routed is not None and hasattr(attention_mask, "patchkit_cause"):  # made by `aside_mask` for this
+                attention_mask.patchkit_counted = True  # forward (a caller's own tensor may come back in the next)
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     if routed is not None:
         if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention
