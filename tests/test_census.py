@@ -1,10 +1,11 @@
 """The census: every causal LM of the installed transformers, served exactly every way in or refused by name.
 
 For each model type in transformers' causal-LM mapping: a family patchkit serves (a module in patches/ or the table,
-`patches/table.py`) is built tiny and compared with transformers' eager attention through the class patch, the
-instance patch and the registered name (logits at real tokens, loss and every gradient on a mixed-padded batch;
-packed rows, but for the instance patch, which runs the class patch's path; left-padded greedy generation through
-the class patch); a family it does not serve is refused with the feature that stops it.
+`patches/table.py`) is built tiny and compared with transformers' eager attention through the class patch (and its
+non-reentrant gradient checkpointing), the instance patch and the registered name (logits at real tokens, loss and
+every gradient on a mixed-padded batch; packed rows, but for the instance patch, which runs the class patch's path;
+left-padded greedy generation through the class patch); a family it does not serve is refused with the feature that
+stops it.
 No other outcome passes: on CI's transformers the table's VERIFIED list is exactly the families found exact here.
 `python tests/census.py` prints the table.
 """
@@ -146,6 +147,13 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
             got_tokens = generated(model)
             outcomes["class"] = "" if torch.equal(got_tokens, want_tokens) else "generated tokens differ"
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the class patch"
+        if model.supports_gradient_checkpointing and not outcomes["class"]:  # recomputed in backward, after the
+            # model's forward returned: its layers must still route to the patch (ZAYA's mapping of masks did not)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            try:
+                outcomes["checkpointed"] = same(runs(model, packed=False), want, mask)
+            finally:
+                model.gradient_checkpointing_disable()
         padded_heads = lm_head.padded(handle.heads)
         if padded_heads:  # a batch unpadded at the model whose LM head and loss ran on the padded batch
             outcomes["head"] = f"LM head on the padded batch: {padded_heads}"

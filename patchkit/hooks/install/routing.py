@@ -127,14 +127,19 @@ def current_method(module: nn.Module, attr: str = "forward") -> Callable:
 
 
 def mask_argument(original: Callable) -> Callable[[tuple, dict], Any]:
-    """A reader of the `attention_mask` argument of a call of `original` (positional or keyword), built once."""
+    """A reader of the `attention_mask` argument of a call of `original` (positional or keyword), built once; of
+    patchkit's mask among them where the family hands its layers a mapping of masks."""
     names = list(inspect.signature(original).parameters)
     index = names.index("attention_mask") - 1 if "attention_mask" in names else None  # after self
 
     def read(args: tuple, kwargs: dict) -> Any:
         if "attention_mask" in kwargs:
-            return kwargs["attention_mask"]
-        return args[index] if index is not None and index < len(args) else None
+            mask = kwargs["attention_mask"]
+        else:
+            mask = args[index] if index is not None and index < len(args) else None
+        if isinstance(mask, dict):  # a family's masks by use (ZAYA: {"causal": ..., "conv": ...}): the attention one
+            return next((m for m in mask.values() if isinstance(m, VarlenMask)), mask)
+        return mask
 
     return read
 
