@@ -55,6 +55,30 @@ def test_output_attentions_steps_aside_with_the_weights(family, way, where):
     torch.testing.assert_close(got.logits, want.logits)
 
 
+@pytest.mark.skipif(not hasattr(transformers, "masking_utils") or not hasattr(
+    transformers.masking_utils, "find_packed_sequence_indices"), reason="masks read packed documents: 4.5x+")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_padding_free_batch_without_a_cache_steps_aside_where_transformers_keeps_documents_apart(family):
+    """Packed documents (position_ids restarting, no mask) with output_attentions: with use_cache=False transformers'
+    mask keeps them apart, so the forward steps aside with unpatched numbers (it was refused); with a cache made
+    (use_cache on), transformers would join them, and the refusal names use_cache=False among the fixes."""
+    model = any_model(family)
+    ids = torch.randint(3, 90, (2, 14), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([list(range(5)) + list(range(9)), list(range(8)) + list(range(6))])
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, output_attentions=True, use_cache=False)
+        with patchkit.apply_patch(family if family != "llama" else "llama2", backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="output_attentions"):
+                got = model(input_ids=ids, position_ids=positions, output_attentions=True, use_cache=False)
+            assert handle.stepped_aside == {"output_attentions": 1} and handle.calls == 0
+            with pytest.raises(PatchInputError, match="batch of packed documents.*pass use_cache=False"):
+                model(input_ids=ids, position_ids=positions, output_attentions=True, use_cache=True)
+    assert want.attentions[0][0, :, 5:, :5].abs().max() == 0  # transformers kept the documents apart
+    torch.testing.assert_close(got.logits, want.logits)
+    for a, b in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_a_callers_4d_mask_steps_aside_exactly(family):
     """A custom pattern (here: each row also hides key 2 from every query after it)."""

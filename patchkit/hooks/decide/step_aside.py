@@ -35,7 +35,7 @@ OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep pa
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:
     """Count one forward stepped aside for `cause` and warn once per cause (`what`: this forward's own words for
-    it); strict mode refuses it instead, and so does a batch of packed documents, which transformers' attention
+    it); strict mode refuses it instead, and so does a batch of packed documents that transformers' attention
     would let see each other (no exact path)."""
     what, fix = what or CAUSES[cause][0], CAUSES[cause][1]
     if cause not in OWN_DOCUMENTS and packed_call(arguments, extra):  # a caller's 4D mask defines its own documents
@@ -43,7 +43,8 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
             f"patch {state.patch!r}: {what}, in a batch of packed documents (position_ids restarting inside a row, "
             "or cu_seq_lens). transformers' own attention would let those documents attend to each other, and "
             f"patchkit's varlen path cannot serve the request, so no path gives exact numbers. {fix[0].upper()}"
-            f"{fix[1:]}, or give each document its own row."
+            f"{fix[1:]}, give each document its own row, or pass use_cache=False with restarting position_ids "
+            "(transformers' mask then keeps the documents apart)."
         )
     if state.strict:
         raise PatchInputError(
@@ -61,12 +62,30 @@ def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optio
 
 
 def packed_call(arguments: dict, extra: dict) -> bool:
-    """Packed documents: cu_seq_lens, or position_ids restarting inside a row of a call without a mask."""
-    if any(extra.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        return True
+    """Packed documents that transformers' attention would let see each other: cu_seq_lens, or position_ids
+    restarting inside a row of a call without a mask, unless transformers' own mask keeps them apart."""
     if arguments.get("attention_mask") is not None:
         return False  # a 2D mask is padding only (transformers' rule): its rows' documents attend to each other
-    return has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
+    restarts = has_packed_rows(None, arguments.get("position_ids", extra.get("position_ids")))
+    if restarts and documents_kept_apart(arguments, extra):
+        return False
+    return restarts or any(extra.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
+
+
+def documents_kept_apart(arguments: dict, extra: dict) -> bool:
+    """transformers keeps the documents of restarting position_ids apart itself: its masks read them
+    (`find_packed_sequence_indices`, 4.5x-5.x) when the forward has neither a mask nor a cache; a forward that makes
+    its own cache (`use_cache`, from the call or else the config) does not (5.23's silent join)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # before 4.53: no masking_utils, documents joined
+        return False
+    if not hasattr(masking_utils, "find_packed_sequence_indices") or given_cache(arguments, extra) is not None:
+        return False
+    use_cache = arguments.get("use_cache", extra.get("use_cache"))
+    if use_cache is None:
+        use_cache = getattr(getattr(arguments.get("self"), "config", None), "use_cache", True)
+    return use_cache is False
 
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
