@@ -30,7 +30,8 @@ FOREIGN_USE_MESSAGE = (
     "under a patchkit patch, but this layer's attention is not patched: the patch was reverted or applied, or the "
     "model's attention implementation changed, while this forward was in flight (or before the backward of a "
     "gradient-checkpointed forward, which recomputes its layers). Change patches between steps, after backward, "
-    "and run the step again."
+    "and run the step again. If nothing changed them, this family hands its layers the mask in a way patchkit does "
+    "not follow: a patchkit bug (report it with the model type); attn_implementation='sdpa' without the patch runs."
 )
 
 
