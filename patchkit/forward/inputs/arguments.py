@@ -35,6 +35,16 @@ ACCEPTED = HONOURED | INERT
 CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 
 
+def resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
+    """use_cache as given, else the config's (a vision-language model's: its text config's)."""
+    if use_cache is not None:
+        return bool(use_cache)
+    config = module.config
+    if not hasattr(config, "use_cache") and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return bool(getattr(config, "use_cache", False))
+
+
 def given_cache(arguments: Mapping[str, Any], extra: Optional[Mapping[str, Any]] = None) -> Any:
     """The cache a forward was given, under whichever of its version's names the caller used, else None."""
     for source in (arguments, extra or {}):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
-from patchkit.forward.inputs.arguments import given_cache, input_tokens, sliding_window
+from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -49,16 +49,6 @@ def plan_forward(
         own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
         return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own)
     return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask)
-
-
-def resolved_use_cache(module: nn.Module, use_cache: Optional[bool]) -> bool:
-    """use_cache as given, else the config's (a vision-language model's: its text config's)."""
-    if use_cache is not None:
-        return bool(use_cache)
-    config = module.config
-    if not hasattr(config, "use_cache") and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return bool(getattr(config, "use_cache", False))
 
 
 def fills_a_cache(module: nn.Module, args: dict) -> bool:

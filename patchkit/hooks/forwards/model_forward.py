@@ -21,6 +21,7 @@ from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
     input_tokens,
+    resolved_use_cache,
     transformers_mask_in_graph,
 )
 from patchkit.forward.inputs.rope_rows import put_rope_rows, take_rope_rows
@@ -30,7 +31,7 @@ from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.graph_plan import asides_in_graph, graph_cause, lm_in_graph, lm_plan, routed_in_graph
-from patchkit.hooks.decide.plan import plan_forward, resolved_use_cache
+from patchkit.hooks.decide.plan import plan_forward
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import lm_cause, step_aside
