@@ -20,6 +20,7 @@ from patchkit.forward.inputs.arguments import (
     ends_in_padding,
     given_cache,
     input_tokens,
+    resolved_use_cache,
     sliding_window,
     transformers_made,
     window_over_hole,
@@ -75,17 +76,18 @@ def packed_call(arguments: dict, extra: dict) -> bool:
 def documents_kept_apart(arguments: dict, extra: dict) -> bool:
     """transformers keeps the documents of restarting position_ids apart itself: its masks read them
     (`find_packed_sequence_indices`, 4.5x-5.x) when the forward has neither a mask nor a cache; a forward that makes
-    its own cache (`use_cache`, from the call or else the config) does not (5.23's silent join)."""
+    its own cache (`use_cache`, from the call or else the config, as the plan reads it) does not (5.23's silent
+    join)."""
     try:
         from transformers import masking_utils
     except ImportError:  # before 4.53: no masking_utils, documents joined
         return False
     if not hasattr(masking_utils, "find_packed_sequence_indices") or given_cache(arguments, extra) is not None:
         return False
-    use_cache = arguments.get("use_cache", extra.get("use_cache"))
-    if use_cache is None:
-        use_cache = getattr(getattr(arguments.get("self"), "config", None), "use_cache", True)
-    return use_cache is False
+    module, use_cache = arguments.get("self"), arguments.get("use_cache", extra.get("use_cache"))
+    if module is None and use_cache is None:  # no config to read it from: assume the cache is made
+        return False
+    return not resolved_use_cache(module, use_cache)
 
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
