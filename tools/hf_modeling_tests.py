@@ -297,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="families run at once, each pytest on one thread (default 1; 2 on 2 cores ran "
-                             "the 51 families of 2026-11-29 in 40 minutes)")
+                             "the 51 families of 2026-11-29 in 28 minutes)")
     parser.add_argument("--no-confirm", dest="confirm", action="store_false",
                         help="do not re-run the changed tests to tell stable changes from flaky ones")
     parser.add_argument("--out", type=Path, help="results folder (default /tmp/hf_modeling_tests/<time>)")
