@@ -68,6 +68,11 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill((mask == 0) | predicted_from_pad, -100)
 
 
+def completion_labels(ids: torch.Tensor, mask: torch.Tensor, prompt: int = 4) -> torch.Tensor:
+    """SFT's completion-only labels (`labels_for`): each row's first `prompt` real tokens, its prompt, unlabelled."""
+    return labels_for(ids, mask).masked_fill(mask.cumsum(1) <= prompt, -100)
+
+
 def step(model, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[torch.Tensor, dict]:
     """Logits and every parameter gradient of one padded training step (labels exclude padding unless given)."""
     model.zero_grad(set_to_none=True)

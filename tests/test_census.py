@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 from census import causal_lm_types, document_logits, packed_rows, tiny_config, tiny_lm
-from models import labels_for, padded_batch
+from models import completion_labels, labels_for, padded_batch
 from packaging.version import Version
 from patchkit.patches import table
 
@@ -109,13 +109,18 @@ def same(got: dict, want: dict, mask: torch.Tensor) -> str:
     return ""
 
 
-def loss_alone(model, want: tuple, handle) -> str:
-    """unpad="loss": the padded step's loss and every gradient as `want`'s, and no logits where the head ran on the
-    real tokens ('' when so, else what differed)."""
+def completion_step(model) -> tuple:
+    """`train_step` of the padded batch with completion-only labels (a prompt unlabelled in each row)."""
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     ids = ids.clamp(max=model.config.vocab_size - 1)
-    logits, grads, loss = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
-                                     **token_types(model, ids))
+    return train_step(model, input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask),
+                      **token_types(model, ids))
+
+
+def loss_alone(model, want: tuple, handle) -> str:
+    """unpad="loss" on completion-only labels: the loss and every gradient as `want`'s (the unpatched step's), and
+    no logits where the head ran on the labelled tokens ('' when so, else what differed)."""
+    logits, grads, loss = completion_step(model)
     if (logits is None) != (lm_head.LOSS_ONLY in handle.heads or lm_head.LOSS_ONLY_KEPT in handle.heads):
         return f"logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
     if not (loss - want[2]).abs().item() <= ATOL * max(1.0, want[2].abs().item()):
@@ -163,7 +168,7 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
         outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
-        outcomes["loss alone"] = loss_alone(model, want["padded"], handle)
+        outcomes["loss alone"] = loss_alone(model, want["completion"], handle)
     attention_interface.register(backend="sdpa")
     model.set_attn_implementation(attention_interface.ATTENTION_NAME)
     try:
@@ -194,6 +199,7 @@ def test_census(model_type, monkeypatch):
     try:
         want = runs(model)
         want["documents"] = document_logits(model, packed_rows()[0])
+        want["completion"] = completion_step(model)
     except Exception as exc:  # transformers' own eager attention cannot run this tiny model: nothing to compare
         assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but its eager run raised {exc!r}"
         record(model_type, "untested", f"transformers' eager run of the tiny model raised {type(exc).__name__}")

@@ -158,9 +158,11 @@ def test_the_report_says_where_the_head_ran():
     assert "LM head and loss: 1 forwards on real tokens; 1 on the padded batch: a tuple output" in report
 
 
-def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name():
+@pytest.mark.parametrize("unpad, layout", [("model", "padded"), ("loss", "padded"), ("loss", "packed")])
+def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name(unpad, layout):
     """A family whose forward reads as one that computes its loss through `self.loss_function` but does not would
-    compute it on the packed row: patchkit refuses it rather than return that loss."""
+    compute it on the rows handed to its head (the packed row; the labelled rows alone under unpad="loss", of a
+    packed batch too): patchkit refuses it rather than return that loss."""
     from transformers import LlamaForCausalLM
 
     class OwnLoss(LlamaForCausalLM):
@@ -176,7 +178,10 @@ def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name(
         warnings.simplefilter("ignore")
         model = OwnLoss(base.config)
     inputs = batch(model)
-    with patchkit.apply_patch(model=model, backend="sdpa"):
+    if layout == "packed":  # one row of documents, no padding: the base model keeps it
+        real = inputs.pop("attention_mask").bool()
+        inputs.update(input_ids=inputs["input_ids"][real][None], labels=inputs["labels"][real][None])
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad):
         with pytest.raises(PatchkitError, match="computed its loss without transformers' loss_function"):
             model(**inputs)
 

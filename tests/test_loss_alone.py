@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import labels_for, padded_batch
+from models import completion_labels, padded_batch
 from test_lm_head import FAMILIES, assert_same, batch, family, head_rows, step
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -79,25 +79,34 @@ def loss_alone_step(model: torch.nn.Module, **inputs) -> tuple:
         return out, grads, rows, handle.heads, handle.report()
 
 
+def labelled_rows(labels: torch.Tensor) -> int:
+    """The rows the head runs on under unpad="loss": the labelled ones after the shift, and one zero row."""
+    return int((labels[..., 1:] != -100).sum()) + 1
+
+
 def assert_grads(got: dict, want: dict, atol: float = 2e-5) -> None:
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=atol, rtol=1e-3, msg=name)
 
 
+@pytest.mark.parametrize("labels", ["every real token", "completion only"])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_the_loss_alone_equals_unpatched(model_type):
+def test_the_loss_alone_equals_unpatched(model_type, labels):
     """Loss and every gradient as unpatched (the families' softcap, logit scale, head bias and router loss), the
-    head on the real tokens, and no logits back."""
+    head on the labelled tokens alone (a prompt's tokens and each row's last are not run through it), and no logits
+    back."""
     model = family(model_type, **FAMILIES[model_type])
     inputs = batch(model)
-    mask = inputs["attention_mask"]
+    if labels == "completion only":
+        inputs["labels"] = completion_labels(inputs["input_ids"], inputs["attention_mask"])
     want = step(model, **inputs)
     out, grads, rows, heads, report = loss_alone_step(model, **inputs)
     assert heads == {lm_head.LOSS_ONLY: 1}
-    assert "1 forwards on real tokens (1 returned the loss alone)" in report
+    assert "1 forwards on real tokens (1 returned the loss alone, the head on the labelled tokens only)" in report
     assert "unpad:   loss (once per model forward, as 'model'; a training forward with labels returns" in report
-    assert rows == [int(mask.sum()) + 1]
+    assert rows == [labelled_rows(inputs["labels"])]
+    assert rows[0] < int(inputs["attention_mask"].sum())
     assert out.logits is None and "logits" not in out.keys()  # noqa: SIM118 - a ModelOutput
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
     assert_grads(grads, want[2])
@@ -137,20 +146,26 @@ def test_a_call_the_packed_row_cannot_serve_returns_its_logits_and_says_why():
     torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
 
 
-def test_a_batch_its_base_model_keeps_returns_the_loss_alone_from_every_position():
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_batch_its_base_model_keeps_hands_the_head_its_labelled_rows(shift):
     """Documents packed in one row (position_ids restarting, no mask) have no padding to skip: the base model keeps
-    the row, and the loss still comes alone, chunked, with the loss and gradients of unpad="model"."""
+    the row, and still hands the head its labelled rows alone (the prompts' tokens left out; the labels shifted
+    by transformers, or by the caller as under context parallelism), with the loss and gradients of
+    unpad="model"."""
     model = family("llama")
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     real = mask.bool()
-    packed = dict(input_ids=ids[real].unsqueeze(0), labels=labels_for(ids, mask)[real].unsqueeze(0),
+    labels = completion_labels(ids, mask)
+    packed = dict(input_ids=ids[real].unsqueeze(0), labels=labels[real].unsqueeze(0),
                   position_ids=torch.cat([torch.arange(int(n)) for n in mask.sum(1)]).unsqueeze(0))
+    if shift:
+        packed["shift_labels"] = torch.nn.functional.pad(packed["labels"][:, 1:], (0, 1), value=-100)
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="model"):
         want = step(model, **packed)
     out, grads, rows, heads, report = loss_alone_step(model, **packed)
-    assert heads == {lm_head.LOSS_ONLY_KEPT: 1}
-    assert "1 returned the loss alone from every position" in report
-    assert out.logits is None and rows == [packed["input_ids"].numel()]
+    assert heads == {lm_head.LOSS_ONLY: 1}
+    assert "(1 returned the loss alone, the head on the labelled tokens only)" in report
+    assert out.logits is None and rows == [labelled_rows(packed["labels"])] and rows[0] < ids[real].numel()
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-6, rtol=1e-6)
     assert_grads(grads, want[2], atol=2e-6)
 
@@ -162,8 +177,8 @@ def test_a_family_unpadded_inside_attention_returns_the_loss_alone_too(model_typ
     model = family(model_type)
     inputs = batch(model)
     want = step(model, **inputs)
-    out, grads, _, heads, _ = loss_alone_step(model, **inputs)
-    assert heads == {lm_head.LOSS_ONLY_KEPT: 1}
+    out, grads, rows, heads, _ = loss_alone_step(model, **inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1} and rows == [labelled_rows(inputs["labels"])]
     assert out.logits is None
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
     assert_grads(grads, want[2])
@@ -205,3 +220,16 @@ def test_the_loss_alone_under_gradient_checkpointing_equals_unpatched(model_type
     assert out.logits is None
     torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
     assert_grads(grads, want[2])
+
+
+def test_a_batch_without_a_single_label_runs_the_head_on_one_zero_row():
+    """A micro-batch whose labels are all -100 (a long prompt cut before its answer): one zero row runs the head,
+    and the loss over the Trainer's `num_items_in_batch` (0 here) and every gradient (zero) equal unpatched."""
+    model = family("llama")
+    inputs = batch(model)
+    inputs.update(labels=torch.full_like(inputs["labels"], -100), num_items_in_batch=torch.tensor(5))
+    want = step(model, **inputs)
+    out, grads, rows, heads, _ = loss_alone_step(model, **inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1} and rows == [1]
+    torch.testing.assert_close(out.loss.detach(), want[0])
+    assert_grads(grads, want[2], atol=0)

@@ -15,8 +15,10 @@ Served where the family's forward computes its loss through `self.loss_function`
 per class), the loss is transformers' `ForCausalLMLoss` and the caller wants every position's logits
 (`logits_to_keep=0`); everything else keeps the padded exit, as before.
 
-Under unpad="loss" a training forward with labels returns its loss alone (`logits=None`): the loss runs chunked
-(`forward/cross_entropy.py`, no float32 copy of the logits) and the (B, N, V) logits are never written.
+Under unpad="loss" a training forward with labels returns its loss alone (`logits=None`): the base model hands the LM
+only its labelled rows (`hand_labelled`: a prompt's tokens, padding, each row's last token are not run through the
+head at all, as TRL's fused head does on a GPU), the loss runs chunked (`forward/cross_entropy.py`, no float32 copy
+of the logits) and the (B, N, V) logits are never written.
 """
 
 from __future__ import annotations
@@ -46,16 +48,20 @@ class HeadRequest:
     """A causal LM's word to its base model, for one call: hand me the packed row (`wanted`), or why not. The base
     model's wrapper answers with the forward's metadata (`meta`) when it ran packed (and handed the packed row if
     wanted); the loss wrapper counts its calls on that row (`losses`). `loss_only` (unpad="loss", training): the
-    loss runs chunked and the LM returns no logits once it ran."""
+    loss runs chunked and the LM returns no logits once it ran; given the call's `labels` (labels, shift_labels),
+    the base model hands the labelled rows alone, whose shifted labels `handed` keeps for the loss."""
 
-    __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only")
+    __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed")
 
-    def __init__(self, why_not: Optional[str], loss_only: bool = False) -> None:
+    def __init__(self, why_not: Optional[str], loss_only: bool = False,
+                 labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
         self.wanted = why_not is None
         self.why_not = why_not
         self.meta: Optional[VarlenMetadata] = None
         self.losses = 0
         self.loss_only = loss_only and self.wanted
+        self.labels = labels if self.loss_only else None
+        self.handed: Optional[torch.Tensor] = None
 
 
 def _default_loss() -> Optional[Callable]:
@@ -79,8 +85,8 @@ def servable_forward(forward: Callable) -> bool:
 
 
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
-LOSS_ONLY = "real tokens, the loss alone"  # ... that returned the loss and no logits (unpad="loss")
-LOSS_ONLY_KEPT = "the loss alone"  # unpad="loss" on a batch the base model kept: the head on every position
+LOSS_ONLY = "labelled tokens, the loss alone"  # the head on the labelled rows alone, the loss and no logits back
+LOSS_ONLY_KEPT = "the loss alone"  # unpad="loss" where no rows were handed: the head on every position
 
 
 def padded(heads: dict[str, int]) -> dict[str, int]:
@@ -118,15 +124,48 @@ def _lm_loss(lm: nn.Module) -> Optional[Callable]:
         return None
 
 
-def hand_packed(out: Any, meta: VarlenMetadata) -> Optional[torch.Tensor]:
-    """The base model's (1, nnz, H) last hidden state with one zero row after the real tokens, for the LM's head;
-    None where the output has no such field (the base model then repads it)."""
+def _last_hidden(out: Any, rows: tuple[int, int]) -> Optional[torch.Tensor]:
+    """The output's (*rows, H) last hidden state, or None where it has no such field or another shape."""
     if not hasattr(out, "keys") or "last_hidden_state" not in out.keys():  # noqa: SIM118 - a ModelOutput
         return None
     hidden = out["last_hidden_state"]
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (1, meta.nnz_q):
+    ok = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and tuple(hidden.shape[:2]) == rows
+    return hidden if ok else None
+
+
+def hand_packed(out: Any, meta: VarlenMetadata, request: HeadRequest) -> Optional[torch.Tensor]:
+    """The base model's (1, nnz, H) last hidden state with one zero row after the real tokens, for the LM's head
+    (the labelled rows alone where `request` is for the loss alone, `hand_labelled`); None where the output has no
+    such field (the base model then repads it)."""
+    hidden = _last_hidden(out, (1, meta.nnz_q))
+    if hidden is None:
         return None
+    if request.labels is not None:
+        return hand_labelled(hidden[0], packed_labels(meta, *request.labels)[0, :-1], request)
     return torch.cat([hidden, hidden.new_zeros(1, 1, hidden.shape[-1])], dim=1)
+
+
+def hand_kept(out: Any, request: Optional[HeadRequest]) -> Any:
+    """A batch its base model kept (no padding, packed documents, a family unpadded inside attention), under the loss
+    alone: its last hidden state becomes the labelled rows (`hand_labelled`) where the labels match its (B, N)."""
+    if request is None or request.labels is None:
+        return out
+    labels, shift_labels = request.labels
+    given = shift_labels if shift_labels is not None else labels
+    hidden = _last_hidden(out, tuple(given.shape)) if given.dim() == 2 else None
+    if hidden is not None:
+        shifted = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        out["last_hidden_state"] = hand_labelled(hidden.flatten(0, 1), shifted.flatten(), request)
+    return out
+
+
+def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequest) -> torch.Tensor:
+    """(n, H) hidden rows and their (n,) shifted labels -> (1, L + 1, H): the L labelled rows and one zero row,
+    labelled -100 (a forward with no label still has a row to run); their labels go to `request.handed`. The rows
+    left out are those whose loss term and gradient are zero: the loss and every gradient are the same."""
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
+    request.handed = torch.cat([shifted[keep.to(shifted.device)], shifted.new_full((1,), IGNORE_INDEX)])[None]
+    return torch.cat([hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])])[None]
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
@@ -154,11 +193,12 @@ def packed_labels(meta: VarlenMetadata, labels: Optional[torch.Tensor], shift_la
 def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, labels: Optional[torch.Tensor] = None,
                  vocab_size: Optional[int] = None, *args: Any, shift_labels: Optional[torch.Tensor] = None,
                  **kwargs: Any) -> torch.Tensor:
-    meta = request.meta
-    if meta is None or (labels is None and shift_labels is None):
+    meta, shifted = request.meta, request.handed
+    if (meta is None and shifted is None) or (labels is None and shift_labels is None):
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
-    shifted = packed_labels(meta, labels, shift_labels)
+    if shifted is None:
+        shifted = packed_labels(meta, labels, shift_labels)
     if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked
         loss = chunked_causal_lm_loss
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
@@ -182,7 +222,7 @@ def _loss_property(original: property) -> property:
         request = current().head
         if request is None or not request.wanted:
             return loss
-        if request.meta is None:  # a batch the base model kept (no padding, or unpadded inside attention only)
+        if request.meta is None and request.handed is None:  # a batch kept whole (its base model handed no rows)
             return functools.partial(_loss_alone, request) if request.loss_only else loss
         return functools.partial(_packed_loss, loss, request)
 
@@ -211,12 +251,13 @@ def detach() -> None:
 
 
 def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads: Optional[dict]) -> Any:
-    """The LM's output with its logits back at (B, N, V), once its base model handed it the packed row, counted in
-    `heads` (a patch state's: where the head ran, on a batch its base model unpadded). A family that computed a loss
-    with labels outside `loss_function` would have seen the packed row: refused by name."""
-    meta = request.meta
+    """The LM's output with its logits back at (B, N, V), once its base model handed it the packed row (or, for the
+    loss alone, no logits once it handed the labelled rows), counted in `heads` (a patch state's: where the head
+    ran). A family that computed a loss with labels outside `loss_function` would have seen the rows handed to it:
+    refused by name."""
+    meta, handed = request.meta, request.handed is not None
     alone = request.loss_only and labelled and request.losses > 0  # unpad="loss" served: no logits back
-    if meta is None:
+    if meta is None and not handed:
         if alone:  # the head on every position of a batch its base model kept
             _count(heads, LOSS_ONLY_KEPT)
             _drop_logits(out)
@@ -228,14 +269,15 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
     _count(heads, LOSS_ONLY if alone else REAL_TOKENS)
     if labelled and request.losses == 0:
         raise PatchkitError(
-            f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the packed row "
-            "of real tokens patchkit handed it; this loss cannot be trusted. This is a patchkit bug: report it, and "
+            f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the rows of "
+            "real tokens patchkit handed it; this loss cannot be trusted. This is a patchkit bug: report it, and "
             "meanwhile apply the patch with unpad='attention'."
         )
     logits = out.get("logits") if hasattr(out, "keys") else None
     if alone:
         _drop_logits(out)  # the loss alone: the caller asked for no logits (unpad="loss")
-    elif isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[:2] == (1, meta.nnz_q + 1):
+    elif meta is not None and isinstance(logits, torch.Tensor) and logits.dim() == 3 and (
+            logits.shape[:2] == (1, meta.nnz_q + 1)):
         out["logits"] = repad_logits(logits, meta)
     return out
 
@@ -275,6 +317,7 @@ def heads_line(heads: dict[str, int]) -> str:
     real, alone = heads.get(REAL_TOKENS, 0) + heads.get(LOSS_ONLY, 0), heads.get(LOSS_ONLY, 0)
     kept = heads.get(LOSS_ONLY_KEPT, 0)
     on_padding = "; ".join(f"{n} on the padded batch: {why}" for why, n in padded(heads).items())
-    return (f"  LM head and loss: {real} forwards on real tokens" + (f" ({alone} returned the loss alone)" if alone
-            else "") + (f"; {kept} returned the loss alone from every position (a batch its base model did not "
-                        "unpad)" if kept else "") + (f"; {on_padding}" if on_padding else ""))
+    return (f"  LM head and loss: {real} forwards on real tokens" + (
+        f" ({alone} returned the loss alone, the head on the labelled tokens only)" if alone else "") + (
+        f"; {kept} returned the loss alone from every position (no rows handed to the head)" if kept else "") + (
+        f"; {on_padding}" if on_padding else ""))

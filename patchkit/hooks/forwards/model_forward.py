@@ -40,6 +40,7 @@ from patchkit.hooks.forwards.lm_head import (
     compiled_loss_alone,
     declined,
     finish,
+    hand_kept,
     hand_packed,
     servable_forward,
 )
@@ -117,7 +118,7 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
 def exit_outputs(out: Any, meta: VarlenMetadata, head: Optional[HeadRequest]) -> Any:
     """The base model's outputs at its exit: repadded, except the last hidden state a causal LM asked for packed
     (`head`), which it gets as the packed row (and the request the forward's metadata)."""
-    packed = hand_packed(out, meta) if head is not None and head.wanted else None
+    packed = hand_packed(out, meta, head) if head is not None and head.wanted else None
     out = repad_outputs(out, meta)
     if head is not None and (packed is not None or not head.wanted):
         head.meta = meta  # what the causal LM counts (and, handed the packed row, repads its logits by)
@@ -271,7 +272,7 @@ def make_model_forward(
             with _route_masks(self, patched_impl, route), within(plan=plan):
                 if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
                     kept = every_query(arguments, extra, self.config)
-                    return last_queries(call(self, put_rope_rows(arguments, rope_rows)), kept)
+                    return last_queries(hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head), kept)
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
                 if plan.own_cache:
@@ -333,7 +334,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
         if cause is None and (unpad in WHOLE_MODEL or (loss_alone and self.training)) and not is_compiling():
-            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training)
+            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
+                               labels=(arguments.get("labels"), extra.get("shift_labels")) if labelled(
+                                   arguments, extra) else None)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
             return finish(self, out, head, labelled(arguments, extra), heads)
