@@ -10,8 +10,8 @@ from test_lm_head import FAMILIES, assert_same, batch, family, head_rows, step
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import patchkit
-from patchkit.forward import cross_entropy
-from patchkit.forward.cross_entropy import chunked_causal_lm_loss, chunked_cross_entropy
+from patchkit.forward.loss import cross_entropy
+from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, chunked_cross_entropy
 from patchkit.hooks.forwards import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

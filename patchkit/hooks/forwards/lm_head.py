@@ -17,7 +17,7 @@ per class), the loss is transformers' `ForCausalLMLoss` and the caller wants eve
 
 Under unpad="loss" a training forward with labels returns its loss alone (`logits=None`): the base model hands the LM
 only its labelled rows (`hand_labelled`: a prompt's tokens, padding, each row's last token are not run through the
-head at all, as TRL's fused head does on a GPU), the loss runs chunked (`forward/cross_entropy.py`, no float32 copy
+head at all, as TRL's fused head does on a GPU), the loss runs chunked (`forward/loss/cross_entropy.py`, no float32 copy
 of the logits) and the (B, N, V) logits are never written.
 """
 
@@ -34,8 +34,8 @@ from torch import nn
 
 from patchkit.errors import PatchkitError
 from patchkit.forward.context import current
-from patchkit.forward.cross_entropy import chunked_causal_lm_loss
 from patchkit.forward.liveness import is_compiling
+from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
 from patchkit.hooks.install.patching import Replacement, SharedInstall
