@@ -110,26 +110,40 @@ def same(got: dict, want: dict, mask: torch.Tensor) -> str:
 
 
 def completion_step(model) -> tuple:
-    """`train_step` of the padded batch with completion-only labels (a prompt unlabelled in each row)."""
-    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    """`train_step` of a padded batch with completion-only labels (a prompt unlabelled in each row), long enough
+    that unpad="loss" runs the fused head and loss (`fused_head.py`) once it checked the family's logits."""
+    ids, mask = padded_batch("mixed", batch=3, seq=48)
     ids = ids.clamp(max=model.config.vocab_size - 1)
     return train_step(model, input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask),
                       **token_types(model, ids))
 
 
 def loss_alone(model, want: tuple, handle) -> str:
-    """unpad="loss" on completion-only labels: the loss and every gradient as `want`'s (the unpatched step's), and
-    no logits where the head ran on the labelled tokens ('' when so, else what differed)."""
-    logits, grads, loss = completion_step(model)
-    if (logits is None) != (lm_head.LOSS_ONLY in handle.heads or lm_head.LOSS_ONLY_KEPT in handle.heads):
-        return f"logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
-    if not (loss - want[2]).abs().item() <= ATOL * max(1.0, want[2].abs().item()):
-        return f"the loss alone differs by {(loss - want[2]).abs().item():.2g}"
-    for name in want[1]:
-        d = (grads[name] - want[1][name]).abs().max().item()
-        if not d <= ATOL * max(1.0, want[1][name].abs().max().item()):
-            return f"loss alone: gradient of {name} differs by {d:.2g}"
+    """unpad="loss" on completion-only labels, two steps (the first checks the family's logits, the second runs the
+    fused head and loss where they were found the same): the loss and every gradient as `want`'s (the unpatched
+    step's), and no logits where the head ran on the labelled tokens ('' when so, else what differed)."""
+    served = (lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT, lm_head.FUSED)
+    for run in ("first", "second"):
+        logits, grads, loss = completion_step(model)
+        if (logits is None) != any(key in handle.heads for key in served):
+            return f"logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
+        if not (loss - want[2]).abs().item() <= ATOL * max(1.0, want[2].abs().item()):
+            return f"the loss alone differs by {(loss - want[2]).abs().item():.2g} ({run} step, {handle.heads})"
+        for name in want[1]:
+            d = (grads[name] - want[1][name]).abs().max().item()
+            if not d <= ATOL * max(1.0, want[1][name].abs().max().item()):
+                return f"loss alone: gradient of {name} differs by {d:.2g} ({run} step, {handle.heads})"
+    if lm_head.FUSED in handle.heads:
+        record_fused(model)
     return ""
+
+
+def record_fused(model) -> None:
+    """The family's class whose second step ran fused, appended to $PATCHKIT_FUSED_OUT when set (docs' list)."""
+    path = os.environ.get("PATCHKIT_FUSED_OUT")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{model.config.model_type}\n")
 
 
 def generated(model) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""unpad="loss": a training forward with labels returns its loss alone, computed chunked over the real tokens
-(`patchkit/forward/cross_entropy.py`), with unpatched numbers; every other call is served as under unpad="model"."""
+"""unpad="loss": a training forward with labels returns its loss alone, computed chunked over the labelled tokens
+(`patchkit/forward/loss/cross_entropy.py`), with unpatched numbers; every other call is served as under
+unpad="model"."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def loss_alone_step(model: torch.nn.Module, **inputs) -> tuple:
 
 
 def labelled_rows(labels: torch.Tensor) -> int:
-    """The rows the head runs on under unpad="loss": the labelled ones after the shift, and one zero row."""
+    """The rows the head runs on under unpad="loss": the labelled ones after the shift, and one zero row. (The hook
+    `head_rows` counts by keeps the fused loss off: `test_fused_head.py` counts it otherwise.)"""
     return int((labels[..., 1:] != -100).sum()) + 1
 
 

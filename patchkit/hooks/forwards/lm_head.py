@@ -36,8 +36,10 @@ from patchkit.errors import PatchkitError
 from patchkit.forward.context import current
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss
+from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy, saves_memory
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
+from patchkit.hooks.forwards.fused_head import FusedHead, check, probes
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 IGNORE_INDEX = -100
@@ -49,19 +51,26 @@ class HeadRequest:
     model's wrapper answers with the forward's metadata (`meta`) when it ran packed (and handed the packed row if
     wanted); the loss wrapper counts its calls on that row (`losses`). `loss_only` (unpad="loss", training): the
     loss runs chunked and the LM returns no logits once it ran; given the call's `labels` (labels, shift_labels),
-    the base model hands the labelled rows alone, whose shifted labels `handed` keeps for the loss."""
+    the base model hands the labelled rows alone, whose shifted labels `handed` keeps for the loss. With a `fused`
+    head (`fused_head.py`) it keeps those rows in `rows` for the fused loss and hands the LM one zero row, or, on the
+    call that checks it (the probes handed after the zero row), keeps the rows handed in `check_rows`."""
 
-    __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed")
+    __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed", "fused", "rows",
+                 "check_rows")
 
     def __init__(self, why_not: Optional[str], loss_only: bool = False,
-                 labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None) -> None:
+                 labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                 fused: Optional[FusedHead] = None) -> None:
         self.wanted = why_not is None
         self.why_not = why_not
         self.meta: Optional[VarlenMetadata] = None
         self.losses = 0
         self.loss_only = loss_only and self.wanted
         self.labels = labels if self.loss_only else None
+        self.fused = fused if self.labels is not None else None
         self.handed: Optional[torch.Tensor] = None
+        self.rows: Optional[torch.Tensor] = None
+        self.check_rows: Optional[tuple[torch.Tensor, int, int]] = None  # handed, labelled rows, probe rows
 
 
 def _default_loss() -> Optional[Callable]:
@@ -87,11 +96,12 @@ def servable_forward(forward: Callable) -> bool:
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
 LOSS_ONLY = "labelled tokens, the loss alone"  # the head on the labelled rows alone, the loss and no logits back
 LOSS_ONLY_KEPT = "the loss alone"  # unpad="loss" where no rows were handed: the head on every position
+FUSED = "labelled tokens, the loss alone, fused with the head"  # ... computed by the fused head and loss
 
 
 def padded(heads: dict[str, int]) -> dict[str, int]:
     """The forwards whose head and loss ran on the padded batch, by why (a state's `heads` without the served)."""
-    return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY, LOSS_ONLY_KEPT)}
+    return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY, LOSS_ONLY_KEPT, FUSED)}
 
 
 def declined(lm: nn.Module, arguments: dict, extra: dict, servable: bool) -> Optional[str]:
@@ -162,10 +172,25 @@ def hand_kept(out: Any, request: Optional[HeadRequest]) -> Any:
 def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequest) -> torch.Tensor:
     """(n, H) hidden rows and their (n,) shifted labels -> (1, L + 1, H): the L labelled rows and one zero row,
     labelled -100 (a forward with no label still has a row to run); their labels go to `request.handed`. The rows
-    left out are those whose loss term and gradient are zero: the loss and every gradient are the same."""
+    left out are those whose loss term and gradient are zero: the loss and every gradient are the same. A checked
+    fused head keeps the L rows for the fused loss (`request.rows`) where that saves memory, and the LM's own head
+    runs on the zero row alone."""
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
-    request.handed = torch.cat([shifted[keep.to(shifted.device)], shifted.new_full((1,), IGNORE_INDEX)])[None]
-    return torch.cat([hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])])[None]
+    labelled = shifted[keep.to(shifted.device)]
+    fused = request.fused
+    if fused is not None and fused.checked and keep.numel() > 0 and saves_memory(
+            keep.numel(), fused.weight.shape[0], fused.weight.shape[1], fused.weight.dtype):
+        request.rows, request.handed = hidden.index_select(0, keep), labelled[None]
+        return hidden.new_zeros(1, 1, hidden.shape[-1])
+    rows = [hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])]
+    if fused is not None and not fused.checked and keep.numel() > 0:  # this call checks the family's logits
+        rows.append(probes(fused.weight).to(hidden.device, hidden.dtype))
+    ignored = shifted.new_full((sum(r.shape[0] for r in rows[1:]),), IGNORE_INDEX)
+    request.handed = torch.cat([labelled, ignored])[None]
+    handed = torch.cat(rows)[None]
+    if len(rows) > 2:
+        request.check_rows = (handed, keep.numel(), rows[2].shape[0])
+    return handed
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
@@ -197,11 +222,23 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     if (meta is None and shifted is None) or (labels is None and shift_labels is None):
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
+    if request.rows is not None:  # the fused head and loss on the labelled rows; `logits`: the zero row's
+        return _fused_loss(request, *args, **kwargs)
+    if request.check_rows is not None:
+        check(request.fused, logits, *request.check_rows)
     if shifted is None:
         shifted = packed_labels(meta, labels, shift_labels)
     if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked
         loss = chunked_causal_lm_loss
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
+
+
+def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, ignore_index: int = IGNORE_INDEX,
+                **_: Any) -> torch.Tensor:
+    """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
+    fused = request.fused
+    return linear_cross_entropy(request.rows, fused.weight, fused.bias, request.handed[0], fused.transform,
+                                ignore_index, num_items_in_batch)
 
 
 def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -266,7 +303,7 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
         if request.why_not:
             _count(heads, request.why_not)
         return out
-    _count(heads, LOSS_ONLY if alone else REAL_TOKENS)
+    _count(heads, (FUSED if request.rows is not None else LOSS_ONLY) if alone else REAL_TOKENS)
     if labelled and request.losses == 0:
         raise PatchkitError(
             f"patchkit: {type(lm).__name__} computed its loss without transformers' loss_function, on the rows of "
@@ -314,10 +351,12 @@ def _drop_logits(out: Any) -> None:
 
 def heads_line(heads: dict[str, int]) -> str:
     """A report's line on where the LM head and loss ran over batches unpadded at the model."""
-    real, alone = heads.get(REAL_TOKENS, 0) + heads.get(LOSS_ONLY, 0), heads.get(LOSS_ONLY, 0)
-    kept = heads.get(LOSS_ONLY_KEPT, 0)
+    fused = heads.get(FUSED, 0)
+    alone = heads.get(LOSS_ONLY, 0) + fused
+    real, kept = heads.get(REAL_TOKENS, 0) + alone, heads.get(LOSS_ONLY_KEPT, 0)
     on_padding = "; ".join(f"{n} on the padded batch: {why}" for why, n in padded(heads).items())
     return (f"  LM head and loss: {real} forwards on real tokens" + (
-        f" ({alone} returned the loss alone, the head on the labelled tokens only)" if alone else "") + (
+        f" ({alone} returned the loss alone, the head on the labelled tokens only" + (
+            f"; {fused} fused with the loss" if fused else "") + ")" if alone else "") + (
         f"; {kept} returned the loss alone from every position (no rows handed to the head)" if kept else "") + (
         f"; {on_padding}" if on_padding else ""))

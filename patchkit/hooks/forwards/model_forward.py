@@ -35,6 +35,7 @@ from patchkit.hooks.decide.plan import plan_forward
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import lm_cause, step_aside
+from patchkit.hooks.forwards.fused_head import fused_head
 from patchkit.hooks.forwards.lm_head import (
     HeadRequest,
     compiled_loss_alone,
@@ -334,9 +335,10 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
         if cause is None and (unpad in WHOLE_MODEL or (loss_alone and self.training)) and not is_compiling():
+            asks_loss = loss_alone and self.training and labelled(arguments, extra)
             head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
-                               labels=(arguments.get("labels"), extra.get("shift_labels")) if labelled(
-                                   arguments, extra) else None)
+                               labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
+                               fused=fused_head(self) if asks_loss else None)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
             return finish(self, out, head, labelled(arguments, extra), heads)

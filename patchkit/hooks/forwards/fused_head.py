@@ -1,0 +1,110 @@
+"""Which causal LMs run the fused head and loss under unpad="loss": a plain head, checked on the family's own logits.
+
+The fused loss (`forward/loss/linear_cross_entropy.py`) computes the family's logits itself: the head's weight and bias,
+then the logit transform its config names (`transform_of`). Nothing of the family's forward runs there, so a family
+whose forward does something else to its logits would get another loss. An LM is therefore served fused only after
+one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
+those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a LoRA or
+quantized head, a head under hooks or with a forward of its own, DeepSpeed ZeRO-3's gathered weights), its own head
+runs on the labelled rows as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
+
+CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
+PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token: past any softcap, scale or bias
+_checked: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]] = weakref.WeakKeyDictionary()
+
+
+def transform_of(config: Any) -> LogitTransform:
+    """The logit transform a causal LM's config names, as transformers' forwards apply it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    multiply = next((getattr(text, k) for k in ("logit_scale", "lm_head_multiplier", "output_multiplier")
+                     if getattr(text, k, None) is not None), None)
+    softcap = next((getattr(text, k) for k in ("final_logit_softcapping", "logits_soft_cap")  # RecurrentGemma's
+                    if getattr(text, k, None) is not None), None)
+    return LogitTransform(multiply=multiply, divide=getattr(text, "logits_scaling", None), softcap=softcap)
+
+
+class FusedHead:
+    """One call's fused head: the LM's weight, bias and transform; `checked`: its logits were found to be these."""
+
+    __slots__ = ("lm", "weight", "bias", "transform", "key", "checked")
+
+    def __init__(self, lm: nn.Module, head: nn.Linear, transform: LogitTransform, key: tuple, checked: bool) -> None:
+        self.lm, self.weight, self.bias = lm, head.weight, head.bias
+        self.transform, self.key, self.checked = transform, key, checked
+
+
+def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
+    """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head):
+        return None
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return None
+    if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) is not nn.Parameter:
+        return None
+    return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
+
+
+def autocast_dtype(device: str) -> Optional[torch.dtype]:
+    """The dtype autocast runs a linear layer in on `device`, or None where autocast is off."""
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except (AttributeError, TypeError):  # torch < 2.4: one function per device kind
+        if device == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
+def fused_head(lm: nn.Module) -> Optional[FusedHead]:
+    """This call's fused head (checked, or to be checked on this call), or None: the LM's own head runs."""
+    head = plain_head(lm)
+    if head is None:
+        return None
+    autocast = autocast_dtype(head.weight.device.type)
+    transform = transform_of(lm.config)
+    key = (id(head), head.weight.dtype, autocast, transform)
+    seen = _checked.get(lm)
+    if seen is not None and seen[0] == key and not seen[1]:
+        return None  # its logits were not these: its own head, from now on
+    return FusedHead(lm, head, transform, key, checked=seen is not None and seen[0] == key)
+
+
+def probes(weight: torch.Tensor) -> torch.Tensor:
+    """(k, H) hidden rows whose logit at token i is PROBE_LOGITS[i] before the transform: rows the family's head
+    and transform run beside the real ones on the checking call, so that a transform the config does not name
+    shows even where the real rows' logits are still small (a softcap at 30 is near the identity below 3). They
+    are labelled -100: no loss term, no gradient."""
+    w = weight.detach()[: len(PROBE_LOGITS)].float()
+    wanted = torch.tensor(PROBE_LOGITS[: w.shape[0]], device=w.device)
+    return (w * (wanted / w.square().sum(1).clamp(min=1e-12))[:, None]).to(weight.dtype)
+
+
+def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled: int, n: int) -> None:
+    """Compare the family's `logits` of the `hidden` rows handed to it, at the first of its `labelled` rows and at
+    the `n` probes (the last rows), with the fused loss's, and remember the outcome."""
+    first = min(CHECK_ROWS, labelled)
+    try:
+        with torch.no_grad():
+            flat_h, flat_l = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
+            pick = torch.cat([torch.arange(first), torch.arange(flat_h.shape[0] - n, flat_h.shape[0])])
+            pick = pick.to(flat_h.device)
+            ours = logits_of(flat_h[pick], fused.weight, fused.bias, fused.transform)
+            theirs = flat_l[pick]
+            tol = 1e-5 if theirs.dtype == torch.float32 and ours.dtype == torch.float32 else 1e-2  # 2-3 ulps
+            scale = max(1.0, float(theirs.float().abs().max()))
+            same = n > 0 and flat_h.shape[0] == flat_l.shape[0] and ours.shape == theirs.shape and (
+                float((ours.float() - theirs.float()).abs().max()) <= tol * scale)
+    except (RuntimeError, ValueError, IndexError):  # shapes or dtypes that do not meet: not these logits
+        same = False
+    _checked[fused.lm] = (fused.key, same)

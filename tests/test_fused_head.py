@@ -1,0 +1,181 @@
+"""The fused head and loss of unpad="loss" (`forward/loss/linear_cross_entropy.py`, `hooks/forwards/fused_head.py`):
+the numbers of the family's own head and transformers' loss, served only after the family's logits were checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import completion_labels, labels_for, padded_batch
+from test_lm_head import family, step
+from test_loss_alone import assert_grads
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import patchkit
+from patchkit.forward.loss import linear_cross_entropy as lce
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, linear_cross_entropy, saves_memory
+from patchkit.hooks.forwards import fused_head, lm_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+TRANSFORMS = {"plain": LogitTransform(), "multiply": LogitTransform(multiply=0.0625),
+              "divide": LogitTransform(divide=8.0), "softcap": LogitTransform(softcap=3.0)}
+
+
+def reference(hidden, weight, bias, labels, transform, **kw):
+    """The unfused numbers: nn.Linear's head, the family's transform written out, transformers' loss."""
+    z = torch.nn.functional.linear(hidden, weight, bias)
+    if transform.multiply is not None:
+        z = z * transform.multiply
+    if transform.divide is not None:
+        z = z / transform.divide
+    if transform.softcap is not None:
+        z = torch.tanh(z / transform.softcap) * transform.softcap
+    return ForCausalLMLoss(z[None], None, weight.shape[0], shift_labels=labels[None], **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("items", [None, 40])
+@pytest.mark.parametrize("weight_of_loss", [1.0, -2.5])
+def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, transform, items, weight_of_loss):
+    """Loss and the gradients of the hidden rows, the head's weight and its bias, chunk by chunk (a last, shorter
+    chunk too), with ignored rows among them."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 70)
+    monkeypatch.setattr(lce, "MIN_ROWS", 1)
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16).to(dtype).requires_grad_()
+    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_()
+    bias = torch.randn(70).to(dtype).requires_grad_()
+    labels = torch.randint(0, 70, (23,))
+    labels[[2, 9, 10]] = -100
+    kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    want = reference(hidden, weight, bias, labels, TRANSFORMS[transform], **kw)
+    want_grads = torch.autograd.grad(want * weight_of_loss, (hidden, weight, bias))
+    got = linear_cross_entropy(hidden, weight, bias, labels, TRANSFORMS[transform],
+                               num_items_in_batch=kw.get("num_items_in_batch"))
+    got_grads = torch.autograd.grad(got * weight_of_loss, (hidden, weight, bias))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 2e-3)
+    for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads):
+        assert g.dtype == w.dtype, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4, msg=name)
+        else:  # bfloat16 rounding of the logits' gradient, as two kernels round it: within a few ulps
+            torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=3e-2, msg=name)
+
+
+def test_a_second_backward_through_the_fused_loss_is_refused_by_name():
+    hidden = torch.randn(4, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, torch.randn(11, 8), None, torch.tensor([1, 2, -100, 3]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same fused head-and-loss"):
+        loss.backward()
+
+
+def test_the_fused_loss_is_chosen_where_it_holds_less_than_the_logits():
+    assert saves_memory(rows=8192, vocab=128256, hidden=4096, dtype=torch.bfloat16)
+    assert not saves_memory(rows=512, vocab=128256, hidden=4096, dtype=torch.bfloat16)
+
+
+def long_batch(model: torch.nn.Module, completion: bool = True) -> dict:
+    """A padded batch long enough that the fused loss saves memory at the tiny models' width."""
+    ids, mask = padded_batch("mixed", batch=4, seq=48)
+    ids = ids.clamp(max=model.config.get_text_config().vocab_size - 1)
+    labels = completion_labels(ids, mask) if completion else labels_for(ids, mask)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+
+
+def checked_rows(labels: torch.Tensor) -> int:
+    """The rows the LM's own head runs on in the checking forward: the labelled ones, the zero row, the probes."""
+    return int((labels[..., 1:] != -100).sum()) + 1 + len(fused_head.PROBE_LOGITS)
+
+
+def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tuple[list, dict, list]:
+    """`steps` training steps under unpad="loss": each step's (loss, gradients), the patch's `heads` and the row
+    counts the LM's own head saw (counted in nn.Linear's forward: a hook on the head would keep it unfused)."""
+    got, rows, head = [], [], model.get_output_embeddings()
+    linear = torch.nn.Linear.forward
+
+    def counted(self, x):
+        if self is head:
+            rows.append(x.shape[:-1].numel())
+        return linear(self, x)
+
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.Linear, "forward", counted)
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            out = model(**inputs)
+            out.loss.backward()
+            assert out.logits is None
+            got.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}))
+        return got, dict(handle.heads), rows
+
+
+# llama: a plain head; gemma2: softcap; cohere: logit_scale; granite: logits_scaling (divides); phi: a bias;
+# falcon_h1: lm_head_multiplier; mixtral: the router's auxiliary loss added to the fused one
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "phi", "falcon_h1", "mixtral"])
+def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatched_numbers(model_type):
+    overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if model_type == "mixtral" else {}
+    model = family(model_type, **overrides)
+    inputs = long_batch(model)
+    want = step(model, **inputs)
+    got, heads, rows = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}  # checked on the first, fused from the second
+    assert rows == [checked_rows(inputs["labels"]), 1]  # checked (with the probes), then one zero row
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
+
+
+def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
+    """LLaMA's forward ignores `final_logit_softcapping`: with it set, the fused loss would softcap and LLaMA does
+    not. The check on the first step finds it, and every step runs LLaMA's own head, with unpatched numbers."""
+    model = family("llama", final_logit_softcapping=0.5)
+    inputs = long_batch(model)
+    want = step(model, **inputs)
+    got, heads, _ = loss_alone_steps(model, inputs, steps=3)
+    assert heads == {lm_head.LOSS_ONLY: 3}
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
+
+
+@pytest.mark.parametrize("why", ["a forward hook on the head", "a head of another class", "few labelled rows"])
+def test_a_head_the_fused_loss_cannot_read_or_a_batch_it_would_not_save_on_runs_the_familys_own(why):
+    """A hook on the head (DeepSpeed ZeRO-3 gathers its weight in one), a head that is not a plain nn.Linear (LoRA,
+    quantized), or a batch whose logits are smaller than the fused loss's weight gradient: the family's own head."""
+    model = family("llama")
+    inputs = long_batch(model)
+    if why == "a forward hook on the head":
+        model.lm_head.register_forward_hook(lambda m, i, o: o * 1.0)
+    elif why == "a head of another class":
+        class Head(torch.nn.Linear):
+            pass
+
+        head = Head(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        head.weight = model.lm_head.weight
+        model.lm_head = head
+    else:
+        inputs["labels"] = torch.full_like(inputs["labels"], -100)
+        inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]
+    want = step(model, **inputs)
+    got, heads, _ = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.LOSS_ONLY: 2}
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
+
+
+def test_under_autocast_the_fused_head_runs_in_autocasts_dtype():
+    """A float32 model under bfloat16 autocast (the Trainer's bf16=True): the head runs in bfloat16 as nn.Linear
+    does there; the loss and gradients equal unpatched within bfloat16 rounding."""
+    model = family("llama")
+    inputs = long_batch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = step(model, **inputs)
+        got, heads, _ = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-2, rtol=1e-2)
+        assert_grads(grads, want[2], atol=2e-2)
