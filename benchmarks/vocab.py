@@ -5,14 +5,18 @@ peak; patchkit runs both on real tokens only (`patchkit/hooks/forwards/lm_head.p
 of hidden 256 x 4 layers (the toy where the head dominates) at the vocabularies of LLaMA-2 (32000), Llama 3
 (128256), Qwen2.5 (151936) and Gemma 3 (262144) on the lognormal batch of 8 at about 512 tokens (55.6% padding; half
 the rows' length at 262144, where HF's step needs more memory than this machine has beside its own), right-padded,
-left-padded (the label recipe: -100 at padding and at each row's first token) and packed into one row (position_ids
-restarting), against HF sdpa (and HF eager at 32000). `patchkit_loss` is patchkit with unpad="loss": the step
-returns its loss alone, computed chunked, and no (B, N, V) logits. The head's share of a step at bench.py's
-vocabulary of 4096 is the 0.5B-1B models' (20-30% of the matmul FLOPs); here it is 70-95%.
+left-padded (the label recipe: -100 at padding and at each row's first token), packed into one row (position_ids
+restarting) and right-padded with completion-only labels (SFT's prompt-completion default: each row's first half a
+prompt, labelled -100), against HF sdpa (and HF eager at 32000). `patchkit_loss` is patchkit with unpad="loss": the
+step returns its loss alone, the head fused with the loss on the labelled tokens alone, and no (B, N, V) logits. The
+head's share of a step at bench.py's vocabulary of 4096 is the 0.5B-1B models' (20-30% of the matmul FLOPs); here it
+is 70-95%.
 
 Reported per row: real (non-padding) tokens per second, the median of `--reps` steps with the providers interleaved
-step by step (load on the machine hits all alike), the loss (equal across providers), and the step's peak memory:
-the peak resident set above the resident set before the step, measured alone in a fresh process per provider.
+step by step (load on the machine hits all alike) after one untimed step, the loss (equal across providers), and a
+step's peak memory: the second step's peak resident set above the resident set before it, measured alone in a fresh
+process per provider. (unpad="loss" checks the family's logits in its first step, and runs the fused head and loss
+from the second: `patchkit/hooks/forwards/fused_head.py`.)
 
 `--device cuda` (`make gpu-truth`): bf16 at bench.py's CUDA layers (hidden 2048, 16 heads of 128, 4 layers: the
 0.5B-3B models' hidden/vocabulary ratio) on the same lognormal mix at a longest row of about 2048, patchkit on its best
@@ -60,7 +64,8 @@ from workloads import (  # noqa: E402
 )
 
 VOCABS = (32000, 128256, 151936, 262144)
-LAYOUTS = ("right", "left", "packed")
+LAYOUTS = ("right", "left", "packed", "completion")
+MEASURED = ("right", "completion")  # the layouts whose step's peak memory is measured
 PROVIDERS = ("patchkit", "patchkit_loss", "hf_sdpa", "hf_eager")  # patchkit_loss: unpad="loss" (the loss alone)
 BASELINES = ("hf_sdpa", "hf_eager", *HF_KERNELS)  # the table's columns, where the run has them
 SCALE = 0.56  # the lognormal batch of 8 at a longest row of 511 tokens
@@ -91,6 +96,8 @@ def _inputs(layout: str, docs: list[Any]) -> dict[str, Any]:
     ids, mask, labels = padded_batch(docs, left=layout == "left")
     if layout == "left":
         labels = labels.masked_fill(mask.cumsum(-1) == 1, -100)  # the first real token is predicted from padding
+    if layout == "completion":  # each row's first half is its prompt
+        labels = labels.masked_fill(mask.cumsum(-1) <= mask.sum(-1, keepdim=True) // 2, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -117,7 +124,7 @@ def step(model: Any, batch: dict[str, Any]) -> float:
 def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int, device: str = "cpu",
                budget: Optional[Budget] = None) -> list[dict[str, Any]]:
     """Every layout's steps at `vocab`, providers interleaved step by step: one row per (layout, provider). On CUDA
-    each row also has its step's peak memory (the right-padded layout's; the CPU measures it in fresh processes)."""
+    each row also has its step's peak memory (the right-padded layouts'; the CPU measures it in fresh processes)."""
     dev = device_and_dtype(device)[0]
     models = {p: build(p, vocab, device) for p in providers}
     rows = []
@@ -129,7 +136,7 @@ def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int, 
         times: dict[str, list[float]] = {p: [] for p in providers}
         losses = {p: step(models[p], batch) for p in providers}  # warm-up, untimed
         peaks = {p: timed(lambda p=p, b=batch: step(models[p], b), dev)[1] for p in providers} if (
-            dev.type == "cuda" and layout == "right") else {}
+            dev.type == "cuda" and layout in MEASURED) else {}
         for _ in range(reps):
             for p in providers:
                 seconds = timed(lambda p=p, b=batch: step(models[p], b), dev)[0]
@@ -147,10 +154,13 @@ def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int, 
 
 
 def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
-    """In a fresh process: one step's peak resident set above the resident set before it (MiB)."""
+    """In a fresh process: the second step's peak resident set above the resident set before it (MiB); the first
+    warms up (and, under unpad="loss", checks the family's logits for the fused head and loss)."""
     model = build(spec["provider"], spec["vocab"])
     RESCALE["by"] = spec.get("scale", 1.0)
     batch = inputs(spec["layout"], spec["vocab"])
+    step(model, batch)
+    model.zero_grad(set_to_none=True)
     before = current_rss_mib()
     with open("/proc/self/clear_refs", "w") as f:  # the peak from here: a forked child inherits its parent's
         f.write("5")
@@ -226,8 +236,8 @@ def main() -> None:
         with args.csv.open(newline="") as f:
             rows = list(csv.DictReader(f))
         for row in rows:
-            right = row["layout"] == "right"
-            row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"]) if right else ""
+            measured = row["layout"] in MEASURED
+            row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"]) if measured else ""
         write_rows(args.csv, rows)
         return
     rows, budget, cuda = [], Budget(args.budget_s), args.device == "cuda"
@@ -239,7 +249,7 @@ def main() -> None:
         found = time_vocab(vocab, args.layouts, providers, args.reps, args.device, budget)
         if not args.no_memory and not cuda:  # a fresh process per provider
             for row in found:
-                if row["layout"] == "right":
+                if row["layout"] in MEASURED:
                     row["peak_mib"] = memory(vocab, row["layout"], row["provider"])
         rows += found
         if args.csv:
