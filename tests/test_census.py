@@ -118,7 +118,7 @@ def completion_step(model) -> tuple:
                       **token_types(model, ids))
 
 
-def loss_alone(model, want: tuple, handle) -> str:
+def loss_alone(model_type: str, model, want: tuple, handle) -> str:
     """unpad="loss" on completion-only labels, two steps (the first checks the family's logits, the second runs the
     fused head and loss where they were found the same): the loss and every gradient as `want`'s (the unpatched
     step's), and no logits where the head ran on the labelled tokens ('' when so, else what differed)."""
@@ -134,16 +134,16 @@ def loss_alone(model, want: tuple, handle) -> str:
             if not d <= ATOL * max(1.0, want[1][name].abs().max().item()):
                 return f"loss alone: gradient of {name} differs by {d:.2g} ({run} step, {handle.heads})"
     if lm_head.FUSED in handle.heads:
-        record_fused(model)
+        record_fused(model_type)
     return ""
 
 
-def record_fused(model) -> None:
-    """The family's class whose second step ran fused, appended to $PATCHKIT_FUSED_OUT when set (docs' list)."""
+def record_fused(model_type: str) -> None:
+    """A family whose second step ran fused, appended to $PATCHKIT_FUSED_OUT when set (docs/families.md's count)."""
     path = os.environ.get("PATCHKIT_FUSED_OUT")
     if path:
         with open(path, "a") as f:
-            f.write(f"{model.config.model_type}\n")
+            f.write(f"{model_type}\n")
 
 
 def generated(model) -> torch.Tensor:
@@ -182,7 +182,7 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
         outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
-        outcomes["loss alone"] = loss_alone(model, want["completion"], handle)
+        outcomes["loss alone"] = loss_alone(model_type, model, want["completion"], handle)
     attention_interface.register(backend="sdpa")
     model.set_attn_implementation(attention_interface.ATTENTION_NAME)
     try:
