@@ -174,6 +174,8 @@ def document_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
+OWN_HEAD = "unpad='loss' runs its own LM head, not the fused one"  # a served family's note: not fused
+
 PAGE_HEAD = """# Model families
 
 Every causal LM of transformers {version}, built tiny from its config and run through patchkit (`make census`,
@@ -183,7 +185,9 @@ rows, left-padded greedy generation), {refused} refused by name with the feature
 stepped aside by their own self-check (their tiny model fails unpatched too), {untested} without a tiny model the
 census can build or run. Families with a module of their own live in `patches/`; every other one is
 served from data (`patches/table.py`). A family transformers adds later and patchkit has not seen checks itself on a
-tiny model before its first forward (`unverified_family`). Written by `python tests/census.py --markdown
+tiny model before its first forward (`unverified_family`). Under `unpad="loss"`, {fused} of the exact families run
+their LM head fused with the loss from their second training step (their own logits checked in the first); the
+others are noted. Written by `python tests/census.py --markdown
 docs/families.md`; a test keeps it equal to the census.
 
 | model_type | outcome | why / note |
@@ -219,6 +223,7 @@ def short(detail: str) -> str:
 def page(rows: list[dict], version: str) -> str:
     """The families page: the head with its counts, then one table row per model type."""
     counts = {o: sum(r["outcome"] == o for r in rows) for o in ("exact", "refused", "untested", "self-checked")}
+    counts["fused"] = sum(r["outcome"] == "exact" and OWN_HEAD not in r["detail"] for r in rows)
     body = "".join(f"| `{r['model_type']}` | {r['outcome']} | {short(r['detail'])} |\n" for r in rows)
     return PAGE_HEAD.format(version=version, **{k.replace("-", "_"): v for k, v in counts.items()}) + body
 

@@ -20,7 +20,7 @@ from typing import Optional
 import pytest
 import torch
 import transformers
-from census import causal_lm_types, document_logits, packed_rows, tiny_config, tiny_lm
+from census import OWN_HEAD, causal_lm_types, document_logits, packed_rows, tiny_config, tiny_lm
 from models import completion_labels, labels_for, padded_batch
 from packaging.version import Version
 from patchkit.patches import table
@@ -134,16 +134,11 @@ def loss_alone(model_type: str, model, want: tuple, handle) -> str:
             if not d <= ATOL * max(1.0, want[1][name].abs().max().item()):
                 return f"loss alone: gradient of {name} differs by {d:.2g} ({run} step, {handle.heads})"
     if lm_head.FUSED in handle.heads:
-        record_fused(model_type)
+        FUSED.add(model_type)
     return ""
 
 
-def record_fused(model_type: str) -> None:
-    """A family whose second step ran fused, appended to $PATCHKIT_FUSED_OUT when set (docs/families.md's count)."""
-    path = os.environ.get("PATCHKIT_FUSED_OUT")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{model_type}\n")
+FUSED: set[str] = set()  # the families whose second loss-alone step ran the fused head and loss (this process's)
 
 
 def generated(model) -> torch.Tensor:
@@ -235,8 +230,10 @@ def test_census(model_type, monkeypatch):
     differed = {way: what for way, what in outcomes.items() if what}
     if model_type in table.VERIFIED or model_type in PATCH_MODULES or PINNED:
         assert not differed, f"{model_type} differs from transformers' eager attention: {differed}"
-    record(model_type, "exact" if not differed else "self-checked", "; ".join(differed.values()) or (
-        "unpadded inside attention only" if table.mixes_outside_attention(model_type) else ""))
+    notes = list(differed.values()) or (
+        ["unpadded inside attention only"] if table.mixes_outside_attention(model_type) else [])
+    record(model_type, "exact" if not differed else "self-checked", "; ".join(
+        notes + ([] if model_type in FUSED else [OWN_HEAD])))
     if PINNED and model_type not in PATCH_MODULES:
         assert spec.verified, f"{model_type} is exact every way in: add it to patches/table.py VERIFIED"
 
