@@ -179,3 +179,8 @@ def test_under_autocast_the_fused_head_runs_in_autocasts_dtype():
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-2, rtol=1e-2)
         assert_grads(grads, want[2], atol=2e-2)
+
+
+def test_a_label_outside_the_vocabulary_raises_as_cross_entropy_does():
+    with pytest.raises(IndexError, match="Target 11 is out of bounds"):
+        linear_cross_entropy(torch.randn(3, 8), torch.randn(11, 8), None, torch.tensor([1, -100, 11]))

@@ -68,18 +68,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return out, None, None, None
 
 
+def loss_denominator(labels: torch.Tensor, vocab: int, ignore_index: int,
+                     num_items_in_batch: Optional[Union[torch.Tensor, int]], device: torch.device,
+                     ) -> Optional[torch.Tensor]:
+    """`fixed_cross_entropy`'s denominator (None: the labelled rows' count), once the labels are found in the
+    vocabulary: one outside it that is not `ignore_index` raises as `cross_entropy` does."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise IndexError(f"Target {int(labels[bad][0])} is out of bounds (vocabulary of {vocab}).")
+    if num_items_in_batch is None:
+        return None
+    return torch.as_tensor(num_items_in_batch, device=device).float()
+
+
 def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                           num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
     """`fixed_cross_entropy` of transformers (cross-entropy, mean over labelled rows or sum over
     `num_items_in_batch`) over (n, V) logits and (n,) labels, in row chunks. A label outside the vocabulary that is
     not `ignore_index` raises as `cross_entropy` does."""
-    vocab = logits.shape[-1]
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):
-        raise IndexError(f"Target {int(labels[bad][0])} is out of bounds (vocabulary of {vocab}).")
-    denominator = None
-    if num_items_in_batch is not None:
-        denominator = torch.as_tensor(num_items_in_batch, device=logits.device).float()
+    denominator = loss_denominator(labels, logits.shape[-1], ignore_index, num_items_in_batch, logits.device)
     return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, denominator)
 
 

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from patchkit.forward.loss.cross_entropy import loss_denominator
+
 CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's logits (64 MiB in float32) at least
 BALANCE_ELEMENTS = 1 << 26  # ... and up to H rows within this many (256 MiB): see chunk_rows
 MIN_ROWS = 16
@@ -132,12 +134,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     """transformers' `fixed_cross_entropy` of the family's logits of (n, H) `hidden` against (n,) labels (already
     shifted): the mean over labelled rows, or the sum over `num_items_in_batch`. A label outside the vocabulary that
     is not `ignore_index` raises as `cross_entropy` does."""
-    vocab = weight.shape[0]
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):
-        raise IndexError(f"Target {int(labels[bad][0])} is out of bounds (vocabulary of {vocab}).")
-    denominator = None
-    if num_items_in_batch is not None:
-        denominator = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    denominator = loss_denominator(labels, weight.shape[0], ignore_index, num_items_in_batch, hidden.device)
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels.to(hidden.device), transform, ignore_index,
                                      denominator)
