@@ -90,11 +90,19 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_ind
     return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, denominator)
 
 
+def shifted_labels(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor] = None,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """The labels each position predicts, as `ForCausalLMLoss` shifts them (a row's last position predicts nothing),
+    or the caller's own `shift_labels` where given."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
 def chunked_causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int,
                            num_items_in_batch: Optional[Union[torch.Tensor, int]] = None, ignore_index: int = -100,
                            shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
     """transformers' `ForCausalLMLoss` (same arguments, same numbers), chunked."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shifted_labels(labels, shift_labels, ignore_index)
     return chunked_cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
                                  ignore_index, num_items_in_batch)

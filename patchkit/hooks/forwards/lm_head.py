@@ -29,13 +29,12 @@ import inspect
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from patchkit.errors import PatchkitError
 from patchkit.forward.context import current
 from patchkit.forward.liveness import is_compiling
-from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss
+from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy, saves_memory
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
@@ -151,7 +150,7 @@ def hand_packed(out: Any, meta: VarlenMetadata, request: HeadRequest) -> Optiona
     if hidden is None:
         return None
     if request.labels is not None:
-        return hand_labelled(hidden[0], packed_labels(meta, *request.labels)[0, :-1], request)
+        return hand_labelled(hidden[0], unpad_rows(shifted_labels(*request.labels), meta.indices_q), request)
     return torch.cat([hidden, hidden.new_zeros(1, 1, hidden.shape[-1])], dim=1)
 
 
@@ -160,11 +159,9 @@ def hand_kept(out: Any, request: Optional[HeadRequest]) -> Any:
     alone: its last hidden state becomes the labelled rows (`hand_labelled`) where the labels match its (B, N)."""
     if request is None or request.labels is None:
         return out
-    labels, shift_labels = request.labels
-    given = shift_labels if shift_labels is not None else labels
-    hidden = _last_hidden(out, tuple(given.shape)) if given.dim() == 2 else None
+    shifted = shifted_labels(*request.labels)
+    hidden = _last_hidden(out, tuple(shifted.shape)) if shifted.dim() == 2 else None
     if hidden is not None:
-        shifted = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         out["last_hidden_state"] = hand_labelled(hidden.flatten(0, 1), shifted.flatten(), request)
     return out
 
@@ -209,9 +206,7 @@ def packed_labels(meta: VarlenMetadata, labels: Optional[torch.Tensor], shift_la
                   ) -> torch.Tensor:
     """(1, nnz + 1) shifted labels of the packed row: shifted in the padded layout (a row's last token predicts
     nothing), the real tokens' taken, -100 for the zero row."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    real = unpad_rows(shift_labels, meta.indices_q)
+    real = unpad_rows(shifted_labels(labels, shift_labels), meta.indices_q)
     return torch.cat([real, real.new_full((1,), IGNORE_INDEX)]).unsqueeze(0)
 
 

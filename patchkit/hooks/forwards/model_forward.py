@@ -335,13 +335,14 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
         if cause is None and (unpad in WHOLE_MODEL or (loss_alone and self.training)) and not is_compiling():
-            asks_loss = loss_alone and self.training and labelled(arguments, extra)
+            has_labels = labelled(arguments, extra)
+            asks_loss = loss_alone and self.training and has_labels
             head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
                                labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                                fused=fused_head(self) if asks_loss else None)
             with within(lm_cause=None, head=head):
                 out = original(self, *args, **kwargs)
-            return finish(self, out, head, labelled(arguments, extra), heads)
+            return finish(self, out, head, has_labels, heads)
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
