@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import completion_labels, labels_for, padded_batch
-from test_lm_head import family, step
+from test_lm_head import assert_trained_alike, family, step, trainer_run
 from test_loss_alone import assert_grads
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -190,32 +190,11 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
     """The HF Trainer as users run it: Gemma2 (its softcap in the fused loss), gradient checkpointing on, completion-
     only labels, 2 micro-batches a step (num_items_in_batch): the losses and the trained weights equal unpatched,
     and every micro-batch after the first ran the fused head."""
-    import transformers as tf
-
-    def train(patched: bool) -> tuple[list, dict, dict]:
-        model = family("gemma2")
-        batch = long_batch(model)
-        rows = [dict(input_ids=i, attention_mask=m, labels=lab)
-                for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3]
-        args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=3,
-                                    gradient_accumulation_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
-                                    save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-                                    disable_tqdm=True, gradient_checkpointing=True,
-                                    gradient_checkpointing_kwargs={"use_reentrant": False})
-        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") if patched else None
-        try:
-            trainer = tf.Trainer(model=model, args=args, train_dataset=rows * 2)
-            trainer.train()
-            heads = dict(handle.heads) if handle else {}
-        finally:
-            if handle is not None:
-                handle.revert()
-        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads
-
-    want, want_weights, _ = train(patched=False)
-    got, got_weights, heads = train(patched=True)
-    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}  # 3 steps x 2 micro-batches: checked, then fused
-    assert got == pytest.approx(want, abs=1e-5), (got, want)
-    for name in want_weights:
-        torch.testing.assert_close(got_weights[name], want_weights[name], atol=2e-5, rtol=1e-4, msg=name)
+    batch = long_batch(family("gemma2"))
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
+            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
+    want, got = (trainer_run(family("gemma2"), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
+                             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+                 for unpad in (None, "loss"))
+    assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}  # 3 steps x 2 micro-batches: checked, then fused
+    assert_trained_alike(got, want)

@@ -9,6 +9,7 @@ and the callers whose calls keep the padded exit.
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -210,36 +211,42 @@ def test_a_loss_the_caller_computes_from_the_logits_gets_unpatched_gradients():
         torch.testing.assert_close(got[name], want[name], atol=2e-5, rtol=1e-3, msg=name)
 
 
+def trainer_run(model: torch.nn.Module, rows: list, unpad: Optional[str], tmp_path, **arguments) -> tuple:
+    """The HF Trainer over `rows` (2 micro-batches per step, seeded), under a patch with `unpad` (None: unpatched):
+    the logged losses, the trained weights and the patch's `heads`."""
+    import transformers as tf
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, learning_rate=1e-2,
+                                use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                                dataloader_num_workers=0, disable_tqdm=True, **arguments)
+    handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if unpad else None
+    try:
+        trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        heads = dict(handle.heads) if handle else {}
+    finally:
+        if handle is not None:
+            handle.revert()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads
+
+
+def assert_trained_alike(got: tuple, want: tuple) -> None:
+    """`trainer_run`'s losses and trained weights as unpatched."""
+    assert got[0] == pytest.approx(want[0], abs=1e-5), (got[0], want[0])
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("unpad", ["model", "loss"])
 def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path, unpad):
     """The HF Trainer, 2 micro-batches per step: it passes num_items_in_batch (the labelled tokens of both), which
     the loss on real tokens divides by as transformers' does; the losses and the trained weights equal unpatched
     (unpad="loss": the Trainer reads the loss alone)."""
-    import transformers as tf
-
-    def train(patched: bool) -> tuple[list, dict, dict]:
-        model = family("llama")
-        ids, mask = padded_batch("right", batch=4, seq=16)
-        rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
-        args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
-                                    gradient_accumulation_steps=2, learning_rate=1e-2, use_cpu=True, report_to=[],
-                                    save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0,
-                                    disable_tqdm=True)
-        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if patched else None
-        try:
-            trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
-            trainer.train()
-            heads = handle.heads if handle else {}
-        finally:
-            if handle is not None:
-                handle.revert()
-        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads
-
-    want, want_weights, _ = train(patched=False)
-    got, got_weights, heads = train(patched=True)
+    ids, mask = padded_batch("right", batch=4, seq=16)
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
+    want, got = (trainer_run(family("llama"), rows, way, tmp_path, max_steps=2, per_device_train_batch_size=1)
+                 for way in (None, unpad))
     # rows 2-4 are padded (row 1 has none: nothing unpadded, nothing to count)
-    assert heads[lm_head.LOSS_ONLY if unpad == "loss" else lm_head.REAL_TOKENS] >= 3
-    assert got == pytest.approx(want, abs=1e-5), (got, want)
-    for name in want_weights:
-        torch.testing.assert_close(got_weights[name], want_weights[name], atol=2e-5, rtol=1e-4, msg=name)
+    assert got[2][lm_head.LOSS_ONLY if unpad == "loss" else lm_head.REAL_TOKENS] >= 3
+    assert_trained_alike(got, want)
