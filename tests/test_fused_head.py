@@ -12,7 +12,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 import patchkit
 from patchkit.forward.loss import linear_cross_entropy as lce
-from patchkit.forward.loss.linear_cross_entropy import LogitTransform, linear_cross_entropy, saves_memory
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, linear_cross_entropy
 from patchkit.hooks.forwards import fused_head, lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -33,27 +33,37 @@ def reference(hidden, weight, bias, labels, transform, **kw):
     return ForCausalLMLoss(z[None], None, weight.shape[0], shift_labels=labels[None], **kw)
 
 
+def small_chunks(monkeypatch) -> None:
+    """Chunks of a few rows (a frozen head) and of a few vocabulary columns (a head that trains), a last, shorter
+    one among them."""
+    for name, value in (("CHUNK_ELEMENTS", 5 * 70), ("BALANCE_ELEMENTS", 5 * 70), ("MIN_ROWS", 1),
+                        ("CACHE_ELEMENTS", 23 * 16), ("MIN_COLUMNS", 1)):
+        monkeypatch.setattr(lce, name, value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("items", [None, 40])
 @pytest.mark.parametrize("weight_of_loss", [1.0, -2.5])
-def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, transform, items, weight_of_loss):
-    """Loss and the gradients of the hidden rows, the head's weight and its bias, chunk by chunk (a last, shorter
-    chunk too), with ignored rows among them."""
-    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 70)
-    monkeypatch.setattr(lce, "MIN_ROWS", 1)
+@pytest.mark.parametrize("head", ["trains", "frozen"])
+def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, transform, items, weight_of_loss, head):
+    """Loss and the gradients of the hidden rows, the head's weight and its bias (a head that trains: recomputed in
+    the backward, vocabulary slice by slice; a frozen one: the hidden rows' written in the forward, row chunk by row
+    chunk), with ignored rows among them."""
+    small_chunks(monkeypatch)
     torch.manual_seed(0)
     hidden = torch.randn(23, 16).to(dtype).requires_grad_()
-    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_()
-    bias = torch.randn(70).to(dtype).requires_grad_()
+    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_(head == "trains")
+    bias = torch.randn(70).to(dtype).requires_grad_(head == "trains")
     labels = torch.randint(0, 70, (23,))
     labels[[2, 9, 10]] = -100
+    inputs = (hidden, weight, bias) if head == "trains" else (hidden,)
     kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     want = reference(hidden, weight, bias, labels, TRANSFORMS[transform], **kw)
-    want_grads = torch.autograd.grad(want * weight_of_loss, (hidden, weight, bias))
+    want_grads = torch.autograd.grad(want * weight_of_loss, inputs)
     got = linear_cross_entropy(hidden, weight, bias, labels, TRANSFORMS[transform],
                                num_items_in_batch=kw.get("num_items_in_batch"))
-    got_grads = torch.autograd.grad(got * weight_of_loss, (hidden, weight, bias))
+    got_grads = torch.autograd.grad(got * weight_of_loss, inputs)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 2e-3)
     for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads):
         assert g.dtype == w.dtype, name
@@ -63,7 +73,7 @@ def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, tr
             torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=3e-2, msg=name)
 
 
-def test_a_second_backward_through_the_fused_loss_is_refused_by_name():
+def test_a_second_backward_through_the_fused_loss_of_a_frozen_head_is_refused_by_name():
     hidden = torch.randn(4, 8, requires_grad=True)
     loss = linear_cross_entropy(hidden, torch.randn(11, 8), None, torch.tensor([1, 2, -100, 3]))
     loss.backward(retain_graph=True)
@@ -71,9 +81,22 @@ def test_a_second_backward_through_the_fused_loss_is_refused_by_name():
         loss.backward()
 
 
-def test_the_fused_loss_is_chosen_where_it_holds_less_than_the_logits():
-    assert saves_memory(rows=8192, vocab=128256, hidden=4096, dtype=torch.bfloat16)
-    assert not saves_memory(rows=512, vocab=128256, hidden=4096, dtype=torch.bfloat16)
+def test_a_head_that_trains_takes_a_second_backward_as_autograd_does():
+    """retain_graph=True: the head that trains keeps its inputs, not its gradients, so a second backward adds the
+    same gradients again, as nn.Linear's and cross_entropy's do."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    labels = torch.tensor([1, 2, -100, 3, 10, 0])
+    grads = []
+    for loss_of in (lambda: reference(hidden, weight, None, labels, TRANSFORMS["plain"]),
+                    lambda: linear_cross_entropy(hidden, weight, None, labels)):
+        hidden.grad = weight.grad = None
+        loss = loss_of()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append((hidden.grad, weight.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def long_batch(model: torch.nn.Module, completion: bool = True) -> dict:
@@ -141,10 +164,10 @@ def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
         assert_grads(grads, want[2])
 
 
-@pytest.mark.parametrize("why", ["a forward hook on the head", "a head of another class", "few labelled rows"])
-def test_a_head_the_fused_loss_cannot_read_or_a_batch_it_would_not_save_on_runs_the_familys_own(why):
-    """A hook on the head (DeepSpeed ZeRO-3 gathers its weight in one), a head that is not a plain nn.Linear (LoRA,
-    quantized), or a batch whose logits are smaller than the fused loss's weight gradient: the family's own head."""
+@pytest.mark.parametrize("why", ["a forward hook on the head", "a head of another class"])
+def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
+    """A hook on the head (DeepSpeed ZeRO-3 gathers its weight in one) or a head that is not a plain nn.Linear (a
+    LoRA or quantized head): the family's own head."""
     model = family("llama")
     inputs = long_batch(model)
     if why == "a forward hook on the head":
@@ -156,12 +179,31 @@ def test_a_head_the_fused_loss_cannot_read_or_a_batch_it_would_not_save_on_runs_
         head = Head(model.lm_head.in_features, model.lm_head.out_features, bias=False)
         head.weight = model.lm_head.weight
         model.lm_head = head
-    else:
-        inputs["labels"] = torch.full_like(inputs["labels"], -100)
-        inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]
     want = step(model, **inputs)
     got, heads, _ = loss_alone_steps(model, inputs)
     assert heads == {lm_head.LOSS_ONLY: 2}
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
+    """Four labelled tokens in the batch (a short completion), a head that trains (the full fine-tune: nothing of
+    the weight's size held from the forward to the backward) or a frozen one (PEFT's LoRA on the attention, whose
+    head stays a plain nn.Linear): fused from the second step, with unpatched loss and gradients."""
+    model = family("llama")
+    if tuning == "lora":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        assert not model.get_output_embeddings().weight.requires_grad
+    inputs = long_batch(model)
+    inputs["labels"] = torch.full_like(inputs["labels"], -100)
+    inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]
+    want = step(model, **inputs)
+    got, heads, rows = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}
+    assert rows == [checked_rows(inputs["labels"]), 1]
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
         assert_grads(grads, want[2])

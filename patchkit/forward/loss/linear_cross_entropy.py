@@ -1,11 +1,16 @@
-"""The LM head fused with transformers' causal-LM loss: row chunks of logits, never the (n, V) logits (unpad="loss").
+"""The LM head fused with transformers' causal-LM loss: chunks of logits, never the (n, V) logits (unpad="loss").
 
 `linear_cross_entropy` computes `ForCausalLMLoss(transform(hidden @ W.T + b), labels)` as transformers' own code does
-(the head in the weights' dtype, the family's logit transform in that dtype, the loss in float32), one chunk of rows
-at a time, and writes the gradients of `hidden`, `W` and `b` in the same pass, as Liger's fused linear cross-entropy
-does: no tensor of the logits' size outlives its chunk. The backward scales the stored gradients by the one number
-it receives. What it holds from the forward to the backward is the gradient of `hidden` and a float32 gradient of
-`W` (V x H), so it pays where the logits it saves are larger (`saves_memory`).
+(the head in the weights' dtype, or autocast's, the family's logit transform in that dtype, the loss in float32),
+one chunk at a time, so no tensor of the logits' size ever exists. Two ways, by what needs a gradient:
+
+- **The head trains** (a full fine-tune): the forward keeps one float per row (its log-sum-exp) and the hidden rows;
+  the backward computes the logits again, a slice of the vocabulary at a time over every row, and writes each
+  slice's rows of the weight's gradient with one matmul in the weight's dtype, as autograd does for `nn.Linear`
+  (Apple's Cut Cross-Entropy does the same). Nothing of the (V, H) weight's size is held from the forward to the
+  backward, and no float32 matmul is run: the one extra matmul is the price.
+- **The head is frozen** (LoRA and other adapters): the forward writes the hidden rows' gradient as it goes, as
+  Liger's fused linear cross-entropy does, and the backward scales it by the one number it receives.
 """
 
 from __future__ import annotations
@@ -19,16 +24,25 @@ from patchkit.forward.loss.cross_entropy import loss_denominator
 
 CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's logits (64 MiB in float32) at least
 BALANCE_ELEMENTS = 1 << 26  # ... and up to H rows within this many (256 MiB): see chunk_rows
+CACHE_ELEMENTS = 1 << 20  # on a CPU a vocabulary slice of about this many logits stays in cache: see chunk_columns
 MIN_ROWS = 16
+MIN_COLUMNS = 256  # a vocabulary slice narrower than this leaves its matmuls memory-bound
 
 
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk. Each chunk reads and writes the float32 (V, H) weight gradient once: with fewer than H rows
-    that traffic, not the matmuls, dominates the chunk (measured on a CPU at V = 262144, H = 256: 64 rows a chunk
-    1.35x slower than 512). So H rows where that stays within BALANCE_ELEMENTS, at least CHUNK_ELEMENTS of logits,
-    and at least as many elements as the hidden states have (Liger's rule: about V / H chunks)."""
+    """Rows per chunk of the forward. Each chunk reads the (V, H) weight once or twice: with fewer than H rows that
+    read, not the matmul, dominates. So H rows where that stays within BALANCE_ELEMENTS, at least CHUNK_ELEMENTS of
+    logits, and at least as many elements as the hidden states have (Liger's rule: about V / H chunks)."""
     vocab = max(vocab, 1)
     return max(MIN_ROWS, CHUNK_ELEMENTS // vocab, min(hidden, BALANCE_ELEMENTS // vocab), -(-rows * hidden // vocab))
+
+
+def chunk_columns(rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary columns per slice, each run over every row: about CHUNK_ELEMENTS logits a slice, CACHE_ELEMENTS
+    on a CPU (measured at 1809 rows, H = 256, V = 128256: 512-column slices ran the forward 1.4x and 256-column ones
+    the backward 1.4x faster than 9274-column ones, and than row chunks)."""
+    elements = CACHE_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS
+    return min(max(vocab, 1), max(MIN_COLUMNS, elements // max(rows, 1)))
 
 
 class LogitTransform(NamedTuple):
@@ -60,19 +74,23 @@ class LogitTransform(NamedTuple):
         return g
 
 
+PLAIN = LogitTransform()  # a head whose logits go to the loss as they are (LLaMA, Qwen, Mistral, ...)
+
+
 def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               transform: LogitTransform) -> torch.Tensor:
     """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform)."""
     return transform.apply(F.linear(hidden, weight, bias))
 
 
-def saves_memory(rows: int, vocab: int, hidden: int, dtype: torch.dtype) -> bool:
-    """The fused loss holds a float32 (V, H) weight gradient from the forward to the backward; the unfused one holds
-    the (rows, V) logits and, in the backward, their float32 gradient: fused where that is more."""
-    return rows * (torch.finfo(dtype).bits // 8 + 4) > hidden * 4
-
-
-PLAIN = LogitTransform()  # a head whose logits go to the loss as they are (LLaMA, Qwen, Mistral, ...)
+def autocast_dtype(device: str) -> Optional[torch.dtype]:
+    """The dtype autocast runs a linear layer in on `device`, or None where autocast is off."""
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except (AttributeError, TypeError):  # torch < 2.4: one function per device kind
+        if device == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -80,52 +98,122 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 labels: torch.Tensor, transform: LogitTransform, ignore_index: int,
                 denominator: Optional[torch.Tensor]) -> torch.Tensor:
+        device = hidden.device.type
+        dtype = autocast_dtype(device) or weight.dtype  # the head's dtype, as nn.Linear runs here
+        h, w, b = (t if t is None or t.dtype == dtype else t.to(dtype) for t in (hidden, weight, bias))
         valid = labels != ignore_index
         safe = labels.masked_fill(~valid, 0)
-        count = (valid.sum() if denominator is None else denominator).float()
-        scale = valid.float() / count  # each row's share of the loss
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if (
-            ctx.needs_input_grad[1]) else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if (
-            bias is not None and ctx.needs_input_grad[2]) else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
-        for start in range(0, hidden.shape[0], step):
-            rows = slice(start, start + step)
-            h, label = hidden[rows], safe[rows, None]
-            t = logits_of(h, weight, bias, transform)
-            logp = torch.log_softmax(t.float(), dim=-1)
-            total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
-                continue
-            g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
-            g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
-            g = transform.grad(g.to(t.dtype), t)  # as autograd: cast to t's dtype, then through the transform
-            if grad_hidden is not None:
-                grad_hidden[rows] = g @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(g.t().float(), h.float())
-            if grad_bias is not None:
-                grad_bias += g.float().sum(0)
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total
+        scale = valid.float() / (valid.sum() if denominator is None else denominator).float()  # a row's share
+        ctx.transform, ctx.device = transform, device
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.grads = None
+        with torch.autocast(device, enabled=False):
+            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # the head trains: recompute in the backward
+                nll, lse = _nll(h, w, b, safe, transform)
+                ctx.save_for_backward(h, w, b, safe, scale, lse)
+                return (nll * scale).sum()
+            total, ctx.grads = _nll_and_hidden_grad(h, w, b, safe, scale, transform, ctx.needs_input_grad[0])
+            return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.grads is None:
-            raise RuntimeError(
-                "patchkit: a second backward through the same fused head-and-loss (retain_graph=True): its gradients "
-                "were scaled in place by the first. Apply the patch with unpad='model' for such a loop."
-            )
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # scaled in place and handed on: nothing of the forward's size stays
-        weight_dtype, bias_dtype = ctx.dtypes
-        out_h = None if grad_hidden is None else grad_hidden.mul_(grad.to(grad_hidden.dtype))
-        out_w = None if grad_weight is None else grad_weight.mul_(grad.float()).to(weight_dtype)
-        out_b = None if grad_bias is None else grad_bias.mul_(grad.float()).to(bias_dtype)
-        return out_h, out_w, out_b, None, None, None, None
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        if not ctx.saved_tensors:  # a frozen head: the hidden rows' gradient was written in the forward
+            if ctx.grads is None:
+                raise RuntimeError(
+                    "patchkit: a second backward through the same fused head-and-loss (retain_graph=True) of a frozen "
+                    "head: its gradient was scaled in place by the first. Apply the patch with unpad='model' for "
+                    "such a loop."
+                )
+            grad_hidden, ctx.grads = ctx.grads, None  # scaled in place and handed on
+            return grad_hidden.mul_(grad.to(grad_hidden.dtype)).to(hidden_dtype), None, None, None, None, None, None
+        h, w, b, safe, scale, lse = ctx.saved_tensors
+        with torch.autocast(ctx.device, enabled=False):
+            grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform, ctx.needs_input_grad)
+        grad_hidden, grad_weight, grad_bias = grads
+        return (None if grad_hidden is None else grad_hidden.to(hidden_dtype),
+                None if grad_weight is None else grad_weight.to(weight_dtype),
+                None if grad_bias is None else grad_bias.to(bias_dtype), None, None, None, None)
+
+
+def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+         transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's -log softmax at its label, and its log-sum-exp, in float32: a vocabulary slice at a time over
+    every row, the log-sum-exp kept running (the slice's maximum, the sum of exp below it, rescaled as the maximum
+    grows), as the backward walks the same slices."""
+    top = torch.full((h.shape[0],), float("-inf"), dtype=torch.float32, device=h.device)
+    below, picked = torch.zeros_like(top), torch.zeros_like(top)
+    step = chunk_columns(h.shape[0], w.shape[0], h.device)
+    for start in range(0, w.shape[0], step):
+        cols = slice(start, start + step)
+        t = logits_of(h, w[cols], None if b is None else b[cols], transform).float()
+        local, inside = _in_slice(safe, start, t.shape[1])
+        picked += torch.where(inside, t.gather(1, local[:, None]).squeeze(1), 0.0)
+        grown = torch.maximum(top, t.amax(1))
+        below = below * (top - grown).exp_() + t.sub_(grown[:, None]).exp_().sum(1)
+        top = grown
+    lse = below.log_().add_(top)
+    return lse - picked, lse
+
+
+def _in_slice(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels as columns of the vocabulary slice from `start` (clamped into it), and which fall inside it."""
+    local = labels - start
+    inside = (local >= 0) & (local < width)
+    return local.clamp_(0, width - 1), inside
+
+
+def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+                      row_grad: torch.Tensor, lse: torch.Tensor, transform: LogitTransform,
+                      needs: tuple) -> tuple[Optional[torch.Tensor], ...]:
+    """The gradients of the hidden rows, the weight and the bias, a vocabulary slice at a time over every row: the
+    slice's logits again, d loss / d logits = (softmax - one-hot) * the row's gradient (softmax * |g| as one
+    exp(t - (lse - log |g|)), zero on ignored rows), cast to the logits' dtype and through the transform; then the
+    slice's rows of the weight's and bias's gradients whole, and its share of the hidden rows' gradient."""
+    magnitude = row_grad.abs()
+    shift = lse - magnitude.log()  # +inf where a row has no gradient: exp gives 0 there
+    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs[0] else None
+    grad_w = torch.empty_like(w) if needs[1] else None
+    grad_b = torch.empty_like(b) if b is not None and needs[2] else None
+    step = chunk_columns(h.shape[0], w.shape[0], h.device)
+    for start in range(0, w.shape[0], step):
+        cols = slice(start, start + step)
+        w_c = w[cols]
+        t = logits_of(h, w_c, None if b is None else b[cols], transform)
+        g = torch.sub(t.float(), shift[:, None]).exp_()
+        local, inside = _in_slice(safe, start, g.shape[1])
+        g.scatter_add_(1, local[:, None], torch.where(inside, -magnitude, 0.0)[:, None])
+        g = transform.grad(g.to(t.dtype), t)
+        if grad_h is not None:
+            grad_h.add_(g @ w_c)
+        if grad_w is not None:
+            torch.mm(g.t(), h, out=grad_w[cols])
+        if grad_b is not None:
+            torch.sum(g, 0, out=grad_b[cols])
+    if bool((row_grad < 0).any()):  # a loss scaled by a negative number (rare): the sign, last
+        for t in (grad_h, grad_w, grad_b):
+            if t is not None:
+                t.neg_()
+    return grad_h, grad_w, grad_b
+
+
+def _nll_and_hidden_grad(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+                         scale: torch.Tensor, transform: LogitTransform, needs_hidden: bool,
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The loss, and the hidden rows' gradient for an upstream gradient of 1, in row chunks (a frozen head)."""
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if needs_hidden else None
+    step = chunk_rows(h.shape[0], w.shape[0], w.shape[1])
+    for start in range(0, h.shape[0], step):
+        rows, label = slice(start, start + step), safe[start:start + step, None]
+        t = logits_of(h[rows], w, b, transform)
+        logp = torch.log_softmax(t.float(), dim=-1)
+        total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
+        if grad_h is not None:
+            g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
+            g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
+            grad_h[rows] = transform.grad(g.to(t.dtype), t) @ w  # as autograd: cast to t's dtype, then the transform
+    return total, grad_h
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, autocast_dtype, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
 PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token: past any softcap, scale or bias
@@ -54,16 +54,6 @@ def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
     if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) is not nn.Parameter:
         return None
     return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
-
-
-def autocast_dtype(device: str) -> Optional[torch.dtype]:
-    """The dtype autocast runs a linear layer in on `device`, or None where autocast is off."""
-    try:
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    except (AttributeError, TypeError):  # torch < 2.4: one function per device kind
-        if device == "cuda":
-            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
-        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:

@@ -35,7 +35,7 @@ from patchkit.errors import PatchkitError
 from patchkit.forward.context import current
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
-from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy, saves_memory
+from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
 from patchkit.hooks.forwards.fused_head import FusedHead, check, probes
@@ -170,13 +170,12 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
     """(n, H) hidden rows and their (n,) shifted labels -> (1, L + 1, H): the L labelled rows and one zero row,
     labelled -100 (a forward with no label still has a row to run); their labels go to `request.handed`. The rows
     left out are those whose loss term and gradient are zero: the loss and every gradient are the same. A checked
-    fused head keeps the L rows for the fused loss (`request.rows`) where that saves memory, and the LM's own head
-    runs on the zero row alone."""
+    fused head keeps the L rows for the fused loss (`request.rows`), and the LM's own head runs on the zero row
+    alone."""
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
     labelled = shifted[keep.to(shifted.device)]
     fused = request.fused
-    if fused is not None and fused.checked and keep.numel() > 0 and saves_memory(
-            keep.numel(), fused.weight.shape[0], fused.weight.shape[1], fused.weight.dtype):
+    if fused is not None and fused.checked and keep.numel() > 0:
         request.rows, request.handed = hidden.index_select(0, keep), labelled[None]
         return hidden.new_zeros(1, 1, hidden.shape[-1])
     rows = [hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])]
