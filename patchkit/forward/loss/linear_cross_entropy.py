@@ -2,15 +2,18 @@
 
 `linear_cross_entropy` computes `ForCausalLMLoss(transform(hidden @ W.T + b), labels)` as transformers' own code does
 (the head in the weights' dtype, or autocast's, the family's logit transform in that dtype, the loss in float32),
-one chunk at a time, so no tensor of the logits' size ever exists. Two ways, by what needs a gradient:
+one chunk at a time, so no tensor of the logits' size ever exists. The gradients are written one of two ways, by
+the dtype the head runs in:
 
-- **The head trains** (a full fine-tune): the forward keeps one float per row (its log-sum-exp) and the hidden rows;
-  the backward computes the logits again, a slice of the vocabulary at a time over every row, and writes each
-  slice's rows of the weight's gradient with one matmul in the weight's dtype, as autograd does for `nn.Linear`
-  (Apple's Cut Cross-Entropy does the same). Nothing of the (V, H) weight's size is held from the forward to the
-  backward, and no float32 matmul is run: the one extra matmul is the price.
-- **The head is frozen** (LoRA and other adapters): the forward writes the hidden rows' gradient as it goes, as
-  Liger's fused linear cross-entropy does, and the backward scales it by the one number it receives.
+- **In the forward** (a frozen head, as LoRA leaves it; a head that trains in float32), as Liger's fused linear
+  cross-entropy does: row chunk by row chunk, the hidden rows' gradient and a float32 weight gradient are written
+  as the loss is, and the backward scales them by the one number it receives. In float32 that buffer is the
+  weight's gradient itself, which autograd would write at the same point of the step; three matmuls, as unfused.
+- **In the backward** (a head that trains in bfloat16 or float16, autocast's included), as Apple's Cut
+  Cross-Entropy does: the forward keeps each row's log-sum-exp; the backward computes the logits again, a
+  vocabulary slice at a time over every row, and writes each slice's rows of the weight's gradient with one matmul
+  in the head's dtype, as autograd does. A float32 buffer there would hold twice a bfloat16 gradient's memory and
+  run its matmul at float32 speed (a fraction of a GPU's bfloat16 rate); the price is one more matmul.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ BALANCE_ELEMENTS = 1 << 26  # ... and up to H rows within this many (256 MiB): s
 CACHE_ELEMENTS = 1 << 20  # on a CPU a vocabulary slice of about this many logits stays in cache: see chunk_columns
 MIN_ROWS = 16
 MIN_COLUMNS = 256  # a vocabulary slice narrower than this leaves its matmuls memory-bound
+HOLD_DTYPES = (torch.float32, torch.float64)  # a head that trains in these gets its gradients in the forward
 
 
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk of the forward. Each chunk reads the (V, H) weight once or twice: with fewer than H rows that
-    read, not the matmul, dominates. So H rows where that stays within BALANCE_ELEMENTS, at least CHUNK_ELEMENTS of
-    logits, and at least as many elements as the hidden states have (Liger's rule: about V / H chunks)."""
+    """Rows per chunk where the forward writes the gradients. Each chunk reads the weight and reads and writes the
+    float32 (V, H) weight gradient once: with fewer than H rows that traffic, not the matmuls, dominates (measured on
+    a CPU at V = 262144, H = 256: 64 rows a chunk 1.35x slower than 512). So H rows where that stays within
+    BALANCE_ELEMENTS, at least CHUNK_ELEMENTS of logits, and at least as many elements as the hidden states have
+    (Liger's rule: about V / H chunks)."""
     vocab = max(vocab, 1)
     return max(MIN_ROWS, CHUNK_ELEMENTS // vocab, min(hidden, BALANCE_ELEMENTS // vocab), -(-rows * hidden // vocab))
 
@@ -108,28 +114,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.grads = None
         with torch.autocast(device, enabled=False):
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # the head trains: recompute in the backward
-                nll, lse = _nll(h, w, b, safe, transform)
+            if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and dtype not in HOLD_DTYPES:
+                nll, lse = _nll(h, w, b, safe, transform)  # the gradients are computed in the backward
                 ctx.save_for_backward(h, w, b, safe, scale, lse)
                 return (nll * scale).sum()
-            total, ctx.grads = _nll_and_hidden_grad(h, w, b, safe, scale, transform, ctx.needs_input_grad[0])
+            total, ctx.grads = _nll_and_grads(h, w, b, safe, scale, transform, ctx.needs_input_grad)
             return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        if not ctx.saved_tensors:  # a frozen head: the hidden rows' gradient was written in the forward
+        if not ctx.saved_tensors:  # the gradients were written in the forward, for an upstream gradient of 1
             if ctx.grads is None:
                 raise RuntimeError(
-                    "patchkit: a second backward through the same fused head-and-loss (retain_graph=True) of a frozen "
-                    "head: its gradient was scaled in place by the first. Apply the patch with unpad='model' for "
-                    "such a loop."
+                    "patchkit: a second backward through the same fused head-and-loss (retain_graph=True): its "
+                    "gradients were scaled in place by the first. Apply the patch with unpad='model' for such a loop."
                 )
-            grad_hidden, ctx.grads = ctx.grads, None  # scaled in place and handed on
-            return grad_hidden.mul_(grad.to(grad_hidden.dtype)).to(hidden_dtype), None, None, None, None, None, None
-        h, w, b, safe, scale, lse = ctx.saved_tensors
-        with torch.autocast(ctx.device, enabled=False):
-            grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform, ctx.needs_input_grad)
+            grads, ctx.grads = ctx.grads, None  # scaled in place and handed on: nothing of the forward's size stays
+            grads = tuple(None if t is None else t.mul_(grad.to(t.dtype)) for t in grads)
+        else:
+            h, w, b, safe, scale, lse = ctx.saved_tensors
+            with torch.autocast(ctx.device, enabled=False):
+                grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform,
+                                          ctx.needs_input_grad)
         grad_hidden, grad_weight, grad_bias = grads
         return (None if grad_hidden is None else grad_hidden.to(hidden_dtype),
                 None if grad_weight is None else grad_weight.to(weight_dtype),
@@ -197,23 +204,33 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     return grad_h, grad_w, grad_b
 
 
-def _nll_and_hidden_grad(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
-                         scale: torch.Tensor, transform: LogitTransform, needs_hidden: bool,
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The loss, and the hidden rows' gradient for an upstream gradient of 1, in row chunks (a frozen head)."""
+def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+                   scale: torch.Tensor, transform: LogitTransform, needs: tuple,
+                   ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], ...]]:
+    """The loss, and the gradients of the hidden rows, the weight (float32) and the bias (float32) for an upstream
+    gradient of 1, where each is needed, in row chunks."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty_like(h) if needs_hidden else None
+    grad_h = torch.empty_like(h) if needs[0] else None
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None
+    grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if b is not None and needs[2] else None
     step = chunk_rows(h.shape[0], w.shape[0], w.shape[1])
     for start in range(0, h.shape[0], step):
         rows, label = slice(start, start + step), safe[start:start + step, None]
         t = logits_of(h[rows], w, b, transform)
         logp = torch.log_softmax(t.float(), dim=-1)
         total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
+        if grad_h is None and grad_w is None and grad_b is None:
+            continue
+        g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
+        g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
+        g = transform.grad(g.to(t.dtype), t)  # as autograd: cast to t's dtype, then through the transform
         if grad_h is not None:
-            g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
-            g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
-            grad_h[rows] = transform.grad(g.to(t.dtype), t) @ w  # as autograd: cast to t's dtype, then the transform
-    return total, grad_h
+            grad_h[rows] = g @ w
+        if grad_w is not None:
+            grad_w.addmm_(g.t().float(), h[rows].float())
+        if grad_b is not None:
+            grad_b += g.float().sum(0)
+    return total, (grad_h, grad_w, grad_b)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
