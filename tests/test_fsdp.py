@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
 import pytest
 from entrypoints import clean_env, run, tagged
+
+from patchkit.hooks.forwards import lm_head
 
 # The user's FSDP2 training script: the same tiny padded-batch run unpatched, then patched (apply_patch before the
 # model is built, as the launcher does), in one process per rank so one torchrun start serves both.
@@ -30,6 +33,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--compile", default=None, help="torch.compile backend for the patched run; default: eager")
+parser.add_argument("--unpad", default="model", help="the patch's unpad; 'loss': the model computes the loss")
 opts = parser.parse_args()
 
 
@@ -60,7 +64,7 @@ config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_h
 
 
 def train(patched: bool) -> list:
-    handle = patchkit.apply_patch("llama2", backend="sdpa") if patched else None
+    handle = patchkit.apply_patch("llama2", backend="sdpa", unpad=opts.unpad) if patched else None
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
@@ -73,9 +77,14 @@ def train(patched: bool) -> list:
     mine = slice(rank, None, world)
     losses = []
     for _ in range(opts.steps):
-        logits = net(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False).logits
-        local_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[mine, 1:].flatten(), ignore_index=-100,
-                                    reduction="sum")
+        if opts.unpad == "loss":  # the model's loss over the global batch's labelled tokens (the Trainer's way)
+            out = net(input_ids=ids[mine], attention_mask=mask[mine], labels=labels[mine], use_cache=False,
+                      num_items_in_batch=n_targets)
+            local_sum = out.loss * n_targets
+        else:
+            logits = net(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False).logits
+            local_sum = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[mine, 1:].flatten(), ignore_index=-100,
+                                        reduction="sum")
         # FSDP averages gradients over ranks: scale so the update equals the full-batch mean loss's.
         (local_sum * world / n_targets).backward()
         optimizer.step()
@@ -86,6 +95,7 @@ def train(patched: bool) -> list:
     if handle is not None:
         say(f"LIVE rank={rank} layers_patched={handle.layers_patched} check={handle.check(model)} "
             f"calls={handle.calls}")
+        say(f"HEADS rank={rank} " + json.dumps(dict(handle.heads)))
         handle.revert()
     return losses
 
@@ -112,8 +122,9 @@ def fsdp_script(tmp_path_factory):
     return path
 
 
-def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, int]]]:
-    """Run the script on two gloo ranks: rank 0's losses, and (rank, layers_patched, check, calls) of every rank."""
+def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, int]], list[dict]]:
+    """Run the script on two gloo ranks: rank 0's losses, (rank, layers_patched, check, calls) and the patch's
+    `heads` of every rank."""
     proc = run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
          "--steps", str(STEPS), *args],
@@ -121,11 +132,12 @@ def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, 
     )
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     live = re.findall(r"LIVE rank=(\d) layers_patched=(\d+) check=(\d+) calls=(\d+)", proc.stdout)
-    return tagged(proc.stdout, "LOSSES"), sorted(tuple(map(int, row)) for row in live)
+    heads = [json.loads(h) for _, h in sorted(re.findall(r"HEADS rank=(\d) (.*)", proc.stdout))]
+    return tagged(proc.stdout, "LOSSES"), sorted(tuple(map(int, row)) for row in live), heads
 
 
 def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):
-    losses, live = torchrun_fsdp2(fsdp_script, "--layers", "2")
+    losses, live, _ = torchrun_fsdp2(fsdp_script, "--layers", "2")
     assert len(losses["unpatched"]) == STEPS and losses["unpatched"][-1] < losses["unpatched"][0] - 0.3  # it trained
     # fp32 summation order differs (varlen sdpa on real tokens vs eager attention on the padded batch); two AdamW
     # steps carry it to ~1e-6 absolute by step 3 (~3e-7 relative).
@@ -136,6 +148,16 @@ def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):
 def test_fsdp2_compiled_report_counts_every_layer(fsdp_script):
     # Regression: under FSDP2 + torch.compile one compiled attention frame serves every layer, and the report
     # counted 1 of 4 layers (dynamo dropped the WeakSet.add of layers 2-4).
-    losses, live = torchrun_fsdp2(fsdp_script, "--layers", "4", "--compile", "eager")
+    losses, live, _ = torchrun_fsdp2(fsdp_script, "--layers", "4", "--compile", "eager")
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert live == [(0, 4, 4, 0), (1, 4, 4, 0)]  # every call ran compiled: not counted (a counter would recompile)
+
+
+def test_fsdp2_the_fused_head_and_loss_equal_unpatched(fsdp_script):
+    """unpad="loss" under FSDP2: the head (in the root's unit, its weight gathered as a plain parameter while the
+    root runs) is checked on the first step and fused from the second on each rank; the weight's gradient, written
+    by the fused loss's backward, is reduce-scattered as autograd's: the losses equal unpatched."""
+    losses, live, heads = torchrun_fsdp2(fsdp_script, "--layers", "2", "--unpad", "loss")
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
+    assert live == [(0, 2, 2, 2 * STEPS), (1, 2, 2, 2 * STEPS)]
+    assert heads == [{lm_head.LOSS_ONLY: 1, lm_head.FUSED: STEPS - 1}] * 2

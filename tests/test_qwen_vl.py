@@ -67,7 +67,7 @@ def train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch
     out = model(**batch, labels=labels)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.loss.detach(), out.logits.detach(), grads
+    return out.loss.detach(), None if out.logits is None else out.logits.detach(), grads
 
 
 def assert_same_step(got: tuple, want: tuple, mask: torch.Tensor) -> None:
@@ -97,6 +97,27 @@ def test_a_training_step_with_images_equals_unpatched(family, way):
         got = train_step(model, batch)
         assert handle.calls == 2 and not handle.stepped_aside and handle.check(model) == 2
     assert_same_step(got, want, batch["attention_mask"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_loss_alone_with_images_equals_unpatched_and_runs_the_fused_head(family):
+    """unpad="loss" on image rows (LLaMA-Factory's and TRL's Qwen-VL fine-tune): the multimodal model hands its
+    causal LM the labelled rows alone (image tokens and padding are -100), checked on the first step and fused with
+    the loss on the second; the loss and every gradient, the vision tower's included, equal unpatched."""
+    from patchkit.hooks.forwards import lm_head
+
+    model = set_attention(family_model(family), "sdpa").train()
+    batch = image_rows(model, left=False)
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad="loss") as handle:
+        got = [train_step(model, batch) for _ in range(2)]
+        assert handle.heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}
+    for loss, logits, grads in got:
+        assert logits is None
+        torch.testing.assert_close(loss, want[0], atol=3e-6, rtol=1e-5)
+        assert grads.keys() == want[2].keys()
+        for name, grad in want[2].items():
+            torch.testing.assert_close(grads[name], grad, atol=3e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f in DEEPSTACK])
