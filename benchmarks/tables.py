@@ -227,10 +227,28 @@ def truth_ratio(workload: str) -> str:
     return x(median(rows, "patchkit_flash_attn", workload) / median(rows, "hf_flash_attention_2", workload))
 
 
+def fused_loss() -> str:
+    """The head and loss alone, three ways (benchmarks/fused_loss.py): time and peak memory against unfused."""
+    rows = read("fused_loss.csv")
+    unfused = {(r["vocab"], r["dtype"]): r for r in rows if r["way"] == "unfused"}
+    body = []
+    for r in rows:
+        base = unfused[(r["vocab"], r["dtype"])]
+        peak = f"{float(r['peak_mib']):.0f}" if r["peak_mib"] else "-"
+        share = f"{float(r['peak_mib']) / float(base['peak_mib']):.2f}" if r["peak_mib"] and float(
+            base["peak_mib"]) else "-"
+        body.append([r["vocab"], r["dtype"], r["way"], f"{float(r['seconds']):.3f}", x(float(r["vs_unfused"])),
+                     peak, share])
+    head = rows[0]
+    return (f"`fused_loss.csv` ({head['rows']} rows, hidden {head['hidden']}, {head['device']})\n\n"
+            + table(["vocab", "dtype", "way", "seconds", "x unfused", "peak MiB", "of unfused's"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
+    "fused-loss": fused_loss,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -52,7 +52,7 @@ from providers import (  # noqa: E402
     timed,
 )
 from report import write_rows  # noqa: E402
-from workers import current_rss_mib  # noqa: E402
+from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss  # noqa: E402
 from workloads import (  # noqa: E402
     MODEL,
     MODES,
@@ -162,16 +162,9 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
     step(model, batch)
     model.zero_grad(set_to_none=True)
     before = current_rss_mib()
-    with open("/proc/self/clear_refs", "w") as f:  # the peak from here: a forked child inherits its parent's
-        f.write("5")
+    reset_peak_rss()
     step(model, batch)
     return {"peak_mib": round(peak_hwm_mib() - before, 1)}
-
-
-def peak_hwm_mib() -> float:
-    """The resident set's high-water mark since it was last reset (VmHWM), MiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def memory(vocab: int, layout: str, provider: str) -> float:

@@ -20,6 +20,19 @@ def current_rss_mib() -> float:
     return 0.0
 
 
+def reset_peak_rss() -> None:
+    """Restart the resident set's high-water mark (VmHWM) from here: a forked child inherits its parent's, and
+    ru_maxrss keeps it across exec."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_hwm_mib() -> float:
+    """The resident set's high-water mark since it was last reset (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def peak_rss_mib() -> float:
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kib / 1024 / (1024 if sys.platform == "darwin" else 1)

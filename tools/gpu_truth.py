@@ -163,6 +163,13 @@ def parts(work: Path) -> list[Part]:
         Part("memory at N = 8192, 16384", 60,
              bench + ["--parts", "mem", "--mem-lengths", "8192,16384", "--out", f"{w}/mem", "--mem-cap-gib", "60"],
              rehearse_bench + ["--parts", "mem", "--out", f"{w}/mem"], needs_flash=True, timed=True),
+        # the fused head and loss apart from the model: gradients written in the forward (a float32 weight gradient,
+        # its matmul in float32) against computed again in the backward (bfloat16 matmuls), at a 1B model's head
+        Part("fused head and loss: held against recomputed", 30,
+             [PY, str(BENCH / "fused_loss.py"), "--device", "cuda", "--vocabs", "128256", "--rows", "8192",
+              "--hidden", "2048", "--reps", "3", "--csv", f"{w}/fused_loss.csv"],
+             [PY, str(BENCH / "fused_loss.py"), "--vocabs", "512", "--rows", "64", "--hidden", "16", "--reps", "1",
+              "--no-memory", "--csv", f"{w}/fused_loss.csv"], timed=True),
     ]
 
 
