@@ -25,6 +25,9 @@ SMALL = dict(
     # (by index), LongCat's experts, Gemma3n's KV-sharing layers (more than the tiny model has), LFM2-MoE's dense ones
     mamba_n_heads=4, attn_layer_indices=[1], expert_ffn_hidden_size=16, zero_expert_num=2, num_kv_shared_layers=0,
     num_dense_layers=1,
+    # logit scales that are not the identity, as checkpoints have them (Granite's 8-16 divides, HyperCLOVA X's
+    # multiplies, Falcon-H1's multiplier): the fused head's check must find the family's own arithmetic
+    logits_scaling=4.0, lm_head_multiplier=0.5,
 )
 MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SMALL does not know: not built
 

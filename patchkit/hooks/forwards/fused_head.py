@@ -24,6 +24,10 @@ PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token:
 _checked: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
+# `logits_scaling` divides the logits (Granite's, MiniCPM3's), except in these families, where it multiplies them
+SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+
+
 def transform_of(config: Any) -> LogitTransform:
     """The logit transform a causal LM's config names, as transformers' forwards apply it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -31,7 +35,10 @@ def transform_of(config: Any) -> LogitTransform:
                      if getattr(text, k, None) is not None), None)
     softcap = next((getattr(text, k) for k in ("final_logit_softcapping", "logits_soft_cap")  # RecurrentGemma's
                     if getattr(text, k, None) is not None), None)
-    return LogitTransform(multiply=multiply, divide=getattr(text, "logits_scaling", None), softcap=softcap)
+    scaling = getattr(text, "logits_scaling", None)
+    if scaling is not None and getattr(text, "model_type", None) in SCALING_MULTIPLIES:
+        return LogitTransform(multiply=scaling if multiply is None else multiply * scaling, softcap=softcap)
+    return LogitTransform(multiply=multiply, divide=scaling, softcap=softcap)
 
 
 class FusedHead:
