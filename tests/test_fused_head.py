@@ -117,7 +117,7 @@ def checked_rows(labels: torch.Tensor) -> int:
 def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tuple[list, dict, list]:
     """`steps` training steps under unpad="loss": each step's (loss, gradients), the patch's `heads` and the row
     counts the LM's own head saw (counted in nn.Linear's forward: a hook on the head would keep it unfused)."""
-    got, rows, head = [], [], model.get_output_embeddings()
+    got, rows, head = [], [], fused_head.saved_copy(model.get_output_embeddings())
     linear = torch.nn.Linear.forward
 
     def counted(self, x):
@@ -191,19 +191,22 @@ def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
         assert_grads(grads, want[2])
 
 
-@pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "lora"])
+@pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "lora", "lora training the head"])
 def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     """Four labelled tokens in the batch (a short completion), a head that trains (the full fine-tune; in bfloat16
     its gradients are computed in the backward) or a frozen one (PEFT's LoRA on the attention, whose head stays a
-    plain nn.Linear): fused from the second step, with unpatched loss and gradients."""
+    plain nn.Linear; or a copy of it that trains, PEFT's `modules_to_save`, as adding tokens needs): fused from the
+    second step, with unpatched loss and gradients."""
     model = family("llama")
     bf16 = tuning == "full in bfloat16"
     if bf16:
         model = model.to(torch.bfloat16)
-    if tuning == "lora":
+    if tuning.startswith("lora"):
         peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-        assert not model.get_output_embeddings().weight.requires_grad
+        saved = ["lm_head", "embed_tokens"] if tuning == "lora training the head" else None
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                           modules_to_save=saved))
+        assert model.get_output_embeddings().weight.requires_grad == bool(saved)
     inputs = long_batch(model)
     inputs["labels"] = torch.full_like(inputs["labels"], -100)
     inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]

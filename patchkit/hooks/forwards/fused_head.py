@@ -6,7 +6,7 @@ whose forward does something else to its logits would get another loss. An LM is
 one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
 those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a LoRA or
 quantized head, a head under hooks or with a forward of its own, DeepSpeed ZeRO-3's gathered weights), its own head
-runs on the labelled rows as before.
+runs on the labelled rows as before. PEFT's `modules_to_save` copy of the head is a plain one.
 """
 
 from __future__ import annotations
@@ -51,9 +51,22 @@ class FusedHead:
         self.transform, self.key, self.checked = transform, key, checked
 
 
+def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The head that runs: PEFT's `modules_to_save` wrapper (a LoRA run that trains the head too, as adding tokens
+    needs) runs its one active adapter's copy of the head, which is then the head."""
+    copies = getattr(head, "modules_to_save", None)
+    if type(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
+        return head
+    active = getattr(head, "active_adapters", None)
+    if getattr(head, "disable_adapters", True) or head._forward_hooks or head._forward_pre_hooks or not (
+            isinstance(active, list) and len(active) == 1 and active[0] in copies):
+        return head  # the original head, several adapters or hooks: not one plain head
+    return copies[active[0]]
+
+
 def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is."""
-    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
     if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head):
         return None
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
