@@ -191,14 +191,16 @@ def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
         assert_grads(grads, want[2])
 
 
-@pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "lora", "lora training the head"])
+@pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "full in bfloat16, head tied", "lora",
+                                    "lora training the head"])
 def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     """Four labelled tokens in the batch (a short completion), a head that trains (the full fine-tune; in bfloat16
     its gradients are computed in the backward) or a frozen one (PEFT's LoRA on the attention, whose head stays a
     plain nn.Linear; or a copy of it that trains, PEFT's `modules_to_save`, as adding tokens needs): fused from the
-    second step, with unpatched loss and gradients."""
-    model = family("llama")
-    bf16 = tuning == "full in bfloat16"
+    second step, with unpatched loss and gradients. Tied (Gemma 2's head is its embedding): the head's gradient
+    computed in the backward adds to the embedding's."""
+    model = family("gemma2" if "tied" in tuning else "llama")
+    bf16 = "bfloat16" in tuning
     if bf16:
         model = model.to(torch.bfloat16)
     if tuning.startswith("lora"):
@@ -207,6 +209,7 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                            modules_to_save=saved))
         assert model.get_output_embeddings().weight.requires_grad == bool(saved)
+    assert ("tied" in tuning) == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
     inputs = long_batch(model)
     inputs["labels"] = torch.full_like(inputs["labels"], -100)
     inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]
