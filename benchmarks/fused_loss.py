@@ -10,8 +10,9 @@ and bfloat16, with the head's weight trained:
 - `recomputed`: the fused loss computing the logits again in the backward (what it runs for a bfloat16 head).
 
 Each row: the median of `--reps` timed runs after one untimed (the ways interleaved run by run), the loss, and the
-peak memory of a second run above its inputs, the gradients it writes included (a fresh process per way and dtype:
-the peak resident set on a CPU, `torch.cuda.max_memory_allocated` on a GPU).
+peak memory of a second run above its inputs, the gradients it writes included (on a CPU the peak resident set, in
+a fresh process per way and dtype; on a GPU `torch.cuda.max_memory_allocated`, in this process). The CSV is written
+after each vocabulary and dtype, so a run cut short by its budget keeps what it measured.
 
     python benchmarks/fused_loss.py [--vocabs 32000 128256] [--rows 2048] [--hidden 512] [--reps 3]
         [--device cpu|cuda] [--csv FILE]
@@ -87,7 +88,10 @@ def time_ways(args: argparse.Namespace, vocab: int, dtype: str) -> dict[str, tup
 
 
 def peak_mib(args: argparse.Namespace, vocab: int, dtype: str, way: str) -> float:
-    """One run's peak above its inputs (the gradients it writes included), in a fresh process."""
+    """One run's peak above its inputs (the gradients it writes included): on a GPU from the allocator, in this
+    process; on a CPU from the resident set, in a fresh process."""
+    if args.device == "cuda":
+        return measure_peak(args, way, dtype, vocab)
     # glibc's fixed mmap threshold: every large tensor is mapped on allocation and unmapped when freed, so the
     # resident set's high-water mark is the peak of what was live (a reused heap block would not count again)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
@@ -103,6 +107,7 @@ def measure_peak(args: argparse.Namespace, way: str, dtype: str, vocab: int) -> 
         run(way, h, w, labels)
         h.grad = w.grad = None
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         run(way, h, w, labels)
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                              "seconds": round(seconds, 4), "vs_unfused": round(timed["unfused"][0] / seconds, 3),
                              "loss": round(loss, 5), "peak_mib": peak, "device": args.device})
                 print(", ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-    write_rows(args.csv, rows)
+            write_rows(args.csv, rows)  # each vocabulary and dtype as it is measured: a run cut short keeps them
     print(f"wrote {args.csv}")
     return 0
 

@@ -166,8 +166,8 @@ def parts(work: Path) -> list[Part]:
         # the fused head and loss apart from the model: gradients written in the forward (a float32 weight gradient,
         # its matmul in float32) against computed again in the backward (bfloat16 matmuls), at a 1B model's head
         Part("fused head and loss: held against recomputed", 30,
-             [PY, str(BENCH / "fused_loss.py"), "--device", "cuda", "--vocabs", "128256", "--rows", "8192",
-              "--hidden", "2048", "--reps", "3", "--csv", f"{w}/fused_loss.csv"],
+             [PY, str(BENCH / "fused_loss.py"), "--device", "cuda", "--vocabs", "128256", "--dtypes", "bfloat16",
+              "float32", "--rows", "8192", "--hidden", "2048", "--reps", "3", "--csv", f"{w}/fused_loss.csv"],
              [PY, str(BENCH / "fused_loss.py"), "--vocabs", "512", "--rows", "64", "--hidden", "16", "--reps", "1",
               "--no-memory", "--csv", f"{w}/fused_loss.csv"], timed=True),
     ]
