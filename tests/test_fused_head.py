@@ -41,7 +41,7 @@ def small_chunks(monkeypatch) -> None:
         monkeypatch.setattr(lce, name, value)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("items", [None, 40])
 @pytest.mark.parametrize("weight_of_loss", [1.0, -2.5])
@@ -261,3 +261,23 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
                  for unpad in (None, "loss"))
     assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}  # 3 steps x 2 micro-batches: checked, then fused
     assert_trained_alike(got, want)
+
+
+@pytest.mark.parametrize("head", ["frozen", "trains"])
+def test_float16_gradients_under_a_gradient_scalers_factor_are_not_flushed_to_zero(head):
+    """fp16 training scales the loss (GradScaler: 65536) so that the logits' gradient, cast to float16, does not
+    underflow: the factor must reach each logit's gradient before its cast, as autograd applies it. A gradient
+    written in the forward, unscaled, would flush a softmax of 1e-9 over 4000 items to zero."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(12, 16) * 4).half().requires_grad_()
+    weight = torch.randn(70, 16).half().requires_grad_(head == "trains")
+    labels = torch.randint(0, 70, (12,))
+    items = torch.tensor(4000)
+    inputs = (hidden, weight) if head == "trains" else (hidden,)
+    want = torch.autograd.grad(reference(hidden, weight, None, labels, TRANSFORMS["plain"],
+                                         num_items_in_batch=items) * 65536.0, inputs)
+    got = torch.autograd.grad(linear_cross_entropy(hidden, weight, None, labels, num_items_in_batch=items) * 65536.0,
+                              inputs)
+    for g, w in zip(got, want):
+        assert int((w != 0).sum()) > int((w == 0).sum())  # the scaled gradients are there to be kept
+        torch.testing.assert_close(g.float(), w.float(), atol=1e-3, rtol=2e-2)

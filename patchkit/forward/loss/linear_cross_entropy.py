@@ -5,15 +5,17 @@
 one chunk at a time, so no tensor of the logits' size ever exists. The gradients are written one of two ways, by
 the dtype the head runs in:
 
-- **In the forward** (a frozen head, as LoRA leaves it; a head that trains in float32), as Liger's fused linear
-  cross-entropy does: row chunk by row chunk, the hidden rows' gradient and a float32 weight gradient are written
-  as the loss is, and the backward scales them by the one number it receives. In float32 that buffer is the
-  weight's gradient itself, which autograd would write at the same point of the step; three matmuls, as unfused.
-- **In the backward** (a head that trains in bfloat16 or float16, autocast's included), as Apple's Cut
-  Cross-Entropy does: the forward keeps each row's log-sum-exp; the backward computes the logits again, a
-  vocabulary slice at a time over every row, and writes each slice's rows of the weight's gradient with one matmul
-  in the head's dtype, as autograd does. A float32 buffer there would hold twice a bfloat16 gradient's memory and
-  run its matmul at float32 speed (a fraction of a GPU's bfloat16 rate); the price is one more matmul.
+- **In the forward** (a head that trains in float32; a frozen one, as LoRA leaves it, except in float16), as
+  Liger's fused linear cross-entropy does: row chunk by row chunk, the hidden rows' gradient and a float32 weight
+  gradient are written as the loss is, and the backward scales them by the one number it receives. In float32 that
+  buffer is the weight's gradient itself, which autograd would write at the same point of the step; three matmuls,
+  as unfused.
+- **In the backward** (a head that trains in bfloat16 or float16, autocast's included; any float16 head, whose
+  loss a gradient scaler multiplies past float16's range), as Apple's Cut Cross-Entropy does: the forward keeps each
+  row's log-sum-exp; the backward computes the logits again, a vocabulary slice at a time over every row, applies
+  the upstream gradient before the cast to the head's dtype, as autograd does, and writes each slice's rows of the
+  weight's gradient with one matmul in that dtype. A float32 buffer there would hold twice a bfloat16 gradient's
+  memory and run its matmul at float32 speed (a fraction of a GPU's bfloat16 rate); the price is one more matmul.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ CACHE_ELEMENTS = 1 << 20  # on a CPU a vocabulary slice of about this many logit
 MIN_ROWS = 16
 MIN_COLUMNS = 256  # a vocabulary slice narrower than this leaves its matmuls memory-bound
 HOLD_DTYPES = (torch.float32, torch.float64)  # a head that trains in these gets its gradients in the forward
+# float16 training scales its loss (GradScaler: 65536, beyond float16's range) so that the logits' gradient survives
+# its cast: the factor reaches it before the cast only in the backward, so a float16 head always recomputes there
+SCALED_DTYPES = (torch.float16,)
 
 
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
@@ -114,7 +119,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.grads = None
         with torch.autocast(device, enabled=False):
-            if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and dtype not in HOLD_DTYPES:
+            trains = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+            if (trains and dtype not in HOLD_DTYPES) or dtype in SCALED_DTYPES:
                 nll, lse = _nll(h, w, b, safe, transform)  # the gradients are computed in the backward
                 ctx.save_for_backward(h, w, b, safe, scale, lse)
                 return (nll * scale).sum()
