@@ -18,7 +18,9 @@ per class), the loss is transformers' `ForCausalLMLoss` and the caller wants eve
 Under unpad="loss" a training forward with labels returns its loss alone (`logits=None`): the base model hands the LM
 only its labelled rows (`hand_labelled`: a prompt's tokens, padding, each row's last token are not run through the
 head at all, as TRL's fused head does on a GPU), the loss runs chunked (`forward/loss/cross_entropy.py`, no float32 copy
-of the logits) and the (B, N, V) logits are never written.
+of the logits) and the (B, N, V) logits are never written. Once the LM's own logits were checked against them, the
+labelled rows skip its head and go to the head fused with the loss (`fused_head.py`, `forward/loss/
+linear_cross_entropy.py`): no logits of their size at all.
 """
 
 from __future__ import annotations
