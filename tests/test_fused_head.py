@@ -263,6 +263,27 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
     assert_trained_alike(got, want)
 
 
+def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path):
+    """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
+    completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
+    micro-batch after the first fused."""
+    peft = pytest.importorskip("peft")
+    batch = long_batch(family("llama"))
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
+            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
+
+    def lora() -> torch.nn.Module:
+        torch.manual_seed(0)  # the adapters' A matrices
+        return peft.get_peft_model(family("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    want, got = (trainer_run(lora(), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
+                             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+                 for unpad in (None, "loss"))
+    assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}
+    assert any("lora_A" in name for name in want[1])
+    assert_trained_alike(got, want)
+
+
 @pytest.mark.parametrize("head", ["frozen", "trains"])
 def test_float16_gradients_under_a_gradient_scalers_factor_are_not_flushed_to_zero(head):
     """fp16 training scales the loss (GradScaler: 65536) so that the logits' gradient, cast to float16, does not
