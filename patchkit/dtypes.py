@@ -24,6 +24,16 @@ ADAPTER_MARKERS = ("lora_", "modules_to_save")
 DTypeLike = Union[torch.dtype, str]
 
 
+def autocast_dtype(device: str) -> Optional[torch.dtype]:
+    """The dtype autocast runs a linear layer in on `device`, or None where autocast is off."""
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except (AttributeError, TypeError):  # torch < 2.4: one function per device kind
+        if device == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
 def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
     """A torch float dtype from a dtype or a name ("bf16", "fp16", ...); anything else is a TypeError."""
     if isinstance(dtype, str):

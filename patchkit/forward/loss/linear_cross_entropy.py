@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from patchkit.dtypes import autocast_dtype
 from patchkit.forward.loss.cross_entropy import loss_denominator
 
 CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's logits (64 MiB in float32) at least
@@ -92,16 +93,6 @@ def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
               transform: LogitTransform) -> torch.Tensor:
     """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform)."""
     return transform.apply(F.linear(hidden, weight, bias))
-
-
-def autocast_dtype(device: str) -> Optional[torch.dtype]:
-    """The dtype autocast runs a linear layer in on `device`, or None where autocast is off."""
-    try:
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    except (AttributeError, TypeError):  # torch < 2.4: one function per device kind
-        if device == "cuda":
-            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
-        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

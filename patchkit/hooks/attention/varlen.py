@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from patchkit.backends import Backend
+from patchkit.dtypes import autocast_dtype
 from patchkit.errors import PatchGateError, PatchInputError, PatchStateError
 from patchkit.forward.in_graph import GraphMask
 from patchkit.forward.inputs.arguments import check_call, model_label, model_type_of, part_of_multimodal
@@ -35,9 +36,7 @@ KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cac
 
 def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dtype:
     """The half dtype to run flash kernels in: autocast's, else the first half candidate, else bf16."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return next((c for c in candidates if c in HALF_DTYPES), torch.bfloat16)
+    return autocast_dtype(device_type) or next((c for c in candidates if c in HALF_DTYPES), torch.bfloat16)
 
 
 def _matrix(param: torch.Tensor) -> bool:

@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.loss.linear_cross_entropy import LogitTransform, autocast_dtype, logits_of
+from patchkit.dtypes import autocast_dtype
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
 PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token: past any softcap, scale or bias
