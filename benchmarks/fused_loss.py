@@ -103,17 +103,15 @@ def peak_mib(args: argparse.Namespace, vocab: int, dtype: str, way: str) -> floa
 
 def measure_peak(args: argparse.Namespace, way: str, dtype: str, vocab: int) -> float:
     h, w, labels = inputs(args.rows, args.hidden, vocab, DTYPES[dtype], args.device)
+    run(way, h, w, labels)  # the first touches the allocator's pages: the second is measured
+    h.grad = w.grad = None
     if args.device == "cuda":
-        run(way, h, w, labels)
-        h.grad = w.grad = None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         run(way, h, w, labels)
         return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    run(way, h, w, labels)  # the first touches the allocator's pages: the second is measured
-    h.grad = w.grad = None
     base = current_rss_mib()
     reset_peak_rss()
     run(way, h, w, labels)
