@@ -189,7 +189,7 @@ stepped aside by their own self-check (their tiny model fails unpatched too), {u
 census can build or run. Families with a module of their own live in `patches/`; every other one is
 served from data (`patches/table.py`). A family transformers adds later and patchkit has not seen checks itself on a
 tiny model before its first forward (`unverified_family`). Under `unpad="loss"`, {fused} of the exact families run
-their LM head fused with the loss from their second training step (their own logits checked in the first); the
+their LM head fused with the loss from their first training step (their own logits checked there on a few rows); the
 others are noted. Written by `python tests/census.py --markdown
 docs/families.md`; a test keeps it equal to the census.
 

@@ -119,8 +119,9 @@ def completion_step(model) -> tuple:
 
 
 def loss_alone(model_type: str, model, want: tuple, handle) -> str:
-    """unpad="loss" on completion-only labels, two steps (the first checks the family's logits, the second runs the
-    fused head and loss where they were found the same): the loss and every gradient as `want`'s (the unpatched
+    """unpad="loss" on completion-only labels, two steps (the first checks the family's logits on a few rows and runs
+    the fused head and loss where they were found the same, else reruns the LM with its own head; the second runs
+    the way the first found): the loss and every gradient as `want`'s (the unpatched
     step's), and no logits where the head ran on the labelled tokens ('' when so, else what differed)."""
     served = (lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT, lm_head.FUSED)
     for run in ("first", "second"):

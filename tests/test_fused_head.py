@@ -109,9 +109,14 @@ def long_batch(model: torch.nn.Module, completion: bool = True) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
 
 
+def labelled_rows(labels: torch.Tensor) -> int:
+    return int((labels[..., 1:] != -100).sum())
+
+
 def checked_rows(labels: torch.Tensor) -> int:
-    """The rows the LM's own head runs on in the checking forward: the labelled ones, the zero row, the probes."""
-    return int((labels[..., 1:] != -100).sum()) + 1 + len(fused_head.PROBE_LOGITS)
+    """The rows the LM's own head runs on in the checking forward: the first labelled ones, the zero row, the
+    probes (never every labelled row: the checking step holds no more than the fused steps)."""
+    return min(fused_head.CHECK_ROWS, labelled_rows(labels)) + 1 + len(fused_head.PROBE_LOGITS)
 
 
 def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tuple[list, dict, list]:
@@ -148,8 +153,8 @@ def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatche
     inputs = long_batch(model)
     want = step(model, **inputs)
     got, heads, rows = loss_alone_steps(model, inputs)
-    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}  # checked on the first, fused from the second
-    assert rows == [checked_rows(inputs["labels"]), 1]  # checked (with the probes), then one zero row
+    assert heads == {lm_head.FUSED: 2}  # checked and fused on the first step, fused on the second
+    assert rows == [checked_rows(inputs["labels"]), 1]  # checked (a few rows, the probes), then one zero row
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
         assert_grads(grads, want[2])
@@ -157,12 +162,16 @@ def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatche
 
 def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
     """LLaMA's forward ignores `final_logit_softcapping`: with it set, the fused loss would softcap and LLaMA does
-    not. The check on the first step finds it, and every step runs LLaMA's own head, with unpatched numbers."""
+    not. The check on the first step finds it: LLaMA runs again on its base model's output (no layer runs twice),
+    with its own head on every labelled row, as every later step does, with unpatched numbers."""
     model = family("llama", final_logit_softcapping=0.5)
     inputs = long_batch(model)
     want = step(model, **inputs)
-    got, heads, _ = loss_alone_steps(model, inputs, steps=3)
-    assert heads == {lm_head.LOSS_ONLY: 3}
+    layers = []
+    model.model.layers[0].register_forward_hook(lambda *_: layers.append(1))
+    got, heads, rows = loss_alone_steps(model, inputs, steps=3)
+    assert heads == {lm_head.LOSS_ONLY: 3} and len(layers) == 3
+    assert rows == [checked_rows(inputs["labels"])] + [labelled_rows(inputs["labels"]) + 1] * 3
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
         assert_grads(grads, want[2])
@@ -197,7 +206,7 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     """Four labelled tokens in the batch (a short completion), a head that trains (the full fine-tune; in bfloat16
     its gradients are computed in the backward) or a frozen one (PEFT's LoRA on the attention, whose head stays a
     plain nn.Linear; or a copy of it that trains, PEFT's `modules_to_save`, as adding tokens needs): fused from the
-    second step, with unpatched loss and gradients. Tied (Gemma 2's head is its embedding): the head's gradient
+    first step, with unpatched loss and gradients. Tied (Gemma 2's head is its embedding): the head's gradient
     computed in the backward adds to the embedding's."""
     model = family("gemma2" if "tied" in tuning else "llama")
     bf16 = "bfloat16" in tuning
@@ -215,7 +224,7 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]
     want = step(model, **inputs)
     got, heads, rows = loss_alone_steps(model, inputs)
-    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}
+    assert heads == {lm_head.FUSED: 2}
     assert rows == [checked_rows(inputs["labels"]), 1]
     for loss, grads in got:
         if not bf16:
@@ -238,7 +247,7 @@ def test_under_autocast_the_fused_head_runs_in_autocasts_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = step(model, **inputs)
         got, heads, _ = loss_alone_steps(model, inputs)
-    assert heads == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 1}
+    assert heads == {lm_head.FUSED: 2}
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-2, rtol=1e-2)
         assert_grads(grads, want[2], atol=2e-2)
@@ -252,21 +261,21 @@ def test_a_label_outside_the_vocabulary_raises_as_cross_entropy_does():
 def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numbers(tmp_path):
     """The HF Trainer as users run it: Gemma2 (its softcap in the fused loss), gradient checkpointing on, completion-
     only labels, 2 micro-batches a step (num_items_in_batch): the losses and the trained weights equal unpatched,
-    and every micro-batch after the first ran the fused head."""
+    and every micro-batch ran the fused head (the first after its check)."""
     batch = long_batch(family("gemma2"))
     rows = [dict(input_ids=i, attention_mask=m, labels=lab)
             for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
     want, got = (trainer_run(family("gemma2"), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
                  for unpad in (None, "loss"))
-    assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}  # 3 steps x 2 micro-batches: checked, then fused
+    assert got[2] == {lm_head.FUSED: 6}  # 3 steps x 2 micro-batches, the first checked
     assert_trained_alike(got, want)
 
 
 def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path):
     """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
     completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
-    micro-batch after the first fused."""
+    micro-batch fused."""
     peft = pytest.importorskip("peft")
     batch = long_batch(family("llama"))
     rows = [dict(input_ids=i, attention_mask=m, labels=lab)
@@ -279,7 +288,7 @@ def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numb
     want, got = (trainer_run(lora(), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
                  for unpad in (None, "loss"))
-    assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 5}
+    assert got[2] == {lm_head.FUSED: 6}
     assert any("lora_A" in name for name in want[1])
     assert_trained_alike(got, want)
 

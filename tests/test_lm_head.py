@@ -247,8 +247,8 @@ def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path, unpad
     rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
     want, got = (trainer_run(family("llama"), rows, way, tmp_path, max_steps=2, per_device_train_batch_size=1)
                  for way in (None, unpad))
-    if unpad == "loss":  # the first micro-batch checks the family's logits, the other three run the fused head
-        assert got[2] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: 3}
+    if unpad == "loss":  # every micro-batch runs the fused head, the first after checking the family's logits
+        assert got[2] == {lm_head.FUSED: 4}
     else:  # rows 2-4 are padded (row 1 has none: nothing unpadded, nothing to count)
         assert got[2][lm_head.REAL_TOKENS] >= 3
     assert_trained_alike(got, want)

@@ -101,9 +101,9 @@ def probes(weight: torch.Tensor) -> torch.Tensor:
     return (w * (wanted / w.square().sum(1).clamp(min=1e-12))[:, None]).to(weight.dtype)
 
 
-def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled: int, n: int) -> None:
+def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled: int, n: int) -> bool:
     """Compare the family's `logits` of the `hidden` rows handed to it, at the first of its `labelled` rows and at
-    the `n` probes (the last rows), with the fused loss's, and remember the outcome."""
+    the `n` probes (the last rows), with the fused loss's; remember and return whether they are the same."""
     first = min(CHECK_ROWS, labelled)
     try:
         with torch.no_grad():
@@ -119,3 +119,4 @@ def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled
     except (RuntimeError, ValueError, IndexError):  # shapes or dtypes that do not meet: not these logits
         same = False
     _checked[fused.lm] = (fused.key, same)
+    return same

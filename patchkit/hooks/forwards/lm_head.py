@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchkitError
-from patchkit.forward.context import current
+from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
-from patchkit.hooks.forwards.fused_head import FusedHead, check, probes
+from patchkit.hooks.forwards.fused_head import CHECK_ROWS, FusedHead, check, probes
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 IGNORE_INDEX = -100
@@ -54,10 +54,11 @@ class HeadRequest:
     loss runs chunked and the LM returns no logits once it ran; given the call's `labels` (labels, shift_labels),
     the base model hands the labelled rows alone, whose shifted labels `handed` keeps for the loss. With a `fused`
     head (`fused_head.py`) it keeps those rows in `rows` for the fused loss and hands the LM one zero row, or, on the
-    call that checks it (the probes handed after the zero row), keeps the rows handed in `check_rows`."""
+    call that checks it, its first rows, the zero row and the probes (kept in `check_rows`), and keeps the base
+    model's `output` for a rerun of the LM (`replay`, `again`) should the check fail."""
 
     __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed", "fused", "rows",
-                 "check_rows")
+                 "check_rows", "output", "replay")
 
     def __init__(self, why_not: Optional[str], loss_only: bool = False,
                  labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
@@ -72,6 +73,43 @@ class HeadRequest:
         self.handed: Optional[torch.Tensor] = None
         self.rows: Optional[torch.Tensor] = None
         self.check_rows: Optional[tuple[torch.Tensor, int, int]] = None  # handed, labelled rows, probe rows
+        self.output: Any = None  # the base model's output on the checking call
+        self.replay: Any = None  # an output the base model's forward returns as it is (`again`)
+
+    def again(self) -> HeadRequest:
+        """This checking call's request, for the LM's rerun once the check failed: the base model's forward returns
+        its output again, now holding every labelled row and the zero row, for the family's own head."""
+        again = HeadRequest(None, loss_only=True, labels=self.labels)
+        rows, labels = self.rows, self.handed[0]
+        again.meta, again.replay = self.meta, self.output
+        again.handed = torch.cat([labels, labels.new_full((1,), IGNORE_INDEX)])[None]
+        again.replay["last_hidden_state"] = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])[None]
+        return again
+
+
+class CheckFailed(Exception):
+    """The family's logits on the checking call were not the fused loss's (`fused_head.check`): its LM reruns
+    (`run_lm`)."""
+
+    def __init__(self, request: HeadRequest) -> None:
+        super().__init__("patchkit: the fused head's check failed; the causal LM reruns with its own head")
+        self.request = request
+
+
+def run_lm(original: Callable, lm: nn.Module, args: tuple, kwargs: dict, request: HeadRequest,
+           ) -> tuple[Any, HeadRequest]:
+    """The causal LM's forward with its ask of the base model (`request`), and the request it was served by. Where
+    the family's logits failed the fused head's check, the LM runs again on its base model's output (which does
+    not run again: no layer, dropout draw or collective repeats), with its own head on every labelled row."""
+    try:
+        with within(lm_cause=None, head=request):
+            return original(lm, *args, **kwargs), request
+    except CheckFailed as failed:
+        if failed.request is not request or request.output is None:
+            raise
+    again = request.again()
+    with within(lm_cause=None, head=again):
+        return original(lm, *args, **kwargs), again
 
 
 def _default_loss() -> Optional[Callable]:
@@ -171,24 +209,23 @@ def hand_kept(out: Any, request: Optional[HeadRequest]) -> Any:
 def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequest) -> torch.Tensor:
     """(n, H) hidden rows and their (n,) shifted labels -> (1, L + 1, H): the L labelled rows and one zero row,
     labelled -100 (a forward with no label still has a row to run); their labels go to `request.handed`. The rows
-    left out are those whose loss term and gradient are zero: the loss and every gradient are the same. A checked
-    fused head keeps the L rows for the fused loss (`request.rows`), and the LM's own head runs on the zero row
-    alone."""
+    left out are those whose loss term and gradient are zero: the loss and every gradient are the same. With a
+    fused head the L rows are kept for the fused loss (`request.rows`): the LM's own head runs on the zero row
+    alone once checked, and on the checking call on the first labelled rows, the zero row and the probes."""
     keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
     labelled = shifted[keep.to(shifted.device)]
     fused = request.fused
-    if fused is not None and fused.checked and keep.numel() > 0:
+    if fused is not None and keep.numel() > 0:
         request.rows, request.handed = hidden.index_select(0, keep), labelled[None]
-        return hidden.new_zeros(1, 1, hidden.shape[-1])
-    rows = [hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])]
-    if fused is not None and not fused.checked and keep.numel() > 0:  # this call checks the family's logits
-        rows.append(probes(fused.weight).to(hidden.device, hidden.dtype))
-    ignored = shifted.new_full((sum(r.shape[0] for r in rows[1:]),), IGNORE_INDEX)
-    request.handed = torch.cat([labelled, ignored])[None]
-    handed = torch.cat(rows)[None]
-    if len(rows) > 2:
-        request.check_rows = (handed, keep.numel(), rows[2].shape[0])
-    return handed
+        zero = hidden.new_zeros(1, hidden.shape[-1])
+        if fused.checked:
+            return zero[None]
+        first, probe = min(CHECK_ROWS, keep.numel()), probes(fused.weight).to(hidden.device, hidden.dtype)
+        handed = torch.cat([request.rows[:first], zero, probe])[None]
+        request.check_rows = (handed, first, probe.shape[0])
+        return handed
+    request.handed = torch.cat([labelled, shifted.new_full((1,), IGNORE_INDEX)])[None]
+    return torch.cat([hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])])[None]
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
@@ -218,10 +255,10 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     if (meta is None and shifted is None) or (labels is None and shift_labels is None):
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
-    if request.rows is not None:  # the fused head and loss on the labelled rows; `logits`: the zero row's
-        return _fused_loss(request, *args, **kwargs)
-    if request.check_rows is not None:
-        check(request.fused, logits, *request.check_rows)
+    if request.check_rows is not None and not check(request.fused, logits, *request.check_rows):
+        raise CheckFailed(request)  # `logits`: a few rows' only; the LM reruns with its own head on every row
+    if request.rows is not None:  # the fused head and loss on the labelled rows; `logits`: the zero row's or the
+        return _fused_loss(request, *args, **kwargs)  # checked rows'
     if shifted is None:
         shifted = packed_labels(meta, labels, shift_labels)
     if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked

@@ -43,6 +43,7 @@ from patchkit.hooks.forwards.lm_head import (
     finish,
     hand_kept,
     hand_packed,
+    run_lm,
     servable_forward,
 )
 from patchkit.hooks.forwards.recorded_router import hand_up
@@ -234,8 +235,14 @@ def make_model_forward(
         head = None if is_compiling() else current().head
         if head is None:
             return served(self, args, kwargs, None)
+        if head.replay is not None:  # the LM runs again on this forward's output (`lm_head.run_lm`)
+            out, head.replay = head.replay, None
+            return out
         with within(head=None):  # the causal LM's ask is for this forward, not for any model it runs
-            return served(self, args, kwargs, head)
+            out = served(self, args, kwargs, head)
+        if head.check_rows is not None:  # kept should the fused head's check fail
+            head.output = out
+        return out
 
     def served(self: nn.Module, args: tuple, kwargs: dict, head: Optional[HeadRequest]) -> Any:
         arguments = bind(self, args, kwargs)
@@ -340,8 +347,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
                                labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                                fused=fused_head(self) if asks_loss else None)
-            with within(lm_cause=None, head=head):
-                out = original(self, *args, **kwargs)
+            out, head = run_lm(original, self, args, kwargs, head)
             return finish(self, out, head, has_labels, heads)
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
