@@ -3,6 +3,8 @@ the numbers of the family's own head and transformers' loss, served only after t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from models import completion_labels, labels_for, padded_batch
@@ -269,6 +271,27 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
                  for unpad in (None, "loss"))
     assert got[2] == {lm_head.FUSED: 6}  # 3 steps x 2 micro-batches, the first checked
+    assert_trained_alike(got, want)
+
+
+def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(tmp_path):
+    """The HF Trainer with `torch_compile=True` (dynamo's eager backend here; inductor on a GPU): the compiled model's
+    layers run compiled, its head and loss fused between the compiled frames; the losses and trained weights equal
+    the unpatched compiled run, every micro-batch fused."""
+    batch = long_batch(family("gemma2"))
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
+            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
+    from torch._dynamo.utils import counters
+
+    run = functools.partial(trainer_run, rows=rows, tmp_path=tmp_path, max_steps=2, per_device_train_batch_size=3,
+                            torch_compile=True, torch_compile_backend="eager")
+    try:
+        want = run(family("gemma2"), unpad=None)
+        counters.clear()
+        got = run(family("gemma2"), unpad="loss")
+    finally:
+        torch._dynamo.reset()
+    assert got[2] == {lm_head.FUSED: 4} and counters["stats"]["unique_graphs"] > 0  # compiled, and fused
     assert_trained_alike(got, want)
 
 

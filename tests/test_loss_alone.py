@@ -186,27 +186,64 @@ def test_a_family_unpadded_inside_attention_returns_the_loss_alone_too(model_typ
     assert_grads(grads, want[2])
 
 
-def test_under_torch_compile_the_loss_comes_with_its_logits_and_says_so():
-    """A compiled graph runs the LM's head and loss as transformers' own (on the padded batch): the logits come
-    back, the loss is unchanged, and the one warning says that the loss alone is served outside torch.compile."""
+def compiled_steps(model: torch.nn.Module, batches: list[dict], fullgraph: bool = False) -> tuple[list, dict, list]:
+    """Training steps of `model` compiled (the eager backend) under unpad="loss", one per batch: each step's (loss,
+    logits, gradients), the patch's `heads`, and the graphs compiled so far after each step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    got, graphs = [], []
+    try:
+        with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+            compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+            for inputs in batches:
+                model.zero_grad(set_to_none=True)
+                out = compiled(**inputs)
+                out.loss.backward()
+                got.append((out.loss.detach(), out.logits,
+                            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+                graphs.append(counters["stats"]["unique_graphs"])
+            return got, dict(handle.heads), graphs
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: its softcap inside the fused loss
+def test_under_torch_compile_the_loss_alone_runs_fused_with_unpatched_numbers(model_type):
+    """torch.compile(model) (graph breaks allowed; the Trainer's torch_compile=True): the causal LM's ask of its base
+    model, and the fused head and loss, run eagerly between the compiled frames; its layers compile. The loss and
+    every gradient equal unpatched, no logits come back, every step runs fused (the first checks), and a steady
+    step compiles nothing: not the third on the same batch, nor the fifth on a batch of other lengths."""
+    model = family(model_type)
+    ids, mask = padded_batch("right", batch=3, seq=20)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    other = dict(input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask), use_cache=False)
+    inputs = batch(model)
+    inputs["labels"] = completion_labels(inputs["input_ids"], inputs["attention_mask"])
+    want = [step(model, **b) for b in (inputs, other)]
+    got, heads, graphs = compiled_steps(model, [inputs] * 3 + [other] * 2)
+    assert heads == {lm_head.FUSED: 5}
+    assert graphs[1] == graphs[2] and graphs[3] == graphs[4], graphs
+    for (loss, logits, grads), w in zip(got, [want[0]] * 3 + [want[1]] * 2):
+        assert logits is None
+        torch.testing.assert_close(loss, w[0], atol=1e-5, rtol=1e-5)
+        assert grads.keys() == w[2].keys()
+        for name in w[2]:
+            torch.testing.assert_close(grads[name], w[2][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_in_a_graph_that_may_not_break_the_loss_comes_with_its_logits_and_says_so():
+    """torch.compile(model, fullgraph=True): no eager step between frames, so the LM's head and loss run in the graph
+    as transformers' own and return their logits; the loss is unchanged, and one warning says so."""
     model = family("llama")
     inputs = batch(model)
     want = step(model, **inputs)
-    torch._dynamo.reset()
-    try:
-        with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss"):
-            compiled = torch.compile(model, backend="eager")
-            with pytest.warns(RuntimeWarning, match="unpad='loss' under torch.compile") as said:
-                for _ in range(2):
-                    model.zero_grad(set_to_none=True)
-                    out = compiled(**inputs)
-                    out.loss.backward()
-            got = (out.loss.detach(), out.logits.detach(),
-                   {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, out)
-    finally:
-        torch._dynamo.reset()
-    assert sum("unpad='loss'" in str(w.message) for w in said) == 1
-    assert_same(got, want, inputs["attention_mask"])
+    with pytest.warns(RuntimeWarning, match=r"unpad='loss' under torch.compile\(fullgraph=True\)") as said:
+        got, heads, _ = compiled_steps(model, [inputs] * 2, fullgraph=True)
+    assert sum("unpad='loss'" in str(w.message) for w in said) == 1 and heads == {}
+    loss, logits, grads = got[-1]
+    assert_same((loss, logits.detach(), grads), want, inputs["attention_mask"])
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "qwen3_next"])

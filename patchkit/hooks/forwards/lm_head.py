@@ -35,7 +35,7 @@ from torch import nn
 
 from patchkit.errors import PatchkitError
 from patchkit.forward.context import current, within
-from patchkit.forward.liveness import is_compiling
+from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
@@ -87,6 +87,18 @@ class HeadRequest:
         return again
 
 
+ASKING = [0]  # causal LM calls with an ask of their base model running now: a plain list, read in a compiled frame
+
+
+def asked() -> Optional[HeadRequest]:
+    """The running causal LM's ask of its base model, or None. A compiled frame reads it only while one is running
+    (under unpad="loss", eagerly): the contextvar's read breaks the graph, and one that may not break never reads
+    it (dynamo guards on `ASKING`, so each of the two compiles once)."""
+    if is_compiling() and (not ASKING[0] or in_one_graph()):
+        return None
+    return current().head
+
+
 class CheckFailed(Exception):
     """The family's logits on the checking call were not the fused loss's (`fused_head.check`): its LM reruns
     (`run_lm`)."""
@@ -101,15 +113,19 @@ def run_lm(original: Callable, lm: nn.Module, args: tuple, kwargs: dict, request
     """The causal LM's forward with its ask of the base model (`request`), and the request it was served by. Where
     the family's logits failed the fused head's check, the LM runs again on its base model's output (which does
     not run again: no layer, dropout draw or collective repeats), with its own head on every labelled row."""
+    ASKING[0] += 1
     try:
-        with within(lm_cause=None, head=request):
-            return original(lm, *args, **kwargs), request
-    except CheckFailed as failed:
-        if failed.request is not request or request.output is None:
-            raise
-    again = request.again()
-    with within(lm_cause=None, head=again):
-        return original(lm, *args, **kwargs), again
+        try:
+            with within(lm_cause=None, head=request):
+                return original(lm, *args, **kwargs), request
+        except CheckFailed as failed:
+            if failed.request is not request or request.output is None:
+                raise
+        again = request.again()
+        with within(lm_cause=None, head=again):
+            return original(lm, *args, **kwargs), again
+    finally:
+        ASKING[0] -= 1
 
 
 def _default_loss() -> Optional[Callable]:
@@ -280,6 +296,11 @@ def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor
     return chunked_causal_lm_loss(*args, **kwargs)
 
 
+# Under torch.compile these run eagerly: their loops over chunks and their counts would be traced, guarded and compiled
+# again for every count of labelled rows
+_eager_packed_loss, _eager_loss_alone = torch._dynamo.disable(_packed_loss), torch._dynamo.disable(_loss_alone)
+
+
 def _loss_property(original: property) -> property:
     """transformers' `loss_function`, which inside a causal LM whose base model handed it the packed row returns the
     same loss on that row's labels."""
@@ -287,14 +308,12 @@ def _loss_property(original: property) -> property:
 
     def loss_function(self: nn.Module) -> Callable:
         loss = getter(self)
-        if is_compiling():
-            return loss
-        request = current().head
+        request = asked()
         if request is None or not request.wanted:
             return loss
         if request.meta is None and request.handed is None:  # a batch kept whole (its base model handed no rows)
-            return functools.partial(_loss_alone, request) if request.loss_only else loss
-        return functools.partial(_packed_loss, loss, request)
+            return functools.partial(_eager_loss_alone, request) if request.loss_only else loss
+        return functools.partial(_eager_packed_loss, loss, request)
 
     return property(functools.wraps(getter)(loss_function), original.fset, original.fdel, original.__doc__)
 
@@ -353,15 +372,15 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
 
 
 COMPILED_LOSS_ALONE = (
-    "patchkit: unpad='loss' under torch.compile: the causal LM's head and loss run inside the compiled graph as "
-    "transformers' own, on the padded batch, and return their logits; the loss alone is served outside "
-    "torch.compile. The loss and gradients are the same."
+    "patchkit: unpad='loss' under torch.compile(fullgraph=True): the causal LM's head and loss run inside the graph "
+    "as transformers' own, on the padded batch, and return their logits; the loss alone is served where the graph "
+    "may break (torch.compile's default). The loss and gradients are the same."
 )
 
 
 def compiled_loss_alone(state: Any) -> Callable[[], bool]:
-    """Said once per patch while dynamo traces a training forward with labels under unpad="loss" (a constant of the
-    graph: nothing of it runs there): a compiled graph returns the logits."""
+    """Said once per patch while dynamo traces a training forward with labels under unpad="loss" in a graph that may
+    not break (a constant of the graph: nothing of it runs there): that graph returns the logits."""
 
     def said() -> bool:
         state.warn_once("compiled_loss_alone", COMPILED_LOSS_ALONE)

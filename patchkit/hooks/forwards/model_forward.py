@@ -38,6 +38,7 @@ from patchkit.hooks.decide.step_aside import lm_cause, step_aside
 from patchkit.hooks.forwards.fused_head import fused_head
 from patchkit.hooks.forwards.lm_head import (
     HeadRequest,
+    asked,
     compiled_loss_alone,
     declined,
     finish,
@@ -232,7 +233,7 @@ def make_model_forward(
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if keep_routed is not None and not is_compiling():
             keep_routed()
-        head = None if is_compiling() else current().head
+        head = asked()
         if head is None:
             return served(self, args, kwargs, None)
         if head.replay is not None:  # the LM runs again on this forward's output (`lm_head.run_lm`)
@@ -330,7 +331,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.get(var_kw, {}) if var_kw else {}
-        if compiled_said is not None and is_compiling() and self.training and labelled(arguments, extra):
+        if compiled_said is not None and in_one_graph() and self.training and labelled(arguments, extra):
             compiled_said()
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
@@ -341,17 +342,25 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
-        if cause is None and (unpad in WHOLE_MODEL or (loss_alone and self.training)) and not is_compiling():
-            has_labels = labelled(arguments, extra)
-            asks_loss = loss_alone and self.training and has_labels
-            head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
-                               labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
-                               fused=fused_head(self) if asks_loss else None)
-            out, head = run_lm(original, self, args, kwargs, head)
-            return finish(self, out, head, has_labels, heads)
+        if cause is None and not is_compiling() and (unpad in WHOLE_MODEL or (loss_alone and self.training)):
+            return with_head(self, args, kwargs, arguments, extra)
+        if cause is None and loss_alone and self.training and labelled(arguments, extra):
+            return eager_with_head(self, args, kwargs, arguments, extra)  # compiled: the loss alone, served eagerly
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
             return original(self, *args, **kwargs)
 
+    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict) -> Any:
+        has_labels = labelled(arguments, extra)
+        asks_loss = loss_alone and self.training and has_labels
+        head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
+                           labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
+                           fused=fused_head(self) if asks_loss else None)
+        out, head = run_lm(original, self, args, kwargs, head)
+        return finish(self, out, head, has_labels, heads)
+
+    # under torch.compile the ask and its counts run eagerly (dynamo would guard on the counts and recompile every
+    # step); the LM's own forward in it, and the base model's, compile as frames of their own
+    eager_with_head = torch._dynamo.disable(with_head, recursive=False)
     return dressed_as(forward, original, signature)
