@@ -36,15 +36,13 @@ from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import lm_cause, step_aside
 from patchkit.hooks.forwards.fused_head import fused_head
+from patchkit.hooks.forwards.head_request import HeadRequest, asked, run_lm
 from patchkit.hooks.forwards.lm_head import (
-    HeadRequest,
-    asked,
     compiled_loss_alone,
     declined,
     finish,
     hand_kept,
     hand_packed,
-    run_lm,
     servable_forward,
 )
 from patchkit.hooks.forwards.recorded_router import hand_up
@@ -236,7 +234,7 @@ def make_model_forward(
         head = asked()
         if head is None:
             return served(self, args, kwargs, None)
-        if head.replay is not None:  # the LM runs again on this forward's output (`lm_head.run_lm`)
+        if head.replay is not None:  # the LM runs again on this forward's output (`head_request.run_lm`)
             out, head.replay = head.replay, None
             return out
         with within(head=None):  # the causal LM's ask is for this forward, not for any model it runs
