@@ -53,6 +53,8 @@ CASES = {
     "decode": ([1, 1, 1], [9, 4, 13]),
     "chunked prefill": ([3, 5, 2], [10, 5, 7]),
     "empty sequences": ([0, 4, 0], [3, 4, 0]),
+    "a compiled graph's fixed size, empty documents between and after": ([3, 0, 5, 0, 0, 0], [3, 0, 5, 0, 0, 0]),
+    "keys no query reads, then documents": ([0, 4, 0, 2], [3, 4, 0, 2]),
     "more queries than keys": ([6, 2], [3, 2]),
 }
 
