@@ -2,8 +2,10 @@
 
 Two ways users compile: `torch.compile(model)` (the Trainer's `torch_compile=True`; graph breaks allowed) on a
 right-padded batch and on the same documents packed into one row (position_ids restarting), and
-`torch.compile(model, fullgraph=True)` on the packed row. Packed rows run patchkit's in-graph varlen path both ways
-(`patchkit/forward/in_graph.py`, one graph); the padded batch its eager path's unpadding (host reads, graph breaks).
+`torch.compile(model, fullgraph=True)` on the packed row. patchkit runs twice where graphs may break: `patchkit`
+(unpad="model", the logits back) and `patchkit_loss` (unpad="loss": the loss alone, the head fused with it). Packed
+rows run patchkit's in-graph varlen path both ways (`patchkit/forward/in_graph.py`, one graph); the padded batch its
+eager path's unpadding (host reads, graph breaks).
 The unpatched packed row runs with `use_cache=False`, so transformers finds the documents from position_ids too
 (same work, same numbers). LLaMA at the main benchmark's size, a batch of 8 lognormal lengths scaled down for the
 CPU; providers alternate step by step, the median is kept; the compile itself (first steps) is not timed. Prints a
@@ -48,6 +50,7 @@ from workloads import MODES, hf_size, lognormal_lengths, make_tokens, packed_row
 WARMUP = 2
 FA2 = "hf_flash_attention_2"
 LAYOUTS = ("compile padded", "compile packed", "fullgraph packed")
+LOSS = "patchkit_loss"  # unpad="loss"; not under fullgraph=True, where the loss comes with its logits
 
 
 def model(device: torch.device, attn: str = "sdpa") -> torch.nn.Module:
@@ -62,12 +65,15 @@ def model(device: torch.device, attn: str = "sdpa") -> torch.nn.Module:
 
 def stepper(provider: str, fullgraph: bool, backend: str, data: dict, device: torch.device) -> Callable[[], float]:
     """A function running one timed training step (forward, backward) of its own compiled model; the loss.
-    `provider`: hf_sdpa, hf_flash_attention_2 or patchkit."""
+    `provider`: hf_sdpa, hf_flash_attention_2, patchkit, or patchkit_loss (unpad="loss": the loss alone, the head
+    fused with it, no logits)."""
     net = model(device, HF_PROVIDERS.get(provider, "sdpa"))
     # not flash_attn_4: its CuTe DSL kernels under torch.compile are untried, and this part's one GPU run keeps the
     # backend it measured before (flash_attn_4 is timed uncompiled by bench.py)
-    handle, patched_on, refused = (patch_on_best("llama", net, device, strict=False, exclude=("flash_attn_4",))
-                                   if provider == "patchkit" else (None, HF_PROVIDERS[provider], ""))
+    unpad = {"patchkit": "model", LOSS: "loss"}.get(provider)
+    handle, patched_on, refused = (patch_on_best("llama", net, device, strict=False, exclude=("flash_attn_4",),
+                                                 unpad=unpad)
+                                   if unpad else (None, HF_PROVIDERS[provider], ""))
     compiled = torch.compile(net, backend=backend, fullgraph=fullgraph)
 
     def step() -> float:
@@ -88,6 +94,8 @@ def build(layout: str, providers: list[str], data: dict, args: argparse.Namespac
     for provider in providers:
         name = f"{provider} {layout}"
         if budget.spent(f"{name} (not compiled)") or f"hf_sdpa {layout}" not in steps and provider != "hf_sdpa":
+            continue
+        if provider == LOSS and layout.startswith("fullgraph"):
             continue
         torch._dynamo.reset()
         try:
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     packed["use_cache"] = False
     real = sum(lengths)
     fa2_why = dict(probed(device)[1]).get(FA2) if cuda else None
-    providers = ["hf_sdpa"] + ([FA2] if cuda and not fa2_why else []) + ["patchkit"]
+    providers = ["hf_sdpa"] + ([FA2] if cuda and not fa2_why else []) + ["patchkit", LOSS]
     steps: dict[str, Any] = {}
     losses: dict[str, float] = {}
     skipped = {f"{FA2} {layout}": fa2_why for layout in LAYOUTS} if fa2_why else {}
