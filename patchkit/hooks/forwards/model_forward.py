@@ -313,6 +313,12 @@ def labelled(arguments: dict, extra: dict) -> bool:
     return arguments.get("labels") is not None or extra.get("shift_labels") is not None
 
 
+# Under torch.compile a causal LM's ask of its base model, its run and its counts run eagerly (dynamo would guard on
+# the counts and compile again every step); the LM's own forward, and the base model's in it, compile as frames of
+# their own. `recursive=False` skips only that function's frame: each helper it calls is skipped whole, but run_lm.
+eager_finish, eager_run_lm = torch._dynamo.disable(finish), torch._dynamo.disable(run_lm, recursive=False)
+
+
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
@@ -342,23 +348,23 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         cause = lm_cause(arguments, extra, self.training, takes_keep)
         if cause is None and not is_compiling() and (unpad in WHOLE_MODEL or (loss_alone and self.training)):
             return with_head(self, args, kwargs, arguments, extra)
-        if cause is None and loss_alone and self.training and labelled(arguments, extra):
-            return eager_with_head(self, args, kwargs, arguments, extra)  # compiled: the loss alone, served eagerly
+        if cause is None and (loss_alone and self.training and labelled(arguments, extra) or (
+                unpad in WHOLE_MODEL and arguments.get("attention_mask") is not None)):
+            return eager_with_head(self, args, kwargs, arguments, extra)  # compiled: served eagerly
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
             return original(self, *args, **kwargs)
 
-    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict) -> Any:
-        has_labels = labelled(arguments, extra)
-        asks_loss = loss_alone and self.training and has_labels
-        head = HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
+    def ask(self: nn.Module, arguments: dict, extra: dict) -> HeadRequest:
+        asks_loss = loss_alone and self.training and labelled(arguments, extra)
+        return HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                            fused=fused_head(self) if asks_loss else None)
-        out, head = run_lm(original, self, args, kwargs, head)
-        return finish(self, out, head, has_labels, heads)
 
-    # under torch.compile the ask and its counts run eagerly (dynamo would guard on the counts and recompile every
-    # step); the LM's own forward in it, and the base model's, compile as frames of their own
-    eager_with_head = torch._dynamo.disable(with_head, recursive=False)
+    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict) -> Any:
+        out, head = eager_run_lm(original, self, args, kwargs, eager_ask(self, arguments, extra))
+        return eager_finish(self, out, head, labelled(arguments, extra), heads)
+
+    eager_with_head, eager_ask = torch._dynamo.disable(with_head, recursive=False), torch._dynamo.disable(ask)
     return dressed_as(forward, original, signature)
