@@ -209,16 +209,17 @@ def compiled_steps(model: torch.nn.Module, batches: list[dict], fullgraph: bool 
         torch._dynamo.reset()
 
 
-# gemma2: its softcap inside the fused loss; "llama, unchecked": a softcap in the config that LLaMA's forward ignores,
-# so the first step's check fails and the LM runs again with its own head
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "llama, unchecked"])
+# gemma2: its softcap inside the fused loss; mixtral: the router's auxiliary loss added to the fused one; "llama,
+# unchecked": a softcap in the config that LLaMA's forward ignores, so the first step's check fails and the LM runs
+# again with its own head
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral", "llama, unchecked"])
 def test_under_torch_compile_the_loss_alone_runs_fused_with_unpatched_numbers(model_type):
     """torch.compile(model) (graph breaks allowed; the Trainer's torch_compile=True): the causal LM's ask of its base
     model, and the fused head and loss, run eagerly between the compiled frames; its layers compile. The loss and
     every gradient equal unpatched, no logits come back, every step runs fused (the first checks), and a steady
     step compiles nothing: not the third on the same batch, nor the fifth on a batch of other lengths."""
     unchecked = model_type.endswith("unchecked")
-    model = family("llama", final_logit_softcapping=0.5) if unchecked else family(model_type)
+    model = family("llama", final_logit_softcapping=0.5) if unchecked else family(model_type, **FAMILIES[model_type])
     ids, mask = padded_batch("right", batch=3, seq=20)
     ids = ids.clamp(max=model.config.vocab_size - 1)
     other = dict(input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask), use_cache=False)
