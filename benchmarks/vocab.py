@@ -15,8 +15,8 @@ is 70-95%.
 Reported per row: real (non-padding) tokens per second, the median of `--reps` steps with the providers interleaved
 step by step (load on the machine hits all alike) after one untimed step, the loss (equal across providers), and a
 step's peak memory: the second step's peak resident set above the resident set before it, measured alone in a fresh
-process per provider. (unpad="loss" checks the family's logits in its first step, and runs the fused head and loss
-from the second: `patchkit/hooks/forwards/fused_head.py`.)
+process per provider (`--memory-only --first-step`: the first step's, where unpad="loss" checks the family's logits
+on a few rows and runs the fused head and loss already: `patchkit/hooks/forwards/fused_head.py`).
 
 `--device cuda` (`make gpu-truth`): bf16 at bench.py's CUDA layers (hidden 2048, 16 heads of 128, 4 layers: the
 0.5B-3B models' hidden/vocabulary ratio) on the same lognormal mix at a longest row of about 2048, patchkit on its best
@@ -155,11 +155,12 @@ def time_vocab(vocab: int, layouts: list[str], providers: list[str], reps: int, 
 
 def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
     """In a fresh process: the second step's peak resident set above the resident set before it (MiB); the first
-    warms up (and, under unpad="loss", checks the family's logits for the fused head and loss)."""
+    warms up. `first`: the first step's instead (under unpad="loss" the one that checks the family's logits)."""
     model = build(spec["provider"], spec["vocab"])
     RESCALE["by"] = spec.get("scale", 1.0)
     batch = inputs(spec["layout"], spec["vocab"])
-    step(model, batch)
+    if not spec.get("first"):
+        step(model, batch)
     model.zero_grad(set_to_none=True)
     before = current_rss_mib()
     reset_peak_rss()
@@ -167,8 +168,8 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
     return {"peak_mib": round(peak_hwm_mib() - before, 1)}
 
 
-def memory(vocab: int, layout: str, provider: str) -> float:
-    spec = json.dumps({"vocab": vocab, "layout": layout, "provider": provider, "scale": RESCALE["by"]})
+def memory(vocab: int, layout: str, provider: str, first: bool = False) -> float:
+    spec = json.dumps({"vocab": vocab, "layout": layout, "provider": provider, "scale": RESCALE["by"], "first": first})
     env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
     env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
     proc = subprocess.run([sys.executable, __file__, "--memory-worker", spec], capture_output=True, text=True, env=env)
@@ -213,6 +214,7 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=None)
     parser.add_argument("--no-memory", action="store_true", help="timings only")
     parser.add_argument("--memory-only", action="store_true", help="fill the peaks into the rows of --csv")
+    parser.add_argument("--first-step", action="store_true", help="with --memory-only: the first step's peaks")
     parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this")
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     add_run_args(parser)
@@ -230,7 +232,8 @@ def main() -> None:
             rows = list(csv.DictReader(f))
         for row in rows:
             measured = row["layout"] in MEASURED
-            row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"]) if measured else ""
+            row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"], args.first_step) if (
+                measured) else ""
         write_rows(args.csv, rows)
         return
     rows, budget, cuda = [], Budget(args.budget_s), args.device == "cuda"
