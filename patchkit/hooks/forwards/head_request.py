@@ -61,8 +61,8 @@ ASKING = [0]  # causal LM calls with an ask of their base model running now: a p
 
 def asked() -> Optional[HeadRequest]:
     """The running causal LM's ask of its base model, or None. A compiled frame reads it only while one is running
-    (under unpad="loss", eagerly): the contextvar's read breaks the graph, and one that may not break never reads
-    it (dynamo guards on `ASKING`, so each of the two compiles once)."""
+    (eagerly, between compiled frames: `model_forward.eager_run_lm`): the contextvar's read breaks the graph, and one
+    that may not break never reads it (dynamo guards on `ASKING`, so each of the two compiles once)."""
     if is_compiling() and (not ASKING[0] or in_one_graph()):
         return None
     return current().head
