@@ -274,21 +274,33 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
     assert_trained_alike(got, want)
 
 
-def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(tmp_path):
+@pytest.mark.parametrize("tuning", ["full", "lora, checkpointed"])
+def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
     """The HF Trainer with `torch_compile=True` (dynamo's eager backend here; inductor on a GPU): the compiled model's
     layers run compiled, its head and loss fused between the compiled frames; the losses and trained weights equal
-    the unpatched compiled run, every micro-batch fused."""
+    the unpatched compiled run, every micro-batch fused. Gemma 2 fully fine-tuned, or LLaMA under PEFT's LoRA with
+    gradient checkpointing (non-reentrant), as a compiled LoRA run is set up."""
+    from torch._dynamo.utils import counters
+
+    lora = tuning.startswith("lora")
     batch = long_batch(family("gemma2"))
     rows = [dict(input_ids=i, attention_mask=m, labels=lab)
             for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
-    from torch._dynamo.utils import counters
 
+    def model() -> torch.nn.Module:
+        if not lora:
+            return family("gemma2")
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(0)  # the adapters' A matrices
+        return peft.get_peft_model(family("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     run = functools.partial(trainer_run, rows=rows, tmp_path=tmp_path, max_steps=2, per_device_train_batch_size=3,
-                            torch_compile=True, torch_compile_backend="eager")
+                            torch_compile=True, torch_compile_backend="eager", **(checkpointing if lora else {}))
     try:
-        want = run(family("gemma2"), unpad=None)
+        want = run(model(), unpad=None)
         counters.clear()
-        got = run(family("gemma2"), unpad="loss")
+        got = run(model(), unpad="loss")
     finally:
         torch._dynamo.reset()
     assert got[2] == {lm_head.FUSED: 4} and counters["stats"]["unique_graphs"] > 0  # compiled, and fused
