@@ -49,11 +49,16 @@ class HeadRequest:
         """This checking call's request, for the LM's rerun once the check failed: the base model's forward returns
         its output again, now holding every labelled row and the zero row, for the family's own head."""
         again = HeadRequest(None, loss_only=True, labels=self.labels)
-        rows, labels = self.rows, self.handed[0]
         again.meta, again.replay = self.meta, self.output
-        again.handed = torch.cat([labels, labels.new_full((1,), IGNORE_INDEX)])[None]
-        again.replay["last_hidden_state"] = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])[None]
+        again.replay["last_hidden_state"], again.handed = with_zero_row(self.rows, self.handed[0])
         return again
+
+
+def with_zero_row(rows: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, H) labelled rows and their (L,) labels -> (1, L + 1, H) and (1, L + 1): one zero row after them, labelled
+    -100 (a forward with no label still has a row to run), for the family's own head and loss."""
+    return (torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])[None],
+            torch.cat([labels, labels.new_full((1,), IGNORE_INDEX)])[None])
 
 
 ASKING = [0]  # causal LM calls with an ask of their base model running now: a plain list, read in a compiled frame

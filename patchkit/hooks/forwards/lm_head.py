@@ -39,7 +39,7 @@ from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
 from patchkit.hooks.forwards.fused_head import CHECK_ROWS, check, probes
-from patchkit.hooks.forwards.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked
+from patchkit.hooks.forwards.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 _hook = SharedInstall()
@@ -157,8 +157,8 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
         handed = torch.cat([request.rows[:first], zero, probe])[None]
         request.check_rows = (handed, first, probe.shape[0])
         return handed
-    request.handed = torch.cat([labelled, shifted.new_full((1,), IGNORE_INDEX)])[None]
-    return torch.cat([hidden.index_select(0, keep), hidden.new_zeros(1, hidden.shape[-1])])[None]
+    handed, request.handed = with_zero_row(hidden.index_select(0, keep), labelled)
+    return handed
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
