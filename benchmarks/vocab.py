@@ -231,9 +231,8 @@ def main() -> None:
         with args.csv.open(newline="") as f:
             rows = list(csv.DictReader(f))
         for row in rows:
-            measured = row["layout"] in MEASURED
-            row["peak_mib"] = memory(int(row["vocab"]), row["layout"], row["provider"], args.first_step) if (
-                measured) else ""
+            row["peak_mib"] = (memory(int(row["vocab"]), row["layout"], row["provider"], args.first_step)
+                               if row["layout"] in MEASURED else "")
         write_rows(args.csv, rows)
         return
     rows, budget, cuda = [], Budget(args.budget_s), args.device == "cuda"
