@@ -179,9 +179,57 @@ def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
         assert_grads(grads, want[2])
 
 
+def zero3_stand_in(head: torch.nn.Linear) -> None:
+    """DeepSpeed ZeRO-3's hold on a head, in one process, as its hooks hold it: outside the head's forward and backward
+    its weight is an empty shard (its shape in `ds_shape`). A pre-forward hook gathers it (and releases it once its
+    inputs' gradients are computed), a forward hook releases it and gathers it again before its output's backward.
+    The hooks carry ZeRO-3's module, by which patchkit knows them (the real ones: test_deepspeed_zero.py)."""
+    weight, full = head.weight, head.weight.data
+
+    def release(*_) -> None:
+        weight.data = full.new_empty(0)
+
+    def gather(module, inputs) -> None:
+        weight.data = full
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(release)
+
+    def gather_before_backward(module, inputs, output) -> None:
+        release()
+        if output.requires_grad:
+            output.register_hook(lambda _: gather(module, ()))
+
+    for hook in (gather, gather_before_backward):
+        hook.__module__ = "deepspeed.runtime.zero.parameter_offload"
+    weight.ds_shape = full.shape
+    release()
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(gather_before_backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["gradients in the forward", "in the backward"])
+def test_a_head_whose_weight_zero3_gathers_runs_fused_as_its_forward(dtype):
+    """Under ZeRO-3 the head's weight exists only inside its forward (and its backward): the probes, the check and
+    the fused loss run as the head's forward, so its hooks gather the weight for them, with unpatched numbers."""
+    model = family("llama").to(dtype)
+    inputs = long_batch(model)
+    zero3_stand_in(model.lm_head)
+    want = step(model, **inputs)
+    got, heads, rows = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.FUSED: 2} and rows == [checked_rows(inputs["labels"]), 1]
+    assert model.lm_head.weight.numel() == 0  # released after every forward and backward
+    for loss, grads in got:
+        if dtype == torch.bfloat16:
+            assert_bf16_alike(loss, grads, want)
+            continue
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
+
+
 @pytest.mark.parametrize("why", ["a forward hook on the head", "a head of another class"])
 def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
-    """A hook on the head (DeepSpeed ZeRO-3 gathers its weight in one) or a head that is not a plain nn.Linear (a
+    """A hook on the head that is not ZeRO-3's (it may change the logits) or a head that is not a plain nn.Linear (a
     LoRA or quantized head): the family's own head."""
     model = family("llama")
     inputs = long_batch(model)
@@ -233,12 +281,16 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
             torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
             assert_grads(grads, want[2])
             continue
-        # bfloat16: the attention sums in another order (real tokens against padded rows): each gradient within 2%
-        # of its own largest entry (the head's: within 0.4% measured)
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-2)
-        assert grads.keys() == want[2].keys()
-        for name, w in want[2].items():
-            assert float((grads[name].float() - w.float()).abs().max()) <= 0.02 * float(w.float().abs().max()), name
+        assert_bf16_alike(loss, grads, want)
+
+
+def assert_bf16_alike(loss: torch.Tensor, grads: dict, want: tuple) -> None:
+    """bfloat16: the attention sums in another order (real tokens against padded rows): each gradient within 2% of
+    its own largest entry (the head's: within 0.4% measured)."""
+    torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-2)
+    assert grads.keys() == want[2].keys()
+    for name, w in want[2].items():
+        assert float((grads[name].float() - w.float()).abs().max()) <= 0.02 * float(w.float().abs().max()), name
 
 
 def test_under_autocast_the_fused_head_runs_in_autocasts_dtype():

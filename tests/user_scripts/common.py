@@ -30,6 +30,15 @@ def patchkit_calls() -> int:
     return sum(h.calls for h in patchkit.active_patches()) if patchkit else 0
 
 
+def patchkit_heads() -> dict:
+    """Where the LM head and loss ran, over every active patch (a handle's `heads`), {} without patchkit."""
+    patchkit, heads = sys.modules.get("patchkit"), {}
+    for handle in patchkit.active_patches() if patchkit else ():
+        for why, n in handle.heads.items():
+            heads[why] = heads.get(why, 0) + n
+    return heads
+
+
 def write_result(tag: str, out: str, result: dict, tensors: Optional[dict] = None) -> None:
     """OUT gets the JSON result (and OUT.pt the tensors); stdout a `TAG {json}` line."""
     if tensors is not None:

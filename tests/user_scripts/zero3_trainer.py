@@ -1,15 +1,16 @@
 """A FastChat-style HF Trainer run under DeepSpeed ZeRO-3: the model partitioned as it loads, trained, evaluated.
 
-    torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY MODEL_DIR OUT.json [--lora]
+    torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY MODEL_DIR OUT.json [--lora] [--bf16]
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before loading), `instance` (apply_patch(model=...) on the
 loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller) or `launcher` (run under
 `patchkit.launch`, loading with attn_implementation="flash_attention_2" as FastChat's train_mem.py does).
 The TrainingArguments carry a ZeRO-3 config before `from_pretrained`, so transformers loads the model inside
 `deepspeed.zero.Init`: every rank holds a shard of each weight and the layers' parameters are gathered by DeepSpeed's
-module hooks around each forward. Gradient checkpointing on, right-padded rows, two per rank and step, fp32 on gloo.
-Rank 0 writes the logged losses, an eval-mode loss on held-out rows, patchkit's counters and the parameters
-(gathered from every rank).
+module hooks around each forward. Gradient checkpointing on, right-padded rows, two per rank and step, fp32 on gloo
+(`--bf16`: DeepSpeed's bf16 mixed precision). Under unpad="loss" (PATCHKIT_UNPAD=loss) the loss is the fused head's,
+the head's weight gathered by its ZeRO-3 hooks. Rank 0 writes the logged losses, an eval-mode loss on held-out rows,
+patchkit's counters and the parameters (gathered from every rank).
 """
 
 from __future__ import annotations
@@ -19,31 +20,33 @@ import sys
 
 import torch
 import transformers as tf
-from common import checked_way, end_process_group, patchkit_calls, write_result
+from common import checked_way, end_process_group, patchkit_calls, patchkit_heads, write_result
 
 way = checked_way(sys.argv[1], ("none", "class", "instance", "env", "launcher"))
 model_dir, out = sys.argv[2:4]
-lora = "--lora" in sys.argv[4:]
+lora, bf16 = "--lora" in sys.argv[4:], "--bf16" in sys.argv[4:]
 if way == "class":
     import patchkit
 
-    patchkit.apply_patch()
+    patchkit.apply_patch(unpad=os.environ.get("PATCHKIT_UNPAD", "model"))
 
 VOCAB, SEQ, IGNORE = 97, 24, -100
 # No train_batch_size: transformers fills "auto" from its world size before the CPU process group exists (1, not 2).
 deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": "auto",
              "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto",
-                                                                                        "torch_adam": True}}}
+                                                                                        "torch_adam": True}},
+             **({"bf16": {"enabled": True}} if bf16 else {})}
 args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=2,
                             per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2, report_to=[],
-                            save_strategy="no", logging_steps=1, deepspeed=deepspeed, gradient_checkpointing=True)
+                            save_strategy="no", logging_steps=1, deepspeed=deepspeed, gradient_checkpointing=True,
+                            bf16=bf16, use_cpu=bf16)
 model = tf.AutoModelForCausalLM.from_pretrained(
     model_dir, attn_implementation="flash_attention_2" if way == "launcher" else "sdpa", dtype=torch.float32)
 partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")  # sharded by zero.Init at load
 if way == "instance":
     import patchkit
 
-    patchkit.apply_patch(model=model)
+    patchkit.apply_patch(model=model, unpad=os.environ.get("PATCHKIT_UNPAD", "model"))
 if lora:
     import peft
 
@@ -77,7 +80,7 @@ if int(os.environ.get("RANK", "0")) == 0:
     result = {
         "way": way, "lora": lora, "partitioned": partitioned, "eval_loss": eval_loss,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "patchkit_calls": patchkit_calls(),
+        "patchkit_calls": patchkit_calls(), "heads": patchkit_heads(),
     }
     write_result("ZERO3_TRAINER", out, result, params)
 end_process_group()

@@ -5,14 +5,19 @@ then the logit transform its config names (`transform_of`). Nothing of the famil
 whose forward does something else to its logits would get another loss. An LM is therefore served fused only after
 one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
 those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a LoRA or
-quantized head, a head under hooks or with a forward of its own, DeepSpeed ZeRO-3's gathered weights), its own head
-runs on the labelled rows as before. PEFT's `modules_to_save` copy of the head is a plain one.
+quantized head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before.
+PEFT's `modules_to_save` copy of the head is a plain one.
+
+Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
+forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then
+runs as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -45,11 +50,26 @@ def transform_of(config: Any) -> LogitTransform:
 class FusedHead:
     """One call's fused head: the LM's weight, bias and transform; `checked`: its logits were found to be these."""
 
-    __slots__ = ("lm", "weight", "bias", "transform", "key", "checked")
+    __slots__ = ("lm", "head", "weight", "bias", "transform", "key", "checked", "gathered")
 
     def __init__(self, lm: nn.Module, head: nn.Linear, transform: LogitTransform, key: tuple, checked: bool) -> None:
-        self.lm, self.weight, self.bias = lm, head.weight, head.bias
+        self.lm, self.head, self.weight, self.bias = lm, head, head.weight, head.bias
         self.transform, self.key, self.checked = transform, key, checked
+        self.gathered = bool(head._forward_hooks or head._forward_pre_hooks)  # ZeRO-3's (`plain_head`)
+
+
+def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+    """`fn(*tensors)`, which reads the head's weight and bias: as the head's forward where hooks gather them around it
+    (ZeRO-3): the head is called, so its hooks gather them for `fn` and, where `fn`'s output takes a gradient, again
+    before its backward; `tensors` pass through the hooks as the head's inputs."""
+    if not fused.gathered:
+        return fn(*tensors)
+    head = fused.head
+    head.forward = fn
+    try:
+        return head(*tensors)
+    finally:
+        del head.forward
 
 
 def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -68,13 +88,28 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
 def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is."""
     head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
-    if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head):
+    if type(head) is not nn.Linear or "forward" in vars(head):
         return None
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
     if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) is not nn.Parameter:
         return None
+    if head._forward_hooks or head._forward_pre_hooks:
+        return head if _zero3_hooks(head) and len(getattr(head.weight, "ds_shape", ())) == 2 else None
     return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
+
+
+def _zero3_hooks(head: nn.Module) -> bool:
+    """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
+    what it computes (a hook of anyone else's might: the family's own head runs)."""
+    return all(_of_zero3(h) for h in [*head._forward_hooks.values(), *head._forward_pre_hooks.values()])
+
+
+def _of_zero3(hook: Callable) -> bool:
+    fn = inspect.unwrap(hook)
+    if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx":  # instrument_w_nvtx's wrapper keeps no __wrapped__
+        fn = next((c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)), fn)
+    return getattr(fn, "__module__", "").startswith("deepspeed.runtime.zero.")
 
 
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:
@@ -110,7 +145,7 @@ def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled
             flat_h, flat_l = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
             pick = torch.cat([torch.arange(first), torch.arange(flat_h.shape[0] - n, flat_h.shape[0])])
             pick = pick.to(flat_h.device)
-            ours = logits_of(flat_h[pick], fused.weight, fused.bias, fused.transform)
+            ours = held(fused, lambda rows: logits_of(rows, fused.weight, fused.bias, fused.transform), flat_h[pick])
             theirs = flat_l[pick]
             tol = 1e-5 if theirs.dtype == torch.float32 and ours.dtype == torch.float32 else 1e-2  # 2-3 ulps
             scale = max(1.0, float(theirs.float().abs().max()))

@@ -38,7 +38,7 @@ from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
-from patchkit.hooks.forwards.fused_head import CHECK_ROWS, check, probes
+from patchkit.hooks.forwards.fused_head import CHECK_ROWS, check, held, probes
 from patchkit.hooks.forwards.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
@@ -153,7 +153,8 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
         zero = hidden.new_zeros(1, hidden.shape[-1])
         if fused.checked:
             return zero[None]
-        first, probe = min(CHECK_ROWS, keep.numel()), probes(fused.weight).to(hidden.device, hidden.dtype)
+        first, probe = min(CHECK_ROWS, keep.numel()), held(fused, lambda: probes(fused.weight))
+        probe = probe.to(hidden.device, hidden.dtype)
         handed = torch.cat([request.rows[:first], zero, probe])[None]
         request.check_rows = (handed, first, probe.shape[0])
         return handed
@@ -202,9 +203,9 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
 def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, ignore_index: int = IGNORE_INDEX,
                 **_: Any) -> torch.Tensor:
     """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
-    fused = request.fused
-    return linear_cross_entropy(request.rows, fused.weight, fused.bias, request.handed[0], fused.transform,
-                                ignore_index, num_items_in_batch)
+    fused, labels = request.fused, request.handed[0]
+    return held(fused, lambda rows: linear_cross_entropy(rows, fused.weight, fused.bias, labels, fused.transform,
+                                                         ignore_index, num_items_in_batch), request.rows)
 
 
 def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
