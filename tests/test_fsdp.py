@@ -1,4 +1,6 @@
-"""FSDP2 (fully_shard) on two gloo ranks: patched losses equal unpatched ones, and every rank sees every layer live."""
+"""FSDP on two gloo ranks, FSDP2 (fully_shard) and FSDP1 (FullyShardedDataParallel, as the HF Trainer's `--fsdp
+"full_shard auto_wrap"` of FastChat's recipe wraps it): patched losses equal unpatched ones, and every rank sees
+every layer live."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from entrypoints import clean_env, run, tagged
 
 from patchkit.hooks.forwards import lm_head
 
-# The user's FSDP2 training script: the same tiny padded-batch run unpatched, then patched (apply_patch before the
+# The user's FSDP training script: the same tiny padded-batch run unpatched, then patched (apply_patch before the
 # model is built, as the launcher does), in one process per rank so one torchrun start serves both.
-FSDP_SCRIPT = '''"""FSDP2 tiny padded-batch training, unpatched then patched, for patchkit's tests."""
+FSDP_SCRIPT = '''"""FSDP2 (or FSDP1) tiny padded-batch training, unpatched then patched, for patchkit's tests."""
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import patchkit
 
@@ -34,6 +39,8 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--compile", default=None, help="torch.compile backend for the patched run; default: eager")
 parser.add_argument("--unpad", default="model", help="the patch's unpad; 'loss': the model computes the loss")
+parser.add_argument("--fsdp1", choices=["orig", "flat"], default=None,
+                    help="FSDP1 instead of FSDP2, with use_orig_params on (orig) or off (flat)")
 opts = parser.parse_args()
 
 
@@ -67,11 +74,17 @@ def train(patched: bool) -> list:
     handle = patchkit.apply_patch("llama2", backend="sdpa", unpad=opts.unpad) if patched else None
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    net = torch.compile(model, backend=opts.compile) if (patched and opts.compile) else model
+    if opts.fsdp1:  # each decoder layer a unit of its own, the rest (embeddings, norm, head) the root's
+        wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        net = FullyShardedDataParallel(model, auto_wrap_policy=wrap, device_id=torch.device("cpu"),
+                                       use_orig_params=opts.fsdp1 == "orig")
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net = torch.compile(net, backend=opts.compile) if (patched and opts.compile) else net
     ids, mask, labels = batch()
     n_targets = (labels[:, 1:] != -100).sum()
     mine = slice(rank, None, world)
@@ -122,7 +135,7 @@ def fsdp_script(tmp_path_factory):
     return path
 
 
-def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, int]], list[dict]]:
+def torchrun_fsdp(script, *args: str) -> tuple[dict, list[tuple[int, int, int, int]], list[dict]]:
     """Run the script on two gloo ranks: rank 0's losses, (rank, layers_patched, check, calls) and the patch's
     `heads` of every rank."""
     proc = run(
@@ -137,7 +150,7 @@ def torchrun_fsdp2(script, *args: str) -> tuple[dict, list[tuple[int, int, int, 
 
 
 def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):
-    losses, live, _ = torchrun_fsdp2(fsdp_script, "--layers", "2")
+    losses, live, _ = torchrun_fsdp(fsdp_script, "--layers", "2")
     assert len(losses["unpatched"]) == STEPS and losses["unpatched"][-1] < losses["unpatched"][0] - 0.3  # it trained
     # fp32 summation order differs (varlen sdpa on real tokens vs eager attention on the padded batch); two AdamW
     # steps carry it to ~1e-6 absolute by step 3 (~3e-7 relative).
@@ -148,7 +161,7 @@ def test_fsdp2_two_ranks_patched_losses_equal_unpatched(fsdp_script):
 def test_fsdp2_compiled_report_counts_every_layer(fsdp_script):
     # Regression: under FSDP2 + torch.compile one compiled attention frame serves every layer, and the report
     # counted 1 of 4 layers (dynamo dropped the WeakSet.add of layers 2-4).
-    losses, live, _ = torchrun_fsdp2(fsdp_script, "--layers", "4", "--compile", "eager")
+    losses, live, _ = torchrun_fsdp(fsdp_script, "--layers", "4", "--compile", "eager")
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert live == [(0, 4, 4, 0), (1, 4, 4, 0)]  # every call ran compiled: not counted (a counter would recompile)
 
@@ -157,7 +170,20 @@ def test_fsdp2_the_fused_head_and_loss_equal_unpatched(fsdp_script):
     """unpad="loss" under FSDP2: the head (in the root's unit, its weight gathered as a plain parameter while the
     root runs) is checked on the first step and fused on every step of each rank; the weight's gradient, written
     by the fused loss's backward, is reduce-scattered as autograd's: the losses equal unpatched."""
-    losses, live, heads = torchrun_fsdp2(fsdp_script, "--layers", "2", "--unpad", "loss")
+    losses, live, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss")
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
+    assert live == [(0, 2, 2, 2 * STEPS), (1, 2, 2, 2 * STEPS)]
+    assert heads == [{lm_head.FUSED: STEPS}] * 2
+
+
+@pytest.mark.parametrize("params", ["orig", "flat"])
+def test_fsdp1_the_fused_head_and_loss_equal_unpatched(fsdp_script, params):
+    """FSDP1 (use_orig_params on, accelerate's default, or off): while the root unit runs, the head's weight is a
+    plain tensor, a view of the root's gathered flat parameter. The fused loss reads that view as nn.Linear does, so
+    its gradient reaches the flat parameter through it: checked on the first step, fused on every step of each rank,
+    with the unpatched losses; every layer ran through the patch."""
+    losses, live, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss", "--fsdp1", params)
+    assert losses["unpatched"][-1] < losses["unpatched"][0] - 0.3  # it trained
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert live == [(0, 2, 2, 2 * STEPS), (1, 2, 2, 2 * STEPS)]
     assert heads == [{lm_head.FUSED: STEPS}] * 2

@@ -92,8 +92,8 @@ def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
         return None
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
-    if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) is not nn.Parameter:
-        return None
+    if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) not in (nn.Parameter, torch.Tensor):
+        return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
     if head._forward_hooks or head._forward_pre_hooks:
         return head if _zero3_hooks(head) and len(getattr(head.weight, "ds_shape", ())) == 2 else None
     return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
