@@ -31,18 +31,22 @@ LOSS_ATOL = 1e-5
 PARAM_ATOL, PARAM_RTOL = 1e-5, 1e-5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny GQA LLaMA saved to disk: ZeRO-3 partitions a model only when from_pretrained loads it."""
+def saved_llama(path: Path, tied: bool = False) -> Path:
+    """A tiny GQA LLaMA saved to disk (ZeRO-3 partitions a model only when from_pretrained loads it); `tied`: its
+    head is its input embedding (Llama 3.2 1B/3B, Qwen2.5's small ones, Gemma)."""
     import transformers as tf
 
-    path = tmp_path_factory.mktemp("zero3") / "model"
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied)
     tf.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return saved_llama(tmp_path_factory.mktemp("zero3") / "model")
 
 
 def train(model_dir: Path, tmp: Path, way: str, lora: bool = False, bf16: bool = False, unpad: str = "model",
@@ -96,15 +100,21 @@ def test_zero3_lora_under_the_launcher_equals_unpatched(unpad, model_dir, refere
     assert got[0]["heads"].get(lm_head.FUSED) == (3 if unpad == "loss" else None), got[0]["heads"]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatched(bf16, model_dir, reference,
+@pytest.mark.parametrize("case", ["fp32", "fp32, tied", "bf16"])
+def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatched(case, model_dir, reference,
                                                                                  tmp_path):
     """unpad="loss" on a partitioned model: the head's weight is a shard on each rank, so the probes, the check and
     the fused loss run as the head's forward, under DeepSpeed's hooks, which gather the weight for them and again
-    before the backward (in bf16 the head's gradients are computed there). Every step runs the fused head, the first
-    one checked, and trains as unpatched."""
+    before the backward (in bf16 the head's gradients are computed there; tied, the weight is the embedding's,
+    gathered by both modules). Every step runs the fused head, the first one checked, and trains as unpatched."""
+    bf16 = case == "bf16"
+    if case == "fp32, tied":
+        model_dir = saved_llama(tmp_path / "tied", tied=True)
     got = train(model_dir, tmp_path, "class", bf16=bf16, unpad="loss")
     assert got[0]["heads"].get(lm_head.FUSED) == 3, got[0]["heads"]
+    if case == "fp32, tied":
+        assert_same_training(got, train(model_dir, tmp_path, "none"))
+        return
     if not bf16:
         assert_same_training(got, reference(False))
         return
