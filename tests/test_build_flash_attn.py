@@ -33,6 +33,7 @@ _spec = importlib.util.spec_from_file_location("build_flash_attn", TOOL)
 bfa = importlib.util.module_from_spec(_spec)
 sys.modules["build_flash_attn"] = bfa
 _spec.loader.exec_module(bfa)
+import flash_attn_sdist as fas  # noqa: E402  (beside the tool, on the path it set)
 
 HDIMS = (32, 64, 96, 128, 192, 256)
 KINDS = ("fwd", "bwd", "fwd_split")
@@ -266,13 +267,13 @@ def setup_values(setup_text: str) -> dict:
 
 
 def headdim_switch(src: Path) -> str:
-    text = (src / bfa.SWITCH_PATH).read_text()
-    start, end = bfa.find_headdim_switch(text)
+    text = (src / fas.SWITCH_PATH).read_text()
+    start, end = fas.find_headdim_switch(text)
     return text[start:end]
 
 
 def prepared(sdist: Path, tmp_path: Path, head_dims=None, disabled=(), archs=("90",)) -> dict:
-    return bfa.prepare(sdist, tmp_path / "work", list(archs), head_dims, list(disabled))
+    return fas.prepare(sdist, tmp_path / "work", list(archs), head_dims, list(disabled))
 
 
 # ----------------------------------------------------------------------------------------------- trimming
@@ -313,7 +314,7 @@ def test_dispatch_no_longer_reaches_trimmed_kernels(sdist: Path, tmp_path: Path)
         assert "TORCH_CHECK(false" in branch and f"kernel bucket {d}" in branch and "kHeadDim" not in branch
     for line in macro.splitlines()[:-1]:
         assert line.endswith(" \\"), line  # still one macro
-    rest = (plan["src"] / bfa.SWITCH_PATH).read_text().replace(macro, "")
+    rest = (plan["src"] / fas.SWITCH_PATH).read_text().replace(macro, "")
     assert "DROPOUT_SWITCH" in rest and "FP16_SWITCH" in rest  # the other switches are untouched
 
 
@@ -349,7 +350,7 @@ def test_disable_flags_reach_nvcc_and_host_compiler(sdist: Path, tmp_path: Path)
     plan = prepared(sdist, tmp_path, head_dims=[128], disabled=names)
     text = (plan["src"] / "setup.py").read_text()
     values = setup_values(text)
-    macros = [f"-D{bfa.FEATURES[n]}" for n in names]
+    macros = [f"-D{fas.FEATURES[n]}" for n in names]
     assert set(macros) <= set(values["nvcc_flags"])
     assert "-DFLASHATTENTION_DISABLE_BACKWARD" not in values["nvcc_flags"]  # not asked: stays commented
     assert '# "-DFLASHATTENTION_DISABLE_BACKWARD",' in text
@@ -399,14 +400,14 @@ def test_archs_map_to_what_setup_py_knows() -> None:
 def test_local_version_is_a_pep440_local_label() -> None:
     from packaging.version import Version
 
-    local = bfa.local_version(["80", "90"], [64, 128], True, ["dropout", "uneven_k"])
+    local = fas.local_version(["80", "90"], [64, 128], True, ["dropout", "uneven_k"])
     assert local == "pk.sm80.sm90.hd64.hd128.nodropout.nounevenk"
     assert Version(f"{VERSION}+{local}").local == local
 
 
 def test_build_config_ships_in_the_package(sdist: Path, tmp_path: Path) -> None:
     plan = prepared(sdist, tmp_path, head_dims=[64], disabled=["dropout"])
-    text = (plan["src"] / bfa.BUILD_INFO_PATH).read_text()
+    text = (plan["src"] / fas.BUILD_INFO_PATH).read_text()
     literal = ast.literal_eval(next(n for n in ast.parse(text).body if isinstance(n, ast.Assign)).value)
     assert literal == plan["config"]
     assert literal["head_dims_trimmed"] == [32, 96, 128, 192, 256] and literal["disabled"] == ["dropout"]
@@ -461,7 +462,7 @@ def test_dry_run_prints_the_plan(sdist: Path, tmp_path: Path) -> None:
     assert not list(out.glob("*.whl")) and not (out / bfa.CONFIG_FILE).exists()
     status = json.loads((out / bfa.STATUS_FILE).read_text())
     assert status["state"] == "done" and status["wheel"] is None and status["config"]["dry_run"] is True
-    assert "patchkit tools/build_flash_attn.py" in (out / "work" / bfa.DIFF_FILE).read_text()
+    assert "patchkit tools/build_flash_attn.py" in (out / "work" / fas.DIFF_FILE).read_text()
 
 
 def test_cli_errors_are_one_line(fake_sdist: Path, tmp_path: Path) -> None:
@@ -646,7 +647,7 @@ def link(src: Path, kernel_files: list[str], switch_text: str, where: Path) -> s
 def test_trimmed_build_links_and_refuses_trimmed_head_dims_when_called(sdist: Path, tmp_path: Path) -> None:
     plan = prepared(sdist, tmp_path, head_dims=[64, 128])
     kept = [k["path"] for k in plan["kept"]]
-    switch_text = (plan["src"] / bfa.SWITCH_PATH).read_text()
+    switch_text = (plan["src"] / fas.SWITCH_PATH).read_text()
     r = link(plan["src"], kept, switch_text, tmp_path / "trimmed")
     assert r.returncode == 0, r.stderr  # no undefined symbol: every dispatched kernel is compiled
     prog = str(tmp_path / "trimmed" / "prog")
@@ -701,7 +702,7 @@ def test_real_flash_api_references_only_kept_kernels(tmp_path: Path) -> None:
     obj = tmp_path / "flash_api.o"
     r = subprocess.run(["g++", "-c", "-std=c++17", "-O0", "-w", "-DTORCH_API_INCLUDE_EXTENSION_H",
                         "-DTORCH_EXTENSION_NAME=flash_attn_2_cuda", *host, *(f"-I{i}" for i in includes),
-                        str(src / bfa.API_PATH), "-o", str(obj)], capture_output=True, text=True, timeout=600)
+                        str(src / fas.API_PATH), "-o", str(obj)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     symbol = re.compile(r"run_mha\w*<cutlass::\w+, \d+, \w+>")
     undefined = subprocess.run(["nm", "-C", "-u", str(obj)], capture_output=True, text=True, check=True).stdout

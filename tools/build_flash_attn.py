@@ -1,42 +1,15 @@
 """Build flash-attn 2 offline from its source distribution, compiling only the kernels that will run.
 
-Why this exists: flash-attn 2.8.3.post2 is on the package index only as a source distribution
-(flash_attn-2.8.3.post2.tar.gz, CUTLASS included). Its setup.py compiles 72 kernel files (forward, split-KV
-forward and backward, for head dims 32/64/96/128/192/256, fp16 and bf16, causal and not) for sm_80, sm_90,
-sm_100 and sm_120 by default: hours on one machine. patchkit's GPU machines have nvcc, ninja and a CUDA torch
-but no network, and a model only ever runs one or two head dims on one GPU. This tool unpacks the sdist, trims
-the kernel list and the head-dim dispatch together, can switch on upstream's FLASHATTENTION_DISABLE_* macros,
-and builds a wheel with pip, recording what was built (build_config.json beside the wheel, the wheel's local
-version, and flash_attn/_patchkit_build.py inside it) so that patchkit's gate can say "this flash-attn build
-lacks head dim 96 / dropout".
-
-What it changes, in the unpacked copy only (the diff is kept as WORK/patchkit_trim.diff):
-  setup.py
-    - --head-dims: every line of the CUDAExtension sources list naming csrc/flash_attn/src/
-      flash_{fwd,fwd_split,bwd}_hdim<D>_{fp16,bf16}[_causal]_sm80.cu for a head dim D not kept is deleted.
-    - --disable: the commented-out `# "-DFLASHATTENTION_DISABLE_<X>",` lines of nvcc_flags are uncommented (a
-      macro honoured in csrc/flash_attn but not listed there is added to nvcc_flags), and the same -D flags are
-      appended to compiler_c17_flag, the host compiler's flags. Upstream lists them for nvcc only, but the
-      TORCH_CHECKs that refuse a disabled feature live in flash_api.cpp, which the host compiler builds: with
-      nvcc-only flags the kernels lose the feature (uneven K is then assumed even) while calls are not refused.
-  csrc/flash_attn/src/static_switch.h
-    - --head-dims: HEADDIM_SWITCH keeps upstream's buckets (d <= 32 -> 32, <= 64 -> 64, <= 96 -> 96, <= 128 ->
-      128, <= 192 -> 192, <= 256 -> 256). A kept bucket's branch is unchanged; a trimmed bucket's branch becomes
-      TORCH_CHECK(false, "This flash attention build has no kernels for head dims 65-96 ..."), so its templates
-      are never instantiated (the extension references no kernel that was not compiled) and a call with such a
-      head dim raises RuntimeError when made, not when the module loads (one string literal: formatting the int
-      head dim into the message crashed the extension on the H100). patchkit's flash_attn backend reads
-      flash_attn/_patchkit_build.py and sends such calls to sdpa (or refuses them, strict) before they get here.
-      The macro is expanded only in flash_api.cpp, which has TORCH_CHECK from torch/python.h.
-  flash_attn/_patchkit_build.py
-    - new: BUILD_CONFIG, a dict literal of what was trimmed (archs, head dims kept and trimmed, disabled features,
-      kernel counts), so the installed package carries it; build_config.json adds jobs, torch and nvcc versions.
-      Read it without importing flash_attn (which loads the extension) via ast.literal_eval of the file.
-
-Before anything compiles, the tool checks that the kept .cu files define every run_mha_fwd_ /
-run_mha_fwd_splitkv_dispatch / run_mha_bwd_ specialisation the trimmed dispatch instantiates. --archs takes
-compute capabilities (90, 8.6, sm_90) and maps each to the entry setup.py knows for its major version (8.6 -> 80:
-sm_80 cubins run on 8.6 and 8.9); --disable also knows "backward" (FLASHATTENTION_DISABLE_BACKWARD).
+flash-attn 2.8.3.post2 is on the package index only as a source distribution whose setup.py compiles 72 kernel files
+for four architectures by default (hours); a model runs one or two head dims on one GPU. This tool unpacks the sdist,
+trims the kernel list and the head-dim dispatch together, can switch on upstream's FLASHATTENTION_DISABLE_* macros,
+checks that the kept .cu files define every specialisation the trimmed dispatch instantiates, and builds a wheel
+with pip, recording what was built (build_config.json beside the wheel, the wheel's local version, and
+flash_attn/_patchkit_build.py inside it) so that patchkit's gate can say "this flash-attn build lacks head dim 96 /
+dropout". What it changes in the unpacked copy and why each change is safe: docs/testing.md ("What the build tool
+changes"); the diff is kept as WORK/patchkit_trim.diff. --archs takes compute capabilities (90, 8.6, sm_90) and maps
+each to the entry setup.py knows for its major version (8.6 -> 80: sm_80 cubins run on 8.6 and 8.9); --disable also
+knows "backward" (FLASHATTENTION_DISABLE_BACKWARD).
 
 Usage:
   python tools/build_flash_attn.py --sdist flash_attn-2.8.3.post2.tar.gz --out OUT [--archs 90]
@@ -62,35 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # flash_attn_sdist, beside this file
-from flash_attn_sdist import (  # noqa: E402, F401  (tests reach them through this module too)
-    API_PATH,
-    BUILD_INFO_PATH,
-    DIFF_FILE,
-    DISABLE_LINE_RE,
-    FEATURES,
-    INSTANCE_RE,
-    KERNEL_RE,
-    SWITCH_PATH,
-    BuildError,
-    add_host_flags,
-    apply_disable,
-    check_symbols,
-    diff_text,
-    find_headdim_switch,
-    honoured_macros,
-    instantiations,
-    kernel_sources,
-    local_version,
-    package_version,
-    prepare,
-    resolve_head_dims,
-    sha256,
-    switch_buckets,
-    trim_sources,
-    trim_switch,
-    trimmed_switch,
-    unpack,
-)
+from flash_attn_sdist import FEATURES, BuildError, prepare  # noqa: E402
 from packaging.version import Version
 
 STATUS_FILE = "build_status.json"

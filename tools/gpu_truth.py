@@ -1,26 +1,7 @@
 """`make gpu-truth`: a lent GPU's one budgeted run: flash-attn built beside the gpu tests, then the CUDA benchmarks.
 
-A GPU machine is lent for minutes (15 of device time in all, at most 10 per command, no network, 64 MiB carried per
-call), so everything a session should learn there is two prepared calls (tools/gpu_carry.py says why two):
-  0. call 1, `--stage 1` (make gpu-truth-stage1, .gpu1/ carried): leaves the first part of flash-attn 4's DSL library
-     wheel in /tmp and starts the flash-attn 2 build in the background; the machine stays warm 30 s for call 2;
-  1. call 2 (make gpu-truth, .gpu/ carried) says what the machine is (GPU, driver, torch, CUDA, Python, transformers);
-  2. installs the carried wheels (`--wheels`, default .gpu/: transformers, regex, flash-attn 4 and its DSL, that
-     wheel rebuilt from its two parts) into a target folder on PYTHONPATH, and patchkit itself (editable, no index);
-  3. gets flash-attn 2: already importable, else a carried wheel (`--flash-wheel`), else the build call 1 started,
-     else it starts `tools/build_flash_attn.py` on the carried sdist in the background (sm_90 kernels for head dim
-     128 only: 13 objects, one wave of nvcc jobs; head dims 64 and 128 took 6 minutes on 16 cores);
-  4. meanwhile runs what times nothing (the `gpu` tests on torch_varlen, sdpa and flash_attn_4); every timed part
-     waits for the build to end (it holds 14 cores): the flash_attn tests, the training, padding and decode
-     benchmarks against HF flash_attention_2 and flash_attention_4 and its padding-free rows, the family groups
-     (GPT-OSS's sinks on flash_attn_4), static-cache decode, compiled steps, memory at long N;
-  5. writes under OUT ($OUT on the device, else gpu-truth-out/): summary.md (the table to paste into a note),
-     log.txt (every part's output), truth.tar.gz (every CSV, plot and log, gathered in /tmp/gpu-truth-work) and
-     the flash-attn wheel it built (about 11 MB: a later run carries it with --flash-wheel and skips the build).
-Each part has a time budget (seconds) and is stopped at it; a part that does not fit in what is left of the whole
-budget is not started and is listed as such. Without CUDA, or with --dry-run, it rehearses: the same parts in the
-same order, each benchmark in its smallest CPU form, the build as `--dry-run` (the trim is checked on the real
-sdist), the tests collected and skipped, the summary and archive written: what CI and a CPU session can check.
+What each call does, in which order and within which limits: docs/testing.md ("The lent GPU's run"). Without CUDA,
+or with --dry-run, it rehearses the same parts in their smallest CPU form (what CI and a CPU session can check).
 
     python tools/gpu_truth.py --fetch          # here, once: .gpu1/ and .gpu/ (git-ignored); prints the two calls
     python tools/gpu_truth.py --stage 1        # call 1 on the device
