@@ -13,21 +13,19 @@ from patchkit import gates as _gates
 from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
-from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
-from patchkit.group import GROUP_NAME, PatchGroup
+from patchkit.handles import ACTIVE, PatchGroup, PatchHandle
 from patchkit.hooks.attention.varlen import UNPAD_MODES
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.forwards import batch_errors, lm_head, unserved
 from patchkit.hooks.install.model_walk import head_dim, modeling_files
-from patchkit.hooks.install.patching import Replacement, apply_replacements, restore_replacements
+from patchkit.hooks.install.patching import Replacement, apply_replacements
 from patchkit.hooks.install.registry import PatchSpec, for_model, imported_table_types, registered, resolve, table_spec
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import flash_request
-from patchkit.names import UNPAD_MEANING
+from patchkit.names import GROUP_NAME
 from patchkit.warn import warn_user
 
-_ACTIVE: dict[tuple, PatchHandle] = {}
 _GROUP: Optional[PatchGroup] = None  # the last `apply_patch()` of every family
 _GROUP_CHOSEN: Optional[tuple] = None  # its backend and gates, for the families it adopts as their models are built
 _applying = 0  # class patches being built now: building one imports transformers' LLaMA, which fires the startup hook
@@ -36,133 +34,6 @@ _applying = 0  # class patches being built now: building one imports transformer
 def applying() -> bool:
     """True while apply_patch builds a class patch (the PATCHKIT_FLASH_ATTN startup hook then leaves it to it)."""
     return _applying > 0
-
-
-class PatchHandle:
-    """One applied patch: revert it (or use it as a context manager) and read its report."""
-
-    def __init__(
-        self, spec: PatchSpec, state: PatchState, gate_results: list[GateResult], replacements: list[Replacement],
-        key: tuple, options: tuple, model: Optional[nn.Module],
-    ) -> None:
-        self.spec = spec
-        self.state = state
-        self.gates = gate_results
-        self.replacements = replacements
-        self.key = key
-        self.options = options
-        self._model = weakref.ref(model) if model is not None else None
-        self.active = True
-        self.origin: Optional[str] = None  # set when patchkit applied it on its own (PATCHKIT_FLASH_ATTN)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def backend(self) -> str:
-        return self.state.backend.name
-
-    @property
-    def layers_patched(self) -> int:
-        """Distinct attention layers that have run through this patch so far."""
-        return live_layers(self.state)
-
-    @property
-    def layers_seen(self) -> int:
-        """Distinct attention layers ever seen, also those since garbage collected (eager calls)."""
-        return max(self.state.layers_seen, self.layers_patched)
-
-    @property
-    def stepped_aside(self) -> dict[str, int]:
-        """Forwards run on transformers' own attention instead, by cause (see `patchkit.hooks.decide.causes.CAUSES`)."""
-        return dict(self.state.stepped_aside)
-
-    @property
-    def heads(self) -> dict[str, int]:
-        """Causal-LM forwards over a batch unpadded at the model, by where their head and loss ran: "real tokens",
-        else why they ran on the padded batch (see `patchkit.hooks.forwards.lm_head`)."""
-        return dict(self.state.heads)
-
-    @property
-    def calls(self) -> int:
-        """Attention calls through this patch outside torch.compile'd graphs (counting inside would recompile)."""
-        return self.state.calls
-
-    def revert(self) -> None:
-        """Put back every original object (identity); a second call does nothing."""
-        if not self.active:
-            return
-        restore_replacements(self.replacements)
-        self.state.revert_copies()
-        self.active = False
-        if _ACTIVE.get(self.key) is self:
-            del _ACTIVE[self.key]
-        if not any(key[0] == "class" for key in _ACTIVE):
-            unserved.detach()
-            flash_request.detach()
-        if not _ACTIVE:
-            batch_errors.detach()
-            lm_head.detach()
-
-    def __enter__(self) -> PatchHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.revert()
-
-    def check(self, model: nn.Module) -> int:
-        """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
-        live, total = self.spec.live_layers(model, self.state)
-        if total == 0:
-            raise PatchTargetError(
-                f"{type(model).__name__} has no {self.spec.attention_class().__name__} layers: patch {self.name!r} "
-                f"serves model_type {', '.join(self.spec.model_types)}. apply_patch(model=...) picks the patch for "
-                "a model's own family."
-            )
-        if not self.active or not live or live != total:
-            raise PatchTargetError(
-                f"patch {self.name!r} is live in {live} of {total} attention layers of "
-                f"{type(model).__name__}"
-                + ("" if self.active else " (the patch was reverted)")
-                + ". Apply the patch before loading the model, or pass model= to patch this instance."
-            )
-        return live
-
-    def report(self) -> str:
-        """What was applied, on which backend and what ran through it (the first five lines), then the transformers
-        version, the unpad mode, every gate with its result and what it replaced."""
-        where = (f"class (every {self.spec.family} model)" if self._model is None
-                 else f"instance {type(self._model()).__name__}")
-        lines = [
-            f"patchkit patch {self.name!r} ({self.spec.description})",
-            f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
-            f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
-            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
-            + ("; compiled calls are not counted)" if self.state.compiled else ")"),
-            "  forwards stepped aside to transformers' own attention: "
-            + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
-            *([lm_head.heads_line(self.heads)] if self.heads else []),
-            f"  transformers: {eras.installed_version()}"
-            + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
-               else ""),
-            f"  unpad:   {self.options[2]} ({UNPAD_MEANING[self.options[2]]})",
-            "  gates:",
-            *_gates.gate_lines(self.gates, "    "),
-            "  replaced:",
-            *(f"    - {r.describe()}" for r in self.replacements),
-            *(f"    - {label} (shared by the active class patches)" for label in
-              (flash_request.installed() if self._model is None and self.active else [])),
-        ]
-        return "\n".join(lines)
-
-    __str__ = report
-
-    def __repr__(self) -> str:
-        return (
-            f"PatchHandle(name={self.name!r}, backend={self.backend!r}, active={self.active}, "
-            f"layers_patched={self.layers_patched})"
-        )
 
 
 def apply_patch(
@@ -222,7 +93,7 @@ def _apply(
     """Apply one patch (`chosen`: the backend a group already decided on, with its gates, so it warns once)."""
     key = ("class", spec.family) if model is None else ("model", id(model))
     options = (backend, strict, unpad)
-    existing = _ACTIVE.get(key)
+    existing = ACTIVE.get(key)
     if existing is not None:
         if existing.spec.name == spec.name and existing.options == options:
             return existing  # idempotent: twice == once
@@ -252,7 +123,7 @@ def _apply(
     replacements = spec.build_instance(state, model) if model is not None else _build_class(spec, state)
     apply_replacements(replacements)
     handle = PatchHandle(spec, state, [tf_gate, *model_gates, *backend_gates], replacements, key, options, model)
-    _ACTIVE[key] = handle
+    ACTIVE[key] = handle
     batch_errors.attach()
     lm_head.attach()
     if model is not None:
@@ -297,7 +168,7 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
     _applying += 1
     try:
         for spec in specs:
-            new = ("class", spec.family) not in _ACTIVE
+            new = ("class", spec.family) not in ACTIVE
             handles.append(_apply(spec, backend, strict, None, unpad, env, chosen))
             if new:
                 fresh.append(handles[-1])
@@ -331,7 +202,7 @@ def _adopt_type(model_type: Any, what: str) -> bool:
     group = _GROUP
     if group is None or not group.active or model_type in group.skipped or not isinstance(model_type, str):
         return False
-    if any(key[0] == "class" and model_type in h.spec.model_types for key, h in list(_ACTIVE.items())):
+    if any(key[0] == "class" and model_type in h.spec.model_types for key, h in list(ACTIVE.items())):
         return False
     try:
         spec = table_spec(model_type)
@@ -350,14 +221,14 @@ def _adopt_type(model_type: Any, what: str) -> bool:
 
 def _served() -> dict[type, str]:
     """The attention classes the active class patches serve, with their model type (for `unserved`'s warning)."""
-    return {h.spec.attention_class(): h.spec.family for key, h in list(_ACTIVE.items()) if key[0] == "class"}
+    return {h.spec.attention_class(): h.spec.family for key, h in list(ACTIVE.items()) if key[0] == "class"}
 
 
 def _serving(model_class: type) -> Optional[PatchState]:
     """The state of the active class patch whose family `model_class` belongs to: by its config's model_type, else
     by a class of the family's modeling module among its bases (LLaVA's `llava_llama` LlamaForCausalLM)."""
     model_type = getattr(getattr(model_class, "config_class", None), "model_type", None)
-    handles = [h for key, h in list(_ACTIVE.items()) if key[0] == "class"]
+    handles = [h for key, h in list(ACTIVE.items()) if key[0] == "class"]
     by_type = next((h.state for h in handles if model_type in h.spec.model_types), None)
     if by_type is not None:
         return by_type
@@ -376,9 +247,9 @@ def _build_class(spec: PatchSpec, state: PatchState) -> list[Replacement]:
 
 def _forget(key: tuple, handle_ref: weakref.ref) -> None:
     handle = handle_ref()
-    if handle is not None and _ACTIVE.get(key) is handle:
-        del _ACTIVE[key]
-        if not _ACTIVE:
+    if handle is not None and ACTIVE.get(key) is handle:
+        del ACTIVE[key]
+        if not ACTIVE:
             batch_errors.detach()
             lm_head.detach()
 
@@ -393,14 +264,14 @@ self_check.attach(_patch_tiny)
 
 def revert_patch() -> int:
     """Revert every patch patchkit applied, newest first; returns how many were reverted."""
-    handles = list(_ACTIVE.values())
+    handles = list(ACTIVE.values())
     for handle in reversed(handles):
         handle.revert()
     return len(handles)
 
 
 def active_patches() -> list[PatchHandle]:
-    return list(_ACTIVE.values())
+    return list(ACTIVE.values())
 
 
 def available_patches() -> list[dict]:

@@ -16,7 +16,7 @@ from transformers import BertConfig, BertModel
 import _patchkit_startup
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
-from patchkit.group import PatchGroup
+from patchkit.handles import PatchGroup
 from patchkit.hooks.forwards import unserved
 from patchkit.hooks.forwards.lm_head import heads_line
 from patchkit.hooks.install.registry import registered, resolve

@@ -23,7 +23,7 @@ LAYERS = [
     {"hooks"},
     {"eras"},
     {"patches"},
-    {"patchkit.group"},
+    {"patchkit.handles"},
     {"patchkit.api"},
     {"patchkit.nn"},
     {"entry"},  # entry/ and patchkit/launch.py (`python -m patchkit.launch`, which runs entry/launch.py)

@@ -22,7 +22,7 @@ from patchkit.env import ENV_FLASH_ATTN
 if TYPE_CHECKING:  # imported where used: `patchkit --help` and `stand_down` must not import torch
     from patchkit.api import PatchHandle
     from patchkit.entry.config import PatchArguments
-    from patchkit.group import PatchGroup
+    from patchkit.handles import PatchGroup
 
 PTH_NAME = "patchkit-startup.pth"
 ORIGIN = f"applied when a served family's modeling module was imported, because {ENV_FLASH_ATTN} is on"
@@ -37,7 +37,7 @@ def stand_down(owner: str) -> None:
 
 def announce(handle: PatchHandle | PatchGroup, args: PatchArguments, stream: Any = None) -> None:
     """The one line on stderr: which variable did it, which patch, which backend, which process."""
-    from patchkit.group import PatchGroup
+    from patchkit.handles import PatchGroup
 
     scope = "every family patchkit serves" if isinstance(handle, PatchGroup) else f"every {handle.spec.family} model"
     print(

@@ -20,7 +20,7 @@ from patchkit.env import (  # noqa: F401 - re-exported: the variables' names and
     parse_bool,
     read_env,
 )
-from patchkit.group import PatchGroup
+from patchkit.handles import PatchGroup
 from patchkit.names import BACKEND_NAMES, GROUP_NAME, UNPAD_MODES, patch_names
 
 
