@@ -33,8 +33,9 @@ if way == "class":
 VOCAB, SEQ, IGNORE = 97, 24, -100
 # No train_batch_size: transformers fills "auto" from its world size before the CPU process group exists (1, not 2).
 deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": "auto",
-             "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto",
-                                                                                        "torch_adam": True}},
+             # every weight partitioned, however small (DeepSpeed keeps those under 1e5 elements whole by default)
+             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
              **({"bf16": {"enabled": True}} if bf16 else {})}
 args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=2,
                             per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2, report_to=[],
@@ -64,6 +65,7 @@ for n in (24, 9, 17, 5, 20, 12, 24, 3, 14, 19, 8, 22, 16, 11, 6, 23):
     rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)})
 trainer = tf.Trainer(model=model, args=args, train_dataset=rows[:12])
 trainer.train()
+head_shard = model.get_output_embeddings().weight.numel()  # outside a forward: this rank's shard, 0 elements
 # An eval forward as the Trainer's prediction step runs it (eval mode, the config's use_cache), on every rank since
 # each forward gathers the weights; trainer.evaluate() itself cannot run here: accelerate sizes its gather by the
 # same world size of 1 and gloo refuses the list.
@@ -78,7 +80,7 @@ with ds.zero.GatheredParameters(list(model.parameters())):  # a collective: ever
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 if int(os.environ.get("RANK", "0")) == 0:
     result = {
-        "way": way, "lora": lora, "partitioned": partitioned, "eval_loss": eval_loss,
+        "way": way, "lora": lora, "partitioned": partitioned and head_shard == 0, "eval_loss": eval_loss,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "patchkit_calls": patchkit_calls(), "heads": patchkit_heads(),
     }
