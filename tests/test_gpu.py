@@ -14,6 +14,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 import patchkit
 from patchkit import gates
 from patchkit.backends.choice import backend_gates
+from patchkit.hooks.forwards import lm_head
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["flash_attn", "torch_varlen"]
@@ -71,6 +72,32 @@ def test_training_step_logits_and_gradients(backend, kv_heads):
     close_to_truth(ours[real], eager[real], truth[real], "logits")
     close_to_truth(ours_grads, eager_grads, truth_grads, "gradients")
     close_to_truth(exact[real], eager[real], truth[real], "sdpa backend logits")  # the exact backend, same rule
+
+
+def loss_step(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.loss.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],
+                         ids=["bf16: gradients in the backward", "fp32: in the forward"])
+def test_the_fused_head_and_loss_on_cuda(dtype):
+    """unpad="loss" on the GPU: the head fused with the loss from the first step (checked there), the loss and every
+    gradient by the rule above, in both of its ways of writing the gradients."""
+    truth_model = gpu_model().train()
+    model = clone(truth_model).to(dtype)
+    ids, mask = (t.cuda() for t in padded_batch("mixed", seq=48))
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    truth, truth_grads = loss_step(truth_model, **inputs)
+    eager, eager_grads = loss_step(model, **inputs)
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad="loss") as handle:
+        steps = [loss_step(model, **inputs) for _ in range(2)]
+    assert handle.heads == {lm_head.FUSED: 2}
+    for ours, ours_grads in steps:
+        close_to_truth(ours, eager, truth, "loss")
+        close_to_truth(ours_grads, eager_grads, truth_grads, "gradients")
 
 
 def same_greedy(ours: torch.Tensor, ref, prompt_len: int, tie: float = 0.125) -> None:
