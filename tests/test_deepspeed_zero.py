@@ -50,12 +50,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def train(model_dir: Path, tmp: Path, way: str, lora: bool = False, bf16: bool = False, unpad: str = "model",
-          ) -> tuple[dict, dict]:
+          train_head: bool = False) -> tuple[dict, dict]:
     """zero3_trainer.py on two ranks (under the launcher for way 'launcher'): rank 0's JSON and parameters."""
-    out = tmp / f"train-{way}-{int(lora)}-{int(bf16)}-{unpad}.json"
+    out = tmp / f"train-{way}-{int(lora)}-{int(bf16)}-{unpad}-{int(train_head)}.json"
     script = ["-m", "patchkit.launch", TRAINER] if way == "launcher" else [TRAINER]
     env = clean_env(PATCHKIT_UNPAD=unpad, **({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    flags = [*(["--lora"] if lora else []), *(["--bf16"] if bf16 else [])]
+    flags = [*(["--lora"] if lora else []), *(["--bf16"] if bf16 else []), *(["--train-head"] if train_head else [])]
     proc = run_group(torchrun(WORLD, *script, way, model_dir, out, *flags), env, TIMEOUT)
     assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
@@ -66,10 +66,10 @@ def reference(model_dir, tmp_path_factory):
     """The unpatched run per LoRA and bf16 setting, computed on first use."""
     tmp, cache = tmp_path_factory.mktemp("zero3_ref"), {}
 
-    def get(lora: bool, bf16: bool = False) -> tuple[dict, dict]:
-        if (lora, bf16) not in cache:
-            cache[lora, bf16] = train(model_dir, tmp, "none", lora, bf16)
-        return cache[lora, bf16]
+    def get(lora: bool, bf16: bool = False, train_head: bool = False) -> tuple[dict, dict]:
+        if (lora, bf16, train_head) not in cache:
+            cache[lora, bf16, train_head] = train(model_dir, tmp, "none", lora, bf16, train_head=train_head)
+        return cache[lora, bf16, train_head]
 
     return get
 
@@ -91,13 +91,15 @@ def test_zero3_trainer_equals_unpatched(way, model_dir, reference, tmp_path):
     assert_same_training(train(model_dir, tmp_path, way), reference(False))
 
 
-@pytest.mark.parametrize("unpad", ["model", "loss"])
+@pytest.mark.parametrize("unpad", ["model", "loss", "loss, training the head"])
 def test_zero3_lora_under_the_launcher_equals_unpatched(unpad, model_dir, reference, tmp_path):
-    """LoRA on the partitioned model; under unpad="loss" its frozen head is gathered for the fused head."""
+    """LoRA on the partitioned model; under unpad="loss" its frozen head, or the copy of it PEFT trains
+    (`modules_to_save`, as adding tokens needs), is gathered for the fused head."""
     pytest.importorskip("peft")
-    got = train(model_dir, tmp_path, "launcher", lora=True, unpad=unpad)
-    assert_same_training(got, reference(True))
-    assert got[0]["heads"].get(lm_head.FUSED) == (3 if unpad == "loss" else None), got[0]["heads"]
+    train_head = unpad.endswith("the head")
+    got = train(model_dir, tmp_path, "launcher", lora=True, unpad=unpad.split(",")[0], train_head=train_head)
+    assert_same_training(got, reference(True, train_head=train_head))
+    assert got[0]["heads"].get(lm_head.FUSED) == (3 if unpad != "model" else None), got[0]["heads"]
 
 
 @pytest.mark.parametrize("case", ["fp32", "fp32, tied", "bf16"])

@@ -1,6 +1,7 @@
 """A FastChat-style HF Trainer run under DeepSpeed ZeRO-3: the model partitioned as it loads, trained, evaluated.
 
     torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY MODEL_DIR OUT.json [--lora] [--bf16]
+        [--train-head]
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before loading), `instance` (apply_patch(model=...) on the
 loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller) or `launcher` (run under
@@ -24,7 +25,7 @@ from common import checked_way, end_process_group, patchkit_calls, patchkit_head
 
 way = checked_way(sys.argv[1], ("none", "class", "instance", "env", "launcher"))
 model_dir, out = sys.argv[2:4]
-lora, bf16 = "--lora" in sys.argv[4:], "--bf16" in sys.argv[4:]
+lora, bf16, train_head = ("--lora" in sys.argv[4:], "--bf16" in sys.argv[4:], "--train-head" in sys.argv[4:])
 if way == "class":
     import patchkit
 
@@ -53,7 +54,8 @@ if lora:
 
     torch.manual_seed(1)  # the adapters' initialisation
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                       modules_to_save=["lm_head"] if train_head else None))
     model.enable_input_require_grads()
 
 g = torch.Generator().manual_seed(100)

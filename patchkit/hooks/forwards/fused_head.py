@@ -79,7 +79,8 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     if type(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
         return head
     active = getattr(head, "active_adapters", None)
-    if getattr(head, "disable_adapters", True) or head._forward_hooks or head._forward_pre_hooks or not (
+    hooked = (head._forward_hooks or head._forward_pre_hooks) and not _zero3_hooks(head)  # ZeRO-3's hold no weight
+    if getattr(head, "disable_adapters", True) or hooked or not (
             isinstance(active, list) and len(active) == 1 and active[0] in copies):
         return head  # the original head, several adapters or hooks: not one plain head
     return copies[active[0]]
