@@ -22,7 +22,7 @@ import torch
 import transformers as tf
 from accelerate import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
-from common import checked_way, end_process_group, patchkit_calls, write_result
+from common import checked_way, end_process_group, patchkit_calls, patchkit_heads, write_result
 
 import patchkit
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
@@ -30,7 +30,7 @@ from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
 stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 if way == "class":
-    patchkit.apply_patch()
+    patchkit.apply_patch(unpad=os.environ.get("PATCHKIT_UNPAD", "model"))
 
 VOCAB, SEQ, IGNORE = 97, 16, -100
 
@@ -47,8 +47,10 @@ parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2,
                                 sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
 # no train_batch_size: TrainingArguments fills "auto" from the data-parallel world (1: both ranks hold one sequence),
 # and zero.Init checks it against the whole world (2) as it builds the model
+# (under ZeRO-3 every weight partitioned, however small: DeepSpeed keeps those under 1e5 elements whole by default)
+zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
 deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-             "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+             "gradient_clipping": "auto", "zero_optimization": zero,
              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
 args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=1,
                             max_steps=len(rows), learning_rate=1e-2, report_to=[], save_strategy="no",
@@ -61,6 +63,8 @@ model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").flo
 partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")
 trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
 trainer.train()
+# outside a forward a partitioned head is this rank's shard: 0 elements
+partitioned = partitioned and model.get_output_embeddings().weight.numel() == 0
 params = {n: p.detach().clone() for n, p in model.named_parameters()}
 if partitioned:
     import deepspeed as ds
@@ -73,7 +77,7 @@ if int(os.environ.get("RANK", "0")) == 0:
         "way": way, "stage": stage, "partitioned": partitioned,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "ulysses_under_sdpa": ulysses_wrapper("sdpa") is not None,
-        "patchkit_calls": patchkit_calls(),
+        "patchkit_calls": patchkit_calls(), "heads": patchkit_heads(),
         "config_attn_implementation": model.config._attn_implementation,
     }
     write_result("ULYSSES_TRAINER", out, result, params)
