@@ -244,11 +244,23 @@ def fused_loss() -> str:
             + table(["vocab", "dtype", "way", "seconds", "x unfused", "peak MiB", "of unfused's"], body))
 
 
+def zero3_head() -> str:
+    """A ZeRO-3 step's peak per rank by where the head ran (benchmarks/zero3_head.py), against HF sdpa."""
+    rows = read("zero3_head.csv")
+    hf = next(r for r in rows if r["provider"] == "hf_sdpa")
+    body = [[r["provider"], r["real_tokens"], f"{float(r['seconds']):.2f}", x(float(hf["seconds"]) / float(
+        r["seconds"])), f"{float(r['peak_mib']):.0f}", x(float(r["peak_mib"]) / float(hf["peak_mib"])),
+        f"{float(r['loss']):.4f}"] for r in rows]
+    return (f"`zero3_head.csv` (vocabulary {rows[0]['vocab']}, two gloo ranks)\n\n"
+            + table(["provider", "real tokens", "step s", "speed x HF sdpa", "peak MiB per rank", "x HF sdpa",
+                     "loss"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
-    "fused-loss": fused_loss,
+    "fused-loss": fused_loss, "zero3-head": zero3_head,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -9,8 +9,11 @@ parameters, and generate() with `synced_gpus` (ranks finishing at different step
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,17 @@ def test_zero3_generate_with_synced_gpus_equals_unpatched(model_dir, tmp_path):
         assert result["tokens"] == ref["tokens"], result["rank"]
         # every forward of either rank through the patch: rank 1's four tokens and its 8 synced forwards after them
         assert result["patchkit_calls"] == 2 * 12, result
+
+
+def test_the_zero3_head_benchmark_runs_every_provider_to_the_same_loss(tmp_path):
+    """benchmarks/zero3_head.py at a toy vocabulary: each provider trains the same step to the same loss."""
+    out = tmp_path / "zero3_head.csv"
+    env = clean_env(PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+    proc = run_group([sys.executable, REPO / "benchmarks" / "zero3_head.py", "--vocab", "512", "--csv", out], env,
+                     TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["provider"] for r in rows] == ["hf_sdpa", "patchkit", "patchkit_loss_unfused", "patchkit_loss"]
+    assert {int(r["real_tokens"]) for r in rows} == {1809}
+    losses = [float(r["loss"]) for r in rows]
+    assert max(losses) - min(losses) <= 1e-5, losses
