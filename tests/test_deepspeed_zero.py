@@ -84,8 +84,12 @@ def assert_same_training(got: tuple[dict, dict], want: tuple[dict, dict], loss_a
     assert ref["patchkit_calls"] == 0 and result["patchkit_calls"] > 0, result
     assert result["losses"] == pytest.approx(ref["losses"], abs=loss_atol), (result["losses"], ref["losses"])
     assert result["eval_loss"] == pytest.approx(ref["eval_loss"], abs=loss_atol)
-    assert params.keys() == ref_params.keys()
-    off = [n for n, p in ref_params.items() if not torch.allclose(params[n], p, atol=param_atol, rtol=param_rtol)]
+    assert_same_parameters(params, ref_params, param_atol, param_rtol)
+
+
+def assert_same_parameters(params: dict, want: dict, atol: float = PARAM_ATOL, rtol: float = PARAM_RTOL) -> None:
+    assert params.keys() == want.keys()
+    off = [n for n, p in want.items() if not torch.allclose(params[n], p, atol=atol, rtol=rtol)]
     assert not off, off
 
 
@@ -132,8 +136,7 @@ def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatche
     own, own_params = train(model_dir, tmp_path, "class", bf16=True)
     assert own["heads"] == {lm_head.REAL_TOKENS: 4}, own["heads"]  # 3 steps and the eval forward, unfused
     assert result["losses"] == pytest.approx(own["losses"], abs=LOSS_ATOL)
-    off = [n for n, p in own_params.items() if not torch.allclose(params[n], p, atol=PARAM_ATOL, rtol=PARAM_RTOL)]
-    assert not off, off
+    assert_same_parameters(params, own_params)
 
 
 def generate(model_dir: Path, tmp: Path, way: str) -> list[dict]:

@@ -7,6 +7,8 @@ by flash-attn's own rule: no further from the fp32 truth than twice eager bf16's
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from models import clone, labels_for, padded_batch, tiny_model
@@ -42,11 +44,16 @@ def close_to_truth(ours: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor,
     assert err <= 2 * ref + 2e-3, f"{what}: error {float(err):.4g} vs eager bf16's {float(ref):.4g}"
 
 
-def train_step(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_step(model: torch.nn.Module, **inputs) -> tuple[Any, torch.Tensor]:
+    """One forward and backward of the model's loss: its output and every gradient, flat, in float32."""
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
     out.loss.backward()
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return out, torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+def train_step(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    out, grads = backward_step(model, **inputs)
     return out.logits.detach().float(), grads
 
 
@@ -75,10 +82,8 @@ def test_training_step_logits_and_gradients(backend, kv_heads):
 
 
 def loss_step(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    out.loss.backward()
-    return out.loss.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    out, grads = backward_step(model, **inputs)  # under unpad="loss" no logits come back
+    return out.loss.detach().float(), grads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32],

@@ -41,7 +41,7 @@ deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps":
 args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), per_device_train_batch_size=2,
                             per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2, report_to=[],
                             save_strategy="no", logging_steps=1, deepspeed=deepspeed, gradient_checkpointing=True,
-                            bf16=bf16, use_cpu=bf16)
+                            bf16=bf16, use_cpu=bf16)  # transformers takes bf16 without a GPU only with use_cpu
 model = tf.AutoModelForCausalLM.from_pretrained(
     model_dir, attn_implementation="flash_attention_2" if way == "launcher" else "sdpa", dtype=torch.float32)
 partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")  # sharded by zero.Init at load
