@@ -11,10 +11,13 @@ PEFT's `modules_to_save` copy of the head is a plain one.
 Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
 forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then
 runs as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do.
+So too under accelerate's device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the
+head's device and loads an offloaded weight for the head's forward, which is then the fused loss.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from typing import Any, Callable, Optional
@@ -48,28 +51,45 @@ def transform_of(config: Any) -> LogitTransform:
 
 
 class FusedHead:
-    """One call's fused head: the LM's weight, bias and transform; `checked`: its logits were found to be these."""
+    """One call's fused head: the LM's head and transform; `checked`: its logits were found to be these. `hooks`:
+    whose hooks place the head's weight around its forward ("zero3", "accelerate"), or "" for none."""
 
-    __slots__ = ("lm", "head", "weight", "bias", "transform", "key", "checked", "gathered")
+    __slots__ = ("lm", "head", "transform", "key", "checked", "hooks")
 
     def __init__(self, lm: nn.Module, head: nn.Linear, transform: LogitTransform, key: tuple, checked: bool) -> None:
-        self.lm, self.head, self.weight, self.bias = lm, head, head.weight, head.bias
-        self.transform, self.key, self.checked = transform, key, checked
-        self.gathered = bool(head._forward_hooks or head._forward_pre_hooks)  # ZeRO-3's (`plain_head`)
+        self.lm, self.head, self.transform, self.key, self.checked = lm, head, transform, key, checked
+        self.hooks = hooks_of(head)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The head's weight as it is now: accelerate's offloading hooks set a new one on each forward."""
+        return self.head.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.head.bias
 
 
 def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
-    """`fn(*tensors)`, which reads the head's weight and bias: as the head's forward where hooks gather them around it
-    (ZeRO-3): the head is called, so its hooks gather them for `fn` and, where `fn`'s output takes a gradient, again
-    before its backward; `tensors` pass through the hooks as the head's inputs."""
-    if not fused.gathered:
-        return fn(*tensors)
+    """`fn(*tensors)`, which reads the head's weight and bias: as the head's forward where hooks place them around
+    it. The head is called, so DeepSpeed ZeRO-3's hooks gather them for `fn` and, where `fn`'s output takes a
+    gradient, again before its backward; accelerate's device-map hook moves `tensors` to the head's device (and loads
+    an offloaded weight). `tensors` pass through the hooks as the head's inputs."""
     head = fused.head
-    head.forward = fn
-    try:
-        return head(*tensors)
-    finally:
-        del head.forward
+    if fused.hooks == "zero3":
+        head.forward = fn
+        try:
+            return head(*tensors)
+        finally:
+            del head.forward
+    if fused.hooks == "accelerate":
+        inner = head._old_forward
+        head._old_forward = fn
+        try:
+            return head(*tensors)
+        finally:
+            head._old_forward = inner
+    return fn(*tensors)
 
 
 def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -89,7 +109,8 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
 def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is."""
     head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
-    if type(head) is not nn.Linear or "forward" in vars(head):
+    if type(head) is not nn.Linear or ("forward" in vars(head) and not (
+            _own_forward(head, vars(head)["forward"]) or _accelerate_hooks(head))):
         return None
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
@@ -98,6 +119,13 @@ def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
     if head._forward_hooks or head._forward_pre_hooks:
         return head if _zero3_hooks(head) and len(getattr(head.weight, "ds_shape", ())) == 2 else None
     return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
+
+
+def hooks_of(head: nn.Module) -> str:
+    """Whose hooks place the weight of a `plain_head`: "zero3", "accelerate", or ""."""
+    if head._forward_hooks or head._forward_pre_hooks:
+        return "zero3"
+    return "accelerate" if "forward" in vars(head) and _accelerate_hooks(head) else ""
 
 
 def _zero3_hooks(head: nn.Module) -> bool:
@@ -113,18 +141,51 @@ def _of_zero3(hook: Callable) -> bool:
     return getattr(fn, "__module__", "").startswith("deepspeed.runtime.zero.")
 
 
+def _own_forward(head: nn.Module, forward: Any) -> bool:
+    """`forward` is nn.Linear's own, bound to the head (what accelerate leaves on a module whose hook it removed)."""
+    return getattr(forward, "__func__", None) is nn.Linear.forward and getattr(forward, "__self__", None) is head
+
+
+ALIGNING = ("AlignDevicesHook",)  # accelerate's hooks that place weights and inputs and change nothing computed
+
+
+def _accelerate_hooks(head: nn.Module) -> bool:
+    """The head's forward is accelerate's device-map hook (`dispatch_model`: a model split across devices, or
+    offloaded) around nn.Linear's own, and its hooks only place: its inputs on the head's device, an offloaded weight
+    loaded for the forward. Anything else on it (another hook, a forward of someone's own) runs the family's head."""
+    forward, hook, inner = vars(head)["forward"], getattr(head, "_hf_hook", None), getattr(head, "_old_forward", None)
+    if not isinstance(forward, functools.partial) or getattr(forward.func, "__module__", None) != "accelerate.hooks":
+        return False
+    if not _own_forward(head, inner):
+        return False
+    hooks = getattr(hook, "hooks", None) if type(hook).__name__ == "SequentialHook" else (hook,)
+    return bool(hooks) and all(type(h).__name__ in ALIGNING and type(h).__module__ == "accelerate.hooks"
+                               and not getattr(h, "io_same_device", False) and not getattr(h, "no_grad", False)
+                               for h in hooks)
+
+
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     """This call's fused head (checked, or to be checked on this call), or None: the LM's own head runs."""
     head = plain_head(lm)
     if head is None:
         return None
-    autocast = autocast_dtype(head.weight.device.type)
+    autocast = autocast_dtype(_device(head).type)
     transform = transform_of(lm.config)
     key = (id(head), head.weight.dtype, autocast, transform)
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
     return FusedHead(lm, head, transform, key, checked=seen is not None and seen[0] == key)
+
+
+def _device(head: nn.Linear) -> torch.device:
+    """Where the head runs: its weight's device, or the device accelerate's hook runs it on (an offloaded weight is
+    on the meta device between forwards)."""
+    hook = getattr(head, "_hf_hook", None) if hooks_of(head) == "accelerate" else None
+    for h in getattr(hook, "hooks", None) or (hook,):
+        if getattr(h, "execution_device", None) is not None:
+            return torch.device(h.execution_device)
+    return head.weight.device
 
 
 def probes(weight: torch.Tensor) -> torch.Tensor:

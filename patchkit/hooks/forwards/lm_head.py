@@ -59,10 +59,21 @@ def servable_forward(forward: Callable) -> bool:
     """A causal LM's (unpatched) forward computes its loss through `self.loss_function` from its head's logits and
     slices by `logits_to_keep`: its head and loss can run on the packed row (read once, when it is wrapped)."""
     try:
-        source = inspect.getsource(inspect.unwrap(forward))
+        source = inspect.getsource(innermost(forward))
     except (OSError, TypeError):
         return False
     return "self.loss_function(" in source and "logits_to_keep" in source and "CrossEntropyLoss" not in source
+
+
+def innermost(forward: Callable) -> Callable:
+    """The function a forward wraps, through patchkit's dressing of an instance's own forward and every wrapper that
+    names what it wraps (accelerate's device-map hook on a dispatched model's forward, its mixed-precision wrapper)."""
+    for _ in range(16):
+        inner = getattr(forward, "__wrapped_original__", None) or getattr(forward, "__wrapped__", None)
+        if inner is None:
+            break
+        forward = inner
+    return forward
 
 
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
