@@ -32,6 +32,8 @@ def autocast_dtype(device: str) -> Optional[torch.dtype]:
         if device == "cuda":
             return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
         return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    except RuntimeError:  # a device autocast knows nothing of (meta): none runs there
+        return None
 
 
 def resolve_dtype(dtype: DTypeLike) -> torch.dtype:

@@ -95,3 +95,103 @@ def test_only_accelerates_placing_hooks_fuse_the_head(tmp_path):
     assert fused_head.plain_head(model) is None
     accelerate.hooks.remove_hook_from_module(model.lm_head)
     assert fused_head.plain_head(model) is model.lm_head  # nn.Linear's own forward: plain again
+
+
+def split_onto_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's second half (its last layer, the norm and the head) under accelerate's hook on the meta device, as
+    `device_map` puts a model's second half on a second GPU: every tensor that crosses into it moves there. Numbers
+    are gone there, but an op that meets tensors of both devices still fails, as on GPUs."""
+    for name in ("model.layers.1", "model.norm", "lm_head"):
+        module = model.get_submodule(name)
+        accelerate.hooks.add_hook_to_module(module.to("meta"), accelerate.hooks.AlignDevicesHook("meta"))
+    return model
+
+
+@pytest.mark.parametrize("unpad", ["attention", "model"])
+def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, unpad):
+    """A layer on the second device gets the forward's unpadding metadata on its device (moved once), the base
+    model's outputs are repadded and the head's logits placed on the device they end on: the forward runs through,
+    its loss on the second device, as the unpatched split model's. (unpad="loss" checks its labels on the host,
+    which a meta tensor cannot answer.)"""
+    from patchkit.backends import SdpaBackend
+
+    seen = []
+    varlen = SdpaBackend.varlen
+
+    def on_q_device(q, k, v, meta, **kw):
+        seen.append({t.device for t in (q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k) if t is not None})
+        assert all(t.device == q.device for t in (meta.indices_q, meta.indices_k) if t is not None)
+        return varlen(q, k, v, meta, **kw)
+
+    monkeypatch.setattr(SdpaBackend, "varlen", staticmethod(on_q_device))
+    ids, mask = padded_batch("right")
+    labels = labels_for(ids, mask)
+    want = split_onto_meta(tiny_model().train())(input_ids=ids, attention_mask=mask, labels=labels)
+    assert want.loss.device.type == "meta"
+    model = split_onto_meta(tiny_model().train())
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad=unpad) as handle:
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert got.loss.device.type == "meta" and got.loss.shape == want.loss.shape
+    assert got.logits.shape == want.logits.shape and got.logits.device.type == "meta"
+    assert seen == [{torch.device("cpu")}, {torch.device("meta")}]
+    assert handle.heads == ({} if unpad == "attention" else {lm_head.REAL_TOKENS: 1})
+
+
+def split_at(model: torch.nn.Module, first: str, second: str) -> torch.nn.Module:
+    """The model's first half (embeddings, layer 0) on `first`, its second half under accelerate's hook on `second`."""
+    model.to(first)
+    for name in ("model.layers.1", "model.norm", "lm_head"):
+        module = model.get_submodule(name).to(second)
+        accelerate.hooks.add_hook_to_module(module, accelerate.hooks.AlignDevicesHook(torch.device(second)))
+    return model
+
+
+SPLITS = {"GPU, CPU": ("cuda:0", "cpu", 1), "two GPUs": ("cuda:0", "cuda:1", 2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("unpad", ["attention", "model", "loss"])
+def test_a_model_split_across_devices_trains_and_generates_as_unpatched(split, unpad):
+    """Numbers, not only devices: a float32 model split between a GPU and the CPU, or across two GPUs: the unpatched
+    split model's loss and gradients on a right-padded batch, and its tokens generated from a left-padded one."""
+    first, second, gpus = SPLITS[split]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA device(s)")
+    (ids, mask), (prompts, prompt_mask) = (tuple(t.to(first) for t in padded_batch(k)) for k in ("right", "left"))
+
+    def run(model: torch.nn.Module) -> tuple:
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss
+        loss.backward()
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+        tokens = model.eval().generate(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=4,
+                                       do_sample=False, pad_token_id=0)
+        return float(loss), grads, tokens.cpu()
+
+    want = run(split_at(tiny_model(), first, second))
+    model = split_at(tiny_model(), first, second)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad=unpad):
+        got = run(model)
+    assert got[0] == pytest.approx(want[0], abs=1e-4)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-4, rtol=1e-3, msg=name)
+    torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [4, 1], ids=["prefill", "decode step"])
+def test_the_metadata_moves_once_to_each_device(q_len):
+    """A forward's metadata, a prefill's or a decode step's behind a cache (built lazily from its masks), is itself on
+    its own device and one copy, made once, on another: every tensor a kernel or a gather reads, the host lengths
+    as they were."""
+    from patchkit.forward.masks import build_metadata
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    meta = build_metadata(mask, 2, q_len, 4, torch.device("cpu"))
+    assert meta.on(torch.device("cpu")) is meta
+    moved = meta.on(torch.device("meta"))
+    assert moved is meta.on(torch.device("meta")) and type(moved) is type(meta)
+    tensors = (moved.cu_seqlens_q, moved.cu_seqlens_k, moved.indices_q, moved.indices_k, moved.key_lengths(),
+               *moved.real_masks())
+    assert {t.device.type for t in tensors if t is not None} == {"meta"}
+    assert (moved.seqlens_q, moved.seqlens_k, moved.max_seqlen_k) == (meta.seqlens_q, meta.seqlens_k, meta.max_seqlen_k)

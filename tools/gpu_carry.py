@@ -198,7 +198,8 @@ def fetch(into: Path = CARRY, stage1_dir: Path = STAGE1, preset: int = XZ_PRESET
     for folder in (into, stage1_dir):
         folder.mkdir(parents=True, exist_ok=True)
     pinned = re.search(r"^TRANSFORMERS \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
-    code = download([pinned.group(1) if pinned else "transformers", "regex", *FLASH_ATTN_4], into)
+    code = download([pinned.group(1) if pinned else "transformers", "regex", "accelerate", "psutil", *FLASH_ATTN_4],
+                    into)
     why = fetch_sdist(into) if code == 0 else "pip download failed"
     if why is not None:
         print(f"fetch: {why}")

@@ -272,7 +272,7 @@ class VarlenMask:
             check_seq_idx(fa_kwargs.get("seq_idx"), self._meta)
             self._meta = split_at_chunks(self._meta, self.chunk)
             self._key = key
-        return self._meta
+        return self._meta.on(device)  # each layer's own device, where a device map splits the model
 
     def _mask_for(self, kv_len: int) -> Optional[torch.Tensor]:
         """The mask columns of the keys in use: from `key_offset`, and short of a static cache's unfilled slots."""

@@ -37,11 +37,31 @@ class VarlenMetadata:
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
     # patchkit.forward.decode_plan's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Optional[DecodePlan] = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _elsewhere: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # every layer asks; the lengths never change. A field, not a cached_property: Python 3.11's takes an RLock,
         # which breaks a compiled graph in every layer
         self.nnz_q = sum(self.seqlens_q)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens_q.device
+
+    def on(self, device: torch.device) -> VarlenMetadata:
+        """This metadata on `device`: itself there, else its copy there, made once. A model dispatched across
+        devices (accelerate's `device_map`) runs each layer on its own: a kernel reads cu_seqlens and gathers by
+        indices on the device of its q, k and v."""
+        if self.device == device:
+            return self
+        moved = self._elsewhere.get(device)
+        if moved is None:
+            moved = self._elsewhere[device] = self._moved(device)
+        return moved
+
+    def _moved(self, device: torch.device) -> VarlenMetadata:
+        fields = ("indices_q", "indices_k", "cu_seqlens_q", "cu_seqlens_k")
+        return dataclasses.replace(self, **{f: _to(getattr(self, f), device) for f in fields})
 
     @property
     def same_qk(self) -> bool:
@@ -123,8 +143,17 @@ class PastMetadata(VarlenMetadata):
         self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
         self.max_seqlen_q, self.max_seqlen_k = max(host_q, default=0), max(host_k, default=0)
         self.seqlens_q, self.seqlens_k, self.nnz_q = host_q, host_k, sum(host_q)
-        self.packed, self.holes, self.decode_plan = False, holes, None
+        self.packed, self.holes, self.decode_plan, self._elsewhere = False, holes, None, {}
         self._real, self._lengths = (real_q, real_k), (lens_q, lens_k)  # real_*: None where every token is real
+
+    @property
+    def device(self) -> torch.device:
+        return self._lengths[0].device
+
+    def _moved(self, device: torch.device) -> VarlenMetadata:
+        real, lengths = (tuple(_to(t, device) for t in pair) for pair in (self._real, self._lengths))
+        return PastMetadata(self.batch, self.q_len, self.kv_len, *real, *lengths, self.seqlens_q, self.seqlens_k,
+                            self.holes)
 
     def real_masks(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         return self._real
@@ -149,6 +178,10 @@ class PastMetadata(VarlenMetadata):
     @functools.cached_property
     def cu_seqlens_k(self) -> torch.Tensor:  # type: ignore[override]
         return cu_seqlens_from_lengths(self._lengths[1])
+
+
+def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device)
 
 
 def mask_from_indices(indices: Optional[torch.Tensor], batch: int, width: int, device: torch.device) -> Optional[

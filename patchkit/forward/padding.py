@@ -10,7 +10,12 @@ import torch.nn.functional as F
 
 def index_first_axis(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Gather rows of `x` along its first axis (a differentiable `index_select`)."""
-    return x.index_select(0, indices)
+    return x.index_select(0, on_device(indices, x))
+
+
+def on_device(indices: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`indices` on `x`'s device: a model split across devices ends on another than its metadata's (the first's)."""
+    return indices if indices.device == x.device else indices.to(x.device)
 
 
 def unpad_rows(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor:
@@ -22,7 +27,7 @@ def unpad_rows(x: torch.Tensor, indices: Optional[torch.Tensor]) -> torch.Tensor
 def pad_input(hidden: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int, fill: float = 0.0) -> torch.Tensor:
     """Scatter (nnz, ...) rows back into a (batch, seqlen, ...) tensor of `fill` (zeros by default)."""
     out = hidden.new_full((batch * seqlen, *hidden.shape[1:]), fill)
-    out = out.index_copy(0, indices, hidden)
+    out = out.index_copy(0, on_device(indices, hidden), hidden)
     return out.view(batch, seqlen, *hidden.shape[1:])
 
 

@@ -156,8 +156,8 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
     left out are those whose loss term and gradient are zero: the loss and every gradient are the same. With a
     fused head the L rows are kept for the fused loss (`request.rows`): the LM's own head runs on the zero row
     alone once checked, and on the checking call on the first labelled rows, the zero row and the probes."""
-    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1).to(hidden.device)
-    labelled = shifted[keep.to(shifted.device)]
+    keep = (shifted != IGNORE_INDEX).nonzero().squeeze(1)
+    labelled, keep = shifted[keep], keep.to(hidden.device)
     fused = request.fused
     if fused is not None and keep.numel() > 0:
         request.rows, request.handed = hidden.index_select(0, keep), labelled[None]
@@ -181,7 +181,7 @@ def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
     nnz, rows = meta.nnz_q, logits[0]
     padded = rows.new_empty(meta.batch * meta.q_len, rows.shape[-1])
     padded.copy_(rows[nnz].expand_as(padded))
-    padded.index_copy_(0, meta.indices_q, rows[:nnz])
+    padded.index_copy_(0, meta.on(rows.device).indices_q, rows[:nnz])
     return padded.view(meta.batch, meta.q_len, rows.shape[-1])
 
 
