@@ -39,7 +39,7 @@ def train_step(model: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -167,7 +167,7 @@ def test_a_model_split_across_devices_trains_and_generates_as_unpatched(split, u
         grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
         tokens = model.eval().generate(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=4,
                                        do_sample=False, pad_token_id=0)
-        return float(loss), grads, tokens.cpu()
+        return float(loss.detach()), grads, tokens.cpu()
 
     want = run(split_at(tiny_model(), first, second))
     model = split_at(tiny_model(), first, second)
@@ -195,3 +195,27 @@ def test_the_metadata_moves_once_to_each_device(q_len):
                *moved.real_masks())
     assert {t.device.type for t in tensors if t is not None} == {"meta"}
     assert (moved.seqlens_q, moved.seqlens_k, moved.max_seqlen_k) == (meta.seqlens_q, meta.seqlens_k, meta.max_seqlen_k)
+
+
+def test_from_pretrained_with_a_device_map_under_the_class_patch(tmp_path):
+    """The way users get there: `apply_patch()`, then `from_pretrained(device_map=..., offload_folder=...)` with the
+    head and a layer offloaded to disk: transformers dispatches the model itself, and its loss and gradients are the
+    unpatched load's, the head fused."""
+    tiny_model().save_pretrained(tmp_path / "tiny")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "disk"}
+
+    def load(folder: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", device_map=device_map,
+                                                    offload_folder=str(tmp_path / folder)).train()
+
+    want = train_step(load("want"))
+    with patchkit.apply_patch(backend="sdpa", strict=True, unpad="loss") as handle:
+        got = train_step(load("got"))
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    assert got[1].keys() == want[1].keys() and want[1]
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+    assert handle.heads == {lm_head.FUSED: 2}
