@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers as tf
 from families import any_model
-from models import VOCAB, padded_batch
+from models import VOCAB, labels_for, padded_batch
 
 import patchkit
 from patchkit import PatchInputError
@@ -219,11 +219,44 @@ def test_an_instance_patch_wraps_the_forward_a_framework_set_and_revert_restores
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("way", ["class patch first", "instance patch after"])
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_trls_fused_head_forward_gets_the_padded_hidden_states_it_reads(way, unpad):
+    """TRL's `add_fused_lm_head` (SFTTrainer's, GRPO's, ...) sets a forward that wears the class forward's name
+    (`functools.wraps`) but calls the base model itself and runs its own head on the padded hidden states. Under an
+    instance patch that forward is what the patch wraps: it must not be handed the packed rows the family's own
+    forward would take (TRL's shapes broke on them). Its loss, log-probs and gradients equal unpatched."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    ids, mask = padded_batch("right")
+
+    def run(patched: bool) -> tuple:
+        handle = patchkit.apply_patch("llama", backend="sdpa", unpad=unpad) if patched and way.startswith(
+            "class") else None
+        model = any_model("llama", "sdpa").train()
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        if patched and handle is None:
+            handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad)
+        try:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), fused_lm_head=True)
+            out.loss.backward()
+            return out, {n: p.grad for n, p in model.named_parameters()}, handle and handle.calls
+        finally:
+            if handle is not None:
+                handle.revert()
+
+    want, got = run(False), run(True)
+    assert got[2] == 2  # both layers ran through the patch
+    torch.testing.assert_close(got[0].loss, want[0].loss, atol=1e-5, rtol=1e-5)
+    for field in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(got[0], field), getattr(want[0], field), atol=2e-5, rtol=1e-4)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_the_trainers_evaluate_and_predict_run_packed_and_equal_unpatched(family, tmp_path):
     """Trainer.evaluate()/predict() call the model in eval mode with config.use_cache on and no cache: patchkit runs
     that forward packed (the decoder on real tokens) and returns what the unpatched model returns."""
-    from models import labels_for
 
     model = any_model(family, "sdpa")
     model.config.use_cache = True

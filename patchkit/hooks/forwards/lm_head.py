@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,21 +60,41 @@ def servable_forward(forward: Callable) -> bool:
     """A causal LM's (unpatched) forward computes its loss through `self.loss_function` from its head's logits and
     slices by `logits_to_keep`: its head and loss can run on the packed row (read once, when it is wrapped)."""
     try:
-        source = inspect.getsource(innermost(forward))
-    except (OSError, TypeError):
+        source = inspect.getsource(_undecorated(innermost(forward)).__code__)
+    except (OSError, TypeError, AttributeError):
         return False
     return "self.loss_function(" in source and "logits_to_keep" in source and "CrossEntropyLoss" not in source
 
 
 def innermost(forward: Callable) -> Callable:
-    """The function a forward wraps, through patchkit's dressing of an instance's own forward and every wrapper that
-    names what it wraps (accelerate's device-map hook on a dispatched model's forward, its mixed-precision wrapper)."""
+    """The forward a wrapper runs: through patchkit's dressing of an instance's own forward, and through accelerate's
+    device-map hook (a dispatched model's), which calls the forward it names. Any other `__wrapped__` is not
+    followed: `functools.wraps` names what a wrapper looks like, not what it runs (TRL's fused-head forward wears the
+    class's forward and runs the base model and its own head)."""
     for _ in range(16):
-        inner = getattr(forward, "__wrapped_original__", None) or getattr(forward, "__wrapped__", None)
+        inner = getattr(forward, "__wrapped_original__", None)
+        if inner is None and isinstance(forward, functools.partial) and (
+                getattr(forward.func, "__module__", None) == "accelerate.hooks"):
+            inner = getattr(forward, "__wrapped__", None)
         if inner is None:
             break
         forward = inner
     return forward
+
+
+def _undecorated(forward: Callable) -> Callable:
+    """The function under transformers' own decorators of a forward (`can_return_tuple`, `deprecate_kwarg`, ...):
+    a wrapper whose code is transformers' is followed to what it names, any other is the function itself."""
+    import transformers
+
+    home = os.path.dirname(transformers.__file__)
+    func = getattr(forward, "__func__", forward)
+    for _ in range(16):
+        inner, code = getattr(func, "__wrapped__", None), getattr(func, "__code__", None)
+        if inner is None or code is None or not code.co_filename.startswith(home):
+            break
+        func = getattr(inner, "__func__", inner)
+    return func
 
 
 REAL_TOKENS = "real tokens"  # the key of heads run on the packed row, in a state's `heads` count
