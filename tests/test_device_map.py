@@ -138,12 +138,13 @@ def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, un
 
 
 def split_at(model: torch.nn.Module, first: str, second: str) -> torch.nn.Module:
-    """The model's first half (embeddings, layer 0) on `first`, its second half under accelerate's hook on `second`."""
+    """The model's first half (embeddings, layer 0) on `first`, its second half under accelerate's hook on `second`,
+    and the model's outputs back on its inputs' device, as `dispatch_model` hooks the model itself."""
     model.to(first)
     for name in ("model.layers.1", "model.norm", "lm_head"):
         module = model.get_submodule(name).to(second)
         accelerate.hooks.add_hook_to_module(module, accelerate.hooks.AlignDevicesHook(torch.device(second)))
-    return model
+    return accelerate.hooks.add_hook_to_module(model, accelerate.hooks.AlignDevicesHook(io_same_device=True))
 
 
 SPLITS = {"GPU, CPU": ("cuda:0", "cpu", 1), "two GPUs": ("cuda:0", "cuda:1", 2)}
