@@ -123,17 +123,17 @@ def checked_rows(labels: torch.Tensor) -> int:
 
 def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tuple[list, dict, list]:
     """`steps` training steps under unpad="loss": each step's (loss, gradients), the patch's `heads` and the row
-    counts the LM's own head saw (counted in nn.Linear's forward: a hook on the head would keep it unfused)."""
+    counts the LM's own head saw (counted in its class's forward: a hook on the head would keep it unfused)."""
     got, rows, head = [], [], fused_head.saved_copy(model.get_output_embeddings())
-    linear = torch.nn.Linear.forward
+    forward = type(head).forward
 
-    def counted(self, x):
+    def counted(self, x, *args, **kwargs):
         if self is head:
             rows.append(x.shape[:-1].numel())
-        return linear(self, x)
+        return forward(self, x, *args, **kwargs)
 
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.nn.Linear, "forward", counted)
+        mp.setattr(type(head), "forward", counted)
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
             out = model(**inputs)
@@ -251,13 +251,14 @@ def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
 
 
 @pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "full in bfloat16, head tied", "lora",
-                                    "lora training the head"])
+                                    "lora training the head", "lora training tokens",
+                                    "lora training tokens, head tied"])
 def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     """Four labelled tokens in the batch (a short completion), a head that trains (the full fine-tune; in bfloat16
     its gradients are computed in the backward) or a frozen one (PEFT's LoRA on the attention, whose head stays a
-    plain nn.Linear; or a copy of it that trains, PEFT's `modules_to_save`, as adding tokens needs): fused from the
-    first step, with unpatched loss and gradients. Tied (Gemma 2's head is its embedding): the head's gradient
-    computed in the backward adds to the embedding's."""
+    plain nn.Linear; or a copy of it that trains, PEFT's `modules_to_save`, as adding tokens needs; or the rows of a
+    few tokens, PEFT's `trainable_token_indices`): fused from the first step, with unpatched loss and gradients.
+    Tied (Gemma 2's head is its embedding): the head's gradient computed in the backward adds to the embedding's."""
     model = family("gemma2" if "tied" in tuning else "llama")
     bf16 = "bfloat16" in tuning
     if bf16:
@@ -265,10 +266,14 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     if tuning.startswith("lora"):
         peft = pytest.importorskip("peft")
         saved = ["lm_head", "embed_tokens"] if tuning == "lora training the head" else None
+        tokens = {"embed_tokens": [3, 5, 8], **({} if "tied" in tuning else {"lm_head": [3, 5, 8]})}
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                           modules_to_save=saved))
-        assert model.get_output_embeddings().weight.requires_grad == bool(saved)
-    assert ("tied" in tuning) == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+                                                           modules_to_save=saved, trainable_token_indices=tokens
+                                                           if "tokens" in tuning else None))
+    head, embeddings = (fused_head.saved_copy(m) for m in (model.get_output_embeddings(), model.get_input_embeddings()))
+    head, embeddings = (getattr(m, "base_layer", m).weight for m in (head, embeddings))  # trainable tokens' bases
+    assert head.requires_grad == (tuning == "lora training the head" or tuning.startswith("full"))
+    assert ("tied" in tuning) == (head is embeddings)
     inputs = long_batch(model)
     inputs["labels"] = torch.full_like(inputs["labels"], -100)
     inputs["labels"][0, 5:9] = inputs["input_ids"][0, 5:9]

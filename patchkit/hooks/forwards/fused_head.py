@@ -6,7 +6,8 @@ whose forward does something else to its logits would get another loss. An LM is
 one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
 those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a LoRA or
 quantized head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before.
-PEFT's `modules_to_save` copy of the head is a plain one.
+PEFT's `modules_to_save` copy of the head is a plain one; its trainable tokens (`trainable_token_indices`) over a
+plain head are served with their weight as PEFT's forward builds it (`FusedHead.weight`).
 
 Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
 forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then
@@ -51,23 +52,28 @@ def transform_of(config: Any) -> LogitTransform:
 
 
 class FusedHead:
-    """One call's fused head: the LM's head and transform; `checked`: its logits were found to be these. `hooks`:
-    whose hooks place the head's weight around its forward ("zero3", "accelerate"), or "" for none."""
+    """One call's fused head: the LM's head and transform; `checked`: its logits were found to be these. `linear`: the
+    nn.Linear under the head (the head itself, or the base of PEFT's trainable tokens); `hooks`: whose hooks place its
+    weight around its forward ("zero3", "accelerate"), or "" for none."""
 
-    __slots__ = ("lm", "head", "transform", "key", "checked", "hooks")
+    __slots__ = ("lm", "head", "linear", "transform", "key", "checked", "hooks")
 
-    def __init__(self, lm: nn.Module, head: nn.Linear, transform: LogitTransform, key: tuple, checked: bool) -> None:
+    def __init__(self, lm: nn.Module, head: nn.Module, transform: LogitTransform, key: tuple, checked: bool) -> None:
         self.lm, self.head, self.transform, self.key, self.checked = lm, head, transform, key, checked
-        self.hooks = hooks_of(head)
+        self.linear = linear_of(head)
+        self.hooks = hooks_of(self.linear)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The head's weight as it is now: accelerate's offloading hooks set a new one on each forward."""
-        return self.head.weight
+        """The head's weight as it is now: accelerate's offloading hooks set a new one on each forward; PEFT's
+        trainable tokens write their rows into a copy of the base weight on each forward, as here."""
+        if self.head is self.linear:
+            return self.linear.weight
+        return self.head.get_merged_weights(self.head.active_adapters)
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
-        return self.head.bias
+        return self.linear.bias if self.head is self.linear else None  # trainable tokens' F.linear takes no bias
 
 
 def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
@@ -75,7 +81,7 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
     it. The head is called, so DeepSpeed ZeRO-3's hooks gather them for `fn` and, where `fn`'s output takes a
     gradient, again before its backward; accelerate's device-map hook moves `tensors` to the head's device (and loads
     an offloaded weight). `tensors` pass through the hooks as the head's inputs."""
-    head = fused.head
+    head = fused.linear
     if fused.hooks == "zero3":
         head.forward = fn
         try:
@@ -94,7 +100,11 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
 
 def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     """The head that runs: PEFT's `modules_to_save` wrapper (a LoRA run that trains the head too, as adding tokens
-    needs) runs its one active adapter's copy of the head, which is then the head."""
+    needs) runs its one active adapter's copy of the head, which is then the head; its `trainable_token_indices`
+    wrapper runs its token adapter (`trainable_tokens`)."""
+    if type(head).__name__ == "TrainableTokensWrapper" and isinstance(getattr(head, "token_adapter", None), nn.Module):
+        plain = "forward" not in vars(head) and not (head._forward_hooks or head._forward_pre_hooks)
+        return head.token_adapter if plain else head
     copies = getattr(head, "modules_to_save", None)
     if type(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
         return head
@@ -106,19 +116,41 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     return copies[active[0]]
 
 
-def plain_head(lm: nn.Module) -> Optional[nn.Linear]:
-    """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is."""
+def plain_head(lm: nn.Module) -> Optional[nn.Module]:
+    """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is, or
+    PEFT's trainable tokens over one (`trainable_tokens`)."""
     head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
-    if type(head) is not nn.Linear or ("forward" in vars(head) and not (
-            _own_forward(head, vars(head)["forward"]) or _accelerate_hooks(head))):
+    linear = head.base_layer if trainable_tokens(head) else head
+    if type(linear) is not nn.Linear or ("forward" in vars(linear) and not (
+            _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
         return None
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return None
-    if torch.nn.utils.parametrize.is_parametrized(head) or type(head.weight) not in (nn.Parameter, torch.Tensor):
+    if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
-    if head._forward_hooks or head._forward_pre_hooks:
-        return head if _zero3_hooks(head) and len(getattr(head.weight, "ds_shape", ())) == 2 else None
-    return head if head.weight.dim() == 2 and head.weight.numel() > 0 else None
+    if linear is not head and hooks_of(linear):
+        return None  # trainable tokens over a head whose weight hooks place: not served fused
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 else None
+    return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
+
+
+def trainable_tokens(head: Optional[nn.Module]) -> bool:
+    """`head` is PEFT's trainable tokens (`trainable_token_indices`: new tokens' rows trained, as when a chat template
+    adds tokens; tied to the embeddings' where those are) over an nn.Linear, active and unmerged, with nothing of its
+    own around it: its forward is `F.linear(x, base weight with the tokens' rows written in)`, no bias."""
+    if type(head).__name__ != "TrainableTokensLayer" or not type(head).__module__.startswith("peft."):
+        return False
+    active = getattr(head, "active_adapters", None)
+    return (not getattr(head, "disable_adapters", True) and not getattr(head, "merged", True)
+            and isinstance(active, list) and len(active) > 0 and callable(getattr(head, "get_merged_weights", None))
+            and isinstance(getattr(head, "base_layer", None), nn.Linear) and "forward" not in vars(head)
+            and not (head._forward_hooks or head._forward_pre_hooks))
+
+
+def linear_of(head: nn.Module) -> nn.Linear:
+    """The nn.Linear of a `plain_head`: itself, or the base of trainable tokens."""
+    return head.base_layer if trainable_tokens(head) else head
 
 
 def hooks_of(head: nn.Module) -> str:
@@ -169,9 +201,10 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     head = plain_head(lm)
     if head is None:
         return None
-    autocast = autocast_dtype(_device(head).type)
+    linear = linear_of(head)
+    autocast = autocast_dtype(_device(linear).type)
     transform = transform_of(lm.config)
-    key = (id(head), head.weight.dtype, autocast, transform)
+    key = (id(head), linear.weight.dtype, autocast, transform)
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
