@@ -256,11 +256,21 @@ def zero3_head() -> str:
                      "loss"], body))
 
 
+def peft_head() -> str:
+    """A PEFT fine-tune's step peak by how its head is tuned and where it ran (benchmarks/peft_head.py)."""
+    rows = read("peft_head.csv")
+    hf = {r["tuning"]: float(r["peak_mib"]) for r in rows if r["provider"] == "hf_sdpa"}
+    body = [[r["tuning"], r["provider"], f"{float(r['peak_mib']):.0f}", x(float(r["peak_mib"]) / hf[r["tuning"]]),
+             f"{float(r['loss']):.4f}"] for r in rows]
+    return (f"`peft_head.csv` (vocabulary {rows[0]['vocab']}, {rows[0]['real_tokens']} real tokens)\n\n"
+            + table(["tuning", "provider", "peak MiB", "x HF sdpa", "loss"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
-    "fused-loss": fused_loss, "zero3-head": zero3_head,
+    "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

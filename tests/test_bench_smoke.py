@@ -141,3 +141,20 @@ def test_families_benchmark_times_a_text_and_an_image_family(tmp_path: Path) -> 
     assert set(rows) == {("llama", "hf_sdpa padded"), ("llama", "patchkit padded"), ("llama", "patchkit packed"),
                          ("qwen3_vl", "hf_sdpa padded"), ("qwen3_vl", "patchkit padded")}
     assert all(v > 0 for v in rows.values())
+
+
+def test_the_peft_head_benchmark_fuses_trainable_tokens_with_the_unpatched_loss(tmp_path: Path) -> None:
+    """benchmarks/peft_head.py at a small vocabulary and a tenth of its lengths, trainable tokens only: each provider
+    a row with a peak, the unpatched loss, and the head fused only in `patchkit_loss`."""
+    csv_path = tmp_path / "peft_head.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peft_head.py"), "--vocab", "512", "--scale", "0.1",
+         "--tunings", "lora + trainable tokens", "--csv", str(csv_path)],
+        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {r["provider"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"hf_sdpa", "patchkit_loss_unfused", "patchkit_loss"}
+    assert len({r["loss"] for r in rows.values()}) == 1 and all(float(r["peak_mib"]) >= 0 for r in rows.values())
+    fused = {p: "fused with the head" in r["heads"] for p, r in rows.items()}
+    assert fused == {"hf_sdpa": False, "patchkit_loss_unfused": False, "patchkit_loss": True}

@@ -1,0 +1,100 @@
+"""The LM head and loss of a PEFT fine-tune: a step's peak memory by how the head is tuned and where it ran.
+
+A LoRA run leaves the head an nn.Linear (frozen), or trains it whole (`modules_to_save`: PEFT's copy of it), or trains
+a few tokens' rows of it (`trainable_token_indices`: a chat template's new tokens, tied to the embeddings' rows where
+those are). Under `unpad="loss"` patchkit fuses each with the loss (`hooks/forwards/fused_head.py`), so no (L, V)
+logits exist. This benchmark trains the LLaMA of `vocab.py` (hidden 256, 4 layers, LoRA r 8 on every linear layer) at
+Llama 3's vocabulary (128256) on vocab.py's right-padded lognormal batch of 8 (1809 real tokens) and reports per
+tuning and provider the second step's peak resident set above the set before it (VmHWM, a fresh process per row) and
+its loss (equal across providers): HF sdpa unpatched, patchkit's loss alone with the family's own head on the
+labelled rows (`patchkit_loss_unfused`: what trainable tokens ran before they were fused) and the fused loss alone.
+
+    python benchmarks/peft_head.py [--vocab 128256] [--tunings ...] [--csv benchmarks/results/peft_head.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROVIDERS = ("hf_sdpa", "patchkit_loss_unfused", "patchkit_loss")
+TUNINGS = {  # name: LoraConfig arguments beside r 8 on every linear layer
+    "lora": {},
+    "lora + modules_to_save head": {"modules_to_save": ["lm_head"]},
+    "lora + trainable tokens": {"trainable_token_indices": {"embed_tokens": [3, 5, 8], "lm_head": [3, 5, 8]}},
+}
+
+
+def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, Any]:
+    """In a fresh process: the LoRA model, two steps; the second's peak above the resident set before it."""
+    import peft
+    import vocab as vb
+    from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss
+
+    vb.RESCALE["by"] = scale
+    dev, dtype = vb.device_and_dtype("cpu")
+    model = vb.build_model(dict(vb.MODEL, vocab=vocab), vb.KV_HEADS, "sdpa", dev, dtype).train()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", **TUNINGS[tuning]))
+    handle = None
+    if provider != "hf_sdpa":
+        import patchkit
+        from patchkit.hooks.forwards import model_forward
+
+        if provider == "patchkit_loss_unfused":  # the family's own head on the labelled rows
+            model_forward.fused_head = lambda lm: None
+        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad="loss")
+    batch = vb.inputs("right", vocab)
+    vb.step(model, batch)
+    model.zero_grad(set_to_none=True)
+    before = current_rss_mib()
+    reset_peak_rss()
+    loss = vb.step(model, batch)
+    real = int(batch["attention_mask"].sum())
+    return {"tuning": tuning, "provider": provider, "vocab": vocab, "real_tokens": real,
+            "peak_mib": round(peak_hwm_mib() - before, 1), "loss": round(loss, 5),
+            "heads": json.dumps(handle.heads if handle is not None else {})}
+
+
+def measure(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
+    env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
+    spec = json.dumps([tuning, provider, vocab, scale])
+    proc = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
+    parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
+    parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    if args.worker:
+        print(json.dumps(worker(*json.loads(args.worker))))
+        return
+    rows = []
+    for tuning in args.tunings:
+        for provider in PROVIDERS:
+            rows.append(measure(tuning, provider, args.vocab, args.scale))
+            print(f"{tuning}, {provider}: {rows[-1]['peak_mib']} MiB, loss {rows[-1]['loss']}", flush=True)
+    if args.csv is not None:
+        with args.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
