@@ -107,12 +107,8 @@ def split_onto_meta(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("unpad", ["attention", "model"])
-def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, unpad):
-    """A layer on the second device gets the forward's unpadding metadata on its device (moved once), the base
-    model's outputs are repadded and the head's logits placed on the device they end on: the forward runs through,
-    its loss on the second device, as the unpatched split model's. (unpad="loss" checks its labels on the host,
-    which a meta tensor cannot answer.)"""
+def spy_on_devices(monkeypatch) -> list:
+    """The devices each varlen call's q, k, v and cu_seqlens are on (its gather indices must be on q's)."""
     from patchkit.backends import SdpaBackend
 
     seen = []
@@ -124,6 +120,16 @@ def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, un
         return varlen(q, k, v, meta, **kw)
 
     monkeypatch.setattr(SdpaBackend, "varlen", staticmethod(on_q_device))
+    return seen
+
+
+@pytest.mark.parametrize("unpad", ["attention", "model"])
+def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, unpad):
+    """A layer on the second device gets the forward's unpadding metadata on its device (moved once), the base
+    model's outputs are repadded and the head's logits placed on the device they end on: the forward runs through,
+    its loss on the second device, as the unpatched split model's. (unpad="loss" checks its labels on the host,
+    which a meta tensor cannot answer.)"""
+    seen = spy_on_devices(monkeypatch)
     ids, mask = padded_batch("right")
     labels = labels_for(ids, mask)
     want = split_onto_meta(tiny_model().train())(input_ids=ids, attention_mask=mask, labels=labels)
@@ -135,6 +141,23 @@ def test_a_model_split_across_devices_runs_each_layer_on_its_own(monkeypatch, un
     assert got.logits.shape == want.logits.shape and got.logits.device.type == "meta"
     assert seen == [{torch.device("cpu")}, {torch.device("meta")}]
     assert handle.heads == ({} if unpad == "attention" else {lm_head.REAL_TOKENS: 1})
+
+
+def test_a_split_model_under_the_attention_name_alone_runs_each_layer_on_its_own(monkeypatch):
+    """`attn_implementation="patchkit"` (no class patched): the mask transformers builds reaches each layer through
+    accelerate's hooks, and each layer unpads on its own device."""
+    seen = spy_on_devices(monkeypatch)
+    ids, mask = padded_batch("right")
+    model = split_onto_meta(tiny_model().train())
+    patchkit.register_attention(backend="sdpa")
+    model.set_attn_implementation("patchkit")
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    finally:
+        model.set_attn_implementation("eager")
+        patchkit.register_attention(backend="auto")
+    assert out.logits.device.type == "meta" and out.logits.shape == (*ids.shape, model.config.vocab_size)
+    assert seen == [{torch.device("cpu")}, {torch.device("meta")}]
 
 
 def split_at(model: torch.nn.Module, first: str, second: str) -> torch.nn.Module:
