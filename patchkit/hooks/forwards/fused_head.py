@@ -56,12 +56,12 @@ class FusedHead:
     nn.Linear under the head (the head itself, or the base of PEFT's trainable tokens); `hooks`: whose hooks place its
     weight around its forward ("zero3", "accelerate"), or "" for none."""
 
-    __slots__ = ("lm", "head", "linear", "transform", "key", "checked", "hooks")
+    __slots__ = ("lm", "head", "linear", "hooks", "transform", "key", "checked")
 
-    def __init__(self, lm: nn.Module, head: nn.Module, transform: LogitTransform, key: tuple, checked: bool) -> None:
-        self.lm, self.head, self.transform, self.key, self.checked = lm, head, transform, key, checked
-        self.linear = linear_of(head)
-        self.hooks = hooks_of(self.linear)
+    def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
+                 key: tuple, checked: bool) -> None:
+        self.lm, self.head, self.linear, self.hooks = lm, head, linear, hooks
+        self.transform, self.key, self.checked = transform, key, checked
 
     @property
     def weight(self) -> torch.Tensor:
@@ -120,7 +120,7 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is, or
     PEFT's trainable tokens over one (`trainable_tokens`)."""
     head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
-    linear = head.base_layer if trainable_tokens(head) else head
+    linear = linear_of(head)
     if type(linear) is not nn.Linear or ("forward" in vars(linear) and not (
             _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
         return None
@@ -160,6 +160,11 @@ def hooks_of(head: nn.Module) -> str:
     return "accelerate" if "forward" in vars(head) and _accelerate_hooks(head) else ""
 
 
+def accelerate_forward(forward: Any) -> bool:
+    """`forward` is accelerate's device-map hook around a module's own forward (`add_hook_to_module`'s partial)."""
+    return isinstance(forward, functools.partial) and getattr(forward.func, "__module__", None) == "accelerate.hooks"
+
+
 def _zero3_hooks(head: nn.Module) -> bool:
     """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
     what it computes (a hook of anyone else's might: the family's own head runs)."""
@@ -186,9 +191,7 @@ def _accelerate_hooks(head: nn.Module) -> bool:
     offloaded) around nn.Linear's own, and its hooks only place: its inputs on the head's device, an offloaded weight
     loaded for the forward. Anything else on it (another hook, a forward of someone's own) runs the family's head."""
     forward, hook, inner = vars(head)["forward"], getattr(head, "_hf_hook", None), getattr(head, "_old_forward", None)
-    if not isinstance(forward, functools.partial) or getattr(forward.func, "__module__", None) != "accelerate.hooks":
-        return False
-    if not _own_forward(head, inner):
+    if not accelerate_forward(forward) or not _own_forward(head, inner):
         return False
     hooks = getattr(hook, "hooks", None) if type(hook).__name__ == "SequentialHook" else (hook,)
     return bool(hooks) and all(type(h).__name__ in ALIGNING and type(h).__module__ == "accelerate.hooks"
@@ -202,23 +205,24 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     if head is None:
         return None
     linear = linear_of(head)
-    autocast = autocast_dtype(_device(linear).type)
+    hooks = hooks_of(linear)
+    autocast = autocast_dtype(_device(linear, hooks).type)
     transform = transform_of(lm.config)
     key = (id(head), linear.weight.dtype, autocast, transform)
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
-    return FusedHead(lm, head, transform, key, checked=seen is not None and seen[0] == key)
+    return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key)
 
 
-def _device(head: nn.Linear) -> torch.device:
+def _device(linear: nn.Linear, hooks: str) -> torch.device:
     """Where the head runs: its weight's device, or the device accelerate's hook runs it on (an offloaded weight is
     on the meta device between forwards)."""
-    hook = getattr(head, "_hf_hook", None) if hooks_of(head) == "accelerate" else None
+    hook = linear._hf_hook if hooks == "accelerate" else None
     for h in getattr(hook, "hooks", None) or (hook,):
         if getattr(h, "execution_device", None) is not None:
             return torch.device(h.execution_device)
-    return head.weight.device
+    return linear.weight.device
 
 
 def probes(weight: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import unpad_rows
-from patchkit.hooks.forwards.fused_head import CHECK_ROWS, check, held, probes
+from patchkit.hooks.forwards.fused_head import CHECK_ROWS, accelerate_forward, check, held, probes
 from patchkit.hooks.forwards.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
@@ -73,8 +73,7 @@ def innermost(forward: Callable) -> Callable:
     class's forward and runs the base model and its own head)."""
     for _ in range(16):
         inner = getattr(forward, "__wrapped_original__", None)
-        if inner is None and isinstance(forward, functools.partial) and (
-                getattr(forward.func, "__module__", None) == "accelerate.hooks"):
+        if inner is None and accelerate_forward(forward):
             inner = getattr(forward, "__wrapped__", None)
         if inner is None:
             break
