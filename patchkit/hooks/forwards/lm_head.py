@@ -38,7 +38,7 @@ from patchkit.errors import PatchkitError
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.forward.padding import unpad_rows
+from patchkit.forward.padding import on_device, unpad_rows
 from patchkit.hooks.forwards.fused_head import CHECK_ROWS, accelerate_forward, check, held, probes
 from patchkit.hooks.forwards.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.install.patching import Replacement, SharedInstall
@@ -201,7 +201,7 @@ def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
     nnz, rows = meta.nnz_q, logits[0]
     padded = rows.new_empty(meta.batch * meta.q_len, rows.shape[-1])
     padded.copy_(rows[nnz].expand_as(padded))
-    padded.index_copy_(0, meta.on(rows.device).indices_q, rows[:nnz])
+    padded.index_copy_(0, on_device(meta.indices_q, rows), rows[:nnz])
     return padded.view(meta.batch, meta.q_len, rows.shape[-1])
 
 
