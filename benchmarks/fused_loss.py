@@ -36,7 +36,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import write_rows  # noqa: E402
-from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss  # noqa: E402
+from workers import step_peak_mib  # noqa: E402
 
 from patchkit.forward.loss import linear_cross_entropy as lce  # noqa: E402
 
@@ -112,10 +112,7 @@ def measure_peak(args: argparse.Namespace, way: str, dtype: str, vocab: int) -> 
         base = torch.cuda.memory_allocated()
         run(way, h, w, labels)
         return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    base = current_rss_mib()
-    reset_peak_rss()
-    run(way, h, w, labels)
-    return max(0.0, peak_hwm_mib() - base)
+    return max(0.0, step_peak_mib(lambda: run(way, h, w, labels))[0])
 
 
 def main(argv: list[str] | None = None) -> int:

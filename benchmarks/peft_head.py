@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, An
     """In a fresh process: the LoRA model, two steps; the second's peak above the resident set before it."""
     import peft
     import vocab as vb
-    from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss
+    from workers import step_peak_mib
 
     vb.RESCALE["by"] = scale
     dev, dtype = vb.device_and_dtype("cpu")
@@ -53,23 +51,17 @@ def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, An
     batch = vb.inputs("right", vocab)
     vb.step(model, batch)
     model.zero_grad(set_to_none=True)
-    before = current_rss_mib()
-    reset_peak_rss()
-    loss = vb.step(model, batch)
+    peak, loss = step_peak_mib(lambda: vb.step(model, batch))
     real = int(batch["attention_mask"].sum())
     return {"tuning": tuning, "provider": provider, "vocab": vocab, "real_tokens": real,
-            "peak_mib": round(peak_hwm_mib() - before, 1), "loss": round(loss, 5),
+            "peak_mib": round(peak, 1), "loss": round(loss, 5),
             "heads": json.dumps(handle.heads if handle is not None else {})}
 
 
 def measure(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
-    env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
-    spec = json.dumps([tuning, provider, vocab, scale])
-    proc = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from workers import worker_json
+
+    return worker_json([__file__, "--worker", json.dumps([tuning, provider, vocab, scale])])
 
 
 def main() -> None:

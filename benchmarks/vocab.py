@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -52,7 +50,7 @@ from providers import (  # noqa: E402
     timed,
 )
 from report import write_rows  # noqa: E402
-from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss  # noqa: E402
+from workers import step_peak_mib, worker_json  # noqa: E402
 from workloads import (  # noqa: E402
     MODEL,
     MODES,
@@ -162,20 +160,12 @@ def memory_worker(spec: dict[str, Any]) -> dict[str, float]:  # the CPU's
     if not spec.get("first"):
         step(model, batch)
     model.zero_grad(set_to_none=True)
-    before = current_rss_mib()
-    reset_peak_rss()
-    step(model, batch)
-    return {"peak_mib": round(peak_hwm_mib() - before, 1)}
+    return {"peak_mib": round(step_peak_mib(lambda: step(model, batch))[0], 1)}
 
 
 def memory(vocab: int, layout: str, provider: str, first: bool = False) -> float:
     spec = json.dumps({"vocab": vocab, "layout": layout, "provider": provider, "scale": RESCALE["by"], "first": first})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
-    env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run([sys.executable, __file__, "--memory-worker", spec], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1])
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+    return worker_json([__file__, "--memory-worker", spec])["peak_mib"]
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -31,6 +34,25 @@ def peak_hwm_mib() -> float:
     """The resident set's high-water mark since it was last reset (VmHWM), MiB."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def step_peak_mib(step: Callable[[], Any]) -> tuple[float, Any]:
+    """`step()`'s peak resident set above the set before it (MiB), and what it returned."""
+    before = current_rss_mib()
+    reset_peak_rss()
+    result = step()
+    return peak_hwm_mib() - before, result
+
+
+def worker_json(argv: list[str]) -> dict[str, Any]:
+    """`python *argv` in a fresh process, a benchmark's worker: no PATCHKIT_* from the environment (the benchmark
+    decides what is patched), warnings off; the JSON of its last line of output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
+    env.update(PYTHONWARNINGS="ignore", TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_rss_mib() -> float:

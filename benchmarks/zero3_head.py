@@ -41,7 +41,7 @@ def worker(provider: str, vocab: int) -> None:
     import torch.distributed as dist
     import transformers as tf
     from transformers.integrations import HfDeepSpeedConfig
-    from workers import current_rss_mib, peak_hwm_mib, reset_peak_rss
+    from workers import step_peak_mib
     from workloads import MODEL, lognormal_lengths, make_tokens, padded_batch
 
     patched, unpad, fused = PROVIDERS[provider]
@@ -75,12 +75,10 @@ def worker(provider: str, vocab: int) -> None:
         return float(loss)
 
     step()
-    before = current_rss_mib()
-    reset_peak_rss()
     start = time.perf_counter()
-    loss = step()
+    peak_mib, loss = step_peak_mib(step)
     seconds = time.perf_counter() - start
-    peak = torch.tensor([peak_hwm_mib() - before, seconds, loss, float(mask.sum())])
+    peak = torch.tensor([peak_mib, seconds, loss, float(mask.sum())])
     gathered = [torch.zeros_like(peak) for _ in range(world)]
     dist.all_gather(gathered, peak)
     if rank == 0:
