@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without PATCHKIT_* (so the caller's shell cannot change a test), one thread per process, + extra."""
+    """os.environ without PATCHKIT_* (so the caller's shell cannot change a test), one thread per process, a
+    Python traceback on a fatal signal (an abort in a rank says where it was), + extra."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PATCHKIT_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     env.update(extra)
     return env
 
