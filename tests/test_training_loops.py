@@ -253,6 +253,41 @@ def test_trls_fused_head_forward_gets_the_padded_hidden_states_it_reads(way, unp
         torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
 
 
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_an_instance_patch_after_accelerators_prepare_runs_the_head_on_real_tokens(unpad):
+    """`Accelerator(mixed_precision="bf16").prepare(model)` sets `model.forward` to its float32-output wrapper around
+    torch's autocast decorator around the class forward (a custom accelerate loop; the Trainer's own). Patched after
+    it, the head and loss still run on real tokens (they ran on the padded batch, reported as "computes its loss
+    without transformers' loss_function"), and two training steps' losses and gradients equal unpatched."""
+    accelerate = pytest.importorskip("accelerate")
+    from patchkit.hooks.forwards import lm_head
+
+    ids, mask = padded_batch("right")
+
+    def run(patched: bool) -> tuple:
+        state = accelerate.state.AcceleratorState
+        state._reset_state(reset_partial_state=True)  # a process-wide singleton: another test's Accelerator set it
+        model = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(any_model("llama", "sdpa").train())
+        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if patched else None
+        try:
+            steps = [loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+                     for _ in range(2)]
+            return steps, handle and dict(handle.heads)
+        finally:
+            state._reset_state(reset_partial_state=True)
+            if handle is not None:
+                handle.revert()
+
+    (want, _), (got, heads) = run(False), run(True)
+    assert not lm_head.padded(heads), heads
+    if unpad == "loss":
+        assert heads == {lm_head.FUSED: 2}, heads  # both steps: the first one checks the head on its own logits
+    for (loss, grads), (want_loss, want_grads) in zip(got, want):
+        torch.testing.assert_close(loss, want_loss, atol=1e-2, rtol=1e-2)  # bfloat16 autocast both ways
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], atol=1e-2, rtol=5e-2, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_the_trainers_evaluate_and_predict_run_packed_and_equal_unpatched(family, tmp_path):
     """Trainer.evaluate()/predict() call the model in eval mode with config.use_cache on and no cache: patchkit runs

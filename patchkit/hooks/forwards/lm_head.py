@@ -29,6 +29,7 @@ import collections
 import functools
 import inspect
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -67,18 +68,33 @@ def servable_forward(forward: Callable) -> bool:
 
 
 def innermost(forward: Callable) -> Callable:
-    """The forward a wrapper runs: through patchkit's dressing of an instance's own forward, and through accelerate's
-    device-map hook (a dispatched model's), which calls the forward it names. Any other `__wrapped__` is not
-    followed: `functools.wraps` names what a wrapper looks like, not what it runs (TRL's fused-head forward wears the
-    class's forward and runs the base model and its own head)."""
+    """The forward a wrapper runs: through patchkit's dressing of an instance's own forward, accelerate's device-map
+    hook (a dispatched model's), which calls the forward it names, and the mixed-precision wrappers
+    `Accelerator.prepare` puts on a model (`convert_outputs_to_fp32` around torch's autocast decorator), which run it
+    in a dtype context. Any other `__wrapped__` is not followed: `functools.wraps` names what a wrapper looks like,
+    not what it runs (TRL's fused-head forward wears the class's forward and runs the base model and its own head)."""
     for _ in range(16):
         inner = getattr(forward, "__wrapped_original__", None)
-        if inner is None and accelerate_forward(forward):
-            inner = getattr(forward, "__wrapped__", None)
+        if inner is None and (accelerate_forward(forward) or _mixed_precision(forward)):
+            inner = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+            inner = getattr(inner, "model_forward", inner)  # accelerate's ConvertOutputsToFp32 holds what it calls
         if inner is None:
             break
         forward = inner
     return forward
+
+
+# (module, the wrapper's function name): accelerate's `convert_outputs_to_fp32`'s and torch's `autocast_decorator`'s
+MIXED_PRECISION = (("accelerate.utils.operations", "forward"), ("torch.amp.autocast_mode", "decorate_autocast"))
+
+
+def _mixed_precision(forward: Callable) -> bool:
+    """`forward` is one of the wrappers that run what they wrap in another dtype and change nothing else, known by
+    its code (`functools.wraps` gives the autocast decorator's wrapper the name of what it wraps)."""
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return code is not None and any(
+        code.co_name == name and code.co_filename == getattr(sys.modules.get(module), "__file__", None)
+        for module, name in MIXED_PRECISION)
 
 
 def _undecorated(forward: Callable) -> Callable:
