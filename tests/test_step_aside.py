@@ -95,6 +95,10 @@ def test_a_callers_4d_mask_steps_aside_exactly(family):
             assert handle.stepped_aside == {"custom_4d_mask": 1}
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real])
+    with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:  # strict: refused by its name
+        with pytest.raises(PatchInputError, match=r"strict=True.*4D attention mask.*pass the 2D \[batch, seq\]"):
+            model(input_ids=ids, attention_mask=additive)
+        assert handle.calls == 0 and not handle.stepped_aside
 
 
 def test_strict_refuses_output_attentions_naming_the_cause():
@@ -133,12 +137,13 @@ def test_paged_generation_runs_as_unpatched():
         got = model.generate(input_ids=ids, **kw)
         aside = group.stepped_aside
     assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
-    if aside:  # the versions whose continuous batching reaches patchkit's model forward (5.x after 5.0)
-        assert set(aside) == {"continuous_batching"}  # named for what it is, not "pass the 2D mask" (not possible)
-        (said,) = aside_messages(caught)
-        assert "continuous batching" in said and "2D" not in said
-        (where,) = {w.filename for w in caught if "ran on transformers' attention" in str(w.message)}
-        assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
+    # every transformers whose continuous batching generates unpatched (5.x after 5.0) runs it through the patched
+    # model forward: one that stopped would run it unseen, and is a release to read before serving
+    assert set(aside) == {"continuous_batching"}  # named for what it is, not "pass the 2D mask" (not possible)
+    (said,) = aside_messages(caught)
+    assert "continuous batching" in said and "2D" not in said
+    (where,) = {w.filename for w in caught if "ran on transformers' attention" in str(w.message)}
+    assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
 
 
 def test_a_refusal_inside_continuous_batching_reaches_the_caller():
@@ -149,12 +154,9 @@ def test_a_refusal_inside_continuous_batching_reaches_the_caller():
     original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
     model, ids, kw, want = unpatched_paged_generation()
     with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
-        try:
-            got = model.generate(input_ids=ids, **kw)
-        except PatchkitError as err:
-            assert "strict=True" in str(err) and "continuous batching" in str(err)
-        else:  # a continuous batching that never reaches patchkit's attention (its own paged one): as unpatched
-            assert torch.equal(got, want), "a refusal was swallowed: the prompts came back"
+        with pytest.raises(PatchkitError, match="continuous batching") as refused:  # not swallowed: no prompts back
+            model.generate(input_ids=ids, **kw)
+        assert "strict=True" in str(refused.value)
         handle.revert()
     assert vars(continuous_batching.ContinuousMixin)["generate_batch"] is original
     assert torch.equal(model.generate(input_ids=ids, **kw), want)
