@@ -101,6 +101,9 @@ OVERRIDES = {
     # queries to `logits_to_keep` before it (this pattern keeps TRL's 3-step Adam drift against eager under 1e-3)
     "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                         layer_types=["full_attention", "sliding_attention", "full_attention"]),
+    # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
+    "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
+                         layer_types=["full_attention", "sliding_attention", "full_attention"]),
 }
 
 
