@@ -65,19 +65,22 @@ def test_a_dispatched_model_trains_as_unpatched(tmp_path, place, way, unpad):
     assert handle.heads == {served: 2}
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("place", PLACES)
-def test_a_dispatched_model_generates_as_unpatched(tmp_path, place):
-    """generate() on a left-padded batch: the unpatched dispatched model's tokens."""
+def test_a_dispatched_model_generates_as_unpatched(tmp_path, place, cache):
+    """generate() on a left-padded batch into either cache (a static one's layers are placed by the keys they first
+    take, each on its layer's device): the unpatched dispatched model's tokens, nothing stepped aside."""
     ids, mask = padded_batch("left")
 
     def generate(model: torch.nn.Module) -> torch.Tensor:
         return model.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                                     pad_token_id=0)
+                                     pad_token_id=0, cache_implementation=cache)
 
     want = generate(dispatched(place, str(tmp_path / "want")))
     model = dispatched(place, str(tmp_path / "got"))
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         torch.testing.assert_close(generate(model), want, atol=0, rtol=0)
+        assert handle.calls and not handle.stepped_aside
 
 
 def test_only_accelerates_placing_hooks_fuse_the_head(tmp_path):
@@ -189,9 +192,10 @@ def test_a_model_split_across_devices_trains_and_generates_as_unpatched(split, u
         loss = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss
         loss.backward()
         grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
-        tokens = model.eval().generate(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=4,
-                                       do_sample=False, pad_token_id=0)
-        return float(loss.detach()), grads, tokens.cpu()
+        tokens = [model.eval().generate(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=4,
+                                        do_sample=False, pad_token_id=0, cache_implementation=cache).cpu()
+                  for cache in ("dynamic", "static")]  # a static cache's layers each on its layer's device
+        return float(loss.detach()), grads, torch.stack(tokens)
 
     want = run(split_at(tiny_model(), first, second))
     model = split_at(tiny_model(), first, second)
