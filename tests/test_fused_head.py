@@ -364,24 +364,30 @@ def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(t
     assert_trained_alike(got, want)
 
 
-def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path):
+@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied"])
+def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
     """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
     completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
-    micro-batch fused."""
+    micro-batch fused. With a chat template's new tokens trained (`trainable_token_indices` on Gemma 2's tied head
+    and embedding: PEFT's wrapper over both), their rows train as unpatched too."""
     peft = pytest.importorskip("peft")
-    batch = long_batch(family("llama"))
+    name = "gemma2" if "tied" in tuning else "llama"
+    batch = long_batch(family(name))
     rows = [dict(input_ids=i, attention_mask=m, labels=lab)
             for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
+    tokens = {"embed_tokens": [3, 5, 8]} if "tokens" in tuning else None
 
     def lora() -> torch.nn.Module:
         torch.manual_seed(0)  # the adapters' A matrices
-        return peft.get_peft_model(family("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        return peft.get_peft_model(family(name), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                 trainable_token_indices=tokens))
 
     want, got = (trainer_run(lora(), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
                  for unpad in (None, "loss"))
     assert got[2] == {lm_head.FUSED: 6}
     assert any("lora_A" in name for name in want[1])
+    assert not tokens or any(float(w.abs().max()) > 0 for name, w in want[1].items() if "tokens_delta" in name)
     assert_trained_alike(got, want)
 
 
