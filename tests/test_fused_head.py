@@ -3,12 +3,10 @@ the numbers of the family's own head and transformers' loss, served only after t
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from models import completion_labels, labels_for, padded_batch
-from test_lm_head import assert_trained_alike, family, step, trainer_run
+from test_lm_head import family, step
 from test_loss_alone import assert_grads
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -315,80 +313,6 @@ def test_under_autocast_the_fused_head_runs_in_autocasts_dtype():
 def test_a_label_outside_the_vocabulary_raises_as_cross_entropy_does():
     with pytest.raises(IndexError, match="Target 11 is out of bounds"):
         linear_cross_entropy(torch.randn(3, 8), torch.randn(11, 8), None, torch.tensor([1, -100, 11]))
-
-
-def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numbers(tmp_path):
-    """The HF Trainer as users run it: Gemma2 (its softcap in the fused loss), gradient checkpointing on, completion-
-    only labels, 2 micro-batches a step (num_items_in_batch): the losses and the trained weights equal unpatched,
-    and every micro-batch ran the fused head (the first after its check)."""
-    batch = long_batch(family("gemma2"))
-    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
-            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
-    want, got = (trainer_run(family("gemma2"), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
-                             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-                 for unpad in (None, "loss"))
-    assert got[2] == {lm_head.FUSED: 6}  # 3 steps x 2 micro-batches, the first checked
-    assert_trained_alike(got, want)
-
-
-@pytest.mark.parametrize("tuning", ["full", "lora, checkpointed"])
-def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
-    """The HF Trainer with `torch_compile=True` (dynamo's eager backend here; inductor on a GPU): the compiled model's
-    layers run compiled, its head and loss fused between the compiled frames; the losses and trained weights equal
-    the unpatched compiled run, every micro-batch fused. Gemma 2 fully fine-tuned, or LLaMA under PEFT's LoRA with
-    gradient checkpointing (non-reentrant), as a compiled LoRA run is set up."""
-    from torch._dynamo.utils import counters
-
-    lora = tuning.startswith("lora")
-    batch = long_batch(family("gemma2"))
-    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
-            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
-
-    def model() -> torch.nn.Module:
-        if not lora:
-            return family("gemma2")
-        peft = pytest.importorskip("peft")
-        torch.manual_seed(0)  # the adapters' A matrices
-        return peft.get_peft_model(family("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-
-    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-    run = functools.partial(trainer_run, rows=rows, tmp_path=tmp_path, max_steps=2, per_device_train_batch_size=3,
-                            torch_compile=True, torch_compile_backend="eager", **(checkpointing if lora else {}))
-    try:
-        want = run(model(), unpad=None)
-        counters.clear()
-        got = run(model(), unpad="loss")
-    finally:
-        torch._dynamo.reset()
-    assert got[2] == {lm_head.FUSED: 4} and counters["stats"]["unique_graphs"] > 0  # compiled, and fused
-    assert_trained_alike(got, want)
-
-
-@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied"])
-def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
-    """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
-    completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
-    micro-batch fused. With a chat template's new tokens trained (`trainable_token_indices` on Gemma 2's tied head
-    and embedding: PEFT's wrapper over both), their rows train as unpatched too."""
-    peft = pytest.importorskip("peft")
-    name = "gemma2" if "tied" in tuning else "llama"
-    batch = long_batch(family(name))
-    rows = [dict(input_ids=i, attention_mask=m, labels=lab)
-            for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
-    tokens = {"embed_tokens": [3, 5, 8]} if "tokens" in tuning else None
-
-    def lora() -> torch.nn.Module:
-        torch.manual_seed(0)  # the adapters' A matrices
-        return peft.get_peft_model(family(name), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                 trainable_token_indices=tokens))
-
-    want, got = (trainer_run(lora(), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
-                             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-                 for unpad in (None, "loss"))
-    assert got[2] == {lm_head.FUSED: 6}
-    assert any("lora_A" in name for name in want[1])
-    assert not tokens or any(float(w.abs().max()) > 0 for name, w in want[1].items() if "tokens_delta" in name)
-    assert_trained_alike(got, want)
 
 
 @pytest.mark.parametrize("head", ["frozen", "trains"])
