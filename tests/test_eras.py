@@ -6,7 +6,6 @@ This file imports nothing newer than transformers 4.31 has, so the version matri
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 import transformers
 from entrypoints import clean_env, launch, run
-from models import assert_same, check_packed_rows, padded_batch, step, tiny_model
+from models import assert_same, check_packed_rows, labels_for, padded_batch, step, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -39,31 +38,52 @@ def test_padded_logits_and_gradients_match_this_versions_eager(patch, kv_heads, 
     assert_same(got, want, mask)
 
 
+@torch.no_grad()
+def greedy(model: transformers.LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                          use_cache=True)
+
+
+def loss_and_step(model: transformers.LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """The loss, then `step`'s logits and gradients, of one padded training step."""
+    with torch.no_grad():
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss
+    return loss, step(model, ids, mask)
+
+
 @pytest.mark.skipif(VERSION < Version("4.36"), reason="one attention class before transformers 4.36")
-def test_the_sdpa_attention_class_the_model_builds_is_patched():
-    """4.36-4.47 build LlamaSdpaAttention by default: a patch of LlamaAttention.forward alone would miss it."""
-    eager = tiny_model(kv_heads=2).train()
+def test_the_sdpa_attention_class_a_model_loads_by_default_runs_through_the_patch(tmp_path: Path) -> None:
+    """4.36-4.47 build LlamaSdpaAttention when from_pretrained is given no attn_implementation, as LLaVA (4.37.2)
+    and FastChat-era scripts load: a patch of LlamaAttention.forward alone would miss it."""
+    tiny_model(kv_heads=2).save_pretrained(tmp_path)
     ids, mask = padded_batch("mixed")
-    want = step(eager, ids, mask)
-    handle = patchkit.apply_patch("llama2", backend="sdpa")
-    model = transformers.LlamaForCausalLM(copy.deepcopy(eager.config)).train()
-    model.config._attn_implementation = "sdpa"  # for the record; the layers below are what counts
-    model.load_state_dict(eager.state_dict())
-    got = step(model, ids, mask)
-    assert handle.check(model) == 2
-    assert_same(got, want, mask)
+    prompt, prompt_mask = padded_batch("left", batch=3, seq=16)
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path).train()
+    want = loss_and_step(plain, ids, mask)
+    want_tokens = greedy(plain.eval(), prompt, prompt_mask)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).train()  # built after the class patch
+        got = loss_and_step(model, ids, mask)
+        got_tokens = greedy(model.eval(), prompt, prompt_mask)
+        assert handle.check(model) == handle.layers_patched == model.config.num_hidden_layers == 2
+        assert handle.stepped_aside == {}
+    built = "LlamaSdpaAttention" if hasattr(eras.modeling_llama(), "LlamaSdpaAttention") else "LlamaAttention"
+    for m in (plain, model):
+        assert m.config._attn_implementation == "sdpa"
+        assert {type(layer.self_attn).__name__ for layer in m.model.layers} == {built}
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-4)
+    assert_same(got[1], want[1], mask)
+    assert torch.equal(got_tokens, want_tokens)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_left_padded_greedy_generation_with_a_cache_matches_eager(kv_heads):
     model = tiny_model(kv_heads=kv_heads, seed=3)
     ids, mask = padded_batch("left", batch=3, seq=16)
-    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, use_cache=True)
-    with torch.no_grad():
-        want = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
-            got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            assert handle.layers_patched == 2
+    want = greedy(model, ids, mask)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = greedy(model, ids, mask)
+        assert handle.layers_patched == 2
     assert torch.equal(got, want)
 
 
