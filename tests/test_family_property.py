@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from families import ATOL, FAMILIES, FAMILIES_FROM, WINDOW, WINDOWED, family_model
 from models import VOCAB, static_cache
 from packaging.version import Version
-from test_property import CACHED, RTOL, SINGLE, cases, check, given, one_thread, sdpa_route  # noqa: F401 (fixtures)
+from property_cases import CACHED, RTOL, SINGLE, cases, given
+from property_check import check, one_thread, sdpa_route  # noqa: F401 (fixtures)
 from transformers import __version__ as transformers_version
 
 import patchkit

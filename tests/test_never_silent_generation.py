@@ -1,0 +1,150 @@
+"""Never silently wrong in generation: generate() and hand-written decode loops over padded prompts and caches.
+
+Each gives unpatched's tokens and logits, patched or stepped aside by name (a row that is all padding, a right-padded
+prefill, a static kind of cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from families import set_attention
+from models import CACHE, VOCAB, dynamic_cache, padded_batch, static_decode, tiny_model
+from packaging.version import Version
+
+import patchkit
+
+VERSION = Version(transformers.__version__)
+
+
+@pytest.mark.parametrize("cache", [
+    pytest.param("sliding_window", marks=pytest.mark.skipif(
+        VERSION < Version("4.53"), reason="unpatched transformers < 4.53 fails it: LLaMA's _update_causal_mask "
+        "cannot size a mask for a SlidingWindowCache shorter than the prompt (RuntimeError in generate())")),
+    "static",
+])
+def test_generate_with_a_static_kind_of_cache_steps_aside_naming_the_cause(cache):
+    """generate() builds a 4D mask for these caches before the model runs: transformers' attention serves it."""
+    model = tiny_model()
+    model.config.sliding_window = 8  # the sliding_window cache needs a window
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=2, pad_token_id=0, do_sample=False, cache_implementation=cache)
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = model.generate(input_ids=ids, **kw)
+        counted = handle.stepped_aside
+    assert torch.equal(got, want)
+    if counted:  # the versions whose generate() builds the 4D mask itself
+        assert set(counted) == {"custom_4d_mask"}
+
+
+@pytest.mark.parametrize(("family", "new"), [("mistral", 3), ("starcoder2", 3), ("llama", 1)])
+def test_a_right_padded_static_generation_on_a_sliding_model_reads_no_padding_logit(family, new):
+    """generate(cache_implementation="static") on a right-padded prompt longer than the window (8 > 5), its rows'
+    real tokens within it: the sliding layers' prefill mask is square, and it was taken for packed documents
+    (neat_packing's mask) and served, so a short row's next token, which generate() reads at a padding position,
+    came from patchkit's zero there: another first token for every right-padded row, no error (4.56-5.23). A
+    static cache's mask is now never read as documents, and a prefill reading a padding position steps aside
+    (right_padded_generation), as with a 2D mask. Every layer sliding (Mistral, Starcoder2): generate() makes one 4D
+    mask; a LLaMA generating one token has a static cache as long as the prompt, so its mask is square too."""
+    from families import any_model
+
+    model = any_model(family)
+    mask = (torch.arange(8)[None] < torch.tensor([[4], [2], [1]])).long()  # right-padded, each row within the window
+    ids = torch.randint(3, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+              cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    want = model.generate(**kw)
+    with patchkit.apply_patch(backend="sdpa") as handle:
+        got = model.generate(**kw)
+        aside = handle.stepped_aside  # before 4.57 such static caches are not served: every forward steps aside
+        assert aside.get("right_padded_generation") == 1 or aside == {"custom_4d_mask": new}
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits, 1), torch.stack(want.logits, 1), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+def test_generate_with_a_row_that_is_all_padding_equals_unpatched(cache, unpad):
+    """A row with no real token: transformers gives it real logits at its last (padding) position, varlen kernels
+    zeros, so its tokens were all 0 under the patch, silently. The prefill steps aside, named; the steps after it
+    (the row now has tokens of its own) run patched, and every row's tokens equal unpatched."""
+    from families import static_cache_served
+
+    if cache == "static" and not static_cache_served("llama"):
+        pytest.skip("this transformers' static-cache generation steps aside (tests/test_step_aside.py)")
+    model = set_attention(tiny_model(kv_heads=2), "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    ids[1] = torch.randint(3, VOCAB, (14,), generator=torch.Generator().manual_seed(5))  # a pad id that embeds
+    mask[1] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+              **({} if cache == "dynamic" else {"cache_implementation": "static"}))
+    want = model.generate(input_ids=ids, **kw)
+    assert want[1, 14:].any()  # unpatched: the empty row generates real tokens
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad) as handle:
+        with pytest.warns(RuntimeWarning, match="a row that is all padding"):
+            got = model.generate(input_ids=ids, **kw)
+        assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 4
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "static over every slot"])
+def test_a_hand_written_decode_loop_with_a_row_that_is_all_padding_equals_unpatched(cache):
+    """The loop generate() runs, by hand: its prefill into an empty cache reads each row's next token at the last
+    prompt column, padding for a row with no real token (transformers computes logits there, varlen kernels give
+    zeros: 0.3 off, and other tokens after). It steps aside as generate() does, named; the steps after run patched."""
+    model = set_attention(tiny_model(kv_heads=2), "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    mask[1] = 0
+    if cache == "dynamic":
+        def loop():
+            kv, step_mask, nxt, logits = dynamic_cache(model), mask, ids, []
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            for _ in range(4):
+                out = model(input_ids=nxt, attention_mask=step_mask, position_ids=positions, **{CACHE: kv},
+                            use_cache=True)
+                logits.append(out.logits[:, -1])
+                nxt, positions = out.logits[:, -1:].argmax(-1), positions[:, -1:] + 1
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], -1)
+            return torch.stack(logits, 1)
+    else:
+        def loop():
+            return static_decode(model, ids, mask, steps=3, max_len=20, full_mask=cache != "static")
+    with torch.no_grad():
+        want = loop()
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="decode loop.*a row that is all padding"):
+                got = loop()
+            assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 3
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(VERSION < Version("5"), reason="GPT-2 is served from data on transformers 5.x")
+@pytest.mark.parametrize("cache", ["generate", "hand-written prefill"])
+def test_right_padded_prefill_of_a_model_that_takes_no_logits_to_keep_steps_aside(cache):
+    """GPT-2's double-heads model (transformers' own test_generate_with_static_cache and
+    test_generate_compile_model_forward_fullgraph, 2026-11-29): its forward takes no `logits_to_keep` and, on 5.x,
+    generate() passes no `cache_position` either, so patchkit could not tell generate()'s prefill from a plain forward.
+    A right-padded prompt then ran packed and each short row's next token was read from the zeros at its padding:
+    other tokens than unpatched, with no warning (the static cache's prefill stepped aside, so static and dynamic
+    disagreed). Such a model's prefill into an empty cache with a row ending in padding steps aside, named."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2DoubleHeadsModel(config).eval()
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    if cache == "generate":
+        def run():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  pad_token_id=0)
+    else:
+        def run():
+            return model(input_ids=ids, attention_mask=mask, **{CACHE: dynamic_cache(model)},
+                         use_cache=True).logits[:, -1]
+    with torch.no_grad():
+        want = run()
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match="right_padded_generation"):
+                got = run()
+            assert handle.stepped_aside == {"right_padded_generation": 1}
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -1,0 +1,231 @@
+"""Never silently wrong, a forward's inputs: masks, positions, labels and caches that once gave wrong numbers.
+
+Each is now exact, or refused with its cause and fix; so are the models and arguments patchkit does not serve."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import transformers
+from families import set_attention
+from models import VOCAB, dynamic_cache, needs_mask_interface, padded_batch, static_decode, tiny_model
+from packaging.version import Version
+
+import patchkit
+from patchkit import PatchInputError
+
+MOD = sys.modules["transformers.models.llama.modeling_llama"]
+VERSION = Version(transformers.__version__)
+
+
+@pytest.mark.parametrize("full_mask", [True, False], ids=["full-length mask", "short mask"])
+def test_static_cache_decode_places_queries_by_the_cache(full_mask):
+    """Item 1: a mask over all max_cache_len slots (0 for the unfilled tail) gave logits off by ~0.44."""
+    model = tiny_model(kv_heads=2, seed=3)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = static_decode(model, ids, mask, steps=4, max_len=24, full_mask=full_mask)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_mask_longer_than_the_dynamic_cache_is_refused():
+    """The FastChat bug (past columns prepended again): refused, never read as other keys."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        doubled = torch.cat([torch.ones_like(mask), mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(PatchInputError, match="do not prepend past columns"):
+            model(input_ids=ids[:, -1:], attention_mask=doubled, past_key_values=out.past_key_values)
+
+
+def test_positions_across_a_padding_hole_stay_one_document():
+    """Item 3: mask [1,0,1,1,1,1] with positions [0,1,1,2,3,4] was split into two documents."""
+    model = tiny_model(kv_heads=2)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = torch.tensor([[0, 1, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for unpad in ("model", "attention"):
+            with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad):
+                got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            real = mask.bool()
+            torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+def test_labels_predicted_from_padding_match_the_unpatched_model(unpad, attn):
+    """Item 4: with labels = input_ids where mask == 1, a left-padded row's first label is predicted from padding.
+
+    Unpatched transformers' own answer there depends on its attention implementation (eager and sdpa differ);
+    patchkit steps aside for such a batch, so the loss and every gradient match the model's own implementation.
+    """
+    model = set_attention(tiny_model(kv_heads=2).train(), attn)
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = copy.deepcopy(model)
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_activation_checkpointing_in_training_is_served_whether_or_not_the_batch_has_padding(padded):
+    """Item 10: the recompute appended the keys to a DynamicCache again; the step failed or not by padding."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right")
+    if not padded:
+        mask = torch.ones_like(mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = copy.deepcopy(model)
+    want = reference(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    want.loss.backward()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MOD.LlamaDecoderLayer))
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache defaults to True
+        got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_a_cache_that_grows_during_the_forward_is_refused_with_the_real_cause():
+    """Under the registered name there is no model wrapper: the recompute's second append is refused, not blamed
+    on the mask."""
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right")
+    layer = model.model.layers[0].self_attn
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        original = layer.forward
+
+        def twice(*args, **kwargs):  # what a recomputing checkpoint does to a cache
+            original(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        layer.forward = twice
+        with pytest.raises(PatchInputError, match="cache changed during the forward.*use_cache=False"):
+            model(input_ids=ids, attention_mask=mask, past_key_values=dynamic_cache(model))
+
+
+def tiny_family(kind: str, implementation: str = patchkit.ATTENTION_NAME):
+    """A tiny random model of another family, loaded with attn_implementation="patchkit" by default."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  attn_implementation=implementation)
+    torch.manual_seed(0)
+    if kind == "mistral-window":
+        return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=3, **common))
+    if kind == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, attn_logit_softcapping=5.0,
+                                                    layer_types=["full_attention"], **common))
+    if kind == "olmo":
+        return tf.OlmoForCausalLM(tf.OlmoConfig(num_key_value_heads=2, **common))
+    if kind == "doge":
+        return tf.DogeForCausalLM(tf.DogeConfig(**common))
+    return tf.BertModel(tf.BertConfig(**common))
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("kind,match", [
+    pytest.param("bert", r"BertSelfAttention \(model_type 'bert'\), a model family patchkit has no patch for",
+                 marks=pytest.mark.skipif(VERSION < Version("5"), reason="BERT's attention goes through the "
+                                          "attention interface from transformers 5.0 (4.x: BERT_SELF_ATTENTION_CLASSES,"
+                                          " no registered name reaches it)")),
+    pytest.param("olmo", r"OlmoAttention \(model_type 'olmo'\), a model family patchkit has no patch for",
+                 marks=pytest.mark.skipif(VERSION >= Version("5"), reason="served from data on transformers 5.x")),
+    pytest.param("doge", r"model_type 'doge', which uses dynamic mask attention", marks=pytest.mark.skipif(
+        VERSION < Version("5"), reason="served from data, or refused by name, on transformers 5.x")),
+])
+def test_registered_name_refuses_what_it_does_not_serve(kind, match):
+    """Item 2: the registered name reached BERT and other families and ran them silently wrong."""
+    model = tiny_family(kind)
+    ids, mask = padded_batch("right", batch=2)
+    with pytest.raises(PatchInputError, match=match):
+        model(input_ids=ids, attention_mask=mask)
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("kind", ["mistral-window", "gemma2"])
+def test_registered_name_serves_windows_and_softcap_exactly(kind):
+    """Item 2: Mistral's sliding_window=3 (0.36 off) and Gemma2's softcap (0.32 off) are now exact."""
+    ours, eager = tiny_family(kind), tiny_family(kind, "eager")
+    ids, mask = padded_batch("mixed")
+    patchkit.register_attention(backend="sdpa")
+    try:
+        with torch.no_grad():
+            got = ours(input_ids=ids, attention_mask=mask).logits
+            want = eager(input_ids=ids, attention_mask=mask).logits
+    finally:
+        patchkit.register_attention(backend="auto")
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_an_unserved_argument_is_refused_by_name():
+    """The allow-list: an argument patchkit does not implement (sparse attention's selected keys) raises, never
+    ignored."""
+    from patchkit.hooks.attention.varlen import make_attention_function
+    from patchkit.hooks.name.attention_interface import route_state
+
+    layer = tiny_model().model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16)
+    attention = make_attention_function(route_state(), {"llama"})
+    with pytest.raises(PatchInputError, match=r"LlamaAttention \(model_type 'llama'\) passes sparse_indices=.*keys "
+                                              "an indexer selected"):
+        attention(layer, q, q, q, None, sparse_indices=torch.zeros(1, 3, 2, dtype=torch.int32))
+
+
+def test_packed_documents_behind_a_cache_are_refused():
+    """A chunk whose positions restart with a cache behind it: the new document would see the cached one."""
+    model = tiny_model(kv_heads=2)
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        out = model(input_ids=ids[:, :2], position_ids=torch.tensor([[0, 1]]), use_cache=True)
+        with pytest.raises(PatchInputError, match="position_ids restart inside a chunk that has a KV cache"):
+            model(input_ids=ids[:, 2:], position_ids=torch.tensor([[2, 0, 1]]), past_key_values=out.past_key_values)
+
+
+def test_a_cache_from_training_mode_is_explained_not_blamed_on_the_mask():
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        out = model(input_ids=ids, attention_mask=mask)  # training keeps no cache
+        assert out.past_key_values is None
+        longer = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        with pytest.raises(PatchInputError, match="patchkit keeps no KV cache in training.*model.eval"):
+            model(input_ids=ids[:, -1:], attention_mask=longer, past_key_values=out.past_key_values)
+
+
+@pytest.mark.parametrize("route", ["class patch", pytest.param("registered name", marks=needs_mask_interface)])
+def test_bidirectional_attention_is_refused(route):
+    """LLM2Vec sets is_causal=False on every attention module: causal varlen kernels must refuse, never mask it."""
+    model = tiny_model(kv_heads=2)
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    ids, mask = padded_batch("right", batch=2)
+    if route == "class patch":
+        with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(PatchInputError, match=r"is_causal=False"):
+            model(input_ids=ids, attention_mask=mask)
+        return
+    set_attention(model, patchkit.ATTENTION_NAME)
+    patchkit.register_attention(backend="sdpa")
+    try:
+        with pytest.raises(PatchInputError, match=r"LlamaAttention \(model_type 'llama'\) passes is_causal=False"):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)

@@ -1,0 +1,146 @@
+"""Never silently wrong across a patch's life: applied or reverted while a forward is in flight, and after it.
+
+An instance-patched model whose attention is changed, that is copied, saved or garbage-collected, or that is patched
+over a class patch: exact, or refused naming the cause."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+
+import pytest
+import torch
+from families import set_attention
+from models import padded_batch, tiny_model
+
+import patchkit
+from patchkit import PatchInputError
+from patchkit.hooks.install.routing import is_patched_forward
+
+
+def test_revert_while_a_forward_is_in_flight_finishes_it_exactly():
+    """Item 5: a revert from inside a forward crashed deep in torch with a VarlenMask type error. The forward's
+    masks were made for patchkit, so its remaining layers finish on patchkit's attention; the next runs unpatched."""
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    handle = patchkit.apply_patch("llama2", backend="sdpa")
+    hook = model.model.layers[0].register_forward_hook(lambda *a: handle.revert())
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    hook.remove()
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+    assert handle.calls == 2 and not handle.active
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert handle.calls == 2  # the next forward runs unpatched
+
+
+def test_apply_while_a_forward_is_in_flight_finishes_it_on_transformers_attention():
+    """The layers after the apply get transformers' own mask, so they run transformers' own attention: exact."""
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    hook = model.model.layers[0].register_forward_hook(
+        lambda *a: patchkit.apply_patch("llama2", backend="sdpa") and None
+    )
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+    hook.remove()
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+    assert patchkit.active_patches()[0].calls == 0  # the next forward runs patched
+
+
+def test_set_attn_implementation_after_an_instance_patch_names_the_cause():
+    """Item 6: refused with the generic 4D-mask text, which named neither cause."""
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    set_attention(model, "sdpa")  # set_attn_implementation (4.56+), or the config field it sets
+    with pytest.raises(PatchInputError, match=r"changed to 'sdpa' after patchkit patched it.*set_attn_implementation"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_deepcopy_of_an_instance_patched_model_is_patched_and_reverted_with_it():
+    """Item 7: the copy stayed patched after revert_patch(), and nothing could revert it."""
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    handle = patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    twin = copy.deepcopy(model)
+    assert handle.check(twin) == 2
+    with torch.no_grad():
+        got = twin(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    patchkit.revert_patch()
+    modules = [*twin.modules(), *model.modules()]
+    assert not any(is_patched_forward(vars(m).get("forward")) for m in modules if "forward" in vars(m))
+    # every instance-level method is gone from the copy too: attention, the base model's and the LM's forward
+    assert [type(m).__name__ for m in modules if "forward" in vars(m)] == []
+    assert twin.config._attn_implementation == model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        after = twin(input_ids=ids, attention_mask=mask).logits  # the reverted copy runs as the unpatched model
+    torch.testing.assert_close(after[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_saved_instance_patched_model_loads_and_runs_without_patchkit(tmp_path):
+    import subprocess
+
+    model = tiny_model()
+    ids, mask = padded_batch("mixed")
+    patchkit.apply_patch("llama2", model=model, backend="sdpa")
+    torch.save({"model": model, "ids": ids, "mask": mask}, tmp_path / "model.pt")
+    with torch.no_grad():
+        torch.save(model(input_ids=ids, attention_mask=mask).logits, tmp_path / "want.pt")
+    script = (
+        "import sys, torch; sys.modules['patchkit'] = None  # patchkit cannot be imported here\n"
+        f"d = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad(): got = d['model'](input_ids=d['ids'], attention_mask=d['mask']).logits\n"
+        f"want = torch.load({str(tmp_path / 'want.pt')!r}); real = d['mask'].bool()\n"
+        "torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4); print('LOADED', "
+        "d['model'].config._attn_implementation)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "LOADED eager" in done.stdout
+
+
+def test_a_collected_model_leaves_no_handle():
+    model = tiny_model()
+    patchkit.apply_patch("llama2", model=model.model, backend="sdpa")  # a submodule: the patch binds to it
+    assert len(patchkit.active_patches()) == 1
+    del model
+    gc.collect()
+    assert patchkit.active_patches() == []
+
+
+@pytest.mark.parametrize("revert_class_first", [True, False])
+def test_an_instance_patch_over_a_class_patch_counts_its_own_forwards(revert_class_first):
+    """A class patch, a model built under it, then an instance patch on that model: its forwards ran through both
+    wrappers and were counted on the class handle, even after the class patch was reverted (the instance patch had
+    wrapped the class's patched forward), while the instance handle said 0 calls and 0 layers. The instance patch
+    now wraps transformers' own forward: its handle counts every forward, the class handle none, exact throughout."""
+    ids, mask = padded_batch("right")
+    model = tiny_model()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    cls = patchkit.apply_patch("llama2", backend="sdpa")
+    instance = patchkit.apply_patch(model=model, backend="sdpa")
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask).logits
+        assert instance.layers_patched == model.config.num_hidden_layers and cls.calls == 0
+        (cls if revert_class_first else instance).revert()
+        second = model(input_ids=ids, attention_mask=mask).logits
+    (instance if revert_class_first else cls).revert()
+    layers = model.config.num_hidden_layers
+    assert cls.calls == (0 if revert_class_first else layers)  # the class patch serves the model once alone
+    assert instance.calls == (2 * layers if revert_class_first else layers)
+    real = mask.bool()
+    for got in (first, second):
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    assert not is_patched_forward(model.model.forward)
