@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import matrix  # noqa: E402
+import matrix_plan as plan  # noqa: E402
 
 
 @pytest.fixture
@@ -53,18 +54,18 @@ def test_matrix_versions_get_no_tested_version(ran, monkeypatch, tmp_path):
 
 
 def test_each_era_runs_its_tier():
-    legacy = matrix.tests_for("4.36.2", matrix.DEFAULT_TESTS)
-    assert legacy[: len(matrix.LEGACY_TESTS)] == matrix.LEGACY_TESTS and matrix.FASTCHAT_TEST in legacy
-    assert matrix.tests_for("4.31.0", matrix.DEFAULT_TESTS) == matrix.LEGACY_TESTS  # the FastChat script runs there
-    assert matrix.tests_for("4.56.2", matrix.DEFAULT_TESTS) == matrix.CORE_TESTS + matrix.CORE_DESELECTED
-    assert matrix.tests_for("4.48.3", matrix.DEFAULT_TESTS) == (
-        matrix.CORE_TESTS + ["tests/test_checkpointing.py"] + matrix.CORE_DESELECTED)
-    assert matrix.tests_for("4.57.6", matrix.DEFAULT_TESTS) == matrix.ERA_TESTS + matrix.CORE_DESELECTED
-    assert set(matrix.ERA_VERSIONS) | set(matrix.EXTRA_TESTS) | set(matrix.FASTCHAT_VERSIONS) <= set(
-        matrix.DEFAULT_VERSIONS)
-    assert matrix.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
-    files = {t.split("::")[0] for t in matrix.DEFAULT_TESTS + matrix.LEGACY_TESTS + [matrix.FASTCHAT_TEST,
-                                                                                    matrix.CORE_DESELECTED[1]]}
+    legacy = plan.tests_for("4.36.2", plan.DEFAULT_TESTS)
+    assert legacy[: len(plan.LEGACY_TESTS)] == plan.LEGACY_TESTS and plan.FASTCHAT_TEST in legacy
+    assert plan.tests_for("4.31.0", plan.DEFAULT_TESTS) == plan.LEGACY_TESTS  # the FastChat script runs there
+    assert plan.tests_for("4.56.2", plan.DEFAULT_TESTS) == plan.CORE_TESTS + plan.CORE_DESELECTED
+    assert plan.tests_for("4.48.3", plan.DEFAULT_TESTS) == (
+        plan.CORE_TESTS + ["tests/test_checkpointing.py"] + plan.CORE_DESELECTED)
+    assert plan.tests_for("4.57.6", plan.DEFAULT_TESTS) == plan.ERA_TESTS + plan.CORE_DESELECTED
+    assert set(plan.ERA_VERSIONS) | set(plan.EXTRA_TESTS) | set(plan.FASTCHAT_VERSIONS) <= set(
+        plan.DEFAULT_VERSIONS)
+    assert plan.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
+    files = {t.split("::")[0] for t in plan.DEFAULT_TESTS + plan.LEGACY_TESTS + [plan.FASTCHAT_TEST,
+                                                                                    plan.CORE_DESELECTED[1]]}
     assert all((matrix.REPO / f).is_file() for f in files), files
 
 
