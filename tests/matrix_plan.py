@@ -15,9 +15,11 @@ from packaging.version import Version
 # 4.56 past_key_values + layered DynamicCache (4.57, the last 4.x, has them: `--versions 4.56.2` runs 4.56 itself);
 # 5.23 the last that names the cache past_key_values
 # (5.24 renames it cache), the end of the 5.x era that began with 5.0 (`--versions 5.0.0` runs its start). The pinned
-# version (5.24) is not here: `make test` runs it whole.
-DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.40.2", "4.46.3", "4.48.3", "4.53.3", "4.57.6",
-                    "5.23.0"]
+# version (5.24) is not here: `make test` runs it whole. Inside the 4.36-4.47 era the legacy patch meets
+# `_update_causal_mask`'s changing signature (4.38, 4.39, 4.40, 4.41): 4.37.2 (LLaVA's pin: LlamaSdpaAttention by
+# default, before it), 4.38.2 and 4.41.2 run too (about 45 s each, install included).
+DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", "4.40.2", "4.41.2", "4.46.3", "4.48.3",
+                    "4.53.3", "4.57.6", "5.23.0"]
 # Before 4.48 only the LLaMA patches exist, and the suite's other files use newer transformers APIs: the era tests
 # (padded logits and gradients, generation with a cache, GQA, packed rows, instance patches, the FastChat-era
 # Trainer script under the launcher) run there. From 4.48 the core test files run too.
