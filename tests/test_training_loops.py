@@ -152,7 +152,9 @@ def test_dynamic_rope_on_a_right_padded_batch_keeps_the_padded_length(family):
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
 
 
-def test_shift_labels_and_num_items_in_batch_pass_through_to_the_loss():
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_shift_labels_and_num_items_in_batch_pass_through_to_the_loss(unpad):
+    """Context parallelism's pre-shifted labels and the Trainer's token count: the loss and every gradient."""
     model = any_model("qwen2", "sdpa").train()
     ids, mask = padded_batch("right")
     labels = ids.masked_fill(mask == 0, -100)
@@ -160,10 +162,13 @@ def test_shift_labels_and_num_items_in_batch_pass_through_to_the_loss():
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift,
                  num_items_in_batch=torch.tensor(int((shift != -100).sum())))
     want = loss_and_grads(model, **batch)
-    with patchkit.apply_patch(backend="sdpa") as group:
+    with patchkit.apply_patch(backend="sdpa", unpad=unpad) as group:
         got = loss_and_grads(model, **batch)
         assert group.calls == 2
     torch.testing.assert_close(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
 
 
 def packed(lengths: list[int]) -> dict:
