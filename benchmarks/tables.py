@@ -266,11 +266,21 @@ def peft_head() -> str:
             + table(["tuning", "provider", "peak MiB", "x HF sdpa", "loss"], body))
 
 
+def prepared_head() -> str:
+    """A model prepared by accelerate, then instance-patched: a step's peak (benchmarks/prepared_head.py)."""
+    rows = read("prepared_head.csv")
+    hf = float(next(r["peak_mib"] for r in rows if r["provider"] == "hf_sdpa"))
+    body = [[r["provider"], f"{float(r['peak_mib']):.0f}", x(float(r["peak_mib"]) / hf), f"{float(r['loss']):.4f}"]
+            for r in rows]
+    return (f"`prepared_head.csv` (vocabulary {rows[0]['vocab']}, {rows[0]['real_tokens']} real tokens)\n\n"
+            + table(["provider", "peak MiB", "x HF sdpa", "loss"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
-    "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head,
+    "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head, "prepared-head": prepared_head,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

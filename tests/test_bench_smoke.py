@@ -158,3 +158,21 @@ def test_the_peft_head_benchmark_fuses_trainable_tokens_with_the_unpatched_loss(
     assert len({r["loss"] for r in rows.values()}) == 1 and all(float(r["peak_mib"]) >= 0 for r in rows.values())
     fused = {p: "fused with the head" in r["heads"] for p, r in rows.items()}
     assert fused == {"hf_sdpa": False, "patchkit_loss_unfused": False, "patchkit_loss": True}
+
+
+def test_the_prepared_head_benchmark_fuses_the_head_only_where_accelerates_wrappers_are_read(tmp_path: Path) -> None:
+    """benchmarks/prepared_head.py at a small vocabulary and a tenth of its lengths: each provider a row with a peak,
+    the unpatched loss, and the head fused only in `patchkit_loss` (the wrappers read through)."""
+    csv_path = tmp_path / "prepared_head.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "prepared_head.py"), "--vocab", "512", "--scale", "0.1",
+         "--csv", str(csv_path)],
+        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {r["provider"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"hf_sdpa", "patchkit_loss_wrapped", "patchkit_loss"}
+    # at this size a step's peak is within the resident set's noise (it can read -0.3 MiB): a number, no more
+    assert len({r["loss"] for r in rows.values()}) == 1 and all(abs(float(r["peak_mib"])) < 1e6 for r in rows.values())
+    fused = {p: "fused with the head" in r["heads"] for p, r in rows.items()}
+    assert fused == {"hf_sdpa": False, "patchkit_loss_wrapped": False, "patchkit_loss": True}
