@@ -15,7 +15,6 @@ labelled rows (`patchkit_loss_unfused`: what trainable tokens ran before they we
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -82,10 +81,9 @@ def main() -> None:
             rows.append(measure(tuning, provider, args.vocab, args.scale))
             print(f"{tuning}, {provider}: {rows[-1]['peak_mib']} MiB, loss {rows[-1]['loss']}", flush=True)
     if args.csv is not None:
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from report import write_rows
+
+        write_rows(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ patch ran before 2026-11-30), and patchkit as it is.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
@@ -70,10 +69,9 @@ def main() -> None:
         rows.append(worker_json([__file__, "--worker", json.dumps([provider, args.vocab, args.scale])]))
         print(f"{provider}: {rows[-1]['peak_mib']} MiB, loss {rows[-1]['loss']}", flush=True)
     if args.csv is not None:
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from report import write_rows
+
+        write_rows(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ before the fused head served it there) and the fused loss alone. Needs DeepSpeed
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -121,10 +120,9 @@ def main() -> None:
         print(f"| {r['provider']} | {r['real_tokens']} | {r['seconds']:.2f} | {r['peak_mib']:.0f} | "
               f"{r['peak_mib'] / base['peak_mib']:.2f}x | {r['loss']:.4f} |")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from report import write_rows
+
+        write_rows(Path(args.csv), rows)
 
 
 if __name__ == "__main__":
