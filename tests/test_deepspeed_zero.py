@@ -53,12 +53,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def train(model_dir: Path, tmp: Path, way: str, lora: bool = False, bf16: bool = False, unpad: str = "model",
-          train_head: bool = False) -> tuple[dict, dict]:
+          train_head: bool = False, own_head: bool = False) -> tuple[dict, dict]:
     """zero3_trainer.py on two ranks (under the launcher for way 'launcher'): rank 0's JSON and parameters."""
-    out = tmp / f"train-{way}-{int(lora)}-{int(bf16)}-{unpad}-{int(train_head)}.json"
+    out = tmp / f"train-{way}-{int(lora)}-{int(bf16)}-{unpad}-{int(train_head)}-{int(own_head)}.json"
     script = ["-m", "patchkit.launch", TRAINER] if way == "launcher" else [TRAINER]
     env = clean_env(PATCHKIT_UNPAD=unpad, **({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    flags = [*(["--lora"] if lora else []), *(["--bf16"] if bf16 else []), *(["--train-head"] if train_head else [])]
+    flags = [flag for flag, on in (("--lora", lora), ("--bf16", bf16), ("--train-head", train_head),
+                                   ("--own-head", own_head)) if on]
     proc = run_group(torchrun(WORLD, *script, way, model_dir, out, *flags), env, TIMEOUT)
     assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
@@ -100,13 +101,13 @@ def test_zero3_trainer_equals_unpatched(way, model_dir, reference, tmp_path):
 
 @pytest.mark.parametrize("unpad", ["model", "loss", "loss, training the head"])
 def test_zero3_lora_under_the_launcher_equals_unpatched(unpad, model_dir, reference, tmp_path):
-    """LoRA on the partitioned model; under unpad="loss" its frozen head, or the copy of it PEFT trains
-    (`modules_to_save`, as adding tokens needs), is gathered for the fused head."""
+    """LoRA on the partitioned model; its frozen head, or the copy of it PEFT trains (`modules_to_save`, as adding
+    tokens needs), is gathered for the fused head (the Trainer's steps read the loss alone: under "model" too)."""
     pytest.importorskip("peft")
     train_head = unpad.endswith("the head")
     got = train(model_dir, tmp_path, "launcher", lora=True, unpad=unpad.split(",")[0], train_head=train_head)
     assert_same_training(got, reference(True, train_head=train_head))
-    assert got[0]["heads"].get(lm_head.FUSED) == (3 if unpad != "model" else None), got[0]["heads"]
+    assert got[0]["heads"].get(lm_head.FUSED) == 3, got[0]["heads"]
 
 
 @pytest.mark.parametrize("case", ["fp32", "fp32, tied", "bf16"])
@@ -130,11 +131,11 @@ def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatche
     # In bf16 patchkit's attention rounds otherwise than sdpa's, and AdamW's first steps move a weight by about its
     # rate wherever that flips a near-zero gradient's sign (measured: up to 0.029 after three steps at lr 1e-2, with
     # or without the fused head). The losses are the unpatched ones to bf16's rounding; the parameters are those of
-    # patchkit's unpad="model", which runs the family's own head on the same rows: equal as in fp32.
+    # patchkit with the family's own head on the same rows (a hook on the head: not fused): equal as in fp32.
     (result, params), (ref, _) = got, reference(False, bf16=True)
     assert result["losses"] == pytest.approx(ref["losses"], abs=2e-3), (result["losses"], ref["losses"])
-    own, own_params = train(model_dir, tmp_path, "class", bf16=True)
-    assert own["heads"] == {lm_head.REAL_TOKENS: 4}, own["heads"]  # 3 steps and the eval forward, unfused
+    own, own_params = train(model_dir, tmp_path, "class", bf16=True, own_head=True)
+    assert own["heads"] == {lm_head.LOSS_ONLY: 3, lm_head.REAL_TOKENS: 1}, own["heads"]  # 3 steps, the eval forward
     assert result["losses"] == pytest.approx(own["losses"], abs=LOSS_ATOL)
     assert_same_parameters(params, own_params)
 

@@ -1,7 +1,7 @@
 """A FastChat-style HF Trainer run under DeepSpeed ZeRO-3: the model partitioned as it loads, trained, evaluated.
 
     torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY MODEL_DIR OUT.json [--lora] [--bf16]
-        [--train-head]
+        [--train-head] [--own-head]
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before loading), `instance` (apply_patch(model=...) on the
 loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller) or `launcher` (run under
@@ -9,9 +9,10 @@ loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the call
 The TrainingArguments carry a ZeRO-3 config before `from_pretrained`, so transformers loads the model inside
 `deepspeed.zero.Init`: every rank holds a shard of each weight and the layers' parameters are gathered by DeepSpeed's
 module hooks around each forward. Gradient checkpointing on, right-padded rows, two per rank and step, fp32 on gloo
-(`--bf16`: DeepSpeed's bf16 mixed precision). Under unpad="loss" (PATCHKIT_UNPAD=loss) the loss is the fused head's,
-the head's weight gathered by its ZeRO-3 hooks. Rank 0 writes the logged losses, an eval-mode loss on held-out rows,
-patchkit's counters and the parameters (gathered from every rank).
+(`--bf16`: DeepSpeed's bf16 mixed precision). The Trainer's steps read the loss alone, so under patchkit the loss is
+the fused head's, the head's weight gathered by its ZeRO-3 hooks (`--own-head`: a forward hook of the user's on the
+head, which the fused loss does not serve: the family's own head runs on the labelled rows). Rank 0 writes the
+logged losses, an eval-mode loss on held-out rows, patchkit's counters and the parameters (gathered from every rank).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from common import checked_way, end_process_group, patchkit_calls, patchkit_head
 
 way = checked_way(sys.argv[1], ("none", "class", "instance", "env", "launcher"))
 model_dir, out = sys.argv[2:4]
-lora, bf16, train_head = ("--lora" in sys.argv[4:], "--bf16" in sys.argv[4:], "--train-head" in sys.argv[4:])
+lora, bf16, train_head, own_head = (flag in sys.argv[4:] for flag in ("--lora", "--bf16", "--train-head", "--own-head"))
 if way == "class":
     import patchkit
 
@@ -45,6 +46,8 @@ args = tf.TrainingArguments(output_dir=os.path.dirname(os.path.abspath(out)), pe
 model = tf.AutoModelForCausalLM.from_pretrained(
     model_dir, attn_implementation="flash_attention_2" if way == "launcher" else "sdpa", dtype=torch.float32)
 partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")  # sharded by zero.Init at load
+if own_head:
+    model.get_output_embeddings().register_forward_hook(lambda module, args, output: None)
 if way == "instance":
     import patchkit
 

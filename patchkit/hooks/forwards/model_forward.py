@@ -45,6 +45,7 @@ from patchkit.hooks.forwards.lm_head import (
     hand_packed,
     servable_forward,
 )
+from patchkit.hooks.forwards.loss_reader import reads_loss_alone
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import caches_in_training, filled_padded, own_cache
 from patchkit.hooks.install.patching import dressed_as
@@ -357,8 +358,11 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             return original(self, *args, **kwargs)
 
     def ask(self: nn.Module, arguments: dict, extra: dict) -> HeadRequest:
-        asks_loss = loss_alone and self.training and labelled(arguments, extra)
-        return HeadRequest(declined(self, arguments, extra, servable), loss_only=loss_alone and self.training,
+        labels = labelled(arguments, extra)
+        # the loss alone: asked of the patch for training forwards, or where the caller reads nothing else
+        alone = loss_alone and self.training or (labels and unpad in WHOLE_MODEL and reads_loss_alone())
+        asks_loss = alone and labels
+        return HeadRequest(declined(self, arguments, extra, servable), loss_only=alone,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                            fused=fused_head(self) if asks_loss else None)
 

@@ -1,0 +1,105 @@
+"""Whether a causal LM's caller provably reads its loss alone (the HF Trainer's own step): then no logits are made.
+
+The HF Trainer's own `compute_loss` returns the loss alone to its training step (`return_outputs=False`), and its
+own `prediction_step` drops the logits it was given when asked for the loss alone (`prediction_loss_only`: an
+evaluation with no `compute_metrics`). A causal LM called there can return its loss alone (`unpad="loss"`'s fused head
+and loss), as the Trainer already tells Liger's head by `skip_logits`: the numbers the Trainer reads are the same, and
+the (B, N, V) logits of an evaluation at the length training reaches are never held.
+
+This is read off the running frames, not set by a wrapper on the Trainer, so that a subclass that reads the logits is
+never served: every frame between the LM's forward and the Trainer's must be a wrapper that only passes the output on
+(torch's module call and its parallel wrappers, accelerate's, PEFT's, DeepSpeed's, transformers' decorators, and
+patchkit's own), and `compute_loss` must be the Trainer's own. Anything else (TRL's trainers, a user's override, a
+model of the user's own around the LM) keeps the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from types import FrameType
+from typing import Optional
+
+MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
+
+# Packages whose frames between the Trainer and the LM pass its output on as it is, as paths under each package
+PASSING = {
+    "torch": ("nn/modules/module.py", "nn/parallel/", "distributed/", "_dynamo/", "amp/autocast_mode.py",
+              "utils/_contextlib.py"),
+    "accelerate": ("",),
+    "peft": ("",),
+    "deepspeed": ("",),
+    "transformers": ("utils/", "integrations/deepspeed.py"),  # decorators; Ulysses' loss (it reads `loss`)
+    "patchkit": ("",),
+}
+
+
+@functools.cache
+def _home(package: str) -> Optional[str]:
+    module = sys.modules.get(package)
+    path = getattr(module, "__file__", None)
+    return os.path.dirname(path) + os.sep if path else None
+
+
+def _passing(filename: str) -> bool:
+    """A frame of this file only passes the output of the call it makes on."""
+    for package, paths in PASSING.items():
+        home = _home(package) if package in sys.modules else None
+        if home is not None and filename.startswith(home):
+            rest = filename[len(home):].replace(os.sep, "/")
+            return any(rest.startswith(p) for p in paths)
+    return False
+
+
+def _trainers(frame: FrameType, name: str) -> bool:
+    """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
+    home = _home("transformers") if "transformers.trainer" in sys.modules else None
+    code = frame.f_code
+    return home is not None and code.co_name == name and code.co_filename == os.path.join(home, "trainer.py")
+
+
+def reads_loss_alone() -> bool:
+    """The running causal LM's forward was called by the HF Trainer's own `compute_loss`, through wrappers that only
+    pass its output on, for a caller that reads the loss alone: its training step, or its `prediction_step` with
+    `prediction_loss_only`. The Trainer's `past_index` (it reads an output by position) or a loss of its own
+    (`compute_loss_func`, label smoothing: it pops the labels and reads the logits) keeps the logits."""
+    frame = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return False
+        if _trainers(frame, "compute_loss"):
+            return _reads_loss(frame)
+        if not _passing(frame.f_code.co_filename) or _hooked_call(frame):
+            return False
+        frame = frame.f_back
+    return False
+
+
+# Whose forward hooks only place or gather weights: they never read a module's output
+HOOKS_FROM = ("deepspeed.", "torch.distributed.", "accelerate.", "peft.", "patchkit.")
+
+
+def _hooked_call(frame: FrameType) -> bool:
+    """`frame` is torch's call of a module that has forward hooks of someone else's, which read its output."""
+    if frame.f_code.co_name != "_call_impl" or not frame.f_code.co_filename.endswith("module.py"):
+        return False
+    import torch.nn.modules.module as torch_module
+
+    module = frame.f_locals.get("self")
+    hooks = [*getattr(module, "_forward_hooks", {}).values(), *torch_module._global_forward_hooks.values()]
+    return any(not (getattr(h, "__module__", None) or "").startswith(HOOKS_FROM) for h in hooks)
+
+
+def _reads_loss(frame: FrameType) -> bool:
+    names = frame.f_locals
+    trainer = names.get("self")
+    args = getattr(trainer, "args", None)
+    if (getattr(trainer, "compute_loss_func", None) is not None or getattr(trainer, "label_smoother", None) is not None
+            or getattr(args, "past_index", -1) >= 0):
+        return False
+    if not names.get("return_outputs", False):
+        return True  # the training step's call: the Trainer returns the loss alone
+    caller = frame.f_back
+    return caller is not None and _trainers(caller, "prediction_step") and (
+        caller.f_locals.get("prediction_loss_only") is True)

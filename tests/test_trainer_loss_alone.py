@@ -1,0 +1,191 @@
+"""The HF Trainer's own steps read the loss alone (`hooks/forwards/loss_reader.py`): under unpad="model" (the default)
+and "loss" its training steps and its evaluation without metrics run the fused head and return no logits, with the
+unpatched Trainer's numbers; every caller that reads the logits gets them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from models import completion_labels, padded_batch
+from test_lm_head import assert_trained_alike, family
+
+import patchkit
+from patchkit.hooks.forwards import lm_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+
+
+def rows_of(model: torch.nn.Module) -> list[dict]:
+    """8 mixed-padded rows with completion-only labels (each with a labelled token)."""
+    ids, mask = padded_batch("mixed", batch=4, seq=16)
+    ids, mask = torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)])
+    ids = ids.clamp(max=model.config.get_text_config().vocab_size - 1)
+    labels = completion_labels(ids, mask, prompt=2)
+    return [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels)]
+
+
+def run(model: torch.nn.Module, unpad: Optional[str], tmp_path, trainer_class: Any = None,
+        compute_metrics: Optional[Callable] = None, **arguments: Any) -> dict:
+    """evaluate(), train 2 steps of 2 micro-batches, evaluate() again, under a patch with `unpad` (None: unpatched):
+    both evaluations' metrics, the logged losses, the trained weights and the patch's `heads`. SGD: each weight moves by
+    its gradient (AdamW's first steps move a weight by about the learning rate whatever its gradient's size, so
+    float32's last-bit differences in a near-zero gradient, patchkit's attention against sdpa's, move it as far)."""
+    import transformers as tf
+
+    rows = rows_of(model)
+    args = tf.TrainingArguments(output_dir=str(tmp_path / str(unpad)), gradient_accumulation_steps=2,
+                                optim="sgd", learning_rate=0.1, use_cpu=True, report_to=[], save_strategy="no",
+                                logging_steps=1, seed=0, dataloader_num_workers=0, disable_tqdm=True, max_steps=2,
+                                per_device_train_batch_size=2, per_device_eval_batch_size=4, **arguments)
+    handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if unpad else None
+    try:
+        trainer = (trainer_class or tf.Trainer)(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                                                compute_metrics=compute_metrics)
+        first = trainer.evaluate()
+        trainer.train()
+        last = trainer.evaluate()
+        heads = dict(handle.heads) if handle else {}
+    finally:
+        if handle is not None:
+            handle.revert()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return dict(evals=(first, last), trained=(losses, {n: p.detach().clone() for n, p in model.named_parameters()}),
+                heads=heads)
+
+
+def assert_evals_alike(got: dict, want: dict, *keys: str) -> None:
+    for g, w in zip(got["evals"], want["evals"]):
+        for key in ("eval_loss", *keys):
+            assert g[key] == pytest.approx(w[key], abs=1e-5), (key, g, w)
+
+
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_the_trainers_steps_and_evaluation_without_metrics_run_the_fused_head(tmp_path, unpad, model_type):
+    """No compute_metrics: the Trainer's evaluation reads the loss alone (`prediction_loss_only`), as its training
+    steps do. Both evaluations (the first checks the family's logits, in eval mode, before any training step) and
+    the 4 micro-batches run the fused head; eval losses, training losses and trained weights equal unpatched
+    (Gemma 2: its softcap inside the fused loss)."""
+    want, got = (run(family(model_type), way, tmp_path) for way in (None, unpad))
+    assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}  # 2 evaluations of 2 batches, 2 steps of 2 micro-batches
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
+
+
+def test_the_trainers_compiled_steps_run_the_fused_head(tmp_path):
+    """`torch_compile=True` (dynamo's eager backend here): the compiled model's frames lie between the Trainer and
+    the LM; its steps and evaluations still read the loss alone, fused, with the unpatched compiled run's numbers."""
+    from torch._dynamo.utils import counters
+
+    compiled = dict(torch_compile=True, torch_compile_backend="eager")
+    try:
+        want, got = (run(family("llama"), way, tmp_path, **compiled) for way in (None, "model"))
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
+    assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
+
+
+def token_accuracy(prediction: Any) -> dict:
+    """A compute_metrics that reads the logits: next-token accuracy over the labelled positions."""
+    logits, labels = (torch.as_tensor(x) for x in (prediction.predictions, prediction.label_ids))
+    if isinstance(prediction.predictions, tuple):
+        logits = torch.as_tensor(prediction.predictions[0])
+    picked, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    labelled = target != -100
+    return {"accuracy": float((picked[labelled] == target[labelled]).float().mean())}
+
+
+def test_an_evaluation_with_metrics_gets_the_logits(tmp_path):
+    """compute_metrics reads the logits: the evaluation's forwards return them (the head on real tokens), and the
+    accuracy they give equals unpatched; the training steps still read the loss alone."""
+    want, got = (run(family("llama"), way, tmp_path, compute_metrics=token_accuracy) for way in (None, "model"))
+    assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2, lm_head.FUSED: 4}
+    assert_evals_alike(got, want, "eval_accuracy")
+    assert_trained_alike(got["trained"], want["trained"])
+
+
+def z_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """An auxiliary loss on the real positions' logits (the square of their log-partition), as PaLM's z-loss."""
+    return 1e-3 * logits.float().logsumexp(-1).square()[mask.bool()].mean()
+
+
+class ZLossTrainer:
+    """A Trainer subclass that reads the logits in its compute_loss (a z-loss on the log-partition), through the
+    Trainer's own compute_loss (`super`) or by calling the model itself (`direct`)."""
+
+    def __new__(cls, how: str) -> Any:
+        import transformers as tf
+
+        class Trainer(tf.Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                if how == "super":
+                    loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+                else:
+                    outputs = model(**inputs)
+                    loss = outputs.loss
+                loss = loss + z_loss(outputs.logits, inputs["attention_mask"])
+                return (loss, outputs) if return_outputs else loss
+
+        return Trainer
+
+
+class LogitsWrapper(torch.nn.Module):
+    """A model of the user's own around the causal LM: its forward reads the LM's logits (an auxiliary loss)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm, self.config = lm, lm.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> dict:
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return {"loss": out.loss + z_loss(out.logits, attention_mask), "logits": out.logits}
+
+
+@pytest.mark.parametrize("reader", ["compute_loss via super", "compute_loss calling the model", "model wrapper",
+                                    "forward hook", "past_index"])
+def test_a_caller_that_reads_the_logits_gets_them(tmp_path, reader):
+    """Whatever reads the logits between the Trainer and the LM, or instead of the Trainer's own compute_loss, gets
+    them (the head on real tokens, none fused) and the unpatched numbers: a subclass's compute_loss, a model of the
+    user's own around the LM, a forward hook on the model, the Trainer's `past_index` (an output read by position).
+    """
+    seen: list = []
+
+    def build() -> torch.nn.Module:
+        model = family("llama")
+        if reader == "model wrapper":
+            return LogitsWrapper(model)
+        if reader == "forward hook":
+            model.register_forward_hook(lambda module, args, out: seen.append(tuple(out.logits.shape)))
+        return model
+
+    extra: dict = {}
+    if reader.startswith("compute_loss"):
+        extra["trainer_class"] = ZLossTrainer("super" if "super" in reader else "direct")
+    if reader == "past_index":
+        import transformers as tf
+
+        if "past_index" not in {f.name for f in dataclasses.fields(tf.TrainingArguments)}:
+            pytest.skip("this transformers' Trainer reads no output by position (past_index: 4.x)")
+        extra["past_index"] = 2
+    want = run(build(), None, tmp_path, **extra)
+    unpatched = len(seen)
+    got = run(build(), "model", tmp_path, **extra)
+    assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2 + 4}
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
+    if reader == "forward hook":
+        assert len(seen) == 2 * unpatched and seen[unpatched:] == seen[:unpatched]
+
+
+def test_under_unpad_attention_the_trainer_keeps_the_logits(tmp_path):
+    """unpad="attention" changes nothing at the model: the Trainer's forwards return their logits as unpatched."""
+    want, got = (run(family("llama"), way, tmp_path) for way in (None, "attention"))
+    assert got["heads"] == {}
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
