@@ -276,11 +276,24 @@ def prepared_head() -> str:
             + table(["provider", "peak MiB", "x HF sdpa", "loss"], body))
 
 
+def trainer_head() -> str:
+    """The HF Trainer's evaluation and training step peaks under the default unpad (benchmarks/trainer_head.py)."""
+    rows = read("trainer_head.csv")
+    hf = next(r for r in rows if r["provider"] == "hf_sdpa")
+    body = [[r["provider"], *(cell for key in ("eval_peak_mib", "train_peak_mib")
+                              for cell in (f"{float(r[key]):.0f}", x(float(r[key]) / float(hf[key])))),
+             f"{float(r['eval_loss']):.4f}"] for r in rows]
+    return (f"`trainer_head.csv` (vocabulary {rows[0]['vocab']}, {rows[0]['real_tokens']} real tokens)\n\n"
+            + table(["provider", "evaluate() peak MiB", "x HF sdpa", "train() peak MiB", "x HF sdpa", "eval loss"],
+                    body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
     "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head, "prepared-head": prepared_head,
+    "trainer-head": trainer_head,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -1,0 +1,91 @@
+"""The HF Trainer's training step and evaluation under patchkit's default unpad: peak memory at a large vocabulary.
+
+The Trainer's own steps read the loss alone (`patchkit/hooks/forwards/loss_reader.py`): its training step, and its
+evaluation where no `compute_metrics` reads the logits. There the causal LM returns its loss alone from the head fused
+with the loss, so no (n, V) logits are held. This benchmark trains and evaluates the LLaMA of `vocab.py` (hidden 256,
+4 layers, every weight trained, float32) at Llama 3's vocabulary (128256) on vocab.py's right-padded lognormal batch
+of 8, with the HF Trainer's defaults (AdamW, unpad="model": no option set), and reports per provider, in a fresh
+process per row, the peak resident set above the set before it of a second `trainer.evaluate()` and of a second
+`trainer.train()` of one step (each after a first, so that nothing is allocated for the first time), and the eval
+loss: HF sdpa unpatched, patchkit with the Trainer's reading of the loss alone turned off (`patchkit_logits`: the
+logits returned, as before 2026-11-30), and patchkit as it is.
+
+    python benchmarks/trainer_head.py [--vocab 128256] [--csv benchmarks/results/trainer_head.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROVIDERS = ("hf_sdpa", "patchkit_logits", "patchkit")
+
+
+def worker(provider: str, vocab: int, scale: float) -> dict[str, Any]:
+    """In a fresh process: the Trainer on the batch's rows; a second evaluate() and train()'s peaks."""
+    import transformers as tf
+    import vocab as vb
+    from workers import step_peak_mib
+
+    vb.RESCALE["by"] = scale
+    dev, dtype = vb.device_and_dtype("cpu")
+    model = vb.build_model(dict(vb.MODEL, vocab=vocab), vb.KV_HEADS, "sdpa", dev, dtype).train()
+    handle = None
+    if provider != "hf_sdpa":
+        import patchkit
+        from patchkit.hooks.forwards import model_forward
+
+        if provider == "patchkit_logits":  # the Trainer's reading of the loss alone not known: the logits returned
+            model_forward.reads_loss_alone = lambda: False
+        handle = patchkit.apply_patch(model=model, backend="sdpa")
+    batch = vb.inputs("right", vocab)
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    with tempfile.TemporaryDirectory() as out:
+        args = tf.TrainingArguments(output_dir=out, per_device_train_batch_size=len(rows), max_steps=1,
+                                    per_device_eval_batch_size=len(rows), use_cpu=True, report_to=[],
+                                    save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+        trainer.evaluate()
+        eval_peak, metrics = step_peak_mib(trainer.evaluate)
+        trainer.train()
+        train_peak, _ = step_peak_mib(trainer.train)
+    heads = json.dumps(handle.heads if handle is not None else {})
+    if handle is not None:
+        handle.revert()
+    return {"provider": provider, "vocab": vocab, "real_tokens": int(batch["attention_mask"].sum()),
+            "eval_peak_mib": round(eval_peak, 1), "train_peak_mib": round(train_peak, 1),
+            "eval_loss": round(metrics["eval_loss"], 4), "heads": heads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
+    parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    if args.worker:
+        print(json.dumps(worker(*json.loads(args.worker))))
+        return
+    from workers import worker_json
+
+    rows = []
+    for provider in PROVIDERS:
+        rows.append(worker_json([__file__, "--worker", json.dumps([provider, args.vocab, args.scale])]))
+        row = rows[-1]
+        print(f"{provider}: evaluate {row['eval_peak_mib']} MiB, train {row['train_peak_mib']} MiB, "
+              f"eval loss {row['eval_loss']}", flush=True)
+    if args.csv is not None:
+        from report import write_rows
+
+        write_rows(args.csv, rows)
+
+
+if __name__ == "__main__":
+    main()
