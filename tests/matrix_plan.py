@@ -42,8 +42,9 @@ def era_extras(version: str) -> list[str]:
 # (every family's padded training step, packed rows and generate() into each cache kind: how each family's modeling
 # code builds masks, passes kwargs and fills caches); the last 4.x also runs the rest of what touches transformers
 # (every cause of stepping aside, the registered name, the patches' mechanics, decode, the vision-language models,
-# PEFT, tuple outputs, the ways a model asks for flash attention), and 4.48.3 gradient checkpointing (4.48-4.51 call
-# checkpointed layers without their kwargs). The pinned version (make test) runs everything, torch.compile included.
+# PEFT, tuple outputs, the ways a model asks for flash attention, the Trainer's steps that read the loss alone), and
+# 4.48.3 gradient checkpointing (4.48-4.51 call checkpointed layers without their kwargs). The pinned version
+# (make test) runs everything, torch.compile included.
 CORE_TESTS = [
     "tests/test_eras.py",
     "tests/test_every_family.py",
@@ -73,6 +74,7 @@ ERA_TESTS = CORE_TESTS + [
     "tests/test_peft.py",
     "tests/test_context_parallel.py",
     "tests/test_ulysses_padding.py",
+    "tests/test_trainer_loss_alone.py",
 ]
 ERA_VERSIONS = ("4.57.6",)
 EXTRA_TESTS = {"4.48.3": ["tests/test_checkpointing.py"]}

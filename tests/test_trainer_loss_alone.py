@@ -4,7 +4,7 @@ unpatched Trainer's numbers; every caller that reads the logits gets them."""
 
 from __future__ import annotations
 
-import dataclasses
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import pytest
@@ -148,12 +148,11 @@ class LogitsWrapper(torch.nn.Module):
 
 
 @pytest.mark.parametrize("reader", ["compute_loss via super", "compute_loss calling the model", "model wrapper",
-                                    "forward hook", "past_index"])
+                                    "forward hook"])
 def test_a_caller_that_reads_the_logits_gets_them(tmp_path, reader):
     """Whatever reads the logits between the Trainer and the LM, or instead of the Trainer's own compute_loss, gets
     them (the head on real tokens, none fused) and the unpatched numbers: a subclass's compute_loss, a model of the
-    user's own around the LM, a forward hook on the model, the Trainer's `past_index` (an output read by position).
-    """
+    user's own around the LM, a forward hook on the model."""
     seen: list = []
 
     def build() -> torch.nn.Module:
@@ -167,12 +166,6 @@ def test_a_caller_that_reads_the_logits_gets_them(tmp_path, reader):
     extra: dict = {}
     if reader.startswith("compute_loss"):
         extra["trainer_class"] = ZLossTrainer("super" if "super" in reader else "direct")
-    if reader == "past_index":
-        import transformers as tf
-
-        if "past_index" not in {f.name for f in dataclasses.fields(tf.TrainingArguments)}:
-            pytest.skip("this transformers' Trainer reads no output by position (past_index: 4.x)")
-        extra["past_index"] = 2
     want = run(build(), None, tmp_path, **extra)
     unpatched = len(seen)
     got = run(build(), "model", tmp_path, **extra)
@@ -189,3 +182,21 @@ def test_under_unpad_attention_the_trainer_keeps_the_logits(tmp_path):
     assert got["heads"] == {}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+
+
+@pytest.mark.parametrize("setting, reads_loss", [
+    ({}, True), ({"return_outputs": True}, False), ({"past_index": 0}, False),
+    ({"compute_loss_func": len}, False), ({"label_smoother": len}, False)])
+def test_the_trainers_own_settings_that_read_more_than_the_loss_keep_the_logits(setting, reads_loss):
+    """The Trainer's compute_loss frame, as `loss_reader` reads it: a training step's call (return_outputs=False)
+    reads the loss alone, unless the Trainer reads an output by position (`past_index`, 4.x: mems) or computes a loss
+    of its own from the logits; return_outputs=True outside prediction_step hands the outputs to its caller."""
+    from patchkit.hooks.forwards import loss_reader
+
+    trainer = SimpleNamespace(args=SimpleNamespace(past_index=setting.get("past_index", -1)),
+                              compute_loss_func=setting.get("compute_loss_func"),
+                              label_smoother=setting.get("label_smoother"))
+    caller = SimpleNamespace(f_code=SimpleNamespace(co_name="training_step", co_filename="elsewhere"), f_locals={})
+    frame = SimpleNamespace(f_locals={"self": trainer, "return_outputs": setting.get("return_outputs", False)},
+                            f_back=caller)
+    assert loss_reader._reads_loss(frame) is reads_loss
