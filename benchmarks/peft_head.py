@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
 PROVIDERS = ("hf_sdpa", "patchkit_loss_unfused", "patchkit_loss")
 TUNINGS = {  # name: LoraConfig arguments beside r 8 on every linear layer
     "lora": {},
@@ -57,33 +54,16 @@ def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, An
             "heads": json.dumps(handle.heads if handle is not None else {})}
 
 
-def measure(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, Any]:
-    from workers import worker_json
-
-    return worker_json([__file__, "--worker", json.dumps([tuning, provider, vocab, scale])])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
-    parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
-    parser.add_argument("--csv", type=Path, default=None)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    if args.worker:
-        print(json.dumps(worker(*json.loads(args.worker))))
-        return
-    rows = []
-    for tuning in args.tunings:
-        for provider in PROVIDERS:
-            rows.append(measure(tuning, provider, args.vocab, args.scale))
-            print(f"{tuning}, {provider}: {rows[-1]['peak_mib']} MiB, loss {rows[-1]['loss']}", flush=True)
-    if args.csv is not None:
-        from report import write_rows
+    from workers import fresh_cli, fresh_rows
 
-        write_rows(args.csv, rows)
+    def tunings(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--tunings", nargs="+", choices=list(TUNINGS), default=list(TUNINGS))
+
+    args = fresh_cli(__doc__, worker, tunings)
+    if args is not None:
+        fresh_rows(__file__, ([t, p, args.vocab, args.scale] for t in args.tunings for p in PROVIDERS),
+                   lambda r: f"{r['tuning']}, {r['provider']}: {r['peak_mib']} MiB, loss {r['loss']}", args.csv)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,10 @@ logits returned, as before 2026-11-30), and patchkit as it is.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
 PROVIDERS = ("hf_sdpa", "patchkit_logits", "patchkit")
 
 
@@ -63,28 +59,13 @@ def worker(provider: str, vocab: int, scale: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
-    parser.add_argument("--csv", type=Path, default=None)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE))
-    if args.worker:
-        print(json.dumps(worker(*json.loads(args.worker))))
-        return
-    from workers import worker_json
+    from workers import fresh_cli, fresh_rows
 
-    rows = []
-    for provider in PROVIDERS:
-        rows.append(worker_json([__file__, "--worker", json.dumps([provider, args.vocab, args.scale])]))
-        row = rows[-1]
-        print(f"{provider}: evaluate {row['eval_peak_mib']} MiB, train {row['train_peak_mib']} MiB, "
-              f"eval loss {row['eval_loss']}", flush=True)
-    if args.csv is not None:
-        from report import write_rows
-
-        write_rows(args.csv, rows)
+    args = fresh_cli(__doc__, worker)
+    if args is not None:
+        fresh_rows(__file__, ([p, args.vocab, args.scale] for p in PROVIDERS),
+                   lambda r: f"{r['provider']}: evaluate {r['eval_peak_mib']} MiB, train {r['train_peak_mib']} MiB, "
+                             f"eval loss {r['eval_loss']}", args.csv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -9,7 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 from providers import Provider, device_and_dtype, step_fn
 from workloads import make_data, make_tokens
@@ -53,6 +55,40 @@ def worker_json(argv: list[str]) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fresh_cli(doc: str, worker: Callable[..., dict[str, Any]],
+              more: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> Optional[argparse.Namespace]:
+    """The command line of a benchmark whose rows each run `worker` in a fresh process: --vocab, --scale and --csv
+    (`more` adds its own). Called as the worker (the hidden `--worker ARGS`, a JSON list), it runs
+    `worker(*ARGS)`, prints its row's JSON and returns None."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
+    if more is not None:
+        more(parser)
+    parser.add_argument("--csv", type=Path, default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(*json.loads(args.worker))))
+        return None
+    return args
+
+
+def fresh_rows(script: str, worker_args: Iterable[list[Any]], describe: Callable[[dict[str, Any]], str],
+               csv: Optional[Path]) -> list[dict[str, Any]]:
+    """`script`'s worker in a fresh process per argument list, each row printed as `describe` says; the rows written
+    to `csv` when it is given."""
+    rows = []
+    for args in worker_args:
+        rows.append(worker_json([script, "--worker", json.dumps(args)]))
+        print(describe(rows[-1]), flush=True)
+    if csv is not None:
+        from report import write_rows
+
+        write_rows(csv, rows)
+    return rows
 
 
 def peak_rss_mib() -> float:
