@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 from typing import Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from patchkit.patches import table
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.forwards import lm_head, model_forward
 from patchkit.hooks.install.registry import PATCH_MODULES, for_model_type
 from patchkit.hooks.name import attention_interface
 
@@ -139,6 +140,38 @@ def loss_alone(model_type: str, model, want: tuple, handle) -> str:
     return ""
 
 
+def eval_forward(model) -> tuple[Optional[torch.Tensor], torch.Tensor, bool]:
+    """An eval forward (no grad, the config's use_cache) of a padded batch with completion-only labels, as the HF
+    Trainer's evaluation runs it: its logits (None where the loss came alone), its loss, and whether it kept a cache."""
+    ids, mask = padded_batch("mixed", batch=3, seq=48)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask),
+                        **token_types(model, ids))
+    finally:
+        model.train()
+    cache = any(out.get(k) is not None for k in ("past_key_values", "cache", "cache_params"))
+    return out.logits, out.loss, cache
+
+
+def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
+    """An eval forward under the default unpad whose caller reads the loss alone (the HF Trainer's evaluation without
+    metrics, `loss_reader`'s proof: taken as given here): the unpatched loss, and no logits, the head run on the
+    labelled tokens, wherever unpad="loss"'s training step ran fused ('' when so, else what differed)."""
+    with mock.patch.object(model_forward, "reads_loss_alone", lambda: True):
+        logits, loss, cache = eval_forward(model)
+    served = any(key in handle.heads for key in (lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT, lm_head.FUSED))
+    if model_type in FUSED and not served:
+        return f"eval: the logits returned to a caller that reads the loss alone ({handle.heads})"
+    if (logits is None) != served:
+        return f"eval: logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
+    if not (loss - want[1]).abs().item() <= ATOL * max(1.0, want[1].abs().item()):
+        return f"eval: the loss alone differs by {(loss - want[1]).abs().item():.2g} ({handle.heads})"
+    return ""
+
+
 FUSED: set[str] = set()  # the families whose second loss-alone step ran the fused head and loss (this process's)
 
 
@@ -179,6 +212,8 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
         outcomes["loss alone"] = loss_alone(model_type, model, want["completion"], handle)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        outcomes["eval loss alone"] = eval_loss_alone(model_type, model, want["eval"], handle)
     attention_interface.register(backend="sdpa")
     model.set_attn_implementation(attention_interface.ATTENTION_NAME)
     try:
@@ -210,6 +245,7 @@ def test_census(model_type, monkeypatch):
         want = runs(model)
         want["documents"] = document_logits(model, packed_rows()[0])
         want["completion"] = completion_step(model)
+        want["eval"] = eval_forward(model)
     except Exception as exc:  # transformers' own eager attention cannot run this tiny model: nothing to compare
         assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but its eager run raised {exc!r}"
         record(model_type, "untested", f"transformers' eager run of the tiny model raised {type(exc).__name__}")

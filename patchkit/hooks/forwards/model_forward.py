@@ -1,8 +1,9 @@
 """The patched model forwards: unpad once per forward (the decoder runs on real tokens only, as one packed row).
 
-The base model's wrapper also keeps no KV cache in training (so a recomputing checkpoint never grows one) and,
-for an instance patch, routes that model's masks to patchkit for the forward's duration only. The causal-LM
-wrapper keeps the packed path off a batch whose labels are predicted from padding positions.
+The base model's wrapper also keeps no KV cache in training (so a recomputing checkpoint never grows one) and, for an
+instance patch, routes that model's masks to patchkit for the forward's duration only. The causal-LM wrapper keeps
+the packed path off a batch whose labels are predicted from padding positions, and asks for the loss alone where its
+caller reads nothing else.
 """
 
 from __future__ import annotations
@@ -330,6 +331,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     takes_keep = takes_logits_to_keep(signature)
     # unpad="loss" asked of the patch: the loss alone, also where this family's base model unpads inside attention
     loss_alone = state is not None and state.unpad == "loss"
+    # the patch's unpad is "model" or "loss": a caller that reads the loss alone gets it fused, also from a family
+    # whose base model runs padded (unpadding inside attention: `unpad` is then "attention")
+    whole = (state.unpad if state is not None else unpad) in WHOLE_MODEL
     compiled_said = compiled_loss_alone(state) if loss_alone else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -347,27 +351,32 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         cause = lm_cause(arguments, extra, self.training, takes_keep)
-        if cause is None and not is_compiling() and (unpad in WHOLE_MODEL or (loss_alone and self.training)):
-            return with_head(self, args, kwargs, arguments, extra)
+        if cause is None and not is_compiling():
+            alone = reads_alone(self, arguments, extra)
+            if unpad in WHOLE_MODEL or alone:
+                return with_head(self, args, kwargs, arguments, extra, alone)
         if cause is None and (loss_alone and self.training and labelled(arguments, extra) or (
                 unpad in WHOLE_MODEL and arguments.get("attention_mask") is not None)):
-            return eager_with_head(self, args, kwargs, arguments, extra)  # compiled: served eagerly
+            return eager_with_head(self, args, kwargs, arguments, extra, None)  # compiled: served eagerly
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
             return original(self, *args, **kwargs)
 
-    def ask(self: nn.Module, arguments: dict, extra: dict) -> HeadRequest:
-        labels = labelled(arguments, extra)
-        # the loss alone: asked of the patch for training forwards, or where the caller reads nothing else
-        alone = loss_alone and self.training or (labels and unpad in WHOLE_MODEL and reads_loss_alone())
-        asks_loss = alone and labels
+    def reads_alone(self: nn.Module, arguments: dict, extra: dict) -> bool:
+        """The loss alone: asked of the patch for training forwards, or where the caller reads nothing else."""
+        return loss_alone and self.training or (whole and labelled(arguments, extra) and reads_loss_alone())
+
+    def ask(self: nn.Module, arguments: dict, extra: dict, alone: Optional[bool]) -> HeadRequest:
+        alone = reads_alone(self, arguments, extra) if alone is None else alone
+        asks_loss = alone and labelled(arguments, extra)
         return HeadRequest(declined(self, arguments, extra, servable), loss_only=alone,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                            fused=fused_head(self) if asks_loss else None)
 
-    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict) -> Any:
-        out, head = eager_run_lm(original, self, args, kwargs, eager_ask(self, arguments, extra))
+    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict,
+                  alone: Optional[bool]) -> Any:
+        out, head = eager_run_lm(original, self, args, kwargs, eager_ask(self, arguments, extra, alone))
         return eager_finish(self, out, head, labelled(arguments, extra), heads)
 
     eager_with_head, eager_ask = torch._dynamo.disable(with_head, recursive=False), torch._dynamo.disable(ask)
