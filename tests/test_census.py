@@ -30,6 +30,7 @@ import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.forwards import lm_head, model_forward
+from patchkit.hooks.generation.filled_cache import cache_is_storage
 from patchkit.hooks.install.registry import PATCH_MODULES, for_model_type
 from patchkit.hooks.name import attention_interface
 
@@ -158,8 +159,9 @@ def eval_forward(model) -> tuple[Optional[torch.Tensor], torch.Tensor, bool]:
 
 def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
     """An eval forward under the default unpad whose caller reads the loss alone (the HF Trainer's evaluation without
-    metrics, `loss_reader`'s proof: taken as given here): the unpatched loss, and no logits, the head run on the
-    labelled tokens, wherever unpad="loss"'s training step ran fused ('' when so, else what differed)."""
+    metrics, `loss_reader`'s proof: taken as given here): the unpatched loss; no logits, the head run on the
+    labelled tokens, wherever unpad="loss"'s training step ran fused; and then no KV cache where the family's cache
+    only stores keys and values ('' when so, else what differed)."""
     with mock.patch.object(model_forward, "reads_loss_alone", lambda: True):
         logits, loss, cache = eval_forward(model)
     served = any(key in handle.heads for key in (lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT, lm_head.FUSED))
@@ -169,6 +171,8 @@ def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
         return f"eval: logits {'absent' if logits is None else 'returned'} with the head counted as {handle.heads}"
     if not (loss - want[1]).abs().item() <= ATOL * max(1.0, want[1].abs().item()):
         return f"eval: the loss alone differs by {(loss - want[1]).abs().item():.2g} ({handle.heads})"
+    if served and cache != (want[2] and not cache_is_storage(model)):
+        return f"eval: a cache {'kept' if cache else 'dropped'} (unpatched kept {'one' if want[2] else 'none'})"
     return ""
 
 

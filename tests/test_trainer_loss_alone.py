@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 from models import completion_labels, padded_batch
+from packaging.version import Version
 from test_lm_head import assert_trained_alike, family
 
 import patchkit
@@ -76,6 +77,34 @@ def test_the_trainers_steps_and_evaluation_without_metrics_run_the_fused_head(tm
         pytest.skip(f"no {model_type} in this transformers")
     want, got = (run(family(model_type), way, tmp_path) for way in (None, unpad))
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}  # 2 evaluations of 2 batches, 2 steps of 2 micro-batches
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
+
+
+@pytest.mark.parametrize("model_type, kept", [("llama", False), ("gemma3n_text", True)])
+def test_the_trainers_evaluation_keeps_no_kv_cache_but_where_the_family_reads_it_back(tmp_path, monkeypatch,
+                                                                                       model_type, kept):
+    """The Trainer's evaluation reads the loss alone: its eval forwards keep no KV cache, which the config's use_cache
+    would fill with every layer's keys and values for the batch (the 4.x Trainer leaves the config's use_cache on; from
+    5.0 `TrainingArguments(use_cache=True)` sets it), but where KV-sharing layers read it back within the forward
+    (Gemma 3n: `past_key_values.shared_layers` in transformers 4.53-5.0, whose numbers change without one). Each
+    cache is counted as it is made; the losses and weights equal unpatched."""
+    import transformers as tf
+    from transformers.cache_utils import DynamicCache
+
+    if model_type == "gemma3n_text" and Version(tf.__version__) < Version("5.0"):
+        pytest.skip("Gemma 3n is served from data on transformers 5.x")
+    sets_use_cache = "use_cache" in tf.TrainingArguments.__dataclass_fields__
+    arguments = {"use_cache": True} if sets_use_cache else {}
+    made: list = []
+    init = DynamicCache.__init__
+    monkeypatch.setattr(DynamicCache, "__init__", lambda cache, *a, **k: (made.append(1), init(cache, *a, **k))[1])
+    want = run(family(model_type), None, tmp_path, **arguments)
+    assert len(made) >= 2 * 2  # unpatched: one a batch of either evaluation (and, from 5.0, of each training step)
+    made.clear()
+    got = run(family(model_type), "model", tmp_path, **arguments)
+    assert len(made) == (2 * 2 if kept else 0)
+    assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
 

@@ -1,9 +1,9 @@
 """The patched model forwards: unpad once per forward (the decoder runs on real tokens only, as one packed row).
 
-The base model's wrapper also keeps no KV cache in training (so a recomputing checkpoint never grows one) and, for an
-instance patch, routes that model's masks to patchkit for the forward's duration only. The causal-LM wrapper keeps
-the packed path off a batch whose labels are predicted from padding positions, and asks for the loss alone where its
-caller reads nothing else.
+The base model's wrapper also keeps no KV cache in training (so a recomputing checkpoint never grows one) or for a
+caller that reads the loss alone, and, for an instance patch, routes that model's masks to patchkit for the forward's
+duration only. The causal-LM wrapper keeps the packed path off a batch whose labels are predicted from padding
+positions, and asks for the loss alone where its caller reads nothing else.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from patchkit.hooks.forwards.lm_head import (
 )
 from patchkit.hooks.forwards.loss_reader import reads_loss_alone
 from patchkit.hooks.forwards.recorded_router import hand_up
-from patchkit.hooks.generation.filled_cache import caches_in_training, filled_padded, own_cache
+from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
@@ -187,6 +187,15 @@ def _keep_no_cache_in_training(module: nn.Module, args: dict, extra: dict) -> No
     args["use_cache"] = keeps_place
 
 
+def _keep_no_cache_for_the_loss(module: nn.Module, args: dict) -> None:
+    """A forward whose caller reads the loss alone (its causal LM asked for it: `HeadRequest.labels`) keeps no KV
+    cache unless the caller asked for one: in eval (the HF Trainer's evaluation) the config's default use_cache would
+    otherwise hold every layer's keys and values for the whole batch. A family whose layers read the cache back
+    within the forward (`cache_is_storage`) keeps it."""
+    if args.get("use_cache") is None and given_cache(args) is None and cache_is_storage(module):
+        args["use_cache"] = False
+
+
 def wants_tuple(module: nn.Module, args: dict, extra: dict) -> bool:
     """The call returns a tuple (return_dict=False, on the call or the config), whose elements sit by position."""
     asked = args.get("return_dict", extra.get("return_dict"))
@@ -251,6 +260,8 @@ def make_model_forward(
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
+            if head is not None and head.labels is not None:
+                _keep_no_cache_for_the_loss(self, arguments)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
         one_graph = in_one_graph()

@@ -30,6 +30,10 @@ OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "g
 # Those whose base model forward makes no cache in training before transformers 5.0, asked or not (`use_cache and
 # past_key_values is None and not self.training`; read in 4.53.3, 4.56.2 and 4.57.6).
 NO_TRAINING_CACHE_BEFORE_5 = frozenset({"gemma2", "gemma3"})
+# Those with KV-sharing layers, which in some releases read keys and values back from the forward's own cache (Gemma
+# 3n's `past_key_values.shared_layers` in 4.53-5.0, its shared layers' own projections without a cache): their
+# numbers can depend on whether the forward keeps one.
+KV_SHARING = frozenset({"gemma3n", "gemma4", "gemma4_unified", "diffusion_gemma", "mistral_large4"})
 
 
 @functools.cache
@@ -55,6 +59,12 @@ def caches_in_training(module: nn.Module) -> bool:
     """The base model's forward makes a cache in training when use_cache is on (a tuple output then holds its place),
     as every served family does from transformers 5.0."""
     return not modeling_files(type(module)) & NO_TRAINING_CACHE_BEFORE_5 or _families_era()[2]
+
+
+def cache_is_storage(module: nn.Module) -> bool:
+    """The model's forward computes the same numbers with use_cache off: its cache only stores keys and values for a
+    later forward (no KV-sharing layer reads it back within this one)."""
+    return not modeling_files(type(module)) & KV_SHARING
 
 
 def empty_cache(config: Any) -> Any:
