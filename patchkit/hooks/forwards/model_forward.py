@@ -369,6 +369,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         if cause is None and (loss_alone and self.training and labelled(arguments, extra) or (
                 unpad in WHOLE_MODEL and arguments.get("attention_mask") is not None)):
             return eager_with_head(self, args, kwargs, arguments, extra, None)  # compiled: served eagerly
+        if cause is None and is_compiling() and whole and labelled(arguments, extra) and (
+                eager_reads_alone(self, arguments, extra)):
+            return eager_with_head(self, args, kwargs, arguments, extra, True)  # compiled, run padded: as above
         if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
             return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
         with within(lm_cause=cause, head=None):
@@ -391,4 +394,5 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         return eager_finish(self, out, head, labelled(arguments, extra), heads)
 
     eager_with_head, eager_ask = torch._dynamo.disable(with_head, recursive=False), torch._dynamo.disable(ask)
+    eager_reads_alone = torch._dynamo.disable(reads_alone)
     return dressed_as(forward, original, signature)
