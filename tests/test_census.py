@@ -4,8 +4,9 @@ For each model type in transformers' causal-LM mapping: a family patchkit serves
 `patches/table.py`) is built tiny and compared with transformers' eager attention through the class patch (and its
 non-reentrant gradient checkpointing), the instance patch and the registered name (logits at real tokens, loss and
 every gradient on a mixed-padded batch; packed rows, but for the instance patch, which runs the class patch's path;
-left-padded greedy generation through the class patch); a family it does not serve is refused with the feature that
-stops it.
+left-padded greedy generation through the class patch), and the loss alone (two training steps under unpad="loss", and
+an eval forward whose caller reads the loss alone: the unpatched loss, no logits and no cache the family only
+stores); a family it does not serve is refused with the feature that stops it.
 No other outcome passes: on CI's transformers the table's VERIFIED list is exactly the families found exact here.
 `python tests/census.py` prints the table.
 """
