@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Collection, Optional
 
 from torch import nn
@@ -42,10 +41,15 @@ def head_dim(model: nn.Module, model_types: Optional[Collection[str]] = None) ->
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-@functools.cache
 def modeling_files(cls: type) -> frozenset[str]:
     """The transformers modeling files ("llama", "gemma3") that `cls` or its bases come from: a subclass under a
     model_type of its own (LLaVA's `llava_llama` LlamaForCausalLM) still runs its family's code."""
-    prefix = "transformers.models."
-    return frozenset(c.__module__.rpartition(".modeling_")[2] for c in cls.__mro__
-                     if c.__module__.startswith(prefix) and ".modeling_" in c.__module__)
+    files = _FILES.get(cls)
+    if files is None:
+        prefix = "transformers.models."
+        files = _FILES[cls] = frozenset(c.__module__.rpartition(".modeling_")[2] for c in cls.__mro__
+                                        if c.__module__.startswith(prefix) and ".modeling_" in c.__module__)
+    return files
+
+
+_FILES: dict[type, frozenset[str]] = {}  # a plain dict, not functools.cache: compiled forwards read it
