@@ -134,10 +134,11 @@ def test_an_adopted_model_pickles_as_transformers_own(pair):
 
 def test_nothing_on_patchkits_path_reads_the_call_stack():
     """Decisions come from the calls patchkit wraps, never from frames up the stack; only the warnings' own line
-    finder (`warn.py`), the build-time judgment of a model's parts (`unserved.py`) and the proof that the HF Trainer's
-    own step reads a causal LM's loss alone (`loss_reader.py`: where it cannot prove it, the logits are returned as
-    ever) read frames."""
+    finder (`warn.py`), the build-time judgment of a model's parts (`unserved.py`) and the proof that a causal LM's
+    caller reads its loss alone (`loss_reader.py`, the HF Trainer's own step, and `caller_code.py`, a caller's own
+    code: where they cannot prove it, the logits are returned as ever) read frames."""
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
-    assert readers == ["hooks/forwards/loss_reader.py", "hooks/forwards/unserved.py", "warn.py"]
+    assert readers == ["hooks/forwards/caller_code.py", "hooks/forwards/loss_reader.py", "hooks/forwards/unserved.py",
+                       "warn.py"]

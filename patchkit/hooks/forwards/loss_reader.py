@@ -1,18 +1,19 @@
-"""Whether a causal LM's caller provably reads its loss alone (the HF Trainer's own step): then no logits are made.
+"""Whether a causal LM's caller provably reads its loss alone (the HF Trainer's own steps, a training loop's code).
 
 The HF Trainer's own `compute_loss` returns the loss alone to its training step (`return_outputs=False`), and its
 own `prediction_step` drops the logits it was given when asked for the loss alone (`prediction_loss_only`: an
 evaluation with no `compute_metrics`). A causal LM called there can return its loss alone (`unpad="loss"`'s fused head
 and loss), as the Trainer already tells Liger's head by `skip_logits`: the numbers the Trainer reads are the same, and
-the (B, N, V) logits of an evaluation at the length training reaches are never held.
+the (B, N, V) logits of an evaluation at the length training reaches are never held. Any other caller (a training loop
+of the user's own, a Trainer subclass's `compute_loss`) is served so only where its own code provably reads nothing of
+the output but the loss (`caller_code`).
 
 This is read off the running frames, not set by a wrapper on the Trainer, so that a subclass that reads the logits is
-never served: every frame between the LM's forward and the Trainer's must be a wrapper that only passes the output on
+never served: every frame between the LM's forward and its caller must be a wrapper that only passes the output on
 (torch's module call and its parallel wrappers, accelerate's, PEFT's, DeepSpeed's, transformers' decorators, and
-patchkit's own), and `compute_loss` must be the Trainer's own. Anything else (TRL's trainers, a user's override, a
-model of the user's own around the LM) keeps the logits.
+patchkit's own), with no forward hook of anyone else's. Anything else (TRL's trainers, which read log-probs, a model
+of the user's own around the LM, a loop that reads the logits) keeps the logits.
 """
-
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,8 @@ import os
 import sys
 from types import FrameType
 from typing import Optional
+
+from patchkit.hooks.forwards.caller_code import reads_loss_alone_at
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
@@ -60,17 +63,19 @@ def _trainers(frame: FrameType, name: str) -> bool:
 
 
 def reads_loss_alone() -> bool:
-    """The running causal LM's forward was called by the HF Trainer's own `compute_loss`, through wrappers that only
-    pass its output on, for a caller that reads the loss alone: its training step, or its `prediction_step` with
-    `prediction_loss_only`. The Trainer's `past_index` (it reads an output by position) or a loss of its own
-    (`compute_loss_func`, label smoothing: it pops the labels and reads the logits) keeps the logits."""
+    """The running causal LM's forward was called, through wrappers that only pass its output on, by a caller that
+    reads the loss alone: the HF Trainer's own `compute_loss` for its training step, or for its `prediction_step` with
+    `prediction_loss_only` (the Trainer's `past_index`, which reads an output by position, or a loss of its own,
+    `compute_loss_func` or label smoothing, keeps the logits); or code whose bytecode reads the loss alone."""
     frame = sys._getframe(1)
     for _ in range(MAX_FRAMES):
         if frame is None:
             return False
         if _trainers(frame, "compute_loss"):
             return _reads_loss(frame)
-        if not _passing(frame.f_code.co_filename) or _hooked_call(frame):
+        if not _passing(frame.f_code.co_filename):
+            return reads_loss_alone_at(frame)  # the caller's own code: a training loop, a Trainer subclass's
+        if _hooked_call(frame):
             return False
         frame = frame.f_back
     return False

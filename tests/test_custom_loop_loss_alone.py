@@ -1,0 +1,225 @@
+"""A training loop of the user's own that reads the loss alone (`hooks/forwards/caller_code.py`): its forwards run the
+head fused with the loss and return no logits, with the unpatched loop's losses and trained weights; a loop whose
+code reads anything else of the output gets the logits as before."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from test_lm_head import family
+from test_trainer_loss_alone import rows_of
+
+import patchkit
+from patchkit.hooks.forwards import caller_code, lm_head
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
+
+
+class Output(dict):
+    __getattr__ = dict.__getitem__
+
+
+class Reader:
+    """A stand-in LM whose call records whether its caller's code reads the loss alone."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Output:
+        self.seen.append(caller_code.reads_loss_alone_at(sys._getframe(1)))
+        return Output(loss=torch.ones(()), logits=torch.ones(1))
+
+
+def attribute(model, batch):
+    return model(**batch).loss
+
+
+def stored_then_read(model, batch):
+    outputs = model(**batch)
+    loss = outputs.loss
+    loss.backward()
+
+
+def subscript(model, batch):
+    return model(input_ids=batch)["loss"] * 2
+
+
+def in_a_loop(model, batch):
+    for _ in range(2):
+        outputs = model(**batch)
+        (outputs.loss / 2).backward()
+        del outputs
+
+
+def in_a_comprehension(model, batch):
+    return [model(**batch).loss for _ in range(2)]
+
+
+def logits_read_later(model, batch):
+    outputs = model(**batch)
+    loss = outputs.loss
+    return loss + outputs.logits.sum()
+
+
+def returned(model, batch):
+    return model(**batch)
+
+
+def stored_and_returned(model, batch):
+    outputs = model(**batch)
+    return outputs
+
+
+def in_a_closure(model, batch):
+    outputs = model(**batch)
+    return lambda: outputs.loss
+
+
+def read_by_locals(model, batch):
+    outputs = model(**batch)
+    locals()
+    return outputs.loss
+
+
+def on_an_attribute(model, batch):
+    holder = Output()
+    holder.out = model(**batch)
+    return holder.out.loss
+
+
+def unpacked(model, batch):
+    loss, logits = model(**batch, return_dict=False)
+    return loss
+
+
+def in_a_list(model, batch):
+    outputs = model(**batch)
+    return [outputs][0].loss
+
+
+@pytest.mark.parametrize("code, reads", [
+    (attribute, True), (stored_then_read, True), (subscript, True), (in_a_loop, True), (in_a_comprehension, True),
+    (logits_read_later, False), (returned, False), (stored_and_returned, False), (in_a_closure, False),
+    (read_by_locals, False), (on_an_attribute, False), (unpacked, False), (in_a_list, False)])
+def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_output_is_read(code: Callable, reads):
+    model = Reader()
+    try:
+        code(model, {})
+    except (RuntimeError, KeyError, ValueError, TypeError):
+        pass  # the stand-in's output is read as the code reads it: what it records was recorded before
+    assert model.seen and set(model.seen) == {reads}, (code.__name__, model.seen)
+
+
+def test_module_level_code_keeps_the_logits():
+    """A script's top level stores its output in a global, which any function can read."""
+    model = Reader()
+    exec(compile("outputs = model(x=1)\nloss = outputs.loss\n", "<script>", "exec"), {"model": model})
+    assert model.seen == [False]
+
+
+def loss_alone(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    outputs = model(**batch)
+    loss = outputs.loss
+    return loss
+
+
+def loss_and_logits(model: torch.nn.Module, batch: dict, seen: list) -> torch.Tensor:
+    outputs = model(**batch)
+    seen.append(tuple(outputs.logits.shape))
+    return outputs.loss
+
+
+def train(model: torch.nn.Module, unpad: Optional[str], reads_logits: bool = False, prepare: Callable = None,
+          compiled: bool = False) -> dict:
+    """A loop of the user's own: 2 SGD steps on 4 rows each, then an evaluation under no_grad, patched with `unpad`
+    (None: unpatched). `prepare` wraps the model and its optimizer (accelerate)."""
+    rows = rows_of(model)
+    batches = [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in (0, 4)]
+    model.train()
+    handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if unpad else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner, backward = model, (lambda loss: loss.backward())
+    if prepare is not None:
+        runner, optimizer, backward = prepare(model, optimizer)
+    if compiled:
+        runner = torch.compile(runner, backend="eager")
+    losses, seen = [], []
+    try:
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = loss_and_logits(runner, batch, seen) if reads_logits else loss_alone(runner, batch)
+            backward(loss)
+            optimizer.step()
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            evals = [runner(**batch).loss.item() for batch in batches]
+        heads = dict(handle.heads) if handle else {}
+    finally:
+        if handle is not None:
+            handle.revert()
+        if compiled:
+            torch._dynamo.reset()
+    return dict(losses=losses, evals=evals, heads=heads, seen=seen,
+                weights={n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def assert_alike(got: dict, want: dict) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-5), (got["losses"], want["losses"])
+    assert got["evals"] == pytest.approx(want["evals"], abs=1e-5), (got["evals"], want["evals"])
+    assert got["seen"] == want["seen"]
+    for name in want["weights"]:
+        torch.testing.assert_close(got["weights"][name], want["weights"][name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_5_text"])
+def test_a_loop_that_reads_the_loss_alone_runs_the_fused_head_with_unpatched_numbers(unpad, model_type):
+    """`outputs = model(**batch)`, then `outputs.loss` alone: both training steps and both evaluation forwards run the
+    head fused with the loss (Gemma 2: its softcap in the fused loss; Qwen 3.5: a base model that runs padded)."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"no {model_type} in this transformers")
+    want, got = (train(family(model_type), way) for way in (None, unpad))
+    assert got["heads"] == {lm_head.FUSED: 4}
+    assert_alike(got, want)
+
+
+def test_a_loop_that_reads_the_logits_gets_them():
+    """The same loop reading `outputs.logits` too: its training forwards keep the logits (the head on real tokens),
+    with the unpatched shapes and numbers; its evaluation, which reads the loss alone, runs fused."""
+    want, got = (train(family("llama"), way, reads_logits=True) for way in (None, "model"))
+    assert got["heads"] == {lm_head.REAL_TOKENS: 2, lm_head.FUSED: 2}
+    assert_alike(got, want)
+
+
+def accelerated(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    import accelerate
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # another test's Accelerator set it
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, accelerator.backward
+
+
+@pytest.mark.parametrize("way", ["accelerate", "compiled"])
+def test_a_loop_through_accelerate_or_a_compiled_model_runs_the_fused_head(way):
+    """accelerate's prepared model and its `backward`, or `torch.compile(model)` (dynamo's eager backend): their
+    frames pass the output on, and the loop's forwards run fused with the unpatched numbers. Compiled, the fused
+    forward's check of the cache (`filled_cache.cache_is_storage`) is traced without dynamo's warning."""
+    if way == "accelerate":
+        pytest.importorskip("accelerate")
+    options = dict(prepare=accelerated) if way == "accelerate" else dict(compiled=True)
+    want = train(family("llama"), None, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train(family("llama"), "model", **options)
+    assert got["heads"] == {lm_head.FUSED: 4}
+    assert_alike(got, want)
+    # dynamo traces patchkit's reads of the model's class without its "silent incorrectness" warning
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
