@@ -277,17 +277,19 @@ def prepared_head() -> str:
 
 
 def trainer_head() -> str:
-    """The HF Trainer's evaluation and training step peaks under the default unpad (benchmarks/trainer_head.py)."""
+    """The HF Trainer's (and a custom loop's) evaluation and training step peaks under the default unpad
+    (benchmarks/trainer_head.py)."""
     rows = read("trainer_head.csv")
     body = []
     for r in rows:
-        hf = next(h for h in rows if h["provider"] == "hf_sdpa" and h.get("family") == r.get("family"))
-        body.append([r.get("family", "llama"), r["provider"],
+        hf = next(h for h in rows if h["provider"] == "hf_sdpa" and h.get("family") == r.get("family")
+                  and h.get("loop") == r.get("loop"))
+        body.append([r.get("loop", "trainer"), r.get("family", "llama"), r["provider"],
                      *(cell for key in ("eval_peak_mib", "train_peak_mib")
                        for cell in (f"{float(r[key]):.0f}", x(float(r[key]) / float(hf[key])))),
                      f"{float(r['eval_loss']):.4f}"])
     return (f"`trainer_head.csv` (vocabulary {rows[0]['vocab']}, {rows[0]['real_tokens']} real tokens)\n\n"
-            + table(["family", "provider", "evaluate() peak MiB", "x HF sdpa", "train() peak MiB", "x HF sdpa",
+            + table(["loop", "family", "provider", "evaluate() peak MiB", "x HF sdpa", "train() peak MiB", "x HF sdpa",
                      "eval loss"], body))
 
 

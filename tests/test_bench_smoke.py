@@ -161,14 +161,16 @@ def test_the_peft_head_benchmark_fuses_trainable_tokens_with_the_unpatched_loss(
     assert fused == {"hf_sdpa": False, "patchkit_loss_unfused": False, "patchkit_loss": True}
 
 
-def test_the_trainer_head_benchmark_fuses_the_head_where_the_trainer_reads_the_loss_alone(monkeypatch) -> None:
+@pytest.mark.parametrize("loop", ["trainer", "custom"])
+def test_the_trainer_head_benchmark_fuses_the_head_where_the_trainer_reads_the_loss_alone(monkeypatch, loop) -> None:
     """benchmarks/trainer_head.py's worker, in this process, at a small vocabulary and a tenth of its lengths: HF sdpa
-    and patchkit give the same eval loss and their peaks, and only patchkit's Trainer steps ran fused (its third
-    provider turns patchkit's reading of the Trainer off for the whole process: a fresh one, as the benchmark runs)."""
+    and patchkit give the same eval loss and their peaks, and only patchkit's steps ran fused, the Trainer's or the
+    custom loop's (its third provider turns patchkit's reading of the caller off for the whole process: a fresh one,
+    as the benchmark runs)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import trainer_head
 
-    rows = {p: trainer_head.worker(p, 512, 0.1) for p in ("hf_sdpa", "patchkit")}
+    rows = {p: trainer_head.worker(p, 512, 0.1, "llama", loop) for p in ("hf_sdpa", "patchkit")}
     assert rows["hf_sdpa"]["eval_loss"] == rows["patchkit"]["eval_loss"]
     assert all(abs(r[k]) < 1e6 for r in rows.values() for k in ("eval_peak_mib", "train_peak_mib"))
     assert "fused with the head" in rows["patchkit"]["heads"] and rows["hf_sdpa"]["heads"] == "{}"
