@@ -39,10 +39,10 @@ def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, An
     handle = None
     if provider != "hf_sdpa":
         import patchkit
-        from patchkit.hooks.forwards import model_forward
+        from patchkit.hooks.forwards import lm_forward
 
         if provider == "patchkit_loss_unfused":  # the family's own head on the labelled rows
-            model_forward.fused_head = lambda lm: None
+            lm_forward.fused_head = lambda lm: None
         handle = patchkit.apply_patch(model=model, backend="sdpa", unpad="loss")
     batch = vb.inputs("right", vocab)
     vb.step(model, batch)

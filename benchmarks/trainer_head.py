@@ -105,10 +105,10 @@ def worker(provider: str, vocab: int, scale: float, family: str = "llama", loop:
     handle = None
     if provider != "hf_sdpa":
         import patchkit
-        from patchkit.hooks.forwards import model_forward
+        from patchkit.hooks.forwards import lm_forward
 
         if provider == "patchkit_logits":  # the caller's reading of the loss alone not known: the logits returned
-            model_forward.reads_loss_alone = lambda: False
+            lm_forward.reads_loss_alone = lambda: False
         handle = patchkit.apply_patch(model=model, backend="sdpa")
     batch = vb.inputs("right", vocab)
     if loop == "trainer":

@@ -46,11 +46,11 @@ def worker(provider: str, vocab: int) -> None:
     patched, unpad, fused = PROVIDERS[provider]
     if patched:
         import patchkit
-        from patchkit.hooks.forwards import model_forward
+        from patchkit.hooks.forwards import lm_forward
 
         patchkit.apply_patch(backend="sdpa", unpad=unpad)
         if not fused:  # the family's own head on the labelled rows, as before ZeRO-3's head was served fused
-            model_forward.fused_head = lambda lm: None
+            lm_forward.fused_head = lambda lm: None
     deepspeed.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,

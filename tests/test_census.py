@@ -30,7 +30,7 @@ from patchkit.patches import table
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.forwards import lm_head, model_forward
+from patchkit.hooks.forwards import lm_forward, lm_head
 from patchkit.hooks.generation.filled_cache import cache_is_storage
 from patchkit.hooks.install.registry import PATCH_MODULES, for_model_type
 from patchkit.hooks.name import attention_interface
@@ -163,7 +163,7 @@ def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
     metrics, `loss_reader`'s proof: taken as given here): the unpatched loss; no logits, the head run on the
     labelled tokens, wherever unpad="loss"'s training step ran fused; and then no KV cache where the family's cache
     only stores keys and values ('' when so, else what differed)."""
-    with mock.patch.object(model_forward, "reads_loss_alone", lambda: True):
+    with mock.patch.object(lm_forward, "reads_loss_alone", lambda: True):
         logits, loss, cache = eval_forward(model)
     served = any(key in handle.heads for key in (lm_head.LOSS_ONLY, lm_head.LOSS_ONLY_KEPT, lm_head.FUSED))
     if model_type in FUSED and not served:

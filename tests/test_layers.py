@@ -134,5 +134,5 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
         assert any(m.startswith("patchkit.backends.") for m in modules), what  # the walk saw the kernel call
         assert not upward, f"{what} calls upward: {upward}"
         decided = walk_forward.ENTRIES_OF[what].get("hooks.decide", {})  # the deciding code, entered from outside it
-        assert decided == {"model_forward.forward -> step_aside.lm_cause": 1,  # the causal LM's call, once
+        assert decided == {"lm_forward.forward -> step_aside.lm_cause": 1,  # the causal LM's call, once
                            "model_forward.served -> plan.plan_forward": 1}, decided  # the base model's, once

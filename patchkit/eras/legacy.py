@@ -21,7 +21,8 @@ from patchkit.eras.legacy_attention import make_legacy_forward, rotary_takes_pos
 from patchkit.errors import PatchGateError, PatchTargetError
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, refuse_4d
-from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.forwards.lm_forward import make_lm_forward
+from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.install.model_walk import find_modules
 from patchkit.hooks.install.patching import Replacement, bound_replacement
 from patchkit.hooks.install.state import PatchState

@@ -22,7 +22,8 @@ from patchkit.forward.context import current
 from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.hooks.attention.varlen import KV_PACKED
-from patchkit.hooks.forwards.model_forward import make_lm_forward, make_model_forward
+from patchkit.hooks.forwards.lm_forward import make_lm_forward
+from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.install.model_walk import find_modules
 from patchkit.hooks.install.patching import Replacement, bound_replacement, dressed_as

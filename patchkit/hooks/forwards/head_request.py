@@ -1,5 +1,6 @@
 """The causal LM's ask of its base model for one call (hand me the packed row, or the labelled rows), and the LM's
-run on it, again where the fused head's check failed: what both wrapped forwards (`model_forward.py`) share."""
+run on it, again where the fused head's check failed: what both wrapped forwards (`model_forward.py` and
+`lm_forward.py`) share."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ ASKING = [0]  # causal LM calls with an ask of their base model running now: a p
 
 def asked() -> Optional[HeadRequest]:
     """The running causal LM's ask of its base model, or None. A compiled frame reads it only while one is running
-    (eagerly, between compiled frames: `model_forward.eager_run_lm`): the contextvar's read breaks the graph, and one
+    (eagerly, between compiled frames: `lm_forward.eager_run_lm`): the contextvar's read breaks the graph, and one
     that may not break never reads it (dynamo guards on `ASKING`, so each of the two compiles once)."""
     if is_compiling() and (not ASKING[0] or in_one_graph()):
         return None

@@ -25,7 +25,8 @@ from patchkit.forward.inputs.arguments import given_cache
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.step_aside import lm_cause
-from patchkit.hooks.forwards.model_forward import bound_call, takes_logits_to_keep
+from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
+from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name

@@ -1,0 +1,105 @@
+"""The causal LM's forward wrapper: tell its base model what of the call reads padding, and run its head and loss on
+the real tokens the base model hands back (or fused with the loss where its caller reads the loss alone)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from patchkit.forward.context import current, within
+from patchkit.forward.inputs.arguments import check_one_cache, resolved_use_cache, transformers_mask_in_graph
+from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
+from patchkit.hooks.decide.step_aside import lm_cause
+from patchkit.hooks.forwards.fused_head import fused_head
+from patchkit.hooks.forwards.head_request import HeadRequest, run_lm
+from patchkit.hooks.forwards.lm_head import compiled_loss_alone, declined, finish, servable_forward
+from patchkit.hooks.forwards.loss_reader import reads_loss_alone
+from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
+from patchkit.hooks.install.patching import dressed_as
+from patchkit.names import WHOLE_MODEL
+
+
+def takes_logits_to_keep(signature: inspect.Signature) -> bool:
+    """The forward takes `logits_to_keep` (or its older name), which generate() sets in its prefill."""
+    return any(name in signature.parameters for name in ("logits_to_keep", "num_logits_to_keep"))
+
+
+def labelled(arguments: dict, extra: dict) -> bool:
+    """The LM's call has labels (or a caller's shift_labels): it computes a loss."""
+    return arguments.get("labels") is not None or extra.get("shift_labels") is not None
+
+
+# Under torch.compile a causal LM's ask of its base model, its run and its counts run eagerly (dynamo would guard on
+# the counts and compile again every step); the LM's own forward, and the base model's in it, compile as frames of
+# their own. `recursive=False` skips only that function's frame: each helper it calls is skipped whole, but run_lm.
+eager_finish, eager_run_lm = torch._dynamo.disable(finish), torch._dynamo.disable(run_lm, recursive=False)
+
+
+def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
+    """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
+    under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
+    in `state`'s `heads`)."""
+    signature, var_kw, bind, _ = bound_call(original)
+    servable = servable_forward(original)
+    heads = state.heads if state is not None else None
+    takes_keep = takes_logits_to_keep(signature)
+    # unpad="loss" asked of the patch: the loss alone, also where this family's base model unpads inside attention
+    loss_alone = state is not None and state.unpad == "loss"
+    # the patch's unpad is "model" or "loss": a caller that reads the loss alone gets it fused, also from a family
+    # whose base model runs padded (unpadding inside attention: `unpad` is then "attention")
+    whole = (state.unpad if state is not None else unpad) in WHOLE_MODEL
+    compiled_said = compiled_loss_alone(state) if loss_alone else None
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        arguments = bind(self, args, kwargs)
+        check_one_cache(arguments)
+        extra = arguments.get(var_kw, {}) if var_kw else {}
+        if compiled_said is not None and in_one_graph() and self.training and labelled(arguments, extra):
+            compiled_said()
+        if transformers_mask_in_graph(arguments.get("attention_mask")):
+            return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
+        if in_one_graph():  # what the base model's traced forward plans by: labels over a padded batch
+            with lm_in_graph(lm_plan(arguments, extra)):
+                return original(self, *args, **kwargs)
+        if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
+                wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
+            kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
+        cause = lm_cause(arguments, extra, self.training, takes_keep)
+        if cause is None and not is_compiling():
+            alone = reads_alone(self, arguments, extra)
+            if unpad in WHOLE_MODEL or alone:
+                return with_head(self, args, kwargs, arguments, extra, alone)
+        if cause is None and (loss_alone and self.training and labelled(arguments, extra) or (
+                unpad in WHOLE_MODEL and arguments.get("attention_mask") is not None)):
+            return eager_with_head(self, args, kwargs, arguments, extra, None)  # compiled: served eagerly
+        if cause is None and is_compiling() and whole and labelled(arguments, extra) and (
+                eager_reads_alone(self, arguments, extra)):
+            return eager_with_head(self, args, kwargs, arguments, extra, True)  # compiled, run padded: as above
+        if cause is None and (is_compiling() or (current().lm_cause is None and current().head is None)):
+            return original(self, *args, **kwargs)  # nothing to tell (and no contextvar inside a compiled graph)
+        with within(lm_cause=cause, head=None):
+            return original(self, *args, **kwargs)
+
+    def reads_alone(self: nn.Module, arguments: dict, extra: dict) -> bool:
+        """The loss alone: asked of the patch for training forwards, or where the caller reads nothing else."""
+        return loss_alone and self.training or (whole and labelled(arguments, extra) and reads_loss_alone())
+
+    def ask(self: nn.Module, arguments: dict, extra: dict, alone: Optional[bool]) -> HeadRequest:
+        alone = reads_alone(self, arguments, extra) if alone is None else alone
+        asks_loss = alone and labelled(arguments, extra)
+        return HeadRequest(declined(self, arguments, extra, servable), loss_only=alone,
+                           labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
+                           fused=fused_head(self) if asks_loss else None)
+
+    def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict,
+                  alone: Optional[bool]) -> Any:
+        out, head = eager_run_lm(original, self, args, kwargs, eager_ask(self, arguments, extra, alone))
+        return eager_finish(self, out, head, labelled(arguments, extra), heads)
+
+    eager_with_head, eager_ask = torch._dynamo.disable(with_head, recursive=False), torch._dynamo.disable(ask)
+    eager_reads_alone = torch._dynamo.disable(reads_alone)
+    return dressed_as(forward, original, signature)
