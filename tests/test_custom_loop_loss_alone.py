@@ -101,6 +101,44 @@ def in_a_list(model, batch):
     return [outputs][0].loss
 
 
+def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    outputs = model(**inputs)
+    loss = outputs.loss
+    return (loss, outputs) if return_outputs else loss
+
+
+def compute_loss_if(self, model, inputs, return_outputs=False):
+    outputs = model(**inputs)
+    if return_outputs:
+        return outputs.loss, outputs
+    return outputs.loss
+
+
+def compute_loss_guard_stored(self, model, inputs, return_outputs=False):
+    outputs = model(**inputs)
+    return_outputs = bool(return_outputs)
+    return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def compute_loss_not(self, model, inputs, return_outputs=False):
+    outputs = model(**inputs)
+    if not return_outputs:
+        return outputs.loss
+    return outputs.loss, outputs
+
+
+@pytest.mark.parametrize("code, return_outputs, reads", [
+    (compute_loss, False, True), (compute_loss, True, False), (compute_loss_if, False, True),
+    (compute_loss_if, True, False), (compute_loss_guard_stored, False, False), (compute_loss_not, False, False)])
+def test_a_trainer_subclass_reads_the_loss_alone_where_return_outputs_is_false(code: Callable, return_outputs, reads):
+    """`(loss, outputs) if return_outputs else loss`, a Trainer subclass's compute_loss: the branch that reads the
+    outputs does not run while `return_outputs` is False and never stored (a guard it reassigns, or a branch taken
+    when it is False, are not read past)."""
+    model = Reader()
+    code(None, model, {}, return_outputs=return_outputs)
+    assert model.seen == [reads]
+
+
 @pytest.mark.parametrize("code, reads", [
     (attribute, True), (stored_then_read, True), (subscript, True), (in_a_loop, True), (in_a_comprehension, True),
     (logits_read_later, False), (returned, False), (stored_and_returned, False), (in_a_closure, False),
@@ -188,6 +226,26 @@ def test_a_loop_that_reads_the_loss_alone_runs_the_fused_head_with_unpatched_num
     want, got = (train(family(model_type), way) for way in (None, unpad))
     assert got["heads"] == {lm_head.FUSED: 4}
     assert_alike(got, want)
+
+
+def test_a_trainer_subclass_whose_compute_loss_calls_the_model_runs_its_training_steps_fused(tmp_path):
+    """A Trainer subclass's compute_loss that calls the model itself and reads `outputs.loss`, returning the outputs
+    only where asked: its training steps (return_outputs=False) run the head fused with the loss; its evaluations ask
+    for the outputs and get the logits. Eval losses, training losses and trained weights equal unpatched."""
+    import transformers as tf
+    from test_lm_head import assert_trained_alike
+    from test_trainer_loss_alone import assert_evals_alike, run
+
+    class Trainer(tf.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            loss = outputs.loss
+            return (loss, outputs) if return_outputs else loss
+
+    want, got = (run(family("llama"), way, tmp_path, trainer_class=Trainer) for way in (None, "model"))
+    assert got["heads"] == {lm_head.FUSED: 2 * 2, lm_head.REAL_TOKENS: 2 * 2}
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
 
 
 def test_a_loop_that_reads_the_logits_gets_them():
