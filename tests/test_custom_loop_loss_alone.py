@@ -4,6 +4,7 @@ code reads anything else of the output gets the logits as before."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -31,7 +32,7 @@ class Reader:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Output:
         self.seen.append(caller_code.reads_loss_alone_at(sys._getframe(1)))
-        return Output(loss=torch.ones(()), logits=torch.ones(1))
+        return Output(loss=torch.ones((), requires_grad=True), logits=torch.ones(1))
 
 
 def attribute(model, batch):
@@ -96,6 +97,44 @@ def unpacked(model, batch):
     return loss
 
 
+def stacked(model, batch):
+    outputs = model(**batch)
+    return torch.stack([outputs.loss])  # an attribute named `stack`, not inspect's
+
+
+def reads_its_frame(model, batch):
+    outputs = model(**batch)
+    sys._getframe(0)
+    return outputs.loss
+
+
+def builtins_locals(model, batch):
+    import builtins
+    outputs = model(**batch)
+    builtins.locals()
+    return outputs.loss
+
+
+def builtins_eval(model, batch):
+    import builtins
+    outputs = model(**batch)  # noqa: F841 (read by the eval)
+    return builtins.eval("outputs.loss")
+
+
+def asserted(model, batch):
+    outputs = model(**batch)
+    loss = outputs.loss
+    assert loss is not None  # pytest rewrites it to read `@py_builtins.locals()`
+    return loss
+
+
+def evaluated(model, batch):
+    outputs = model(**batch)
+    model.eval = lambda: None
+    model.eval()  # an attribute named `eval`, not the builtin
+    return outputs.loss
+
+
 def in_a_list(model, batch):
     outputs = model(**batch)
     return [outputs][0].loss
@@ -142,7 +181,8 @@ def test_a_trainer_subclass_reads_the_loss_alone_where_return_outputs_is_false(c
 @pytest.mark.parametrize("code, reads", [
     (attribute, True), (stored_then_read, True), (subscript, True), (in_a_loop, True), (in_a_comprehension, True),
     (logits_read_later, False), (returned, False), (stored_and_returned, False), (in_a_closure, False),
-    (read_by_locals, False), (on_an_attribute, False), (unpacked, False), (in_a_list, False)])
+    (read_by_locals, False), (on_an_attribute, False), (unpacked, False), (in_a_list, False), (stacked, True),
+    (reads_its_frame, False), (builtins_locals, False), (builtins_eval, False), (asserted, False), (evaluated, True)])
 def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_output_is_read(code: Callable, reads):
     model = Reader()
     try:
@@ -150,6 +190,75 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
     except (RuntimeError, KeyError, ValueError, TypeError):
         pass  # the stand-in's output is read as the code reads it: what it records was recorded before
     assert model.seen and set(model.seen) == {reads}, (code.__name__, model.seen)
+
+
+def train_then_evaluate(model, batches):
+    for batch in batches:
+        outputs = model(**batch)
+        loss = outputs.loss
+        loss.backward()
+    for batch in batches:
+        outputs = model(**batch)
+        predictions = outputs.logits
+    return predictions
+
+
+def read_in_a_handler(model, batches):
+    try:
+        outputs = model(**batches[0])
+        loss = outputs.loss
+        raise ValueError(loss)
+    except ValueError:
+        return outputs.logits
+
+
+def read_in_the_next_iteration(model, batches):
+    outputs = None
+    for batch in batches:
+        if outputs is not None:
+            print(outputs.logits)
+        outputs = model(**batch)
+        outputs.loss.backward()
+
+
+def evaluated_without_grad(model, batches):
+    for batch in batches:
+        outputs = model(**batch)
+        outputs.loss.backward()
+    for batch in batches:
+        with torch.no_grad():
+            outputs = model(**batch)
+        predictions = outputs.logits
+    return predictions
+
+
+def evaluated_under_suppress(model, batches):
+    for batch in batches:
+        outputs = model(**batch)
+        outputs.loss.backward()
+    for batch in batches:
+        with contextlib.suppress(KeyError):  # swallows: the old outputs could be read after the block
+            outputs = model(**batch)
+        predictions = outputs.logits
+    return predictions
+
+
+@pytest.mark.parametrize("code, reads", [
+    (evaluated_without_grad, [caller_code.PATHS] * 2 + [False] * 2), (evaluated_under_suppress, [False] * 4),
+    (train_then_evaluate, [caller_code.PATHS] * 2 + [False] * 2), (read_in_a_handler, [False]),
+    (read_in_the_next_iteration, [False, False])])
+def test_from_python_3_11_each_path_from_the_call_is_read(code: Callable, reads: list):
+    """Python 3.11+ (an exception table, so every path is read off the code): a training loop and an evaluation in one
+    function that both name their output `outputs` (accelerate's examples) are told apart, also where the evaluation
+    runs under `torch.no_grad()`, which never swallows an exception; an exception handler, a block that can swallow
+    one (`contextlib.suppress`) or the next iteration that reads the logits keeps them. Before 3.11, any read of the
+    name anywhere keeps them."""
+    model = Reader()
+    try:
+        code(model, [{}, {}])
+    except (RuntimeError, KeyError, ValueError, TypeError):
+        pass
+    assert model.seen == reads
 
 
 def test_module_level_code_keeps_the_logits():
@@ -254,6 +363,51 @@ def test_a_loop_that_reads_the_logits_gets_them():
     want, got = (train(family("llama"), way, reads_logits=True) for way in (None, "model"))
     assert got["heads"] == {lm_head.REAL_TOKENS: 2, lm_head.FUSED: 2}
     assert_alike(got, want)
+
+
+def train_and_evaluate(model: torch.nn.Module, batches: list, optimizer: torch.optim.Optimizer) -> tuple:
+    """accelerate's nlp_example's shape: training and evaluation in one function, both naming their output
+    `outputs`; the evaluation reads the logits."""
+    model.train()
+    losses = []
+    for batch in batches:
+        outputs = model(**batch)
+        loss = outputs.loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    logits = []
+    for batch in batches:
+        with torch.no_grad():
+            outputs = model(**batch)
+        logits.append(outputs.logits)
+    return losses, logits
+
+
+def test_a_function_that_trains_then_evaluates_the_logits_runs_its_training_steps_fused():
+    """From Python 3.11 the training steps of such a function run fused and its evaluation gets the logits (before,
+    every forward of the function keeps them); losses, weights and evaluated logits equal unpatched."""
+
+    def run(unpad: Optional[str]) -> tuple:
+        model = family("llama")
+        rows = rows_of(model)
+        batches = [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in (0, 4)]
+        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if unpad else None
+        try:
+            losses, logits = train_and_evaluate(model, batches, torch.optim.SGD(model.parameters(), lr=0.1))
+            return losses, logits, [b["attention_mask"].bool() for b in batches], dict(handle.heads) if handle else {}
+        finally:
+            if handle is not None:
+                handle.revert()
+
+    want, got = run(None), run("model")
+    fused = 2 if caller_code.PATHS else 0
+    assert got[3] == {k: v for k, v in {lm_head.FUSED: fused, lm_head.REAL_TOKENS: 4 - fused}.items() if v}
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    for g, w, real in zip(got[1], want[1], got[2]):
+        torch.testing.assert_close(g[real], w[real], atol=2e-5, rtol=1e-4)
 
 
 def accelerated(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:

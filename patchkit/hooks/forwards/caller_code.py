@@ -4,30 +4,46 @@ A training loop of the user's own (`loss = model(**batch).loss`, or `outputs = m
 alone, as accelerate's and PyTorch's examples write it) never sees the logits: the LM can return its loss alone from
 the head fused with the loss, and the (B, N, V) logits are never held. This holds only where it is provable from the
 calling function's code: the call's result is read by `.loss` (or `["loss"]`) at once, or stored in a local variable
-that every instruction of the function reads by `.loss` alone, that no closure shares, and that nothing reads by name
-(`locals()`, `vars()`, `eval`, frame inspection). One branch is known not to run: a Trainer subclass's
-`(loss, outputs) if return_outputs else loss` where `return_outputs` is False now (the Trainer's training step).
-Anything else (a return, a tuple, `outputs.logits` anywhere in the function, module-level code, whose names are
-global) keeps the logits.
+that no closure shares and that nothing reads by name (`locals()`, `vars()`, `eval`, frame inspection), and that is
+read by `.loss` alone on every path from the call until it is stored again (Python 3.11+: jumps, loops, exception
+handlers, a `with` block that could swallow an exception; before 3.11, every read of it anywhere in the function).
+One branch is known not to run: a Trainer subclass's `(loss, outputs) if return_outputs else loss` where
+`return_outputs` is False now (the Trainer's training step). Anything else (a return, a tuple, `outputs.logits`
+where the call's output can reach it, module-level code, whose names are global) keeps the logits.
 """
-
 from __future__ import annotations
 
+import bisect
 import dis
 import functools
+import sys
 from types import CodeType, FrameType
 from typing import Optional, Sequence
 
 LOSS = "loss"
-# Names whose use in a function can read its variables without naming them
-BY_NAME = frozenset({"locals", "vars", "eval", "exec", "_getframe", "currentframe", "stack", "getframeinfo",
-                     "getouterframes", "f_locals"})
+# Globals and attributes whose use in a function can read its variables without naming them (`model.eval()` and
+# `torch.stack` are attributes, not the builtin or inspect's)
+FRAME_GLOBALS = frozenset({"locals", "vars", "eval", "exec", "breakpoint", "inspect", "currentframe", "stack",
+                           "getouterframes", "getinnerframes", "trace"})
+FRAME_ATTRIBUTES = frozenset({"locals", "vars", "_getframe", "f_locals", "currentframe", "_current_frames", "f_back",
+                               "tb_frame"})
+# ... and those that do so only on the builtins module (`builtins.eval`, pytest's rewritten asserts' `@py_builtins`)
+BUILTIN_ATTRIBUTES = frozenset({"eval", "exec", "breakpoint"})
 SKIPPED = frozenset({"CACHE", "EXTENDED_ARG", "NOP"})
 # A Trainer subclass's compute_loss argument: False where the Trainer's caller takes the loss alone, so the branch of
 # `(loss, outputs) if return_outputs else loss` that reads the outputs does not run
 GUARDS = frozenset({"return_outputs"})
 GUARD_JUMPS = frozenset({"POP_JUMP_IF_FALSE", "POP_JUMP_FORWARD_IF_FALSE"})
 JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis, "hasjump", ()))
+# From 3.11 a function's exception handlers are a table of ranges, so every path its run can take is read off the
+# code: a loop and an evaluation in one function that both name their output `outputs` are told apart
+PATHS = sys.version_info >= (3, 11)
+ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})
+# `with torch.no_grad():` and its kin never swallow an exception (their __exit__ returns None): the handler's jump past
+# the with block, where it would continue with the variables as they were, is never taken for them
+NEVER_SUPPRESS = frozenset({"no_grad", "inference_mode", "enable_grad"})
+ALWAYS = frozenset({"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_ABSOLUTE", "JUMP", "JUMP_BACKWARD_NO_INTERRUPT",
+                    "JUMP_NO_INTERRUPT"})
 
 
 @functools.lru_cache(maxsize=512)
@@ -40,6 +56,19 @@ def _entries(code: CodeType) -> tuple[tuple[int, int], ...]:
     """Where control enters other than by falling through: each jump's (offset, target), each handler's (-1, target)."""
     jumps = tuple((i.offset, i.argval) for i in _instructions(code) if i.opcode in JUMPS and isinstance(i.argval, int))
     return jumps + tuple((-1, e.target) for e in getattr(dis.Bytecode(code), "exception_entries", ()))
+
+
+@functools.lru_cache(maxsize=512)
+def _reads_by_name(code: CodeType) -> bool:
+    """`code` can read its variables without naming them: `locals()`, `vars()`, `eval`, frame inspection."""
+    instructions = _instructions(code)
+    for at, i in enumerate(instructions):
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME") and i.argval in FRAME_GLOBALS:
+            return True
+        if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and (i.argval in FRAME_ATTRIBUTES or i.argval in BUILTIN_ATTRIBUTES
+                                                          and at and "builtins" in str(instructions[at - 1].argval)):
+            return True
+    return False
 
 
 def _reads_loss_at(code: Sequence[dis.Instruction], at: int) -> bool:
@@ -87,13 +116,69 @@ def _skipped(frame: FrameType, instructions: Sequence[dis.Instruction]) -> froze
 def _read_for_loss_alone(code: CodeType, instructions: Sequence[dis.Instruction], variable: str,
                          skipped: frozenset[int]) -> bool:
     """Every instruction of `code` that reads the local `variable`, but those `skipped`, reads its loss alone."""
-    if variable in code.co_cellvars or variable in code.co_freevars or BY_NAME.intersection(code.co_names):
+    if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
         return False
     for at, instruction in enumerate(instructions):
         _, loads = _names(instruction)
         if at not in skipped and variable in loads and (loads[-1] != variable or variable in loads[:-1]
                                   or not _reads_loss_at(instructions, at + 1)):
             return False
+    return True
+
+
+@functools.lru_cache(maxsize=512)
+def _unsuppressed(code: CodeType) -> frozenset[int]:
+    """The with-handlers' jumps past their block (an exception swallowed) that are never taken: those of a block whose
+    manager is a zero-argument call of a NEVER_SUPPRESS name (3.11+: BEFORE_WITH, the handler's WITH_EXCEPT_START)."""
+    instructions = _instructions(code)
+    offsets = [i.offset for i in instructions]
+    handlers = getattr(dis.Bytecode(code), "exception_entries", ())
+    never = set()
+    for at, instruction in enumerate(instructions):
+        if instruction.opname != "WITH_EXCEPT_START" or at == 0:
+            continue
+        jump = at + 2 if at + 1 < len(instructions) and instructions[at + 1].opname == "TO_BOOL" else at + 1
+        starts = [e.start for e in handlers if e.target == instructions[at - 1].offset]
+        if jump >= len(instructions) or "IF_TRUE" not in instructions[jump].opname or not starts:
+            continue
+        before = [i for i in instructions[:bisect.bisect_left(offsets, min(starts))]
+                  if i.opname not in ("PRECALL", "PUSH_NULL")]  # 3.13: `torch.no_grad` of an imported module
+        if (len(before) >= 3 and before[-1].opname == "BEFORE_WITH" and before[-2].opname == "CALL"
+                and before[-2].argval == 0 and before[-3].argval in NEVER_SUPPRESS
+                and before[-3].opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL")):
+            never.add(jump)
+    return frozenset(never)
+
+
+@functools.lru_cache(maxsize=512)
+def _read_on_every_path(code: CodeType, variable: str, start: int, skipped: frozenset[int]) -> bool:
+    """On every path from instruction `start` (3.11+), each read of the local `variable` before it is stored again
+    reads its loss alone: jumps, falling through, and each instruction's exception handler, but `skipped`."""
+    instructions = _instructions(code)
+    if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
+        return False
+    offsets = [i.offset for i in instructions]
+    handlers = getattr(dis.Bytecode(code), "exception_entries", ())
+    unsuppressed = _unsuppressed(code)
+    todo, seen = [start], set()
+    while todo:
+        at = todo.pop()
+        if at in seen or at >= len(instructions) or at in skipped:
+            continue
+        seen.add(at)
+        instruction = instructions[at]
+        stores, loads = _names(instruction)
+        if variable in loads and (loads[-1] != variable or variable in loads[:-1]
+                                  or not _reads_loss_at(instructions, at + 1)):
+            return False
+        todo.extend(bisect.bisect_left(offsets, e.target) for e in handlers if e.start <= instruction.offset < e.end)
+        if variable in stores or instruction.opname in ENDS:
+            continue
+        if instruction.opcode in JUMPS and isinstance(instruction.argval, int) and at not in unsuppressed:
+            todo.append(bisect.bisect_left(offsets, instruction.argval))
+            if instruction.opname in ALWAYS:
+                continue
+        todo.append(at + 1)
     return True
 
 
@@ -111,4 +196,10 @@ def reads_loss_alone_at(frame: Optional[FrameType]) -> bool:
     after = instructions[at + 1] if at + 1 < len(instructions) else None
     if after is None or after.opname not in ("STORE_FAST", "STORE_FAST_LOAD_FAST"):
         return False  # a global, a cell, an attribute, a tuple, a return, an argument: read elsewhere
-    return _read_for_loss_alone(code, instructions, _names(after)[0][0], _skipped(frame, instructions))
+    (variable,), loaded = _names(after)[0][:1], _names(after)[1]
+    skipped = _skipped(frame, instructions)
+    if not PATHS:
+        return _read_for_loss_alone(code, instructions, variable, skipped)
+    if variable in loaded and not _reads_loss_at(instructions, at + 2):
+        return False  # STORE_FAST_LOAD_FAST (3.13) reads back what it stored
+    return _read_on_every_path(code, variable, at + 2, skipped)
