@@ -15,7 +15,7 @@ from test_lm_head import family
 from test_trainer_loss_alone import rows_of
 
 import patchkit
-from patchkit.hooks.forwards import caller_code, lm_head
+from patchkit.hooks.forwards import caller_code, lm_head, loss_reader
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
 
@@ -33,6 +33,73 @@ class Reader:
     def __call__(self, *args: Any, **kwargs: Any) -> Output:
         self.seen.append(caller_code.reads_loss_alone_at(sys._getframe(1)))
         return Output(loss=torch.ones((), requires_grad=True), logits=torch.ones(1))
+
+
+class Walker(Reader):
+    """A stand-in LM that records whether the frames above it, helpers that return its output included, read the
+    loss alone."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Output:
+        self.seen.append(loss_reader.reads_loss_alone(sys._getframe(1)))
+        return Output(loss=torch.ones((), requires_grad=True), logits=torch.ones(1))
+
+
+def helper(model, batch):
+    return model(**batch)
+
+
+def helper_of_a_helper(model, batch):
+    return helper(model, batch)
+
+
+def generator(model, batch):
+    yield 1
+    return model(**batch)
+
+
+def through_a_helper(model, batch):
+    outputs = helper(model, batch)
+    return outputs.loss
+
+
+def through_two_helpers(model, batch):
+    return helper_of_a_helper(model, batch)[0]
+
+
+def through_a_lambda(model, batch):
+    step = lambda b: model(**b)  # noqa: E731
+    return step(batch).loss
+
+
+def through_a_helper_then_logits(model, batch):
+    outputs = helper(model, batch)
+    return outputs.loss, outputs.logits
+
+
+def helper_kept(model, batch):
+    outputs = helper(model, batch)
+    return outputs
+
+
+def through_a_generator(model, batch):
+    steps = generator(model, batch)
+    next(steps)
+    try:
+        next(steps)
+    except StopIteration as stop:
+        return stop.value.logits
+
+
+def first_item(model, batch):
+    return model(**batch)[0]
+
+
+def second_item(model, batch):
+    return model(**batch)[1]
+
+
+def false_item(model, batch):
+    return model(**batch)[False]
 
 
 def attribute(model, batch):
@@ -192,6 +259,22 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
     assert model.seen and set(model.seen) == {reads}, (code.__name__, model.seen)
 
 
+@pytest.mark.parametrize("code, reads", [
+    (through_a_helper, True), (through_two_helpers, True), (through_a_lambda, True), (attribute, True),
+    (through_a_helper_then_logits, False), (helper_kept, False), (through_a_generator, False), (first_item, True),
+    (second_item, False), (false_item, False)])
+def test_helpers_that_return_the_output_as_it_is_are_read_through(code: Callable, reads: bool):
+    """A helper of the user's that returns the LM's output as it is (`return model(**batch)`, a lambda, a wrapper
+    module's forward) hands it to its own caller, whose code is read instead; a generator's return reaches no plain
+    caller. `outputs[0]` is the loss wherever one was computed (the first field set, a tuple's first item)."""
+    model = Walker()
+    try:
+        code(model, {})
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError):
+        pass
+    assert model.seen == [reads], (code.__name__, model.seen)
+
+
 def train_then_evaluate(model, batches):
     for batch in batches:
         outputs = model(**batch)
@@ -281,7 +364,7 @@ def loss_and_logits(model: torch.nn.Module, batch: dict, seen: list) -> torch.Te
 
 
 def train(model: torch.nn.Module, unpad: Optional[str], reads_logits: bool = False, prepare: Callable = None,
-          compiled: bool = False) -> dict:
+          compiled: bool = False, step: Callable = loss_alone) -> dict:
     """A loop of the user's own: 2 SGD steps on 4 rows each, then an evaluation under no_grad, patched with `unpad`
     (None: unpatched). `prepare` wraps the model and its optimizer (accelerate)."""
     rows = rows_of(model)
@@ -298,7 +381,7 @@ def train(model: torch.nn.Module, unpad: Optional[str], reads_logits: bool = Fal
     try:
         for batch in batches:
             optimizer.zero_grad()
-            loss = loss_and_logits(runner, batch, seen) if reads_logits else loss_alone(runner, batch)
+            loss = loss_and_logits(runner, batch, seen) if reads_logits else step(runner, batch)
             backward(loss)
             optimizer.step()
             losses.append(loss.item())
@@ -419,14 +502,36 @@ def accelerated(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return model, optimizer, accelerator.backward
 
 
-@pytest.mark.parametrize("way", ["accelerate", "compiled"])
-def test_a_loop_through_accelerate_or_a_compiled_model_runs_the_fused_head(way):
-    """accelerate's prepared model and its `backward`, or `torch.compile(model)` (dynamo's eager backend): their
-    frames pass the output on, and the loop's forwards run fused with the unpatched numbers. Compiled, the fused
-    forward's check of the cache (`filled_cache.cache_is_storage`) is traced without dynamo's warning."""
+class LitModel(torch.nn.Module):
+    """A PyTorch Lightning module's shape (its transformers example): `forward` returns the LM's output as it is, and
+    `training_step` reads `outputs[0]`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs)
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        outputs = self(**batch)
+        return outputs[0]
+
+
+def lightning(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    return LitModel(model), optimizer, lambda loss: loss.backward()
+
+
+@pytest.mark.parametrize("way", ["accelerate", "compiled", "lightning"])
+def test_a_loop_through_accelerate_a_compiled_model_or_a_module_of_its_own_runs_the_fused_head(way):
+    """accelerate's prepared model and its `backward`, `torch.compile(model)` (dynamo's eager backend), or a module of
+    the user's whose forward returns the LM's output (Lightning's shape, reading `outputs[0]`): their frames pass the
+    output on, and the loop's forwards run fused with the unpatched numbers. Compiled, the fused forward's check of
+    the cache (`filled_cache.cache_is_storage`) is traced without dynamo's warning."""
     if way == "accelerate":
         pytest.importorskip("accelerate")
-    options = dict(prepare=accelerated) if way == "accelerate" else dict(compiled=True)
+    options = {"accelerate": dict(prepare=accelerated), "compiled": dict(compiled=True),
+               "lightning": dict(prepare=lightning, step=lambda runner, batch: runner.training_step(batch))}[way]
     want = train(family("llama"), None, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

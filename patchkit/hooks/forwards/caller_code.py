@@ -1,21 +1,23 @@
 """Whether the code that called a causal LM reads nothing of its output but the loss, read off that code's bytecode.
 
 A training loop of the user's own (`loss = model(**batch).loss`, or `outputs = model(**batch)` then `outputs.loss`
-alone, as accelerate's and PyTorch's examples write it) never sees the logits: the LM can return its loss alone from
-the head fused with the loss, and the (B, N, V) logits are never held. This holds only where it is provable from the
-calling function's code: the call's result is read by `.loss` (or `["loss"]`) at once, or stored in a local variable
-that no closure shares and that nothing reads by name (`locals()`, `vars()`, `eval`, frame inspection), and that is
-read by `.loss` alone on every path from the call until it is stored again (Python 3.11+: jumps, loops, exception
-handlers, a `with` block that could swallow an exception; before 3.11, every read of it anywhere in the function).
-One branch is known not to run: a Trainer subclass's `(loss, outputs) if return_outputs else loss` where
-`return_outputs` is False now (the Trainer's training step). Anything else (a return, a tuple, `outputs.logits`
-where the call's output can reach it, module-level code, whose names are global) keeps the logits.
+alone, as accelerate's and PyTorch's examples write it) never sees the logits: the LM can return its loss alone from the
+head fused with the loss, and the (B, N, V) logits are never held. This holds only where it is provable from the calling
+function's code: the call's result is read by `.loss` (or `["loss"]`, or `[0]`) at once, or stored in a local variable
+that no closure shares and that nothing reads by name (`locals()`, `vars()`, `eval`, frame inspection), and that is read
+by `.loss` alone on every path from the call until it is stored again (Python 3.11+: jumps, loops, exception handlers, a
+`with` block that could swallow an exception; before 3.11, every read of it anywhere in the function). One branch is
+known not to run: a Trainer subclass's `(loss, outputs) if return_outputs else loss` where `return_outputs` is False now
+(the Trainer's training step). A function that returns the call's result as it is passes it on (`passes_on_at`): its
+caller's code is read instead. Anything else (a stored output returned, a tuple, `outputs.logits` where the call's
+output can reach it, module-level code, whose names are global) keeps the logits.
 """
 from __future__ import annotations
 
 import bisect
 import dis
 import functools
+import inspect
 import sys
 from types import CodeType, FrameType
 from typing import Optional, Sequence
@@ -42,6 +44,8 @@ ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})
 # `with torch.no_grad():` and its kin never swallow an exception (their __exit__ returns None): the handler's jump past
 # the with block, where it would continue with the variables as they were, is never taken for them
 NEVER_SUPPRESS = frozenset({"no_grad", "inference_mode", "enable_grad"})
+# A generator's or coroutine's `return` ends its iteration: its value reaches no plain caller
+NOT_RETURNED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 ALWAYS = frozenset({"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_ABSOLUTE", "JUMP", "JUMP_BACKWARD_NO_INTERRUPT",
                     "JUMP_NO_INTERRUPT"})
 
@@ -49,6 +53,11 @@ ALWAYS = frozenset({"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_ABSOLUTE", "JUMP", "J
 @functools.lru_cache(maxsize=512)
 def _instructions(code: CodeType) -> tuple[dis.Instruction, ...]:
     return tuple(i for i in dis.get_instructions(code) if i.opname not in SKIPPED)
+
+
+@functools.lru_cache(maxsize=512)
+def _offsets(code: CodeType) -> tuple[int, ...]:
+    return tuple(i.offset for i in _instructions(code))
 
 
 @functools.lru_cache(maxsize=512)
@@ -79,7 +88,9 @@ def _reads_loss_at(code: Sequence[dis.Instruction], at: int) -> bool:
     if first.opname == "LOAD_ATTR" and first.argval == LOSS:
         return True
     subscript = code[at + 1] if at + 1 < len(code) else None
-    return first.opname == "LOAD_CONST" and first.argval == LOSS and subscript is not None and (
+    key = first.argval if first.opname in ("LOAD_CONST", "LOAD_SMALL_INT") else None
+    # `outputs[0]` is the loss wherever there is one: a ModelOutput's first field that is set, a tuple's first item
+    return (key == LOSS or type(key) is int and key == 0) and subscript is not None and (
         subscript.opname == "BINARY_SUBSCR" or subscript.opname == "BINARY_OP" and subscript.argrepr == "[]")
 
 
@@ -182,14 +193,30 @@ def _read_on_every_path(code: CodeType, variable: str, start: int, skipped: froz
     return True
 
 
+def _call_at(frame: FrameType) -> Optional[int]:
+    """The index in `frame`'s instructions of the call it is making now."""
+    instructions = _instructions(frame.f_code)
+    # the call's own offset, or (3.11, a call of a Python function) that of one of its inline caches
+    at = bisect.bisect_right(_offsets(frame.f_code), frame.f_lasti) - 1
+    return at if at >= 0 and instructions[at].opname.startswith("CALL") else None
+
+
+def passes_on_at(frame: Optional[FrameType]) -> bool:
+    """`frame` returns the result of the call it is making now as it is, to its own caller: a helper of the user's
+    (`def step(model, batch): return model(**batch)`, a wrapper module's `forward`, a lambda)."""
+    if frame is None or frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>":
+        return False
+    at, instructions = _call_at(frame), _instructions(frame.f_code)
+    return at is not None and at + 1 < len(instructions) and instructions[at + 1].opname == "RETURN_VALUE"
+
+
 def reads_loss_alone_at(frame: Optional[FrameType]) -> bool:
     """`frame` is calling the LM now, and its code reads nothing of the call's result but the loss."""
     if frame is None:
         return False
-    code = frame.f_code
+    code, at = frame.f_code, _call_at(frame)
     instructions = _instructions(code)
-    at = next((n for n, i in enumerate(instructions) if i.offset == frame.f_lasti), None)
-    if at is None or not instructions[at].opname.startswith("CALL"):
+    if at is None:
         return False
     if _reads_loss_at(instructions, at + 1):
         return True

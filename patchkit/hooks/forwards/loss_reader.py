@@ -11,8 +11,9 @@ the output but the loss (`caller_code`).
 This is read off the running frames, not set by a wrapper on the Trainer, so that a subclass that reads the logits is
 never served: every frame between the LM's forward and its caller must be a wrapper that only passes the output on
 (torch's module call and its parallel wrappers, accelerate's, PEFT's, DeepSpeed's, transformers' decorators, and
-patchkit's own), with no forward hook of anyone else's. Anything else (TRL's trainers, which read log-probs, a model
-of the user's own around the LM, a loop that reads the logits) keeps the logits.
+patchkit's own) or a function of the user's that returns the call's output as it is (`caller_code.passes_on_at`),
+with no forward hook of anyone else's. Anything else (TRL's trainers, which read log-probs, a model of the user's own
+that reads its LM's output, a loop that reads the logits) keeps the logits.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.forwards.caller_code import reads_loss_alone_at
+from patchkit.hooks.forwards.caller_code import passes_on_at, reads_loss_alone_at
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
@@ -62,18 +63,20 @@ def _trainers(frame: FrameType, name: str) -> bool:
     return home is not None and code.co_name == name and code.co_filename == os.path.join(home, "trainer.py")
 
 
-def reads_loss_alone() -> bool:
+def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
     """The running causal LM's forward was called, through wrappers that only pass its output on, by a caller that
     reads the loss alone: the HF Trainer's own `compute_loss` for its training step, or for its `prediction_step` with
     `prediction_loss_only` (the Trainer's `past_index`, which reads an output by position, or a loss of its own,
-    `compute_loss_func` or label smoothing, keeps the logits); or code whose bytecode reads the loss alone."""
-    frame = sys._getframe(1)
+    `compute_loss_func` or label smoothing, keeps the logits); or code whose bytecode reads the loss alone, called
+    through helpers of the user's that return the output as it is. `frame`: the first frame read (unset: the
+    caller of this function, the LM's forward)."""
+    frame = sys._getframe(1) if frame is None else frame
     for _ in range(MAX_FRAMES):
         if frame is None:
             return False
         if _trainers(frame, "compute_loss"):
             return _reads_loss(frame)
-        if not _passing(frame.f_code.co_filename):
+        if not _passing(frame.f_code.co_filename) and not passes_on_at(frame):
             return reads_loss_alone_at(frame)  # the caller's own code: a training loop, a Trainer subclass's
         if _hooked_call(frame):
             return False
