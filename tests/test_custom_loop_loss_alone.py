@@ -344,6 +344,16 @@ def test_from_python_3_11_each_path_from_the_call_is_read(code: Callable, reads:
     assert model.seen == reads
 
 
+def test_a_python_whose_bytecode_is_unread_keeps_the_logits(monkeypatch):
+    """On a Python newer than the rules were read against, no caller's code is trusted: a loop that reads the loss
+    alone, directly or through a helper, keeps the logits."""
+    monkeypatch.setattr(caller_code, "KNOWN", False)
+    model = Walker()
+    attribute(model, {})
+    through_a_helper(model, {})
+    assert model.seen == [False, False]
+
+
 def test_module_level_code_keeps_the_logits():
     """A script's top level stores its output in a global, which any function can read."""
     model = Reader()

@@ -40,6 +40,9 @@ JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs) | frozenset(getattr(dis,
 # From 3.11 a function's exception handlers are a table of ranges, so every path its run can take is read off the
 # code: a loop and an evaluation in one function that both name their output `outputs` are told apart
 PATHS = sys.version_info >= (3, 11)
+# Bytecode changes with every Python: these rules are checked on 3.9-3.13 and read against 3.14's opcodes; a newer
+# Python's callers keep the logits until its opcodes are read
+KNOWN = sys.version_info < (3, 15)
 ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"})
 # `with torch.no_grad():` and its kin never swallow an exception (their __exit__ returns None): the handler's jump past
 # the with block, where it would continue with the variables as they were, is never taken for them
@@ -204,7 +207,7 @@ def _call_at(frame: FrameType) -> Optional[int]:
 def passes_on_at(frame: Optional[FrameType]) -> bool:
     """`frame` returns the result of the call it is making now as it is, to its own caller: a helper of the user's
     (`def step(model, batch): return model(**batch)`, a wrapper module's `forward`, a lambda)."""
-    if frame is None or frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>":
+    if not KNOWN or frame is None or frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>":
         return False
     at, instructions = _call_at(frame), _instructions(frame.f_code)
     return at is not None and at + 1 < len(instructions) and instructions[at + 1].opname == "RETURN_VALUE"
@@ -212,7 +215,7 @@ def passes_on_at(frame: Optional[FrameType]) -> bool:
 
 def reads_loss_alone_at(frame: Optional[FrameType]) -> bool:
     """`frame` is calling the LM now, and its code reads nothing of the call's result but the loss."""
-    if frame is None:
+    if not KNOWN or frame is None:
         return False
     code, at = frame.f_code, _call_at(frame)
     instructions = _instructions(code)
