@@ -550,3 +550,63 @@ def test_a_loop_through_accelerate_a_compiled_model_or_a_module_of_its_own_runs_
     assert_alike(got, want)
     # dynamo traces patchkit's reads of the model's class without its "silent incorrectness" warning
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def run_clm_no_trainer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Any,
+                       train_batches: list, eval_batches: list) -> tuple:
+    """The training and evaluation loops of transformers' `examples/pytorch/language-modeling/run_clm_no_trainer.py`,
+    as that script writes them (one function; `outputs` in both; gradient accumulation through accelerate)."""
+    total_loss = 0
+    losses_seen = []
+    model.train()
+    for step, batch in enumerate(train_batches):  # noqa: B007 (as the script writes it)
+        with accelerator.accumulate(model):
+            outputs = model(**batch)
+            loss = outputs.loss
+            total_loss += loss.detach().float()
+            losses_seen.append(loss.item())
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    losses = []
+    for step, batch in enumerate(eval_batches):  # noqa: B007
+        with torch.no_grad():
+            outputs = model(**batch)
+        loss = outputs.loss
+        losses.append(accelerator.gather_for_metrics(loss.repeat(len(batch["input_ids"]))))
+    losses = torch.cat(losses)
+    eval_loss = torch.mean(losses)
+    return losses_seen, eval_loss.item(), total_loss.item()
+
+
+def test_transformers_run_clm_no_trainer_loop_runs_fused_with_unpatched_numbers():
+    """transformers' own accelerate example, its loops as written: every training micro-batch (under
+    `accelerator.accumulate`, a with block whose manager could swallow an exception: the variable is stored again
+    before any later read) and every evaluation forward (under `torch.no_grad()`, read by `outputs.loss` after the
+    block) runs the head fused with the loss; losses, eval loss and trained weights equal unpatched."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def run(unpad: Optional[str]) -> tuple:
+        model = family("llama")
+        rows = rows_of(model)
+        batches = [{k: torch.stack([r[k] for r in rows[i:i + 2]]) for k in rows[0]} for i in (0, 2, 4, 6)]
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        prepared, optimizer = accelerator.prepare(model, optimizer)
+        handle = patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) if unpad else None
+        try:
+            numbers = run_clm_no_trainer(prepared, optimizer, accelerator, batches, batches[:2])
+            return numbers, dict(handle.heads) if handle else {}, {n: p.detach().clone()
+                                                                    for n, p in model.named_parameters()}
+        finally:
+            if handle is not None:
+                handle.revert()
+
+    (want, _, want_weights), (got, heads, got_weights) = run(None), run("model")
+    fused = 6 if caller_code.PATHS else 0
+    assert heads == {k: v for k, v in {lm_head.FUSED: fused, lm_head.REAL_TOKENS: 6 - fused}.items() if v}
+    assert [*got[0], *got[1:]] == pytest.approx([*want[0], *want[1:]], abs=1e-5)
+    for name, weight in want_weights.items():
+        torch.testing.assert_close(got_weights[name], weight, atol=2e-5, rtol=1e-4, msg=name)
