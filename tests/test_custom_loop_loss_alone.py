@@ -81,6 +81,41 @@ def helper_kept(model, batch):
     return outputs
 
 
+def stored_helper(model, batch):
+    outputs = model(**batch)
+    print(outputs.loss)  # a look at its loss on the way
+    return outputs
+
+
+def through_a_stored_helper(model, batch):
+    return stored_helper(model, batch).loss
+
+
+def through_a_stored_helper_then_logits(model, batch):
+    return stored_helper(model, batch).logits
+
+
+def helper_in_a_branch(model, batch, whole=True):
+    outputs = model(**batch)
+    if whole:
+        return outputs
+    return outputs.loss
+
+
+def through_a_branching_helper(model, batch):
+    return helper_in_a_branch(model, batch)["loss"]
+
+
+def helper_that_reads_the_logits(model, batch):
+    outputs = model(**batch)
+    print(outputs.logits.shape)
+    return outputs
+
+
+def through_a_helper_that_reads_the_logits(model, batch):
+    return helper_that_reads_the_logits(model, batch).loss
+
+
 def through_a_generator(model, batch):
     steps = generator(model, batch)
     next(steps)
@@ -262,11 +297,14 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
 @pytest.mark.parametrize("code, reads", [
     (through_a_helper, True), (through_two_helpers, True), (through_a_lambda, True), (attribute, True),
     (through_a_helper_then_logits, False), (helper_kept, False), (through_a_generator, False), (first_item, True),
-    (second_item, False), (false_item, False)])
+    (second_item, False), (false_item, False), (through_a_stored_helper, True),
+    (through_a_stored_helper_then_logits, False), (through_a_branching_helper, True),
+    (through_a_helper_that_reads_the_logits, False)])
 def test_helpers_that_return_the_output_as_it_is_are_read_through(code: Callable, reads: bool):
     """A helper of the user's that returns the LM's output as it is (`return model(**batch)`, a lambda, a wrapper
-    module's forward) hands it to its own caller, whose code is read instead; a generator's return reaches no plain
-    caller. `outputs[0]` is the loss wherever one was computed (the first field set, a tuple's first item)."""
+    module's forward, or an `outputs` it reads nothing of but the loss before it returns it) hands it to its own
+    caller, whose code is read instead; a generator's return reaches no plain caller. `outputs[0]` is the loss
+    wherever one was computed (the first field set, a tuple's first item)."""
     model = Walker()
     try:
         code(model, {})
@@ -528,20 +566,29 @@ class LitModel(torch.nn.Module):
         return outputs[0]
 
 
+def forward_pass(model: torch.nn.Module, batch: dict, losses: list) -> Any:
+    """A script's helper: runs the model, notes its loss, returns the output."""
+    outputs = model(**batch)
+    losses.append(outputs.loss.item())
+    return outputs
+
+
 def lightning(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     return LitModel(model), optimizer, lambda loss: loss.backward()
 
 
-@pytest.mark.parametrize("way", ["accelerate", "compiled", "lightning"])
+@pytest.mark.parametrize("way", ["accelerate", "compiled", "lightning", "helper"])
 def test_a_loop_through_accelerate_a_compiled_model_or_a_module_of_its_own_runs_the_fused_head(way):
-    """accelerate's prepared model and its `backward`, `torch.compile(model)` (dynamo's eager backend), or a module of
-    the user's whose forward returns the LM's output (Lightning's shape, reading `outputs[0]`): their frames pass the
-    output on, and the loop's forwards run fused with the unpatched numbers. Compiled, the fused forward's check of
-    the cache (`filled_cache.cache_is_storage`) is traced without dynamo's warning."""
+    """accelerate's prepared model and its `backward`, `torch.compile(model)` (dynamo's eager backend), a module of
+    the user's whose forward returns the LM's output (Lightning's shape, reading `outputs[0]`), or a helper that
+    notes the loss and returns the output: their frames pass the output on, and the loop's forwards run fused with
+    the unpatched numbers. Compiled, the fused forward's check of the cache (`filled_cache.cache_is_storage`) is
+    traced without dynamo's warning."""
     if way == "accelerate":
         pytest.importorskip("accelerate")
     options = {"accelerate": dict(prepare=accelerated), "compiled": dict(compiled=True),
-               "lightning": dict(prepare=lightning, step=lambda runner, batch: runner.training_step(batch))}[way]
+               "lightning": dict(prepare=lightning, step=lambda runner, batch: runner.training_step(batch)),
+               "helper": dict(step=lambda runner, batch: forward_pass(runner, batch, []).loss)}[way]
     want = train(family("llama"), None, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -8,9 +8,10 @@ that no closure shares and that nothing reads by name (`locals()`, `vars()`, `ev
 by `.loss` alone on every path from the call until it is stored again (Python 3.11+: jumps, loops, exception handlers, a
 `with` block that could swallow an exception; before 3.11, every read of it anywhere in the function). One branch is
 known not to run: a Trainer subclass's `(loss, outputs) if return_outputs else loss` where `return_outputs` is False now
-(the Trainer's training step). A function that returns the call's result as it is passes it on (`passes_on_at`): its
-caller's code is read instead. Anything else (a stored output returned, a tuple, `outputs.logits` where the call's
-output can reach it, module-level code, whose names are global) keeps the logits.
+(the Trainer's training step). A function that returns the call's result as it is (at once, or from a local read for
+nothing but its loss) passes it on (`passes_on_at`): its caller's code is read instead. Anything else (an output passed
+to another function, a tuple, `outputs.logits` where the call's output can reach it, module-level code, whose names are
+global) keeps the logits.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from types import CodeType, FrameType
 from typing import Optional, Sequence
 
 LOSS = "loss"
+RETURNED = "returned"
 # Globals and attributes whose use in a function can read its variables without naming them (`model.eval()` and
 # `torch.stack` are attributes, not the builtin or inspect's)
 FRAME_GLOBALS = frozenset({"locals", "vars", "eval", "exec", "breakpoint", "inspect", "currentframe", "stack",
@@ -127,17 +129,29 @@ def _skipped(frame: FrameType, instructions: Sequence[dis.Instruction]) -> froze
     return frozenset(skipped)
 
 
-def _read_for_loss_alone(code: CodeType, instructions: Sequence[dis.Instruction], variable: str,
-                         skipped: frozenset[int]) -> bool:
-    """Every instruction of `code` that reads the local `variable`, but those `skipped`, reads its loss alone."""
+def _use(instructions: Sequence[dis.Instruction], at: int, variable: str) -> Optional[str]:
+    """What the instruction at `at`, which loads the local `variable`, does with it: reads its loss (LOSS), returns it
+    as it is (RETURNED), or anything else (None)."""
+    _, loads = _names(instructions[at])
+    if loads[-1] != variable or variable in loads[:-1]:
+        return None
+    if _reads_loss_at(instructions, at + 1):
+        return LOSS
+    after = instructions[at + 1] if at + 1 < len(instructions) else None
+    return RETURNED if after is not None and after.opname == "RETURN_VALUE" else None
+
+
+def _uses_anywhere(code: CodeType, instructions: Sequence[dis.Instruction], variable: str,
+                   skipped: frozenset[int]) -> Optional[frozenset[str]]:
+    """What every instruction of `code` that reads the local `variable`, but those `skipped`, does with it (None:
+    one reads more than its loss, or returns it as it is)."""
     if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
-        return False
+        return None
+    uses = set()
     for at, instruction in enumerate(instructions):
-        _, loads = _names(instruction)
-        if at not in skipped and variable in loads and (loads[-1] != variable or variable in loads[:-1]
-                                  or not _reads_loss_at(instructions, at + 1)):
-            return False
-    return True
+        if at not in skipped and variable in _names(instruction)[1]:
+            uses.add(_use(instructions, at, variable))
+    return None if None in uses else frozenset(uses)
 
 
 @functools.lru_cache(maxsize=512)
@@ -165,12 +179,14 @@ def _unsuppressed(code: CodeType) -> frozenset[int]:
 
 
 @functools.lru_cache(maxsize=512)
-def _read_on_every_path(code: CodeType, variable: str, start: int, skipped: frozenset[int]) -> bool:
-    """On every path from instruction `start` (3.11+), each read of the local `variable` before it is stored again
-    reads its loss alone: jumps, falling through, and each instruction's exception handler, but `skipped`."""
+def _uses_on_every_path(code: CodeType, variable: str, start: int, skipped: frozenset[int]) -> Optional[frozenset[str]]:
+    """What each read of the local `variable` does with it on every path from instruction `start` (3.11+) until it is
+    stored again (None: one reads more than its loss, or returns it as it is): jumps, falling through, and each
+    instruction's exception handler, but `skipped`."""
     instructions = _instructions(code)
     if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
-        return False
+        return None
+    uses = set()
     offsets = [i.offset for i in instructions]
     handlers = getattr(dis.Bytecode(code), "exception_entries", ())
     unsuppressed = _unsuppressed(code)
@@ -182,9 +198,10 @@ def _read_on_every_path(code: CodeType, variable: str, start: int, skipped: froz
         seen.add(at)
         instruction = instructions[at]
         stores, loads = _names(instruction)
-        if variable in loads and (loads[-1] != variable or variable in loads[:-1]
-                                  or not _reads_loss_at(instructions, at + 1)):
-            return False
+        if variable in loads:
+            uses.add(_use(instructions, at, variable))
+            if None in uses:
+                return None
         todo.extend(bisect.bisect_left(offsets, e.target) for e in handlers if e.start <= instruction.offset < e.end)
         if variable in stores or instruction.opname in ENDS:
             continue
@@ -193,7 +210,7 @@ def _read_on_every_path(code: CodeType, variable: str, start: int, skipped: froz
             if instruction.opname in ALWAYS:
                 continue
         todo.append(at + 1)
-    return True
+    return frozenset(uses)
 
 
 def _call_at(frame: FrameType) -> Optional[int]:
@@ -204,32 +221,47 @@ def _call_at(frame: FrameType) -> Optional[int]:
     return at if at >= 0 and instructions[at].opname.startswith("CALL") else None
 
 
+def _uses(frame: FrameType) -> Optional[frozenset[str]]:
+    """What `frame`'s code does with the result of the call it is making now: reads its loss (LOSS), returns it as it
+    is (RETURNED), both on different paths, nothing (an empty set), or more (None)."""
+    code, at = frame.f_code, _call_at(frame)
+    if at is None:
+        return None
+    instructions = _instructions(code)
+    if _reads_loss_at(instructions, at + 1):
+        return frozenset({LOSS})
+    after = instructions[at + 1] if at + 1 < len(instructions) else None
+    if after is not None and after.opname == "RETURN_VALUE":
+        return frozenset({RETURNED})
+    if after is None or after.opname not in ("STORE_FAST", "STORE_FAST_LOAD_FAST"):
+        return None  # a global, a cell, an attribute, a tuple, an argument: read elsewhere
+    (variable,), loaded = _names(after)[0][:1], _names(after)[1]
+    skipped = _skipped(frame, instructions)
+    if not PATHS:
+        return _uses_anywhere(code, instructions, variable, skipped)
+    first = frozenset()
+    if variable in loaded:  # STORE_FAST_LOAD_FAST (3.13) reads back what it stored
+        use = _use(instructions, at + 1, variable)
+        if use is None:
+            return None
+        first = frozenset({use})
+    rest = _uses_on_every_path(code, variable, at + 2, skipped)
+    return None if rest is None else first | rest
+
+
 def passes_on_at(frame: Optional[FrameType]) -> bool:
-    """`frame` returns the result of the call it is making now as it is, to its own caller: a helper of the user's
-    (`def step(model, batch): return model(**batch)`, a wrapper module's `forward`, a lambda)."""
+    """`frame` returns the result of the call it is making now as it is, to its own caller, on some path, and reads
+    nothing of it but the loss on the others: a helper of the user's (`def step(model, batch): return
+    model(**batch)`, or `outputs = model(**batch)` ... `return outputs`), a wrapper module's `forward`, a lambda."""
     if not KNOWN or frame is None or frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>":
         return False
-    at, instructions = _call_at(frame), _instructions(frame.f_code)
-    return at is not None and at + 1 < len(instructions) and instructions[at + 1].opname == "RETURN_VALUE"
+    uses = _uses(frame)
+    return uses is not None and RETURNED in uses
 
 
 def reads_loss_alone_at(frame: Optional[FrameType]) -> bool:
     """`frame` is calling the LM now, and its code reads nothing of the call's result but the loss."""
     if not KNOWN or frame is None:
         return False
-    code, at = frame.f_code, _call_at(frame)
-    instructions = _instructions(code)
-    if at is None:
-        return False
-    if _reads_loss_at(instructions, at + 1):
-        return True
-    after = instructions[at + 1] if at + 1 < len(instructions) else None
-    if after is None or after.opname not in ("STORE_FAST", "STORE_FAST_LOAD_FAST"):
-        return False  # a global, a cell, an attribute, a tuple, a return, an argument: read elsewhere
-    (variable,), loaded = _names(after)[0][:1], _names(after)[1]
-    skipped = _skipped(frame, instructions)
-    if not PATHS:
-        return _read_for_loss_alone(code, instructions, variable, skipped)
-    if variable in loaded and not _reads_loss_at(instructions, at + 2):
-        return False  # STORE_FAST_LOAD_FAST (3.13) reads back what it stored
-    return _read_on_every_path(code, variable, at + 2, skipped)
+    uses = _uses(frame)
+    return uses is not None and RETURNED not in uses
