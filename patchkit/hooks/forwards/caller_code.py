@@ -9,9 +9,9 @@ by `.loss` alone on every path from the call until it is stored again (Python 3.
 `with` block that could swallow an exception; before 3.11, every read of it anywhere in the function). One branch is
 known not to run: a Trainer subclass's `(loss, outputs) if return_outputs else loss` where `return_outputs` is False now
 (the Trainer's training step). A function that returns the call's result as it is (at once, or from a local read for
-nothing but its loss) passes it on (`passes_on_at`): its caller's code is read instead. Anything else (an output passed
-to another function, a tuple, `outputs.logits` where the call's output can reach it, module-level code, whose names are
-global) keeps the logits.
+nothing but its loss) passes it on (`result_read_at`): its caller's code is read instead. Anything else (an output
+passed to another function, a tuple, `outputs.logits` where the call's output can reach it, module-level code, whose
+names are global) keeps the logits.
 """
 from __future__ import annotations
 
@@ -141,12 +141,10 @@ def _use(instructions: Sequence[dis.Instruction], at: int, variable: str) -> Opt
     return RETURNED if after is not None and after.opname == "RETURN_VALUE" else None
 
 
-def _uses_anywhere(code: CodeType, instructions: Sequence[dis.Instruction], variable: str,
+def _uses_anywhere(instructions: Sequence[dis.Instruction], variable: str,
                    skipped: frozenset[int]) -> Optional[frozenset[str]]:
-    """What every instruction of `code` that reads the local `variable`, but those `skipped`, does with it (None:
-    one reads more than its loss, or returns it as it is)."""
-    if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
-        return None
+    """What every instruction that reads the local `variable`, but those `skipped`, does with it (None: one reads
+    more than its loss, or returns it as it is)."""
     uses = set()
     for at, instruction in enumerate(instructions):
         if at not in skipped and variable in _names(instruction)[1]:
@@ -158,8 +156,7 @@ def _uses_anywhere(code: CodeType, instructions: Sequence[dis.Instruction], vari
 def _unsuppressed(code: CodeType) -> frozenset[int]:
     """The with-handlers' jumps past their block (an exception swallowed) that are never taken: those of a block whose
     manager is a zero-argument call of a NEVER_SUPPRESS name (3.11+: BEFORE_WITH, the handler's WITH_EXCEPT_START)."""
-    instructions = _instructions(code)
-    offsets = [i.offset for i in instructions]
+    instructions, offsets = _instructions(code), _offsets(code)
     handlers = getattr(dis.Bytecode(code), "exception_entries", ())
     never = set()
     for at, instruction in enumerate(instructions):
@@ -183,11 +180,8 @@ def _uses_on_every_path(code: CodeType, variable: str, start: int, skipped: froz
     """What each read of the local `variable` does with it on every path from instruction `start` (3.11+) until it is
     stored again (None: one reads more than its loss, or returns it as it is): jumps, falling through, and each
     instruction's exception handler, but `skipped`."""
-    instructions = _instructions(code)
-    if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
-        return None
+    instructions, offsets = _instructions(code), _offsets(code)
     uses = set()
-    offsets = [i.offset for i in instructions]
     handlers = getattr(dis.Bytecode(code), "exception_entries", ())
     unsuppressed = _unsuppressed(code)
     todo, seen = [start], set()
@@ -236,9 +230,11 @@ def _uses(frame: FrameType) -> Optional[frozenset[str]]:
     if after is None or after.opname not in ("STORE_FAST", "STORE_FAST_LOAD_FAST"):
         return None  # a global, a cell, an attribute, a tuple, an argument: read elsewhere
     (variable,), loaded = _names(after)[0][:1], _names(after)[1]
+    if variable in code.co_cellvars or variable in code.co_freevars or _reads_by_name(code):
+        return None  # a closure shares it, or the code can read it without naming it
     skipped = _skipped(frame, instructions)
     if not PATHS:
-        return _uses_anywhere(code, instructions, variable, skipped)
+        return _uses_anywhere(instructions, variable, skipped)
     first = frozenset()
     if variable in loaded:  # STORE_FAST_LOAD_FAST (3.13) reads back what it stored
         use = _use(instructions, at + 1, variable)
@@ -249,19 +245,22 @@ def _uses(frame: FrameType) -> Optional[frozenset[str]]:
     return None if rest is None else first | rest
 
 
-def passes_on_at(frame: Optional[FrameType]) -> bool:
-    """`frame` returns the result of the call it is making now as it is, to its own caller, on some path, and reads
-    nothing of it but the loss on the others: a helper of the user's (`def step(model, batch): return
-    model(**batch)`, or `outputs = model(**batch)` ... `return outputs`), a wrapper module's `forward`, a lambda."""
-    if not KNOWN or frame is None or frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>":
-        return False
+def result_read_at(frame: Optional[FrameType]) -> Optional[str]:
+    """What `frame`'s code does with the result of the call it is making now, read once: LOSS (reads nothing of it
+    but the loss), RETURNED (passes it on: returns it as it is to its own caller on some path, as a helper of the
+    user's, `def step(model, batch): return model(**batch)` or `outputs = model(**batch)` ... `return outputs`, a
+    wrapper module's `forward` or a lambda does, and reads nothing of it but the loss on the others), or None."""
+    if not KNOWN or frame is None:
+        return None
     uses = _uses(frame)
-    return uses is not None and RETURNED in uses
+    if uses is None:
+        return None
+    if RETURNED not in uses:
+        return LOSS
+    # a generator's or coroutine's return, or module-level code's, reaches no plain caller
+    return None if frame.f_code.co_flags & NOT_RETURNED or frame.f_code.co_name == "<module>" else RETURNED
 
 
 def reads_loss_alone_at(frame: Optional[FrameType]) -> bool:
     """`frame` is calling the LM now, and its code reads nothing of the call's result but the loss."""
-    if not KNOWN or frame is None:
-        return False
-    uses = _uses(frame)
-    return uses is not None and RETURNED not in uses
+    return result_read_at(frame) == LOSS

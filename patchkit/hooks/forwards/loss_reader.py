@@ -11,7 +11,7 @@ the output but the loss (`caller_code`).
 This is read off the running frames, not set by a wrapper on the Trainer, so that a subclass that reads the logits is
 never served: every frame between the LM's forward and its caller must be a wrapper that only passes the output on
 (torch's module call and its parallel wrappers, accelerate's, PEFT's, DeepSpeed's, transformers' decorators, and
-patchkit's own) or a function of the user's that returns the call's output as it is (`caller_code.passes_on_at`),
+patchkit's own) or a function of the user's that returns the call's output as it is (`caller_code.result_read_at`),
 with no forward hook of anyone else's. Anything else (TRL's trainers, which read log-probs, a model of the user's own
 that reads its LM's output, a loop that reads the logits) keeps the logits.
 """
@@ -23,7 +23,7 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.forwards.caller_code import passes_on_at, reads_loss_alone_at
+from patchkit.hooks.forwards.caller_code import LOSS, RETURNED, result_read_at
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
@@ -76,8 +76,10 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
             return False
         if _trainers(frame, "compute_loss"):
             return _reads_loss(frame)
-        if not _passing(frame.f_code.co_filename) and not passes_on_at(frame):
-            return reads_loss_alone_at(frame)  # the caller's own code: a training loop, a Trainer subclass's
+        if not _passing(frame.f_code.co_filename):
+            read = result_read_at(frame)  # the caller's own code: a training loop, a Trainer subclass's, a helper
+            if read != RETURNED:
+                return read == LOSS
         if _hooked_call(frame):
             return False
         frame = frame.f_back
