@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
+.PHONY: setup demo test test-heavy docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,12 +22,17 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 # The suite on both cores (pytest-xdist, idle workers take queued tests: the slow ones do not pile up at the end);
-# PYTEST_ARGS="-n 0" runs it in one process.
+# PYTEST_ARGS="-n 0" runs it in one process. `make test` is the default run (about 10 minutes): everything but the
+# tests marked heavy, which start Python processes (the launcher, torchrun, scripts, benchmarks) or torch.compile a
+# model; `make test-heavy` runs those (about 20 minutes), and CI runs both.
 PYTEST_ARGS ?= -n 2 --dist worksteal
+SUITE := --ignore=tests/test_census.py --ignore=tests/test_trl_families.py --ignore=tests/test_gpu_truth.py
 test: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --ignore=tests/test_census.py --ignore=tests/test_trl_families.py \
-		--ignore=tests/test_gpu_truth.py
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not heavy" $(SUITE)
+
+test-heavy: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m heavy $(SUITE)
 
 # A user's install: `pip install <clone>` (not editable) into a fresh venv beside the clone, with whatever transformers
 # pip resolves (the newest), then the demo and `patchkit verify` run from outside the clone, as a user runs them.

@@ -277,7 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 1
         print(f"[matrix] newest: the package index's newest transformers is {newest}", flush=True)
         if newest == here:
-            print(f"[matrix] newest: {newest} is the pinned version, which `make test` ran whole: nothing more to run")
+            print(f"[matrix] newest: {newest} is the pinned version, which make test and test-heavy ran whole: "
+                  "nothing more to run")
             args.versions = [v for v in args.versions if v != NEWEST]
             if not args.versions:
                 return 0

@@ -15,7 +15,7 @@ from packaging.version import Version
 # 4.56 past_key_values + layered DynamicCache (4.57, the last 4.x, has them: `--versions 4.56.2` runs 4.56 itself);
 # 5.23 the last that names the cache past_key_values
 # (5.24 renames it cache), the end of the 5.x era that began with 5.0 (`--versions 5.0.0` runs its start). The pinned
-# version (5.24) is not here: `make test` runs it whole. Inside the 4.36-4.47 era the legacy patch meets
+# version (5.24) is not here: make test and test-heavy run it whole. Inside the 4.36-4.47 era the legacy patch meets
 # `_update_causal_mask`'s changing signature (4.38, 4.39, 4.40, 4.41): 4.37.2 (LLaVA's pin: LlamaSdpaAttention by
 # default, before it), 4.38.2 and 4.41.2 run too (about 45 s each, install included).
 DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", "4.40.2", "4.41.2", "4.46.3", "4.48.3",
@@ -44,7 +44,7 @@ def era_extras(version: str) -> list[str]:
 # (every cause of stepping aside, the registered name, the patches' mechanics, decode, the vision-language models,
 # PEFT, tuple outputs, the ways a model asks for flash attention, the Trainer's steps that read the loss alone), and
 # 4.48.3 gradient checkpointing (4.48-4.51 call checkpointed layers without their kwargs). The pinned version
-# (make test) runs everything, torch.compile included.
+# (make test, make test-heavy) runs everything, torch.compile included.
 CORE_TESTS = [
     "tests/test_eras.py",
     "tests/test_every_family.py",
@@ -88,10 +88,10 @@ CORE_DESELECTED = ["--deselect",
 # version's time) runs on FastChat's own era.
 FASTCHAT_TEST = "tests/test_eras.py::test_a_fastchat_era_trainer_script_under_the_launcher_trains_like_unpatched"
 FASTCHAT_VERSIONS = ("4.31.0",)
-# Not in the matrix, run once by `make test` on the pinned version: what does not touch transformers' modeling code
-# (the backends and their contracts, property tests of the kernels, patchkit's tools: doctor, verify, the CLI,
-# benchmarks, examples, the launcher and the startup hook), the self-check (of a release newer than CI's), and the
-# frameworks' own tests (TRL, FSDP, torchrun), which need today's transformers.
+# Not in the matrix, run once on the pinned version (make test, make test-heavy): what does not touch transformers'
+# modeling code (the backends and their contracts, property tests of the kernels, patchkit's tools: doctor, verify,
+# the CLI, benchmarks, examples, the launcher and the startup hook), the self-check (of a release newer than CI's),
+# and the frameworks' own tests (TRL, FSDP, torchrun), which need today's transformers.
 
 
 def tests_for(version: str, tests: list[str]) -> list[str]:

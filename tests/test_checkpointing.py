@@ -72,6 +72,7 @@ def losses(proc) -> dict:
     return tagged(proc.stdout, "RESULT")
 
 
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("family, reentrant", [("Mistral", "0"), ("Qwen2", "1")])
 def test_env_var_and_launcher_train_with_checkpointing_as_unpatched(family, reentrant, tmp_path):
     """An unmodified script with checkpointing on: the same three losses unpatched, under PATCHKIT_FLASH_ATTN=1 and

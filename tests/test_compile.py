@@ -11,6 +11,8 @@ from packaging.version import Version
 
 import patchkit
 
+pytestmark = pytest.mark.heavy  # torch.compile of patched models: make test-heavy
+
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_torch_compile_of_a_patched_model_matches_eager(family):

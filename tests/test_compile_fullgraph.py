@@ -12,10 +12,10 @@ from packaging.version import Version
 
 import patchkit
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.heavy, pytest.mark.skipif(
     Version(__import__("transformers").__version__) < Version(FAMILIES_FROM),
     reason="the in-graph plan routes masks through transformers' mask interface (4.53+)",
-)
+)]  # heavy: torch.compile of patched models
 POSITIONS = torch.cat([torch.arange(10), torch.arange(14)]).expand(4, -1)  # two documents per row
 
 

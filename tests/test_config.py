@@ -197,6 +197,7 @@ print("RESULT " + json.dumps({"patch": handle and handle.name, "backend": handle
 '''
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_a_users_training_script_opts_in_from_its_command_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
@@ -286,6 +287,7 @@ attention_spy.report()
 '''
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
     (tmp_path / "train_lora.py").write_text(FASTCHAT_SCRIPT)
     (tmp_path / "attention_spy.py").write_text((REPO / "tests" / "user_scripts" / "attention_spy.py").read_text())

@@ -577,7 +577,8 @@ def lightning(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple
     return LitModel(model), optimizer, lambda loss: loss.backward()
 
 
-@pytest.mark.parametrize("way", ["accelerate", "compiled", "lightning", "helper"])
+@pytest.mark.parametrize("way", ["accelerate", pytest.param("compiled", marks=pytest.mark.heavy), "lightning",
+                                 "helper"])
 def test_a_loop_through_accelerate_a_compiled_model_or_a_module_of_its_own_runs_the_fused_head(way):
     """accelerate's prepared model and its `backward`, `torch.compile(model)` (dynamo's eager backend), a module of
     the user's whose forward returns the LM's output (Lightning's shape, reading `outputs[0]`), or a helper that

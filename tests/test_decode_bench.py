@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # benchmark runs in their own processes: make test-heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,8 @@ import sys
 import pytest
 from entrypoints import clean_env, free_port, run, tagged
 
+pytestmark = pytest.mark.heavy  # torchrun and accelerate launch: make test-heavy
+
 # The user's training script: one process, or DDP under torchrun / accelerate launch (gloo on CPU).
 TRAIN_SCRIPT = '''"""A tiny padded-batch training run, single process or DDP, for patchkit's tests."""
 

@@ -93,6 +93,7 @@ def ran(tmp_path_factory) -> dict[str, str]:
     return json.loads((folder / "out.json").read_text())
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
 def test_a_python_block_runs(ran: dict[str, str], block: Block):
     assert ran[block.name] == "", f"{block.name} raised:\n{ran[block.name]}"

@@ -52,6 +52,7 @@ def fake_flash_attn(root, version: str, extension_error: str = "") -> dict[str, 
     return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_text_report_runs_fast_and_names_everything():
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
@@ -87,6 +88,7 @@ def test_doctor_verbose_lists_every_gate_of_every_patch(monkeypatch):
     assert len(verbose.splitlines()) > len(short.splitlines()) + 5 * len(data["patches"])
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_json_matches_the_function_and_the_installed_packages():
     proc = patchkit_cli("doctor", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -123,6 +125,7 @@ def test_doctor_backend_is_the_one_apply_patch_chooses(name):
     assert failed_gates == [g.name for g in handle.gates if not g.passed]
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_explains_an_undefined_symbol_import(tmp_path):
     error = "/env/flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
     proc = patchkit_cli("doctor", "--json", env=fake_flash_attn(tmp_path, "2.6.3", error))
@@ -142,6 +145,7 @@ def test_doctor_explains_an_undefined_symbol_import(tmp_path):
             assert p["backend"] is None and p["why"] == GATED_OFF
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_judges_each_patch_by_its_own_flash_attn_minimum(tmp_path):
     """flash-attn 2.0.4 imports: llama1 (needs 2.0) passes the version gate, llama2 (needs 2.1) fails it."""
     proc = patchkit_cli("doctor", "--json", env=fake_flash_attn(tmp_path, "2.0.4"))
@@ -155,6 +159,7 @@ def test_doctor_judges_each_patch_by_its_own_flash_attn_minimum(tmp_path):
     assert gate["llama2"]["flash_attn_version"] is False
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_says_what_a_trimmed_flash_attn_build_lacks(tmp_path):
     """A flash-attn built by tools/build_flash_attn.py: doctor reads its build file and says what runs on sdpa."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

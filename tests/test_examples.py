@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -154,6 +154,7 @@ def test_instance_patch_leaves_the_check_alone():
     assert vars(PreTrainedModel)[CHECK] is before
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_the_launcher_runs_a_flash_attention_2_script_unmodified(tmp_path):
     """The issue's case: `patchkit run train.py` where train.py loads with attn_implementation="flash_attention_2"."""
     scripts = REPO / "tests" / "user_scripts"

@@ -13,6 +13,8 @@ from entrypoints import clean_env, run, tagged
 
 from patchkit.hooks.forwards import lm_head
 
+pytestmark = pytest.mark.heavy  # torchrun: make test-heavy
+
 # The user's FSDP training script: the same tiny padded-batch run unpatched, then patched (apply_patch before the
 # model is built, as the launcher does), in one process per rank so one torchrun start serves both.
 FSDP_SCRIPT = '''"""FSDP2 (or FSDP1) tiny padded-batch training, unpatched then patched, for patchkit's tests."""

@@ -32,6 +32,7 @@ def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numb
     assert_trained_alike(got, want)
 
 
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("tuning", ["full", "lora, checkpointed"])
 def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
     """The HF Trainer with `torch_compile=True` (dynamo's eager backend here; inductor on a GPU): the compiled model's

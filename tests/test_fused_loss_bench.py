@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # benchmark runs in their own processes: make test-heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,7 @@ import torch
 RUNNER = Path(__file__).with_name("run_gpu.py")
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device: the runner runs the GPU tests instead")
 def test_without_cuda_the_runner_says_why_and_exits_zero():
     proc = subprocess.run([sys.executable, str(RUNNER)], capture_output=True, text=True, timeout=120)

@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # the tool runs pytest in its own processes: make test-heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "hf_modeling_tests.py"
 

@@ -106,6 +106,7 @@ def test_a_layer_is_marked_live_once_per_patch_not_once_per_call(monkeypatch):
         assert marks == []  # later calls only read the mark (each call wrote it before)
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_the_host_ops_benchmark_counts_both_providers(tmp_path):
     import csv
     import subprocess

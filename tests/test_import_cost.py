@@ -9,6 +9,8 @@ import sys
 import pytest
 from entrypoints import clean_env, run
 
+pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
+
 HEAVY = ("torch", "torch._dynamo", "transformers", "transformers.modeling_utils")
 
 

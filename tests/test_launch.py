@@ -68,6 +68,7 @@ def result_of(proc) -> dict:
     return tagged(proc.stdout, "RESULT")
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_launch_patches_before_the_script_and_leaves_its_argv_untouched(user_script, tmp_path):
     proc = launch("--backend", "sdpa", user_script, *SCRIPT_ARGS, cwd=tmp_path)
     info = result_of(proc)
@@ -79,6 +80,7 @@ def test_launch_patches_before_the_script_and_leaves_its_argv_untouched(user_scr
     assert "patchkit.launch: rank 0/1 (single process): patch 'all' applied, backend 'sdpa'" in proc.stderr
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 @pytest.mark.parametrize("family,patch", [("Mistral", "mistral"), ("Qwen3", "qwen3")])
 def test_the_launcher_default_patches_whatever_family_the_script_loads(user_script, tmp_path, family, patch):
     if not hasattr(transformers, f"{family}Config"):
@@ -96,6 +98,7 @@ def test_the_launcher_default_patches_whatever_family_the_script_loads(user_scri
     assert "2 attention layers ran through patch 'all'" in proc.stderr
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_patchkit_run_auto_falls_back_with_a_warning_naming_the_gate(user_script, tmp_path):
     proc = patchkit_cli("run", user_script, "a", "--b", cwd=tmp_path)
     info = result_of(proc)
@@ -108,6 +111,7 @@ def test_patchkit_run_auto_falls_back_with_a_warning_naming_the_gate(user_script
     assert "RuntimeWarning" in proc.stderr and "flash_attn_installed: FAILED" in proc.stderr
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_environment_variables_choose_patch_and_backend(user_script, tmp_path):
     env = clean_env(PATCHKIT_PATCH="llama1", PATCHKIT_BACKEND="sdpa", KV_HEADS="4")  # llama1: no GQA
     proc = launch(user_script, env=env, cwd=tmp_path)
@@ -117,6 +121,7 @@ def test_environment_variables_choose_patch_and_backend(user_script, tmp_path):
     assert "patch 'llama1' applied, backend 'sdpa' (requested 'sdpa', strict=False)" in proc.stderr
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_strict_without_flash_attn_refuses_and_never_runs_the_script(user_script, tmp_path):
     from patchkit.gates import probe_environment
 
@@ -129,6 +134,7 @@ def test_strict_without_flash_attn_refuses_and_never_runs_the_script(user_script
     assert "RESULT" not in proc.stdout
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_module_target_exit_code_and_rank_line(tmp_path):
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
@@ -292,6 +298,7 @@ def test_in_process_split_keeps_script_options(monkeypatch):
     assert sys.argv  # untouched by splitting
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path):
     proc = launch("--backend", "sdpa", str(user_script))
     assert result_of(proc)["layers_run"] == 2
@@ -303,6 +310,7 @@ def test_the_launcher_reports_at_exit_how_many_layers_ran(user_script, tmp_path)
     assert "WARNING: no attention layer ran through patch 'all'" in proc.stderr
 
 
+@pytest.mark.heavy  # torch.compile: make test-heavy
 def test_the_exit_line_says_compiled_calls_are_not_counted():
     """Under torch.compile the layers are counted by their marks but the calls are not: the exit line said "0
     calls" and no more."""

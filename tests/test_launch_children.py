@@ -13,6 +13,8 @@ import sys
 import pytest
 from entrypoints import clean_env, launch, run, tagged
 
+pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
+
 SCRIPT = '''
 import json, os, subprocess, sys
 

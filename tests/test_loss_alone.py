@@ -212,6 +212,7 @@ def compiled_steps(model: torch.nn.Module, batches: list[dict], fullgraph: bool 
 # gemma2: its softcap inside the fused loss; mixtral: the router's auxiliary loss added to the fused one; "llama,
 # unchecked": a softcap in the config that LLaMA's forward ignores, so the first step's check fails and the LM runs
 # again with its own head
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral", "llama, unchecked"])
 def test_under_torch_compile_the_loss_alone_runs_fused_with_unpatched_numbers(model_type):
     """torch.compile(model) (graph breaks allowed; the Trainer's torch_compile=True): the causal LM's ask of its base

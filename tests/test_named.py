@@ -82,6 +82,7 @@ def test_peft_calling_the_lms_forward_directly_still_reports_labels_at_padding(p
     torch.testing.assert_close(got, loss_of(eager, ids, mask, ids), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.heavy  # torch.compile: make test-heavy
 def test_a_compiled_named_model_steps_aside_for_labels_at_padding():
     torch.manual_seed(0)
     eager = LlamaForCausalLM(tiny_config(kv_heads=2, layers=1))  # one layer: dynamo traces less

@@ -88,6 +88,7 @@ def test_deepcopy_of_an_instance_patched_model_is_patched_and_reverted_with_it()
     torch.testing.assert_close(after[real], want[real], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_a_saved_instance_patched_model_loads_and_runs_without_patchkit(tmp_path):
     import subprocess
 

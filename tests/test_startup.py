@@ -19,6 +19,8 @@ from models import needs_mask_interface, needs_set_attn_implementation
 
 import _patchkit_startup
 
+pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
+
 SCRIPTS = REPO / "tests" / "user_scripts"
 APPLIED = "patch 'all' applied to every family patchkit serves in this process"
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 COMMON = [

@@ -109,6 +109,7 @@ def test_the_trainers_evaluation_keeps_no_kv_cache_but_where_the_family_reads_it
     assert_trained_alike(got["trained"], want["trained"])
 
 
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_5_text"])
 def test_the_trainers_compiled_steps_run_the_fused_head(tmp_path, model_type):
     """`torch_compile=True` (dynamo's eager backend here): the compiled model's frames lie between the Trainer and

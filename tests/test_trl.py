@@ -182,6 +182,7 @@ def test_sft_under_the_registered_name_alone_matches_unpatched(family: str, mode
     assert_same_losses(got, want)
 
 
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("mode, backend", [("padded", "inductor"), ("packing", "aot_eager")])
 def test_sft_with_torch_compile_matches_unpatched(mode: str, backend: str, tmp_path: Path) -> None:
     """`torch_compile=True` on windowed Mistral with TRL's gradient checkpointing: each step's loss equals the
@@ -301,6 +302,7 @@ def script_result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_env_var_and_launcher_run_an_unmodified_trl_script_as_unpatched(tmp_path: Path) -> None:
     """The user script (padded, then packed) unpatched, under PATCHKIT_FLASH_ATTN=1 and under the launcher: the same
     losses (Mistral, window 5). The three processes run side by side."""

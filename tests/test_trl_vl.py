@@ -92,6 +92,7 @@ def test_vlm_sft_lora_on_a_patched_instance_matches_unpatched(family: str, tmp_p
     assert_same_losses(got, want)
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_env_var_and_launcher_run_an_unmodified_vlm_sft_script_as_unpatched(tmp_path: Path) -> None:
     """A user's Qwen2.5-VL SFT script (TRL's vision collator, checkpointing on) unpatched, under PATCHKIT_FLASH_ATTN=1
     and under the launcher: the same losses, every language layer through the patch. Side by side."""

@@ -24,6 +24,7 @@ def bench():
     sys.path.remove(str(BENCH.parent))
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_patchkit_nn_is_reachable_after_import_patchkit_and_loads_lazily():
     probe = ("import sys, patchkit; lazy = 'patchkit.nn' not in sys.modules; "
              "print(lazy, patchkit.nn.VarlenSelfAttention.__name__)")

@@ -91,6 +91,7 @@ def test_llama1_refuses_a_gqa_checkpoint(tmp_path):
         verify("llama1", model_path=str(tmp_path))
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_cli_verify_prints_the_table_and_exits_zero():
     proc = patchkit_cli("verify", "--backend", "sdpa")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -99,6 +100,7 @@ def test_cli_verify_prints_the_table_and_exits_zero():
     assert "patch 'llama2', backend 'sdpa', dtype fp32" in proc.stdout and "=> PASS (8/8)" in proc.stdout
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_cli_verify_local_checkpoint_json(tmp_path):
     tiny_model(kv_heads=4, seed=7).save_pretrained(tmp_path / "ckpt")
     proc = patchkit_cli("verify", "--patch", "llama1", "--model", str(tmp_path / "ckpt"), "--json")
@@ -110,6 +112,7 @@ def test_cli_verify_local_checkpoint_json(tmp_path):
         assert "warning: patchkit: patch 'llama1' runs on the exact sdpa backend" in proc.stderr
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_cli_verify_exits_one_when_a_tolerance_is_exceeded(tmp_path):
     script = tmp_path / "broken_verify.py"
     script.write_text(BREAK_CAUSAL + "import sys\nfrom patchkit.entry.cli import main\nsys.exit(main(sys.argv[1:]))\n")
@@ -118,6 +121,7 @@ def test_cli_verify_exits_one_when_a_tolerance_is_exceeded(tmp_path):
     assert "FAIL" in proc.stdout and "=> FAIL" in proc.stdout
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 @pytest.mark.skipif(FLASH_USABLE, reason="flash-attn usable here")
 def test_cli_verify_strict_flash_attn_is_a_clear_error_not_a_table():
     proc = patchkit_cli("verify", "--backend", "flash_attn", "--strict")

@@ -254,6 +254,7 @@ def test_llava_repos_own_model_type_runs_through_the_llama_patch(way):
     torch.testing.assert_close(got_logits[real], want_logits[real], atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_a_llava_training_script_asking_for_flash_attention_2_trains_as_unpatched(tmp_path):
     """LLaVA's train_mem.py loads its model with attn_implementation="flash_attention_2" and trains it with the HF
     Trainer (gradient checkpointing on). On a machine without flash-attn, under PATCHKIT_FLASH_ATTN=1 and under the

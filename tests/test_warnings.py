@@ -122,6 +122,7 @@ LlamaForCausalLM(config)(input_ids=torch.ones(1, 4, dtype=torch.long))
 """
 
 
+@pytest.mark.heavy  # make test-heavy
 def test_the_startup_hook_and_the_launcher_name_the_users_script(tmp_path):
     """Without a GPU both fall back with a warning: the variable's at the import line, the launcher's at line 1."""
     if gates.probe_environment().cuda_available:

@@ -83,6 +83,7 @@ def case_tensors(tensors: dict[str, torch.Tensor], case: str) -> dict[str, torch
     return {k.split("/", 1)[1]: t for k, t in tensors.items() if k.startswith(case + "/")}
 
 
+@pytest.mark.heavy  # starts Python processes: make test-heavy
 @pytest.mark.parametrize("unpad", ["model", "loss"])
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp1"])
 def test_instance_patch_through_a_distributed_wrapper_equals_unpatched(
@@ -169,6 +170,7 @@ def patched_layers(steps: int, unpad: str) -> Callable[[torch.nn.Module, Any], N
     return check
 
 
+@pytest.mark.heavy  # make test-heavy
 @pytest.mark.parametrize("unpad", ["model", "loss"])
 def test_instance_patch_through_torch_compile_equals_unpatched(
     compiled_unpatched: tuple[list[float], dict], unpad: str
