@@ -26,6 +26,7 @@ from patchkit.names import WHOLE_MODEL
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
 
 
+@torch.compiler.disable  # host reads throughout: one break at the call, not one per read and a frame per callee
 def plan_forward(
     module: nn.Module, arguments: dict, extra: dict, state: Any, unpad: str, sequence_parallel: bool
 ) -> ForwardPlan:

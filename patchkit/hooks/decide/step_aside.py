@@ -179,6 +179,7 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     return bool(torch.stack(hits).any()) if hits else False
 
 
+@torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)
 def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: bool = True) -> Optional[str]:
     """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
     token (its prefill; a plain forward's logits at padding are zeros, as documented), or a hand-written decode

@@ -186,6 +186,7 @@ def hand_kept(out: Any, request: Optional[HeadRequest]) -> Any:
     return out
 
 
+@torch.compiler.disable  # host reads (which rows are labelled): one break at the call in a compiled forward
 def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequest) -> torch.Tensor:
     """(n, H) hidden rows and their (n,) shifted labels -> (1, L + 1, H): the L labelled rows and one zero row,
     labelled -100 (a forward with no label still has a row to run); their labels go to `request.handed`. The rows

@@ -67,16 +67,23 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
             return served
         if in_one_graph() and _graph_aside(served):  # fullgraph: transformers' mask, counted when traced
             return transformers_eager_mask(args, kwargs)
-    refuse_refused(kwargs.get("config"))
+    return host_mask(args, kwargs)
+
+
+@torch.compiler.disable  # host reads throughout: one break at the call in a compiled forward, no frame per callee
+def host_mask(args: tuple, kwargs: dict) -> Any:
+    """`mask_function` outside a graph's plan: what this call's forward tells it, and its 2D mask's host reads."""
+    context = current()
+    refuse_refused(kwargs.get("config"), context.route)
     function = kwargs.get("mask_function")
     if beyond_causal(function, chunks=True):
         cause = "cross_attention" if encoder_mask(function) else "custom_mask_pattern"
-        if current().plan.unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
+        if context.plan.unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly(cause)
         return aside_mask(cause, args, kwargs)
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
-    cause = call_cause(kwargs.get("config"), attention_mask) if current().route is None else None
-    if cause is None and current().route is None:
+    cause = call_cause(kwargs.get("config"), attention_mask) if context.route is None else None
+    if cause is None and context.route is None:
         cause = untrusted_mask_cause(kwargs.get("config"), call_device(kwargs), kwargs.get("dtype"))  # a
         # transformers newer than CI's: the family's check
     if cause is not None:
@@ -92,8 +99,8 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
                               or chunks_off_start(function, chunk)):
         return aside_mask("chunk_behind_cache", args, kwargs)
     documents = packed_sequence_ids(function) if attention_mask is None else None
-    if documents is not None and current().plan.packed is None:  # for layers not handed position_ids (GPT-BigCode)
-        return VarlenMask(None, sequence_ids_metadata(documents), route=current().route, window=window, chunk=chunk)
+    if documents is not None and context.plan.packed is None:  # for layers not handed position_ids (GPT-BigCode)
+        return VarlenMask(None, sequence_ids_metadata(documents), route=context.route, window=window, chunk=chunk)
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)
     past_len = int(q_offset) if past_len is None else past_len
@@ -101,7 +108,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
     varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window,
                                     chunk)
-    placed = current().generating  # None: the model's own mask; else generate()'s, made ahead (`named.preparation`)
+    placed = context.generating  # None: the model's own mask; else generate()'s, made ahead (`named.preparation`)
     if placed is None:
         return varlen
     if past_len == 0 and isinstance(attention_mask, torch.Tensor) and ends_in_padding(attention_mask):
@@ -123,11 +130,11 @@ def call_device(kwargs: dict) -> Optional[torch.device]:
     return None if device is None else torch.device(device)
 
 
-def refuse_refused(config: Any) -> None:
+def refuse_refused(config: Any, route: Any = None) -> None:
     """A family the table refuses by name (its own code reads the mask: sparse or dynamic-mask attention) is told
     so before its mask is built, rather than when its code meets patchkit's mask."""
     model_type = getattr(config, "model_type", None)
-    feature = refusal(model_type) if current().route is None else None
+    feature = refusal(model_type) if route is None else None
     if feature is not None:
         raise PatchInputError(f"attn_implementation='patchkit' was given to a model of model_type {model_type!r}, "
                               f"which uses {feature}. Load it with attn_implementation='sdpa'.")
