@@ -43,6 +43,8 @@ def walk(run: Callable[[], object]) -> tuple[list[str], dict[str, int]]:
         if (name.startswith("patchkit") or name.startswith("patches")) and (not seen or seen[-1] != name):
             seen.append(name)
         caller = frame.f_back
+        while caller is not None and caller.f_globals.get("__name__", "").startswith("torch._dynamo"):
+            caller = caller.f_back  # torch.compiler.disable's wrapper: the call is its caller's
         callee_node = node_of(name)
         caller_node = None if caller is None else node_of(caller.f_globals.get("__name__", ""))
         resumed = frame.f_code.co_flags & inspect.CO_GENERATOR and frame.f_lasti > 0
