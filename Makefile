@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 # The suite on both cores (pytest-xdist, idle workers take queued tests: the slow ones do not pile up at the end);
-# PYTEST_ARGS="-n 0" runs it in one process. `make test` is the default run (about 10 minutes): everything but the
+# PYTEST_ARGS="-n 0" runs it in one process. `make test` is the default run (about 5 minutes): everything but the
 # tests marked heavy, which start Python processes (the launcher, torchrun, scripts, benchmarks) or torch.compile a
 # model; `make test-heavy` runs those (about 20 minutes), and CI runs both.
 PYTEST_ARGS ?= -n 2 --dist worksteal
