@@ -147,6 +147,21 @@ def static_cache(model, batch: int, max_len: int):
 
 
 @torch.no_grad()
+def dynamic_decode(model, ids, mask, forwards: int, run=None):
+    """A hand-written greedy loop into a DynamicCache: the left-padded prompt's prefill, then one token per forward
+    (`forwards` in all, through `run`, the model itself unless given: a compiled one); the last logits per forward."""
+    run = model if run is None else run
+    kv, step_mask, nxt, logits = dynamic_cache(model), mask, ids, []
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for _ in range(forwards):
+        out = run(input_ids=nxt, attention_mask=step_mask, position_ids=positions, **{CACHE: kv}, use_cache=True)
+        logits.append(out.logits[:, -1])
+        nxt, positions = out.logits[:, -1:].argmax(-1), positions[:, -1:] + 1
+        step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], -1)
+    return torch.stack(logits, 1)
+
+
+@torch.no_grad()
 def static_decode(model, ids, mask, steps: int, max_len: int, full_mask: bool):
     """Prefill a left-padded prompt into a StaticCache, then decode `steps` tokens greedily; logits per step."""
     batch, prompt = ids.shape

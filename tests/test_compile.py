@@ -397,28 +397,17 @@ def test_a_compiled_hand_written_decode_loop_with_a_row_that_is_all_padding_equa
     at padding, as the eager one does (`test_never_silent_generation`): it steps aside, named, and the loop's logits
     are unpatched's. The check reads the cache's length on the host: inside the compiled forward it runs where dynamo
     leaves patchkit's planning to Python, so it is made there too."""
-    from models import CACHE, dynamic_cache
+    from models import dynamic_decode
 
     model = tiny_model(kv_heads=2).eval()
     ids, mask = padded_batch("left", batch=3, seq=14)
     mask[1] = 0
-
-    def loop(run):
-        kv, step_mask, nxt, logits = dynamic_cache(model), mask, ids, []
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        for _ in range(3):
-            out = run(input_ids=nxt, attention_mask=step_mask, position_ids=positions, **{CACHE: kv}, use_cache=True)
-            logits.append(out.logits[:, -1])
-            nxt, positions = out.logits[:, -1:].argmax(-1), positions[:, -1:] + 1
-            step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], -1)
-        return torch.stack(logits, 1)
-
     with torch.no_grad():
-        want = loop(model)
+        want = dynamic_decode(model, ids, mask, forwards=3)
         torch._dynamo.reset()
         with patchkit.apply_patch("llama2", backend="sdpa") as handle:
             with pytest.warns(RuntimeWarning, match="decode loop.*a row that is all padding"):
-                got = loop(torch.compile(model, backend="eager"))
+                got = dynamic_decode(model, ids, mask, forwards=3, run=torch.compile(model, backend="eager"))
             assert handle.stepped_aside == {"right_padded_generation": 1}
         torch._dynamo.reset()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from families import set_attention
-from models import CACHE, VOCAB, dynamic_cache, padded_batch, static_decode, tiny_model
+from models import CACHE, VOCAB, dynamic_cache, dynamic_decode, padded_batch, static_decode, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -98,15 +98,7 @@ def test_a_hand_written_decode_loop_with_a_row_that_is_all_padding_equals_unpatc
     mask[1] = 0
     if cache == "dynamic":
         def loop():
-            kv, step_mask, nxt, logits = dynamic_cache(model), mask, ids, []
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            for _ in range(4):
-                out = model(input_ids=nxt, attention_mask=step_mask, position_ids=positions, **{CACHE: kv},
-                            use_cache=True)
-                logits.append(out.logits[:, -1])
-                nxt, positions = out.logits[:, -1:].argmax(-1), positions[:, -1:] + 1
-                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], -1)
-            return torch.stack(logits, 1)
+            return dynamic_decode(model, ids, mask, forwards=4)
     else:
         def loop():
             return static_decode(model, ids, mask, steps=3, max_len=20, full_mask=cache != "static")

@@ -130,7 +130,7 @@ def call_device(kwargs: dict) -> Optional[torch.device]:
     return None if device is None else torch.device(device)
 
 
-def refuse_refused(config: Any, route: Any = None) -> None:
+def refuse_refused(config: Any, route: Any) -> None:
     """A family the table refuses by name (its own code reads the mask: sparse or dynamic-mask attention) is told
     so before its mask is built, rather than when its code meets patchkit's mask."""
     model_type = getattr(config, "model_type", None)
