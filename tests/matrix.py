@@ -34,6 +34,7 @@ from matrix_plan import (  # noqa: E402  (tests/ is this script's directory, fir
     DEFAULT_VERSIONS,
     era_extras,
     tests_for,
+    workers_for,
 )
 
 from patchkit.eras import ERAS  # noqa: E402  (the era table only; tests run in child processes)
@@ -203,7 +204,7 @@ def run_version(version: str, target: Optional[Path], args: argparse.Namespace, 
     result.log = logs / f"pytest-{version}.log"
     tests = tests_for(version, args.tests)
     cmd = [args.python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *tests, *args.pytest_args]
+           *tests, *args.pytest_args, *workers_for(version, args.tests)]
     start = time.monotonic()
     with open(result.log, "w") as fh:
         fh.write(f"# transformers {found}; torch {torch_info}\n# {' '.join(cmd)}\n")

@@ -64,6 +64,8 @@ def test_each_era_runs_its_tier():
     assert set(plan.ERA_VERSIONS) | set(plan.EXTRA_TESTS) | set(plan.FASTCHAT_VERSIONS) <= set(
         plan.DEFAULT_VERSIONS)
     assert plan.tests_for("4.56.2", ["tests/test_compile.py"]) == ["tests/test_compile.py"]  # --tests: as given
+    assert plan.workers_for("4.36.2", plan.DEFAULT_TESTS) == ["-n", "0"]  # the era tests alone: one process
+    assert plan.workers_for("4.48.3", plan.DEFAULT_TESTS) == plan.workers_for("4.36.2", ["tests/x.py"]) == []
     files = {t.split("::")[0] for t in plan.DEFAULT_TESTS + plan.LEGACY_TESTS + [plan.FASTCHAT_TEST,
                                                                                     plan.CORE_DESELECTED[1]]}
     assert all((matrix.REPO / f).is_file() for f in files), files
