@@ -171,6 +171,24 @@ def test_shift_labels_and_num_items_in_batch_pass_through_to_the_loss(unpad):
         torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
 
 
+def test_left_padded_rows_whose_shift_labels_skip_the_padding_are_served_whatever_labels_says():
+    """Given shift_labels, transformers' loss reads them alone: `labels` only has to be a tensor for the model to
+    compute a loss (a sequence-parallel script passes its shift_labels there too). Left-padded rows whose first real
+    token is unlabelled take no term from padding, so the patch serves them, with the unpatched loss and gradients."""
+    model = any_model("llama", "sdpa").train()
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill((mask == 0) | (mask.cumsum(-1) == 1), -100)  # the first real token: predicted by padding
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=shift, shift_labels=shift)
+    want = loss_and_grads(model, **batch)
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = loss_and_grads(model, **batch)
+        assert group.calls == 2 and not group.stepped_aside, dict(group.stepped_aside)
+    torch.testing.assert_close(got[0], want[0])
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
 def packed(lengths: list[int]) -> dict:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)

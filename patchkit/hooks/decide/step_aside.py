@@ -171,12 +171,11 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     if len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
         mask = mask[:, -new[1]:]  # behind a past (a chunked loop, prefix tuning): the new tokens' own columns
     pad = mask == 0
-    hits = []
-    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
-        hits.append(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
-    if isinstance(shift_labels, torch.Tensor) and shift_labels.shape == mask.shape:
-        hits.append(((shift_labels != IGNORE_INDEX) & pad).any())
-    return bool(torch.stack(hits).any()) if hits else False
+    if isinstance(shift_labels, torch.Tensor):  # the loss reads them alone: `labels` may be anything (SP's copy)
+        return shift_labels.shape == mask.shape and bool(((shift_labels != IGNORE_INDEX) & pad).any())
+    if labels.shape == mask.shape:
+        return bool(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
+    return False
 
 
 @torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)
