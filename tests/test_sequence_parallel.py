@@ -2,10 +2,10 @@
 
 `UlyssesSPAttentionHF.register_with_transformers(model, core_attn_implementation=NAME)` replaces
 `ALL_ATTENTION_FUNCTIONS[NAME]` with a wrapper that all-to-alls q/k/v from sequence shards to head shards, drops the
-attention mask and gathers position_ids, so that NAME's function sees the whole sequence. Each case runs
-tests/user_scripts/ulysses_sp.py in its own `torch.distributed.run` pair (a collective size mismatch aborts a rank)
-and compares its loss and every gradient with the same script run as one plain process on the full sequence,
-unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
+attention mask and gathers position_ids, so that NAME's function sees the whole sequence. Each way into patchkit
+runs tests/user_scripts/ulysses_sp.py in its own `torch.distributed.run` pair (a collective size mismatch aborts a
+rank), a training step on each of its data layouts, and compares each step's loss and every gradient with the same
+script run as one plain process on the full sequence, unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
 every rank (a patch that goes round it leaves each rank's attention shard-local, silently). Left-padded batches are
 served exactly where position_ids restart at each row's first real token, and refused by name on every rank where
 they do not (patchkit/hooks/parallel/ulysses_padding.py).
@@ -30,49 +30,61 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (Ulysses SP needs deepspeed >= 0.19)")
 
 SCRIPT = REPO / "tests" / "user_scripts" / "ulysses_sp.py"
-WAYS = ["interface", "class", "env", "both"]  # both: the class patch on a model loaded with "patchkit"
-DATA = ["packed", "padded"]
 SP = 2
 # The first start builds DeepSpeed's CPU shared-memory comm op (a JIT C++ build, cached in ~/.cache/torch_extensions,
 # about 40 s on 2 cores); later starts take about 8 s.
 TIMEOUT = 420
 LOSS_ATOL = 1e-6
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # fp32 noise: the reorderings measured are < 1e-7 absolute
+# Left padding: Ulysses drops the mask, so a real token after padding attends to it unless position_ids restart there.
+LEFT_LOSS_RTOL = 4 * torch.finfo(torch.float32).eps  # the per-rank loss aggregation rounds: measured <= 2 ulps
+
+# (family, way): the data layouts one launch trains, a step each (a process start costs more than a step). Every way
+# on LLaMA, Qwen2 (q/k/v bias, a family of its own under the class patch) through the class patch; `both`: the class
+# patch on a model loaded with "patchkit". `left-restart`: left-padded rows whose position_ids restart at each row's
+# first real token (generate()'s convention): attention starts a document there and the padding drops out;
+# unpatched Ulysses (sdpa, no mask) is off by 3e-4 in the loss, 0.08 in the gradients for llama, 1e-3 and 0.5 for
+# qwen2 (measured).
+CASES = {
+    ("llama", "interface"): ["packed", "padded", "left-restart"],
+    ("llama", "class"): ["packed", "padded"],
+    ("llama", "env"): ["packed", "padded", "left-restart"],
+    ("llama", "both"): ["packed", "padded"],
+    ("qwen2", "class"): ["packed", "padded", "left-restart"],
+}
+Results = dict[str, tuple[dict, dict]]  # data -> (rank 0's JSON, its gradients)
 
 
-def launch(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """Run the script (one process, or `world` ranks under torch.distributed.run); its process, JSON and gradients."""
-    out, grads = tmp / f"{family}-{way}-{data}-{world}.json", tmp / f"{family}-{way}-{data}-{world}.pt"
-    script = [SCRIPT, family, way, data, out, "--grads", grads]
+def launch(tmp: Path, family: str, way: str, data: list[str], world: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the script (one process, or `world` ranks under torch.distributed.run); its process and output folder."""
+    out = tmp / f"{family}-{way}-{world}"
     env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    if world == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = torchrun(world, *script)
-    return run_group(cmd, env, TIMEOUT), out, grads
+    script = [SCRIPT, family, way, ",".join(data), out]
+    cmd = [sys.executable, *script] if world == 1 else torchrun(world, *script)
+    return run_group(cmd, env, TIMEOUT), out
 
 
-def run_script(tmp: Path, family: str, way: str, data: str, world: int) -> tuple[dict, dict, float]:
-    """The script's JSON and gradients (rank 0), and the wall time; asserts it exited cleanly."""
+def run_script(tmp: Path, family: str, way: str, data: list[str], world: int) -> Results:
+    """The script's JSON and gradients (rank 0) per data layout; asserts it exited cleanly."""
     start = time.perf_counter()
-    proc, out, grads = launch(tmp, family, way, data, world)
-    seconds = time.perf_counter() - start
-    assert proc.returncode == 0 and out.exists(), (
+    proc, out = launch(tmp, family, way, data, world)
+    assert proc.returncode == 0 and all((out / f"{d}.json").exists() for d in data), (
         f"{family}/{way}/{data} on {world} process(es) exited {proc.returncode}:\n"
         f"{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text()), torch.load(grads), seconds
+    print(f"{family}/{way} {data} on {world} process(es): {time.perf_counter() - start:.1f} s")
+    return {d: (json.loads((out / f"{d}.json").read_text()), torch.load(out / f"{d}.pt")) for d in data}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """One process, the full sequence, unpatched sdpa: per (family, data), computed on first use."""
+    """One process, the full sequence, unpatched sdpa: every layout a family's cases train, computed on first use."""
     tmp, cache = tmp_path_factory.mktemp("ulysses_ref"), {}
 
-    def get(family: str, data: str) -> tuple[dict, dict]:
-        if (family, data) not in cache:
-            result, grads, _ = run_script(tmp, family, "none", data, 1)
-            cache[family, data] = (result, grads)
-        return cache[family, data]
+    def get(family: str) -> Results:
+        if family not in cache:
+            data = sorted({d for (f, _), layouts in CASES.items() if f == family for d in layouts})
+            cache[family] = run_script(tmp, family, "none", data, 1)
+        return cache[family]
 
     return get
 
@@ -89,68 +101,50 @@ def grad_diff(got: dict, want: dict) -> tuple[float, list[str]]:
     return worst, off
 
 
-# Every way on LLaMA; Qwen2 (q/k/v bias, a family of its own under the class patch) through the class patch.
-CASES = [("llama", way) for way in WAYS] + [("qwen2", "class")]
-
-
-@pytest.mark.parametrize("data", DATA)
-@pytest.mark.parametrize("family, way", CASES)
-def test_ulysses_two_ranks_equal_one_process(family, way, data, references, tmp_path):
-    ref, ref_grads = references(family, data)
-    got, grads, seconds = run_script(tmp_path, family, way, data, SP)
+def problems_of(got: dict, grads: dict, ref: dict, ref_grads: dict, patched: bool) -> list[str]:
+    """What differs from the one-process reference: the loss (to LOSS_ATOL, or to a few ulps on left padding), any
+    gradient outside fp32 noise, a rank without the Ulysses wrapper (world > 1) or, where `patched`, without
+    patchkit's attention during this step."""
     worst, off = grad_diff(grads, ref_grads)
-    ranks = got["ranks"]
+    ranks, problems = got["ranks"], []
     summary = (
-        f"{family}/{way}/{data}: loss 1-proc {ref['loss']:.9f} sp{SP} {got['loss']:.9f} "
-        f"(diff {abs(got['loss'] - ref['loss']):.2e}); max grad diff {worst:.2e} ({len(off)} of {len(grads)} "
-        f"parameters outside fp32 noise); Ulysses wrapper calls per rank "
+        f"{got['family']}/{got['way']}/{got['data']}: loss 1-proc {ref['loss']:.9f} sp{got['world']} "
+        f"{got['loss']:.9f} (diff {abs(got['loss'] - ref['loss']):.2e}); max grad diff {worst:.2e} ({len(off)} of "
+        f"{len(grads)} parameters outside fp32 noise); Ulysses wrapper calls per rank "
         f"{[r['ulysses']['wrapper_calls'] for r in ranks]}, core q lengths "
-        f"{[sorted(set(r['ulysses']['core_q_lens'])) for r in ranks]}; "
-        f"attention calls {[r['attention_calls'] for r in ranks]}; "
-        f"config._attn_implementation={got['config_attn_implementation']!r}; {seconds:.1f} s"
+        f"{[sorted(set(r['ulysses']['core_q_lens'])) for r in ranks]}; attention calls "
+        f"{[r['attention_calls'] for r in ranks]}; config._attn_implementation={got['config_attn_implementation']!r}"
     )
     print(summary)
-    problems = []
-    if not got["ulysses_wrapper_ran"]:
+    if got["world"] > 1 and not got["ulysses_wrapper_ran"]:
         problems.append("the Ulysses wrapper did not run on every rank")
-    if abs(got["loss"] - ref["loss"]) > LOSS_ATOL:
+    left = got["data"].startswith("left")
+    if got["loss"] != pytest.approx(ref["loss"], **({"rel": LEFT_LOSS_RTOL, "abs": 0} if left else
+                                                    {"abs": LOSS_ATOL})):
         problems.append("the loss differs from one process")
     if off:
         problems.append(f"gradients differ: {off[:4]}")
-    if way != "interface" and not all(any(p["calls"] for p in r["patchkit_active"]) for r in ranks):
+    if patched and not all(any(p["calls"] for p in r["patchkit_active"]) for r in ranks):
         problems.append("patchkit's attention did not run on every rank")
-    assert not problems, "; ".join(problems) + "\n" + summary
+    return [f"{got['data']}: {p}" for p in problems] + ([summary] if problems else [])
 
 
-@pytest.mark.parametrize("family, data", [("llama", "packed"), ("qwen2", "padded")])
-def test_one_process_class_patch_equals_reference(family, data, references, tmp_path):
+@pytest.mark.parametrize("family, way", list(CASES))
+def test_ulysses_two_ranks_equal_one_process(family, way, references, tmp_path):
+    ref, got = references(family), run_script(tmp_path, family, way, CASES[family, way], SP)
+    problems = [p for data, (result, grads) in got.items()
+                for p in problems_of(result, grads, *ref[data], patched=way != "interface")]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_process_class_patch_equals_reference(family, references, tmp_path):
     # The harness's own check: on one process the class patch matches unpatched sdpa, so a two-rank difference is
     # sequence parallelism's, not the data's or the patch's.
-    ref, ref_grads = references(family, data)
-    got, grads, _ = run_script(tmp_path, family, "class", data, 1)
-    assert got["loss"] == pytest.approx(ref["loss"], abs=LOSS_ATOL)
-    worst, off = grad_diff(grads, ref_grads)
-    assert not off, (worst, off)
-    assert any(p["calls"] > 0 for p in got["ranks"][0]["patchkit_active"]), got["ranks"][0]["patchkit_active"]
-
-
-# Left padding: Ulysses drops the mask, so a real token after padding attends to it unless position_ids restart there.
-LEFT_LOSS_RTOL = 4 * torch.finfo(torch.float32).eps  # the per-rank loss aggregation rounds: measured <= 2 ulps
-
-
-@pytest.mark.parametrize("family, way", [("llama", "interface"), ("llama", "env"), ("qwen2", "class")])
-def test_left_padding_with_restarting_positions_equals_one_process(family, way, references, tmp_path):
-    # position_ids restart at each row's first real token (generate()'s convention): attention starts a document
-    # there and the padding drops out; unpatched Ulysses (sdpa, no mask) is off by 3e-4 in the loss, 0.08 in the
-    # gradients for llama, 1e-3 and 0.5 for qwen2 (measured)
-    ref, ref_grads = references(family, "left-restart")
-    got, grads, _ = run_script(tmp_path, family, way, "left-restart", SP)
-    worst, off = grad_diff(grads, ref_grads)
-    assert got["ulysses_wrapper_ran"]
-    assert got["loss"] == pytest.approx(ref["loss"], rel=LEFT_LOSS_RTOL, abs=0)
-    assert not off, (worst, off)
-    if way != "interface":
-        assert all(any(p["calls"] for p in r["patchkit_active"]) for r in got["ranks"]), got["ranks"]
+    ref = references(family)
+    got = run_script(tmp_path, family, "class", list(ref), 1)
+    problems = [p for data, (result, grads) in got.items() for p in problems_of(result, grads, *ref[data], True)]
+    assert not problems, "\n".join(problems)
 
 
 def refusals(proc: subprocess.CompletedProcess, message: str) -> int:
@@ -162,8 +156,8 @@ def refusals(proc: subprocess.CompletedProcess, message: str) -> int:
 def test_left_padding_without_restarting_positions_is_refused_on_every_rank(family, way, tmp_path):
     # the second row's padding is all on rank 0 and its real tokens all on rank 1: neither shard alone shows
     # padding before a real token, so only the gathered masks tell; every rank reaches the same verdict and stops
-    proc, out, _ = launch(tmp_path, family, way, "left", SP)
-    assert proc.returncode != 0 and not out.exists(), proc.stdout[-2000:]
+    proc, out = launch(tmp_path, family, way, ["left"], SP)
+    assert proc.returncode != 0 and not (out / "left.json").exists(), proc.stdout[-2000:]
     assert refusals(proc, "padding before real tokens (left padding, or a hole) under DeepSpeed Ulysses") == SP, (
         proc.stderr[-6000:])
     assert "Pad on the right" in proc.stderr
@@ -172,8 +166,8 @@ def test_left_padding_without_restarting_positions_is_refused_on_every_rank(fami
 def test_left_padding_that_would_step_aside_is_refused(tmp_path):
     # the first real token is labelled: rank 0 (which holds the padding predicting it) would run transformers'
     # attention, which Ulysses runs without the mask; it refuses instead (its peer is then torn down)
-    proc, out, _ = launch(tmp_path, "llama", "class", "left-restart-labelled", SP)
-    assert proc.returncode != 0 and not out.exists(), proc.stdout[-2000:]
+    proc, out = launch(tmp_path, "llama", "class", ["left-restart-labelled"], SP)
+    assert proc.returncode != 0 and not (out / "left-restart-labelled.json").exists(), proc.stdout[-2000:]
     assert refusals(proc, "under DeepSpeed Ulysses, a batch with padding before real tokens would step aside") >= 1, (
         proc.stderr[-6000:])
     assert "labels_from_padding" in proc.stderr
