@@ -5,10 +5,10 @@
 attention mask and gathers position_ids, so that NAME's function sees the whole sequence. Each way into patchkit
 runs tests/user_scripts/ulysses_sp.py in its own `torch.distributed.run` pair (a collective size mismatch aborts a
 rank), a training step on each of its data layouts, and compares each step's loss and every gradient with the same
-script run as one plain process on the full sequence, unpatched (sdpa): the loss within 1e-6, the gradients within fp32 noise, and the Ulysses wrapper must have run on
-every rank (a patch that goes round it leaves each rank's attention shard-local, silently). Left-padded batches are
-served exactly where position_ids restart at each row's first real token, and refused by name on every rank where
-they do not (patchkit/hooks/parallel/ulysses_padding.py).
+script run as one plain process on the full sequence, unpatched (sdpa): the loss within 1e-6, the gradients within
+fp32 noise, and the Ulysses wrapper must have run on every rank (a patch that goes round it leaves each rank's
+attention shard-local, silently). Left-padded batches are served exactly where position_ids restart at each row's
+first real token, and refused by name on every rank where they do not (patchkit/hooks/parallel/ulysses_padding.py).
 """
 
 from __future__ import annotations
