@@ -52,28 +52,39 @@ def model_dir(tmp_path_factory) -> Path:
     return saved_llama(tmp_path_factory.mktemp("zero3") / "model")
 
 
-def train(model_dir: Path, tmp: Path, way: str, lora: bool = False, bf16: bool = False, unpad: str = "model",
-          train_head: bool = False, own_head: bool = False) -> tuple[dict, dict]:
-    """zero3_trainer.py on two ranks (under the launcher for way 'launcher'): rank 0's JSON and parameters."""
-    out = tmp / f"train-{way}-{int(lora)}-{int(bf16)}-{unpad}-{int(train_head)}-{int(own_head)}.json"
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory) -> Path:
+    return saved_llama(tmp_path_factory.mktemp("zero3_tied") / "model", tied=True)
+
+
+Runs = dict[str, tuple[dict, dict]]  # case -> (rank 0's JSON, the parameters after training)
+
+
+def train(tmp: Path, way: str, cases: dict[str, tuple[Path, str]], unpad: str = "model") -> Runs:
+    """zero3_trainer.py on two ranks (under the launcher for way 'launcher'), its cases (name: model dir, flags) in
+    one launch: rank 0's JSON and parameters per case."""
+    out = tmp / f"train-{way}-{unpad}"
     script = ["-m", "patchkit.launch", TRAINER] if way == "launcher" else [TRAINER]
     env = clean_env(PATCHKIT_UNPAD=unpad, **({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    flags = [flag for flag, on in (("--lora", lora), ("--bf16", bf16), ("--train-head", train_head),
-                                   ("--own-head", own_head)) if on]
-    proc = run_group(torchrun(WORLD, *script, way, model_dir, out, *flags), env, TIMEOUT)
-    assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
+    args = [arg for name, (directory, flags) in cases.items() for arg in ("--case", name, directory, flags)]
+    proc = run_group(torchrun(WORLD, *script, way, out, *args), env, TIMEOUT)
+    assert proc.returncode == 0 and all((out / f"{name}.json").exists() for name in cases), (
+        f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}")
+    return {name: (json.loads((out / f"{name}.json").read_text()), torch.load(out / f"{name}.pt")) for name in cases}
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, tmp_path_factory):
-    """The unpatched run per LoRA and bf16 setting, computed on first use."""
-    tmp, cache = tmp_path_factory.mktemp("zero3_ref"), {}
+def reference(model_dir, tied_dir, tmp_path_factory):
+    """The unpatched fp32 runs, in one launch on first use: plain, LoRA, LoRA training a copy of the head, tied."""
+    cache: Runs = {}
 
-    def get(lora: bool, bf16: bool = False, train_head: bool = False) -> tuple[dict, dict]:
-        if (lora, bf16, train_head) not in cache:
-            cache[lora, bf16, train_head] = train(model_dir, tmp, "none", lora, bf16, train_head=train_head)
-        return cache[lora, bf16, train_head]
+    def get(name: str) -> tuple[dict, dict]:
+        if not cache:
+            cases = {"plain": (model_dir, "-"), "tied": (tied_dir, "-")}
+            if importlib.util.find_spec("peft") is not None:
+                cases.update({"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head")})
+            cache.update(train(tmp_path_factory.mktemp("zero3_ref"), "none", cases))
+        return cache[name]
 
     return get
 
@@ -96,46 +107,50 @@ def assert_same_parameters(params: dict, want: dict, atol: float = PARAM_ATOL, r
 
 @pytest.mark.parametrize("way", ["class", "instance", "env", "launcher"])
 def test_zero3_trainer_equals_unpatched(way, model_dir, reference, tmp_path):
-    assert_same_training(train(model_dir, tmp_path, way), reference(False))
+    """Each way in; under the launcher, LoRA on the partitioned model too: its frozen head is gathered for the fused
+    head (the Trainer's steps read the loss alone)."""
+    lora = way == "launcher" and importlib.util.find_spec("peft") is not None
+    got = train(tmp_path, way, {"plain": (model_dir, "-"), **({"lora": (model_dir, "lora")} if lora else {})})
+    for name, run in got.items():
+        assert_same_training(run, reference(name))
+    if lora:  # 3 steps, and the held-out `model(**held_out).loss`, which reads the loss alone (`caller_code`)
+        assert got["lora"][0]["heads"].get(lm_head.FUSED) == 4, got["lora"][0]["heads"]
 
 
-@pytest.mark.parametrize("unpad", ["model", "loss", "loss, training the head"])
-def test_zero3_lora_under_the_launcher_equals_unpatched(unpad, model_dir, reference, tmp_path):
-    """LoRA on the partitioned model; its frozen head, or the copy of it PEFT trains (`modules_to_save`, as adding
-    tokens needs), is gathered for the fused head (the Trainer's steps read the loss alone: under "model" too)."""
+def test_zero3_lora_under_the_launcher_with_the_loss_unpadded_equals_unpatched(model_dir, reference, tmp_path):
+    """LoRA on the partitioned model under unpad="loss"; its frozen head, or the copy of it PEFT trains
+    (`modules_to_save`, as adding tokens needs), is gathered for the fused head."""
     pytest.importorskip("peft")
-    train_head = unpad.endswith("the head")
-    got = train(model_dir, tmp_path, "launcher", lora=True, unpad=unpad.split(",")[0], train_head=train_head)
-    assert_same_training(got, reference(True, train_head=train_head))
-    # 3 steps, and the script's held-out `model(**held_out).loss`, which reads the loss alone (`caller_code`)
-    assert got[0]["heads"].get(lm_head.FUSED) == 4, got[0]["heads"]
+    got = train(tmp_path, "launcher", {"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head")},
+                unpad="loss")
+    for name, run in got.items():
+        assert_same_training(run, reference(name))
+        # 3 steps, and the script's held-out `model(**held_out).loss`, which reads the loss alone (`caller_code`)
+        assert run[0]["heads"].get(lm_head.FUSED) == 4, (name, run[0]["heads"])
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32, tied", "bf16"])
-def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatched(case, model_dir, reference,
-                                                                                 tmp_path):
+@pytest.mark.parametrize("case", ["fp32", "bf16"])
+def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatched(case, model_dir, tied_dir,
+                                                                                 reference, tmp_path):
     """unpad="loss" on a partitioned model: the head's weight is a shard on each rank, so the probes, the check and
     the fused loss run as the head's forward, under DeepSpeed's hooks, which gather the weight for them and again
     before the backward (in bf16 the head's gradients are computed there; tied, the weight is the embedding's,
     gathered by both modules). Every step runs the fused head, the first one checked, and trains as unpatched."""
-    bf16 = case == "bf16"
-    if case == "fp32, tied":
-        model_dir = saved_llama(tmp_path / "tied", tied=True)
-    got = train(model_dir, tmp_path, "class", bf16=bf16, unpad="loss")
-    assert got[0]["heads"].get(lm_head.FUSED) == 4, got[0]["heads"]  # 3 steps and the held-out loss
-    if case == "fp32, tied":
-        assert_same_training(got, train(model_dir, tmp_path, "none"))
-        return
-    if not bf16:
-        assert_same_training(got, reference(False))
+    if case == "fp32":
+        got = train(tmp_path, "class", {"plain": (model_dir, "-"), "tied": (tied_dir, "-")}, unpad="loss")
+        for name, run in got.items():
+            assert run[0]["heads"].get(lm_head.FUSED) == 4, (name, run[0]["heads"])  # 3 steps and the held-out loss
+            assert_same_training(run, reference(name))
         return
     # In bf16 patchkit's attention rounds otherwise than sdpa's, and AdamW's first steps move a weight by about its
     # rate wherever that flips a near-zero gradient's sign (measured: up to 0.029 after three steps at lr 1e-2, with
     # or without the fused head). The losses are the unpatched ones to bf16's rounding; the parameters are those of
     # patchkit with the family's own head on the same rows (a hook on the head: not fused): equal as in fp32.
-    (result, params), (ref, _) = got, reference(False, bf16=True)
+    result, params = train(tmp_path, "class", {"bf16": (model_dir, "bf16")}, unpad="loss")["bf16"]
+    assert result["heads"].get(lm_head.FUSED) == 4, result["heads"]
+    ref, _ = train(tmp_path, "none", {"bf16": (model_dir, "bf16")})["bf16"]
     assert result["losses"] == pytest.approx(ref["losses"], abs=2e-3), (result["losses"], ref["losses"])
-    own, own_params = train(model_dir, tmp_path, "class", bf16=True, own_head=True)
+    own, own_params = train(tmp_path, "class", {"own": (model_dir, "bf16,own-head")})["own"]
     # 3 steps and the held-out forward, whose caller reads its loss alone (`caller_code`)
     assert own["heads"] == {lm_head.LOSS_ONLY: 4}, own["heads"]
     assert result["losses"] == pytest.approx(own["losses"], abs=LOSS_ATOL)
