@@ -167,15 +167,16 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
         mask = real_tokens_of_4d(mask)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
-    new = (labels if isinstance(labels, torch.Tensor) else shift_labels).shape
+    read = shift_labels if isinstance(shift_labels, torch.Tensor) else labels  # given, the loss reads them alone
+    new = read.shape
     if len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
         mask = mask[:, -new[1]:]  # behind a past (a chunked loop, prefix tuning): the new tokens' own columns
+    if new != mask.shape:
+        return False
     pad = mask == 0
-    if isinstance(shift_labels, torch.Tensor):  # the loss reads them alone: `labels` may be anything (SP's copy)
-        return shift_labels.shape == mask.shape and bool(((shift_labels != IGNORE_INDEX) & pad).any())
-    if labels.shape == mask.shape:
-        return bool(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
-    return False
+    if read is shift_labels:  # `labels` may then be anything (a sequence-parallel script's copy of them)
+        return bool(((shift_labels != IGNORE_INDEX) & pad).any())
+    return bool(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
 
 
 @torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)
