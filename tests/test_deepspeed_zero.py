@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 TRAINER = REPO / "tests" / "user_scripts" / "zero3_trainer.py"
 GENERATE = REPO / "tests" / "user_scripts" / "zero3_generate.py"
 WORLD, TIMEOUT = 2, 420
+PEFT = importlib.util.find_spec("peft") is not None  # a test extra: the LoRA cases run where it is installed
 LOSS_ATOL = 1e-5
 # AdamW divides by the gradient's running RMS, so fp32 noise in a near-zero gradient element moves its weight by
 # up to ~2e-6 over three steps at lr 1e-2 (measured: one element of 1024 in each q_proj, patched vs unpatched).
@@ -81,7 +82,7 @@ def reference(model_dir, tied_dir, tmp_path_factory):
     def get(name: str) -> tuple[dict, dict]:
         if not cache:
             cases = {"plain": (model_dir, "-"), "tied": (tied_dir, "-")}
-            if importlib.util.find_spec("peft") is not None:
+            if PEFT:
                 cases.update({"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head")})
             cache.update(train(tmp_path_factory.mktemp("zero3_ref"), "none", cases))
         return cache[name]
@@ -109,7 +110,7 @@ def assert_same_parameters(params: dict, want: dict, atol: float = PARAM_ATOL, r
 def test_zero3_trainer_equals_unpatched(way, model_dir, reference, tmp_path):
     """Each way in; under the launcher, LoRA on the partitioned model too: its frozen head is gathered for the fused
     head (the Trainer's steps read the loss alone)."""
-    lora = way == "launcher" and importlib.util.find_spec("peft") is not None
+    lora = way == "launcher" and PEFT
     got = train(tmp_path, way, {"plain": (model_dir, "-"), **({"lora": (model_dir, "lora")} if lora else {})})
     for name, run in got.items():
         assert_same_training(run, reference(name))
