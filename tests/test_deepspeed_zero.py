@@ -147,11 +147,11 @@ def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatche
     # rate wherever that flips a near-zero gradient's sign (measured: up to 0.029 after three steps at lr 1e-2, with
     # or without the fused head). The losses are the unpatched ones to bf16's rounding; the parameters are those of
     # patchkit with the family's own head on the same rows (a hook on the head: not fused): equal as in fp32.
-    result, params = train(tmp_path, "class", {"bf16": (model_dir, "bf16")}, unpad="loss")["bf16"]
+    got = train(tmp_path, "class", {"bf16": (model_dir, "bf16"), "own": (model_dir, "bf16,own-head")}, unpad="loss")
+    (result, params), (own, own_params) = got["bf16"], got["own"]
     assert result["heads"].get(lm_head.FUSED) == 4, result["heads"]
     ref, _ = train(tmp_path, "none", {"bf16": (model_dir, "bf16")})["bf16"]
     assert result["losses"] == pytest.approx(ref["losses"], abs=2e-3), (result["losses"], ref["losses"])
-    own, own_params = train(tmp_path, "class", {"own": (model_dir, "bf16,own-head")})["own"]
     # 3 steps and the held-out forward, whose caller reads its loss alone (`caller_code`)
     assert own["heads"] == {lm_head.LOSS_ONLY: 4}, own["heads"]
     assert result["losses"] == pytest.approx(own["losses"], abs=LOSS_ATOL)
