@@ -10,7 +10,8 @@ logits (`unpad="model"`), patchkit's loss alone with the family's own head on th
 before the fused head served it there) and the fused loss alone. Needs DeepSpeed (`make sp-test` installs it into
 .sp/).
 
-    PYTHONPATH=.sp python benchmarks/zero3_head.py [--vocab 128256] [--csv benchmarks/results/zero3_head.csv]
+    PYTHONPATH=.sp python benchmarks/zero3_head.py [--vocab 128256] [--scale 1.0]
+        [--csv benchmarks/results/zero3_head.csv]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ PROVIDERS = {  # name: (patched, unpad, fused)
 }
 
 
-def worker(provider: str, vocab: int) -> None:
+def worker(provider: str, vocab: int, scale: float = 1.0) -> None:
     """One rank: build the model inside zero.Init, two training steps on this rank's half of the batch; rank 0
     prints one JSON line with the larger rank's peak."""
     import deepspeed
@@ -63,7 +64,7 @@ def worker(provider: str, vocab: int) -> None:
     keep = HfDeepSpeedConfig(config)  # noqa: F841 - while it lives, transformers builds models inside zero.Init
     model = tf.LlamaForCausalLM._from_config(llama)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    docs = make_tokens(lognormal_lengths(8, 0.56), vocab)[rank::world]  # vocab.py's batch: 1809 real tokens
+    docs = make_tokens(lognormal_lengths(8, 0.56 * scale), vocab)[rank::world]  # vocab.py's batch: 1809 real tokens
     ids, mask, _ = padded_batch(docs)
     labels = ids.masked_fill(mask == 0, -100)
 
@@ -89,12 +90,12 @@ def worker(provider: str, vocab: int) -> None:
     dist.barrier()
 
 
-def run(provider: str, vocab: int) -> dict:
+def run(provider: str, vocab: int, scale: float = 1.0) -> dict:
     """`provider` on two ranks, each a fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-           "--worker", provider, "--vocab", str(vocab)]
+           "--worker", provider, "--vocab", str(vocab), "--scale", str(scale)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ZERO3_HEAD ")), None)
     if proc.returncode != 0 or line is None:
@@ -105,14 +106,15 @@ def run(provider: str, vocab: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--scale", type=float, default=1.0, help="every row's length times this (a smoke run)")
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.vocab)
+        worker(args.worker, args.vocab, args.scale)
         return
-    rows = [run(p, args.vocab) for p in args.providers]
+    rows = [run(p, args.vocab, args.scale) for p in args.providers]
     base = next((r for r in rows if r["provider"] == "hf_sdpa"), rows[0])
     print("| provider | real tokens | step s | peak MiB (per rank) | x HF sdpa | loss |")
     print("|---|---|---|---|---|---|")
