@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup demo test test-heavy docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
+.PHONY: setup bytecode demo test test-heavy docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,18 @@ $(BIN)/.installed: pyproject.toml setup.py Makefile
 	touch $@
 
 setup: $(BIN)/.installed
+
+# The repo's bytecode, written once its sources change: this machine sets PYTHONDONTWRITEBYTECODE=1, so without it each
+# pytest process (two per run, one or two per matrix version) rewrote every test module's asserts again (collection:
+# 26 -> 16 CPU-s) and every process a test starts (hundreds in CI) compiled patchkit and the test helpers again. Python
+# and pytest read bytecode that is there, and ignore what its source has changed since.
+PY_SOURCES := $(shell find patchkit patches tests examples benchmarks tools -name '*.py' 2>/dev/null)
+$(VENV)/.bytecode: $(BIN)/.installed $(PY_SOURCES)
+	$(BIN)/python -m compileall -q patchkit patches tests examples benchmarks tools
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --collect-only -p no:cacheprovider tests > /dev/null
+	touch $@
+
+bytecode: $(VENV)/.bytecode
 
 demo: setup
 	$(BIN)/python examples/demo.py
@@ -27,11 +39,11 @@ demo: setup
 # model; `make test-heavy` runs those (about 20 minutes), and CI runs both.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 SUITE := --ignore=tests/test_census.py --ignore=tests/test_trl_families.py --ignore=tests/test_gpu_truth.py
-test: setup
+test: setup bytecode
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not heavy" $(SUITE)
 
-test-heavy: setup
+test-heavy: setup bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m heavy $(SUITE)
 
 # A user's install: `pip install <clone>` (not editable) into a fresh venv beside the clone, with whatever transformers
@@ -56,14 +68,14 @@ docs: $(VENV)/.docs-installed
 # The census: every causal LM of the pinned transformers, tiny, against its own eager attention every way in
 # (tests/test_census.py; `python tests/census.py` prints the table), and TRL's SFTTrainer on the families served
 # from data (tests/test_trl_families.py). Its own part of CI: about 4 minutes.
-census: setup
+census: setup bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_census.py tests/test_trl_families.py
 
 lint: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 
 # The transformers version matrix (slow: one install per version); see tests/matrix.py.
-matrix: setup
+matrix: setup bytecode
 	$(BIN)/python tests/matrix.py -- $(PYTEST_ARGS)
 
 # The newest transformers release on the package index now, installed beside the venv like a matrix version, under
@@ -73,7 +85,7 @@ NEWEST_TESTS := tests/test_every_family.py tests/test_families.py tests/test_gen
 	tests/test_packing.py tests/test_model_unpad.py tests/test_attention_interface.py tests/test_launch.py \
 	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py tests/test_census.py \
 	tests/test_trl_families.py
-newest: setup
+newest: setup bytecode
 	$(BIN)/python tests/matrix.py --versions newest --tests $(NEWEST_TESTS) -- $(PYTEST_ARGS)
 
 # DeepSpeed Ulysses sequence parallelism on two gloo ranks (tests/test_sequence_parallel.py). DeepSpeed is an sdist:
@@ -87,7 +99,7 @@ $(SP_DIR)/.installed: $(BIN)/.installed
 		einops hjson msgpack ninja py-cpuinfo
 	touch $@
 
-sp-test: $(SP_DIR)/.installed
+sp-test: $(SP_DIR)/.installed bytecode
 	PYTHONPATH=$(CURDIR)/$(SP_DIR) PATH=$(CURDIR)/$(SP_DIR)/bin:$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS) \
 		tests/test_sequence_parallel.py tests/test_deepspeed_zero.py
 
@@ -114,7 +126,7 @@ gpu-truth-stage1:
 
 # Its CPU side (a CI part, ~1 min): every benchmark command of the GPU run accepted by its script, the test parts
 # rehearsed, the summary and archive written (tests/test_gpu_truth.py).
-gpu-truth-check: setup
+gpu-truth-check: setup bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_gpu_truth.py
 
 clean:
