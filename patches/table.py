@@ -20,7 +20,6 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.family_route import family_spec_of
 from patchkit.hooks.install.registry import PatchSpec
 
 TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
@@ -207,6 +206,11 @@ def spec(model_type: str) -> PatchSpec:
     verified = model_type in VERIFIED
     if not verified:
         self_check.unverified.add(model_type)  # checked on a tiny model of the user's config before its first forward
+    # Imported here: importing family_route registers patchkit's attention name, which reads REFUSED from this module
+    # (`registry.refusal`); at module level that import ran into family_route half-initialised, and the name stayed
+    # unregistered (`from patchkit import apply_patch` then attn_implementation="patchkit" was refused).
+    from patchkit.hooks.family_route import family_spec_of
+
     return family_spec_of(
         model_type, lambda: find_classes(model_type),
         f"{model_type}: served from data" + ("" if verified else " (not in the census: self-checked first)"),
