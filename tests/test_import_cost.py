@@ -28,32 +28,24 @@ def test_import_patchkit_loads_neither_dynamo_nor_transformers_modeling_code():
     assert loaded_after("import patchkit\npatchkit.apply_patch")["transformers.modeling_utils"]
 
 
-def test_the_registered_name_is_patchkits_own_once_transformers_loads_after_patchkit():
-    code = ("import patchkit\nfrom transformers import LlamaForCausalLM\n"
-            "from transformers.modeling_utils import AttentionInterface\n"
-            "from transformers.masking_utils import AttentionMaskInterface\n"
-            "from patchkit.hooks.name import attention_interface as ai\n"
-            "print(AttentionInterface._global_mapping['patchkit'] is ai._attention, "
-            "AttentionMaskInterface._global_mapping['patchkit'] is ai.mask_function)")
-    proc = run([sys.executable, "-c", code], env=clean_env())
-    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("first", ["from patchkit import apply_patch", "import patchkit.hooks.family_route"])
-def test_the_registered_name_is_there_whichever_patchkit_module_loads_first(first):
-    """Importing family_route (as `patchkit.apply_patch` does, or the eras table, the gates, the doctor) imports
-    patchkit's attention, which registers its name and reads the table's refusals: patches/table.py imported
-    family_route back, half-initialised, and the name stayed unregistered until a call of apply_patch() or
-    register_attention(): transformers refused attn_implementation="patchkit"."""
+@pytest.mark.parametrize("first", ["import patchkit", "from patchkit import apply_patch",
+                                   "import patchkit.hooks.family_route"])
+def test_the_registered_name_is_patchkits_own_whichever_patchkit_module_loads_first(first):
+    """transformers loads after patchkit: the name is patchkit's, its attention and its mask. Importing family_route
+    (as `patchkit.apply_patch` does, or the eras table, the gates, the doctor) imports patchkit's attention, which
+    registers its name and reads the table's refusals: patches/table.py imported family_route back, half-initialised,
+    and the name stayed unregistered until a call of apply_patch() or register_attention(): transformers refused
+    attn_implementation="patchkit"."""
     code = (f"{first}\nimport transformers as tf\n"
             "config = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
             "                        num_attention_heads=4, attn_implementation='patchkit')\n"
             "model = tf.LlamaForCausalLM(config)\n"
             "from patchkit.hooks.name import attention_interface as ai\n"
-            "print(model.config._attn_implementation, tf.modeling_utils.AttentionInterface._global_mapping['patchkit']"
-            " is ai._attention)")
+            "print(model.config._attn_implementation,\n"
+            "      tf.modeling_utils.AttentionInterface._global_mapping['patchkit'] is ai._attention,\n"
+            "      tf.masking_utils.AttentionMaskInterface._global_mapping['patchkit'] is ai.mask_function)")
     proc = run([sys.executable, "-c", code], env=clean_env())
-    assert proc.returncode == 0 and proc.stdout.split() == ["patchkit", "True"], proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.split() == ["patchkit", "True", "True"], proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["doctor", "--help"], ["verify", "--help"]])
