@@ -52,6 +52,16 @@ def tagged(stdout: str, tag: str) -> Any:
     return json.JSONDecoder().raw_decode(stdout, found.end())[0]
 
 
+def run_loaded(code: str, **kw) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`code` in a fresh interpreter (`run`'s keywords), and the names in its sys.modules at exit, its `sys.exit` too:
+    printed on stderr after `LOADED ` (transformers loads its model modules by exec_module, which -X importtime does
+    not list). [] where it printed none."""
+    probe = ("import atexit, json, sys\n"
+             "atexit.register(lambda: print('LOADED ' + json.dumps(sorted(sys.modules)), file=sys.stderr))\n" + code)
+    proc = run([sys.executable, "-c", probe], **kw)
+    return proc, tagged(proc.stderr, "LOADED") if re.search(r"(?m)^LOADED ", proc.stderr) else []
+
+
 def spy_of(proc: subprocess.CompletedProcess) -> dict:
     """The SPY line a user script prints through `attention_spy.report()`; the script must have succeeded."""
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from entrypoints import clean_env, patchkit_cli, run
+from entrypoints import clean_env, patchkit_cli, run_loaded
 from families import FAMILIES_FROM, served_here
 from packaging.version import Version
 
@@ -50,23 +50,14 @@ def fake_flash_attn(root, version: str, extension_error: str = "") -> dict[str, 
     return clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
 
 
-# `python -c LOADED_AT_EXIT MODULE ARGS...`: MODULE run as `python -m` runs it, then the names in sys.modules at exit
-# on stderr (transformers loads its model modules by exec_module, which -X importtime does not list)
-LOADED_AT_EXIT = """import atexit, json, runpy, sys
-atexit.register(lambda: print("LOADED " + json.dumps(sorted(sys.modules)), file=sys.stderr))
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)"""
-
-
 @pytest.mark.heavy  # starts Python processes: make test-heavy
 def test_doctor_text_report_names_everything_without_building_a_model():
     """A machine's report, fast: the doctor reads versions, metadata and gates and imports no family's modeling
     module (a check of that kind builds a model; dozens of families' imports cost seconds each). Which modules load
     is what keeps it fast, not a CPU-seconds bound (about 9 s here, its torch and transformers imports, and more on a
     busy machine: such a bound failed under load)."""
-    proc = run([sys.executable, "-c", LOADED_AT_EXIT, "patchkit.entry.cli", "doctor"])
+    proc, loaded = run_loaded("from patchkit.entry.cli import main\nsys.exit(main(['doctor']))")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    loaded = json.loads(proc.stderr.split("LOADED ")[-1])
     assert "torch" in loaded and "transformers" in loaded, loaded  # what was loaded was read
     modeling = [m for m in loaded if re.fullmatch(r"transformers\.models\.\w+\.modeling_\w+", m)]
     assert not modeling, modeling

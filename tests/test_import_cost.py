@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 
 import pytest
-from entrypoints import clean_env, run
+from entrypoints import clean_env, run, run_loaded
 
 pytestmark = pytest.mark.heavy  # each test starts Python processes: make test-heavy
 
@@ -16,10 +15,9 @@ HEAVY = ("torch", "torch._dynamo", "transformers", "transformers.modeling_utils"
 
 def loaded_after(code: str) -> dict[str, bool]:
     """Which HEAVY modules a fresh interpreter holds after `code`."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
-    proc = run([sys.executable, "-c", probe], env=clean_env())
+    proc, loaded = run_loaded(code, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return {m: m in loaded for m in HEAVY}
 
 
 def test_import_patchkit_loads_neither_dynamo_nor_transformers_modeling_code():
