@@ -126,6 +126,13 @@ def loadable_datasets(target: Path, python: str) -> bool:
     return False
 
 
+def pip_install(python: str, log: Path, *args: str) -> int:
+    """`pip install -q ARGS`, quietly and without asking, its output appended to `log`; its exit status."""
+    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", *args]
+    with open(log, "a") as fh:
+        return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+
+
 def resolve(version: str, python: str, log: Path) -> list[str]:
     """The pins of what transformers==version needs that the interpreter's environment lacks (itself, its tokenizers
     and huggingface_hub, what else differs), resolved by pip against that environment; [] where pip cannot say.
@@ -134,11 +141,8 @@ def resolve(version: str, python: str, log: Path) -> list[str]:
     ... (about 215 MB and 34 CPU-seconds a version, 13 versions beside the first versions' tests on 2 cores), the same
     releases the environment has. Only what differs goes into the target, which shadows the environment."""
     report = log.with_suffix(".json")
-    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--dry-run",
-           "--report", str(report), f"transformers=={version}"]
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not report.exists():
+    failed = pip_install(python, log, "--dry-run", "--report", str(report), f"transformers=={version}")
+    if failed or not report.exists():
         return []  # the full install below says what is wrong
     items = json.loads(report.read_text()).get("install", [])
     pins = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items]
@@ -153,23 +157,19 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=cache))
     log = cache / f"install-{version}.log"
+    log.write_text("")  # this install's output alone
     pins = resolve(version, python, log)
-    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
-           "--target", str(staging), *(["--no-deps", *pins] if pins else [f"transformers=={version}"])]
-    with open(log, "a") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+    status = pip_install(python, log, "--target", str(staging),
+                         *(["--no-deps", *pins] if pins else [f"transformers=={version}"]))
+    if status:
         shutil.rmtree(staging, ignore_errors=True)
-        return None, f"pip install failed (exit {proc.returncode}); see {log}"
+        return None, f"pip install failed (exit {status}); see {log}"
     extras = era_extras(version)
     if extras:
-        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input", "--no-deps",
-               "--target", str(staging), *extras]
-        with open(log, "a") as fh:
-            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
+        status = pip_install(python, log, "--no-deps", "--target", str(staging), *extras)
+        if status:
             shutil.rmtree(staging, ignore_errors=True)
-            return None, f"pip install of {' '.join(extras)} failed (exit {proc.returncode}); see {log}"
+            return None, f"pip install of {' '.join(extras)} failed (exit {status}); see {log}"
     if extras and not loadable_datasets(staging, python):
         print(f"[matrix] {version}: its huggingface_hub cannot import datasets; a stand-in takes its place")
     removed = remove_forbidden(staging)
