@@ -64,7 +64,8 @@ def worker(provider: str, vocab: int, scale: float = 1.0) -> None:
     keep = HfDeepSpeedConfig(config)  # noqa: F841 - while it lives, transformers builds models inside zero.Init
     model = tf.LlamaForCausalLM._from_config(llama)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    docs = make_tokens(lognormal_lengths(8, 0.56 * scale), vocab)[rank::world]  # vocab.py's batch: 1809 real tokens
+    # vocab.py's batch: 1809 real tokens at --scale 1
+    docs = make_tokens(lognormal_lengths(8, 0.56 * scale), vocab)[rank::world]
     ids, mask, _ = padded_batch(docs)
     labels = ids.masked_fill(mask == 0, -100)
 
