@@ -2,7 +2,7 @@
 
 A LoRA run leaves the head an nn.Linear (frozen), or trains it whole (`modules_to_save`: PEFT's copy of it), or trains
 a few tokens' rows of it (`trainable_token_indices`: a chat template's new tokens, tied to the embeddings' rows where
-those are). Under `unpad="loss"` patchkit fuses each with the loss (`hooks/forwards/fused_head.py`), so no (L, V)
+those are). Under `unpad="loss"` patchkit fuses each with the loss (`hooks/head/fused_head.py`), so no (L, V)
 logits exist. This benchmark trains the LLaMA of `vocab.py` (hidden 256, 4 layers, LoRA r 8 on every linear layer) at
 Llama 3's vocabulary (128256) on vocab.py's right-padded lognormal batch of 8 (1809 real tokens) and reports per
 tuning and provider the second step's peak resident set above the set before it (VmHWM, a fresh process per row) and

@@ -3,7 +3,7 @@
 A custom accelerate loop calls `accelerator.prepare(model)`; with mixed precision that sets `model.forward` to
 accelerate's float32-outputs wrapper around torch's autocast decorator around the class forward. An instance patch
 after it (`apply_patch(model=model, unpad="loss")`) reads through those wrappers to the family's forward and fuses
-the head with the loss (`hooks/forwards/lm_head.py`, `innermost`). This benchmark trains the LLaMA of `vocab.py`
+the head with the loss (`hooks/head/lm_head.py`, `innermost`). This benchmark trains the LLaMA of `vocab.py`
 (hidden 256, 4 layers, every weight trained) at Llama 3's vocabulary (128256) on vocab.py's right-padded lognormal
 batch of 8, prepared with `Accelerator(mixed_precision="bf16", cpu=True)`, and reports per provider the second step's
 peak resident set above the set before it (VmHWM, a fresh process per row) and its loss: HF sdpa unpatched,
@@ -34,7 +34,7 @@ def worker(provider: str, vocab: int, scale: float) -> dict[str, Any]:
     handle = None
     if provider != "hf_sdpa":
         import patchkit
-        from patchkit.hooks.forwards import lm_head
+        from patchkit.hooks.head import lm_head
 
         if provider == "patchkit_loss_wrapped":  # accelerate's wrappers not looked through: the padded exit
             lm_head._mixed_precision = lambda forward: False

@@ -1,6 +1,6 @@
 """The HF Trainer's and a custom loop's step and evaluation under patchkit's default unpad: peaks at a large vocabulary.
 
-The Trainer's own steps read the loss alone (`patchkit/hooks/forwards/loss_reader.py`): its training step, and its
+The Trainer's own steps read the loss alone (`patchkit/hooks/head/loss_reader.py`): its training step, and its
 evaluation where no `compute_metrics` reads the logits. There the causal LM returns its loss alone from the head fused
 with the loss, so no (n, V) logits are held. This benchmark trains and evaluates the LLaMA of `vocab.py` (hidden 256,
 4 layers, every weight trained, float32), and a Qwen 3.5 of its sizes (three linear-attention layers and a
@@ -13,7 +13,7 @@ alone turned off (`patchkit_logits`: the logits returned, as before the Trainer'
 a family whose base model runs padded, until its LM asked for the loss alone as well), and patchkit as it is.
 `--loop custom` runs the same steps as a training loop of the user's own instead (AdamW; `outputs = model(**batch)`,
 then `outputs.loss` alone, as accelerate's examples write it; the evaluation `model(**batch).loss` under no_grad),
-whose code patchkit reads (`hooks/forwards/caller_code.py`).
+whose code patchkit reads (`hooks/head/caller_code.py`).
 
     python benchmarks/trainer_head.py [--vocab 128256] [--family llama] [--loop trainer custom]
         [--csv benchmarks/results/trainer_head.csv]

@@ -1,7 +1,7 @@
 """The LM head and loss at large vocabularies: a padded training step where the head, not attention, dominates.
 
 At a 32k-262k vocabulary the head (B·N·H -> B·N·V) is the step's largest matmul and its float32 logits its memory
-peak; patchkit runs both on real tokens only (`patchkit/hooks/forwards/lm_head.py`). This benchmark trains a LLaMA
+peak; patchkit runs both on real tokens only (`patchkit/hooks/head/lm_head.py`). This benchmark trains a LLaMA
 of hidden 256 x 4 layers (the toy where the head dominates) at the vocabularies of LLaMA-2 (32000), Llama 3
 (128256), Qwen2.5 (151936) and Gemma 3 (262144) on the lognormal batch of 8 at about 512 tokens (55.6% padding; half
 the rows' length at 262144, where HF's step needs more memory than this machine has beside its own), right-padded,
@@ -16,7 +16,7 @@ Reported per row: real (non-padding) tokens per second, the median of `--reps` s
 step by step (load on the machine hits all alike) after one untimed step, the loss (equal across providers), and a
 step's peak memory: the second step's peak resident set above the resident set before it, measured alone in a fresh
 process per provider (`--memory-only --first-step`: the first step's, where unpad="loss" checks the family's logits
-on a few rows and runs the fused head and loss already: `patchkit/hooks/forwards/fused_head.py`).
+on a few rows and runs the fused head and loss already: `patchkit/hooks/head/fused_head.py`).
 
 `--device cuda` (`make gpu-truth`): bf16 at bench.py's CUDA layers (hidden 2048, 16 heads of 128, 4 layers: the
 0.5B-3B models' hidden/vocabulary ratio) on the same lognormal mix at a longest row of about 2048, patchkit on its best

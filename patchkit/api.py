@@ -17,7 +17,8 @@ from patchkit.gates import GateResult
 from patchkit.handles import ACTIVE, PatchGroup, PatchHandle
 from patchkit.hooks.attention.varlen import UNPAD_MODES
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.forwards import batch_errors, lm_head, unserved
+from patchkit.hooks.forwards import batch_errors, unserved
+from patchkit.hooks.head import lm_head
 from patchkit.hooks.install.model_walk import head_dim, modeling_files
 from patchkit.hooks.install.patching import Replacement, apply_replacements
 from patchkit.hooks.install.registry import PatchSpec, for_model, imported_table_types, registered, resolve, table_spec

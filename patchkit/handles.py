@@ -13,8 +13,9 @@ from patchkit import gates as _gates
 from patchkit.errors import PatchTargetError
 from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
-from patchkit.hooks.forwards import batch_errors, lm_head, unserved
-from patchkit.hooks.forwards.lm_head import heads_line
+from patchkit.hooks.forwards import batch_errors, unserved
+from patchkit.hooks.head import lm_head
+from patchkit.hooks.head.lm_head import heads_line
 from patchkit.hooks.install.model_walk import model_config
 from patchkit.hooks.install.patching import Replacement, restore_replacements
 from patchkit.hooks.install.registry import PatchSpec, spec_for_model
@@ -68,7 +69,7 @@ class PatchHandle:
     @property
     def heads(self) -> dict[str, int]:
         """Causal-LM forwards over a batch unpadded at the model, by where their head and loss ran: "real tokens",
-        else why they ran on the padded batch (see `patchkit.hooks.forwards.lm_head`)."""
+        else why they ran on the padded batch (see `patchkit.hooks.head.lm_head`)."""
         return dict(self.state.heads)
 
     @property

@@ -30,8 +30,9 @@ from patchkit.patches import table
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.forwards import lm_forward, lm_head
+from patchkit.hooks.forwards import lm_forward
 from patchkit.hooks.generation.filled_cache import cache_is_storage
+from patchkit.hooks.head import lm_head
 from patchkit.hooks.install.registry import PATCH_MODULES, for_model_type
 from patchkit.hooks.name import attention_interface
 

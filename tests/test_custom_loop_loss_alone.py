@@ -1,4 +1,4 @@
-"""A training loop of the user's own that reads the loss alone (`hooks/forwards/caller_code.py`): its forwards run the
+"""A training loop of the user's own that reads the loss alone (`hooks/head/caller_code.py`): its forwards run the
 head fused with the loss and return no logits, with the unpatched loop's losses and trained weights; a loop whose
 code reads anything else of the output gets the logits as before."""
 
@@ -15,7 +15,7 @@ from test_lm_head import family
 from test_trainer_loss_alone import rows_of
 
 import patchkit
-from patchkit.hooks.forwards import caller_code, lm_head, loss_reader
+from patchkit.hooks.head import caller_code, lm_head, loss_reader
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
 

@@ -13,7 +13,7 @@ from models import labels_for, padded_batch, tiny_model
 from test_loss_alone import assert_grads
 
 import patchkit
-from patchkit.hooks.forwards import fused_head, lm_head
+from patchkit.hooks.head import fused_head, lm_head
 
 accelerate = pytest.importorskip("accelerate")
 

@@ -18,7 +18,7 @@ import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.handles import PatchGroup
 from patchkit.hooks.forwards import unserved
-from patchkit.hooks.forwards.lm_head import heads_line
+from patchkit.hooks.head.lm_head import heads_line
 from patchkit.hooks.install.registry import registered, resolve
 
 SERVED = sorted({t for s in registered() for t in s.model_types})

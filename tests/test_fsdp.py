@@ -11,7 +11,7 @@ import sys
 import pytest
 from entrypoints import clean_env, run, tagged
 
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.heavy  # torchrun: make test-heavy
 

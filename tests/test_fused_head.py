@@ -1,4 +1,4 @@
-"""The fused head and loss of unpad="loss" (`forward/loss/linear_cross_entropy.py`, `hooks/forwards/fused_head.py`):
+"""The fused head and loss of unpad="loss" (`forward/loss/linear_cross_entropy.py`, `hooks/head/fused_head.py`):
 the numbers of the family's own head and transformers' loss, served only after the family's logits were checked."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 import patchkit
 from patchkit.forward.loss import linear_cross_entropy as lce
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, linear_cross_entropy
-from patchkit.hooks.forwards import fused_head, lm_head
+from patchkit.hooks.head import fused_head, lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -10,7 +10,7 @@ import torch
 from test_fused_head import long_batch
 from test_lm_head import assert_trained_alike, family, trainer_run
 
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 
 def trainer_rows(model: torch.nn.Module) -> list[dict]:

@@ -16,7 +16,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 import patchkit
 from patchkit import gates
 from patchkit.backends.choice import backend_gates
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["flash_attn", "torch_varlen"]

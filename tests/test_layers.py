@@ -18,6 +18,7 @@ LAYERS = [
     {"hooks.generation"},
     {"hooks.decide"},
     {"hooks.attention"},
+    {"hooks.head"},
     {"hooks.forwards"},
     {"hooks.name"},
     {"hooks"},

@@ -1,4 +1,4 @@
-"""The causal LM's head and loss run on real tokens only (`patchkit/hooks/forwards/lm_head.py`), with unpatched numbers.
+"""The causal LM's head and loss run on real tokens only (`patchkit/hooks/head/lm_head.py`), with unpatched numbers.
 
 Every family's padded training step is compared with unpatched by the census (loss, logits, every gradient) and
 it requires the head on real tokens wherever the base model unpads; these tests pin what the census does not
@@ -18,7 +18,7 @@ from models import labels_for, padded_batch
 
 import patchkit
 from patchkit.errors import PatchkitError
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 import patchkit
 from patchkit.forward.loss import cross_entropy
 from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, chunked_cross_entropy
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -141,5 +141,5 @@ def test_nothing_on_patchkits_path_reads_the_call_stack():
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
-    assert readers == ["hooks/forwards/caller_code.py", "hooks/forwards/loss_reader.py", "hooks/forwards/unserved.py",
+    assert readers == ["hooks/forwards/unserved.py", "hooks/head/caller_code.py", "hooks/head/loss_reader.py",
                        "warn.py"]

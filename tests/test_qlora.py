@@ -12,7 +12,7 @@ import torch
 from models import completion_labels, padded_batch, tiny_model
 from test_lm_head import assert_trained_alike, trainer_run
 
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is a test extra")
 peft = pytest.importorskip("peft", reason="peft is a test extra")

@@ -106,7 +106,7 @@ def test_the_loss_alone_with_images_equals_unpatched_and_runs_the_fused_head(fam
     the loss on the second; the loss and every gradient, the vision tower's included, equal unpatched. Where the
     family's forward computes its loss without transformers' loss_function (transformers before 5.0), each step
     keeps its own head and logits and the report says why."""
-    from patchkit.hooks.forwards import lm_head
+    from patchkit.hooks.head import lm_head
 
     model = set_attention(family_model(family), "sdpa").train()
     served = lm_head.servable_forward(type(model).forward)
@@ -130,7 +130,7 @@ def test_where_the_fused_heads_check_fails_the_lm_reruns_on_its_language_models_
     apply): the causal LM runs again with its own head on every labelled row, on the language model's output (its
     layers do not run again; the vision tower, between the two, does); the loss and every gradient equal
     unpatched, and every later step keeps the family's own head."""
-    from patchkit.hooks.forwards import lm_head
+    from patchkit.hooks.head import lm_head
 
     model = set_attention(family_model(family), "sdpa").train()
     if not lm_head.servable_forward(type(model).forward):

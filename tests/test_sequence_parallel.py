@@ -24,7 +24,7 @@ import pytest
 import torch
 from entrypoints import REPO, clean_env, run_group, torchrun
 
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (Ulysses SP needs deepspeed >= 0.19)")

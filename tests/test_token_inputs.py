@@ -14,7 +14,7 @@ from models import labels_for, padded_batch
 
 import patchkit
 from patchkit.forward.inputs.token_inputs import token_inputs
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

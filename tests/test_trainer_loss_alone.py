@@ -1,4 +1,4 @@
-"""The HF Trainer's own steps read the loss alone (`hooks/forwards/loss_reader.py`): under unpad="model" (the default)
+"""The HF Trainer's own steps read the loss alone (`hooks/head/loss_reader.py`): under unpad="model" (the default)
 and "loss" its training steps and its evaluation without metrics run the fused head and return no logits, with the
 unpatched Trainer's numbers; every caller that reads the logits gets them."""
 
@@ -14,7 +14,7 @@ from packaging.version import Version
 from test_lm_head import assert_trained_alike, family
 
 import patchkit
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::FutureWarning")
 
@@ -231,7 +231,7 @@ def test_the_trainers_own_settings_that_read_more_than_the_loss_keep_the_logits(
     """The Trainer's compute_loss frame, as `loss_reader` reads it: a training step's call (return_outputs=False)
     reads the loss alone, unless the Trainer reads an output by position (`past_index`, 4.x: mems) or computes a loss
     of its own from the logits; return_outputs=True outside prediction_step hands the outputs to its caller."""
-    from patchkit.hooks.forwards import loss_reader
+    from patchkit.hooks.head import loss_reader
 
     trainer = SimpleNamespace(args=SimpleNamespace(past_index=setting.get("past_index", -1)),
                               compute_loss_func=setting.get("compute_loss_func"),

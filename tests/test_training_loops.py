@@ -283,7 +283,7 @@ def test_an_instance_patch_after_accelerators_prepare_runs_the_head_on_real_toke
     it, the head and loss still run on real tokens (they ran on the padded batch, reported as "computes its loss
     without transformers' loss_function"), and two training steps' losses and gradients equal unpatched."""
     accelerate = pytest.importorskip("accelerate")
-    from patchkit.hooks.forwards import lm_head
+    from patchkit.hooks.head import lm_head
 
     ids, mask = padded_batch("right")
 

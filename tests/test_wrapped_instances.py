@@ -32,7 +32,7 @@ from models import labels_for, padded_batch, tiny_model
 
 import patchkit
 from patchkit.errors import PatchTargetError
-from patchkit.hooks.forwards import lm_head
+from patchkit.hooks.head import lm_head
 
 SCRIPT = REPO / "tests" / "user_scripts" / "wrapped_instances.py"
 WORLD = 2

@@ -55,7 +55,7 @@ class ForwardContext:
     - `generating`: generate()'s preparation of a step's inputs under the registered name, for its span (the
       masks built there are made before the model runs): whether patchkit places the cache it was given.
     - `head`: the causal LM's forward, for its call: its ask of the base model for the packed row of real tokens
-      (`hooks/forwards/head_request.HeadRequest`), which the base model's forward takes (its own calls run without it)
+      (`hooks/head/head_request.HeadRequest`), which the base model's forward takes (its own calls run without it)
       and answers.
     What must outlive the forward (a checkpoint's recompute in backward) rides the mask object instead.
     """

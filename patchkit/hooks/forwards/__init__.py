@@ -1,1 +1,1 @@
-"""The wrappers on transformers' forwards: the base model's unpad-once forward, the LM's head and loss."""
+"""The wrappers on transformers' forwards: the base model's unpad-once forward, the causal LM's around it."""

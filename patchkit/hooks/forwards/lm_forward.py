@@ -14,11 +14,11 @@ from patchkit.forward.inputs.arguments import check_one_cache, resolved_use_cach
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
 from patchkit.hooks.decide.step_aside import lm_cause
-from patchkit.hooks.forwards.fused_head import fused_head
-from patchkit.hooks.forwards.head_request import HeadRequest, run_lm
-from patchkit.hooks.forwards.lm_head import compiled_loss_alone, declined, finish, servable_forward
-from patchkit.hooks.forwards.loss_reader import reads_loss_alone
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
+from patchkit.hooks.head.fused_head import fused_head
+from patchkit.hooks.head.head_request import HeadRequest, run_lm
+from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish, servable_forward
+from patchkit.hooks.head.loss_reader import reads_loss_alone
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.names import WHOLE_MODEL
 

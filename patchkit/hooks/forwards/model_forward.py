@@ -35,10 +35,10 @@ from patchkit.hooks.decide.plan import plan_forward
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import step_aside
-from patchkit.hooks.forwards.head_request import HeadRequest, asked
-from patchkit.hooks.forwards.lm_head import hand_kept, hand_packed
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
+from patchkit.hooks.head.head_request import HeadRequest, asked
+from patchkit.hooks.head.lm_head import hand_kept, hand_packed
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper

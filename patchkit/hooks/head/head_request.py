@@ -12,7 +12,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
-from patchkit.hooks.forwards.fused_head import FusedHead
+from patchkit.hooks.head.fused_head import FusedHead
 
 IGNORE_INDEX = -100
 

@@ -23,7 +23,7 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.forwards.caller_code import LOSS, RETURNED, result_read_at
+from patchkit.hooks.head.caller_code import LOSS, RETURNED, result_read_at
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
