@@ -35,6 +35,7 @@ from patchkit.hooks.decide.plan import plan_forward
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import step_aside
+from patchkit.hooks.forwards.embedding_hooks import embedded_padded
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
 from patchkit.hooks.head.head_request import HeadRequest, asked
@@ -290,7 +291,8 @@ def make_model_forward(
                 kept = every_query(arguments, extra, self.config)
                 _unpad_inputs(arguments, meta, extra)
                 put_rope_rows(arguments, rope_rows, meta)
-                with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext():
+                hooked = embedded_padded(self, padded.get("input_ids"), arguments.get("input_ids"), meta.indices_q)
+                with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext(), hooked:
                     out = call(self, arguments)
         except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
             step_aside(aside_state, only.cause, padded, extra)

@@ -168,10 +168,11 @@ def accelerate_forward(forward: Any) -> bool:
 def _zero3_hooks(head: nn.Module) -> bool:
     """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
     what it computes (a hook of anyone else's might: the family's own head runs)."""
-    return all(_of_zero3(h) for h in [*head._forward_hooks.values(), *head._forward_pre_hooks.values()])
+    return all(zero3_hook(h) for h in [*head._forward_hooks.values(), *head._forward_pre_hooks.values()])
 
 
-def _of_zero3(hook: Callable) -> bool:
+def zero3_hook(hook: Callable) -> bool:
+    """`hook` is DeepSpeed ZeRO-3's (it gathers or releases a module's parameters)."""
     fn = inspect.unwrap(hook)
     if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx":  # instrument_w_nvtx's wrapper keeps no __wrapped__
         fn = next((c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)), fn)

@@ -1,0 +1,64 @@
+"""A hooked input embedding sees the batch as transformers gives it: NEFTune scales its noise by its output's shape."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from patchkit.forward.padding import unpad_rows
+from patchkit.hooks.head.fused_head import zero3_hook
+
+# Hooks that read no shape, by name, under which the embedding keeps running on real tokens: transformers'
+# `enable_input_require_grads` and PEFT's and TRL's own copy of it (gradient checkpointing with a frozen embedding)
+# mark the output as requiring grad; TRL's GRPO casts a tied embedding's output back to the model's dtype. DeepSpeed
+# ZeRO-3's gather and release its weight.
+SHAPE_FREE = frozenset({"make_inputs_require_grads", "make_inputs_require_grad", "cast_outputs_to_original_dtype"})
+
+
+def input_embedding(model: nn.Module) -> Optional[nn.Module]:
+    """The model's input embedding, None where it names none."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def reads_shape(embedding: nn.Module) -> bool:
+    """Whether a hook on `embedding` may read its input's or output's shape (any hook but the known shape-free)."""
+    hooks = [*embedding._forward_pre_hooks.values(), *embedding._forward_hooks.values()]
+    return any(getattr(hook, "__name__", None) not in SHAPE_FREE and not zero3_hook(hook) for hook in hooks)
+
+
+def _same(x: Any, tokens: torch.Tensor) -> bool:
+    return isinstance(x, torch.Tensor) and x.shape == tokens.shape and x.data_ptr() == tokens.data_ptr()
+
+
+@contextlib.contextmanager
+def embedded_padded(model: nn.Module, padded: Optional[torch.Tensor], packed: Optional[torch.Tensor],
+                    indices: Optional[torch.Tensor]) -> Iterator[None]:
+    """For the packed forward's duration: where the input embedding has a hook that may read shapes, the embedding
+    and its hooks run on the `padded` (B, S) ids instead of the `packed` (1, nnz) row, exactly as unpatched (NEFTune
+    draws the same noise, alpha / sqrt(S * H)), and the output is unpadded after every hook, for the layers."""
+    embedding = input_embedding(model) if padded is not None and packed is not None else None
+    if embedding is None or not reads_shape(embedding):
+        yield
+        return
+
+    def to_padded(module: nn.Module, args: tuple) -> Optional[tuple]:
+        return (padded, *args[1:]) if args and _same(args[0], packed) else None
+
+    def to_packed(module: nn.Module, args: tuple, out: Any) -> Any:
+        if args and args[0] is padded and isinstance(out, torch.Tensor):
+            return unpad_rows(out, indices).unsqueeze(0)
+        return None
+
+    first = embedding.register_forward_pre_hook(to_padded, prepend=True)
+    last = embedding.register_forward_hook(to_packed)
+    try:
+        yield
+    finally:
+        first.remove()
+        last.remove()
