@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
@@ -76,27 +78,49 @@ def set_attn_name(config: Any, name: Optional[str]) -> None:
         config._attn_implementation = name
 
 
+_LOCKS: dict[int, threading.RLock] = {}  # per config (by id, dropped with it): who may write its attention name
+
+
+def _lock(config: Any) -> Any:
+    """The config's lock: a routed forward holds it while the config names patchkit, so a forward of another thread
+    on the same model (a server's threads, nn.DataParallel's replicas, which share the config) neither reads
+    patchkit's name in transformers' code nor restores the name under a forward still running; it waits its turn.
+    Re-entrant: a forward's own layers and nested models route inside it. None where dynamo traces."""
+    if is_compiling():
+        return None
+    key = id(config)
+    lock = _LOCKS.get(key)
+    if lock is None:
+        lock = _LOCKS.setdefault(key, threading.RLock())
+        with contextlib.suppress(TypeError):  # a config without weak references keeps its entry
+            weakref.finalize(config, _LOCKS.pop, key, None)
+    return lock
+
+
 @contextlib.contextmanager
 def routed(config: Any, state: Any) -> Iterator[None]:
-    """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`."""
-    name = attn_name(config)
-    scope = contextlib.nullcontext()
-    if state is not None:
-        refuse_shard_local()
-        outer = current().route
-        if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
-            ulysses = outer.ulysses
-        else:  # under patchkit's own name transformers finds a wrapper itself
-            ulysses = None if name == ROUTE_NAME else ulysses_wrapper(name)
-            if ulysses is None and name != ROUTE_NAME and ulysses_active():
-                raise refuse_unfound(name)
-        scope = within(route=Route(state, ulysses))
-    with scope:  # the name is written within the route: the config's watched property adopts nothing then (`named`)
-        set_attn_name(config, ROUTE_NAME)
-        try:
-            yield
-        finally:
-            set_attn_name(config, name)
+    """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`; the
+    config's lock is held meanwhile (`_lock`)."""
+    lock = _lock(config)
+    with lock if lock is not None else contextlib.nullcontext():
+        name = attn_name(config)
+        scope = contextlib.nullcontext()
+        if state is not None:
+            refuse_shard_local()
+            outer = current().route
+            if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
+                ulysses = outer.ulysses
+            else:  # under patchkit's own name transformers finds a wrapper itself
+                ulysses = None if name == ROUTE_NAME else ulysses_wrapper(name)
+                if ulysses is None and name != ROUTE_NAME and ulysses_active():
+                    raise refuse_unfound(name)
+            scope = within(route=Route(state, ulysses))
+        with scope:  # the name is written within the route: the config's watched property adopts nothing then
+            set_attn_name(config, ROUTE_NAME)
+            try:
+                yield
+            finally:
+                set_attn_name(config, name)
 
 
 def inside_route(config: Any, state: Any, mask: VarlenMask) -> bool:
