@@ -58,6 +58,16 @@ def test_console_script_is_installed_and_dispatches():
     assert proc.returncode == 0 and proc.stdout.strip() == f"patchkit {patchkit.__version__}"
 
 
+def test_python_dash_m_patchkit_is_the_command(monkeypatch, capsys):
+    """`python -m patchkit --version`, as `python -m pip` (a venv whose bin/ is not on PATH, a notebook's `!`)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["patchkit", "--version"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("patchkit", run_name="__main__")
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"patchkit {patchkit.__version__}"
+
+
 def test_run_applies_the_patch_then_runs_the_script(tmp_path, capsys):
     probe, out = tmp_path / "probe.py", tmp_path / "out.json"
     probe.write_text(

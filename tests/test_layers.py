@@ -27,7 +27,7 @@ LAYERS = [
     {"patchkit.handles"},
     {"patchkit.api"},
     {"patchkit.nn"},
-    {"entry"},  # entry/ and patchkit/launch.py (`python -m patchkit.launch`, which runs entry/launch.py)
+    {"entry"},  # entry/, patchkit/launch.py and patchkit/__main__.py (`python -m patchkit[.launch]`, entry's CLIs)
     {"patchkit"},  # the package's public names, loaded on first use
 ]
 
@@ -41,7 +41,7 @@ def node_of(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "patchkit"
-    if parts[1] == "launch":
+    if parts[1] in ("launch", "__main__"):  # `python -m patchkit.launch`, `python -m patchkit`: entry/'s names
         return "entry"
     if parts[1] == "hooks" and len(parts) > 2 and (ROOT / "patchkit" / "hooks" / parts[2]).is_dir():
         return f"hooks.{parts[2]}"
