@@ -21,6 +21,7 @@ _LAZY = {
     "PatchTargetError": "patchkit.errors", "PatchkitError": "patchkit.errors",
     "register_attention": "patchkit.hooks.name.attention_interface",  # its `register`
     "report": "patchkit.entry.report",
+    "shape_free": "patchkit.forward.inputs.module_hooks",
 }
 ATTENTION_NAME = "patchkit"  # patchkit.hooks.install.routing.ROUTE_NAME: attn_implementation="patchkit"
 

@@ -173,7 +173,8 @@ def test_holes_and_all_padding_rows_decode_exactly_with_zeros_not_nan(kind, gath
         assert not aside and prompt_only(gathers, 4, 16), gathers
 
     attn_in: list[torch.Tensor] = []
-    hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: attn_in.append(a[0]))
+    hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+        patchkit.shape_free(lambda m, a: attn_in.append(a[0])))
     step_mask = torch.cat([mask, torch.tensor([[1], [1], [1], [0]])], 1)
     with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)

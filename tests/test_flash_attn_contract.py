@@ -232,8 +232,8 @@ def half_projections(model, dtype):
     for layer in model.model.layers:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
             proj.to(dtype)
-            proj.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
-            proj.register_forward_hook(lambda m, args, out: out.float())
+            proj.register_forward_pre_hook(patchkit.shape_free(lambda m, args: (args[0].to(m.weight.dtype),)))
+            proj.register_forward_hook(patchkit.shape_free(lambda m, args, out: out.float()))
     return model
 
 
@@ -280,7 +280,7 @@ def test_an_all_padding_batch_calls_no_kernel_and_gives_zeros_and_zero_gradient(
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
     attn_out = []
     for layer in model.model.layers:
-        layer.self_attn.register_forward_hook(lambda m, args, out: attn_out.append(out[0]))
+        layer.self_attn.register_forward_hook(patchkit.shape_free(lambda m, args, out: attn_out.append(out[0])))
     with patchkit.apply_patch(patch, strict=True):
         logits = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
         (logits.float() * mask[..., None]).sum().backward()  # a loss over real tokens: here none

@@ -16,9 +16,8 @@ def layer_input_shapes(model) -> list[tuple[int, ...]]:
     """Record the hidden-state shape every decoder layer (and so every MLP and projection) receives."""
     shapes: list[tuple[int, ...]] = []
     for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple((args[0] if args else
-                                                                                kw["hidden_states"]).shape)),
-                                        with_kwargs=True)
+        layer.register_forward_pre_hook(patchkit.shape_free(lambda m, args, kw: shapes.append(tuple(
+            (args[0] if args else kw["hidden_states"]).shape))), with_kwargs=True)
     return shapes
 
 
@@ -241,7 +240,7 @@ def test_packed_context_is_reset_when_the_forward_raises():
         assert context.current().plan.packed is not None  # inside the packed forward
         raise RuntimeError("boom")
 
-    hook = model.model.layers[1].register_forward_pre_hook(boom)
+    hook = model.model.layers[1].register_forward_pre_hook(patchkit.shape_free(boom))
     with patchkit.apply_patch("llama2", backend="sdpa"):
         with pytest.raises(RuntimeError, match="boom"):
             model(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -300,7 +299,8 @@ def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
 
     monkeypatch.setattr(model_forward, "plan_forward", counting)
     model = tiny_model(layers=3).train()  # a training forward: no cache to fill, in every era
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda *_: seen.append(context.current().plan))
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        patchkit.shape_free(lambda *_: seen.append(context.current().plan)))
              for layer in model.model.layers]
     ids, mask = padded_batch("left")
     labels = ids if kind == "aside" else labels_for(ids, mask)  # ids: a label right after each left padding

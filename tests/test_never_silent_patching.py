@@ -27,7 +27,7 @@ def test_revert_while_a_forward_is_in_flight_finishes_it_exactly():
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
     handle = patchkit.apply_patch("llama2", backend="sdpa")
-    hook = model.model.layers[0].register_forward_hook(lambda *a: handle.revert())
+    hook = model.model.layers[0].register_forward_hook(patchkit.shape_free(lambda *a: handle.revert()))
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
     hook.remove()
@@ -44,9 +44,9 @@ def test_apply_while_a_forward_is_in_flight_finishes_it_on_transformers_attentio
     ids, mask = padded_batch("right")
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
-    hook = model.model.layers[0].register_forward_hook(
+    hook = model.model.layers[0].register_forward_hook(patchkit.shape_free(
         lambda *a: patchkit.apply_patch("llama2", backend="sdpa") and None
-    )
+    ))
     with torch.no_grad():
         got = model(input_ids=ids, attention_mask=mask).logits
     hook.remove()

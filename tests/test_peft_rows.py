@@ -4,6 +4,8 @@ by hooks and are read by the padded batch's rows: a forward that carries them ke
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from models import labels_for, padded_batch, tiny_model
@@ -30,7 +32,8 @@ def two_adapters() -> torch.nn.Module:
 def layer_rows(model: torch.nn.Module) -> list[int]:
     """The batch size the first decoder layer receives, per call (1 on the packed row)."""
     rows: list[int] = []
-    model.get_base_model().model.layers[0].register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    model.get_base_model().model.layers[0].register_forward_pre_hook(patchkit.shape_free(
+        lambda m, args: rows.append(args[0].shape[0])))
     return rows
 
 
@@ -45,11 +48,14 @@ def test_a_mixed_adapter_batch_equals_unpatched(use_cache):
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, adapter_names=NAMES, **kw).logits
         rows = layer_rows(model)
-        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(
+                model=model, backend="sdpa", strict=True) as handle:
+            warnings.simplefilter("always")
             got = model(input_ids=ids, attention_mask=mask, adapter_names=NAMES, **kw).logits
             model(input_ids=ids, attention_mask=mask, **kw)  # without them: the packed row
             assert handle.calls == 2 * 2 and handle.stepped_aside == {}
     assert rows == [4, 1]
+    assert not [w for w in caught if "patchkit" in str(w.message)]  # PEFT's own hooks: kept unannounced
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
 

@@ -43,8 +43,8 @@ def generate_static(model, ids, mask, n: int = 8):
 
 def first_layer_inputs(model) -> list[tuple[int, ...]]:
     shapes: list[tuple[int, ...]] = []
-    model.model.layers[0].register_forward_pre_hook(
-        lambda m, args, kw: shapes.append(tuple((args[0] if args else kw["hidden_states"]).shape)), with_kwargs=True)
+    model.model.layers[0].register_forward_pre_hook(patchkit.shape_free(
+        lambda m, args, kw: shapes.append(tuple((args[0] if args else kw["hidden_states"]).shape))), with_kwargs=True)
     return shapes
 
 

@@ -40,7 +40,7 @@ def interleaved(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -
             if name == "B":
                 done_b.set()
 
-    hook = model.model.layers[1].register_forward_pre_hook(pause)
+    hook = model.model.layers[1].register_forward_pre_hook(patchkit.shape_free(pause))
     b = threading.Thread(target=run, args=("B",), name="B")
     a = threading.Thread(target=run, args=("A",), name="A")
     b.start()

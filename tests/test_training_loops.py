@@ -329,8 +329,8 @@ def test_the_trainers_evaluate_and_predict_run_packed_and_equal_unpatched(family
     want = trainer.predict(rows).predictions
     shapes = []
     layer = model.model.layers[0]
-    hook = layer.register_forward_pre_hook(lambda _, args, kwargs=None: shapes.append(tuple(args[0].shape)
-                                                                                     if args else None))
+    hook = layer.register_forward_pre_hook(patchkit.shape_free(
+        lambda _, args, kwargs=None: shapes.append(tuple(args[0].shape) if args else None)))
     with patchkit.apply_patch(family, backend="sdpa") as handle:
         got_loss = trainer.evaluate()["eval_loss"]
         got = trainer.predict(rows).predictions

@@ -237,7 +237,8 @@ def test_llava_repos_own_model_type_runs_through_the_llama_patch(way):
         handle = patch if way == "instance" else patch.handle_for(model)
         assert handle.name == "llama2" and handle.check(model) == 2
         rows = []
-        model.model.layers[0].register_forward_pre_hook(lambda layer, args: rows.append(args[0].shape[:2]))
+        model.model.layers[0].register_forward_pre_hook(
+            patchkit.shape_free(lambda layer, args: rows.append(args[0].shape[:2])))
         got_loss, got_grads = train_step(model.train(), batch)
         with torch.no_grad():
             got_logits = model.eval()(**batch, use_cache=True).logits

@@ -6,7 +6,6 @@ context (`ForwardContext.plan`) to every mask builder and layer."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Optional
 
 import torch
@@ -14,6 +13,7 @@ from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
+from patchkit.forward.inputs.module_hooks import input_embedding, keeps_layout
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -25,9 +25,6 @@ from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.names import WHOLE_MODEL
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-# PEFT's per-row arguments, put on every LoRA layer by a pre-hook for the forward's duration: a mixed-adapter batch's
-# `adapter_names`, Activated LoRA's `alora_offsets`
-PEFT_ROW_HOOKS = frozenset({"_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook"})
 
 
 @torch.compiler.disable  # host reads throughout: one break at the call, not one per read and a frame per callee
@@ -95,8 +92,6 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # the per-layer path raises its clear shape error
     if token_inputs(args, extra, batch, seqlen) is None:
         return None  # an input of the tokens' shape the packed row cannot carry: the padded layout keeps it
-    if peft_rows(module):
-        return None  # read by row of the (B, S, H) batch in every LoRA layer: the padded layout keeps them
     position_ids = args.get("position_ids")
     meta = build_metadata(mask, batch, seqlen, seqlen, tokens.device, position_ids)
     if meta.indices_q is None or meta.nnz_q == 0:
@@ -108,19 +103,9 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
     if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
         return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it
+    if keeps_layout(module, input_embedding(module)):
+        return None  # a hook of the user's, or PEFT's per-row arguments, read the (B, S, H) layout: kept
     return meta
-
-
-def peft_rows(module: nn.Module) -> bool:
-    """This forward carries PEFT's per-row arguments to its LoRA layers (`PEFT_ROW_HOOKS`). PEFT hooks every LoRA
-    layer at once, so the first one tells; looked for only where peft is loaded."""
-    if "peft" not in sys.modules:
-        return False
-    for layer in module.modules():
-        if hasattr(layer, "lora_A") and type(layer).__module__.startswith("peft."):
-            hooks = layer._forward_pre_hooks.values()
-            return any(getattr(getattr(h, "func", h), "__name__", None) in PEFT_ROW_HOOKS for h in hooks)
-    return False
 
 
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:

@@ -8,28 +8,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from patchkit.forward.inputs.module_hooks import input_embedding, reads_no_shape
 from patchkit.forward.padding import unpad_rows
-from patchkit.hooks.head.fused_head import zero3_hook
-
-# Hooks that read no shape, by name, under which the embedding keeps running on real tokens: transformers'
-# `enable_input_require_grads` and PEFT's and TRL's own copy of it (gradient checkpointing with a frozen embedding)
-# mark the output as requiring grad; TRL's GRPO casts a tied embedding's output back to the model's dtype. DeepSpeed
-# ZeRO-3's gather and release its weight.
-SHAPE_FREE = frozenset({"make_inputs_require_grads", "make_inputs_require_grad", "cast_outputs_to_original_dtype"})
-
-
-def input_embedding(model: nn.Module) -> Optional[nn.Module]:
-    """The model's input embedding, None where it names none."""
-    try:
-        return model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
 
 
 def reads_shape(embedding: nn.Module) -> bool:
-    """Whether a hook on `embedding` may read its input's or output's shape (any hook but the known shape-free)."""
+    """Whether a hook on `embedding` may read its input's or output's shape (any hook not known to read none)."""
     hooks = [*embedding._forward_pre_hooks.values(), *embedding._forward_hooks.values()]
-    return any(getattr(hook, "__name__", None) not in SHAPE_FREE and not zero3_hook(hook) for hook in hooks)
+    return not all(reads_no_shape(hook) for hook in hooks)
 
 
 def _same(x: Any, tokens: torch.Tensor) -> bool:

@@ -19,7 +19,6 @@ head's device and loads an offloaded weight for the head's forward, which is the
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from typing import Any, Callable, Optional
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
+from patchkit.forward.inputs.module_hooks import zero3_hook
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
@@ -169,14 +169,6 @@ def _zero3_hooks(head: nn.Module) -> bool:
     """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
     what it computes (a hook of anyone else's might: the family's own head runs)."""
     return all(zero3_hook(h) for h in [*head._forward_hooks.values(), *head._forward_pre_hooks.values()])
-
-
-def zero3_hook(hook: Callable) -> bool:
-    """`hook` is DeepSpeed ZeRO-3's (it gathers or releases a module's parameters)."""
-    fn = inspect.unwrap(hook)
-    if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx":  # instrument_w_nvtx's wrapper keeps no __wrapped__
-        fn = next((c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)), fn)
-    return getattr(fn, "__module__", "").startswith("deepspeed.runtime.zero.")
 
 
 def _own_forward(head: nn.Module, forward: Any) -> bool:

@@ -1,7 +1,11 @@
-"""Hooks on the input embedding under the packed forward: NEFTune's noise is drawn over the batch as transformers gives
-it (its scale reads the padded shape), PEFT's input-gradient switch keeps the embedding on real tokens."""
+"""Hooks on a model's modules under the packed forward see the batch as transformers gives it: NEFTune's noise on the
+input embedding is drawn over the padded batch (its scale reads the padded shape); a hook of the user's on a layer
+keeps the (B, S, H) layout in the layers, said once. Hooks known to read no shape (PEFT's input-gradient switch,
+frameworks', those marked `patchkit.shape_free`) keep the packed row of real tokens."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 from test_lm_head import assert_trained_alike, family, trainer_run
 
 import patchkit
+from patchkit.forward.inputs import module_hooks
 from patchkit.hooks.head import lm_head
 
 try:  # 5.x; the Trainer's own module before it
@@ -17,6 +22,11 @@ except ImportError:
     from transformers.trainer_utils import neftune_post_forward_hook
 
 ALPHA = 5.0  # NEFTune's alpha: noise of at most alpha / sqrt(S * H) per element, S the padded length
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(module_hooks, "_warned", set())
 
 
 def neftune(model: torch.nn.Module) -> list[tuple[int, ...]]:
@@ -49,7 +59,8 @@ def test_neftune_draws_its_noise_over_the_padded_batch_as_unpatched(unpad, kind)
     want_seen, seen = neftune(ref), neftune(model)
     want = noisy_step(ref, ids, mask)
     layers: list[int] = []
-    model.model.layers[0].register_forward_pre_hook(lambda m, args: layers.append(args[0].shape[1]))
+    observe = patchkit.shape_free(lambda m, args: layers.append(args[0].shape[1]))  # a hook that is not NEFTune's
+    model.model.layers[0].register_forward_pre_hook(observe)
     with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) as handle:
         got = noisy_step(model, ids, mask)
         assert handle.calls > 0 and handle.stepped_aside == {}
@@ -103,3 +114,71 @@ def test_an_input_gradient_switch_keeps_the_embedding_on_real_tokens(switch):
     assert seen == [(1, int(mask.sum()))]
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert got[1].keys() == want[1].keys()
+
+
+def last_positions(model: torch.nn.Module, hook_wrapper=lambda hook: hook) -> list[torch.Tensor]:
+    """A user's hook on layer 1 that keeps each row's last hidden state (`out[:, -1]`: what a probe or a steering
+    vector's fit reads), and what it kept."""
+    kept: list[torch.Tensor] = []
+
+    def keep_last(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        kept.append((out[0] if isinstance(out, tuple) else out)[:, -1].detach().clone())
+
+    model.model.layers[1].register_forward_hook(hook_wrapper(keep_last))
+    return kept
+
+
+def hook_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "forward hook" in str(w.message)]
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_users_hook_on_a_layer_sees_the_padded_rows_and_the_numbers_are_unpatched(mode):
+    """On the packed row the hook's `out[:, -1]` would be one vector, the last real token of the last row, not one
+    per row: silently. The forwards it sees keep their (B, S, H) layout in the layers (attention patched), with one
+    warning naming the hook, where it sits and the fix."""
+    model = tiny_model(kv_heads=2, layers=2).train(mode == "train")
+    ref = clone(model)
+    ids, mask = padded_batch("left")
+    want_kept, kept = last_positions(ref), last_positions(model)
+    want = noisy_step(ref, ids, mask) if mode == "train" else ref(input_ids=ids, attention_mask=mask, use_cache=False)
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = (noisy_step(model, ids, mask) if mode == "train"
+                   else model(input_ids=ids, attention_mask=mask, use_cache=False))
+        assert handle.calls == 2 * 2 and handle.stepped_aside == {}
+    said = hook_warnings(caught)
+    assert len(said) == 1 and "keep_last" in said[0] and "'layers.1'" in said[0] and "shape_free" in said[0], said
+    assert [k.shape for k in kept] == [want_kept[0].shape] * 2 == [(4, 64)] * 2
+    torch.testing.assert_close(kept[0], want_kept[0], atol=2e-5, rtol=1e-4)
+    if mode == "train":
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+        for name in want[1]:
+            torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+    else:
+        real = mask.bool()
+        torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
+    """`patchkit.shape_free(hook)`: the user says the hook reads no shape. torch's pruning re-derives a weight in a
+    pre-hook (a framework's hook: `torch.nn.utils`). Both forwards run their layers on the packed row, unannounced,
+    with the unpatched numbers."""
+    from torch.nn.utils import prune
+
+    model = tiny_model(kv_heads=2, layers=2)
+    ref = clone(model)
+    for m in (model, ref):
+        prune.l1_unstructured(m.model.layers[0].self_attn.q_proj, "weight", amount=0.3)
+    kept = last_positions(model, patchkit.shape_free)
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa"):
+            warnings.simplefilter("always")
+            got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert hook_warnings(caught) == []
+    assert [k.shape for k in kept] == [(1, 64)]  # the packed row's last token: the marked hook saw the packed row
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
