@@ -13,7 +13,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 from test_lm_head import assert_trained_alike, family, trainer_run
 
 import patchkit
-from patchkit.forward.inputs import module_hooks
+from patchkit.hooks.decide import plan
 from patchkit.hooks.head import lm_head
 
 try:  # 5.x; the Trainer's own module before it
@@ -26,7 +26,7 @@ ALPHA = 5.0  # NEFTune's alpha: noise of at most alpha / sqrt(S * H) per element
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(module_hooks, "_warned", set())
+    monkeypatch.setattr(plan, "_warned", set())
 
 
 def neftune(model: torch.nn.Module) -> list[tuple[int, ...]]:
@@ -39,9 +39,9 @@ def neftune(model: torch.nn.Module) -> list[tuple[int, ...]]:
     return seen
 
 
-def noisy_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def seeded_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)  # the same noise both ways, drawn over the same (B, S, H)
+    torch.manual_seed(0)  # NEFTune: the same noise both ways, drawn over the same (B, S, H)
     out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -57,12 +57,12 @@ def test_neftune_draws_its_noise_over_the_padded_batch_as_unpatched(unpad, kind)
     ref = clone(model)
     ids, mask = padded_batch(kind)
     want_seen, seen = neftune(ref), neftune(model)
-    want = noisy_step(ref, ids, mask)
+    want = seeded_step(ref, ids, mask)
     layers: list[int] = []
     observe = patchkit.shape_free(lambda m, args: layers.append(args[0].shape[1]))  # a hook that is not NEFTune's
     model.model.layers[0].register_forward_pre_hook(observe)
     with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad) as handle:
-        got = noisy_step(model, ids, mask)
+        got = seeded_step(model, ids, mask)
         assert handle.calls > 0 and handle.stepped_aside == {}
     assert seen == want_seen == [tuple(ids.shape) + (64,)]
     assert layers == [int(mask.sum())]  # the decoder on real tokens only
@@ -108,9 +108,9 @@ def test_an_input_gradient_switch_keeps_the_embedding_on_real_tokens(switch):
     embedding = model.get_input_embeddings()
     embedding.forward = lambda ids, plain=embedding.forward: seen.append(tuple(ids.shape)) or plain(ids)  # no hook
     ids, mask = padded_batch("mixed")
-    want = noisy_step(ref, ids, mask)
+    want = seeded_step(ref, ids, mask)
     with patchkit.apply_patch(model=model, backend="sdpa"):
-        got = noisy_step(model, ids, mask)
+        got = seeded_step(model, ids, mask)
     assert seen == [(1, int(mask.sum()))]
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert got[1].keys() == want[1].keys()
@@ -141,11 +141,11 @@ def test_a_users_hook_on_a_layer_sees_the_padded_rows_and_the_numbers_are_unpatc
     ref = clone(model)
     ids, mask = padded_batch("left")
     want_kept, kept = last_positions(ref), last_positions(model)
-    want = noisy_step(ref, ids, mask) if mode == "train" else ref(input_ids=ids, attention_mask=mask, use_cache=False)
+    want = seeded_step(ref, ids, mask) if mode == "train" else ref(input_ids=ids, attention_mask=mask, use_cache=False)
     with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa") as handle:
         warnings.simplefilter("always")
         for _ in range(2):
-            got = (noisy_step(model, ids, mask) if mode == "train"
+            got = (seeded_step(model, ids, mask) if mode == "train"
                    else model(input_ids=ids, attention_mask=mask, use_cache=False))
         assert handle.calls == 2 * 2 and handle.stepped_aside == {}
     said = hook_warnings(caught)

@@ -13,7 +13,7 @@ from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
-from patchkit.forward.inputs.module_hooks import input_embedding, keeps_layout
+from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -23,8 +23,14 @@ from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.names import WHOLE_MODEL
+from patchkit.warn import warn_user
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
+# PEFT's hooks carry per-row arguments to its layers for a forward's duration (a mixed-adapter batch's
+# `adapter_names`, Activated LoRA's `alora_offsets`, Poly's `task_ids`, X-LoRA's scalings), read by row of the
+# (B, S, H) batch: the padded layout serves them, unannounced
+QUIET_FROM = ("peft.",)
+_warned: set[str] = set()  # the hooks already named in this process
 
 
 @torch.compiler.disable  # host reads throughout: one break at the call, not one per read and a frame per callee
@@ -106,6 +112,26 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
     if keeps_layout(module, input_embedding(module)):
         return None  # a hook of the user's, or PEFT's per-row arguments, read the (B, S, H) layout: kept
     return meta
+
+
+def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
+    """A hook inside `model` may read the (B, S, H) layout (`layout_hook`): the forward keeps it. Said once per hook,
+    with where it sits and the fix, unless it is PEFT's (`QUIET_FROM`)."""
+    hook = layout_hook(model, skip)
+    if hook is None:
+        return False
+    fn = function_of(hook)
+    name = f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    if not name.startswith(QUIET_FROM) and name not in _warned:
+        _warned.add(name)
+        where = next((n for n, m in model.named_modules() if any(h is hook for h in hooks_on(m))), "?")
+        warn_user(
+            f"patchkit: a forward hook ({name}) on {type(model).__name__}'s '{where}' may read the batch's (B, S, H) "
+            "layout, so the forwards it sees keep that layout in their layers (attention still patched, padding "
+            "computed in the rest). If it reads no shape, mark it with patchkit.shape_free(hook) to run them on real "
+            "tokens only; unpad='attention' keeps the layout without this warning."
+        )
+    return True
 
 
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:
