@@ -167,11 +167,20 @@ def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
     with the unpatched numbers."""
     from torch.nn.utils import prune
 
+    class Probe:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, ...]] = []
+
+        def hook(self, module: torch.nn.Module, args: tuple) -> None:
+            self.seen.append(tuple(args[0].shape))
+
     model = tiny_model(kv_heads=2, layers=2)
     ref = clone(model)
     for m in (model, ref):
         prune.l1_unstructured(m.model.layers[0].self_attn.q_proj, "weight", amount=0.3)
     kept = last_positions(model, patchkit.shape_free)
+    probe = Probe()
+    model.model.layers[0].register_forward_pre_hook(patchkit.shape_free(probe.hook))  # a bound method, marked
     ids, mask = padded_batch("left")
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -180,5 +189,6 @@ def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
             got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert hook_warnings(caught) == []
     assert [k.shape for k in kept] == [(1, 64)]  # the packed row's last token: the marked hook saw the packed row
+    assert probe.seen == [(1, int(mask.sum()), 64)]
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

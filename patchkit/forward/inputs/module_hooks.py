@@ -22,9 +22,10 @@ MARK = "__patchkit_shape_free__"
 
 
 def shape_free(hook: Callable) -> Callable:
-    """Mark `hook` (a forward or pre-forward hook of yours) as reading no shape of what it sees, so the forwards it
-    sees still run their layers on one packed row of real tokens. Returns `hook`."""
-    setattr(inspect.unwrap(hook), MARK, True)
+    """Mark `hook` (a forward or pre-forward hook of yours: a function, a bound method, a partial or a callable
+    object) as reading no shape of what it sees, so the forwards it sees still run their layers on one packed row of
+    real tokens. A method or a partial marks the function behind it. Returns `hook`."""
+    setattr(function_of(hook), MARK, True)
     return hook
 
 
