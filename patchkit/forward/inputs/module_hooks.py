@@ -58,11 +58,17 @@ def reads_no_shape(hook: Callable) -> bool:
     fn = function_of(hook)
     if getattr(fn, MARK, False) or getattr(fn, "__name__", None) in SHAPE_FREE_NAMES or zero3_hook(hook):
         return True
-    origin = getattr(fn, "__module__", None) or type(fn).__module__  # a callable object: its class's module
-    return isinstance(origin, str) and origin.startswith(SHAPE_FREE_FROM)
+    return origin_of(fn).startswith(SHAPE_FREE_FROM)
+
+
+def origin_of(fn: Any) -> str:
+    """The module `fn` (a `function_of` a hook) was defined in; a callable object's, its class's."""
+    origin = getattr(fn, "__module__", None) or type(fn).__module__
+    return origin if isinstance(origin, str) else ""
 
 
 def hooks_on(module: nn.Module) -> Iterator[Callable]:
+    """`module`'s own forward pre-hooks, then its forward hooks."""
     yield from module._forward_pre_hooks.values()
     yield from module._forward_hooks.values()
 

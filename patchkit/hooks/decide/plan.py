@@ -13,7 +13,7 @@ from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
-from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook
+from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook, origin_of
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
@@ -121,7 +121,7 @@ def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
     if hook is None:
         return False
     fn = function_of(hook)
-    name = f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    name = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not name.startswith(QUIET_FROM) and name not in _warned:
         _warned.add(name)
         where = next((n for n, m in model.named_modules() if any(h is hook for h in hooks_on(m))), "?")

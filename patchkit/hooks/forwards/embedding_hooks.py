@@ -8,14 +8,13 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.inputs.module_hooks import input_embedding, reads_no_shape
+from patchkit.forward.inputs.module_hooks import hooks_on, input_embedding, reads_no_shape
 from patchkit.forward.padding import unpad_rows
 
 
 def reads_shape(embedding: nn.Module) -> bool:
     """Whether a hook on `embedding` may read its input's or output's shape (any hook not known to read none)."""
-    hooks = [*embedding._forward_pre_hooks.values(), *embedding._forward_hooks.values()]
-    return not all(reads_no_shape(hook) for hook in hooks)
+    return not all(reads_no_shape(hook) for hook in hooks_on(embedding))
 
 
 def _same(x: Any, tokens: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.inputs.module_hooks import zero3_hook
+from patchkit.forward.inputs.module_hooks import hooks_on, zero3_hook
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
@@ -168,7 +168,7 @@ def accelerate_forward(forward: Any) -> bool:
 def _zero3_hooks(head: nn.Module) -> bool:
     """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
     what it computes (a hook of anyone else's might: the family's own head runs)."""
-    return all(zero3_hook(h) for h in [*head._forward_hooks.values(), *head._forward_pre_hooks.values()])
+    return all(zero3_hook(h) for h in hooks_on(head))
 
 
 def _own_forward(head: nn.Module, forward: Any) -> bool:

@@ -85,9 +85,9 @@ def _lock(config: Any) -> Any:
     """The config's lock: a routed forward holds it while the config names patchkit, so a forward of another thread
     on the same model (a server's threads, nn.DataParallel's replicas, which share the config) neither reads
     patchkit's name in transformers' code nor restores the name under a forward still running; it waits its turn.
-    Re-entrant: a forward's own layers and nested models route inside it. None where dynamo traces."""
+    Re-entrant: a forward's own layers and nested models route inside it. No lock where dynamo traces."""
     if is_compiling():
-        return None
+        return contextlib.nullcontext()
     key = id(config)
     lock = _LOCKS.get(key)
     if lock is None:
@@ -101,8 +101,7 @@ def _lock(config: Any) -> Any:
 def routed(config: Any, state: Any) -> Iterator[None]:
     """Within the block, `config`'s attention (and masks) resolve to patchkit's name, served on `state`; the
     config's lock is held meanwhile (`_lock`)."""
-    lock = _lock(config)
-    with lock if lock is not None else contextlib.nullcontext():
+    with _lock(config):
         name = attn_name(config)
         scope = contextlib.nullcontext()
         if state is not None:
