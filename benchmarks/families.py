@@ -126,6 +126,8 @@ def text_config(family: str, size: dict) -> object:
     expert = size["intermediate_size"] // 2
     # multi-head latent attention: q/k head dim rope + nope, 48 on the CPU; on CUDA 128, a head dim flash-attn has
     rope, nope, v = (16, 32, 32) if head == 32 else (head // 2, head // 2, head)
+    linear = dict(linear_num_key_heads=size["num_attention_heads"] // 2, linear_num_value_heads=size[
+        "num_attention_heads"], linear_key_head_dim=head, linear_value_head_dim=head)  # the hybrids' linear layers
     configs = {
         "llama": lambda: tf.LlamaConfig(**size),
         "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **size),
@@ -163,6 +165,15 @@ def text_config(family: str, size: dict) -> object:
         "llama4_text": lambda: tf.Llama4TextConfig(
             head_dim=head, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=size["intermediate_size"],
             attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0], **{**size, "intermediate_size": expert}),
+        # hybrids: three linear-attention layers (the gated delta rule, transformers' torch path on the CPU) and a
+        # full-attention one (Qwen3.5's and Qwen3-Next's pattern; Qwen3-Next's MoE), Jamba's Mamba layers around an
+        # attention one
+        "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(head_dim=head, **linear, **size),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(head_dim=head, num_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=expert, shared_expert_intermediate_size=expert,
+                                                 decoder_sparse_step=1, **linear, **size),
+        "jamba": lambda: tf.JambaConfig(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=4,
+                                        expert_layer_offset=1, num_experts=1, use_mamba_kernels=False, **size),
     }
     return configs[family]()
 

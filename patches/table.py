@@ -47,19 +47,31 @@ VERIFIED = frozenset({
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
-    # the base model reads the mask itself (positions counted from it) or mixes tokens outside attention (linear
-    # attention, state-space or convolution layers): served with the padded batch, unpadded inside attention alone
+    # the base model reads the mask itself (positions counted from it), served with the padded batch, unpadded inside
+    # attention alone; or mixes tokens outside attention (linear attention, state-space or convolution layers), each
+    # padded row's real tokens alone (ROW_MIXERS)
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
     # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)
     *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
-# Served with the padded batch: unpadding once at the model would hand these layers one packed row across documents
-# (or positions the base model counts from the mask, or, Llama 4's NoPE layers, a temperature from the row's length)
-# (or, by its default config's `layer_types`, any family with layers of MIXER_LAYER_TYPES; LFM2-MoE's default has
-# none: its convolution layers are named only in a checkpoint's config)
-ATTENTION_UNPAD = frozenset({"biogpt", "opt", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2",
-                             "lfm2_moe", "llama4_text"})
+# Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
+# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length); so is, by its default config's
+# `layer_types`, any other family with layers of MIXER_LAYER_TYPES (ZAYA's, RecurrentGemma's RG-LRU) not in ROW_MIXERS
+ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
+# Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
+# on the packed row one padded row at a time (`hooks/forwards/mixer_rows.py`): transformers zeroes their padding's
+# hidden states, so padding carries nothing into a row's state or convolution, and each row alone is what the padded
+# batch computed at its real tokens; the census checks each. Their mixer classes, by model_type
+ROW_MIXERS = {
+    "qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_text": "Qwen3_5GatedDeltaNet",
+    "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet", "olmo_hybrid": "OlmoHybridGatedDeltaNet",
+    "lara_mini": "LaraMiniGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention",
+    "bailing_hybrid": "BailingHybridDeltaAttention", "lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv",
+    "lfm3": "Lfm3ShortConv", "bamba": "BambaMixer", "jamba": "JambaMambaMixer", "zamba": "ZambaMambaMixer",
+    "zamba2": "Zamba2MambaMixer", "nemotron_h": "NemotronHMamba2Mixer", "falcon_h1": "FalconH1Mixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer", "minimax": "MiniMaxLightningAttention",
+}
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 REFUSED = {
@@ -187,6 +199,8 @@ def mixes_outside_attention(model_type: str) -> bool:
     """A family whose layers mix tokens outside attention (its default config's `layer_types` say so)."""
     if model_type in ATTENTION_UNPAD:
         return True
+    if model_type in ROW_MIXERS:
+        return False  # mixed one padded row at a time on the packed row
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
@@ -215,5 +229,14 @@ def spec(model_type: str) -> PatchSpec:
         model_type, lambda: find_classes(model_type),
         f"{model_type}: served from data" + ("" if verified else " (not in the census: self-checked first)"),
         transformers=TABLE_TRANSFORMERS, unpad="attention" if mixes_outside_attention(model_type) else None,
-        verified=verified,
+        verified=verified, mixers=lambda: mixer_classes(model_type),
     )
+
+
+def mixer_classes(model_type: str) -> tuple[type, ...]:
+    """The token mixer classes of `model_type` that run one padded row at a time (`ROW_MIXERS`), in its modeling
+    module (the causal LM's)."""
+    if model_type not in ROW_MIXERS:
+        return ()
+    lm = find_classes(model_type)[2]
+    return (getattr(sys.modules[lm.__module__], ROW_MIXERS[model_type]),)

@@ -91,6 +91,7 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "hybrid")
 # What SMALL and the general rules cannot say, per family (each a transformers default that cannot build tiny)
 OVERRIDES = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer_types: the model reads them
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default's full_attn_idxs name no layer of two conv
     # DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define; d_model by its own name
     # (the FFN sub-config copies it before hidden_size is mapped onto it)
     "dbrx": dict(d_model=SMALL["hidden_size"], attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),

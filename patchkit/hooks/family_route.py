@@ -13,6 +13,7 @@ recomputes included). A family module declares its classes.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -23,6 +24,7 @@ from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.hooks.attention.varlen import KV_PACKED
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
+from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.install.model_walk import find_modules
@@ -59,11 +61,12 @@ def family_spec(
 def family_spec_of(
     model_type: str, classes: Callable[[], tuple[type, type, Optional[type]]], description: str, *,
     transformers: str = ROUTE_TRANSFORMERS, recorders: Callable[[], tuple[type, ...]] = tuple,
-    unpad: Optional[str] = None, verified: bool = True,
+    unpad: Optional[str] = None, verified: bool = True, mixers: Callable[[], tuple[type, ...]] = tuple,
 ) -> PatchSpec:
     """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
     family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
-    `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward)."""
+    `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward);
+    `mixers`: its token mixers outside attention, run one padded row at a time on the packed row (`mixer_rows`)."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -71,8 +74,9 @@ def family_spec_of(
         transformers=transformers,
         flash_attn_min="2.1",
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
-        build_class=lambda state: class_replacements(state, classes, recorders, unpad),
-        build_instance=lambda state, model: instance_replacements(state, model, classes, recorders, unpad),
+        build_class=lambda state: class_replacements(state, classes, recorders, unpad) + mixer_replacements(mixers),
+        build_instance=lambda state, model: instance_replacements(state, model, classes, recorders, unpad)
+        + mixer_replacements(mixers, model, state),
         attention_class=lambda: classes()[0],
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),
@@ -152,6 +156,24 @@ def instance_replacements(
     return out
 
 
+def mixer_replacements(
+    mixers: Callable[[], tuple[type, ...]], model: Optional[nn.Module] = None, state: Optional[PatchState] = None
+) -> list[Replacement]:
+    """The token mixers' forwards (the classes', or `model`'s instances'), which run packed rows one row at a time."""
+    out = []
+    for mixer in mixers():
+        hand_rows(sys.modules[mixer.__module__])
+        if model is None or state is None:
+            out.append(Replacement(mixer, "forward", make_mixer_forward(mixer.forward),
+                                   f"{mixer.__name__}.forward (one padded row at a time)"))
+            continue
+        for m in find_modules(model, mixer):
+            out.append(bound_replacement(make_mixer_forward(current_method(m)), m, "forward",
+                                         f"{mixer.__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, one padded "
+                                         "row at a time)", state.track_copy))
+    return out
+
+
 def outer_forward(original: Callable, records: bool, unpad: str, state: PatchState) -> Callable:
     """The causal LM's wrapped forward; one that records router logits of its own returns the repadded ones."""
     forward = make_lm_forward(original, unpad, state)
@@ -165,7 +187,6 @@ def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
     padding positions (labels predicted from padding, generate()'s next token), which it must know to serve the masks
     they build themselves (`model_masks`), and to step aside where generate() reads a token at padding."""
     import inspect
-    import sys
 
     module = sys.modules.get(lm.__module__) if lm is not None else None
     if module is None:

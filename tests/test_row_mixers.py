@@ -1,0 +1,141 @@
+"""Hybrids' token mixers (gated delta rule, Mamba, short convolutions) on the packed row, one padded row at a time.
+
+Qwen3.5's and Qwen3-Next's linear-attention layers, Jamba's Mamba layers and LFM2's convolutions carry a state along
+the sequence. They ran on the padded batch (patchkit unpadded inside attention alone), so every layer but attention
+worked on padding. Now the base model runs on the packed row of real tokens and each mixer runs each padded row's
+stretch of it alone: the numbers of the padded batch at its real tokens, with no work on padding.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from census import tiny_config
+from models import labels_for, padded_batch
+from packaging.version import Version
+
+import patchkit
+
+pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.24"),
+                                reason="the table's hybrids: transformers 5.24 (the census's)")
+
+MIXERS = {"qwen3_5_text": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet", "jamba": "JambaMambaMixer",
+          "lfm2": "Lfm2ShortConv"}
+
+
+def hybrid(model_type: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).train()
+
+
+def mixers_see(model: torch.nn.Module, model_type: str) -> list:
+    """The hidden states' shapes each mixer is called with (a shape-free observer: it keeps the packed row)."""
+    seen = []
+
+    @patchkit.shape_free
+    def spy(module, args, kwargs):
+        seen.append(tuple((args[0] if args else kwargs["hidden_states"]).shape))
+
+    for module in model.modules():
+        if type(module).__name__ == MIXERS[model_type]:
+            module.register_forward_pre_hook(spy, with_kwargs=True)
+    return seen
+
+
+def step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+    model.zero_grad()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                    if p.grad is not None}
+
+
+def assert_same_step(got: tuple, want: tuple, mask: torch.Tensor) -> None:
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    real = mask.bool()
+    torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("model_type", list(MIXERS))
+def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_numbers(model_type, side):
+    model = hybrid(model_type)
+    ids, mask = padded_batch(side)
+    want = step(model, ids, mask)
+    seen = mixers_see(model, model_type)
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+        got = step(model, ids, mask)
+        assert handle.calls > 0 and not handle.stepped_aside
+    assert seen and set(seen) == {(1, int(mask.sum()), model.config.hidden_size)}  # the packed row, never padded
+    assert_same_step(got, want, mask)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
+def test_a_recomputed_checkpoint_splits_the_rows_again(model_type):
+    """The rows travel as the mixer's mask argument: a checkpointed layer recomputed in backward, outside the
+    forward's context, runs each row alone again (one state across rows would change every gradient)."""
+    model = hybrid(model_type)
+    ids, mask = padded_batch("left")
+    want = step(model, ids, mask)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with patchkit.apply_patch(model_type, backend="sdpa"):
+        got = step(model, ids, mask)
+    assert_same_step(got, want, mask)
+
+
+def test_an_instance_patch_wraps_the_models_mixers_and_revert_restores_them():
+    model = hybrid("qwen3_5_text")
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXERS["qwen3_5_text"]]
+    ids, mask = padded_batch("right")
+    want = step(model, ids, mask)
+    handle = patchkit.apply_patch(model=model, backend="sdpa")
+    assert all("forward" in vars(m) for m in mixers)
+    got = step(model, ids, mask)
+    handle.revert()
+    assert not any("forward" in vars(m) for m in mixers)
+    assert_same_step(got, want, mask)
+    assert_same_step(step(model, ids, mask), want, mask)  # after revert: transformers' mask and mixers again
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
+def test_generation_keeps_each_rows_state_in_the_cache_as_unpatched(model_type):
+    """generate()'s prefill fills the recurrent states of each row, which the packed row does not hold: it keeps
+    the padded layout (attention patched), quietly, and the tokens are the unpatched ones."""
+    model = hybrid(model_type).eval()
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: nothing stepped aside
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+            assert handle.calls > 0 and not handle.stepped_aside
+    assert torch.equal(got, want)
+
+
+def test_an_eval_forward_that_keeps_its_cache_equals_unpatched():
+    """use_cache in eval, no cache given: the model makes one with each row's recurrent state; the forward keeps
+    the padded layout, and the cache continues a decode step as unpatched."""
+    model = hybrid("qwen3_5_text").eval()
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    nxt = torch.full((3, 1), 7)
+    longer = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+
+    def run() -> tuple:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            after = model(input_ids=nxt, attention_mask=longer, past_key_values=out.past_key_values)
+        return out.logits, after.logits
+
+    want = run()
+    with patchkit.apply_patch("qwen3_5_text", backend="sdpa"):
+        got = run()
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-4)
