@@ -192,3 +192,46 @@ def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
     assert probe.seen == [(1, int(mask.sum()), 64)]
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_global_hook_keeps_the_layout_and_torchs_module_tracker_keeps_the_packed_row():
+    """A hook on every module (`register_module_forward_hook`: a probe reading each decoder layer's `out[:, -1]`)
+    sees the layers' outputs as any hook does: the forwards keep their (B, S, H) layout, with one warning saying it
+    is a global hook. torch's FlopCounterMode tracks modules by global hooks that read no shape: the packed row."""
+    from torch.nn.modules.module import register_module_forward_hook
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_model(kv_heads=2, layers=2)
+    ids, mask = padded_batch("left")
+    layers = set(model.model.layers)
+    kept: list[torch.Tensor] = []
+
+    def keep_last(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if module in layers:
+            kept.append((out[0] if isinstance(out, tuple) else out)[:, -1].detach().clone())
+
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        handle = register_module_forward_hook(keep_last)
+        try:
+            want_hooked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            want_kept, kept[:] = list(kept), []
+            with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa"):
+                warnings.simplefilter("always")
+                got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        finally:
+            handle.remove()
+        said = hook_warnings(caught)
+        assert len(said) == 1 and "keep_last" in said[0] and "global hook" in said[0], said
+        assert [k.shape for k in kept] == [k.shape for k in want_kept] == [(4, 64)] * 2
+        for k, w in zip(kept, want_kept):
+            torch.testing.assert_close(k, w, atol=2e-5, rtol=1e-4)
+        seen = last_positions(model, patchkit.shape_free)
+        with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa"):
+            warnings.simplefilter("always")
+            with FlopCounterMode(display=False):
+                counted = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert hook_warnings(caught) == [] and [s.shape for s in seen] == [(1, 64)]  # the packed row
+    real = mask.bool()
+    for logits in (want_hooked, got, counted):
+        torch.testing.assert_close(logits[real], want[real], atol=2e-5, rtol=1e-4)

@@ -13,7 +13,8 @@ from torch import nn
 # TRL's activation offloading, wandb's logging. Not transformers' NEFTune (its noise reads the shape), nor
 # accelerate's context-parallel hook (it drops the mask).
 SHAPE_FREE_FROM = ("deepspeed.runtime.zero.", "deepspeed.utils.nvtx", "torch.distributed.", "torch.nn.utils.",
-                   "transformers.utils.output_capturing", "trl.models.activation_offloading", "wandb.")
+                   "torch.utils.module_tracker", "transformers.utils.output_capturing",
+                   "trl.models.activation_offloading", "wandb.")
 # transformers' `enable_input_require_grads` and PEFT's and TRL's copies (mark an output as requiring grad); TRL's
 # GRPO dtype cast of a tied embedding's output
 SHAPE_FREE_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad",
@@ -73,9 +74,19 @@ def hooks_on(module: nn.Module) -> Iterator[Callable]:
     yield from module._forward_hooks.values()
 
 
+def global_hooks() -> Iterator[Callable]:
+    """The hooks on every module (`torch.nn.modules.module.register_module_forward_pre_hook` and `_hook`: torch's
+    ModuleTracker, FlopCounterMode's, a profiler's), pre-hooks first."""
+    yield from nn.modules.module._global_forward_pre_hooks.values()
+    yield from nn.modules.module._global_forward_hooks.values()
+
+
 def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callable]:
-    """The first hook on a module inside `model` (itself, whose hooks see its repadded outputs, and `skip`, its input
-    embedding, aside) that may read the batch's layout, else None."""
+    """The first hook on every module, or on a module inside `model` (itself, whose hooks see its repadded outputs,
+    and `skip`, its input embedding, aside), that may read the batch's layout, else None."""
+    for hook in global_hooks():
+        if not reads_no_shape(hook):
+            return hook
     for module in model.modules():
         if module is model or module is skip or not (module._forward_hooks or module._forward_pre_hooks):
             continue

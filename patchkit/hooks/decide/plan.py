@@ -124,9 +124,10 @@ def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
     name = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not name.startswith(QUIET_FROM) and name not in _warned:
         _warned.add(name)
-        where = next((n for n, m in model.named_modules() if any(h is hook for h in hooks_on(m))), "?")
+        where = next((f"on {type(model).__name__}'s '{n}'" for n, m in model.named_modules()
+                      if any(h is hook for h in hooks_on(m))), "on every module (a global hook)")
         warn_user(
-            f"patchkit: a forward hook ({name}) on {type(model).__name__}'s '{where}' may read the batch's (B, S, H) "
+            f"patchkit: a forward hook ({name}) {where} may read the batch's (B, S, H) "
             "layout, so the forwards it sees keep that layout in their layers (attention still patched, padding "
             "computed in the rest). If it reads no shape, mark it with patchkit.shape_free(hook) to run them on real "
             "tokens only; unpad='attention' keeps the layout without this warning."
