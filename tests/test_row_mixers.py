@@ -16,6 +16,8 @@ import transformers
 from census import tiny_config
 from models import labels_for, padded_batch
 from packaging.version import Version
+from test_lm_head import assert_same
+from test_lm_head import step as lm_step
 
 import patchkit
 
@@ -46,20 +48,7 @@ def mixers_see(model: torch.nn.Module, model_type: str) -> list:
 
 
 def step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple:
-    model.zero_grad()
-    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
-    out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                    if p.grad is not None}
-
-
-def assert_same_step(got: tuple, want: tuple, mask: torch.Tensor) -> None:
-    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-    real = mask.bool()
-    torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
-    assert got[2].keys() == want[2].keys()
-    for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], atol=2e-6, rtol=1e-4, msg=name)
+    return lm_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -73,7 +62,7 @@ def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_nu
         got = step(model, ids, mask)
         assert handle.calls > 0 and not handle.stepped_aside
     assert seen and set(seen) == {(1, int(mask.sum()), model.config.hidden_size)}  # the packed row, never padded
-    assert_same_step(got, want, mask)
+    assert_same(got, want, mask)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
@@ -86,7 +75,7 @@ def test_a_recomputed_checkpoint_splits_the_rows_again(model_type):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with patchkit.apply_patch(model_type, backend="sdpa"):
         got = step(model, ids, mask)
-    assert_same_step(got, want, mask)
+    assert_same(got, want, mask)
 
 
 def test_an_instance_patch_wraps_the_models_mixers_and_revert_restores_them():
@@ -99,8 +88,8 @@ def test_an_instance_patch_wraps_the_models_mixers_and_revert_restores_them():
     got = step(model, ids, mask)
     handle.revert()
     assert not any("forward" in vars(m) for m in mixers)
-    assert_same_step(got, want, mask)
-    assert_same_step(step(model, ids, mask), want, mask)  # after revert: transformers' mask and mixers again
+    assert_same(got, want, mask)
+    assert_same(step(model, ids, mask), want, mask)  # after revert: transformers' mask and mixers again
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
