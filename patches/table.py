@@ -60,9 +60,10 @@ VERIFIED = frozenset({
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (ZAYA's, RecurrentGemma's RG-LRU) not in ROW_MIXERS
 ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
-# on the packed row one padded row at a time (`hooks/forwards/mixer_rows.py`): transformers zeroes their padding's
-# hidden states, so padding carries nothing into a row's state or convolution, and each row alone is what the padded
-# batch computed at its real tokens; the census checks each. Their mixer classes, by model_type
+# on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
+# padding's hidden states, so padding carries nothing into a row's state or convolution, and each row, alone or
+# right-padded beside others, is what the padded batch computed at its real tokens; the census checks each. Their
+# mixer classes, by model_type
 ROW_MIXERS = {
     "qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_text": "Qwen3_5GatedDeltaNet",
     "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet", "olmo_hybrid": "OlmoHybridGatedDeltaNet",
@@ -200,7 +201,7 @@ def mixes_outside_attention(model_type: str) -> bool:
     if model_type in ATTENTION_UNPAD:
         return True
     if model_type in ROW_MIXERS:
-        return False  # mixed one padded row at a time on the packed row
+        return False  # its mixers run the packed row's rows in groups of similar length
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
@@ -234,7 +235,7 @@ def spec(model_type: str) -> PatchSpec:
 
 
 def mixer_classes(model_type: str) -> tuple[type, ...]:
-    """The token mixer classes of `model_type` that run one padded row at a time (`ROW_MIXERS`), in its modeling
+    """The token mixer classes of `model_type` that run the packed row's rows in groups (`ROW_MIXERS`), in its modeling
     module (the causal LM's)."""
     if model_type not in ROW_MIXERS:
         return ()

@@ -20,6 +20,8 @@ from test_lm_head import assert_same
 from test_lm_head import step as lm_step
 
 import patchkit
+from patchkit.hooks.forwards import mixer_rows
+from patchkit.hooks.forwards.mixer_rows import row_groups
 
 pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.24"),
                                 reason="the table's hybrids: transformers 5.24 (the census's)")
@@ -51,9 +53,23 @@ def step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple
     return lm_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
 
 
+def test_rows_are_grouped_by_length_where_a_call_costs_more_than_their_padding():
+    """A call's fixed cost against the padding a group computes: long rows of different lengths alone, many short
+    ones in one call; no call at all costs nothing: every row alone; a call that costs everything: one group."""
+    lengths = (900, 30, 480, 25, 31, 470, 28)
+    assert sorted(map(sorted, row_groups(lengths, 128))) == [[0], [1, 3, 4, 6], [2, 5]]
+    assert sorted(map(sorted, row_groups(lengths, 0))) == [[r] for r in range(7)]
+    assert row_groups(lengths, 10**9) == [[0, 2, 5, 4, 1, 6, 3]]  # longest first
+
+
+@pytest.mark.parametrize("call", [0, 128, 10**9], ids=["each row alone", "grouped", "one call"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("model_type", list(MIXERS))
-def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_numbers(model_type, side):
+def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_numbers(model_type, side, call,
+                                                                                        monkeypatch):
+    """Every grouping of the rows (each alone; by length; all in one right-padded call with its mask) gives the
+    padded batch's numbers, left padding too: the mixers never saw the padding before a row's first token."""
+    monkeypatch.setitem(mixer_rows.CALL_TOKENS, "cpu", call)
     model = hybrid(model_type)
     ids, mask = padded_batch(side)
     want = step(model, ids, mask)
@@ -65,10 +81,12 @@ def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_nu
     assert_same(got, want, mask)
 
 
+@pytest.mark.parametrize("call", [0, 128], ids=["each row alone", "grouped"])
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
-def test_a_recomputed_checkpoint_splits_the_rows_again(model_type):
+def test_a_recomputed_checkpoint_splits_the_rows_again(model_type, call, monkeypatch):
     """The rows travel as the mixer's mask argument: a checkpointed layer recomputed in backward, outside the
-    forward's context, runs each row alone again (one state across rows would change every gradient)."""
+    forward's context, runs the same groups again (one state across rows would change every gradient)."""
+    monkeypatch.setitem(mixer_rows.CALL_TOKENS, "cpu", call)
     model = hybrid(model_type)
     ids, mask = padded_batch("left")
     want = step(model, ids, mask)

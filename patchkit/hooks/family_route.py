@@ -66,7 +66,8 @@ def family_spec_of(
     """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
     family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
     `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward);
-    `mixers`: its token mixers outside attention, run one padded row at a time on the packed row (`mixer_rows`)."""
+    `mixers`: its token mixers outside attention, run the packed row's rows in groups of similar length
+    (`mixer_rows`)."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -159,18 +160,18 @@ def instance_replacements(
 def mixer_replacements(
     mixers: Callable[[], tuple[type, ...]], model: Optional[nn.Module] = None, state: Optional[PatchState] = None
 ) -> list[Replacement]:
-    """The token mixers' forwards (the classes', or `model`'s instances'), which run packed rows one row at a time."""
+    """The token mixers' forwards (the classes', or `model`'s instances'), which run the packed row's rows in groups."""
     out = []
     for mixer in mixers():
         hand_rows(sys.modules[mixer.__module__])
         if model is None or state is None:
             out.append(Replacement(mixer, "forward", make_mixer_forward(mixer.forward),
-                                   f"{mixer.__name__}.forward (one padded row at a time)"))
+                                   f"{mixer.__name__}.forward (the packed row's rows in groups)"))
             continue
         for m in find_modules(model, mixer):
             out.append(bound_replacement(make_mixer_forward(current_method(m)), m, "forward",
-                                         f"{mixer.__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, one padded "
-                                         "row at a time)", state.track_copy))
+                                         f"{mixer.__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, the packed "
+                                         "row's rows in groups)", state.track_copy))
     return out
 
 

@@ -4,10 +4,11 @@ A hybrid family's linear-attention layers (Qwen3.5's and Qwen3-Next's gated delt
 carry a state along the sequence, so one packed row would carry each row's state into the next. transformers hands
 them the padded batch's 2D mask (`create_recurrent_attention_mask`), and they zero the hidden states at padding with
 it. When the base model runs on the packed row, patchkit's mask builder hands them `MixerRows` instead (the real
-tokens of each padded row), and their wrapped forward runs each row's stretch of the packed row alone and
-concatenates the outputs: what the padded row computed at its real tokens, since its padding carried nothing into
-the state (the census checks each family that runs this way). The rows travel as the layer's mask argument, so a
-checkpointed layer recomputed in backward splits the same way.
+tokens of each padded row), and their wrapped forward runs the rows in groups of similar length, each group right-
+padded to its longest row with its own 2D mask (a row alone needs none): what the padded batch computed at its real
+tokens, since padding carries nothing into a row's state (the census checks each family that runs this way). The
+groups trade a call's fixed cost against the padding a group computes (`row_groups`). The rows travel as the
+layer's mask argument, so a checkpointed layer recomputed in backward groups the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -23,16 +24,83 @@ from torch import nn
 from patchkit.forward.context import current
 from patchkit.hooks.install.patching import dressed_as
 
+# A mixer call's fixed cost in tokens of its work (per layer, forward and backward): on the CPU about 100 at hidden
+# 256 (Qwen3.5's gated delta rule, transformers' torch path; less at a real model's width); on CUDA a guess for
+# launch-bound kernels at a real model's width, until a GPU measures it
+CALL_TOKENS = {"cpu": 128}
+CALL_TOKENS_ELSEWHERE = 2048
+
+
+def row_groups(lengths: tuple[int, ...], call_tokens: int) -> list[list[int]]:
+    """The rows (indices into `lengths`) in groups of similar length that cost least: each group one call of
+    `call_tokens` plus its rows times its longest row's length (its padding computed too). Rows sorted longest
+    first, cut into runs by dynamic programming: a few long rows alone, many short ones together."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        best[j], cut[j] = min((best[i] + call_tokens + (j - i) * lengths[order[i]], i) for i in range(j))
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
 
 @dataclasses.dataclass(frozen=True)
 class MixerRows:
     """The packed row's stretches, one per row of the padded batch: `lengths` real tokens each, in order."""
 
     lengths: tuple[int, ...]
+    _plans: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def total(self) -> int:
         return sum(self.lengths)
+
+    def plan(self, device: torch.device) -> list[Group]:
+        """This forward's groups on `device`, made once for every mixer layer (and its recompute)."""
+        groups = self._plans.get(device)
+        if groups is None:
+            call = CALL_TOKENS.get(device.type, CALL_TOKENS_ELSEWHERE)
+            groups = self._plans[device] = [Group.of(rows, self.lengths, device) for rows in row_groups(
+                self.lengths, call)]
+        return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Rows run in one call: their tokens' places in the packed row (`source`), in the group's right-padded
+    (rows, longest) grid (`grid`, None for one row: a slice), and its 2D mask (None where no row is shorter)."""
+
+    shape: tuple[int, int]
+    source: torch.Tensor
+    grid: Optional[torch.Tensor]
+    mask: Optional[torch.Tensor]
+    start: int
+
+    @staticmethod
+    def of(rows: list[int], lengths: tuple[int, ...], device: torch.device) -> Group:
+        starts = [sum(lengths[:r]) for r in rows]
+        longest = max(lengths[r] for r in rows)
+        source = torch.cat([torch.arange(a, a + lengths[r]) for a, r in zip(starts, rows)]).to(device)
+        if len(rows) == 1:
+            return Group((1, longest), source, None, None, starts[0])
+        real = torch.arange(longest)[None] < torch.tensor([lengths[r] for r in rows])[:, None]
+        grid = real.flatten().nonzero().squeeze(1).to(device)
+        mask = None if bool(real.all()) else real.long().to(device)
+        return Group((len(rows), longest), source, grid, mask, starts[0])
+
+    def take(self, packed: torch.Tensor) -> torch.Tensor:
+        """The group's (rows, longest, ...) input from a (1, total, ...) tensor of the packed row, zeros at padding."""
+        if self.grid is None:
+            return packed[:, self.start:self.start + self.shape[1]]
+        rows = packed[0].index_select(0, self.source)
+        grid = rows.new_zeros((self.shape[0] * self.shape[1], *rows.shape[1:])).index_copy(0, self.grid, rows)
+        return grid.view(*self.shape, *rows.shape[1:])
+
+    def give(self, out: torch.Tensor) -> torch.Tensor:
+        """The group's real tokens of an output (rows, longest, ...), in the order of `source`."""
+        return out[0] if self.grid is None else out.flatten(0, 1).index_select(0, self.grid)
 
 
 MASK_BUILDER = "create_recurrent_attention_mask"  # transformers' recurrent layers' mask, by the modeling modules' name
@@ -70,26 +138,31 @@ def make_mixer_forward(original: Callable) -> Callable:
     return dressed_as(forward, original)
 
 
-@torch.compiler.disable  # one call per row, by the rows' lengths: eager between compiled frames, never a guard
+@torch.compiler.disable  # calls by the rows' lengths: eager between compiled frames, never a guard on them
 def _by_row(original: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     arguments = signature.bind(module, *args, **kwargs).arguments
     rows = next(v for v in arguments.values() if isinstance(v, MixerRows))
-    outs, start = [], 0
-    for length in rows.lengths:
-        one = {k: _stretch(v, rows, start, length) for k, v in arguments.items()}
-        outs.append(_call(original, signature, one))
-        start += length
-    return _joined(outs)
+    device = next(v.device for v in _tensors(arguments) if v.shape[:2] == (1, rows.total))
+    groups = rows.plan(device)
+    outs = [_call(original, signature, {k: _share(v, rows, g) for k, v in arguments.items()}) for g in groups]
+    order = torch.cat([g.source for g in groups])
+    back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    return _joined(outs, groups, back)
 
 
-def _stretch(value: Any, rows: MixerRows, start: int, length: int) -> Any:
-    """One row's share of an argument: its stretch of a (1, total, ...) tensor; no mask (the row has no padding)."""
+def _tensors(arguments: dict) -> list[torch.Tensor]:
+    found = [v for v in arguments.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    return found + [t for v in arguments.values() if isinstance(v, dict) for t in _tensors(v)]
+
+
+def _share(value: Any, rows: MixerRows, group: Group) -> Any:
+    """A group's share of an argument: its rows of a (1, total, ...) tensor; its own mask for the rows."""
     if isinstance(value, MixerRows):
-        return None
+        return group.mask
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, rows.total):
-        return value[:, start:start + length]
+        return group.take(value)
     if isinstance(value, dict):  # **kwargs
-        return {k: _stretch(v, rows, start, length) for k, v in value.items()}
+        return {k: _share(v, rows, group) for k, v in value.items()}
     return value
 
 
@@ -98,11 +171,19 @@ def _call(original: Callable, signature: inspect.Signature, arguments: dict) -> 
     return original(*bound.args, **bound.kwargs)
 
 
-def _joined(outs: list) -> Any:
-    """The rows' outputs as one packed row: tensors concatenated along the sequence, tuples element by element."""
+def _joined(outs: list, groups: list[Group], back: torch.Tensor) -> Any:
+    """The groups' outputs as one packed row (1, total, ...): tensors by their tokens' places, tuples element by
+    element. A tuple's element that is not per token (MiniMax's lightning attention returns its final state beside
+    its output, which its layer drops) is None: a state of each group's rows is no state of the packed row."""
     first = outs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(outs, dim=1)
+        return torch.cat([g.give(o) for o, g in zip(outs, groups)]).index_select(0, back).unsqueeze(0)
     if isinstance(first, tuple):
-        return type(first)(_joined(list(parts)) if parts[0] is not None else None for parts in zip(*outs))
+        return type(first)(_joined(list(parts), groups, back) if _per_token(parts, groups) else None
+                           for parts in zip(*outs))
     raise TypeError(f"a token mixer returned {type(first).__name__}: patchkit joins tensors and tuples of them")
+
+
+def _per_token(parts: tuple, groups: list[Group]) -> bool:
+    return all(isinstance(p, torch.Tensor) and p.dim() >= 2 and tuple(p.shape[:2]) == g.shape
+               for p, g in zip(parts, groups))
