@@ -48,8 +48,8 @@ VERIFIED = frozenset({
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
     # the base model reads the mask itself (positions counted from it), served with the padded batch, unpadded inside
-    # attention alone; or mixes tokens outside attention (linear attention, state-space or convolution layers), each
-    # padded row's real tokens alone (ROW_MIXERS)
+    # attention alone; or mixes tokens outside attention (linear attention, state-space or convolution layers), the
+    # packed row's rows in groups of similar length (ROW_MIXERS)
     *("biogpt", "opt", "lfm3", "falcon_h1", "lara_mini", "minimax", "nemotron_h", "olmo_hybrid", "lfm2", "qwen3_next",
       "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "bailing_hybrid"),
     # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)

@@ -1,4 +1,4 @@
-"""Token mixers outside attention (linear attention, convolutions) on the packed row: each padded row alone, as padded.
+"""Token mixers outside attention (linear attention, convolutions) on the packed row: its rows in groups, as padded.
 
 A hybrid family's linear-attention layers (Qwen3.5's and Qwen3-Next's gated delta rule with its causal convolution)
 carry a state along the sequence, so one packed row would carry each row's state into the next. transformers hands
@@ -57,14 +57,17 @@ class MixerRows:
     def total(self) -> int:
         return sum(self.lengths)
 
-    def plan(self, device: torch.device) -> list[Group]:
-        """This forward's groups on `device`, made once for every mixer layer (and its recompute)."""
-        groups = self._plans.get(device)
-        if groups is None:
+    def plan(self, device: torch.device) -> tuple[list[Group], torch.Tensor]:
+        """This forward's groups on `device`, and where each packed token sits among the groups' tokens (`back`),
+        made once for every mixer layer (and its recompute)."""
+        plan = self._plans.get(device)
+        if plan is None:
             call = CALL_TOKENS.get(device.type, CALL_TOKENS_ELSEWHERE)
-            groups = self._plans[device] = [Group.of(rows, self.lengths, device) for rows in row_groups(
-                self.lengths, call)]
-        return groups
+            groups = [Group.of(rows, self.lengths, device) for rows in row_groups(self.lengths, call)]
+            order = torch.cat([g.source for g in groups])
+            back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
+            plan = self._plans[device] = (groups, back)
+        return plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,26 +130,23 @@ def hand_rows(modeling: ModuleType) -> None:
 
 
 def make_mixer_forward(original: Callable) -> Callable:
-    """A mixer's forward that, given `MixerRows` for its mask, runs each row's stretch of the packed row alone."""
+    """A mixer's forward that, given `MixerRows` for its mask, runs the packed row's rows in their groups."""
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not any(isinstance(v, MixerRows) for v in (*args, *kwargs.values())):
             return original(self, *args, **kwargs)
-        return _by_row(original, signature, self, args, kwargs)
+        return _by_groups(original, signature, self, args, kwargs)
 
     return dressed_as(forward, original)
 
 
 @torch.compiler.disable  # calls by the rows' lengths: eager between compiled frames, never a guard on them
-def _by_row(original: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _by_groups(original: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     arguments = signature.bind(module, *args, **kwargs).arguments
     rows = next(v for v in arguments.values() if isinstance(v, MixerRows))
-    device = next(v.device for v in _tensors(arguments) if v.shape[:2] == (1, rows.total))
-    groups = rows.plan(device)
+    groups, back = rows.plan(next(v.device for v in _tensors(arguments) if v.shape[:2] == (1, rows.total)))
     outs = [_call(original, signature, {k: _share(v, rows, g) for k, v in arguments.items()}) for g in groups]
-    order = torch.cat([g.source for g in groups])
-    back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     return _joined(outs, groups, back)
 
 
