@@ -146,3 +146,18 @@ def test_an_eval_forward_that_keeps_its_cache_equals_unpatched():
     real = mask.bool()
     torch.testing.assert_close(got[0][real], want[0][real], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-4)
+
+
+def test_a_compiled_model_runs_the_mixers_grouped_between_its_graphs():
+    """torch.compile of the patched model (aot_eager: the Trainer's compile minus inductor's minutes): the groups run
+    eagerly between compiled frames (their lengths are never a guard), and a left- and a right-padded batch give the
+    unpatched numbers."""
+    model = hybrid("qwen3_5_text")
+    batches = [padded_batch("left"), padded_batch("right", seed=2)]
+    want = [step(model, ids, mask) for ids, mask in batches]
+    with patchkit.apply_patch("qwen3_5_text", backend="sdpa"):
+        compiled = torch.compile(model, backend="aot_eager")
+        got = [step(compiled, ids, mask) for ids, mask in batches]
+    torch._dynamo.reset()
+    for g, w, (_, mask) in zip(got, want, batches):
+        assert_same((g[0], g[1], {k.replace("_orig_mod.", ""): v for k, v in g[2].items()}), w, mask)
