@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.inputs.module_hooks import hooks_on, zero3_hook
+from patchkit.forward.inputs.module_hooks import global_hooks, hooks_on, zero3_hook
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
@@ -124,7 +124,7 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     if type(linear) is not nn.Linear or ("forward" in vars(linear) and not (
             _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
         return None
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+    if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
