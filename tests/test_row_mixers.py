@@ -13,13 +13,14 @@ import warnings
 import pytest
 import torch
 import transformers
-from census import tiny_config
+from census import PACKED, packed_rows, tiny_config
 from models import labels_for, padded_batch
 from packaging.version import Version
 from test_lm_head import assert_same
 from test_lm_head import step as lm_step
 
 import patchkit
+from patchkit.forward.documents import restart_lengths
 from patchkit.hooks.forwards import mixer_rows
 from patchkit.hooks.forwards.mixer_rows import row_groups
 
@@ -161,3 +162,102 @@ def test_a_compiled_model_runs_the_mixers_grouped_between_its_graphs():
     torch._dynamo.reset()
     for g, w, (_, mask) in zip(got, want, batches):
         assert_same((g[0], g[1], {k.replace("_orig_mod.", ""): v for k, v in g[2].items()}), w, mask)
+
+
+def test_documents_restart_where_a_position_is_not_the_previous_plus_one():
+    """transformers' rule for packed rows with no mask (`find_packed_sequence_indices`), which its attention masks
+    follow: a row's start, a restart, and a gap each begin a document."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 0, 1, 3, 4]])
+    assert restart_lengths(positions, 2) == [3, 3, 2, 2, 2]
+    assert restart_lengths(positions[:1], 3) == [3, 3] * 3  # (1, N) position_ids shared by every row
+
+
+def documents_step(model: torch.nn.Module, weights: torch.Tensor, **inputs) -> tuple:
+    """The packed rows' logits and gradients of `(logits * weights).sum()`, a loss of each token's logits alone."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs, use_cache=False).logits.view(weights.shape)
+    (logits * weights).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def each_document_alone(model: torch.nn.Module, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+    """The same, each document its own forward: what packed documents mean (flash_attention_2's contract)."""
+    model.zero_grad(set_to_none=True)
+    rows, total = [], 0
+    for row, lengths in zip(range(len(ids)), PACKED):
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        logits = [model(input_ids=ids[row, a:b][None], use_cache=False).logits[0] for a, b in zip(starts, starts[1:])]
+        rows.append(torch.cat(logits))
+        total = total + (rows[-1] * weights[row]).sum()
+    total.backward()
+    return torch.stack(rows).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def packed_documents(model: torch.nn.Module, how: str) -> tuple[torch.Tensor, dict]:
+    """Two rows of documents as padding-free collators hand them: `position_ids` restarting (TRL's), or one row with
+    `cu_seq_lens_*` and `seq_idx` beside them (transformers' DataCollatorWithFlattening, TRL's padding-free)."""
+    ids, positions = packed_rows()
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    if how == "position_ids":
+        return ids, {"input_ids": ids, "position_ids": positions}
+    lengths = torch.tensor([n for row in PACKED for n in row])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None].to(torch.int32)
+    return ids, {"input_ids": ids.reshape(1, -1), "position_ids": positions.reshape(1, -1), "cu_seq_lens_q": cu,
+                 "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()), "max_length_k": int(lengths.max()),
+                 "seq_idx": seq_idx}
+
+
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("model_type", list(MIXERS))
+def test_packed_documents_run_each_document_from_a_zero_state(model_type, how):
+    """A caller's packed documents (padding-free training): each document's mixers start from a zero state, as
+    attention keeps the documents apart: the numbers of each document run alone, gradients included. Unpatched,
+    transformers' torch path carries one state across the row's documents (or refuses `cu_seq_lens` without its CUDA
+    kernels)."""
+    model = hybrid(model_type)
+    ids, inputs = packed_documents(model, how)
+    weights = torch.randn(*ids.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    want = each_document_alone(model, ids, weights)
+    if how == "position_ids":  # the test can fail: unpatched, the documents' states leak into each other
+        with torch.no_grad():
+            joined = model(**inputs, use_cache=False).logits
+        assert (joined - want[0]).abs().max() > 1e-5
+    seen = mixers_see(model, model_type)
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+        got = documents_step(model, weights, **inputs)
+        assert handle.calls > 0 and not handle.stepped_aside
+    assert seen and set(seen) == {(*inputs["input_ids"].shape, model.config.hidden_size)}
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-4)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_packed_documents_keep_apart_in_a_recomputed_checkpoint():
+    model = hybrid("qwen3_5_text")
+    ids, inputs = packed_documents(model, "position_ids")
+    weights = torch.randn(*ids.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    want = each_document_alone(model, ids, weights)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with patchkit.apply_patch("qwen3_5_text", backend="sdpa"):
+        got = documents_step(model, weights, **inputs)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_packed_documents_with_a_cache_run_the_mixers_as_transformers_and_say_so():
+    """A cache holds one recurrent state per row: with one, the mixers run across the row's documents as
+    transformers runs them (attention still keeps the documents apart), and one warning names the fix."""
+    model = hybrid("qwen3_5_text").eval()
+    ids, inputs = packed_documents(model, "position_ids")
+    with torch.no_grad():
+        want = model(**inputs, use_cache=False).logits  # transformers: attention apart, the mixers' state across
+    with patchkit.apply_patch("qwen3_5_text", backend="sdpa"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got = model(**inputs, use_cache=True).logits
+    said = [str(w.message) for w in caught if "patchkit" in str(w.message)]
+    assert len(said) == 1 and "use_cache=False" in said[0] and "one document into the next" in said[0], said
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+

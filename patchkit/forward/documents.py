@@ -35,6 +35,17 @@ def document_lengths(
     return torch.diff(starts, append=starts.new_tensor([indices.numel()]))
 
 
+def restart_lengths(position_ids: torch.Tensor, batch: int) -> list[int]:
+    """Lengths of the documents of `batch` rows with no mask, in order, by transformers' rule for them
+    (`masking_utils.find_packed_sequence_indices`): a new one at each row's start and wherever a position is not the
+    previous one plus 1."""
+    positions = position_ids.expand(batch, -1)
+    new = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+    new[:, 0] = True
+    starts = torch.nonzero(new.reshape(-1)).flatten()
+    return torch.diff(starts, append=starts.new_tensor([positions.numel()])).tolist()
+
+
 def has_packed_rows(mask: Optional[torch.Tensor], position_ids: Any) -> bool:
     """A row holds several documents: its real tokens' position_ids restart (`document_lengths`)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:

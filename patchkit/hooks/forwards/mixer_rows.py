@@ -9,6 +9,10 @@ padded to its longest row with its own 2D mask (a row alone needs none): what th
 tokens, since padding carries nothing into a row's state (the census checks each family that runs this way). The
 groups trade a call's fixed cost against the padding a group computes (`row_groups`). The rows travel as the
 layer's mask argument, so a checkpointed layer recomputed in backward groups the same way.
+
+A caller's own packed documents (TRL's padding-free rows: `position_ids` restarting, or `cu_seq_lens_*`) run the
+same way, each document a row from a zero state, as each document run alone: what attention already does, and what
+the mixers' CUDA kernels compute when told the documents (transformers' torch path carries one state across them).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.context import current
+from patchkit.forward.context import NO_PLAN, ForwardPlan, current
+from patchkit.forward.documents import restart_lengths
 from patchkit.hooks.install.patching import dressed_as
+from patchkit.warn import warn_user
 
 # A mixer call's fixed cost in tokens of its work (per layer, forward and backward): on the CPU about 100 at hidden
 # 256 (Qwen3.5's gated delta rule, transformers' torch path; less at a real model's width); on CUDA a guess for
@@ -119,14 +125,44 @@ def hand_rows(modeling: ModuleType) -> None:
         return
 
     def create_recurrent_attention_mask(*args: Any, **kwargs: Any) -> Any:
-        padded = current().plan.padded
-        if padded is None:
-            return original(*args, **kwargs)
-        return MixerRows(tuple(padded.seqlens_q))
+        plan = current().plan
+        if plan.padded is not None:
+            return MixerRows(tuple(plan.padded.seqlens_q))
+        rows = document_rows(plan, **dict(zip(("config", "inputs_embeds", "attention_mask", "cache"), args)), **kwargs)
+        return original(*args, **kwargs) if rows is None else rows
 
     wrapper = dressed_as(create_recurrent_attention_mask, original)
     wrapper.__patchkit_rows__ = True  # type: ignore[attr-defined]
     setattr(modeling, MASK_BUILDER, wrapper)
+
+
+def document_rows(plan: ForwardPlan, config: Any = None, inputs_embeds: Any = None, attention_mask: Any = None,
+                  cache: Any = None, position_ids: Any = None, **_: Any) -> Optional[MixerRows]:
+    """A served forward's packed documents (no mask: `position_ids` restarting, or the caller's `cu_seq_lens_*`), one
+    `MixerRows` row each, in the (B, N) rows' order; None where there are none. A cache takes one state per row (as
+    transformers fills it), so there the mixers run transformers' way, across the documents, said once."""
+    if plan.aside is not None or attention_mask is not None or plan is NO_PLAN:
+        return None  # a mask given: no documents, in attention either (transformers reads them from its absence)
+    if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() < 3 or inputs_embeds.shape[1] < 2:
+        return None
+    batch, seqlen = inputs_embeds.shape[:2]
+    if plan.packed is not None:
+        lengths = list(plan.packed.seqlens_q)
+    elif isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == seqlen:
+        lengths = restart_lengths(position_ids, batch)
+    else:
+        return None
+    if len(lengths) <= batch or sum(lengths) != batch * seqlen:
+        return None  # one document a row: transformers' own way is the same
+    if cache is not None:
+        warn_user(
+            "patchkit: packed documents (position_ids restarting, or cu_seq_lens) with a cache: this hybrid's "
+            "recurrent layers carry their state from one document into the next, as transformers runs them (its "
+            "cache holds one state per row), while attention keeps the documents apart. Pass use_cache=False to "
+            "run each document from a zero state."
+        )
+        return None
+    return MixerRows(tuple(lengths))
 
 
 def make_mixer_forward(original: Callable) -> Callable:
@@ -145,9 +181,12 @@ def make_mixer_forward(original: Callable) -> Callable:
 def _by_groups(original: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     arguments = signature.bind(module, *args, **kwargs).arguments
     rows = next(v for v in arguments.values() if isinstance(v, MixerRows))
-    groups, back = rows.plan(next(v.device for v in _tensors(arguments) if v.shape[:2] == (1, rows.total)))
-    outs = [_call(original, signature, {k: _share(v, rows, g) for k, v in arguments.items()}) for g in groups]
-    return _joined(outs, groups, back)
+    hidden = next(v for v in _tensors(arguments) if v.shape[0] * v.shape[1] == rows.total)
+    layout = tuple(hidden.shape[:2])  # (1, total) for the packed row; (B, N) for packed documents in their rows
+    groups, back = rows.plan(hidden.device)
+    outs = [_call(original, signature, {k: _share(k, v, rows, g, layout) for k, v in arguments.items()})
+            for g in groups]
+    return _joined(outs, groups, back, layout)
 
 
 def _tensors(arguments: dict) -> list[torch.Tensor]:
@@ -155,14 +194,18 @@ def _tensors(arguments: dict) -> list[torch.Tensor]:
     return found + [t for v in arguments.values() if isinstance(v, dict) for t in _tensors(v)]
 
 
-def _share(value: Any, rows: MixerRows, group: Group) -> Any:
-    """A group's share of an argument: its rows of a (1, total, ...) tensor; its own mask for the rows."""
-    if isinstance(value, MixerRows):
-        return group.mask
-    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (1, rows.total):
-        return group.take(value)
+# a caller's documents of the whole row, for the mixers' CUDA kernels: a group's rows are its documents already
+DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _share(name: str, value: Any, rows: MixerRows, group: Group, layout: tuple[int, int]) -> Any:
+    """A group's share of an argument: its rows of a per-token tensor (the layout's); its own mask for the rows."""
+    if isinstance(value, MixerRows) or name in DOCUMENT_KWARGS:
+        return group.mask if isinstance(value, MixerRows) else None
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == layout:
+        return group.take(value.reshape(1, rows.total, *value.shape[2:]))
     if isinstance(value, dict):  # **kwargs
-        return {k: _share(v, rows, group) for k, v in value.items()}
+        return {k: _share(k, v, rows, group, layout) for k, v in value.items() if k not in DOCUMENT_KWARGS}
     return value
 
 
@@ -171,15 +214,16 @@ def _call(original: Callable, signature: inspect.Signature, arguments: dict) -> 
     return original(*bound.args, **bound.kwargs)
 
 
-def _joined(outs: list, groups: list[Group], back: torch.Tensor) -> Any:
+def _joined(outs: list, groups: list[Group], back: torch.Tensor, layout: tuple[int, int]) -> Any:
     """The groups' outputs as one packed row (1, total, ...): tensors by their tokens' places, tuples element by
     element. A tuple's element that is not per token (MiniMax's lightning attention returns its final state beside
     its output, which its layer drops) is None: a state of each group's rows is no state of the packed row."""
     first = outs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat([g.give(o) for o, g in zip(outs, groups)]).index_select(0, back).unsqueeze(0)
+        joined = torch.cat([g.give(o) for o, g in zip(outs, groups)]).index_select(0, back)
+        return joined.view(*layout, *joined.shape[1:])
     if isinstance(first, tuple):
-        return type(first)(_joined(list(parts), groups, back) if _per_token(parts, groups) else None
+        return type(first)(_joined(list(parts), groups, back, layout) if _per_token(parts, groups) else None
                            for parts in zip(*outs))
     raise TypeError(f"a token mixer returned {type(first).__name__}: patchkit joins tensors and tuples of them")
 
