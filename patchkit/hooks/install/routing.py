@@ -69,6 +69,20 @@ def attn_name(config: Any) -> Optional[str]:
     return fields[_FIELD] if fields is not None else getattr(config, "_attn_implementation", None)
 
 
+_adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every model adopted by the name
+
+
+def record_adopted(config: Any) -> None:
+    """`config`'s model part serves patchkit's name alone (`hooks/name/named.adopt`, or a deepcopy of such a part)."""
+    _adopted[id(config)] = weakref.ref(config)
+
+
+def adopted(config: Any) -> bool:
+    """`config` is one of an adopted model's parts (or of a deepcopy of one)."""
+    ref = _adopted.get(id(config))
+    return ref is not None and ref() is config
+
+
 def set_attn_name(config: Any, name: Optional[str]) -> None:
     """`config._attn_implementation = name`, as a plain field write where that is all the property does."""
     fields = _fields(config)

@@ -29,9 +29,8 @@ from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.routing import ROUTE_NAME, attn_name
+from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name, record_adopted
 
-_adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every adopted model
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
 _watching: list[Replacement] = []
 # a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
@@ -50,7 +49,7 @@ class Seen:
         self.config, self.module, self.named = config, weakref.ref(module), named
         _built[id(config)] = module
         if named:
-            _adopted[id(config)] = weakref.ref(config)
+            record_adopted(config)
 
     def __deepcopy__(self, memo: dict) -> Any:
         module = self.module()  # the part being copied: its copy is in `memo` already
@@ -66,12 +65,6 @@ def names_patchkit(config: Any) -> bool:
     """`config` resolves attention to patchkit's name (a composite's per-part dict naming it counts)."""
     name = attn_name(config)
     return ROUTE_NAME in name.values() if isinstance(name, dict) else name == ROUTE_NAME
-
-
-def adopted(config: Any) -> bool:
-    """`config` is one of an adopted model's parts (or of a deepcopy of one)."""
-    ref = _adopted.get(id(config))
-    return ref is not None and ref() is config
 
 
 def seen(module: nn.Module, named: bool = False) -> None:
