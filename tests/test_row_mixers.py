@@ -8,6 +8,7 @@ stretch of it alone: the numbers of the padded batch at its real tokens, with no
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -261,3 +262,29 @@ def test_packed_documents_with_a_cache_run_the_mixers_as_transformers_and_say_so
     assert len(said) == 1 and "use_cache=False" in said[0] and "one document into the next" in said[0], said
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
+
+def test_packed_documents_run_apart_under_the_registered_name_alone():
+    """`attn_implementation="patchkit"` with no patch applied (TRL's `model_init_kwargs`): adopted where it is
+    built, the model's mixers run packed documents apart too (a deepcopy's as well), and a padded batch keeps
+    transformers' mask there."""
+    import patchkit.api  # noqa: F401 - registers the name and watches where models get it
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text"),
+                                                          attn_implementation="patchkit").train()
+    mixers = [m for m in model.modules() if type(m).__name__ == MIXERS["qwen3_5_text"]]
+    assert mixers and all("forward" in vars(m) for m in mixers)
+    ids, inputs = packed_documents(model, "position_ids")
+    weights = torch.randn(*ids.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    got = documents_step(model, weights, **inputs)
+    copied = copy.deepcopy(model)  # a copy's parts are adopted too, its mixers' wrappers carried along
+    assert torch.allclose(documents_step(copied, weights, **inputs)[0], got[0], atol=1e-6)
+    model.set_attn_implementation("eager")
+    want = each_document_alone(model, ids, weights)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-4)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
+    padded_ids, mask = padded_batch("left")
+    want_padded = step(model, padded_ids, mask)
+    model.set_attn_implementation("patchkit")
+    assert_same(step(model, padded_ids, mask), want_padded, mask)

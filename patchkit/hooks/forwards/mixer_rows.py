@@ -28,6 +28,7 @@ from torch import nn
 from patchkit.forward.context import NO_PLAN, ForwardPlan, current
 from patchkit.forward.documents import restart_lengths
 from patchkit.hooks.install.patching import dressed_as
+from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name
 from patchkit.warn import warn_user
 
 # A mixer call's fixed cost in tokens of its work (per layer, forward and backward): on the CPU about 100 at hidden
@@ -136,12 +137,18 @@ def hand_rows(modeling: ModuleType) -> None:
     setattr(modeling, MASK_BUILDER, wrapper)
 
 
+def _named(config: Any) -> bool:
+    """A model part adopted under patchkit's name alone, which names it now: its forwards have no plan (no base
+    model's forward is patchkit's), yet its mixers are wrapped (`hooks/name/named.adopt`)."""
+    return adopted(config) and attn_name(config) == ROUTE_NAME
+
+
 def document_rows(plan: ForwardPlan, config: Any = None, inputs_embeds: Any = None, attention_mask: Any = None,
                   cache: Any = None, position_ids: Any = None, **_: Any) -> Optional[MixerRows]:
     """A served forward's packed documents (no mask: `position_ids` restarting, or the caller's `cu_seq_lens_*`), one
     `MixerRows` row each, in the (B, N) rows' order; None where there are none. A cache takes one state per row (as
     transformers fills it), so there the mixers run transformers' way, across the documents, said once."""
-    if plan.aside is not None or attention_mask is not None or plan is NO_PLAN:
+    if plan.aside is not None or attention_mask is not None or (plan is NO_PLAN and not _named(config)):
         return None  # a mask given: no documents, in attention either (transformers reads them from its absence)
     if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() < 3 or inputs_embeds.shape[1] < 2:
         return None
@@ -165,9 +172,10 @@ def document_rows(plan: ForwardPlan, config: Any = None, inputs_embeds: Any = No
     return MixerRows(tuple(lengths))
 
 
-def make_mixer_forward(original: Callable) -> Callable:
-    """A mixer's forward that, given `MixerRows` for its mask, runs the packed row's rows in their groups."""
-    signature = inspect.signature(original)
+def make_mixer_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
+    """A mixer's forward that, given `MixerRows` for its mask, runs the packed row's rows in their groups (its
+    arguments bound by `like`'s signature, where `original` takes any)."""
+    signature = inspect.signature(like or original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not any(isinstance(v, MixerRows) for v in (*args, *kwargs.values())):

@@ -13,8 +13,10 @@ forwards step aside, exact and warned (`named_unseen`).
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -26,9 +28,11 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
+from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
+from patchkit.hooks.install.registry import TABLE
 from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name, record_adopted
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
@@ -88,7 +92,20 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
+        replacements += mixers_apart(m)
     apply_replacements(replacements)
+
+
+def mixers_apart(part: nn.Module) -> list[Replacement]:
+    """A hybrid's token mixers (`patches/table.py` `ROW_MIXERS`) wrapped on the instance, so that packed documents
+    with no mask run each from a zero state, as attention keeps them apart (`mixer_rows.document_rows`)."""
+    classes = importlib.import_module(TABLE).mixer_classes(getattr(part.config, "model_type", None))
+    if not classes:
+        return []
+    for mixer in classes:
+        hand_rows(sys.modules[mixer.__module__])
+    return [wrapped(m, "forward", functools.partial(make_mixer_forward, like=type(m).forward), "packed documents apart")
+            for m in part.modules() if isinstance(m, classes) and not _ours(m, "forward")]
 
 
 def _copied(_module: nn.Module, _attr: str) -> None:
