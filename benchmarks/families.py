@@ -174,6 +174,11 @@ def text_config(family: str, size: dict) -> object:
                                                  decoder_sparse_step=1, **linear, **size),
         "jamba": lambda: tf.JambaConfig(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=4,
                                         expert_layer_offset=1, num_experts=1, use_mamba_kernels=False, **size),
+        # ZAYA: every layer's attention takes its q/k from a causal convolution and half its values from the token
+        # before (its CCA projection), beside a routed MoE
+        "zaya": lambda: tf.ZayaConfig(head_dim=head, num_experts=8, num_experts_per_tok=1, moe_intermediate_size=expert,
+                                      router_hidden_size=64, **{k: v for k, v in size.items()
+                                                                if k != "intermediate_size"}),
     }
     return configs[family]()
 

@@ -57,7 +57,7 @@ VERIFIED = frozenset({
 })
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
 # from the mask (or, Llama 4's NoPE layers, a temperature from the row's length); so is, by its default config's
-# `layer_types`, any other family with layers of MIXER_LAYER_TYPES (ZAYA's, RecurrentGemma's RG-LRU) not in ROW_MIXERS
+# `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
 ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
@@ -72,6 +72,7 @@ ROW_MIXERS = {
     "lfm3": "Lfm3ShortConv", "bamba": "BambaMixer", "jamba": "JambaMambaMixer", "zamba": "ZambaMambaMixer",
     "zamba2": "Zamba2MambaMixer", "nemotron_h": "NemotronHMamba2Mixer", "falcon_h1": "FalconH1Mixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer", "minimax": "MiniMaxLightningAttention",
+    "zaya": "ZayaCCAProjection",  # its attention's q/k convolution and the value delayed by one token
 }
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 

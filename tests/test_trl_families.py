@@ -11,13 +11,13 @@ import patchkit
 
 FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1", "zaya",
              "hrm_text"]
-# zaya: its mixers carry their state across a packed row's documents, patched as unpatched (not yet served by row);
 # hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there)
-PADDED_ONLY = ("zaya", "hrm_text")
+PADDED_ONLY = ("hrm_text",)
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
 # unpatched, their conv / Mamba layers refuse padding-free rows without their CUDA kernels (they cannot keep the
-# documents apart); patched, each document runs from a zero state (`mixer_rows.document_rows`)
-APART = ("qwen3_5_text", "falcon_h1")
+# documents apart), or ZAYA's convolution carries one state across them; patched, each document runs from a zero
+# state (`mixer_rows.document_rows`)
+APART = ("qwen3_5_text", "falcon_h1", "zaya")
 CASES = [(f, mode) for f in FROM_DATA for mode in MODES
          if mode == "padded" or (f not in PADDED_ONLY and not (f in JOINS + APART and mode == "packing"))]
 # attention calls per training step where they are not every layer's forward and recompute: HRM-Text's 2 layers
@@ -51,7 +51,7 @@ def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: s
     checkpointing), padded, padding-free and packing. Every attention layer runs through the patch in each step's
     forward and recompute (a hybrid's other layers are its own); the losses equal the unpatched run's. GPT-OSS's and
     Gemma4's eager attention let the documents of a packed row see each other (TRL warns that padding-free needs
-    flash attention), and Qwen3.5's and Falcon-H1's mixers refuse padding-free rows on the CPU: there the reference
+    flash attention), and the hybrids' mixers refuse padding-free rows on the CPU or join them: there the reference
     is the unpatched padded run of the same examples (their label tokens are the same; packing makes other batches,
     which no unpatched run of theirs gives exactly)."""
     from patches.table import serves_here
