@@ -117,10 +117,10 @@ MASK_BUILDER = "create_recurrent_attention_mask"  # transformers' recurrent laye
 
 
 def hand_rows(modeling: ModuleType) -> None:
-    """From now on `modeling`'s recurrent layers get `MixerRows` for their mask in a forward that runs packed, and
-    transformers' mask everywhere else. Installed once per module and kept, as patchkit's registered attention name
-    is: a revert between two patches' forwards must not leave the other's wrapped mixers a mask of None (one state
-    across every row)."""
+    """From now on `modeling`'s recurrent layers get `MixerRows` for their mask in a forward that runs packed (the
+    padded rows), or on a caller's packed documents (`document_rows`), and transformers' mask everywhere else.
+    Installed once per module and kept, as patchkit's registered attention name is: a revert between two patches'
+    forwards must not leave the other's wrapped mixers a mask of None (one state across every row)."""
     original = getattr(modeling, MASK_BUILDER, None)
     if original is None or getattr(original, "__patchkit_rows__", False):
         return

@@ -83,7 +83,8 @@ def adopt(model: nn.Module) -> None:
     transformers newer than the tested one is said here, at the line that built or named the model."""
     self_check.untested()
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
-    replacements = []
+    replacements: list[Replacement] = []
+    wrapping: set[int] = set()  # the mixers wrapped by this adoption (a causal LM's and its base model's are the same)
     for m in model.modules():
         if not isinstance(m, pretrained):
             continue
@@ -92,20 +93,23 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
-        replacements += mixers_apart(m)
+        replacements += mixers_apart(m, wrapping)
     apply_replacements(replacements)
 
 
-def mixers_apart(part: nn.Module) -> list[Replacement]:
+def mixers_apart(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
     """A hybrid's token mixers (`patches/table.py` `ROW_MIXERS`) wrapped on the instance, so that packed documents
-    with no mask run each from a zero state, as attention keeps them apart (`mixer_rows.document_rows`)."""
+    with no mask run each from a zero state, as attention keeps them apart (`mixer_rows.document_rows`); `wrapping`:
+    the ids of the modules wrapped so far, to which these are added."""
     classes = importlib.import_module(TABLE).mixer_classes(getattr(part.config, "model_type", None))
     if not classes:
         return []
     for mixer in classes:
         hand_rows(sys.modules[mixer.__module__])
+    mixers = [m for m in part.modules() if isinstance(m, classes) and not _ours(m, "forward") and id(m) not in wrapping]
+    wrapping.update(map(id, mixers))
     return [wrapped(m, "forward", functools.partial(make_mixer_forward, like=type(m).forward), "packed documents apart")
-            for m in part.modules() if isinstance(m, classes) and not _ours(m, "forward")]
+            for m in mixers]
 
 
 def _copied(_module: nn.Module, _attr: str) -> None:
