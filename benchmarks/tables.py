@@ -293,12 +293,20 @@ def trainer_head() -> str:
                      "eval loss"], body))
 
 
+def mixer_groups() -> str:
+    out = [[r["batch"], f"{r['rows']} rows, {float(r['padding']):.0%} padding", r["provider"].replace("patchkit ", ""),
+            r["calls_per_layer"], f"{float(r['real_tokens_per_s']):.0f}", x(float(r["vs_hf"]))]
+           for r in read("mixer_groups.csv")]
+    return "`mixer_groups.csv` (Qwen3.5 text, hidden 256, cpu)\n\n" + table(
+        ["batch", "rows", "provider", "calls a layer", "tok/s", "x HF sdpa"], out)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
     "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head, "prepared-head": prepared_head,
-    "trainer-head": trainer_head,
+    "trainer-head": trainer_head, "mixer-groups": mixer_groups,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -145,6 +145,23 @@ def test_families_benchmark_times_a_text_and_an_image_family(tmp_path: Path) -> 
     assert all(v > 0 for v in rows.values())
 
 
+def test_the_mixer_groups_benchmark_times_each_call_cost(tmp_path: Path) -> None:
+    """benchmarks/mixer_groups.py at a tenth of its lengths: Qwen3.5's step against HF sdpa at every row alone and
+    at one call for all rows, on both batches; the calls a layer makes are row_groups' for each cost."""
+    csv_path = tmp_path / "mixer_groups.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "mixer_groups.py"), "--reps", "1", "--scale", "0.1", "--calls", "0",
+         "1000000000", "--csv", str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {(r["batch"], r["provider"]): r for r in csv.DictReader(f)}
+    providers = ["hf_sdpa padded", "patchkit call_tokens=0", "patchkit call_tokens=1000000000"]
+    assert set(rows) == {(b, p) for b in ("lognormal", "short") for p in providers}
+    assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
+    assert rows["lognormal", "patchkit call_tokens=0"]["calls_per_layer"] == "8"  # 8 rows, every length its own
+    assert rows["short", "patchkit call_tokens=1000000000"]["calls_per_layer"] == "1"
+
+
 def test_the_peft_head_benchmark_fuses_trainable_tokens_with_the_unpatched_loss(tmp_path: Path) -> None:
     """benchmarks/peft_head.py at a small vocabulary and a tenth of its lengths, trainable tokens only: each provider
     a row with a peak, the unpatched loss, and the head fused only in `patchkit_loss`."""

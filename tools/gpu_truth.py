@@ -151,6 +151,13 @@ def parts(work: Path) -> list[Part]:
               "float32", "--rows", "8192", "--hidden", "2048", "--reps", "3", "--csv", f"{w}/fused_loss.csv"],
              [PY, str(BENCH / "fused_loss.py"), "--vocabs", "512", "--rows", "64", "--hidden", "16", "--reps", "1",
               "--no-memory", "--csv", f"{w}/fused_loss.csv"], timed=True),
+        # a hybrid's mixers on the packed row: how many rows a call should take on CUDA (mixer_rows.CALL_TOKENS, a
+        # guess there until this runs), Qwen3.5's gated delta rule on the lognormal batch and on 64 short rows
+        Part("hybrid mixer groups (CALL_TOKENS)", 45,
+             [PY, str(BENCH / "mixer_groups.py"), "--device", "cuda", "--reps", "3", "--budget-s", "40",
+              "--calls", "0", "128", "512", "2048", "8192", "1000000000", "--csv", f"{w}/mixer_groups.csv"],
+             [PY, str(BENCH / "mixer_groups.py"), "--reps", "1", "--scale", "0.1", "--calls", "0", "1000000000",
+              "--csv", f"{w}/mixer_groups.csv"], timed=True),
     ]
 
 
