@@ -264,3 +264,30 @@ def test_a_decoder_that_can_cross_attend_is_served_in_the_graph_unless_given_enc
     assert aside == ({"cross_attention": 1} if cross_attention else {})
     assert compiled or cross_attention  # decoder only: a compiled call ran through the patch
     assert_same(got, want, mask.bool())
+
+
+@pytest.mark.parametrize("family, case", [
+    ("zaya", "padded"), ("qwen3_5_text", "packed"), ("qwen3_5_text", "padded"), ("jamba", "padded"),
+])
+def test_layers_handed_no_position_ids_and_hybrids_compile_in_one_graph_with_unpatched_numbers(family, case):
+    """A hybrid's recurrent mask builder reads no contextvar in the graph (it raised: Dynamo cannot trace
+    ContextVar.get); there its mixers see transformers' own mask, as unpatched."""
+    from census import packed_rows, tiny_config
+
+    torch.manual_seed(0)
+    model = __import__("transformers").AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    if case == "packed":
+        ids, positions = packed_rows()
+        kw, real = dict(input_ids=ids.clamp(max=model.config.vocab_size - 1), position_ids=positions), None
+    else:
+        ids, mask = padded_batch("right")
+        kw, real = dict(input_ids=ids.clamp(max=model.config.vocab_size - 1), attention_mask=mask), mask.bool()
+    with torch.no_grad():
+        want = model(**kw, use_cache=False).logits
+        torch._dynamo.reset()
+        with patchkit.apply_patch(family, backend="sdpa") as handle:
+            got = torch.compile(model, backend="eager", fullgraph=True)(**kw, use_cache=False).logits
+            assert handle.stepped_aside == {} and handle.state.compiled
+    torch._dynamo.reset()
+    real = torch.ones(want.shape[:2], dtype=torch.bool) if real is None else real
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

@@ -27,6 +27,7 @@ from torch import nn
 
 from patchkit.forward.context import NO_PLAN, ForwardPlan, current
 from patchkit.forward.documents import restart_lengths
+from patchkit.forward.liveness import in_one_graph
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name
 from patchkit.warn import warn_user
@@ -126,6 +127,8 @@ def hand_rows(modeling: ModuleType) -> None:
         return
 
     def create_recurrent_attention_mask(*args: Any, **kwargs: Any) -> Any:
+        if in_one_graph():  # fullgraph=True: no contextvar there, and no forward unpadded at the model (graph_plan)
+            return original(*args, **kwargs)
         plan = current().plan
         if plan.padded is not None:
             return MixerRows(tuple(plan.padded.seqlens_q))
