@@ -267,11 +267,14 @@ def test_a_decoder_that_can_cross_attend_is_served_in_the_graph_unless_given_enc
 
 
 @pytest.mark.parametrize("family, case", [
-    ("zaya", "padded"), ("qwen3_5_text", "packed"), ("qwen3_5_text", "padded"), ("jamba", "padded"),
+    ("gpt_bigcode", "packed"), ("persimmon", "packed"), ("zaya", "packed"), ("zaya", "padded"),
+    ("qwen3_5_text", "packed"), ("qwen3_5_text", "padded"), ("jamba", "padded"),
 ])
 def test_layers_handed_no_position_ids_and_hybrids_compile_in_one_graph_with_unpatched_numbers(family, case):
-    """A hybrid's recurrent mask builder reads no contextvar in the graph (it raised: Dynamo cannot trace
-    ContextVar.get); there its mixers see transformers' own mask, as unpatched."""
+    """GPT-BigCode's, Persimmon's and ZAYA's attention layers are handed no position_ids: in the graph they read the
+    packed documents from the forward's own, where transformers' mask packs by them (they joined the documents:
+    logits 0.1-0.22 off). A hybrid's recurrent mask builder reads no contextvar in the graph (it raised: Dynamo
+    cannot trace ContextVar.get); there its mixers see transformers' own mask, as unpatched."""
     from census import packed_rows, tiny_config
 
     torch.manual_seed(0)

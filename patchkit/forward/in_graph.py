@@ -22,10 +22,12 @@ from patchkit.forward.padding import cu_seqlens_from_lengths
 
 class GraphPlan(NamedTuple):
     """What the base model's traced forward planned: the patch state serving it, and whether its caller's
-    position_ids (with no mask) may restart documents, which the layers then find (patchkit's eager rule)."""
+    position_ids (with no mask) may restart documents, which the layers then find (patchkit's eager rule); those
+    position_ids (2D), for layers handed none (GPT-BigCode's, ZAYA's) where transformers' mask packs by them."""
 
     state: Any
     by_position: bool
+    positions: Optional[torch.Tensor] = None
 
 
 # Set while dynamo traces a patched forward (never at run time: only a traced frame writes them; no contextvar,
@@ -47,17 +49,19 @@ class GraphMask(VarlenMask):
     """The key-padding mask of a forward inside a graph: the 2D mask (or transformers' packed sequence indices,
     `documents`), laid out once for every layer (the first layer's trace computes it, the others reuse it)."""
 
-    __slots__ = ("by_position", "_layout")
+    __slots__ = ("by_position", "positions", "_layout")
 
-    def __init__(self, mask: Optional[torch.Tensor], by_position: bool, route: Any, window: Optional[int]) -> None:
+    def __init__(self, mask: Optional[torch.Tensor], by_position: bool, route: Any, window: Optional[int],
+                 positions: Optional[torch.Tensor] = None) -> None:
         super().__init__(mask, None, None, False, 0, None, route, window)
         self.by_position = by_position  # transformers packs documents by position_ids (no mask, no cache)
+        self.positions = positions  # the forward's own position_ids, for layers handed none
         self._layout: Optional[Layout] = None
 
     def layout(self, batch: int, q_len: int, device: torch.device, position_ids: Optional[torch.Tensor],
                cu_seq_lens: Optional[torch.Tensor]) -> Layout:
         if self._layout is None:
-            documents = position_ids if self.by_position else None
+            documents = (self.positions if position_ids is None else position_ids) if self.by_position else None
             self._layout = graph_layout(self.mask, documents, batch, q_len, device, cu_seq_lens)
         return self._layout
 

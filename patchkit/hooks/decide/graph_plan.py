@@ -127,8 +127,10 @@ def routed_in_graph(config: Any, state: Any, arguments: dict) -> Iterator[None]:
     """For the traced span of the base model's forward: its masks and attention go to patchkit's name on `state`;
     a caller's position_ids with no mask may hold packed documents (patchkit's rule, cache or not)."""
     name = attn_name(config)
-    by_position = arguments.get("attention_mask") is None and arguments.get("position_ids") is not None
-    GRAPH_ROUTE[0] = GraphPlan(state, by_position)
+    positions = arguments.get("position_ids")
+    by_position = arguments.get("attention_mask") is None and positions is not None
+    flat = by_position and isinstance(positions, torch.Tensor) and positions.dim() == 2
+    GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None)
     set_attn_name(config, ROUTE_NAME)
     try:
         yield
@@ -166,7 +168,10 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
         plan = GraphPlan(name_alone(), packed)  # transformers' own rule: documents where it found them
     if mask is not None and window is not None and window < mask.shape[-1]:
         return "window"
-    return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window)
+    # where transformers' own mask packs documents (by the position_ids it was handed), a layer handed none reads
+    # them from the forward's own
+    return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window,
+                     plan.positions if packed and mask is None else None)
 
 
 def _modeling_cause(module_name: str, class_name: str) -> str:
