@@ -64,6 +64,28 @@ def test_rows_are_grouped_by_length_where_a_call_costs_more_than_their_padding()
     assert row_groups(lengths, 10**9) == [[0, 2, 5, 4, 1, 6, 3]]  # longest first
 
 
+def test_the_groups_cost_least_and_cut_only_where_the_length_changes():
+    """Against every cut of the sorted rows (dynamic programming over each row, the first version): the same least
+    cost; rows of one length stay in one group."""
+    import random
+
+    def least(lengths: tuple[int, ...], call: int) -> int:
+        ordered = sorted(lengths, reverse=True)
+        best = [0] * (len(ordered) + 1)
+        for j in range(1, len(ordered) + 1):
+            best[j] = min(best[i] + call + (j - i) * ordered[i] for i in range(j))
+        return best[-1]
+
+    rng = random.Random(1)
+    for _ in range(200):
+        lengths = tuple(rng.choice((rng.randint(1, 9), rng.randint(1, 300))) for _ in range(rng.randint(1, 30)))
+        call = rng.choice((0, 5, 128, 10**9))
+        groups = row_groups(lengths, call)
+        assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+        assert sum(call + len(g) * max(lengths[r] for r in g) for g in groups) == least(lengths, call)
+        assert all(len({id(g) for g in groups if any(lengths[r] == n for r in g)}) == 1 for n in set(lengths))
+
+
 @pytest.mark.parametrize("call", [0, 128, 10**9], ids=["each row alone", "grouped", "one call"])
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("model_type", list(MIXERS))

@@ -42,15 +42,20 @@ CALL_TOKENS_ELSEWHERE = 2048
 def row_groups(lengths: tuple[int, ...], call_tokens: int) -> list[list[int]]:
     """The rows (indices into `lengths`) in groups of similar length that cost least: each group one call of
     `call_tokens` plus its rows times its longest row's length (its padding computed too). Rows sorted longest
-    first, cut into runs by dynamic programming: a few long rows alone, many short ones together."""
+    first, cut into runs by dynamic programming: a few long rows alone, many short ones together. Cuts fall only
+    where the length changes (rows of one length split between two groups cost no less in the later one, whose
+    longest they are): the work is the distinct lengths squared, and rows of T tokens in all have fewer than
+    sqrt(2T) distinct lengths (thousands of short packed documents: a few milliseconds)."""
     order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):
-        best[j], cut[j] = min((best[i] + call_tokens + (j - i) * lengths[order[i]], i) for i in range(j))
-    groups, j = [], len(order)
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
+    cuts = [0, *(j for j in range(1, len(order)) if lengths[order[j]] != lengths[order[j - 1]]), len(order)]
+    best, back = [0] * len(cuts), [0] * len(cuts)
+    for b in range(1, len(cuts)):
+        best[b], back[b] = min((best[a] + call_tokens + (cuts[b] - cuts[a]) * lengths[order[cuts[a]]], a)
+                               for a in range(b))
+    groups, b = [], len(cuts) - 1
+    while b > 0:
+        groups.append(order[cuts[back[b]]:cuts[b]])
+        b = back[b]
     return groups[::-1]
 
 
