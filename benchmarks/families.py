@@ -41,6 +41,7 @@ from providers import (  # noqa: E402
     HF_PROVIDERS,
     Budget,
     add_run_args,
+    add_sweep_args,
     device_and_dtype,
     no_cuda,
     one_line,
@@ -299,9 +300,7 @@ def measure(family: str, lengths: list[int], reps: int, device: torch.device, bu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/families.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=["llama", "mistral", "qwen3"])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the sequence lengths (0.25 for a smoke run)")
-    parser.add_argument("--csv", type=Path, default=None)
+    add_sweep_args(parser, reps=5)
     add_run_args(parser)
     args = parser.parse_args(argv)
     if no_cuda("families", args.device):

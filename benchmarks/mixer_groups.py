@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from families import build, timed_step  # noqa: E402
-from providers import Budget, add_run_args, no_cuda, patch_on_best  # noqa: E402
+from providers import Budget, add_run_args, add_sweep_args, no_cuda, patch_on_best  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import MODES, hf_size, lognormal_lengths, make_tokens, padded_batch, padding_fraction  # noqa: E402
 
@@ -85,9 +85,7 @@ def measure(name: str, lengths: list[int], calls: list[int], reps: int, device: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/mixer_groups.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", nargs="+", type=int, default=CALLS, help="the fixed costs to time, in tokens")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply the sequence lengths (0.1 for a smoke run)")
-    parser.add_argument("--csv", type=Path, default=None)
+    add_sweep_args(parser, reps=3)
     add_run_args(parser)
     args = parser.parse_args(argv)
     if no_cuda("mixer_groups", args.device):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from workloads import FLOOR, PAD
@@ -190,6 +191,14 @@ def add_run_args(parser: argparse.ArgumentParser, budget: bool = True) -> None:
         parser.add_argument("--budget-s", type=float, default=None,
                             help="stop starting measurements once this many seconds are spent; the rows measured "
                             "are written and what was left out is printed")
+
+
+def add_sweep_args(parser: argparse.ArgumentParser, reps: int) -> None:
+    """--reps (rounds timed), --scale (the lengths times this) and --csv, as families.py and mixer_groups.py take
+    them."""
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the sequence lengths (0.1 for a smoke run)")
+    parser.add_argument("--csv", type=Path, default=None)
 
 
 def no_cuda(prog: str, device: str) -> bool:
