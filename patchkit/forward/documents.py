@@ -40,10 +40,8 @@ def restart_lengths(position_ids: torch.Tensor, batch: int) -> list[int]:
     (`masking_utils.find_packed_sequence_indices`): a new one at each row's start and wherever a position is not the
     previous one plus 1."""
     positions = position_ids.expand(batch, -1)
-    new = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-    new[:, 0] = True
-    starts = torch.nonzero(new.reshape(-1)).flatten()
-    return torch.diff(starts, append=starts.new_tensor([positions.numel()])).tolist()
+    documents = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    return seq_idx_lengths(documents, batch, positions.shape[-1], None)
 
 
 def has_packed_rows(mask: Optional[torch.Tensor], position_ids: Any) -> bool:

@@ -216,8 +216,10 @@ DOCUMENT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 
 def _share(name: str, value: Any, rows: MixerRows, group: Group, layout: tuple[int, int]) -> Any:
     """A group's share of an argument: its rows of a per-token tensor (the layout's); its own mask for the rows."""
-    if isinstance(value, MixerRows) or name in DOCUMENT_KWARGS:
-        return group.mask if isinstance(value, MixerRows) else None
+    if isinstance(value, MixerRows):
+        return group.mask
+    if name in DOCUMENT_KWARGS:
+        return None
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == layout:
         return group.take(value.reshape(1, rows.total, *value.shape[2:]))
     if isinstance(value, dict):  # **kwargs
