@@ -29,7 +29,7 @@ from patchkit.forward.context import NO_PLAN, ForwardPlan, current
 from patchkit.forward.documents import restart_lengths
 from patchkit.forward.liveness import in_one_graph
 from patchkit.hooks.install.patching import dressed_as
-from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name
+from patchkit.hooks.install.routing import adopted, names_patchkit
 from patchkit.warn import warn_user
 
 # A mixer call's fixed cost in tokens of its work (per layer, forward and backward): on the CPU about 100 at hidden
@@ -148,7 +148,7 @@ def hand_rows(modeling: ModuleType) -> None:
 def _named(config: Any) -> bool:
     """A model part adopted under patchkit's name alone, which names it now: its forwards have no plan (no base
     model's forward is patchkit's), yet its mixers are wrapped (`hooks/name/named.adopt`)."""
-    return adopted(config) and attn_name(config) == ROUTE_NAME
+    return adopted(config) and names_patchkit(config)
 
 
 def document_rows(plan: ForwardPlan, config: Any = None, inputs_embeds: Any = None, attention_mask: Any = None,

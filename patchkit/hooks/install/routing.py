@@ -69,6 +69,12 @@ def attn_name(config: Any) -> Optional[str]:
     return fields[_FIELD] if fields is not None else getattr(config, "_attn_implementation", None)
 
 
+def names_patchkit(config: Any) -> bool:
+    """`config` resolves attention to patchkit's name (a composite's per-part dict naming it counts)."""
+    name = attn_name(config)
+    return ROUTE_NAME in name.values() if isinstance(name, dict) else name == ROUTE_NAME
+
+
 _adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every model adopted by the name
 
 

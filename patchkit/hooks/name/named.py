@@ -33,7 +33,7 @@ from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import TABLE
-from patchkit.hooks.install.routing import ROUTE_NAME, adopted, attn_name, record_adopted
+from patchkit.hooks.install.routing import adopted, names_patchkit, record_adopted
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
 _watching: list[Replacement] = []
@@ -63,12 +63,6 @@ class Seen:
 
     def __reduce__(self) -> tuple:
         return bool, ()
-
-
-def names_patchkit(config: Any) -> bool:
-    """`config` resolves attention to patchkit's name (a composite's per-part dict naming it counts)."""
-    name = attn_name(config)
-    return ROUTE_NAME in name.values() if isinstance(name, dict) else name == ROUTE_NAME
 
 
 def seen(module: nn.Module, named: bool = False) -> None:
