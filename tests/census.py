@@ -188,13 +188,13 @@ PAGE_HEAD = """# Model families
 Every causal LM of transformers {version}, built tiny from its config and run through patchkit (`make census`,
 `tests/test_census.py`): **{exact} exact** against transformers' own eager attention every way in (class patch,
 instance patch, `attn_implementation="patchkit"`: logits, loss and every gradient on a mixed-padded batch, packed
-rows, left-padded greedy generation), {refused} refused by name with the feature that stops them, {self_checked}
-stepped aside by their own self-check (their tiny model fails unpatched too), {untested} without a tiny model the
-census can build or run. Families with a module of their own live in `patches/`; every other one is
-served from data (`patches/table.py`). A family transformers adds later and patchkit has not seen checks itself on a
-tiny model before its first forward (`unverified_family`). Under `unpad="loss"`, {fused} of the exact families run
-their LM head fused with the loss from their first training step (their own logits checked there on a few rows); the
-others are noted. Written by `python tests/census.py --markdown
+rows (and their logits behind an eval forward's own cache), left-padded greedy generation), {refused} refused by
+name with the feature that stops them, {self_checked} stepped aside by their own self-check (their tiny model fails
+unpatched too), {untested} without a tiny model the census can build or run. Families with a module of their own
+live in `patches/`; every other one is served from data (`patches/table.py`). A family transformers adds later and
+patchkit has not seen checks itself on a tiny model before its first forward (`unverified_family`). Under
+`unpad="loss"`, {fused} of the exact families run their LM head fused with the loss from their first training step
+(their own logits checked there on a few rows); the others are noted. Written by `python tests/census.py --markdown
 docs/families.md`; a test keeps it equal to the census.
 
 | model_type | outcome | why / note |

@@ -184,6 +184,24 @@ def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
     return ""
 
 
+def cached_packed(model, want: dict) -> str:
+    """Packed rows in an eval forward that makes a cache (use_cache=True; 5.x makes one from the config): each
+    document alone, or transformers' run of the rows without a cache, where it joins them too (a hybrid's mixers,
+    which keep one state per row, are warned about instead: not compared). '' when so, else what differed."""
+    rows, positions = packed_rows()
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=rows, position_ids=positions, use_cache=True).logits
+    finally:
+        model.train()
+    diffs = [(logits - ref).abs().max().item() for ref in (want["documents"], want["packed"][0])]
+    if any(d <= ATOL * max(1.0, ref.abs().max().item()) for d, ref in zip(diffs, (want["documents"],
+                                                                                want["packed"][0]))):
+        return ""
+    return f"packed rows behind an eval forward's cache differ from each document alone by {diffs[0]:.2g}"
+
+
 FUSED: set[str] = set()  # the families whose second loss-alone step ran the fused head and loss (this process's)
 
 
@@ -206,6 +224,8 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
         if want_tokens is not None and not outcomes["class"]:
             got_tokens = generated(model)
             outcomes["class"] = "" if torch.equal(got_tokens, want_tokens) else "generated tokens differ"
+        if model_type not in table.ROW_MIXERS and not outcomes["class"]:
+            outcomes["cached packed"] = cached_packed(model, want)
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the class patch"
         if handle.stepped_aside.get(self_check.UNVERIFIED):  # exact only because its failed check stepped aside
             return {"self-check": f"patch {model_type!r}: {self_check.untrusted_what(model.base_model)}"}

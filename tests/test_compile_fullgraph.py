@@ -268,18 +268,19 @@ def test_a_decoder_that_can_cross_attend_is_served_in_the_graph_unless_given_enc
 
 @pytest.mark.parametrize("family, case", [
     ("gpt_bigcode", "packed"), ("persimmon", "packed"), ("zaya", "packed"), ("zaya", "padded"),
-    ("qwen3_5_text", "packed"), ("qwen3_5_text", "padded"), ("jamba", "padded"),
+    ("qwen3_5_text", "packed"), ("qwen3_5_text", "padded"), ("jamba", "padded"), ("gpt_bigcode", "packed, cached"),
 ])
 def test_layers_handed_no_position_ids_and_hybrids_compile_in_one_graph_with_unpatched_numbers(family, case):
     """GPT-BigCode's, Persimmon's and ZAYA's attention layers are handed no position_ids: in the graph they read the
     packed documents from the forward's own, where transformers' mask packs by them (they joined the documents:
-    logits 0.1-0.22 off). A hybrid's recurrent mask builder reads no contextvar in the graph (it raised: Dynamo
-    cannot trace ContextVar.get); there its mixers see transformers' own mask, as unpatched."""
+    logits 0.1-0.22 off), and behind an eval forward's own empty cache, where transformers' would not (the numbers of
+    its run without one). A hybrid's recurrent mask builder reads no contextvar in the graph (it raised: Dynamo cannot
+    trace ContextVar.get); there its mixers see transformers' own mask, as unpatched."""
     from census import packed_rows, tiny_config
 
     torch.manual_seed(0)
     model = __import__("transformers").AutoModelForCausalLM.from_config(tiny_config(family)).eval()
-    if case == "packed":
+    if case.startswith("packed"):
         ids, positions = packed_rows()
         kw, real = dict(input_ids=ids.clamp(max=model.config.vocab_size - 1), position_ids=positions), None
     else:
@@ -289,7 +290,8 @@ def test_layers_handed_no_position_ids_and_hybrids_compile_in_one_graph_with_unp
         want = model(**kw, use_cache=False).logits
         torch._dynamo.reset()
         with patchkit.apply_patch(family, backend="sdpa") as handle:
-            got = torch.compile(model, backend="eager", fullgraph=True)(**kw, use_cache=False).logits
+            got = torch.compile(model, backend="eager", fullgraph=True)(**kw, use_cache=case.endswith("cached"))
+            got = got.logits  # behind the forward's own empty cache too, where transformers joins the documents
             assert handle.stepped_aside == {} and handle.state.compiled
     torch._dynamo.reset()
     real = torch.ones(want.shape[:2], dtype=torch.bool) if real is None else real

@@ -141,3 +141,58 @@ def test_cu_seq_lens_alone_define_documents_when_positions_do_not_restart(train,
     assert (out.past_key_values is not None and out.past_key_values.get_seq_length() == ids.shape[1]) == use_cache
     for got, exp in zip(torch.split(out.logits[0].detach(), [len(d) for d in docs]), want):
         torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
+
+
+def served_tiny(family: str) -> torch.nn.Module:
+    """The census's tiny `family` in eval mode; the test skips where this transformers has no patch for it (the
+    families served from data start at 5.0)."""
+    from census import tiny_lm
+
+    from patchkit.errors import PatchTargetError
+    from patchkit.hooks.install.registry import for_model_type
+
+    try:
+        for_model_type(family)
+    except PatchTargetError as why:
+        pytest.skip(f"{family} is not served here: {why}")
+    model, why = tiny_lm(family)
+    assert model is not None, why
+    return model.eval()
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "masking_utils"), reason="masks read documents: 4.53+")
+@pytest.mark.parametrize("family", ["gpt_bigcode", "persimmon", "ctrl", "llama4_text", "llama"])
+def test_packed_documents_stay_apart_behind_an_eval_forwards_own_cache(family):
+    """An eval forward makes a cache (use_cache from the config), and transformers' masks then find no packed
+    documents: they attend to each other. patchkit's attention kept them apart from the position_ids its layers are
+    handed; GPT-BigCode's, Persimmon's, CTRL's and Llama 4's layers are handed none and joined them (logits
+    0.01-0.34 off), until their masks found the documents behind the empty cache too."""
+    from census import document_logits, packed_rows
+
+    model = served_tiny(family)
+    ids, positions = packed_rows()
+    want = document_logits(model, ids)
+    with torch.no_grad():
+        plain = model(input_ids=ids, position_ids=positions, use_cache=True)
+        apart = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = model(input_ids=ids, position_ids=positions, use_cache=True)
+            assert handle.calls and not handle.stepped_aside
+    assert (plain.logits - apart).abs().max() > 1e-3  # unpatched joins them behind its cache (and not without)
+    torch.testing.assert_close(got.logits, apart, atol=2e-5, rtol=1e-4)  # as transformers with no cache
+    torch.testing.assert_close(got.logits, want, atol=3e-4, rtol=1e-3)  # each document alone (Llama 4's 1.6e-4)
+    assert got.past_key_values.get_seq_length() == ids.shape[1]  # the cache is returned, filled
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "llama"])
+def test_positions_with_gaps_behind_a_cache_stay_one_document(family):
+    """Behind a cache a position that does not increase starts a document, as patchkit's attention reads them:
+    0, 3, 6, ... stays one sequence there, as transformers runs it behind its cache."""
+    model = served_tiny(family)
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(12).mul(3).expand_as(ids)
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, use_cache=True).logits
+        with patchkit.apply_patch(model=model, backend="sdpa"):
+            got = model(input_ids=ids, position_ids=positions, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -40,6 +40,7 @@ from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.install.registry import refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.install.routing import ROUTE_NAME
 from patchkit.hooks.install.state import PatchState
+from patchkit.hooks.name import cached_documents
 from patchkit.hooks.name.named import adopted, watch
 from patchkit.hooks.parallel.sequence_parallel import refuse_shard_local, through_ulysses
 
@@ -312,6 +313,7 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
         _state = _function = None
     AttentionInterface.register(ATTENTION_NAME, _attention)
     AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
+    cached_documents.install()  # packed documents behind an empty cache, in the forwards patchkit serves
     watch()  # models get the name from now on: adopted where they get it (`named`)
     return True
 

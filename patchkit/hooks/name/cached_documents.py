@@ -1,0 +1,102 @@
+"""Packed documents behind an empty cache: transformers' masks find them only without one; a served forward's do.
+
+transformers reads documents from restarting position_ids (no attention_mask) in `_preprocess_mask_arguments`, but
+only when the forward has no cache, and 5.x makes one in every eval forward (`use_cache` from the config): there the
+documents of a padding-free batch attend to each other. patchkit's attention keeps them apart from the position_ids
+its layers are handed; a layer handed none (GPT-BigCode, Persimmon, BioGPT, CTRL, Llama 4) learns them from its
+mask alone. So in a forward patchkit serves, the mask's preprocessing finds them behind an empty cache too: from
+the position_ids the model hands its masks (none for a multimodal model's RoPE-only rows, as transformers), by the
+rule patchkit's attention reads them with (a position that does not increase starts a document; in a graph the
+layers lay them out by transformers' rule, `in_graph.graph_layout`). A forward that steps aside, an unpatched model
+and a cache with a past keep transformers' own preprocessing.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+
+from patchkit.forward.context import NO_PLAN, current
+from patchkit.forward.in_graph import GRAPH_ROUTE
+from patchkit.forward.liveness import is_compiling
+
+PREPROCESS = "_preprocess_mask_arguments"  # masking_utils, 4.53+: returns (early exit, mask, packed ids, ...)
+CACHE_NAMES = ("cache", "past_key_values")  # 5.24, and before
+EMBEDS_NAMES = ("inputs_embeds", "input_embeds")
+
+
+def document_ids(position_ids: torch.Tensor, checked: bool = True) -> Optional[torch.Tensor]:
+    """(B, N) document ids of packed rows, a new one wherever a position does not increase (patchkit's attention's
+    rule, `forward/documents.document_lengths`; gaps stay one document), or None where no row restarts (`checked`;
+    unchecked in a graph, which cannot branch on it: one document per row is the causal mask there too)."""
+    restarts = torch.zeros_like(position_ids, dtype=torch.long)
+    restarts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+    ids = restarts.cumsum(-1)
+    return ids if not checked or bool(ids[:, -1].any()) else None
+
+
+def empty(cache: Any) -> bool:
+    """A cache that holds no past yet (an eval forward's own, or generate()'s before its prefill)."""
+    length = getattr(cache, "get_seq_length", None)
+    try:
+        return length is not None and int(length()) == 0
+    except Exception:  # noqa: BLE001 - a cache that cannot say: keep transformers' own reading
+        return False
+
+
+def served_documents(original: Callable) -> Callable:
+    """`_preprocess_mask_arguments`, finding packed documents behind an empty cache in a forward patchkit serves:
+    planned eagerly (`ForwardContext.plan`, served) or in a graph (`GRAPH_ROUTE`, by position). Its arguments are
+    read by name or place, as dynamo traces plain lookups."""
+    places = {name: i for i, name in enumerate(inspect.signature(original).parameters)}
+
+    def given(args: tuple, kwargs: dict, names: tuple[str, ...]) -> Any:
+        for name in names:
+            value = kwargs[name] if name in kwargs else args[places[name]] if places.get(name, len(args)) < len(
+                args) else None
+            if value is not None:
+                return value
+        return None
+
+    @functools.wraps(original)
+    def preprocess(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if not isinstance(out, tuple) or len(out) < 3 or out[0] or out[2] is not None:
+            return out
+        in_graph = is_compiling()
+        if in_graph:
+            graph_plan = GRAPH_ROUTE[0]
+            if graph_plan is None or not graph_plan.by_position:
+                return out
+        else:
+            plan = current().plan
+            if plan is NO_PLAN or plan.aside is not None:
+                return out
+        positions, cache = given(args, kwargs, ("position_ids",)), given(args, kwargs, CACHE_NAMES)
+        embeds = given(args, kwargs, EMBEDS_NAMES)
+        if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or cache is None
+                or given(args, kwargs, ("attention_mask",)) is not None or not isinstance(embeds, torch.Tensor)
+                or positions.shape[-1] != embeds.shape[1] or not empty(cache)):
+            return out
+        ids = document_ids(positions.expand(embeds.shape[0], -1), checked=not in_graph)
+        return out if ids is None else (*out[:2], ids, *out[3:])
+
+    preprocess.__patchkit_documents__ = True  # type: ignore[attr-defined]
+    return preprocess
+
+
+def install() -> None:
+    """Wrap transformers' mask preprocessing once (idempotent; inert outside patchkit's served forwards)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # before 4.53: no mask preprocessing to wrap
+        return
+    original = getattr(masking_utils, PREPROCESS, None)
+    if original is None or getattr(original, "__patchkit_documents__", False):
+        return
+    if "position_ids" not in inspect.signature(original).parameters:
+        return
+    setattr(masking_utils, PREPROCESS, served_documents(original))
