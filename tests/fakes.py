@@ -52,6 +52,7 @@ class RecordingFlashAttn(types.ModuleType):
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False, **kw):
         assert q.dim() == k.dim() == v.dim() == 3 and k.shape[:2] == v.shape[:2] and q.shape[1] % k.shape[1] == 0
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "varlen: q, k and v of one head size (flash-attn 2)"
         self._check("varlen", [q, k, v], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     causal, dropout_p, kw)
         return stand_in.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

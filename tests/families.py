@@ -111,6 +111,23 @@ def served_here(patch: str) -> bool:
     return tf.__version__ in resolve(patch).supported
 
 
+def served_tiny(family: str) -> torch.nn.Module:
+    """The census's tiny `family` in eval mode; the test skips where this transformers has no patch for it (the
+    families served from data start at 5.0)."""
+    from census import tiny_lm
+
+    from patchkit.errors import PatchTargetError
+    from patchkit.hooks.install.registry import for_model_type
+
+    try:
+        for_model_type(family)
+    except PatchTargetError as why:
+        pytest.skip(f"{family} is not served here: {why}")
+    model, why = tiny_lm(family)
+    assert model is not None, why
+    return model.eval()
+
+
 def static_cache_served(family: str) -> bool:
     """Whether this transformers' static-cache generation runs patched for `family` (generate()'s masks read back as
     the 2D mask): full-attention caches from 4.56 (cache layers), windowed ones from 4.57 (StaticSlidingWindowLayer)."""

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from fakes import install_flash_double
+from families import served_tiny
 from models import CACHE, cache_tensors, clone, decode_logits, needs_mask_interface, padded_batch, tiny_model
 
 import patchkit
@@ -288,3 +289,56 @@ def test_an_all_padding_batch_calls_no_kernel_and_gives_zeros_and_zero_gradient(
     assert len(attn_out) == model.config.num_hidden_layers and all(not o.any() for o in attn_out)
     assert logits.isfinite().all()
     assert embeds.grad is not None and torch.equal(embeds.grad, torch.zeros_like(embeds))
+
+
+def test_multi_head_latent_attention_reaches_the_kernel_in_one_head_size(monkeypatch):
+    """DeepSeek-V3's attention has no `head_dim` (queries and keys 12 wide here, values 8): the kernel backends
+    raised AttributeError at its first call. Its calls take one head size, the values zero-padded (flash-attn 2
+    takes no narrower values), with bf16 numbers as close to fp32 as transformers' own."""
+    fake = install_flash_double(monkeypatch)
+    model = served_tiny("deepseek_v3")
+    config = model.config
+    width = config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert config.v_head_dim < width
+    truth, model = clone(model).float().eval(), model.to(torch.bfloat16).eval()
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids = ids.clamp(max=config.vocab_size - 1)
+    with torch.no_grad():
+        want = truth(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits.float()
+        tokens = model.generate(input_ids=ids[:, 4:], attention_mask=torch.ones_like(ids[:, 4:]), max_new_tokens=3,
+                                do_sample=False, pad_token_id=0)
+        with patchkit.apply_patch(model=model, strict=True) as handle:
+            ours = model(input_ids=ids, attention_mask=mask).logits.float()
+            got_tokens = model.generate(input_ids=ids[:, 4:], attention_mask=torch.ones_like(ids[:, 4:]),
+                                        max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert handle.backend == "flash_attn" and fake.calls
+    assert all(shape[-1] == width for call in fake.calls for shape in call["shapes"])
+    real = mask.bool()
+    assert (ours - want)[real].abs().max() <= 2 * (eager - want)[real].abs().max() + 1e-3
+    assert torch.equal(got_tokens, tokens)
+
+
+def test_per_layer_head_sizes_are_gated_layer_by_layer(monkeypatch):
+    """Gemma 4's config holds head_dim per layer (512, 8, 512 here) and refuses a global read: an instance patch on
+    a kernel backend raised transformers' AmbiguousGlobalPerLayerAttributeError before patching anything. Now each
+    layer's calls are gated by their own size: the 8-wide layer on the kernel, the 512-wide ones on the exact
+    backend with one warning naming head_dim; strict refuses them by name."""
+    fake = install_flash_double(monkeypatch)
+    model = served_tiny("gemma4_text")
+    truth, model = clone(model).float(), model.to(torch.bfloat16)
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    with torch.no_grad():
+        want = truth(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits.float()
+        with pytest.warns(RuntimeWarning, match=r"head_dim: FAILED .*found 512"):
+            with patchkit.apply_patch(model=model) as handle:
+                ours = model(input_ids=ids, attention_mask=mask).logits.float()
+        assert handle.backend == "flash_attn"
+        assert fake.calls and {shape[-1] for call in fake.calls for shape in call["shapes"]} == {8}
+        with patchkit.apply_patch(model=model, strict=True):
+            with pytest.raises(PatchGateError, match="head_dim"):
+                model(input_ids=ids, attention_mask=mask)
+    real = mask.bool()
+    assert (ours - want)[real].abs().max() <= 2 * (eager - want)[real].abs().max() + 1e-3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import set_attention
+from families import served_tiny, set_attention
 from models import check_packed_rows, doc_ids, pack, separate_logits, tiny_model
 
 import patchkit
@@ -141,23 +141,6 @@ def test_cu_seq_lens_alone_define_documents_when_positions_do_not_restart(train,
     assert (out.past_key_values is not None and out.past_key_values.get_seq_length() == ids.shape[1]) == use_cache
     for got, exp in zip(torch.split(out.logits[0].detach(), [len(d) for d in docs]), want):
         torch.testing.assert_close(got, exp, atol=2e-5, rtol=1e-4)
-
-
-def served_tiny(family: str) -> torch.nn.Module:
-    """The census's tiny `family` in eval mode; the test skips where this transformers has no patch for it (the
-    families served from data start at 5.0)."""
-    from census import tiny_lm
-
-    from patchkit.errors import PatchTargetError
-    from patchkit.hooks.install.registry import for_model_type
-
-    try:
-        for_model_type(family)
-    except PatchTargetError as why:
-        pytest.skip(f"{family} is not served here: {why}")
-    model, why = tiny_lm(family)
-    assert model is not None, why
-    return model.eval()
 
 
 @pytest.mark.skipif(not hasattr(__import__("transformers"), "masking_utils"), reason="masks read documents: 4.53+")

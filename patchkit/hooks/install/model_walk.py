@@ -35,10 +35,16 @@ def model_config(model: nn.Module, model_types: Optional[Collection[str]] = None
     raise PatchTargetError(f"{type(model).__name__} has no module with a transformers config (num_attention_heads)")
 
 
-def head_dim(model: nn.Module, model_types: Optional[Collection[str]] = None) -> int:
-    """The attention head size of `model` (of its `model_types` part): the config's head_dim, else hidden / heads."""
+def head_dim(model: nn.Module, model_types: Optional[Collection[str]] = None) -> Optional[int]:
+    """The attention head size of `model` (of its `model_types` part): the config's head_dim, else hidden / heads; None
+    where it varies by layer (transformers' heterogeneous configs, Gemma 4's, refuse a global read of it): each
+    layer's kernel calls are gated by their own size then (`PatchState.backend_for`)."""
     config = model_config(model, model_types)
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        size = getattr(config, "head_dim", None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError (5.2x): a per-layer attribute
+        return None
+    return size or config.hidden_size // config.num_attention_heads
 
 
 def modeling_files(cls: type) -> frozenset[str]:

@@ -57,21 +57,22 @@ class PatchState:
             warn_user(message)
 
     def backend_for(
-        self, module: nn.Module, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0,
+        self, head_dim: int, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, dropout: float = 0.0,
         backward: bool = False, sinks: bool = False,
     ) -> Backend:
-        """The backend for this layer: the kernel backend unless its head_dim gate fails or it lacks the window,
-        softcap or dropout the layer needs, or (flash_attn_4) a backward or the sinks' backward on this GPU (then the
-        exact fallback with one warning, or raise in strict mode). Decided once per head_dim and need: the decode
-        path is host-bound."""
+        """The backend for a layer whose kernel call has heads of `head_dim` (the widest of its queries, keys and
+        values, as `attend.one_head_size` hands them; multi-head latent attention has no single `head_dim`): the
+        kernel backend unless its head_dim gate fails or it lacks the window, softcap or dropout the layer needs, or
+        (flash_attn_4) a backward or the sinks' backward on this GPU (then the exact fallback with one warning, or
+        raise in strict mode). Decided once per head_dim and need: the decode path is host-bound."""
         if not self.backend.half_only:
             return self.backend  # the exact backend serves everything
-        key = (module.head_dim, window, softcap, dropout, backward, sinks)
+        key = (head_dim, window, softcap, dropout, backward, sinks)
         chosen = self.serving.get(key)
         if chosen is None:
             chosen = self.serving[key] = serving_backend(
-                self.backend, self.fallback, lambda: head_dim_gate(module.head_dim, self.backend.name),
-                (window, softcap, dropout, module.head_dim, backward, sinks), strict=self.strict,
+                self.backend, self.fallback, lambda: head_dim_gate(head_dim, self.backend.name),
+                (window, softcap, dropout, head_dim, backward, sinks), strict=self.strict,
                 who=f"patch {self.patch!r}",
                 uses="these layers use", warn_once=self.warn_once,
             )
