@@ -12,6 +12,7 @@ from models import CACHE, cache_tensors, clone, decode_logits, needs_mask_interf
 
 import patchkit
 from patchkit import PatchGateError
+from patchkit.hooks.install.model_walk import head_dim
 
 
 @pytest.mark.parametrize("patch,kv_heads", [("llama2", 2), ("llama1", 4)])
@@ -300,6 +301,7 @@ def test_multi_head_latent_attention_reaches_the_kernel_in_one_head_size(monkeyp
     config = model.config
     width = config.qk_nope_head_dim + config.qk_rope_head_dim
     assert config.v_head_dim < width
+    assert head_dim(model) == width  # the apply-time gate's size too (config.head_dim is the rotary part alone)
     truth, model = clone(model).float().eval(), model.to(torch.bfloat16).eval()
     ids, mask = padded_batch("mixed", batch=3, seq=16)
     ids = ids.clamp(max=config.vocab_size - 1)

@@ -36,14 +36,18 @@ def model_config(model: nn.Module, model_types: Optional[Collection[str]] = None
 
 
 def head_dim(model: nn.Module, model_types: Optional[Collection[str]] = None) -> Optional[int]:
-    """The attention head size of `model` (of its `model_types` part): the config's head_dim, else hidden / heads; None
-    where it varies by layer (transformers' heterogeneous configs, Gemma 4's, refuse a global read of it): each
-    layer's kernel calls are gated by their own size then (`PatchState.backend_for`)."""
+    """The head size `model`'s kernel calls take (of its `model_types` part): the config's head_dim, else hidden /
+    heads, or a latent attention's query-and-key width; None where it varies by layer (transformers' heterogeneous
+    configs, Gemma 4's, refuse a global read of it): each layer's calls are gated by their own size then
+    (`PatchState.backend_for`)."""
     config = model_config(model, model_types)
     try:
         size = getattr(config, "head_dim", None)
     except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError (5.2x): a per-layer attribute
         return None
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(nope, int) and isinstance(rope, int):  # latent attention: its head_dim is the rotary part alone
+        return max(nope + rope, getattr(config, "v_head_dim", None) or 0)  # the kernel's (`attend.one_head_size`)
     return size or config.hidden_size // config.num_attention_heads
 
 
