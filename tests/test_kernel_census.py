@@ -1,10 +1,11 @@
-"""Every family the census verifies, on flash-attn 2's kernels (through the recording double, `fakes.py`).
+"""Every family the census verifies, on each kernel backend (through the recording doubles, `fakes.py`).
 
 The census runs patchkit's exact sdpa backend, which reads no head size and takes every shape; the kernel backends
 read the layer's head size for their gate and take one head size for queries, keys and values. DeepSeek's latent
 attention (no `head_dim`) and Gemma 4's per-layer head sizes (a config that refuses a global read) crashed there
-only. Here each family runs a bf16 training step and a left-padded greedy generation on the kernels, every call held
-to the kernel's contract by the double, with the numbers of patchkit's exact backend.
+only. Here each family runs a bf16 training step and left-padded greedy generation (dynamic and static caches) on
+flash-attn 2, flash-attn 4 and torch's varlen_attn, every call held to the kernel's contract by its double, with the
+numbers of patchkit's exact backend.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ FAMILIES = sorted(set(causal_lm_types()) & set(table.VERIFIED))
 
 def run(model, ids, mask, left, left_mask, **patch) -> tuple:
     """Under `apply_patch(model=model, **patch)`: the eval logits, the training step's loss and gradients, and the
-    greedy tokens of a left-padded batch; with the patch's handle and the warnings patchkit gave."""
+    greedy tokens of a left-padded batch into a dynamic and a static cache; with the patch's handle and the warnings
+    patchkit gave."""
     model.zero_grad(set_to_none=True)
     with warnings.catch_warnings(record=True) as said, patchkit.apply_patch(model=model, **patch) as handle:
         warnings.simplefilter("always")
@@ -39,8 +41,9 @@ def run(model, ids, mask, left, left_mask, **patch) -> tuple:
         loss.backward()
         model.eval()
         with torch.no_grad():
-            tokens = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=2, do_sample=False,
-                                    pad_token_id=0)
+            tokens = torch.cat([model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=2,
+                                               do_sample=False, pad_token_id=0, cache_implementation=cache)
+                                for cache in (None, "static")])
     grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
     return (logits, loss.detach().float(), grads, tokens), handle, [str(w.message) for w in said]
 
