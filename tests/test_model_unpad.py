@@ -318,3 +318,42 @@ def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
         assert plan.aside == "labels_from_padding" and handle.calls == 0
     else:
         assert plan.aside is None and plan.unpadded and plan.packed.batch == 1 and handle.calls == 3
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["left", "right", "mixed"])
+def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_too(family, kind):
+    """A reward model or classifier (`*ForSequenceClassification`) reads one row's score at its last real token from
+    the repadded hidden states, and an all-padding row's at whatever index transformers picks there (a zero hidden
+    state patched): the scores, the loss and every gradient equal the unpatched model's, with every row real or one
+    row all padding (a rejected answer truncated away)."""
+    import transformers
+
+    config = family_model(family).config if family != "llama" else tiny_model(kv_heads=2).config
+    config.num_labels, config.pad_token_id = 3, 0
+    classifier = getattr(transformers, f"{type(config).__name__.removesuffix('Config')}ForSequenceClassification", None)
+    if classifier is None:
+        pytest.skip(f"this transformers has no sequence classifier for {family}")  # Gemma 3's text one: 4.54+
+    torch.manual_seed(0)
+    model = classifier(config)
+    ids, mask = padded_batch(kind, batch=4, seq=16)
+    ids = ids.masked_fill(mask == 0, 0)  # the padding token, which the classifier finds each row's end by
+    mask[-1], ids[-1] = 0, 0
+    labels = torch.tensor([0, 1, 2, 1])
+
+    def scored() -> tuple:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = scored()
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = scored()
+        assert handle.calls and not handle.stepped_aside
+    torch.testing.assert_close(got[0].logits, want[0].logits)
+    torch.testing.assert_close(got[0].loss, want[0].loss)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], msg=name)
