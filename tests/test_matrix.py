@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -76,3 +77,21 @@ def test_each_era_draws_fewer_property_cases_than_the_pinned_run(monkeypatch):
     assert matrix.environment(None)[matrix.HYPOTHESIS_ENV] == matrix.ERA_EXAMPLES
     monkeypatch.setenv(matrix.HYPOTHESIS_ENV, "1000")  # a caller's own count wins
     assert matrix.environment(None)[matrix.HYPOTHESIS_ENV] == "1000"
+
+
+def test_the_default_versions_reach_every_era_and_every_boundary_a_pitfall_names():
+    """The matrix is what runs the era tests: dropping a version from DEFAULT_VERSIONS must not leave an era, or a
+    release where transformers changed what patchkit reads, untested (4.34's padding_mask, 4.35's removed helper,
+    4.36's sdpa default and Cache objects, 4.38's mask and RoPE layout, 4.48's attention interface, 4.53's masking
+    utils, 5.x). The pinned version runs in `make test`."""
+    from packaging.version import Version
+
+    from patchkit.eras import ERAS
+
+    versions = [*plan.DEFAULT_VERSIONS, importlib.metadata.version("transformers")]
+    for era in ERAS:
+        assert any(v in era for v in versions), f"no version of era {era.name} in the matrix"
+    for boundary in ("4.34", "4.35", "4.36", "4.38", "4.48", "4.53"):
+        low = Version(boundary)
+        assert any(low <= Version(v) < Version(f"4.{low.minor + 1}") for v in versions), f"no {boundary}.x"
+    assert any(Version(v) >= Version("5.0") for v in plan.DEFAULT_VERSIONS), "no 5.x besides the pinned one"

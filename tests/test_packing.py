@@ -179,3 +179,15 @@ def test_positions_with_gaps_behind_a_cache_stay_one_document(family):
         with patchkit.apply_patch(model=model, backend="sdpa"):
             got = model(input_ids=ids, position_ids=positions, use_cache=True).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_document_restarts_compare_real_tokens_only():
+    """A restart is read between real tokens, padding skipped: [0, 1, 1, 2] under [1, 0, 1, 1] is one document (the
+    padding's 1 is never compared), and [0, 1, 1, 0, 1] under [1, 1, 0, 1, 1] two (0 after 1)."""
+    from patchkit.forward.documents import document_lengths
+
+    for real, positions, want in (([[1, 0, 1, 1]], [[0, 1, 1, 2]], [3]), ([[1, 1, 0, 1, 1]], [[0, 1, 1, 0, 1]], [2, 2]),
+                                  ([[1, 1, 1], [0, 1, 1]], [[0, 1, 0], [5, 0, 1]], [2, 1, 2])):
+        real = torch.tensor(real, dtype=torch.bool)
+        indices = torch.nonzero(real.reshape(-1)).flatten()
+        assert document_lengths(real, indices, torch.tensor(positions)).tolist() == want
