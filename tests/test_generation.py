@@ -182,3 +182,40 @@ def same_generation(model, kw: dict, aside: frozenset = frozenset()) -> None:
         finite = step_want.isfinite()  # sampling's filtered scores are -inf
         assert torch.equal(finite, step_got.isfinite())
         torch.testing.assert_close(step_got[finite], step_want[finite], atol=2e-5, rtol=1e-4)
+
+
+def verified_families() -> list[str]:
+    from census import causal_lm_types
+
+    from patches import table
+
+    return sorted(set(causal_lm_types()) & set(table.VERIFIED))
+
+
+@pytest.mark.parametrize("family", verified_families())
+def test_a_chunk_behind_a_cache_equals_unpatched_in_every_family(family):
+    """A chunk of new tokens behind a filled cache (chunked prefill; assisted and prompt-lookup decoding verify
+    several candidates at once): its logits equal the unpatched model's. AFMoE views the attention output
+    (`.view(*input_shape, -1)`), which patchkit's decode path returned non-contiguous for a chunk of more than one
+    token (RuntimeError); transformers' own attention functions return it contiguous."""
+    from families import served_tiny
+
+    model = served_tiny(family)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+
+    def chunked() -> torch.Tensor:
+        first = model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True)
+        rest = model(input_ids=ids[:, 10:], attention_mask=mask, past_key_values=first.past_key_values, use_cache=True)
+        return torch.cat([first.logits, rest.logits], 1)
+
+    with torch.no_grad():
+        try:
+            want = chunked()
+        except Exception as unpatched:  # noqa: BLE001 - a tiny model transformers cannot run this way either
+            pytest.skip(f"unpatched raises {type(unpatched).__name__}")
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = chunked()
+            assert handle.calls
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

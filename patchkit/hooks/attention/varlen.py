@@ -263,12 +263,12 @@ def make_attention_function(
                 raise PatchStateError(f"{type(module).__name__} passes attention sinks inside a compiled graph that "
                                       "patchkit planned without them; compile without fullgraph=True")
             options = KernelOptions(dropout, scale, window, softcap, state.warn_once)
-            return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options), None
+            return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options).contiguous(), None
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
             scaling=scale, window=window, softcap=softcap, sinks=sinks,
         )
-        return out, None
+        return out.contiguous(), None  # as transformers' own attention functions return it: a layer may view it
 
     return attention
 
