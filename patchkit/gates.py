@@ -360,31 +360,23 @@ def dtype_gate(dtype: torch.dtype) -> GateResult:
     )
 
 
+# per kernel backend: the smallest head_dim, whether it must be a multiple of 8, what is required, and the fix
+HEAD_DIMS = {
+    "flash_attn_4": (8, True, f"8 <= head_dim <= {MAX_FLASH_HEAD_DIM}, a multiple of 8 (sm100: <= 128 or 256)",
+                     "flash-attn 4 runs head_dim 8-256 in multiples of 8; use backend='flash_attn' or 'sdpa'"),
+    "torch_varlen": (0, True, f"head_dim <= {MAX_FLASH_HEAD_DIM} and a multiple of 8",
+                     "torch's varlen_attn runs head_dim up to 256 in multiples of 8; use backend='flash_attn' or "
+                     "'sdpa'"),
+    "flash_attn": (0, False, f"head_dim <= {MAX_FLASH_HEAD_DIM}",
+                   "flash-attn kernels support head_dim up to 256; use backend='sdpa' for this model"),
+}
+
+
 def head_dim_gate(head_dim: int, backend: str = "flash_attn") -> GateResult:
     """flash-attn pads head_dim to a multiple of 8 itself; torch's varlen_attn gets only sizes it is known to take."""
-    if backend == "flash_attn_4":
-        return GateResult(
-            "head_dim",
-            8 <= head_dim <= MAX_FLASH_HEAD_DIM and head_dim % 8 == 0,
-            f"8 <= head_dim <= {MAX_FLASH_HEAD_DIM}, a multiple of 8 (sm100: <= 128 or 256)",
-            str(head_dim),
-            "flash-attn 4 runs head_dim 8-256 in multiples of 8; use backend='flash_attn' or 'sdpa'",
-        )
-    if backend == "torch_varlen":
-        return GateResult(
-            "head_dim",
-            head_dim <= MAX_FLASH_HEAD_DIM and head_dim % 8 == 0,
-            f"head_dim <= {MAX_FLASH_HEAD_DIM} and a multiple of 8",
-            str(head_dim),
-            "torch's varlen_attn runs head_dim up to 256 in multiples of 8; use backend='flash_attn' or 'sdpa'",
-        )
-    return GateResult(
-        "head_dim",
-        head_dim <= MAX_FLASH_HEAD_DIM,
-        f"head_dim <= {MAX_FLASH_HEAD_DIM}",
-        str(head_dim),
-        "flash-attn kernels support head_dim up to 256; use backend='sdpa' for this model",
-    )
+    least, eights, required, fix = HEAD_DIMS.get(backend, HEAD_DIMS["flash_attn"])
+    passed = least <= head_dim <= MAX_FLASH_HEAD_DIM and (not eights or head_dim % 8 == 0)
+    return GateResult("head_dim", passed, required, str(head_dim), fix)
 
 
 def gate_lines(results: list[GateResult], indent: str) -> list[str]:
