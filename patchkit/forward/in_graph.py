@@ -28,6 +28,7 @@ class GraphPlan(NamedTuple):
     state: Any
     by_position: bool
     positions: Optional[torch.Tensor] = None
+    cached: bool = False  # the forward makes a cache: documents by patchkit's rule behind it (`graph_layout`)
 
 
 # Set while dynamo traces a patched forward (never at run time: only a traced frame writes them; no contextvar,
@@ -49,20 +50,21 @@ class GraphMask(VarlenMask):
     """The key-padding mask of a forward inside a graph: the 2D mask (or transformers' packed sequence indices,
     `documents`), laid out once for every layer (the first layer's trace computes it, the others reuse it)."""
 
-    __slots__ = ("by_position", "positions", "_layout")
+    __slots__ = ("by_position", "positions", "cached", "_layout")
 
     def __init__(self, mask: Optional[torch.Tensor], by_position: bool, route: Any, window: Optional[int],
-                 positions: Optional[torch.Tensor] = None) -> None:
+                 positions: Optional[torch.Tensor] = None, cached: bool = False) -> None:
         super().__init__(mask, None, None, False, 0, None, route, window)
-        self.by_position = by_position  # transformers packs documents by position_ids (no mask, no cache)
+        self.by_position = by_position  # documents by position_ids (no mask)
         self.positions = positions  # the forward's own position_ids, for layers handed none
+        self.cached = cached  # behind the forward's own cache: a position that does not increase starts a document
         self._layout: Optional[Layout] = None
 
     def layout(self, batch: int, q_len: int, device: torch.device, position_ids: Optional[torch.Tensor],
                cu_seq_lens: Optional[torch.Tensor]) -> Layout:
         if self._layout is None:
             documents = (self.positions if position_ids is None else position_ids) if self.by_position else None
-            self._layout = graph_layout(self.mask, documents, batch, q_len, device, cu_seq_lens)
+            self._layout = graph_layout(self.mask, documents, batch, q_len, device, cu_seq_lens, self.cached)
         return self._layout
 
     def __repr__(self) -> str:
@@ -71,9 +73,11 @@ class GraphMask(VarlenMask):
 
 
 def graph_layout(mask: Optional[torch.Tensor], positions: Optional[torch.Tensor], batch: int, q_len: int,
-                 device: torch.device, cu_seq_lens: Optional[torch.Tensor] = None) -> Layout:
+                 device: torch.device, cu_seq_lens: Optional[torch.Tensor] = None, cached: bool = False) -> Layout:
     """The layout of a (batch, q_len) forward with no past, with no host read and no shape that depends on data.
-    `positions`: position_ids whose every step other than +1 starts a document (transformers' rule)."""
+    `positions`: position_ids whose every step other than +1 starts a document (transformers' rule, which its masks
+    apply without a cache); `cached`, behind the forward's own empty cache, only a step that does not increase (the
+    rule patchkit's attention reads documents by there, as eagerly: 0, 3, 6 stays one sequence)."""
     total = batch * q_len
     if mask is not None:
         real = mask.to(device=device, dtype=torch.bool).reshape(-1)
@@ -84,7 +88,8 @@ def graph_layout(mask: Optional[torch.Tensor], positions: Optional[torch.Tensor]
     if positions is None:
         return Layout(None, None, torch.arange(0, total + 1, q_len, dtype=torch.int32, device=device))
     positions = positions.to(device).expand(batch, q_len)
-    starts = torch.nn.functional.pad(positions.diff(dim=-1) != 1, (1, 0), value=True)
+    steps = positions.diff(dim=-1)
+    starts = torch.nn.functional.pad(steps <= 0 if cached else steps != 1, (1, 0), value=True)
     flat = torch.arange(total, dtype=torch.int32, device=device)
     bounds = torch.where(starts.reshape(-1), flat, torch.full_like(flat, total)).sort().values  # starts, then ends
     return Layout(None, None, torch.cat((bounds, bounds.new_full((1,), total))))

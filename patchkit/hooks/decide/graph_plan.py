@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
-from patchkit.forward.inputs.arguments import cross_attends, given_cache, input_tokens, sliding_window
+from patchkit.forward.inputs.arguments import (
+    cross_attends,
+    given_cache,
+    input_tokens,
+    resolved_use_cache,
+    sliding_window,
+)
 from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
@@ -125,12 +131,15 @@ def asides_in_graph(state_of: Callable[[], Any]) -> Callable[[str], bool]:
 @contextlib.contextmanager
 def routed_in_graph(config: Any, state: Any, arguments: dict) -> Iterator[None]:
     """For the traced span of the base model's forward: its masks and attention go to patchkit's name on `state`;
-    a caller's position_ids with no mask may hold packed documents (patchkit's rule, cache or not)."""
+    a caller's position_ids with no mask may hold packed documents (patchkit's rule, cache or not: a forward that
+    makes its own cache reads them as its attention does eagerly, `cached`)."""
     name = attn_name(config)
     positions = arguments.get("position_ids")
     by_position = arguments.get("attention_mask") is None and positions is not None
     flat = by_position and isinstance(positions, torch.Tensor) and positions.dim() == 2
-    GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None)
+    module = arguments.get("self")
+    cached = module is not None and resolved_use_cache(module, arguments.get("use_cache"))
+    GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None, cached)
     set_attn_name(config, ROUTE_NAME)
     try:
         yield
@@ -171,7 +180,7 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
     # where transformers' own mask packs documents (by the position_ids it was handed), a layer handed none reads
     # them from the forward's own
     return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window,
-                     plan.positions if packed and mask is None else None)
+                     plan.positions if packed and mask is None else None, plan.cached)
 
 
 def _modeling_cause(module_name: str, class_name: str) -> str:
