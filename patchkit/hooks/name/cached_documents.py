@@ -3,11 +3,11 @@
 transformers reads documents from restarting position_ids (no attention_mask) in `_preprocess_mask_arguments`, but
 only when the forward has no cache, and 5.x makes one in every eval forward (`use_cache` from the config): there the
 documents of a padding-free batch attend to each other. patchkit's attention keeps them apart from the position_ids
-its layers are handed; a layer handed none (GPT-BigCode, Persimmon, BioGPT, CTRL, Llama 4) learns them from its
-mask alone. So in a forward patchkit serves, the mask's preprocessing finds them behind an empty cache too: from
-the position_ids the model hands its masks (none for a multimodal model's RoPE-only rows, as transformers), by the
-rule patchkit's attention reads them with (a position that does not increase starts a document; in a graph the
-layers lay them out by transformers' rule, `in_graph.graph_layout`). A forward that steps aside, an unpatched model
+its layers are handed; a layer handed none (GPT-BigCode, Persimmon, CTRL, Llama 4) learns them from its mask
+alone. So in a forward patchkit serves, the mask's preprocessing finds them behind an empty cache too: from the
+position_ids the model hands its masks (none for a multimodal model's RoPE-only rows, nor for BioGPT's, as in
+transformers), by the rule patchkit's attention reads them with (a position that does not increase starts a
+document; in a graph `in_graph.graph_layout` lays them out by it). A forward that steps aside, an unpatched model
 and a cache with a past keep transformers' own preprocessing.
 """
 
@@ -54,9 +54,10 @@ def served_documents(original: Callable) -> Callable:
     places = {name: i for i, name in enumerate(inspect.signature(original).parameters)}
 
     def given(args: tuple, kwargs: dict, names: tuple[str, ...]) -> Any:
+        """The first of `names` passed (not None), by keyword or by place."""
         for name in names:
-            value = kwargs[name] if name in kwargs else args[places[name]] if places.get(name, len(args)) < len(
-                args) else None
+            place = places.get(name, len(args))
+            value = kwargs.get(name, args[place] if place < len(args) else None)
             if value is not None:
                 return value
         return None
