@@ -3,7 +3,7 @@ never read as text positions."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -38,9 +38,18 @@ def text_positions(module: nn.Module, position_ids: torch.Tensor) -> Optional[to
     Qwen2-VL and 5.3 for Qwen3-VL, and under `attn_implementation="patchkit"` alone) repeats a nonzero position over
     an image's tokens, which text positions never do (the vision-start token before an image takes position 0 if
     any token does, so the repeated time is never 0). One host sync, once per forward without a mask."""
-    config = getattr(module, "config", None)
+    return config_text_positions(getattr(module, "config", None), position_ids)
+
+
+def multimodal_rope(config: Any) -> bool:
+    """The model of `config` rotates by several position rows (time, height, width): Qwen2-VL's and Qwen3-VL's."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(rope, dict) or "mrope_section" not in rope or position_ids.dim() != 2:
+    return isinstance(rope, dict) and "mrope_section" in rope
+
+
+def config_text_positions(config: Any, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """`text_positions` for a model of `config` (what transformers' mask preprocessing is handed)."""
+    if not multimodal_rope(config) or position_ids.dim() != 2:
         return position_ids
     later = position_ids[..., 1:]
     return None if bool(((later == position_ids[..., :-1]) & (later != 0)).any()) else position_ids

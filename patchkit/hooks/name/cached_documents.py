@@ -6,9 +6,10 @@ documents of a padding-free batch attend to each other. patchkit's attention kee
 its layers are handed; a layer handed none (GPT-BigCode, Persimmon, CTRL, Llama 4) learns them from its mask
 alone. So in a forward patchkit serves, the mask's preprocessing finds them behind an empty cache too: from the
 position_ids the model hands its masks (none for a multimodal model's RoPE-only rows, nor for BioGPT's, as in
-transformers), by the rule patchkit's attention reads them with (a position that does not increase starts a
-document; in a graph `in_graph.graph_layout` lays them out by it). A forward that steps aside, an unpatched model
-and a cache with a past keep transformers' own preprocessing.
+transformers; never a time row handed on as text positions, which repeats a position over an image), by the rule
+patchkit's attention reads them with (a position that does not increase starts a document; in a graph
+`in_graph.graph_layout` lays them out by it). A forward that steps aside, an unpatched model and a cache with a
+past keep transformers' own preprocessing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from patchkit.forward.context import NO_PLAN, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
+from patchkit.forward.inputs.rope_rows import config_text_positions, multimodal_rope
 from patchkit.forward.liveness import is_compiling
 
 PREPROCESS = "_preprocess_mask_arguments"  # masking_utils, 4.53+: returns (early exit, mask, packed ids, ...)
@@ -81,6 +83,10 @@ def served_documents(original: Callable) -> Callable:
         if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or cache is None
                 or given(args, kwargs, ("attention_mask",)) is not None or not isinstance(embeds, torch.Tensor)
                 or positions.shape[-1] != embeds.shape[1] or not empty(cache)):
+            return out
+        config = given(args, kwargs, ("config",))  # a time row handed on as text positions is no documents
+        positions = None if in_graph and multimodal_rope(config) else config_text_positions(config, positions)
+        if positions is None:
             return out
         ids = document_ids(positions.expand(embeds.shape[0], -1), checked=not in_graph)
         return out if ids is None else (*out[:2], ids, *out[3:])
