@@ -44,6 +44,16 @@ def restart_lengths(position_ids: torch.Tensor, batch: int) -> list[int]:
     return seq_idx_lengths(documents, batch, positions.shape[-1], None)
 
 
+def document_ids(position_ids: torch.Tensor, checked: bool = True) -> Optional[torch.Tensor]:
+    """(B, N) document ids of packed rows, a new one wherever a position does not increase (patchkit's attention's
+    rule, `document_lengths`; gaps stay one document), or None where no row restarts (`checked`;
+    unchecked in a graph, which cannot branch on it: one document per row is the causal mask there too)."""
+    restarts = torch.zeros_like(position_ids, dtype=torch.long)
+    restarts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+    ids = restarts.cumsum(-1)
+    return ids if not checked or bool(ids[:, -1].any()) else None
+
+
 def has_packed_rows(mask: Optional[torch.Tensor], position_ids: Any) -> bool:
     """A row holds several documents: its real tokens' position_ids restart (`document_lengths`)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] < 2:

@@ -55,6 +55,15 @@ def given_cache(arguments: Mapping[str, Any], extra: Optional[Mapping[str, Any]]
     return None
 
 
+def holds_no_past(cache: Any) -> bool:
+    """A cache that holds no past yet (an eval forward's own, or generate()'s before its prefill)."""
+    length = getattr(cache, "get_seq_length", None)
+    try:
+        return length is not None and int(length()) == 0
+    except Exception:  # noqa: BLE001 - a cache that cannot say: keep transformers' own reading
+        return False
+
+
 def check_one_cache(arguments: Mapping[str, Any]) -> None:
     """Refuse two different caches, `cache` and the deprecated `past_key_values` (transformers 5.24+ keeps the first
     and drops the other with a FutureWarning: a prefix library's virtual keys would be ignored, unpatched too)."""

@@ -30,12 +30,17 @@ class KernelOptions(NamedTuple):
         return {} if self.sinks is None else {"learnable_sink": self.sinks}
 
 
+def kernel_head_size(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The head size a kernel call takes: the widest of queries (and keys) and values (`one_head_size`)."""
+    return max(q.shape[-1], v.shape[-1])
+
+
 def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, layout: Any, options: KernelOptions) -> torch.Tensor:
     """`attend(backend, q, k, v, layout, options)`; where values are narrower than queries and keys (multi-head
     latent attention), zero columns give all three one head size for the kernels, dropped from the output (the scale
     is explicit: zeros add nothing to the scores)."""
-    v_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    v_dim, width = v.shape[-1], kernel_head_size(q, v)
     if v_dim != q.shape[-1]:
         q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     out = attend(backend, q, k, v, layout, options)

@@ -25,6 +25,7 @@ from patchkit.hooks.attention.attend import (
     attend_unpadded,
     attend_with_cache,
     attend_with_sinks,
+    kernel_head_size,
     one_head_size,
 )
 from patchkit.hooks.install.state import PatchState
@@ -142,8 +143,8 @@ def varlen_core(
         options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
         return attend_with_sinks(q, k, v, meta, options, sinks)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-    width = max(q.shape[-1], v.shape[-1])  # the kernel's head size (`one_head_size`)
-    backend = state.backend_for(width, window, softcap, dropout, backward=backward, sinks=sinks is not None)
+    backend = state.backend_for(kernel_head_size(q, v), window, softcap, dropout, backward=backward,
+                                sinks=sinks is not None)
     if sinks is not None and not getattr(backend, "takes_sinks", False):  # this call fell back to sdpa: exact sinks
         return attend_with_sinks(q, k, v, meta, KernelOptions(dropout, scaling, window, softcap, state.warn_once),
                                  sinks)

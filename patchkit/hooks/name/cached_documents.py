@@ -16,37 +16,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from patchkit.forward.context import NO_PLAN, current
+from patchkit.forward.documents import document_ids
 from patchkit.forward.in_graph import GRAPH_ROUTE
+from patchkit.forward.inputs.arguments import CACHE_NAMES, holds_no_past
 from patchkit.forward.inputs.rope_rows import config_text_positions, multimodal_rope
 from patchkit.forward.liveness import is_compiling
 
 PREPROCESS = "_preprocess_mask_arguments"  # masking_utils, 4.53+: returns (early exit, mask, packed ids, ...)
-CACHE_NAMES = ("cache", "past_key_values")  # 5.24, and before
 EMBEDS_NAMES = ("inputs_embeds", "input_embeds")
-
-
-def document_ids(position_ids: torch.Tensor, checked: bool = True) -> Optional[torch.Tensor]:
-    """(B, N) document ids of packed rows, a new one wherever a position does not increase (patchkit's attention's
-    rule, `forward/documents.document_lengths`; gaps stay one document), or None where no row restarts (`checked`;
-    unchecked in a graph, which cannot branch on it: one document per row is the causal mask there too)."""
-    restarts = torch.zeros_like(position_ids, dtype=torch.long)
-    restarts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
-    ids = restarts.cumsum(-1)
-    return ids if not checked or bool(ids[:, -1].any()) else None
-
-
-def empty(cache: Any) -> bool:
-    """A cache that holds no past yet (an eval forward's own, or generate()'s before its prefill)."""
-    length = getattr(cache, "get_seq_length", None)
-    try:
-        return length is not None and int(length()) == 0
-    except Exception:  # noqa: BLE001 - a cache that cannot say: keep transformers' own reading
-        return False
 
 
 def served_documents(original: Callable) -> Callable:
@@ -82,7 +64,7 @@ def served_documents(original: Callable) -> Callable:
         embeds = given(args, kwargs, EMBEDS_NAMES)
         if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or cache is None
                 or given(args, kwargs, ("attention_mask",)) is not None or not isinstance(embeds, torch.Tensor)
-                or positions.shape[-1] != embeds.shape[1] or not empty(cache)):
+                or positions.shape[-1] != embeds.shape[1] or not holds_no_past(cache)):
             return out
         config = given(args, kwargs, ("config",))  # a time row handed on as text positions is no documents
         positions = None if in_graph and multimodal_rope(config) else config_text_positions(config, positions)
