@@ -17,7 +17,8 @@ TOOL = ROOT / "tools" / "hf_modeling_tests.py"
 
 # A family test file whose tests differ the ways the real ones can: one passes either way, two (one at module
 # level, one in a class) read the patch's variable and fail patched (pass->fail the tool must report, with its
-# message), one runs a padded forward (attention through the patch when patched), one skips.
+# message), one runs a padded forward (attention through the patch when patched), one skips, and one compares
+# eager with sdpa, as transformers' test_eager_matches_sdpa_inference does: patched, both sides run patchkit.
 FAMILY_TESTS = '''
 import os
 
@@ -34,13 +35,23 @@ def test_fails_patched():
     assert os.environ.get("PATCHKIT_FLASH_ATTN") is None, "patched run"
 
 
-def test_padded_forward():
+def padded_logits(attn="eager"):
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = attn
     mask = torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
     with torch.no_grad():
-        assert model(input_ids=torch.randint(1, 64, (2, 8)), attention_mask=mask).logits.shape == (2, 8, 64)
+        return model(input_ids=torch.randint(1, 64, (2, 8)), attention_mask=mask).logits[mask.bool()]
+
+
+def test_padded_forward():
+    assert padded_logits().shape == (13, 64)
+
+
+def test_eager_matches_sdpa_inference():
+    torch.testing.assert_close(padded_logits("eager"), padded_logits("sdpa"), atol=1e-5, rtol=1e-4)
 
 
 def test_skips():
@@ -55,7 +66,8 @@ class TestInAClass:  # transformers' own tests live in classes (LlamaModelTest)
 
 def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     """Plain and patched runs, the re-run of the changed test, the probe's counters: one pass->fail, stable on
-    re-run, with its message; the forward's attention counted through the patch; the report groups it by cause.
+    re-run, with its message; the forward's attention counted through the patch; the report groups it by cause;
+    an eager-vs-sdpa comparison that passes patched is listed as vacuous (both sides ran patchkit).
     Two families at once (--jobs 2); the second's test file does not import (OPT's needs `timeout_decorator`),
     which the tool reports by name with a non-zero exit, never as a family where nothing changed."""
     tree = tmp_path / "hf_tests"
@@ -75,14 +87,17 @@ def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     family, opt = json.loads((out / "results.json").read_text())["families"]
     assert "did not import in both runs: ModuleNotFoundError: No module named 'not_installed_here_xyz'" in opt["error"]
     assert "opt: not run: tests/models/opt/test_modeling_opt.py did not import" in run.stdout
-    assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (5, 4, 4, 2)
+    assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (6, 5, 5, 3)
     assert (family["pass_to_fail"], family["fail_to_pass"], family["other_changes"]) == (2, 0, 0)
     changed = {row["id"].split("::", 1)[1]: row for row in family["changed"]}  # ids as pytest takes them back
     assert changed.keys() == {"test_fails_patched", "TestInAClass::test_fails_patched_too"}
     assert all(row["repeats_on_rerun"] is True for row in changed.values())  # the re-run found both
     assert "patched run" in changed["test_fails_patched"]["patched_message"]
-    assert family["patched_attention_tests"] == 1 and family["patched_calls"] >= 2  # two layers, one forward
+    assert family["patched_attention_tests"] == 2 and family["patched_calls"] >= 6  # two layers, three forwards
     assert "test_fails_patched" in run.stdout and "patched run" in run.stdout
+    # the comparison passed either way, but patched it compared patchkit with itself: listed apart, not as evidence
+    assert [i.split("::", 1)[1] for i in family["vacuous_comparisons"]] == ["test_eager_matches_sdpa_inference"]
+    assert "Passed, but vacuous" in run.stdout and "llama: tests/models/llama/" in run.stdout
 
 
 def test_prepare_copies_the_testers_missing_testing_utils_constants(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def cause_of(message: str) -> str:
 def print_report(families: list[dict[str, Any]]) -> None:
     """The table, then the changed tests grouped by the first line of their error (the cause)."""
     header = ("family", "tests", "run", "pass plain", "pass patched", "pass->fail", "fail->pass", "other",
-              "patched attn", "stepped aside", "s plain", "s patched")
+              "patched attn", "stepped aside", "vacuous", "s plain", "s patched")
     table = []
     for f in families:
         if "error" in f:
@@ -31,13 +31,15 @@ def print_report(families: list[dict[str, Any]]) -> None:
             continue
         table.append((f["family"], f["tests"], f["run_plain"], f["passed_plain"], f["passed_patched"],
                       f["pass_to_fail"], f["fail_to_pass"], f["other_changes"], f["patched_attention_tests"],
-                      f["stepped_aside_tests"], f["runs"]["plain"]["seconds"], f["runs"]["patched"]["seconds"]))
+                      f["stepped_aside_tests"], len(f.get("vacuous_comparisons", [])),
+                      f["runs"]["plain"]["seconds"], f["runs"]["patched"]["seconds"]))
     widths = [max(len(str(row[i])) for row in (header, *table)) for i in range(len(header))]
     print()
     for row in (header, *table):
         print("  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in enumerate(zip(row, widths))))
     print("\n(run: not skipped in the plain run; patched attn / stepped aside: tests of the patched run in which "
-          "at least one attention call went through the patch / at least one forward stepped aside)")
+          "at least one attention call went through the patch / at least one forward stepped aside; vacuous: passed "
+          "tests comparing two attention implementations where both ran patchkit, listed below: no evidence)")
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for f in families:
         for row in f.get("changed", []):
@@ -59,6 +61,12 @@ def print_report(families: list[dict[str, Any]]) -> None:
             if row["patched_calls"] is not None:
                 notes.append(f"{row['patched_calls']} patched attention calls")
             print(f"    {row['id']}" + (f"  ({'; '.join(notes)})" if notes else ""))
+    vacuous = [(f["family"], i) for f in families for i in f.get("vacuous_comparisons", [])]
+    if vacuous:
+        print("\nPassed, but vacuous: they compare two attention implementations, and under the class patch both "
+              "sides ran patchkit (compare patchkit with transformers' eager instead: `patchkit verify`):")
+    for family, test_id in vacuous:
+        print(f"    {family}: {test_id}")
     print("\npatchkit at exit (patched runs):")
     for f in (f for f in families if "error" not in f):
         for line in f.get("exit_lines", []) or ["(no patchkit exit line: was the startup hook active?)"]:
@@ -83,6 +91,6 @@ def write_results(families: list[dict[str, Any]], out: Path, meta: dict[str, Any
         writer = csv.writer(fh)
         keys = ["family", "tests", "run_plain", "passed_plain", "passed_patched", "pass_to_fail", "fail_to_pass",
                 "other_changes", "patched_attention_tests", "stepped_aside_tests", "patched_calls"]
-        writer.writerow(keys)
+        writer.writerow([*keys, "vacuous_comparisons"])
         for f in families:
-            writer.writerow([f.get(k, "") for k in keys])
+            writer.writerow([*(f.get(k, "") for k in keys), len(f.get("vacuous_comparisons", []))])
