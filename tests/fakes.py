@@ -9,6 +9,7 @@ import types
 from typing import Optional
 
 import flash_stand_in as stand_in
+import pytest
 import torch
 from packaging.version import Version
 
@@ -176,3 +177,24 @@ def install_torch_varlen_double(
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     monkeypatch.setattr(gates, "probe_environment", lambda: environment)
     return fake
+
+
+def install_transformers_flash_attention_2(monkeypatch) -> None:
+    """transformers' own "flash_attention_2" (its `_flash_attention_forward`, 4.56+) on the CPU: flash-attn's Python
+    functions from the stand-in, and transformers told flash-attn 2 is available, as on a GPU machine with it."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    if not hasattr(fa_utils, "_lazy_imports"):
+        pytest.skip("this transformers imports flash-attn when its module loads (the stand-in hooks its lazy import)")
+    package = types.ModuleType("flash_attn")
+    padding = types.ModuleType("flash_attn.bert_padding")
+    padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
+    package.flash_attn_func, package.flash_attn_varlen_func = stand_in.flash_attn_func, stand_in.flash_attn_varlen_func
+    package.flash_attn_with_kvcache, package.bert_padding = None, padding
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.bert_padding", padding)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *args, **kwargs: True)
+    for loaded in ("_flash_fn", "_flash_varlen_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
+                   "_loaded_implementation"):  # what it imported (4.57: the functions; 5.x: also their name)
+        if hasattr(fa_utils, loaded):
+            monkeypatch.setattr(fa_utils, loaded, None)
