@@ -7,12 +7,13 @@ import warnings
 
 import pytest
 import torch
-from census import PACKED, packed_rows
+from census import PACKED, causal_lm_types, document_logits, packed_rows
 from fakes import install_transformers_flash_attention_2
-from families import FAMILIES_FROM, family_model, served_here
-from models import labels_for, padded_batch, tiny_model
+from families import ATOL, FAMILIES_FROM, family_model, served_here, served_tiny
+from models import assert_same, labels_for, padded_batch, step, tiny_model
 
 import patchkit
+from patches import table
 
 FAMILIES = ["llama", "mistral", "gemma2", "qwen3"]  # GQA, a sliding window, softcap and both, q/k norms
 
@@ -111,3 +112,96 @@ def test_packed_rows_keep_their_documents_apart_where_flash_attention_2_joins_mo
     torch.testing.assert_close(got_one, one, atol=0, rtol=0)
     torch.testing.assert_close(got, alone, atol=0, rtol=0)
     assert (joined[1] - alone[1]).abs().max() > 1e-2  # unpatched, the second row's later documents saw the first
+
+
+VERIFIED = sorted(set(causal_lm_types()) & set(table.VERIFIED))
+# packed rows not compared: RecurrentGemma's recurrent layers carry their state across a row's documents, patched
+# or not, and its attention is served documents apart (docs/families.md: attention-only packing)
+CARRIED = ("recurrent_gemma",)
+
+
+@pytest.mark.parametrize("loaded", ["flash_attention_2", "eager"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_packed_row_with_a_mask_of_no_padding_keeps_the_loaded_attentions_rule(family, loaded):
+    """One packed row and an attention_mask of ones (a collator that flattens and still hands a mask): transformers'
+    flash_attention_2 takes a mask with no padding for none, and keeps the documents apart by position_ids; its eager
+    masks take the mask as padding only, and join them. Two such rows: flash_attention_2 joins them too. Patched, a
+    training step's logits and gradients equal the unpatched model's either way."""
+    model = loaded_as(family, loaded)
+    ids, positions = packed_rows()
+    for rows in (1, 2):
+        batch = dict(input_ids=ids[:rows], position_ids=positions[:rows], attention_mask=torch.ones_like(ids[:rows]))
+        want = step(model.train(), batch.pop("input_ids"), batch.pop("attention_mask"), **batch)
+        handle = patchkit.apply_patch(family, backend="sdpa")
+        try:
+            got = step(model, ids[:rows], torch.ones_like(ids[:rows]), position_ids=positions[:rows])
+            assert handle.calls > 0 and not handle.stepped_aside
+        finally:
+            handle.revert()
+        assert_same(got, want, torch.ones_like(ids[:rows]), atol=ATOL)
+        if rows == 1 and loaded == "flash_attention_2":
+            with torch.no_grad():
+                alone = document_logits(model.eval(), ids[:1])
+            torch.testing.assert_close(got[0], alone, atol=ATOL, rtol=1e-4)  # each document as run alone
+
+
+def loaded_as(family: str, loaded: str) -> torch.nn.Module:
+    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
+    if family != "llama" and not served_here(family):
+        pytest.skip(f"{family}'s patch needs transformers {FAMILIES_FROM}+")
+    model.config._attn_implementation = loaded
+    return model
+
+
+def on_flash_attention_2(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as transformers loads it when asked for flash_attention_2; skips where it never does (a family
+    that names its own flash kernels, for attention sinks: transformers loads the first of them instead) or refuses."""
+    kernels = getattr(model, "_compatible_flash_implementations", None)
+    if kernels and "flash_attention_2" not in kernels:
+        pytest.skip(f"asked for flash_attention_2, transformers loads {type(model).__name__} with {kernels[0]!r}")
+    try:
+        model.config._attn_implementation = "flash_attention_2"
+    except ValueError as refusal:  # HRM-Text's prefix-LM config
+        pytest.skip(f"transformers refuses flash_attention_2 here: {str(refusal).splitlines()[0][:120]}")
+    return model
+
+
+@pytest.mark.parametrize("model_type", VERIFIED)
+def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_numbers(model_type):
+    """fp32 (the stand-in takes it; transformers' flash_attention_2 keeps it): a mixed-padded training step's logits
+    and gradients, and left-padded greedy tokens, equal the unpatched flash_attention_2 model's; a packed row's
+    logits are each document's run alone (unpatched flash_attention_2 joins them in layers handed no position_ids
+    and in a hybrid's mixers). Where transformers' flash_attention_2 fails unpatched, the test skips with its error
+    (GPT-2 in fp32: its Conv1D layers have no nn.Linear to take a dtype from; Llama 4's chunks)."""
+    model = on_flash_attention_2(served_tiny(model_type).train())
+    ids, mask = padded_batch("mixed")
+    left, left_mask = padded_batch("left", batch=3)
+    packed, positions = packed_rows()
+    packed, positions = packed[:1], positions[:1]
+
+    def run() -> tuple:
+        model.train()
+        trained = step(model, ids, mask)
+        model.eval()
+        tokens = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
+                                pad_token_id=0)
+        return trained, tokens
+
+    try:
+        want, want_tokens = run()
+    except Exception as failure:  # noqa: BLE001 - what transformers' own path raises, named in the skip
+        pytest.skip(f"unpatched flash_attention_2 fails: {type(failure).__name__}: {str(failure)[:100]}")
+    alone = document_logits(model, packed)[:1]
+    with torch.no_grad():
+        joined = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got, tokens = run()
+        with torch.no_grad():
+            got_packed = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        assert handle.calls > 0 and not handle.stepped_aside, handle.report()
+    assert_same(got, want, mask, atol=ATOL)
+    assert tokens.tolist() == want_tokens.tolist()
+    if model_type in CARRIED:
+        return
+    apart, as_unpatched = ((got_packed - ref).abs().max().item() for ref in (alone, joined))
+    assert min(apart, as_unpatched) <= ATOL, f"packed: {apart:.2g} off each document alone, {as_unpatched:.2g} off it"

@@ -34,11 +34,13 @@ ROUTE_NAME = "patchkit"  # the registered attention name (no "flash", no "/"; at
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """What a routed call carries: the patch state serving it, and the sequence-parallel wrapper (DeepSpeed
-    Ulysses) registered under the model's own attention name, which the call must go through."""
+    """What a routed call carries: the patch state serving it, the sequence-parallel wrapper (DeepSpeed Ulysses)
+    registered under the model's own attention name, which the call must go through, and that name (None under
+    patchkit's own), whose mask rules the served forward keeps."""
 
     state: Any
     ulysses: Optional[Callable] = None
+    loaded: Optional[str] = None
 
 
 _FIELD = "_attn_implementation_internal"
@@ -128,12 +130,13 @@ def routed(config: Any, state: Any) -> Iterator[None]:
             refuse_shard_local()
             outer = current().route
             if outer is not None and name == ROUTE_NAME:  # a layer inside a routed forward: the forward's route
-                ulysses = outer.ulysses
+                ulysses, loaded = outer.ulysses, outer.loaded
             else:  # under patchkit's own name transformers finds a wrapper itself
                 ulysses = None if name == ROUTE_NAME else ulysses_wrapper(name)
+                loaded = None if name == ROUTE_NAME else name
                 if ulysses is None and name != ROUTE_NAME and ulysses_active():
                     raise refuse_unfound(name)
-            scope = within(route=Route(state, ulysses))
+            scope = within(route=Route(state, ulysses, loaded))
         with scope:  # the name is written within the route: the config's watched property adopts nothing then
             set_attn_name(config, ROUTE_NAME)
             try:

@@ -99,6 +99,7 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
     if chunk is not None and (chunk_behind_cache(chunk, attention_mask, past_len, q_length)
                               or chunks_off_start(function, chunk)):
         return aside_mask("chunk_behind_cache", args, kwargs)
+    attention_mask = flash_loaded_mask(attention_mask, context.route)
     documents = packed_sequence_ids(function) if attention_mask is None else None
     if documents is not None and context.plan.packed is None:  # for layers not handed position_ids (GPT-BigCode)
         return VarlenMask(None, sequence_ids_metadata(documents), route=context.route, window=window, chunk=chunk)
@@ -120,6 +121,20 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
     if placed:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
+
+
+def flash_loaded_mask(mask: Any, route: Any) -> Any:
+    """transformers' `flash_attention_mask`, for a model loaded with a flash attention that patchkit serves: a one-row
+    mask with no padding is no mask, so that restarting position_ids are packed documents there, which its flash
+    attention keeps apart (`_is_packed_sequence`: one row, no mask). Every other mask and loaded name: as given."""
+    if route is None or route.loaded is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or len(mask) != 1:
+        return mask
+    from transformers import masking_utils
+
+    flash = getattr(masking_utils, "flash_attention_mask", None)
+    if flash is None or masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.get(route.loaded) is not flash:
+        return mask
+    return None if bool(mask.all()) else mask
 
 
 def call_device(kwargs: dict) -> Optional[torch.device]:
