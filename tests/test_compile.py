@@ -374,6 +374,9 @@ else:
 compiled = torch.compile(model, backend="eager")
 for _ in range(2):
     compiled(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+model.eval()  # an eval forward makes its own cache (transformers 5.x, use_cache from the config)
+with torch.no_grad():
+    compiled(input_ids=ids, attention_mask=mask)
 """
 
 
@@ -381,7 +384,8 @@ for _ in range(2):
 def test_compiling_a_patched_model_warns_of_nothing_inside_patchkit(way):
     """Dynamo warned of `sys._getframe` (the frame walks for labels and generate()) and of a `functools.cache` call
     ("silent incorrectness") inside patchkit: the walks now run outside the trace, the cached answers are read
-    before it. A fresh process, as dynamo warns once per process."""
+    before it or from plain memos (an eval forward's own cache too). A fresh process, as dynamo warns once per
+    process."""
     import subprocess
     import sys
     from pathlib import Path

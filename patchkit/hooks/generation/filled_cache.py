@@ -7,7 +7,6 @@ transformers' padded forward would have stored, so that decode steps (and genera
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from typing import Any, Iterator
 
@@ -37,10 +36,19 @@ KV_SHARING = frozenset({"gemma3n", "gemma4", "gemma4_unified", "diffusion_gemma"
 RECURRENT_LAYERS = ("LinearAttention",)  # transformers' cache layers holding a recurrent mixer's states (5.x)
 
 
-@functools.cache
+_ERA: list[tuple[bool, bool, bool]] = []  # a plain memo, not functools.cache: compiled forwards read it (an eval
+# forward making its own cache), and dynamo warns of "silent incorrectness" at a functools.cache call it traces
+
+
 def _families_era() -> tuple[bool, bool, bool]:
     """(transformers >= 4.53, whose families' own caches were checked; DynamicCache takes `config`, from 4.56;
-    transformers >= 5.0)."""
+    transformers >= 5.0), read once."""
+    if not _ERA:
+        _ERA.append(_read_era())
+    return _ERA[0]
+
+
+def _read_era() -> tuple[bool, bool, bool]:
     import transformers
 
     release = Version(transformers.__version__).release
