@@ -205,3 +205,28 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
         return
     apart, as_unpatched = ((got_packed - ref).abs().max().item() for ref in (alone, joined))
     assert min(apart, as_unpatched) <= ATOL, f"packed: {apart:.2g} off each document alone, {as_unpatched:.2g} off it"
+
+
+@pytest.mark.heavy  # torch.compile
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph", "fullgraph"])
+def test_a_compiled_forward_keeps_the_flash_rule_for_a_mask_of_no_padding(fullgraph):
+    """Compiled, the rule above without a host read: one packed row with a mask of ones is its documents (as the eager
+    patched forward and unpatched flash_attention_2 give it), one with padding is its padding alone, and two rows
+    with masks of ones join (flash_attention_2's one-row rule)."""
+    model = loaded_as("llama", "flash_attention_2").eval()
+    ids, positions = packed_rows()
+    padded = torch.ones_like(ids[:1]).index_fill(1, torch.tensor([22, 23]), 0)
+    cases = [(ids[:1], positions[:1], torch.ones_like(ids[:1])), (ids[:1], positions[:1], padded),
+             (ids, positions, torch.ones_like(ids))]
+    with torch.no_grad():
+        want = [model(input_ids=i, position_ids=p, attention_mask=m, use_cache=False).logits for i, p, m in cases]
+        torch._dynamo.reset()
+        with patchkit.apply_patch("llama", backend="sdpa") as handle:
+            compiled = torch.compile(model, backend="eager", fullgraph=fullgraph)
+            got = [compiled(input_ids=i, position_ids=p, attention_mask=m, use_cache=False).logits
+                   for i, p, m in cases]
+            assert not handle.stepped_aside
+    for (_, _, m), g, w in zip(cases, got, want):
+        real = m.bool()
+        torch.testing.assert_close(g[real], w[real], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(got[0], document_logits(model, ids[:1]), atol=ATOL, rtol=1e-4)

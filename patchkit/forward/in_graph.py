@@ -29,6 +29,8 @@ class GraphPlan(NamedTuple):
     by_position: bool
     positions: Optional[torch.Tensor] = None
     cached: bool = False  # the forward makes a cache: documents by patchkit's rule behind it (`graph_layout`)
+    flash_ones: bool = False  # a model loaded with flash attention, given one row's mask and position_ids: a mask
+    # with no padding is no mask there (transformers' flash_attention_mask), and the positions' documents count
 
 
 # Set while dynamo traces a patched forward (never at run time: only a traced frame writes them; no contextvar,
@@ -79,6 +81,8 @@ def graph_layout(mask: Optional[torch.Tensor], positions: Optional[torch.Tensor]
     apply without a cache); `cached`, behind the forward's own empty cache, only a step that does not increase (the
     rule patchkit's attention reads documents by there, as eagerly: 0, 3, 6 stays one sequence)."""
     total = batch * q_len
+    if mask is not None and positions is not None:  # one row under a flash-loaded model's rule (GraphPlan)
+        return ones_or_padding_layout(mask, positions, q_len, device, cached)
     if mask is not None:
         real = mask.to(device=device, dtype=torch.bool).reshape(-1)
         order = torch.sort((~real).to(torch.uint8), stable=True).indices  # real tokens first, each row in order
@@ -93,6 +97,18 @@ def graph_layout(mask: Optional[torch.Tensor], positions: Optional[torch.Tensor]
     flat = torch.arange(total, dtype=torch.int32, device=device)
     bounds = torch.where(starts.reshape(-1), flat, torch.full_like(flat, total)).sort().values  # starts, then ends
     return Layout(None, None, torch.cat((bounds, bounds.new_full((1,), total))))
+
+
+def ones_or_padding_layout(mask: torch.Tensor, positions: torch.Tensor, q_len: int, device: torch.device,
+                           cached: bool) -> Layout:
+    """One row's layout with its mask and position_ids, as a flash-loaded model reads them: the documents of its
+    positions where the mask has no padding, else its padding alone (the mask's one sequence, then empty ones to the
+    documents' fixed size), chosen on the device."""
+    by_mask = graph_layout(mask, None, 1, q_len, device)
+    by_documents = graph_layout(None, positions, 1, q_len, device, cached=cached)
+    padded = torch.cat((by_mask.cu_seqlens, by_mask.cu_seqlens[-1:].expand(q_len - 1)))
+    no_padding = mask.to(device=device, dtype=torch.bool).all()
+    return Layout(by_mask.order, by_mask.real, torch.where(no_padding, by_documents.cu_seqlens, padded))
 
 
 def graph_metadata(batch: int, q_len: int, cu_seqlens: torch.Tensor) -> VarlenMetadata:

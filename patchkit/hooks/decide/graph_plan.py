@@ -29,7 +29,7 @@ from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside
-from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, set_attn_name
+from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, loads_flash_masks, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 # why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
@@ -134,12 +134,14 @@ def routed_in_graph(config: Any, state: Any, arguments: dict) -> Iterator[None]:
     a caller's position_ids with no mask may hold packed documents (patchkit's rule, cache or not: a forward that
     makes its own cache reads them as its attention does eagerly, `cached`)."""
     name = attn_name(config)
-    positions = arguments.get("position_ids")
-    by_position = arguments.get("attention_mask") is None and positions is not None
-    flat = by_position and isinstance(positions, torch.Tensor) and positions.dim() == 2
+    positions, mask = arguments.get("position_ids"), arguments.get("attention_mask")
+    by_position = mask is None and positions is not None
+    one_row = isinstance(mask, torch.Tensor) and mask.dim() == 2 and len(mask) == 1
+    flash_ones = one_row and positions is not None and flash_masks_in_graph(name)
+    flat = (by_position or flash_ones) and isinstance(positions, torch.Tensor) and positions.dim() == 2
     module = arguments.get("self")
     cached = module is not None and resolved_use_cache(module, arguments.get("use_cache"))
-    GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None, cached)
+    GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None, cached, flash_ones and flat)
     set_attn_name(config, ROUTE_NAME)
     try:
         yield
@@ -179,8 +181,9 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
         return "window"
     # where transformers' own mask packs documents (by the position_ids it was handed), a layer handed none reads
     # them from the forward's own
-    return GraphMask(mask, plan.by_position and mask is None, Route(plan.state), window,
-                     plan.positions if packed and mask is None else None, plan.cached)
+    ones = plan.flash_ones and mask is not None  # the mask's rows have no padding: documents by position
+    return GraphMask(mask, (plan.by_position and mask is None) or ones, Route(plan.state), window,
+                     plan.positions if (packed and mask is None) or ones else None, plan.cached)
 
 
 def _modeling_cause(module_name: str, class_name: str) -> str:
@@ -210,3 +213,4 @@ ENCODER_MASK = "create_bidirectional_mask("  # cross-attention's mask over the e
 PATTERN_MARKERS = ("or_mask_function", "and_mask_function", "block_sequence_ids", "chunked", "bidirectional")
 _MODELING: dict[tuple[str, str], str] = {}
 modeling_cause = torch._dynamo.assume_constant_result(_modeling_cause)  # run while traced
+flash_masks_in_graph = torch._dynamo.assume_constant_result(loads_flash_masks)  # run while traced

@@ -43,6 +43,20 @@ class Route:
     loaded: Optional[str] = None
 
 
+def loads_flash_masks(name: Optional[str]) -> bool:
+    """Whether a model loaded with attention `name` gets transformers' `flash_attention_mask` (flash-attn 2, 3, 4 and
+    their hub kernels): a one-row mask with no padding is no mask there, and its flash attention then reads packed
+    documents from restarting position_ids."""
+    if name is None or name == ROUTE_NAME:
+        return False
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: nothing loaded
+        return False
+    flash = getattr(masking_utils, "flash_attention_mask", None)  # 4.53+
+    return flash is not None and masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.get(name) is flash
+
+
 _FIELD = "_attn_implementation_internal"
 _DIRECT: dict[type, bool] = {}  # per config class: may its attention name be read and written as a plain field
 

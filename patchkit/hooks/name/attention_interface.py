@@ -38,7 +38,7 @@ from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.install.registry import refusal, resolve, served_model_types, spec_for_class
-from patchkit.hooks.install.routing import ROUTE_NAME
+from patchkit.hooks.install.routing import ROUTE_NAME, loads_flash_masks
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import cached_documents
 from patchkit.hooks.name.named import adopted, watch
@@ -127,14 +127,9 @@ def flash_loaded_mask(mask: Any, route: Any) -> Any:
     """transformers' `flash_attention_mask`, for a model loaded with a flash attention that patchkit serves: a one-row
     mask with no padding is no mask, so that restarting position_ids are packed documents there, which its flash
     attention keeps apart (`_is_packed_sequence`: one row, no mask). Every other mask and loaded name: as given."""
-    if route is None or route.loaded is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or len(mask) != 1:
+    if route is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or len(mask) != 1:
         return mask
-    from transformers import masking_utils
-
-    flash = getattr(masking_utils, "flash_attention_mask", None)
-    if flash is None or masking_utils.ALL_MASK_ATTENTION_FUNCTIONS.get(route.loaded) is not flash:
-        return mask
-    return None if bool(mask.all()) else mask
+    return None if loads_flash_masks(route.loaded) and bool(mask.all()) else mask
 
 
 def call_device(kwargs: dict) -> Optional[torch.device]:
