@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import inspect
 import sys
 import types
@@ -187,6 +188,7 @@ def install_transformers_flash_attention_2(monkeypatch) -> None:
     if not hasattr(fa_utils, "_lazy_imports"):
         pytest.skip("this transformers imports flash-attn when its module loads (the stand-in hooks its lazy import)")
     package = types.ModuleType("flash_attn")
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)  # transformers' package probes read it
     padding = types.ModuleType("flash_attn.bert_padding")
     padding.pad_input, padding.unpad_input = fa_utils._pad_input, fa_utils._unpad_input
     package.flash_attn_func, package.flash_attn_varlen_func = stand_in.flash_attn_func, stand_in.flash_attn_varlen_func

@@ -128,6 +128,34 @@ def test_sft_class_patch_matches_unpatched(family: str, mode: str, tmp_path: Pat
     assert_same_losses(got, want)
 
 
+@pytest.mark.parametrize("mode", ["padding_free", "packing"])
+@pytest.mark.parametrize("family", ["llama", "gpt_bigcode", "biogpt"])
+def test_sft_on_a_model_loaded_with_flash_attention_2_matches_unpatched(family: str, mode: str, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    """TRL's padding-free modes are meant for flash attention (TRL warns otherwise): the model loaded with
+    transformers' own flash_attention_2 (on the CPU stand-in of flash-attn), patched, gives the unpatched losses to
+    the bit. GPT-BigCode's layers are handed no position_ids; BioGPT makes a mask of ones for the packed row."""
+    from census import tiny_lm
+    from fakes import install_transformers_flash_attention_2
+
+    install_transformers_flash_attention_2(monkeypatch)
+
+    def built() -> torch.nn.Module:
+        model, why = tiny_lm(family)
+        assert model is not None, why
+        model.config._attn_implementation = "flash_attention_2"
+        return model
+
+    want = sft_losses(built(), tmp_path, **MODES[mode])
+    handle = patchkit.apply_patch(backend="sdpa")
+    try:
+        got = sft_losses(built(), tmp_path, **MODES[mode])
+        assert handle.calls == STEPS * LAYERS * 2 and not handle.stepped_aside, handle.report()
+    finally:
+        handle.revert()
+    assert got == want
+
+
 def lora() -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       task_type="CAUSAL_LM")
