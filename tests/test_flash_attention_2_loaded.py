@@ -14,6 +14,7 @@ from models import assert_same, labels_for, padded_batch, step, tiny_model
 
 import patchkit
 from patches import table
+from patchkit.hooks.install.registry import registered
 
 FAMILIES = ["llama", "mistral", "gemma2", "qwen3"]  # GQA, a sliding window, softcap and both, q/k norms
 
@@ -114,7 +115,8 @@ def test_packed_rows_keep_their_documents_apart_where_flash_attention_2_joins_mo
     assert (joined[1] - alone[1]).abs().max() > 1e-2  # unpatched, the second row's later documents saw the first
 
 
-VERIFIED = sorted(set(causal_lm_types()) & set(table.VERIFIED))
+# the families served from data (`patches/table.py`) and those with a patch module of their own (`patches/`)
+VERIFIED = sorted(set(causal_lm_types()) & (set(table.VERIFIED) | {t for s in registered() for t in s.model_types}))
 # packed rows not compared: RecurrentGemma's recurrent layers carry their state across a row's documents, patched
 # or not, and its attention is served documents apart (docs/families.md: attention-only packing)
 CARRIED = ("recurrent_gemma",)
@@ -169,7 +171,8 @@ def on_flash_attention_2(model: torch.nn.Module) -> torch.nn.Module:
 @pytest.mark.parametrize("model_type", VERIFIED)
 def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_numbers(model_type):
     """fp32 (the stand-in takes it; transformers' flash_attention_2 keeps it): a mixed-padded training step's logits
-    and gradients, and left-padded greedy tokens, equal the unpatched flash_attention_2 model's; a packed row's
+    and gradients, and left-padded greedy tokens into a dynamic and a static cache (whose masks generate() makes
+    ahead per layer type, 2D for flash attention), equal the unpatched flash_attention_2 model's; a packed row's
     logits are each document's run alone (unpatched flash_attention_2 joins them in layers handed no position_ids
     and in a hybrid's mixers). Where transformers' flash_attention_2 fails unpatched, the test skips with its error
     (GPT-2 in fp32: its Conv1D layers have no nn.Linear to take a dtype from; Llama 4's chunks)."""
@@ -183,8 +186,9 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
         model.train()
         trained = step(model, ids, mask)
         model.eval()
-        tokens = model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4, do_sample=False,
-                                pad_token_id=0)
+        tokens = torch.cat([model.generate(input_ids=left, attention_mask=left_mask, max_new_tokens=4,
+                                           do_sample=False, pad_token_id=0, cache_implementation=cache)
+                            for cache in (None, "static")])
         return trained, tokens
 
     try:

@@ -173,6 +173,7 @@ def served_cause(module: Any, arguments: dict, extra: dict, cause: Optional[str]
         return served_4d_cause(module, arguments, extra)
     if cause is None:
         no_masks_made(arguments)
+        flash_masks_made(arguments)
         cut_slots_mask(module, arguments)
     return cause
 
@@ -185,6 +186,23 @@ def no_masks_made(arguments: dict) -> None:
     mask = arguments.get("attention_mask")
     if isinstance(mask, dict) and mask and all(m is None for m in mask.values()):
         arguments["attention_mask"] = None
+
+
+def flash_masks_made(arguments: dict) -> None:
+    """Masks per layer type made before this forward by transformers' `flash_attention_mask` (generate()'s for a
+    static cache, on a model loaded with flash attention): 2D masks, each the last columns of the widest, or None (no
+    padding). Handed on, they would reach the layers as they are, past the mask function that places a static
+    cache's slots (a crash: the mask is shorter than the slots); the widest is this forward's 2D mask."""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, dict):
+        return
+    given = [m for m in mask.values() if m is not None]
+    if not given or any(not isinstance(m, torch.Tensor) or m.dim() != 2 for m in given):
+        return
+    widest = max(given, key=lambda m: m.shape[-1])
+    if all(m.shape[0] == widest.shape[0] and torch.equal(m, widest[:, widest.shape[-1] - m.shape[-1]:])
+           for m in given):
+        arguments["attention_mask"] = widest
 
 
 def cut_slots_mask(module: Any, arguments: dict) -> None:
