@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from census import PACKED, causal_lm_types, document_logits, packed_rows
+from census import causal_lm_types, document_logits, packed_rows
 from fakes import install_transformers_flash_attention_2
 from families import ATOL, FAMILIES_FROM, family_model, served_here, served_tiny
 from models import assert_same, labels_for, padded_batch, step, tiny_model
@@ -24,14 +24,18 @@ def flash_attention_2(monkeypatch):
     install_transformers_flash_attention_2(monkeypatch)
 
 
-def loaded(family: str) -> torch.nn.Module:
-    """The tiny model in bf16 (flash-attn's dtypes), its config naming "flash_attention_2" as `from_pretrained` on a
-    GPU leaves it."""
+def loaded_as(family: str, loaded: str) -> torch.nn.Module:
+    """The tiny fp32 model, its config naming `loaded` as `from_pretrained` leaves it."""
     if family != "llama" and not served_here(family):
         pytest.skip(f"{family}'s patch needs transformers {FAMILIES_FROM}+")
-    model = (tiny_model(kv_heads=2) if family == "llama" else family_model(family)).to(torch.bfloat16).eval()
-    model.config._attn_implementation = "flash_attention_2"
+    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
+    model.config._attn_implementation = loaded
     return model
+
+
+def loaded(family: str) -> torch.nn.Module:
+    """The tiny model in bf16 (flash-attn's dtypes), loaded with "flash_attention_2", in eval mode."""
+    return loaded_as(family, "flash_attention_2").to(torch.bfloat16).eval()
 
 
 def patch(family: str, way: str, model: torch.nn.Module):
@@ -104,9 +108,7 @@ def test_packed_rows_keep_their_documents_apart_where_flash_attention_2_joins_mo
     with torch.no_grad():
         one = model(input_ids=ids[:1], position_ids=positions[:1], use_cache=False).logits
         joined = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        alone = torch.cat([torch.cat([model(input_ids=ids[r:r + 1, a:a + n], use_cache=False).logits
-                                      for a, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths)], 1)
-                           for r, lengths in enumerate(PACKED)])
+        alone = document_logits(model, ids)
         with patchkit.apply_patch(family, backend="sdpa"):
             got_one = model(input_ids=ids[:1], position_ids=positions[:1], use_cache=False).logits
             got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -132,27 +134,19 @@ def test_a_packed_row_with_a_mask_of_no_padding_keeps_the_loaded_attentions_rule
     model = loaded_as(family, loaded)
     ids, positions = packed_rows()
     for rows in (1, 2):
-        batch = dict(input_ids=ids[:rows], position_ids=positions[:rows], attention_mask=torch.ones_like(ids[:rows]))
-        want = step(model.train(), batch.pop("input_ids"), batch.pop("attention_mask"), **batch)
+        ones = torch.ones_like(ids[:rows])
+        want = step(model.train(), ids[:rows], ones, position_ids=positions[:rows])
         handle = patchkit.apply_patch(family, backend="sdpa")
         try:
-            got = step(model, ids[:rows], torch.ones_like(ids[:rows]), position_ids=positions[:rows])
+            got = step(model, ids[:rows], ones, position_ids=positions[:rows])
             assert handle.calls > 0 and not handle.stepped_aside
         finally:
             handle.revert()
-        assert_same(got, want, torch.ones_like(ids[:rows]), atol=ATOL)
+        assert_same(got, want, ones, atol=ATOL)
         if rows == 1 and loaded == "flash_attention_2":
             with torch.no_grad():
                 alone = document_logits(model.eval(), ids[:1])
             torch.testing.assert_close(got[0], alone, atol=ATOL, rtol=1e-4)  # each document as run alone
-
-
-def loaded_as(family: str, loaded: str) -> torch.nn.Module:
-    model = tiny_model(kv_heads=2) if family == "llama" else family_model(family)
-    if family != "llama" and not served_here(family):
-        pytest.skip(f"{family}'s patch needs transformers {FAMILIES_FROM}+")
-    model.config._attn_implementation = loaded
-    return model
 
 
 def on_flash_attention_2(model: torch.nn.Module) -> torch.nn.Module:
