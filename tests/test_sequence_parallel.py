@@ -41,16 +41,19 @@ LEFT_LOSS_RTOL = 4 * torch.finfo(torch.float32).eps  # the per-rank loss aggrega
 
 # (family, way): the data layouts one launch trains, a step each (a process start costs more than a step). Every way
 # on LLaMA, Qwen2 (q/k/v bias, a family of its own under the class patch) through the class patch; `both`: the class
-# patch on a model loaded with "patchkit". `left-restart`: left-padded rows whose position_ids restart at each row's
-# first real token (generate()'s convention): attention starts a document there and the padding drops out;
-# unpatched Ulysses (sdpa, no mask) is off by 3e-4 in the loss, 0.08 in the gradients for llama, 1e-3 and 0.5 for
-# qwen2 (measured).
+# patch on a model loaded with "patchkit"; `flash-class`: the class patch on a model loaded with "flash_attention_2"
+# (transformers' own, on the CPU stand-in of flash-attn), Ulysses wrapping that name. `left-restart`: left-padded
+# rows whose position_ids restart at each row's first real token (generate()'s convention): attention starts a
+# document there and the padding drops out; unpatched Ulysses (sdpa, no mask) is off by 3e-4 in the loss, 0.08 in the
+# gradients for llama, 1e-3 and 0.5 for qwen2 (measured); unpatched flash_attention_2 runs each of the two rows whole
+# (it reads documents from position_ids only in a batch of one row): 7e-5 off in the loss for llama (measured).
 CASES = {
     ("llama", "interface"): ["packed", "padded", "left-restart"],
     ("llama", "class"): ["packed", "padded"],
     ("llama", "env"): ["packed", "padded", "left-restart"],
     ("llama", "both"): ["packed", "padded"],
     ("qwen2", "class"): ["packed", "padded", "left-restart"],
+    ("llama", "flash-class"): ["packed", "padded", "left-restart"],
 }
 Results = dict[str, tuple[dict, dict]]  # data -> (rank 0's JSON, its gradients)
 
@@ -177,11 +180,12 @@ def test_left_padding_that_would_step_aside_is_refused(tmp_path):
 TRAINER_SCRIPT = REPO / "tests" / "user_scripts" / "ulysses_trainer.py"
 
 
-def run_trainer(tmp: Path, way: str, zero_stage: int = 0) -> tuple[dict, dict]:
-    """tests/user_scripts/ulysses_trainer.py on SP ranks: rank 0's JSON and its parameters after training."""
-    out = tmp / f"trainer-{way}-zero{zero_stage}.json"
+def run_trainer(tmp: Path, way: str, zero_stage: int = 0, attention: str = "sdpa") -> tuple[dict, dict]:
+    """tests/user_scripts/ulysses_trainer.py on SP ranks, the model and Ulysses on `attention`: rank 0's JSON and its
+    parameters after training."""
+    out = tmp / f"trainer-{way}-zero{zero_stage}-{attention}.json"
     env = clean_env(**({"PATCHKIT_FLASH_ATTN": "1"} if way == "env" else {}))
-    proc = run_group(torchrun(SP, TRAINER_SCRIPT, way, out, zero_stage), env, TIMEOUT)
+    proc = run_group(torchrun(SP, TRAINER_SCRIPT, way, out, zero_stage, attention), env, TIMEOUT)
     assert proc.returncode == 0 and out.exists(), f"{way}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), torch.load(out.with_suffix(".pt"))
 
@@ -196,8 +200,16 @@ def needs_parallelism_config() -> None:
 
 @pytest.fixture(scope="module")
 def trainer_reference(tmp_path_factory):
+    """The unpatched Trainer run on an attention name, computed on first use."""
     needs_parallelism_config()
-    return run_trainer(tmp_path_factory.mktemp("ulysses_trainer"), "none")
+    tmp, cache = tmp_path_factory.mktemp("ulysses_trainer"), {}
+
+    def get(attention: str) -> tuple[dict, dict]:
+        if attention not in cache:
+            cache[attention] = run_trainer(tmp, "none", attention=attention)
+        return cache[attention]
+
+    return get
 
 
 # The Trainer's steps read the loss alone, so under patchkit each rank's shard's loss comes from the fused head (its
@@ -208,8 +220,9 @@ TRAINED_ATOL = 1e-4
 
 
 def assert_trained_as(got: dict, params: dict, ref: dict, ref_params: dict, atol: float = TRAINED_ATOL) -> None:
-    """Ulysses ran under sdpa both times, patchkit only in `got`: the same losses and parameters after training."""
-    assert ref["ulysses_under_sdpa"] and got["ulysses_under_sdpa"]
+    """Ulysses wrapped the model's attention both times, patchkit ran only in `got`: the same losses and parameters
+    after training."""
+    assert ref["ulysses_wrapped"] and got["ulysses_wrapped"]
     assert ref["patchkit_calls"] == 0 and got["patchkit_calls"] > 0, got
     assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (got["losses"], ref["losses"])
     off = [n for n, p in ref_params.items() if not torch.allclose(params[n], p, atol=atol, rtol=GRAD_RTOL)]
@@ -217,11 +230,14 @@ def assert_trained_as(got: dict, params: dict, ref: dict, ref_params: dict, atol
     assert not off, (worst, off)
 
 
-@pytest.mark.parametrize("way", ["class", "env"])
-def test_trainer_parallelism_config_runs_patchkit_inside_ulysses(way, trainer_reference, tmp_path):
+# "flash_attention_2": what ALST's and TRL's docs load on a GPU (sp_attn_implementation), transformers' own on the CPU
+# stand-in of flash-attn; the class patch serves the wrapped name
+@pytest.mark.parametrize("way, attention", [("class", "sdpa"), ("env", "sdpa"), ("class", "flash_attention_2")])
+def test_trainer_parallelism_config_runs_patchkit_inside_ulysses(way, attention, trainer_reference, tmp_path):
     # two optimizer steps: the second loss and the parameters after both carry the first step's gradients
-    got, params = run_trainer(tmp_path, way)
-    assert_trained_as(got, params, *trainer_reference)
+    got, params = run_trainer(tmp_path, way, attention=attention)
+    assert got["config_attn_implementation"] == attention
+    assert_trained_as(got, params, *trainer_reference(attention))
     assert got["heads"] == {lm_head.FUSED: len(got["losses"])}, got["heads"]  # the Trainer reads the loss alone
 
 

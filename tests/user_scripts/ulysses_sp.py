@@ -12,7 +12,9 @@ plain process it computes the same step on the full sequence without Ulysses: th
 
 FAMILY: llama, qwen2. WAY: how patchkit comes in: `interface` (attn_implementation="patchkit"), `class`
 (patchkit.apply_patch() before the model is built), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller: the startup
-hook patches), `both` (the class patch and attn_implementation="patchkit"), `none` (unpatched sdpa).
+hook patches), `both` (the class patch and attn_implementation="patchkit"), `none` (unpatched sdpa);
+`flash-class` (the class patch on a model loaded with "flash_attention_2") and `flash` (that model unpatched):
+transformers' own flash attention on the CPU stand-in of flash-attn (tests/fakes.py).
 DATA: `padded` (two right-padded rows, a 2D attention_mask), `packed` (one row of several documents told apart by
 position_ids, no mask), or left-padded rows: `left` (position_ids 0..N-1), `left-restart` (position_ids restarting
 at each row's first real token), `left-restart-labelled` (that, with the first real token labelled).
@@ -57,7 +59,16 @@ opts.data = opts.data.split(",")
 if not set(opts.data) <= set(DATA):
     parser.error(f"unknown data {sorted(set(opts.data) - set(DATA))}")
 
-checked_way(opts.way, ("interface", "class", "env", "both", "none"))
+checked_way(opts.way, ("interface", "class", "env", "both", "none", "flash", "flash-class"))
+if opts.way.startswith("flash"):  # transformers' own flash_attention_2 on the CPU stand-in of flash-attn
+    import sys
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fakes
+
+    fakes.install_transformers_flash_attention_2(pytest.MonkeyPatch())
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 VOCAB = 97
@@ -73,7 +84,7 @@ if WORLD > 1:
 RANK = int(os.environ.get("RANK", "0"))
 
 # ---------------------------------------------------------------- the way in, the model
-if opts.way in ("class", "both"):
+if opts.way in ("class", "both", "flash-class"):
     handle = patchkit.apply_patch()  # before the model is built, as the README says
 ATTN = {"interface": "patchkit", "both": "patchkit"}.get(opts.way, "sdpa")
 
@@ -87,6 +98,8 @@ def build_model() -> tf.PreTrainedModel:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
     else:
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(attention_bias=True, **common))
+    if opts.way.startswith("flash"):  # as from_pretrained(attn_implementation="flash_attention_2") leaves it
+        model.config._attn_implementation = "flash_attention_2"
     return model.float().train()
 
 
@@ -144,7 +157,8 @@ def shard(batch: dict, rank: int, world: int) -> dict:
 
 
 # ---------------------------------------------------------------- Ulysses and the spies: which name ran, how long
-ORIGINAL = {name: ALL_ATTENTION_FUNCTIONS[name] for name in {"patchkit", "sdpa"} if name in ALL_ATTENTION_FUNCTIONS}
+ORIGINAL = {name: ALL_ATTENTION_FUNCTIONS[name] for name in {"patchkit", "sdpa", "flash_attention_2"}
+            if name in ALL_ATTENTION_FUNCTIONS}
 
 
 def spy_name(name: str, calls: collections.Counter) -> None:

@@ -1,6 +1,6 @@
 """A user's HF Trainer run with DeepSpeed Ulysses through accelerate's ParallelismConfig (what TRL's SFT docs show).
 
-    torchrun --nproc_per_node 2 ulysses_trainer.py WAY OUT.json [ZERO_STAGE]
+    torchrun --nproc_per_node 2 ulysses_trainer.py WAY OUT.json [ZERO_STAGE [ATTENTION]]
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before the model is built) or `env` (PATCHKIT_FLASH_ATTN=1
 set by the caller). `ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=
@@ -10,7 +10,8 @@ TrainingArguments; torch AdamW) on gloo: the Trainer registers Ulysses under "sd
 data-loader adapter and aggregates the loss over the SP ranks. One row per step (on CPU the adapter's sequence
 slices of a larger batch stay non-contiguous, and transformers' loss `.view(-1)`s them: that fails unpatched too), a
 full row then a right-padded one. Rank 0 writes the logged losses, every parameter after the steps (OUT.pt; gathered
-under ZeRO-3) and patchkit's counters.
+under ZeRO-3) and patchkit's counters. ATTENTION (`sdpa` unless named) is the model's attention and
+`sp_attn_implementation`; `flash_attention_2` is transformers' own on the CPU stand-in of flash-attn (tests/fakes.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
 stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+attention = sys.argv[4] if len(sys.argv) > 4 else "sdpa"
+if attention == "flash_attention_2":
+    import pytest
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import fakes
+
+    fakes.install_transformers_flash_attention_2(pytest.MonkeyPatch())
 if way == "class":
     patchkit.apply_patch(unpad=os.environ.get("PATCHKIT_UNPAD", "model"))
 
@@ -44,7 +53,7 @@ for n in (16, 9):  # a full row, then one right padded (rank 1's half: 1 real to
                  "labels": ids.masked_fill(mask == 0, IGNORE)})
 
 parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2,
-                                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+                                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=attention))
 # no train_batch_size: TrainingArguments fills "auto" from the data-parallel world (1: both ranks hold one sequence),
 # and zero.Init checks it against the whole world (2) as it builds the model
 # (under ZeRO-3 every weight partitioned, however small: DeepSpeed keeps those under 1e5 elements whole by default)
@@ -60,6 +69,7 @@ config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, 
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                         bos_token_id=1, eos_token_id=2)
 model = tf.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").float()
+model.config._attn_implementation = attention  # as from_pretrained(attn_implementation=...) leaves it
 partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")
 trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
 trainer.train()
@@ -76,7 +86,7 @@ if int(os.environ.get("RANK", "0")) == 0:
     result = {
         "way": way, "stage": stage, "partitioned": partitioned,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "ulysses_under_sdpa": ulysses_wrapper("sdpa") is not None,
+        "ulysses_wrapped": ulysses_wrapper(attention) is not None,
         "patchkit_calls": patchkit_calls(), "heads": patchkit_heads(),
         "config_attn_implementation": model.config._attn_implementation,
     }
