@@ -1,8 +1,9 @@
 """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE with images: patchkit serves the language model (multimodal RoPE
-rows, deepstack features) and leaves the vision tower."""
+rows, deepstack features) and leaves the vision tower (on flash_attention_2 too)."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -356,3 +357,42 @@ def test_the_head_dim_gate_reads_the_language_model_not_the_vision_tower():
     assert model.config.vision_config.hidden_size // model.config.vision_config.num_heads == 1024
     assert head_dim(model, ("qwen2_vl",)) == 16
     assert head_dim(model) == 16  # no model_types given: the first config with a vocabulary
+
+
+def on_flash_attention_2(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as `from_pretrained(attn_implementation="flash_attention_2")` leaves it: the vision tower too."""
+    for config in (model.config, model.config.text_config, model.config.vision_config):
+        config._attn_implementation = "flash_attention_2"
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_loaded_with_flash_attention_2_equals_unpatched(family, monkeypatch):
+    """LLaMA-Factory's and TRL's Qwen-VL fine-tunes load flash_attention_2, whose vision tower patchkit leaves to it:
+    transformers' own, on the CPU stand-in of flash-attn. A training step on image rows, text documents packed by
+    the text row under a one-row mask of ones (flash_attention_2 keeps them apart, so patchkit does too) and
+    left-padded generation with images equal the unpatched model, every language layer through the patch."""
+    from fakes import install_transformers_flash_attention_2
+
+    install_transformers_flash_attention_2(monkeypatch)
+    model = on_flash_attention_2(family_model(family)).train()
+    batch = image_rows(model, left=False)
+    want = train_step(model, batch)
+    with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:
+        got = train_step(model, batch)
+        assert handle.calls == 2
+    assert_same_step(got, want, batch["attention_mask"])
+
+    model.eval()
+    ids = torch.randint(4, VOCAB - 4, (1, 20), generator=torch.Generator().manual_seed(3))
+    positions = packed_positions(family, torch.cat([torch.arange(n) for n in (9, 4, 7)])[None])
+    packed = dict(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))
+    generate = dict(**image_rows(model, left=True), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want_packed, want_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
+        joined = set_attention(copy.deepcopy(model), "sdpa")(**packed, use_cache=False).logits
+        with patchkit.apply_patch(family, backend="sdpa", strict=True):
+            got_packed, got_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
+    torch.testing.assert_close(got_packed, want_packed, atol=3e-5, rtol=1e-4)
+    assert (got_packed - joined)[:, 9:].abs().max() > 1e-2  # the documents kept apart: sdpa joins them here
+    assert torch.equal(got_tokens, want_tokens)
