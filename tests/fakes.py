@@ -196,7 +196,46 @@ def install_transformers_flash_attention_2(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.bert_padding", padding)
     monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *args, **kwargs: True)
+    _forget_transformers_flash_imports(monkeypatch, fa_utils)
+
+
+def _forget_transformers_flash_imports(monkeypatch, fa_utils: types.ModuleType) -> None:
+    """Clear what transformers' flash integration imported lazily (4.57: the functions; 5.x: also their name), so
+    that its next call imports the stand-in installed now."""
     for loaded in ("_flash_fn", "_flash_varlen_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
-                   "_loaded_implementation"):  # what it imported (4.57: the functions; 5.x: also their name)
+                   "_loaded_implementation"):
         if hasattr(fa_utils, loaded):
             monkeypatch.setattr(fa_utils, loaded, None)
+
+
+def install_transformers_flash_attention_4(monkeypatch):
+    """transformers' own "flash_attention_4" (5.x) on the CPU: `flash_attn.cute` is the recording flash-attn 4
+    stand-in, the one patchkit's flash_attn_4 backend calls too (an H100 with flash-attn-4 installed), and transformers
+    is told flash-attn 4 is available. transformers hands the kernel the max lengths it reads from position_ids as
+    0-dim tensors, which the stand-in, strict about patchkit's calls, takes as ints. Returns the stand-in."""
+    import functools
+
+    from flash4_stand_in import install_flash4_double
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    if not hasattr(fa_utils, "is_flash_attn_4_available"):
+        pytest.skip("this transformers has no flash_attention_4")
+    fake = install_flash4_double(monkeypatch)
+    strict = fake.flash_attn_varlen_func
+
+    @functools.wraps(strict)  # transformers reads the kernel's arguments from its signature
+    def varlen(*args, **kwargs):
+        for hint in ("max_seqlen_q", "max_seqlen_k"):
+            if isinstance(kwargs.get(hint), torch.Tensor):
+                kwargs[hint] = int(kwargs[hint])
+        return strict(*args, **kwargs)
+
+    fake.flash_attn_varlen_func = fake.flash_attn_func = varlen  # the batch layout: the same function, no cu_seqlens
+    package = types.ModuleType("flash_attn")
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    package.__path__, package.cute = [], fake
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_4_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *args, **kwargs: False)
+    _forget_transformers_flash_imports(monkeypatch, fa_utils)
+    return fake
