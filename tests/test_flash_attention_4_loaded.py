@@ -48,7 +48,8 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) ->
 def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
     """On patchkit's flash_attn_4 backend: a training step on a mixed-padded batch (the sinks' gradients included),
     a packed row under a one-row mask of ones (flash_attention_4 keeps its documents apart, as flash_attention_2 does)
-    and left-padded greedy generation equal the unpatched model, every attention layer through the patch."""
+    and left-padded greedy generation, into a dynamic and a static cache, equal the unpatched model, every attention
+    layer through the patch."""
     model = on_flash_attention_4(family)
     ids, mask = padded_batch("mixed")
     calls = len(flash4.calls)
@@ -70,14 +71,17 @@ def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
     prompts, prompt_mask = padded_batch("left", batch=3, seq=14)
     generate = dict(input_ids=prompts, attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                     eos_token_id=None)
+    static = dict(generate, cache_implementation="static")  # generate() makes the masks per layer type ahead
     with torch.no_grad():
         want_packed, want_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
+        want_static = model.generate(**static)
         eager = copy.deepcopy(model)
         eager.config._attn_implementation = "eager"
         joined = eager(**packed, use_cache=False).logits  # eager lets the documents see each other under the mask
         with patchkit.apply_patch(model=model, backend="flash_attn_4", strict=True):
             got_packed, got_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
+            got_static = model.generate(**static)
     torch.testing.assert_close(got_packed, want_packed, atol=2e-2, rtol=2e-2)
     apart = (got_packed - joined)[:, 7:].abs().max()  # the first document is 7 tokens; the rest see it when joined
     assert apart > 0.05 * joined.abs().max(), apart  # measured: 0.17-1.6 of it; patched equals unpatched to the bit
-    assert torch.equal(got_tokens, want_tokens)
+    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_static, want_static)
