@@ -3,6 +3,7 @@ steps aside runs on it (the mask transformers makes for it: 2D), as on a GPU mac
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -119,8 +120,10 @@ def test_packed_rows_keep_their_documents_apart_where_flash_attention_2_joins_mo
 
 # the families served from data (`patches/table.py`) and those with a patch module of their own (`patches/`)
 VERIFIED = sorted(set(causal_lm_types()) & (set(table.VERIFIED) | {t for s in registered() for t in s.model_types}))
-# packed rows not compared: RecurrentGemma's recurrent layers carry their state across a row's documents, patched
-# or not, and its attention is served documents apart (docs/families.md: attention-only packing)
+# RecurrentGemma's recurrent layers carry their state across a row's documents, patched or not, and its attention is
+# served documents apart (docs/families.md: attention-only packing): a packed row is neither its documents alone
+# nor unpatched flash_attention_2's (whose attention, handed no position_ids, joins them), but what unpatched sdpa
+# gives it (its mask finds the documents)
 CARRIED = ("recurrent_gemma",)
 
 
@@ -168,8 +171,9 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
     and gradients, and left-padded greedy tokens into a dynamic and a static cache (whose masks generate() makes
     ahead per layer type, 2D for flash attention), equal the unpatched flash_attention_2 model's; a packed row's
     logits are each document's run alone (unpatched flash_attention_2 joins them in layers handed no position_ids
-    and in a hybrid's mixers). Where transformers' flash_attention_2 fails unpatched, the test skips with its error
-    (GPT-2 in fp32: its Conv1D layers have no nn.Linear to take a dtype from; Llama 4's chunks)."""
+    and in a hybrid's mixers; RecurrentGemma's: unpatched sdpa's). Where transformers' flash_attention_2 fails
+    unpatched, the test skips with its error (GPT-2 in fp32: its Conv1D layers have no nn.Linear to take a dtype
+    from; Llama 4's chunks)."""
     model = on_flash_attention_2(served_tiny(model_type).train())
     ids, mask = padded_batch("mixed")
     left, left_mask = padded_batch("left", batch=3)
@@ -192,6 +196,10 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
     alone = document_logits(model, packed)[:1]
     with torch.no_grad():
         joined = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        if model_type in CARRIED:
+            on_sdpa = copy.deepcopy(model)
+            on_sdpa.config._attn_implementation = "sdpa"
+            alone = on_sdpa(input_ids=packed, position_ids=positions, use_cache=False).logits
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         got, tokens = run()
         with torch.no_grad():
@@ -199,8 +207,6 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
         assert handle.calls > 0 and not handle.stepped_aside, handle.report()
     assert_same(got, want, mask, atol=ATOL)
     assert tokens.tolist() == want_tokens.tolist()
-    if model_type in CARRIED:
-        return
     apart, as_unpatched = ((got_packed - ref).abs().max().item() for ref in (alone, joined))
     assert min(apart, as_unpatched) <= ATOL, f"packed: {apart:.2g} off each document alone, {as_unpatched:.2g} off it"
 
