@@ -208,7 +208,7 @@ def _forget_transformers_flash_imports(monkeypatch, fa_utils: types.ModuleType) 
             monkeypatch.setattr(fa_utils, loaded, None)
 
 
-def install_transformers_flash_attention_4(monkeypatch):
+def install_transformers_flash_attention_4(monkeypatch) -> types.ModuleType:
     """transformers' own "flash_attention_4" (5.x) on the CPU: `flash_attn.cute` is the recording flash-attn 4
     stand-in, the one patchkit's flash_attn_4 backend calls too (an H100 with flash-attn-4 installed), and transformers
     is told flash-attn 4 is available. transformers hands the kernel the max lengths it reads from position_ids as
