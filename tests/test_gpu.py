@@ -332,3 +332,47 @@ def test_offloaded_cache_generation_matches_unpatched(backend, cache):
         assert torch.equal(ours, ref.sequences)
     else:
         same_greedy(ours, ref, ids.shape[1])
+
+
+@pytest.mark.parametrize("loaded, backend, model_type", [
+    ("flash_attention_2", "flash_attn", "llama"), ("flash_attention_4", "flash_attn_4", "llama"),
+    ("flash_attention_4", "flash_attn_4", "gpt_oss"),  # transformers loads GPT-OSS on flash-attn 4, never on 2
+])
+def test_a_model_loaded_with_transformers_flash_attention_matches_unpatched(loaded, backend, model_type):
+    """What GPU scripts load, then patch: transformers' own flash attention, patched on the matching backend. A bf16
+    training step's logits and gradients within 2x unpatched flash attention's own error against fp32 eager; a
+    packed row under a one-row mask of ones kept apart as transformers' flash attention keeps it (its documents run
+    alone in fp32 are the truth); greedy tokens as unpatched's, up to a bf16 tie. The CPU runs the same through
+    stand-ins under transformers' integration (tests/test_flash_attention_2_loaded.py, ..._4_loaded.py)."""
+    from census import document_logits, packed_rows
+
+    require(backend)
+    truth_model = (gpu_model() if model_type == "llama" else sinks_model()).train()
+    model = clone(truth_model).to(torch.bfloat16).train()
+    model.config._attn_implementation = loaded
+    ids, mask = (t.cuda() for t in padded_batch("mixed", seq=48))
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    truth, truth_grads = train_step(truth_model, **inputs)
+    theirs, their_grads = train_step(model, **inputs)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
+        ours, our_grads = train_step(model, **inputs)
+    assert handle.backend == backend and handle.calls >= model.config.num_hidden_layers
+    real = mask.bool()
+    close_to_truth(ours[real], theirs[real], truth[real], f"{model_type} on {loaded}: logits")
+    close_to_truth(our_grads, their_grads, truth_grads, f"{model_type} on {loaded}: gradients")
+
+    model.eval()
+    row, positions = (t[:1].cuda() for t in packed_rows())
+    packed = dict(input_ids=row, position_ids=positions, attention_mask=torch.ones_like(row), use_cache=False)
+    with torch.no_grad():
+        apart = document_logits(truth_model.eval(), row).float()
+        theirs = model(**packed).logits.float()
+        with patchkit.apply_patch(model=model, backend=backend, strict=True):
+            ours = model(**packed).logits.float()
+    close_to_truth(ours, theirs, apart, f"{model_type} on {loaded}: a packed row under a mask of ones")
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True):
+        got = model.generate(input_ids=ids, **kw)
+    same_greedy(got, ref, ids.shape[1])
