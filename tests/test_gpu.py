@@ -117,6 +117,16 @@ def same_greedy(ours: torch.Tensor, ref, prompt_len: int, tie: float = 0.125) ->
                 break
 
 
+def greedy_as_unpatched(model: torch.nn.Module, backend: str) -> None:
+    """Greedy tokens from left-padded prompts, the instance patched on `backend` (strict), as unpatched's."""
+    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True):
+        got = model.generate(input_ids=ids, **kw)
+    same_greedy(got, ref, ids.shape[1])
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 def test_generation_tokens_match_eager(backend):
     require(backend)
@@ -292,12 +302,7 @@ def train_and_generate(model_type: str, backend: str) -> None:
         close_to_truth(logits[real], eager[real], truth[real], f"{model_type} {what} logits")
         close_to_truth(grads, eager_grads, truth_grads, f"{model_type} {what} gradients")
     model.eval()
-    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
-    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
-    with patchkit.apply_patch(model=model, backend=backend, strict=True):
-        got = model.generate(input_ids=ids, **kw)
-    same_greedy(got, ref, ids.shape[1])
+    greedy_as_unpatched(model, backend)
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
@@ -370,9 +375,4 @@ def test_a_model_loaded_with_transformers_flash_attention_matches_unpatched(load
         with patchkit.apply_patch(model=model, backend=backend, strict=True):
             ours = model(**packed).logits.float()
     close_to_truth(ours, theirs, apart, f"{model_type} on {loaded}: a packed row under a mask of ones")
-    ids, mask = (t.cuda() for t in padded_batch("left", seq=32))
-    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    ref = model.generate(input_ids=ids, output_scores=True, return_dict_in_generate=True, **kw)
-    with patchkit.apply_patch(model=model, backend=backend, strict=True):
-        got = model.generate(input_ids=ids, **kw)
-    same_greedy(got, ref, ids.shape[1])
+    greedy_as_unpatched(model, backend)
