@@ -24,6 +24,17 @@ def checked_way(way: str, allowed: tuple[str, ...]) -> str:
     return way
 
 
+def flash_attention_2_stand_in() -> None:
+    """transformers' own "flash_attention_2" in this process over the CPU stand-in of flash-attn (tests/fakes.py), as
+    the tests install it; kept for the process's life."""
+    import pytest
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import fakes
+
+    fakes.install_transformers_flash_attention_2(pytest.MonkeyPatch())
+
+
 def patchkit_calls() -> int:
     """Attention calls through every active patch, 0 where the script never imported patchkit."""
     patchkit = sys.modules.get("patchkit")

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from common import checked_way, end_process_group
+from common import checked_way, end_process_group, flash_attention_2_stand_in
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import patchkit
@@ -60,15 +60,8 @@ if not set(opts.data) <= set(DATA):
     parser.error(f"unknown data {sorted(set(opts.data) - set(DATA))}")
 
 checked_way(opts.way, ("interface", "class", "env", "both", "none", "flash", "flash-class"))
-if opts.way.startswith("flash"):  # transformers' own flash_attention_2 on the CPU stand-in of flash-attn
-    import sys
-
-    import pytest
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import fakes
-
-    fakes.install_transformers_flash_attention_2(pytest.MonkeyPatch())
+if opts.way.startswith("flash"):
+    flash_attention_2_stand_in()
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 VOCAB = 97

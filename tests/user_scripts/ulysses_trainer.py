@@ -23,7 +23,14 @@ import torch
 import transformers as tf
 from accelerate import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
-from common import checked_way, end_process_group, patchkit_calls, patchkit_heads, write_result
+from common import (
+    checked_way,
+    end_process_group,
+    flash_attention_2_stand_in,
+    patchkit_calls,
+    patchkit_heads,
+    write_result,
+)
 
 import patchkit
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
@@ -32,12 +39,7 @@ way, out = checked_way(sys.argv[1], ("none", "class", "env")), sys.argv[2]
 stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 attention = sys.argv[4] if len(sys.argv) > 4 else "sdpa"
 if attention == "flash_attention_2":
-    import pytest
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import fakes
-
-    fakes.install_transformers_flash_attention_2(pytest.MonkeyPatch())
+    flash_attention_2_stand_in()
 if way == "class":
     patchkit.apply_patch(unpad=os.environ.get("PATCHKIT_UNPAD", "model"))
 
