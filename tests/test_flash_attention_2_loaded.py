@@ -10,7 +10,7 @@ import pytest
 import torch
 from census import causal_lm_types, document_logits, packed_rows
 from fakes import install_transformers_flash_attention_2
-from families import ATOL, FAMILIES_FROM, family_model, served_here, served_tiny
+from families import ATOL, FAMILIES_FROM, family_model, served_here, served_tiny, set_attention
 from models import assert_same, labels_for, padded_batch, step, tiny_model
 
 import patchkit
@@ -193,13 +193,10 @@ def test_every_verified_family_loaded_with_flash_attention_2_is_served_with_its_
         want, want_tokens = run()
     except Exception as failure:  # noqa: BLE001 - what transformers' own path raises, named in the skip
         pytest.skip(f"unpatched flash_attention_2 fails: {type(failure).__name__}: {str(failure)[:100]}")
-    alone = document_logits(model, packed)[:1]
     with torch.no_grad():
         joined = model(input_ids=packed, position_ids=positions, use_cache=False).logits
-        if model_type in CARRIED:
-            on_sdpa = copy.deepcopy(model)
-            on_sdpa.config._attn_implementation = "sdpa"
-            alone = on_sdpa(input_ids=packed, position_ids=positions, use_cache=False).logits
+        alone = (set_attention(copy.deepcopy(model), "sdpa")(input_ids=packed, position_ids=positions, use_cache=False)
+                 .logits if model_type in CARRIED else document_logits(model, packed)[:1])
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         got, tokens = run()
         with torch.no_grad():

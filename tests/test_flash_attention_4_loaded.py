@@ -11,7 +11,7 @@ import pytest
 import torch
 from census import packed_rows
 from fakes import install_transformers_flash_attention_4
-from families import served_tiny
+from families import served_tiny, set_attention
 from models import labels_for, padded_batch
 
 import patchkit
@@ -75,9 +75,8 @@ def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
     with torch.no_grad():
         want_packed, want_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
         want_static = model.generate(**static)
-        eager = copy.deepcopy(model)
-        eager.config._attn_implementation = "eager"
-        joined = eager(**packed, use_cache=False).logits  # eager lets the documents see each other under the mask
+        # eager lets the documents see each other under the mask
+        joined = set_attention(copy.deepcopy(model), "eager")(**packed, use_cache=False).logits
         with patchkit.apply_patch(model=model, backend="flash_attn_4", strict=True):
             got_packed, got_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
             got_static = model.generate(**static)
