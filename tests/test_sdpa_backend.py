@@ -97,6 +97,15 @@ def test_query_that_sees_no_key_gives_zero_output_and_infinite_lse():
     assert out[2:].abs().max() > 0
 
 
+@pytest.mark.parametrize("lens", [[0], [0, 0]])
+def test_no_query_token_gives_an_empty_output_and_an_empty_lse(lens):
+    # a micro-batch whose every row is padding unpads to no token: flash-attn returns (0, H, D) and an (H, 0) lse,
+    # which a caller with sinks (GPT-OSS) combines with them; an lse of None there raised a TypeError
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens)
+    out, lse, _ = stand_in.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 0, 0, causal=True, return_attn_probs=True)
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0) and lse.dtype == torch.float32
+
+
 def test_bf16_error_within_twice_torch_reference_error():
     lens = [33, 17, 64]
     q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, hk=2)

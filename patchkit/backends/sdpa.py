@@ -164,8 +164,9 @@ def varlen_attention(
         outs.append(q.new_zeros(rest_q, h, v.shape[-1]))  # tokens past cu_seqlens[-1]: untouched
         lses.append(torch.full((h, rest_q), float("inf"), device=q.device) if return_lse else None)
     out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, h, v.shape[-1])
-    lse = torch.cat(lses, dim=1) if return_lse and lses else None
-    return out, lse
+    if not return_lse:
+        return out, None
+    return out, torch.cat(lses, dim=1) if lses else torch.full((h, 0), float("inf"), device=q.device)  # no query
 
 
 def _attend_batched(
