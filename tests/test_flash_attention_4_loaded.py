@@ -84,3 +84,49 @@ def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
     apart = (got_packed - joined)[:, 7:].abs().max()  # the first document is 7 tokens; the rest see it when joined
     assert apart > 0.05 * joined.abs().max(), apart  # measured: 0.17-1.6 of it; patched equals unpatched to the bit
     assert torch.equal(got_tokens, want_tokens) and torch.equal(got_static, want_static)
+
+
+def trainer_run(model: torch.nn.Module, tmp_path, reentrant: bool, patched: bool) -> tuple[list, dict, int]:
+    """The HF Trainer (AdamW, its default) over the mixed-padded batch a row a micro-batch, 2 a step (the last micro-
+    batch all padding), gradient checkpointing on: the logged losses, the trained weights, patchkit's calls."""
+    import transformers as tf
+
+    ids, mask = padded_batch("mixed", batch=4, seq=16)
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab) for i, m, lab in zip(ids, mask, labels_for(ids, mask))]
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+        learning_rate=1e-3, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    handle = patchkit.apply_patch(model=model, backend="flash_attn_4", strict=True) if patched else None
+    try:
+        trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        calls = handle.calls if handle else 0
+    finally:
+        if handle is not None:
+            handle.revert()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}, calls
+
+
+# GPT-OSS's expert biases start at zero and take bf16 gradients summed over the padded batch unpatched, over its real
+# tokens patched; AdamW's first step moves each by about its rate whichever its gradient's size, so where that noise
+# flips a near-zero gradient's sign the weight ends up to two rates away (measured: 14 of 512 elements, 9.7e-4)
+NOISY = ("experts.gate_up_proj_bias", "experts.down_proj_bias")
+
+
+@pytest.mark.parametrize("family, reentrant", [("gpt_oss", False), ("gpt_oss", True), ("flint", False),
+                                               ("gemma3_text", True)])
+def test_the_trainer_with_gradient_checkpointing_trains_a_flash_attention_4_model_as_unpatched(
+        family, reentrant, flash4, tmp_path):
+    """The HF Trainer with gradient checkpointing (either kind) on a model loaded with flash_attention_4: the losses
+    and the weights after two AdamW steps equal unpatched, the sinks' included, each layer through the patch on its
+    forward and its recompute; a micro-batch of padding alone (transformers' attention gets no token) included."""
+    want = trainer_run(on_flash_attention_4(family), tmp_path, reentrant, patched=False)
+    got = trainer_run(on_flash_attention_4(family), tmp_path, reentrant, patched=True)
+    assert got[0] == pytest.approx(want[0], rel=1e-6, abs=0), (got[0], want[0])
+    assert got[2] == 4 * 2 * served_tiny(family).config.num_hidden_layers  # 4 micro-batches, forward + recompute
+    for name, weight in want[1].items():
+        atol = 2e-3 if name.endswith(NOISY) else 0
+        torch.testing.assert_close(got[1][name], weight, atol=atol, rtol=0, msg=name)
