@@ -16,11 +16,15 @@ the dtype the head runs in:
   the upstream gradient before the cast to the head's dtype, as autograd does, and writes each slice's rows of the
   weight's gradient with one matmul in that dtype. A float32 buffer there would hold twice a bfloat16 gradient's
   memory and run its matmul at float32 speed (a fraction of a GPU's bfloat16 rate); the price is one more matmul.
+
+A LoRA head (PEFT's `lora.Linear` on the head, as continued pretraining trains it) adds `LowRank` terms: the rows'
+(n, r) products with each adapter's A, made outside by autograd, and B's (V, r) weight, a slice of whose logits adds
+to the head's as PEFT's forward adds them; their gradients are written beside the head's, each of B's a (V, r) one.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -89,38 +93,63 @@ class LogitTransform(NamedTuple):
 PLAIN = LogitTransform()  # a head whose logits go to the loss as they are (LLaMA, Qwen, Mistral, ...)
 
 
+class LowRank(NamedTuple):
+    """One LoRA adapter's term of a head's logits, `F.linear(rows, weight, bias) * scale` added to the head's:
+    `rows` the hidden rows' (n, r) product with its A (after its dropout), `weight` (and `bias`) its B's."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    scale: float
+
+    def cols(self, cols: slice) -> LowRank:
+        return self._replace(weight=self.weight[cols], bias=None if self.bias is None else self.bias[cols])
+
+
 def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              transform: LogitTransform) -> torch.Tensor:
-    """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform)."""
-    return transform.apply(F.linear(hidden, weight, bias))
+              transform: LogitTransform, terms: Sequence[LowRank] = ()) -> torch.Tensor:
+    """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform); with LoRA
+    `terms`, each added as PEFT's forward adds it (in the promoted dtype, cast back to the head's)."""
+    z = F.linear(hidden, weight, bias)
+    if terms:
+        dtype = z.dtype
+        for term in terms:
+            z = z + F.linear(term.rows, term.weight, term.bias) * term.scale
+        z = z.to(dtype)
+    return transform.apply(z)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 labels: torch.Tensor, transform: LogitTransform, ignore_index: int,
-                denominator: Optional[torch.Tensor]) -> torch.Tensor:
+                denominator: Optional[torch.Tensor], scales: tuple[float, ...], *flat: Optional[torch.Tensor],
+                ) -> torch.Tensor:
         device = hidden.device.type
-        dtype = autocast_dtype(device) or weight.dtype  # the head's dtype, as nn.Linear runs here
-        h, w, b = (t if t is None or t.dtype == dtype else t.to(dtype) for t in (hidden, weight, bias))
+        autocast = autocast_dtype(device)
+        dtype = autocast or weight.dtype  # the head's dtype, as nn.Linear runs here
+        h, w, b = (_as(t, dtype) for t in (hidden, weight, bias))
+        terms = [LowRank(*(_as(t, autocast or flat[3 * i + 1].dtype) for t in flat[3 * i:3 * i + 3]), scale)
+                 for i, scale in enumerate(scales)]  # each adapter's in its own dtype, or autocast's
         valid = labels != ignore_index
         safe = labels.masked_fill(~valid, 0)
         scale = valid.float() / (valid.sum() if denominator is None else denominator).float()  # a row's share
-        ctx.transform, ctx.device = transform, device
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.transform, ctx.device, ctx.scales = transform, device, scales
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, *flat))
         ctx.grads = None
+        needs = ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:]
         with torch.autocast(device, enabled=False):
-            trains = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-            if (trains and dtype not in HOLD_DTYPES) or dtype in SCALED_DTYPES:
-                nll, lse = _nll(h, w, b, safe, transform)  # the gradients are computed in the backward
-                ctx.save_for_backward(h, w, b, safe, scale, lse)
+            trains = needs[1] or needs[2]
+            scaled = dtype in SCALED_DTYPES or any(t.weight.dtype in SCALED_DTYPES for t in terms)
+            if (trains and dtype not in HOLD_DTYPES) or scaled:
+                nll, lse = _nll(h, w, b, safe, transform, terms)  # the gradients are computed in the backward
+                ctx.save_for_backward(h, w, b, safe, scale, lse, *(t for term in terms for t in term[:3]))
                 return (nll * scale).sum()
-            total, ctx.grads = _nll_and_grads(h, w, b, safe, scale, transform, ctx.needs_input_grad)
+            total, ctx.grads = _nll_and_grads(h, w, b, safe, scale, transform, needs, terms)
             return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         if not ctx.saved_tensors:  # the gradients were written in the forward, for an upstream gradient of 1
             if ctx.grads is None:
                 raise RuntimeError(
@@ -130,18 +159,47 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None  # scaled in place and handed on: nothing of the forward's size stays
             grads = tuple(None if t is None else t.mul_(grad.to(t.dtype)) for t in grads)
         else:
-            h, w, b, safe, scale, lse = ctx.saved_tensors
+            h, w, b, safe, scale, lse, *flat = ctx.saved_tensors
+            terms = [LowRank(*flat[3 * i:3 * i + 3], s) for i, s in enumerate(ctx.scales)]
             with torch.autocast(ctx.device, enabled=False):
                 grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform,
-                                          ctx.needs_input_grad)
-        grad_hidden, grad_weight, grad_bias = grads
-        return (None if grad_hidden is None else grad_hidden.to(hidden_dtype),
-                None if grad_weight is None else grad_weight.to(weight_dtype),
-                None if grad_bias is None else grad_bias.to(bias_dtype), None, None, None, None)
+                                          ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:], terms)
+        grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+        return (*grads[:3], None, None, None, None, None, *grads[3:])
+
+
+def _as(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _term_grads(terms: Sequence[LowRank], needs: tuple, rows: int) -> list[Optional[torch.Tensor]]:
+    """Zeroed float32 buffers for each term's rows' gradient, and its B's weight and bias gradients, where needed."""
+    out: list[Optional[torch.Tensor]] = []
+    for i, term in enumerate(terms):
+        for j, t in enumerate(term[:3]):
+            needed = t is not None and needs[3 + 3 * i + j]
+            out.append(torch.zeros(t.shape if j else (rows, t.shape[1]), dtype=torch.float32, device=t.device)
+                       if needed else None)
+    return out
+
+
+def _add_term_grads(out: list[Optional[torch.Tensor]], terms: Sequence[LowRank], g: torch.Tensor,
+                    rows: slice, cols: slice) -> None:
+    """Add a chunk's share to the terms' gradients: `g` is d loss / d logits of `rows` x `cols`, in the head's dtype;
+    each term gets it cast to its own dtype times its scale, as autograd hands it on through PEFT's sum."""
+    for i, term in enumerate(terms):
+        grad_rows, grad_weight, grad_bias = out[3 * i:3 * i + 3]
+        gi = g.to(term.weight.dtype) * term.scale
+        if grad_rows is not None:
+            grad_rows[rows] += gi @ term.weight[cols]
+        if grad_weight is not None:
+            grad_weight[cols] += gi.t() @ term.rows[rows]
+        if grad_bias is not None:
+            grad_bias[cols] += gi.sum(0)
 
 
 def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
-         transform: LogitTransform) -> tuple[torch.Tensor, torch.Tensor]:
+         transform: LogitTransform, terms: Sequence[LowRank] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's -log softmax at its label, and its log-sum-exp, in float32: a vocabulary slice at a time over
     every row, the log-sum-exp kept running (the slice's maximum, the sum of exp below it, rescaled as the maximum
     grows), as the backward walks the same slices."""
@@ -150,7 +208,8 @@ def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torc
     step = chunk_columns(h.shape[0], w.shape[0], h.device)
     for start in range(0, w.shape[0], step):
         cols = slice(start, start + step)
-        t = logits_of(h, w[cols], None if b is None else b[cols], transform).float()
+        t = logits_of(h, w[cols], None if b is None else b[cols], transform, [term.cols(cols) for term in terms])
+        t = t.float()
         local, inside = _in_slice(safe, start, t.shape[1])
         picked += torch.where(inside, t.gather(1, local[:, None]).squeeze(1), 0.0)
         grown = torch.maximum(top, t.amax(1))
@@ -169,21 +228,23 @@ def _in_slice(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tenso
 
 def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
                       row_grad: torch.Tensor, lse: torch.Tensor, transform: LogitTransform,
-                      needs: tuple) -> tuple[Optional[torch.Tensor], ...]:
-    """The gradients of the hidden rows, the weight and the bias, a vocabulary slice at a time over every row: the
-    slice's logits again, d loss / d logits = (softmax - one-hot) * the row's gradient (softmax * |g| as one
-    exp(t - (lse - log |g|)), zero on ignored rows), cast to the logits' dtype and through the transform; then the
-    slice's rows of the weight's and bias's gradients whole, and its share of the hidden rows' gradient."""
+                      needs: tuple, terms: Sequence[LowRank] = ()) -> tuple[Optional[torch.Tensor], ...]:
+    """The gradients of the hidden rows, the weight and the bias (then the terms'), a vocabulary slice at a time over
+    every row: the slice's logits again, d loss / d logits = (softmax - one-hot) * the row's gradient (softmax * |g|
+    as one exp(t - (lse - log |g|)), zero on ignored rows), cast to the logits' dtype and through the transform; then
+    the slice's rows of the weight's and bias's gradients whole, and its share of the hidden rows' gradient."""
     magnitude = row_grad.abs()
     shift = lse - magnitude.log()  # +inf where a row has no gradient: exp gives 0 there
     grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs[0] else None
     grad_w = torch.empty_like(w) if needs[1] else None
     grad_b = torch.empty_like(b) if b is not None and needs[2] else None
+    term_grads = _term_grads(terms, needs, h.shape[0])
+    every = slice(None)
     step = chunk_columns(h.shape[0], w.shape[0], h.device)
     for start in range(0, w.shape[0], step):
         cols = slice(start, start + step)
         w_c = w[cols]
-        t = logits_of(h, w_c, None if b is None else b[cols], transform)
+        t = logits_of(h, w_c, None if b is None else b[cols], transform, [term.cols(cols) for term in terms])
         g = torch.sub(t.float(), shift[:, None]).exp_()
         local, inside = _in_slice(safe, start, g.shape[1])
         g.scatter_add_(1, local[:, None], torch.where(inside, -magnitude, 0.0)[:, None])
@@ -194,29 +255,33 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
             torch.mm(g.t(), h, out=grad_w[cols])
         if grad_b is not None:
             torch.sum(g, 0, out=grad_b[cols])
+        _add_term_grads(term_grads, terms, g, every, cols)
+    grads = (grad_h, grad_w, grad_b, *term_grads)
     if bool((row_grad < 0).any()):  # a loss scaled by a negative number (rare): the sign, last
-        for t in (grad_h, grad_w, grad_b):
+        for t in grads:
             if t is not None:
                 t.neg_()
-    return grad_h, grad_w, grad_b
+    return grads
 
 
 def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
-                   scale: torch.Tensor, transform: LogitTransform, needs: tuple,
+                   scale: torch.Tensor, transform: LogitTransform, needs: tuple, terms: Sequence[LowRank] = (),
                    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], ...]]:
-    """The loss, and the gradients of the hidden rows, the weight (float32) and the bias (float32) for an upstream
-    gradient of 1, where each is needed, in row chunks."""
+    """The loss, and the gradients of the hidden rows, the weight (float32) and the bias (float32), then the terms'
+    (float32), for an upstream gradient of 1, where each is needed, in row chunks."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty_like(h) if needs[0] else None
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None
     grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if b is not None and needs[2] else None
+    term_grads = _term_grads(terms, needs, h.shape[0])
+    every = slice(None)
     step = chunk_rows(h.shape[0], w.shape[0], w.shape[1])
     for start in range(0, h.shape[0], step):
         rows, label = slice(start, start + step), safe[start:start + step, None]
-        t = logits_of(h[rows], w, b, transform)
+        t = logits_of(h[rows], w, b, transform, [term._replace(rows=term.rows[rows]) for term in terms])
         logp = torch.log_softmax(t.float(), dim=-1)
         total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
-        if grad_h is None and grad_w is None and grad_b is None:
+        if grad_h is None and grad_w is None and grad_b is None and not any(g is not None for g in term_grads):
             continue
         g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
         g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
@@ -227,15 +292,18 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
             grad_w.addmm_(g.t().float(), h[rows].float())
         if grad_b is not None:
             grad_b += g.float().sum(0)
-    return total, (grad_h, grad_w, grad_b)
+        _add_term_grads(term_grads, terms, g, rows, every)
+    return total, (grad_h, grad_w, grad_b, *term_grads)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          labels: torch.Tensor, transform: LogitTransform = PLAIN, ignore_index: int = -100,
-                         num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
+                         num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
+                         terms: Sequence[LowRank] = ()) -> torch.Tensor:
     """transformers' `fixed_cross_entropy` of the family's logits of (n, H) `hidden` against (n,) labels (already
     shifted): the mean over labelled rows, or the sum over `num_items_in_batch`. A label outside the vocabulary that
-    is not `ignore_index` raises as `cross_entropy` does."""
+    is not `ignore_index` raises as `cross_entropy` does. `terms`: a LoRA head's adapters (`LowRank`)."""
     denominator = loss_denominator(labels, weight.shape[0], ignore_index, num_items_in_batch, hidden.device)
+    flat = [t for term in terms for t in term[:3]]
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels.to(hidden.device), transform, ignore_index,
-                                     denominator)
+                                     denominator, tuple(float(term.scale) for term in terms), *flat)
