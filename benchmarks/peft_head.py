@@ -2,12 +2,14 @@
 
 A LoRA run leaves the head an nn.Linear (frozen), or trains it whole (`modules_to_save`: PEFT's copy of it), or trains
 a few tokens' rows of it (`trainable_token_indices`: a chat template's new tokens, tied to the embeddings' rows where
-those are). Under `unpad="loss"` patchkit fuses each with the loss (`hooks/head/fused_head.py`), so no (L, V)
-logits exist. This benchmark trains the LLaMA of `vocab.py` (hidden 256, 4 layers, LoRA r 8 on every linear layer) at
+those are), or puts LoRA on it too (`target_modules` naming it: continued pretraining's recipes). Under
+`unpad="loss"` patchkit fuses each with the loss (`hooks/head/fused_head.py`), so no (L, V) logits exist. This
+benchmark trains the LLaMA of `vocab.py` (hidden 256, 4 layers, LoRA r 8 on every linear layer) at
 Llama 3's vocabulary (128256) on vocab.py's right-padded lognormal batch of 8 (1809 real tokens) and reports per
 tuning and provider the second step's peak resident set above the set before it (VmHWM, a fresh process per row) and
 its loss (equal across providers): HF sdpa unpatched, patchkit's loss alone with the family's own head on the
-labelled rows (`patchkit_loss_unfused`: what trainable tokens ran before they were fused) and the fused loss alone.
+labelled rows (`patchkit_loss_unfused`: what trainable tokens, and LoRA on the head, ran before they were fused) and
+the fused loss alone.
 
     python benchmarks/peft_head.py [--vocab 128256] [--tunings ...] [--csv benchmarks/results/peft_head.csv]
 """
@@ -19,10 +21,12 @@ import json
 from typing import Any
 
 PROVIDERS = ("hf_sdpa", "patchkit_loss_unfused", "patchkit_loss")
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # PEFT's "all-linear" here
 TUNINGS = {  # name: LoraConfig arguments beside r 8 on every linear layer
     "lora": {},
     "lora + modules_to_save head": {"modules_to_save": ["lm_head"]},
     "lora + trainable tokens": {"trainable_token_indices": {"embed_tokens": [3, 5, 8], "lm_head": [3, 5, 8]}},
+    "lora on the head too": {"target_modules": [*LINEAR, "lm_head"]},
 }
 
 
@@ -35,7 +39,7 @@ def worker(tuning: str, provider: str, vocab: int, scale: float) -> dict[str, An
     vb.RESCALE["by"] = scale
     dev, dtype = vb.device_and_dtype("cpu")
     model = vb.build_model(dict(vb.MODEL, vocab=vocab), vb.KV_HEADS, "sdpa", dev, dtype).train()
-    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", **TUNINGS[tuning]))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, **{"target_modules": "all-linear", **TUNINGS[tuning]}))
     handle = None
     if provider != "hf_sdpa":
         import patchkit

@@ -4,10 +4,11 @@ The fused loss (`forward/loss/linear_cross_entropy.py`) computes the family's lo
 then the logit transform its config names (`transform_of`). Nothing of the family's forward runs there, so a family
 whose forward does something else to its logits would get another loss. An LM is therefore served fused only after
 one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
-those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a LoRA or
-quantized head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before.
+those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a quantized
+head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before.
 PEFT's `modules_to_save` copy of the head is a plain one; its trainable tokens (`trainable_token_indices`) over a
-plain head are served with their weight as PEFT's forward builds it (`FusedHead.weight`).
+plain head are served with their weight as PEFT's forward builds it (`FusedHead.weight`), and LoRA on the head
+(`target_modules` naming it, as continued pretraining does) with each active adapter's term (`FusedHead.terms`).
 
 Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
 forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then
@@ -27,7 +28,7 @@ from torch import nn
 
 from patchkit.dtypes import autocast_dtype
 from patchkit.forward.inputs.module_hooks import global_hooks, hooks_on, zero3_hook
-from patchkit.forward.loss.linear_cross_entropy import LogitTransform, logits_of
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
 PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token: past any softcap, scale or bias
@@ -67,13 +68,45 @@ class FusedHead:
     def weight(self) -> torch.Tensor:
         """The head's weight as it is now: accelerate's offloading hooks set a new one on each forward; PEFT's
         trainable tokens write their rows into a copy of the base weight on each forward, as here."""
-        if self.head is self.linear:
+        if self.head is self.linear or lora(self.head):
             return self.linear.weight
         return self.head.get_merged_weights(self.head.active_adapters)
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
-        return self.linear.bias if self.head is self.linear else None  # trainable tokens' F.linear takes no bias
+        if self.head is self.linear or lora(self.head):
+            return self.linear.bias
+        return None  # trainable tokens' F.linear takes no bias
+
+    def terms(self, rows: torch.Tensor) -> list[LowRank]:
+        """A LoRA head's terms of `rows`' logits, as PEFT's lora.Linear forward makes them: for each active adapter,
+        the rows cast to its A's dtype (and kept so for the next), through its dropout and its A; its B and scaling.
+        none for any other head."""
+        if self.head is self.linear or not lora(self.head):
+            return []
+        head, terms = self.head, []
+        for name in head.active_adapters:
+            if name in head.lora_A:
+                rows = head._cast_input_dtype(rows, head.lora_A[name].weight.dtype)
+                b = head.lora_B[name]
+                terms.append(LowRank(head.lora_A[name](head.lora_dropout[name](rows)), b.weight, b.bias,
+                                     head.scaling[name]))
+        return terms
+
+    def dropouts_off(self) -> Callable[[], None]:
+        """Turn a LoRA head's training dropouts off for the checking call (the family's head on the checked rows
+        and the check's own logits draw no mask: the same logits; the loss's rows are not among them); returns what
+        turns them on again."""
+        off = [m for name in (self.head.active_adapters if lora(self.head) else ())
+               for m in [self.head.lora_dropout[name]] if isinstance(m, nn.Dropout) and m.training and m.p > 0]
+        for m in off:
+            m.training = False
+
+        def restore() -> None:
+            for m in off:
+                m.training = True
+
+        return restore
 
 
 def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
@@ -129,7 +162,7 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
     if linear is not head and hooks_of(linear):
-        return None  # trainable tokens over a head whose weight hooks place: not served fused
+        return None  # trainable tokens or LoRA over a head whose weight hooks place: not served fused
     if linear._forward_hooks or linear._forward_pre_hooks:
         return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 else None
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
@@ -148,9 +181,29 @@ def trainable_tokens(head: Optional[nn.Module]) -> bool:
             and not (head._forward_hooks or head._forward_pre_hooks))
 
 
+def lora(head: Optional[nn.Module]) -> bool:
+    """`head` is PEFT's LoRA layer over an nn.Linear, active and unmerged, each active adapter plain LoRA (no DoRA or
+    other variant), its A and B plain nn.Linear and its dropout torch's, nothing of anyone's own on any of them: its
+    forward is the base layer's logits plus each adapter's `lora_B(lora_A(dropout(x))) * scaling`."""
+    if type(head).__name__ != "Linear" or not type(head).__module__.startswith("peft.tuners.lora"):
+        return False
+    active = getattr(head, "active_adapters", None)
+    if (getattr(head, "disable_adapters", True) or getattr(head, "merged", True) or getattr(head, "fan_in_fan_out", 1)
+            or not isinstance(active, list) or not active or not isinstance(getattr(head, "base_layer", None),
+                                                                               nn.Linear)):
+        return False
+    names = [a for a in active if a in getattr(head, "lora_A", {})]
+    if not names or any(a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a) for a in names):
+        return False
+    parts = [head] + [m for a in names for m in (head.lora_A[a], head.lora_B[a], head.lora_dropout[a])]
+    return all(type(m) in (nn.Linear, nn.Dropout, nn.Identity) for m in parts[1:]) and all(
+        "forward" not in vars(m) and not (m._forward_hooks or m._forward_pre_hooks) for m in parts) and all(
+        isinstance(head.scaling.get(a), (int, float)) for a in names)
+
+
 def linear_of(head: nn.Module) -> nn.Linear:
-    """The nn.Linear of a `plain_head`: itself, or the base of trainable tokens."""
-    return head.base_layer if trainable_tokens(head) else head
+    """The nn.Linear of a `plain_head`: itself, or the base of trainable tokens or of LoRA."""
+    return head.base_layer if trainable_tokens(head) or lora(head) else head
 
 
 def hooks_of(head: nn.Module) -> str:
@@ -201,7 +254,7 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     hooks = hooks_of(linear)
     autocast = autocast_dtype(_device(linear, hooks).type)
     transform = transform_of(lm.config)
-    key = (id(head), linear.weight.dtype, autocast, transform)
+    key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())))
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
@@ -237,7 +290,8 @@ def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled
             flat_h, flat_l = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
             pick = torch.cat([torch.arange(first), torch.arange(flat_h.shape[0] - n, flat_h.shape[0])])
             pick = pick.to(flat_h.device)
-            ours = held(fused, lambda rows: logits_of(rows, fused.weight, fused.bias, fused.transform), flat_h[pick])
+            ours = held(fused, lambda rows: logits_of(rows, fused.weight, fused.bias, fused.transform,
+                                                      fused.terms(rows)), flat_h[pick])
             theirs = flat_l[pick]
             tol = 1e-5 if theirs.dtype == torch.float32 and ours.dtype == torch.float32 else 1e-2  # 2-3 ulps
             scale = max(1.0, float(theirs.float().abs().max()))

@@ -28,7 +28,7 @@ class HeadRequest:
     model's `output` for a rerun of the LM (`replay`, `again`) should the check fail."""
 
     __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed", "fused", "rows",
-                 "check_rows", "output", "replay")
+                 "check_rows", "output", "replay", "restore")
 
     def __init__(self, why_not: Optional[str], loss_only: bool = False,
                  labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
@@ -45,6 +45,13 @@ class HeadRequest:
         self.check_rows: Optional[tuple[torch.Tensor, int, int]] = None  # handed, labelled rows, probe rows
         self.output: Any = None  # the base model's output on the checking call
         self.replay: Any = None  # an output the base model's forward returns as it is (`again`)
+        self.restore: Optional[Callable[[], None]] = None  # turns a LoRA head's dropouts on after the check
+
+    def end_check(self) -> None:
+        """The checking call's logits are compared (or the call ended): the head's dropouts on again."""
+        restore, self.restore = self.restore, None
+        if restore is not None:
+            restore()
 
     def again(self) -> HeadRequest:
         """This checking call's request, for the LM's rerun once the check failed: the base model's forward returns
@@ -100,4 +107,5 @@ def run_lm(original: Callable, lm: nn.Module, args: tuple, kwargs: dict, request
         with within(lm_cause=None, head=again):
             return original(lm, *args, **kwargs), again
     finally:
+        request.end_check()
         ASKING[0] -= 1

@@ -204,7 +204,7 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
         first, probe = min(CHECK_ROWS, keep.numel()), held(fused, lambda: probes(fused.weight))
         probe = probe.to(hidden.device, hidden.dtype)
         handed = torch.cat([request.rows[:first], zero, probe])[None]
-        request.check_rows = (handed, first, probe.shape[0])
+        request.check_rows, request.restore = (handed, first, probe.shape[0]), fused.dropouts_off()
         return handed
     handed, request.handed = with_zero_row(hidden.index_select(0, keep), labelled)
     return handed
@@ -237,8 +237,13 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     if (meta is None and shifted is None) or (labels is None and shift_labels is None):
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
-    if request.check_rows is not None and not check(request.fused, logits, *request.check_rows):
-        raise CheckFailed(request)  # `logits`: a few rows' only; the LM reruns with its own head on every row
+    if request.check_rows is not None:
+        try:
+            same = check(request.fused, logits, *request.check_rows)
+        finally:
+            request.end_check()
+        if not same:
+            raise CheckFailed(request)  # `logits`: a few rows' only; the LM reruns with its own head on every row
     if request.rows is not None:  # the fused head and loss on the labelled rows; `logits`: the zero row's or the
         return _fused_loss(request, *args, **kwargs)  # checked rows'
     if shifted is None:
@@ -253,7 +258,8 @@ def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, 
     """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
     fused, labels = request.fused, request.handed[0]
     return held(fused, lambda rows: linear_cross_entropy(rows, fused.weight, fused.bias, labels, fused.transform,
-                                                         ignore_index, num_items_in_batch), request.rows)
+                                                         ignore_index, num_items_in_batch, fused.terms(rows)),
+                request.rows)
 
 
 def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
