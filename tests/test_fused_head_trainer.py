@@ -64,20 +64,22 @@ def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(t
     assert_trained_alike(got, want)
 
 
-@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied"])
+@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied", "lora on the head too"])
 def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
     """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
     completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
     micro-batch fused. With a chat template's new tokens trained (`trainable_token_indices` on Gemma 2's tied head
-    and embedding: PEFT's wrapper over both), their rows train as unpatched too."""
+    and embedding: PEFT's wrapper over both), their rows train as unpatched too; with LoRA on the head too
+    (continued pretraining's recipe; TRL refuses it), its adapter trains as unpatched, fused with the loss."""
     peft = pytest.importorskip("peft")
     name = "gemma2" if "tied" in tuning else "llama"
     rows = trainer_rows(family(name))
     tokens = {"embed_tokens": [3, 5, 8]} if "tokens" in tuning else None
+    targets = ["q_proj", "v_proj"] + (["lm_head"] if "head too" in tuning else [])
 
     def lora() -> torch.nn.Module:
         torch.manual_seed(0)  # the adapters' A matrices
-        return peft.get_peft_model(family(name), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+        return peft.get_peft_model(family(name), peft.LoraConfig(r=4, target_modules=targets,
                                                                  trainable_token_indices=tokens))
 
     want, got = (trainer_run(lora(), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
@@ -86,4 +88,6 @@ def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numb
     assert got[2] == {lm_head.FUSED: 6}
     assert any("lora_A" in name for name in want[1])
     assert not tokens or any(float(w.abs().max()) > 0 for name, w in want[1].items() if "tokens_delta" in name)
+    assert "head too" not in tuning or any(float(w.abs().max()) > 0 for name, w in want[1].items()
+                                           if "lm_head.lora_B" in name)  # the head's adapter trained
     assert_trained_alike(got, want)
