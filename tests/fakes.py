@@ -208,6 +208,24 @@ def _forget_transformers_flash_imports(monkeypatch, fa_utils: types.ModuleType) 
             monkeypatch.setattr(fa_utils, loaded, None)
 
 
+def install_transformers_flash_attention_3(monkeypatch) -> types.ModuleType:
+    """transformers' own "flash_attention_3" (5.x) on the CPU: `flash_attn_interface` is the recording flash-attn 3
+    stand-in (`flash3_stand_in.py`), and transformers is told flash-attn 3 is available (an H100 with the Hopper build
+    installed). Returns the stand-in."""
+    from flash3_stand_in import RecordingFlash3
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    if not hasattr(fa_utils, "is_flash_attn_3_available") or not hasattr(fa_utils, "_lazy_imports"):
+        pytest.skip("this transformers has no flash_attention_3 it imports lazily")
+    fake = RecordingFlash3()
+    fake.__spec__ = importlib.machinery.ModuleSpec("flash_attn_interface", None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_3_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_2_available", lambda *args, **kwargs: False)
+    _forget_transformers_flash_imports(monkeypatch, fa_utils)
+    return fake
+
+
 def install_transformers_flash_attention_4(monkeypatch) -> types.ModuleType:
     """transformers' own "flash_attention_4" (5.x) on the CPU: `flash_attn.cute` is the recording flash-attn 4
     stand-in, the one patchkit's flash_attn_4 backend calls too (an H100 with flash-attn-4 installed), and transformers

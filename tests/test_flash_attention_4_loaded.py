@@ -29,10 +29,10 @@ def flash4(monkeypatch):
     return install_transformers_flash_attention_4(monkeypatch)
 
 
-def on_flash_attention_4(family: str) -> torch.nn.Module:
-    """The census's tiny `family` in bf16, as `from_pretrained(attn_implementation="flash_attention_4")` leaves it."""
+def loaded_with(family: str, attention: str = "flash_attention_4") -> torch.nn.Module:
+    """The census's tiny `family` in bf16, as `from_pretrained(attn_implementation=attention)` leaves it."""
     model = served_tiny(family).to(torch.bfloat16)
-    model.config._attn_implementation = "flash_attention_4"
+    model.config._attn_implementation = attention
     return model
 
 
@@ -50,14 +50,21 @@ def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
     a packed row under a one-row mask of ones (flash_attention_4 keeps its documents apart, as flash_attention_2 does)
     and left-padded greedy generation, into a dynamic and a static cache, equal the unpatched model, every attention
     layer through the patch."""
-    model = on_flash_attention_4(family)
+    assert_loaded_flash_equals_unpatched(loaded_with(family), flash4.calls, "flash_attn_4")
+
+
+def assert_loaded_flash_equals_unpatched(model: torch.nn.Module, kernel_calls: list, backend: str) -> None:
+    """A bf16 model loaded with one of transformers' flash attentions (its kernel's stand-in recording
+    `kernel_calls`), patched on `backend`: a training step on a mixed-padded batch, a packed row under a one-row mask
+    of ones (kept apart, as the flash mask keeps it; eager joins it) and left-padded greedy generation into a
+    dynamic and a static cache equal the unpatched model's."""
     ids, mask = padded_batch("mixed")
-    calls = len(flash4.calls)
+    calls = len(kernel_calls)
     want = train_step(model, ids, mask)
-    assert len(flash4.calls) > calls  # transformers ran its flash_attention_4 on the stand-in
-    with patchkit.apply_patch(model=model, backend="flash_attn_4", strict=True) as handle:
+    assert len(kernel_calls) > calls  # transformers ran its flash attention on the stand-in
+    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
         got = train_step(model, ids, mask)
-        assert handle.calls > 0 and handle.backend == "flash_attn_4"
+        assert handle.calls > 0 and handle.backend == backend
     torch.testing.assert_close(got[0], want[0], atol=0, rtol=1e-2)
     real = mask.bool()
     torch.testing.assert_close(got[1][real], want[1][real], atol=2e-2, rtol=2e-2)
@@ -77,7 +84,7 @@ def test_a_model_loaded_with_flash_attention_4_equals_unpatched(family, flash4):
         want_static = model.generate(**static)
         # eager lets the documents see each other under the mask
         joined = set_attention(copy.deepcopy(model), "eager")(**packed, use_cache=False).logits
-        with patchkit.apply_patch(model=model, backend="flash_attn_4", strict=True):
+        with patchkit.apply_patch(model=model, backend=backend, strict=True):
             got_packed, got_tokens = model(**packed, use_cache=False).logits, model.generate(**generate)
             got_static = model.generate(**static)
     torch.testing.assert_close(got_packed, want_packed, atol=2e-2, rtol=2e-2)
@@ -123,8 +130,8 @@ def test_the_trainer_with_gradient_checkpointing_trains_a_flash_attention_4_mode
     """The HF Trainer with gradient checkpointing (either kind) on a model loaded with flash_attention_4: the losses
     and the weights after two AdamW steps equal unpatched, the sinks' included, each layer through the patch on its
     forward and its recompute; a micro-batch of padding alone (transformers' attention gets no token) included."""
-    want = trainer_run(on_flash_attention_4(family), tmp_path, reentrant, patched=False)
-    got = trainer_run(on_flash_attention_4(family), tmp_path, reentrant, patched=True)
+    want = trainer_run(loaded_with(family), tmp_path, reentrant, patched=False)
+    got = trainer_run(loaded_with(family), tmp_path, reentrant, patched=True)
     assert got[0] == pytest.approx(want[0], rel=1e-6, abs=0), (got[0], want[0])
     assert got[2] == 4 * 2 * served_tiny(family).config.num_hidden_layers  # 4 micro-batches, forward + recompute
     for name, weight in want[1].items():
