@@ -72,6 +72,7 @@ ERA_TESTS = CORE_TESTS + [
     "tests/test_qwen_vl.py",
     "tests/test_flash_request.py",
     "tests/test_flash_attention_2_loaded.py",
+    "tests/test_flash_attention_3_loaded.py",
     "tests/test_peft.py",
     "tests/test_context_parallel.py",
     "tests/test_ulysses_padding.py",
