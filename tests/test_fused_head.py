@@ -94,12 +94,14 @@ def lora_terms(leaves: dict, adapters: torch.dtype) -> list:
 @pytest.mark.parametrize("dtypes", ["float32", "bfloat16 head, float32 adapters", "bfloat16", "float16"])
 @pytest.mark.parametrize("head", ["frozen", "held", "recomputed"])
 @pytest.mark.parametrize("weight_of_loss", [1.0, -2.5])
-def test_a_lora_heads_terms_add_to_the_fused_logits_as_peft_adds_them(monkeypatch, dtypes, head, weight_of_loss):
+@pytest.mark.parametrize("transform", ["plain", "softcap"])
+def test_a_lora_heads_terms_add_to_the_fused_logits_as_peft_adds_them(monkeypatch, dtypes, head, weight_of_loss,
+                                                                       transform):
     """A LoRA head: two adapters' terms, `B(A(x)) * scaling` (one B with a bias), added to the head's logits in the
     promoted dtype and cast back, as PEFT's lora.Linear does (adapters in float32 beside a bfloat16 head: PEFT's
     default): the loss and the gradients of the rows, the head, each A and each B equal autograd's through the
     unfused sum (in half precision: within twice its error against float64), the head frozen (LoRA's) or training
-    (gradients held or recomputed)."""
+    (gradients held or recomputed); the family's transform (Gemma's softcap) on the sum."""
     small_chunks(monkeypatch)
     monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16, torch.float16) if head == "held" else ())
     base, adapters = {"float32": (torch.float32,) * 2, "bfloat16": (torch.bfloat16,) * 2,
@@ -112,7 +114,7 @@ def test_a_lora_heads_terms_add_to_the_fused_logits_as_peft_adds_them(monkeypatc
         z = torch.nn.functional.linear(leaves["hidden"], leaves["weight"])
         terms = lora_terms(leaves, adapters)
         z = (z + sum(torch.nn.functional.linear(t.rows, t.weight, t.bias) * t.scale for t in terms)).to(z.dtype)
-        return ForCausalLMLoss(z[None], None, 70, shift_labels=labels[None])
+        return ForCausalLMLoss(TRANSFORMS[transform].apply(z)[None], None, 70, shift_labels=labels[None])
 
     def grads(loss: torch.Tensor, leaves: dict) -> dict:
         names = [k for k, t in leaves.items() if t.requires_grad]
@@ -121,7 +123,8 @@ def test_a_lora_heads_terms_add_to_the_fused_logits_as_peft_adds_them(monkeypatc
     leaves = lora_leaves(base, adapters, head != "frozen")
     want = unfused(leaves, adapters)
     want_grads = grads(want, leaves)
-    got = linear_cross_entropy(leaves["hidden"], leaves["weight"], None, labels, terms=lora_terms(leaves, adapters))
+    got = linear_cross_entropy(leaves["hidden"], leaves["weight"], None, labels, TRANSFORMS[transform],
+                               terms=lora_terms(leaves, adapters))
     got_grads = grads(got, leaves)
     truth_leaves = lora_leaves(torch.float64, torch.float64, head != "frozen")
     truth_grads = grads(unfused(truth_leaves, torch.float64), truth_leaves)
