@@ -57,32 +57,33 @@ class FusedHead:
     nn.Linear under the head (the head itself, or the base of PEFT's trainable tokens); `hooks`: whose hooks place its
     weight around its forward ("zero3", "accelerate"), or "" for none."""
 
-    __slots__ = ("lm", "head", "linear", "hooks", "transform", "key", "checked")
+    __slots__ = ("lm", "head", "linear", "hooks", "transform", "key", "checked", "lora")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
                  key: tuple, checked: bool) -> None:
         self.lm, self.head, self.linear, self.hooks = lm, head, linear, hooks
         self.transform, self.key, self.checked = transform, key, checked
+        self.lora = head is not linear and lora(head)  # LoRA on the head: its adapters' terms add to the logits
 
     @property
     def weight(self) -> torch.Tensor:
         """The head's weight as it is now: accelerate's offloading hooks set a new one on each forward; PEFT's
         trainable tokens write their rows into a copy of the base weight on each forward, as here."""
-        if self.head is self.linear or lora(self.head):
+        if self.head is self.linear or self.lora:
             return self.linear.weight
         return self.head.get_merged_weights(self.head.active_adapters)
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
-        if self.head is self.linear or lora(self.head):
+        if self.head is self.linear or self.lora:
             return self.linear.bias
         return None  # trainable tokens' F.linear takes no bias
 
     def terms(self, rows: torch.Tensor) -> list[LowRank]:
         """A LoRA head's terms of `rows`' logits, as PEFT's lora.Linear forward makes them: for each active adapter,
         the rows cast to its A's dtype (and kept so for the next), through its dropout and its A; its B and scaling.
-        none for any other head."""
-        if self.head is self.linear or not lora(self.head):
+        Empty for any other head."""
+        if not self.lora:
             return []
         head, terms = self.head, []
         for name in head.active_adapters:
@@ -97,7 +98,7 @@ class FusedHead:
         """Turn a LoRA head's training dropouts off for the checking call (the family's head on the checked rows
         and the check's own logits draw no mask: the same logits; the loss's rows are not among them); returns what
         turns them on again."""
-        off = [m for name in (self.head.active_adapters if lora(self.head) else ())
+        off = [m for name in (self.head.active_adapters if self.lora else ())
                for m in [self.head.lora_dropout[name]] if isinstance(m, nn.Dropout) and m.training and m.p > 0]
         for m in off:
             m.training = False
@@ -190,7 +191,8 @@ def lora(head: Optional[nn.Module]) -> bool:
     active = getattr(head, "active_adapters", None)
     if (getattr(head, "disable_adapters", True) or getattr(head, "merged", True) or getattr(head, "fan_in_fan_out", 1)
             or not isinstance(active, list) or not active or not isinstance(getattr(head, "base_layer", None),
-                                                                               nn.Linear)):
+                                                                               nn.Linear)
+            or not callable(getattr(head, "_cast_input_dtype", None))):  # PEFT before it added in the base's dtype
         return False
     names = [a for a in active if a in getattr(head, "lora_A", {})]
     if not names or any(a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a) for a in names):
