@@ -74,74 +74,6 @@ def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, tr
             torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=3e-2, msg=name)
 
 
-def lora_leaves(base: torch.dtype, adapters: torch.dtype, head_trains: bool) -> dict:
-    """The rows, a head and two adapters (A, B; the second B with a bias), seeded, in their dtypes."""
-    torch.manual_seed(0)
-    leaves = dict(hidden=torch.randn(23, 16).to(base), weight=(torch.randn(70, 16) / 2).to(base),
-                  a0=(torch.randn(4, 16) / 4).to(adapters), a1=(torch.randn(2, 16) / 4).to(adapters),
-                  b0=(torch.randn(70, 4) / 4).to(adapters), b1=(torch.randn(70, 2) / 4).to(adapters),
-                  b1_bias=torch.randn(70).to(adapters))
-    return {k: t.requires_grad_(k != "weight" or head_trains) for k, t in leaves.items()}
-
-
-def lora_terms(leaves: dict, adapters: torch.dtype) -> list:
-    """Each adapter's term as PEFT's forward makes it: the rows cast to the adapter's dtype, through its A."""
-    x = leaves["hidden"].to(adapters)
-    return [lce.LowRank(x @ leaves["a0"].t(), leaves["b0"], None, 2.0),
-            lce.LowRank(x @ leaves["a1"].t(), leaves["b1"], leaves["b1_bias"], 0.5)]
-
-
-@pytest.mark.parametrize("dtypes", ["float32", "bfloat16 head, float32 adapters", "bfloat16", "float16"])
-@pytest.mark.parametrize("head", ["frozen", "held", "recomputed"])
-@pytest.mark.parametrize("weight_of_loss", [1.0, -2.5])
-@pytest.mark.parametrize("transform", ["plain", "softcap"])
-def test_a_lora_heads_terms_add_to_the_fused_logits_as_peft_adds_them(monkeypatch, dtypes, head, weight_of_loss,
-                                                                       transform):
-    """A LoRA head: two adapters' terms, `B(A(x)) * scaling` (one B with a bias), added to the head's logits in the
-    promoted dtype and cast back, as PEFT's lora.Linear does (adapters in float32 beside a bfloat16 head: PEFT's
-    default): the loss and the gradients of the rows, the head, each A and each B equal autograd's through the
-    unfused sum (in half precision: within twice its error against float64), the head frozen (LoRA's) or training
-    (gradients held or recomputed); the family's transform (Gemma's softcap) on the sum."""
-    small_chunks(monkeypatch)
-    monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16, torch.float16) if head == "held" else ())
-    base, adapters = {"float32": (torch.float32,) * 2, "bfloat16": (torch.bfloat16,) * 2,
-                      "bfloat16 head, float32 adapters": (torch.bfloat16, torch.float32),
-                      "float16": (torch.float16,) * 2}[dtypes]
-    labels = torch.randint(0, 70, (23,), generator=torch.Generator().manual_seed(1))
-    labels[[2, 9, 10]] = -100
-
-    def unfused(leaves: dict, adapters: torch.dtype) -> torch.Tensor:
-        z = torch.nn.functional.linear(leaves["hidden"], leaves["weight"])
-        terms = lora_terms(leaves, adapters)
-        z = (z + sum(torch.nn.functional.linear(t.rows, t.weight, t.bias) * t.scale for t in terms)).to(z.dtype)
-        return ForCausalLMLoss(TRANSFORMS[transform].apply(z)[None], None, 70, shift_labels=labels[None])
-
-    def grads(loss: torch.Tensor, leaves: dict) -> dict:
-        names = [k for k, t in leaves.items() if t.requires_grad]
-        return dict(zip(names, torch.autograd.grad(loss * weight_of_loss, [leaves[k] for k in names])))
-
-    leaves = lora_leaves(base, adapters, head != "frozen")
-    want = unfused(leaves, adapters)
-    want_grads = grads(want, leaves)
-    got = linear_cross_entropy(leaves["hidden"], leaves["weight"], None, labels, TRANSFORMS[transform],
-                               terms=lora_terms(leaves, adapters))
-    got_grads = grads(got, leaves)
-    truth_leaves = lora_leaves(torch.float64, torch.float64, head != "frozen")
-    truth_grads = grads(unfused(truth_leaves, torch.float64), truth_leaves)
-    exact = base == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5 if exact else 2e-3)
-    assert got_grads.keys() == want_grads.keys() and len(got_grads) == 7 - (head == "frozen")
-    for name, w in want_grads.items():
-        g = got_grads[name]
-        assert g.dtype == w.dtype, name
-        if exact:
-            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4, msg=name)
-        else:  # rounded to half precision in another order than autograd's: no further from the truth than it
-            truth = truth_grads[name]
-            error, theirs = ((t.double() - truth).abs().max() for t in (g, w))
-            assert error <= 2 * theirs + 1e-3 * truth.abs().max(), (name, error, theirs)
-
-
 def test_a_second_backward_through_gradients_written_in_the_forward_is_refused_by_name():
     hidden = torch.randn(4, 8, requires_grad=True)
     loss = linear_cross_entropy(hidden, torch.randn(11, 8), None, torch.tensor([1, 2, -100, 3]))
@@ -359,29 +291,6 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
             assert_grads(grads, want[2])
             continue
         assert_bf16_alike(loss, grads, want)
-
-
-def test_a_lora_head_with_dropout_is_checked_without_its_masks_and_trains_with_them():
-    """LoRA on the head with dropout (0.5 here; 0.05-0.1 in the usual recipes): the checking call's logits draw no
-    dropout mask on the family's side nor on the check's (two masks would never agree: the head would never be
-    served fused), and the dropouts are on again for the fused loss and after it: every step fused, each loss its own
-    masks' (two seeded runs agree, and differ from the loss without dropout)."""
-    peft = pytest.importorskip("peft")
-
-    def run(dropout: float, seed: int) -> tuple[list, dict]:
-        model = peft.get_peft_model(family("llama"), peft.LoraConfig(
-            r=4, target_modules=["q_proj", "lm_head"], lora_dropout=dropout))
-        head = model.get_output_embeddings()
-        torch.nn.init.normal_(head.lora_B["default"].weight, std=0.5, generator=torch.Generator().manual_seed(1))
-        torch.manual_seed(seed)
-        got, heads, _ = loss_alone_steps(model, long_batch(model))
-        assert head.lora_dropout["default"].training  # on again after the steps
-        return [float(loss) for loss, _ in got], heads
-
-    masked, heads = run(0.5, seed=0)
-    assert heads == {lm_head.FUSED: 2}
-    assert run(0.5, seed=0)[0] == masked and masked != run(0.0, seed=0)[0]
-    assert masked[0] != masked[1]  # each step draws its own masks
 
 
 def assert_bf16_alike(loss: torch.Tensor, grads: dict, want: tuple) -> None:
