@@ -129,8 +129,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         autocast = autocast_dtype(device)
         dtype = autocast or weight.dtype  # the head's dtype, as nn.Linear runs here
         h, w, b = (_as(t, dtype) for t in (hidden, weight, bias))
-        terms = [LowRank(*(_as(t, autocast or flat[3 * i + 1].dtype) for t in flat[3 * i:3 * i + 3]), scale)
-                 for i, scale in enumerate(scales)]  # each adapter's in its own dtype, or autocast's
+        terms = [LowRank(*(_as(t, autocast or term.weight.dtype) for t in term[:3]), term.scale)
+                 for term in _terms(flat, scales)]  # each adapter's in its own dtype, or autocast's
         valid = labels != ignore_index
         safe = labels.masked_fill(~valid, 0)
         scale = valid.float() / (valid.sum() if denominator is None else denominator).float()  # a row's share
@@ -160,12 +160,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads = tuple(None if t is None else t.mul_(grad.to(t.dtype)) for t in grads)
         else:
             h, w, b, safe, scale, lse, *flat = ctx.saved_tensors
-            terms = [LowRank(*flat[3 * i:3 * i + 3], s) for i, s in enumerate(ctx.scales)]
             with torch.autocast(ctx.device, enabled=False):
                 grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform,
-                                          ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:], terms)
+                                          ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:], _terms(flat, ctx.scales))
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
         return (*grads[:3], None, None, None, None, None, *grads[3:])
+
+
+def _terms(flat: Sequence[Optional[torch.Tensor]], scales: Sequence[float]) -> list[LowRank]:
+    """The `LowRank` terms of the autograd function's flat inputs: (rows, weight, bias) per scale."""
+    return [LowRank(*flat[3 * i:3 * i + 3], scale) for i, scale in enumerate(scales)]
 
 
 def _as(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -281,7 +285,7 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
         t = logits_of(h[rows], w, b, transform, [term._replace(rows=term.rows[rows]) for term in terms])
         logp = torch.log_softmax(t.float(), dim=-1)
         total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
-        if grad_h is None and grad_w is None and grad_b is None and not any(g is not None for g in term_grads):
+        if all(g is None for g in (grad_h, grad_w, grad_b, *term_grads)):
             continue
         g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
         g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
