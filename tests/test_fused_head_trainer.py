@@ -64,13 +64,15 @@ def test_the_trainers_torch_compile_runs_the_fused_head_with_unpatched_numbers(t
     assert_trained_alike(got, want)
 
 
-@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied", "lora on the head too"])
+@pytest.mark.parametrize("tuning", ["lora", "lora training tokens, head tied", "lora on the head too",
+                                    "lora on the head too, head tied"])
 def test_the_trainer_runs_a_lora_fine_tune_on_the_fused_head_with_unpatched_numbers(tmp_path, tuning):
     """The most common fine-tune: PEFT's LoRA (the head frozen) in the HF Trainer, gradient checkpointing on,
     completion-only labels, 2 micro-batches a step: the losses and the trained adapters equal unpatched, every
     micro-batch fused. With a chat template's new tokens trained (`trainable_token_indices` on Gemma 2's tied head
     and embedding: PEFT's wrapper over both), their rows train as unpatched too; with LoRA on the head too
-    (continued pretraining's recipe; TRL refuses it), its adapter trains as unpatched, fused with the loss."""
+    (continued pretraining's recipe; TRL refuses it), its adapter trains as unpatched, fused with the loss: on LLaMA,
+    and on Gemma 2's head, tied to its embedding and softcapped (the adapters' terms inside the softcap)."""
     peft = pytest.importorskip("peft")
     name = "gemma2" if "tied" in tuning else "llama"
     rows = trainer_rows(family(name))
