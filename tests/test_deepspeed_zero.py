@@ -76,14 +76,16 @@ def train(tmp: Path, way: str, cases: dict[str, tuple[Path, str]], unpad: str = 
 
 @pytest.fixture(scope="module")
 def reference(model_dir, tied_dir, tmp_path_factory):
-    """The unpatched fp32 runs, in one launch on first use: plain, LoRA, LoRA training a copy of the head, tied."""
+    """The unpatched fp32 runs, in one launch on first use: plain, LoRA, LoRA training a copy of the head, LoRA on
+    the head too, tied."""
     cache: Runs = {}
 
     def get(name: str) -> tuple[dict, dict]:
         if not cache:
             cases = {"plain": (model_dir, "-"), "tied": (tied_dir, "-")}
             if PEFT:
-                cases.update({"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head")})
+                cases.update({"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head"),
+                              "lora-on-head": (model_dir, "lora,head-lora")})
             cache.update(train(tmp_path_factory.mktemp("zero3_ref"), "none", cases))
         return cache[name]
 
@@ -120,10 +122,11 @@ def test_zero3_trainer_equals_unpatched(way, model_dir, reference, tmp_path):
 
 def test_zero3_lora_under_the_launcher_with_the_loss_unpadded_equals_unpatched(model_dir, reference, tmp_path):
     """LoRA on the partitioned model under unpad="loss"; its frozen head, or the copy of it PEFT trains
-    (`modules_to_save`, as adding tokens needs), is gathered for the fused head."""
+    (`modules_to_save`, as adding tokens needs), is gathered for the fused head; with LoRA on the head too, its base
+    and each adapter's B are gathered for the fused loss (A runs as a module on the rows), and B trains as unpatched."""
     pytest.importorskip("peft")
-    got = train(tmp_path, "launcher", {"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head")},
-                unpad="loss")
+    got = train(tmp_path, "launcher", {"lora": (model_dir, "lora"), "lora-head": (model_dir, "lora,train-head"),
+                                       "lora-on-head": (model_dir, "lora,head-lora")}, unpad="loss")
     for name, run in got.items():
         assert_same_training(run, reference(name))
         # 3 steps, and the script's held-out `model(**held_out).loss`, which reads the loss alone (`caller_code`)
@@ -147,7 +150,16 @@ def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatche
     # rate wherever that flips a near-zero gradient's sign (measured: up to 0.029 after three steps at lr 1e-2, with
     # or without the fused head). The losses are the unpatched ones to bf16's rounding; the parameters are those of
     # patchkit with the family's own head on the same rows (a hook on the head: not fused): equal as in fp32.
-    got = train(tmp_path, "class", {"bf16": (model_dir, "bf16"), "own": (model_dir, "bf16,own-head")}, unpad="loss")
+    # LoRA on the head too (its gradients computed in the backward, B gathered again there) likewise.
+    lora_cases = {"lora": (model_dir, "bf16,lora,head-lora"), "lora-own": (model_dir, "bf16,lora,head-lora,own-head")}
+    got = train(tmp_path, "class", {"bf16": (model_dir, "bf16"), "own": (model_dir, "bf16,own-head"),
+                                    **(lora_cases if PEFT else {})}, unpad="loss")
+    if PEFT:
+        (lora, lora_params), (lora_own, lora_own_params) = got["lora"], got["lora-own"]
+        assert lora["heads"].get(lm_head.FUSED) == 4 and lora_own["heads"] == {lm_head.LOSS_ONLY: 4}, lora["heads"]
+        assert lora["losses"] == pytest.approx(lora_own["losses"], abs=LOSS_ATOL)
+        assert any(float(p.abs().max()) > 0 for n, p in lora_own_params.items() if "lm_head.lora_B" in n)
+        assert_same_parameters(lora_params, lora_own_params)
     (result, params), (own, own_params) = got["bf16"], got["own"]
     assert result["heads"].get(lm_head.FUSED) == 4, result["heads"]
     ref, _ = train(tmp_path, "none", {"bf16": (model_dir, "bf16")})["bf16"]

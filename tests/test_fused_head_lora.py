@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_head import TRANSFORMS, long_batch, loss_alone_steps, small_chunks
-from test_lm_head import family
+from test_fused_head import TRANSFORMS, assert_bf16_alike, long_batch, loss_alone_steps, small_chunks, zero3_stand_in
+from test_lm_head import family, step
+from test_loss_alone import assert_grads
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from patchkit.forward.loss import linear_cross_entropy as lce
@@ -104,3 +105,32 @@ def test_a_lora_head_with_dropout_is_checked_without_its_masks_and_trains_with_t
     assert heads == {lm_head.FUSED: 2}
     assert run(0.5, seed=0)[0] == masked and masked != run(0.0, seed=0)[0]
     assert masked[0] != masked[1]  # each step draws its own masks
+
+
+@pytest.mark.parametrize("adapters", ["float32", "bfloat16"], ids=["gradients in the forward", "in the backward"])
+def test_a_lora_head_whose_weights_zero3_gathers_runs_fused_as_their_forwards(adapters):
+    """LoRA on the head under DeepSpeed ZeRO-3: the base's, A's and B's weights exist only inside their forwards (and
+    backwards). The fused loss runs as the base's forward with each B's forward inside it, so their hooks gather what
+    it reads (A runs as a module on the rows): every step fused, with unpatched numbers, and B's weight released
+    after each. A float32 model (the gradients written in the forward), or a bfloat16 one whose adapters stay in
+    bfloat16 (B's gradient computed in the backward, B gathered again for it)."""
+    peft = pytest.importorskip("peft")
+    bf16 = adapters == "bfloat16"
+    model = family("llama").to(torch.bfloat16 if bf16 else torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+                                autocast_adapter_dtype=not bf16)
+    head = model.get_output_embeddings()
+    torch.nn.init.normal_(head.lora_B["default"].weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    inputs = long_batch(model)
+    for module in (head.base_layer, head.lora_A["default"], head.lora_B["default"]):
+        zero3_stand_in(module)
+    want = step(model, **inputs)
+    got, heads, rows = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.FUSED: 2} and head.lora_B["default"].weight.numel() == 0
+    assert head.lora_B["default"].weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    for loss, grads in got:
+        if bf16:
+            assert_bf16_alike(loss, grads, want)
+            continue
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])

@@ -3,9 +3,10 @@
     torchrun --nproc_per_node 2 [-m patchkit.launch] zero3_trainer.py WAY OUT_DIR --case NAME MODEL_DIR FLAGS
         [--case NAME MODEL_DIR FLAGS ...]
 
-FLAGS: `-`, or a comma-separated choice of lora, bf16, train-head, own-head. Each case in turn is one run, in one
-process (a process start costs more than a tiny run): a Trainer of its own (TrainingArguments reset accelerate's
-state), the model loaded afresh. Rank 0 writes OUT_DIR/NAME.json and OUT_DIR/NAME.pt; the counters are the case's.
+FLAGS: `-`, or a comma-separated choice of lora, bf16, train-head (PEFT trains a copy of the head), head-lora (LoRA on
+the head too), own-head. Each case in turn is one run, in one process (a process start costs more than a tiny run): a
+Trainer of its own (TrainingArguments reset accelerate's state), the model loaded afresh. Rank 0 writes
+OUT_DIR/NAME.json and OUT_DIR/NAME.pt; the counters are the case's.
 
 WAY: `none` (unpatched), `class` (patchkit.apply_patch() before loading), `instance` (apply_patch(model=...) on the
 loaded, already partitioned model), `env` (PATCHKIT_FLASH_ATTN=1 set by the caller) or `launcher` (run under
@@ -37,7 +38,7 @@ parser.add_argument("out", type=Path)
 parser.add_argument("--case", nargs=3, action="append", required=True, metavar=("NAME", "MODEL_DIR", "FLAGS"))
 opts = parser.parse_args()
 way = checked_way(opts.way, ("none", "class", "instance", "env", "launcher"))
-FLAGS = {"lora", "bf16", "train-head", "own-head"}
+FLAGS = {"lora", "bf16", "train-head", "head-lora", "own-head"}
 if way == "class":
     import patchkit
 
@@ -47,7 +48,8 @@ VOCAB, SEQ, IGNORE = 97, 24, -100
 
 
 def run(name: str, model_dir: str, flags: set[str]) -> None:
-    lora, bf16, train_head, own_head = (flag in flags for flag in ("lora", "bf16", "train-head", "own-head"))
+    lora, bf16, train_head, head_lora, own_head = (
+        flag in flags for flag in ("lora", "bf16", "train-head", "head-lora", "own-head"))
     calls, heads = patchkit_calls(), patchkit_heads()
     # No train_batch_size: transformers fills "auto" from its world size before the CPU process group exists (1).
     deepspeed = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": "auto",
@@ -73,7 +75,8 @@ def run(name: str, model_dir: str, flags: set[str]) -> None:
 
         torch.manual_seed(1)  # the adapters' initialisation
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+                                                           + (["lm_head"] if head_lora else []),
                                                            modules_to_save=["lm_head"] if train_head else None))
         model.enable_input_require_grads()
 

@@ -11,10 +11,11 @@ plain head are served with their weight as PEFT's forward builds it (`FusedHead.
 (`target_modules` naming it, as continued pretraining does) with each active adapter's term (`FusedHead.terms`).
 
 Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
-forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then
-runs as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do.
-So too under accelerate's device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the
-head's device and loads an offloaded weight for the head's forward, which is then the fused loss.
+forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then runs
+as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do; a LoRA
+head's B layers are called so too, inside it (its A layers run as modules on the rows). So too under accelerate's
+device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the head's device and loads an
+offloaded weight for the head's forward, which is then the fused loss.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ class FusedHead:
                                      head.scaling[name]))
         return terms
 
+    def adapters(self) -> list[nn.Module]:
+        """A LoRA head's active B layers, whose whole weights its terms read (A runs as a module on the rows)."""
+        return [self.head.lora_B[name] for name in self.head.active_adapters if name in self.head.lora_A] if (
+            self.lora) else []
+
     def dropouts_off(self) -> Callable[[], None]:
         """Turn a LoRA head's training dropouts off for the checking call (the family's head on the checked rows
         and the check's own logits draw no mask: the same logits; the loss's rows are not among them); returns what
@@ -116,12 +122,8 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
     gradient, again before its backward; accelerate's device-map hook moves `tensors` to the head's device (and loads
     an offloaded weight). `tensors` pass through the hooks as the head's inputs."""
     head = fused.linear
-    if fused.hooks == "zero3":
-        head.forward = fn
-        try:
-            return head(*tensors)
-        finally:
-            del head.forward
+    if fused.hooks == "zero3":  # a LoRA head's B weights too: each adapter's term reads its B's whole (V, r) weight
+        return _as_forwards([head, *fused.adapters()], fn, tensors)
     if fused.hooks == "accelerate":
         inner = head._old_forward
         head._old_forward = fn
@@ -130,6 +132,19 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
         finally:
             head._old_forward = inner
     return fn(*tensors)
+
+
+def _as_forwards(modules: list[nn.Module], fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...]) -> Any:
+    """`fn(*tensors)` as the forward of each of `modules` in turn, one call inside the other: the hooks of each
+    gather its weights around `fn` and, where its output takes a gradient, again before its backward."""
+    if not modules:
+        return fn(*tensors)
+    module = modules[0]
+    module.forward = lambda *rows: _as_forwards(modules[1:], fn, rows)
+    try:
+        return module(*tensors)
+    finally:
+        del module.forward
 
 
 def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
@@ -162,8 +177,8 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
         return None
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
-    if linear is not head and hooks_of(linear):
-        return None  # trainable tokens or LoRA over a head whose weight hooks place: not served fused
+    if linear is not head and hooks_of(linear) and not (lora(head) and hooks_of(linear) == "zero3"):
+        return None  # trainable tokens over a head whose weight hooks place, or LoRA over an offloaded one
     if linear._forward_hooks or linear._forward_pre_hooks:
         return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 else None
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
@@ -184,8 +199,9 @@ def trainable_tokens(head: Optional[nn.Module]) -> bool:
 
 def lora(head: Optional[nn.Module]) -> bool:
     """`head` is PEFT's LoRA layer over an nn.Linear, active and unmerged, each active adapter plain LoRA (no DoRA or
-    other variant), its A and B plain nn.Linear and its dropout torch's, nothing of anyone's own on any of them: its
-    forward is the base layer's logits plus each adapter's `lora_B(lora_A(dropout(x))) * scaling`."""
+    other variant), its A and B plain nn.Linear and its dropout torch's, nothing of anyone's own on any of them
+    (ZeRO-3's hooks, on all of base and B or none, only gather): its forward is the base layer's logits plus each
+    adapter's `lora_B(lora_A(dropout(x))) * scaling`."""
     if type(head).__name__ != "Linear" or not type(head).__module__.startswith("peft.tuners.lora"):
         return False
     active = getattr(head, "active_adapters", None)
@@ -199,8 +215,14 @@ def lora(head: Optional[nn.Module]) -> bool:
         return False
     parts = [head] + [m for a in names for m in (head.lora_A[a], head.lora_B[a], head.lora_dropout[a])]
     return all(type(m) in (nn.Linear, nn.Dropout, nn.Identity) for m in parts[1:]) and all(
-        "forward" not in vars(m) and not (m._forward_hooks or m._forward_pre_hooks) for m in parts) and all(
-        isinstance(head.scaling.get(a), (int, float)) for a in names)
+        "forward" not in vars(m) and _zero3_hooks(m) for m in parts) and all(
+        isinstance(head.scaling.get(a), (int, float)) for a in names) and (
+        _partitioned(head.base_layer) == all(_partitioned(head.lora_B[a]) for a in names))
+
+
+def _partitioned(linear: nn.Linear) -> bool:
+    """DeepSpeed ZeRO-3 holds `linear`'s weight in shards, gathered by its hooks around its forward."""
+    return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(linear.weight, "ds_shape")
 
 
 def linear_of(head: nn.Module) -> nn.Linear:
