@@ -227,9 +227,9 @@ def truth_ratio(workload: str) -> str:
     return x(median(rows, "patchkit_flash_attn", workload) / median(rows, "hf_flash_attention_2", workload))
 
 
-def fused_loss() -> str:
+def fused_loss(name: str = "fused_loss.csv") -> str:
     """The head and loss alone, three ways (benchmarks/fused_loss.py): time and peak memory against unfused."""
-    rows = read("fused_loss.csv")
+    rows = read(name)
     unfused = {(r["vocab"], r["dtype"]): r for r in rows if r["way"] == "unfused"}
     body = []
     for r in rows:
@@ -240,7 +240,8 @@ def fused_loss() -> str:
         body.append([r["vocab"], r["dtype"], r["way"], f"{float(r['seconds']):.3f}", x(float(r["vs_unfused"])),
                      peak, share])
     head = rows[0]
-    return (f"`fused_loss.csv` ({head['rows']} rows, hidden {head['hidden']}, {head['device']})\n\n"
+    lora = f", LoRA r {head['lora']} on the frozen head" if int(head.get("lora") or 0) else ""
+    return (f"`{name}` ({head['rows']} rows, hidden {head['hidden']}{lora}, {head['device']})\n\n"
             + table(["vocab", "dtype", "way", "seconds", "x unfused", "peak MiB", "of unfused's"], body))
 
 
@@ -305,7 +306,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
-    "fused-loss": fused_loss, "zero3-head": zero3_head, "peft-head": peft_head, "prepared-head": prepared_head,
+    "fused-loss": fused_loss, "fused-loss-lora": lambda: fused_loss("fused_loss_lora.csv"), "zero3-head": zero3_head,
+    "peft-head": peft_head, "prepared-head": prepared_head,
     "trainer-head": trainer_head, "mixer-groups": mixer_groups,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
