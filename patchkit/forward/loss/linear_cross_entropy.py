@@ -113,8 +113,9 @@ def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     z = F.linear(hidden, weight, bias)
     if terms:
         dtype = z.dtype
-        for term in terms:
-            z = z + F.linear(term.rows, term.weight, term.bias) * term.scale
+        for term in terms:  # the same roundings, in place: the term scaled, then the sum in the promoted dtype
+            low = F.linear(term.rows, term.weight, term.bias).mul_(term.scale)
+            z = low.add_(z) if low.dtype == torch.promote_types(z.dtype, low.dtype) else z.add_(low)
         z = z.to(dtype)
     return transform.apply(z)
 
@@ -190,16 +191,17 @@ def _term_grads(terms: Sequence[LowRank], needs: tuple, rows: int) -> list[Optio
 def _add_term_grads(out: list[Optional[torch.Tensor]], terms: Sequence[LowRank], g: torch.Tensor,
                     rows: slice, cols: slice) -> None:
     """Add a chunk's share to the terms' gradients: `g` is d loss / d logits of `rows` x `cols`, in the head's dtype;
-    each term gets it cast to its own dtype times its scale, as autograd hands it on through PEFT's sum."""
+    each term gets it cast to its own dtype, as autograd hands it on through PEFT's sum, and its scale on the (n, r)
+    and (V, r) products (no second chunk-sized tensor)."""
     for i, term in enumerate(terms):
         grad_rows, grad_weight, grad_bias = out[3 * i:3 * i + 3]
-        gi = g.to(term.weight.dtype) * term.scale
+        gi = g.to(term.weight.dtype)
         if grad_rows is not None:
-            grad_rows[rows] += gi @ term.weight[cols]
+            grad_rows[rows].add_(gi @ term.weight[cols], alpha=term.scale)
         if grad_weight is not None:
-            grad_weight[cols] += gi.t() @ term.rows[rows]
+            grad_weight[cols].add_(gi.t() @ term.rows[rows], alpha=term.scale)
         if grad_bias is not None:
-            grad_bias[cols] += gi.sum(0)
+            grad_bias[cols].add_(gi.sum(0), alpha=term.scale)
 
 
 def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
