@@ -101,6 +101,30 @@ def test_only_accelerates_placing_hooks_fuse_the_head(tmp_path):
     assert fused_head.plain_head(model) is model.lm_head  # nn.Linear's own forward: plain again
 
 
+def test_lora_on_a_dispatched_head_runs_fused_as_unpatched(tmp_path):
+    """PEFT's LoRA on the head of a model `device_map` placed (QLoRA's `device_map="auto"` across GPUs, LoRA on
+    `lm_head` too): the fused loss runs as the base layer's forward under accelerate's hook, which moves the rows to
+    the head's device, where the adapters are; loss and gradients as unpatched, every step fused."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model(folder: str) -> torch.nn.Module:
+        model = peft.get_peft_model(dispatched("hooks", folder), peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                                                      "lm_head"]))
+        torch.nn.init.normal_(model.get_output_embeddings().lora_B["default"].weight, std=0.5,
+                              generator=torch.Generator().manual_seed(1))  # drawn, not zero: the term counts
+        return model
+
+    want = train_step(lora_model(str(tmp_path / "want")))
+    model = lora_model(str(tmp_path / "got"))
+    assert fused_head.hooks_of(model.get_output_embeddings().base_layer) == "accelerate"
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad="loss") as handle:
+        got = train_step(model)
+    assert handle.heads == {lm_head.FUSED: 2}
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    assert any("lm_head.lora_B" in name for name in want[1])
+    assert_grads(got[1], want[1])
+
+
 def split_onto_meta(model: torch.nn.Module) -> torch.nn.Module:
     """The model's second half (its last layer, the norm and the head) under accelerate's hook on the meta device, as
     `device_map` puts a model's second half on a second GPU: every tensor that crosses into it moves there. Numbers

@@ -15,7 +15,8 @@ forward and again before its backward. Whatever reads that weight here (the prob
 as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do; a LoRA
 head's B layers are called so too, inside it (its A layers run as modules on the rows). So too under accelerate's
 device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the head's device and loads an
-offloaded weight for the head's forward, which is then the fused loss.
+offloaded weight for the head's forward, which is then the fused loss (a LoRA head's: its base layer's, whose device
+PEFT put the adapters on).
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
         return None
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
-    if linear is not head and hooks_of(linear) and not (lora(head) and hooks_of(linear) == "zero3"):
-        return None  # trainable tokens over a head whose weight hooks place, or LoRA over an offloaded one
+    if linear is not head and hooks_of(linear) and not lora(head):
+        return None  # trainable tokens over a head whose weight hooks place
     if linear._forward_hooks or linear._forward_pre_hooks:
         return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 else None
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
