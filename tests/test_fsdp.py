@@ -43,6 +43,8 @@ parser.add_argument("--compile", default=None, help="torch.compile backend for t
 parser.add_argument("--unpad", default="model", help="the patch's unpad; 'loss': the model computes the loss")
 parser.add_argument("--fsdp1", choices=["orig", "flat"], default=None,
                     help="FSDP1 instead of FSDP2, with use_orig_params on (orig) or off (flat)")
+parser.add_argument("--lora", choices=["attention", "head"], default=None,
+                    help="PEFT's LoRA on q_proj and v_proj (attention), or on lm_head too (head), before sharding")
 opts = parser.parse_args()
 
 
@@ -75,17 +77,22 @@ config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_h
 def train(patched: bool) -> list:
     handle = patchkit.apply_patch("llama2", backend="sdpa", unpad=opts.unpad) if patched else None
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = base = LlamaForCausalLM(config)
+    if opts.lora:
+        import peft
+
+        targets = ["q_proj", "v_proj"] + (["lm_head"] if opts.lora == "head" else [])
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=targets))
     if opts.fsdp1:  # each decoder layer a unit of its own, the rest (embeddings, norm, head) the root's
         wrap = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
         net = FullyShardedDataParallel(model, auto_wrap_policy=wrap, device_id=torch.device("cpu"),
                                        use_orig_params=opts.fsdp1 == "orig")
     else:
-        for layer in model.model.layers:
+        for layer in base.model.layers:
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(base, mesh=mesh)  # the root unit: the LM inside PEFT's wrapper, whose adapters it shards too
         net = model
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     net = torch.compile(net, backend=opts.compile) if (patched and opts.compile) else net
     ids, mask, labels = batch()
     n_targets = (labels[:, 1:] != -100).sum()
@@ -188,4 +195,18 @@ def test_fsdp1_the_fused_head_and_loss_equal_unpatched(fsdp_script, params):
     assert losses["unpatched"][-1] < losses["unpatched"][0] - 0.3  # it trained
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert live == [(0, 2, 2, 2 * STEPS), (1, 2, 2, 2 * STEPS)]
+    assert heads == [{lm_head.FUSED: STEPS}] * 2
+
+
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
+def test_lora_on_the_head_under_fsdp_runs_fused_as_unpatched(fsdp_script, fsdp):
+    """PEFT's LoRA on the attention and on the head too (continued pretraining's recipe), sharded by FSDP2 or FSDP1
+    (use_orig_params, as PEFT needs): while the root unit runs, the head's base and its adapters are plain gathered
+    tensors, so the fused loss adds the adapter's term and writes its gradients: fused on every step of each rank,
+    with the unpatched losses (the adapter's B, zero at first, is trained from the first step on)."""
+    pytest.importorskip("peft")
+    args = ("--fsdp1", "orig") if fsdp == "fsdp1" else ()
+    losses, live, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss", "--lora", "head", *args)
+    assert losses["unpatched"][-1] < losses["unpatched"][0] - 0.01  # it trained
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert heads == [{lm_head.FUSED: STEPS}] * 2
