@@ -134,3 +134,47 @@ def test_a_lora_head_whose_weights_zero3_gathers_runs_fused_as_their_forwards(ad
             continue
         torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
         assert_grads(grads, want[2])
+
+
+LORA_KINDS = {  # LoraConfig arguments on top of r 4 on q_proj and lm_head; None: two adapters on the head, both active
+    "B with a bias (lora_bias)": {"lora_bias": True},
+    "rank-stabilised scaling (use_rslora)": {"use_rslora": True, "lora_alpha": 16},
+    "PiSSA's initialisation (the base weight rewritten)": {"init_lora_weights": "pissa"},
+    "two adapters active": None,
+    "DoRA": {"use_dora": True},
+}
+
+
+@pytest.mark.parametrize("kind", LORA_KINDS)
+def test_the_lora_kinds_users_put_on_a_head_train_as_unpatched(kind):
+    """What PEFT's LoraConfig offers beside plain LoRA: each kind whose forward is still `base + sum of B(A(x)) *
+    scaling` runs fused (the bias of B, rsLoRA's scale, PiSSA's rewritten base, several active adapters, each its own
+    term); DoRA (a magnitude vector rescales the logits' columns) keeps the family's own head on the labelled rows.
+    Loss and gradients as unpatched either way, B drawn (and its bias) so that each term counts."""
+    peft = pytest.importorskip("peft")
+    options = LORA_KINDS[kind]
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], **(options or {}))
+        model = peft.get_peft_model(family("llama"), config, adapter_name="a")
+        if options is None:
+            model.add_adapter("b", peft.LoraConfig(r=2, target_modules=["lm_head"]))
+            model.base_model.set_adapter(["a", "b"])
+        head = model.get_output_embeddings()
+        for name, b in head.lora_B.items():
+            seeded = torch.Generator().manual_seed(len(name))
+            torch.nn.init.normal_(b.weight, std=0.5, generator=seeded)
+            if b.bias is not None:
+                torch.nn.init.normal_(b.bias, std=0.5, generator=seeded)
+        return model
+
+    model = build()
+    inputs = long_batch(model)
+    want = step(model, **inputs)
+    got, heads, _ = loss_alone_steps(build(), inputs)
+    assert heads == {lm_head.LOSS_ONLY if kind == "DoRA" else lm_head.FUSED: 2}
+    assert sum("lm_head.lora_B" in name for name in want[2]) == (2 if options is None or "lora_bias" in options else 1)
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
