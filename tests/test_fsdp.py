@@ -9,7 +9,7 @@ import re
 import sys
 
 import pytest
-from entrypoints import clean_env, run, tagged
+from entrypoints import REPO, clean_env, run, tagged
 
 from patchkit.hooks.head import lm_head
 
@@ -43,6 +43,8 @@ parser.add_argument("--compile", default=None, help="torch.compile backend for t
 parser.add_argument("--unpad", default="model", help="the patch's unpad; 'loss': the model computes the loss")
 parser.add_argument("--fsdp1", choices=["orig", "flat"], default=None,
                     help="FSDP1 instead of FSDP2, with use_orig_params on (orig) or off (flat)")
+parser.add_argument("--head-unit", action="store_true",
+                    help="FSDP2: the head a unit of its own, resharded after its forward")
 parser.add_argument("--lora", choices=["attention", "head"], default=None,
                     help="PEFT's LoRA on q_proj and v_proj (attention), or on lm_head too (head), before sharding")
 opts = parser.parse_args()
@@ -90,6 +92,8 @@ def train(patched: bool) -> list:
     else:
         for layer in base.model.layers:
             fully_shard(layer, mesh=mesh)
+        if opts.head_unit:  # accelerate's own carving (the norm and the head): accelerate_fsdp2.py
+            fully_shard(base.lm_head, mesh=mesh)
         fully_shard(base, mesh=mesh)  # the root unit: the LM inside PEFT's wrapper, whose adapters it shards too
         net = model
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
@@ -210,3 +214,33 @@ def test_lora_on_the_head_under_fsdp_runs_fused_as_unpatched(fsdp_script, fsdp):
     assert losses["unpatched"][-1] < losses["unpatched"][0] - 0.01  # it trained
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert heads == [{lm_head.FUSED: STEPS}] * 2
+
+
+def test_fsdp2_a_head_in_a_unit_of_its_own_runs_fused_as_unpatched(fsdp_script):
+    """The head alone an FSDP2 unit (resharded after its forward: a DTensor outside it): the fused loss runs as its
+    forward, which gathers the weight, with the rows kept out of the call (FSDP2 would register the unit's
+    post-backward on them): fused on every step of each rank, with the unpatched losses."""
+    losses, _, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss", "--head-unit")
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
+    assert heads == [{lm_head.FUSED: STEPS}] * 2
+
+
+def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatched(tmp_path):
+    """accelerate's own FSDP2 preparation (1.15: the final norm and the head a unit of their own, kept gathered from
+    the norm's forward to the backward; tied, the embedding in it too), as the Trainer's and a custom loop's
+    `--fsdp_version 2` prepare a model: an instance patch after it fuses the head on every step of each rank, with
+    the unpatched losses. The head's call from the fused loss leaves the rows out: otherwise FSDP2 resharded the
+    norm's weight before the norm's backward read it (a segmentation fault on the second step)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    out = tmp_path / "accelerate_fsdp2.json"
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(REPO / "tests" / "user_scripts" / "accelerate_fsdp2.py"), str(out)],
+               cwd=REPO / "tests" / "user_scripts", env=clean_env(), timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    result = json.loads(out.read_text())
+    for case in ("plain", "tied", "lora"):
+        got = result[case]
+        assert got["carved"], case  # the head a unit of its own, a DTensor outside its forward
+        assert got["heads"] == {lm_head.FUSED: 3}, (case, got["heads"])
+        assert got["patched"] == pytest.approx(got["unpatched"], rel=1e-6, abs=1e-6), case

@@ -54,6 +54,11 @@ def zero3_hook(hook: Callable) -> bool:
     return getattr(fn, "__module__", "").startswith("deepspeed.runtime.zero.")
 
 
+def fsdp2_hook(hook: Callable) -> bool:
+    """`hook` is FSDP2's (`fully_shard`: it gathers a unit's parameters around its modules' forwards)."""
+    return getattr(inspect.unwrap(hook), "__module__", "").startswith("torch.distributed.fsdp._fully_shard.")
+
+
 def reads_no_shape(hook: Callable) -> bool:
     """`hook` is known to read no shape: marked (`shape_free`), named, or a framework's (`SHAPE_FREE_FROM`)."""
     fn = function_of(hook)

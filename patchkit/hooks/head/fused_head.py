@@ -16,7 +16,8 @@ as the head's forward (`held`): the head is called, its hooks gather, and the gr
 head's B layers are called so too, inside it (its A layers run as modules on the rows). So too under accelerate's
 device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the head's device and loads an
 offloaded weight for the head's forward, which is then the fused loss (a LoRA head's: its base layer's, whose device
-PEFT put the adapters on).
+PEFT put the adapters on). And under FSDP2 where the head is a unit of its own, or of one with the final norm
+(accelerate's): its weight is a DTensor shard outside that unit's forwards.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.inputs.module_hooks import global_hooks, hooks_on, zero3_hook
+from patchkit.forward.inputs.module_hooks import fsdp2_hook, global_hooks, hooks_on, zero3_hook
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, logits_of
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
@@ -57,7 +58,7 @@ def transform_of(config: Any) -> LogitTransform:
 class FusedHead:
     """One call's fused head: the LM's head and transform; `checked`: its logits were found to be these. `linear`: the
     nn.Linear under the head (the head itself, or the base of PEFT's trainable tokens); `hooks`: whose hooks place its
-    weight around its forward ("zero3", "accelerate"), or "" for none."""
+    weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none."""
 
     __slots__ = ("lm", "head", "linear", "hooks", "transform", "key", "checked", "lora")
 
@@ -125,6 +126,9 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
     head = fused.linear
     if fused.hooks == "zero3":  # a LoRA head's B weights too: each adapter's term reads its B's whole (V, r) weight
         return _as_forwards([head, *fused.adapters()], fn, tensors)
+    if fused.hooks == "fsdp2":  # the rows stay out of the call: FSDP2 would register its unit's post-backward on them,
+        # which would reshard a unit shared with the final norm (accelerate's) before the norm's backward had run
+        return _as_forwards([head], lambda: fn(*tensors), ())
     if fused.hooks == "accelerate":
         inner = head._old_forward
         head._old_forward = fn
@@ -171,17 +175,20 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     PEFT's trainable tokens over one (`trainable_tokens`)."""
     head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
     linear = linear_of(head)
-    if type(linear) is not nn.Linear or ("forward" in vars(linear) and not (
+    if not _is_linear(linear) or ("forward" in vars(linear) and not (
             _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
-    if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (nn.Parameter, torch.Tensor):
+    sharded = _fsdp2_hooks(linear)  # FSDP2's unit: a DTensor outside its forward, gathered inside (`held`)
+    if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (
+            nn.Parameter, torch.Tensor) and (not sharded or type(linear.weight).__name__ != "DTensor"):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
     if linear is not head and hooks_of(linear) and not lora(head):
         return None  # trainable tokens over a head whose weight hooks place
     if linear._forward_hooks or linear._forward_pre_hooks:
-        return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 else None
+        return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
+            sharded and linear.weight.dim() == 2) else None
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
 
 
@@ -232,9 +239,9 @@ def linear_of(head: nn.Module) -> nn.Linear:
 
 
 def hooks_of(head: nn.Module) -> str:
-    """Whose hooks place the weight of a `plain_head`: "zero3", "accelerate", or ""."""
+    """Whose hooks place the weight of a `plain_head`: "zero3", "fsdp2", "accelerate", or ""."""
     if head._forward_hooks or head._forward_pre_hooks:
-        return "zero3"
+        return "fsdp2" if _fsdp2_hooks(head) else "zero3"
     return "accelerate" if "forward" in vars(head) and _accelerate_hooks(head) else ""
 
 
@@ -247,6 +254,22 @@ def _zero3_hooks(head: nn.Module) -> bool:
     """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
     what it computes (a hook of anyone else's might: the family's own head runs)."""
     return all(zero3_hook(h) for h in hooks_on(head))
+
+
+def _fsdp2_hooks(head: nn.Module) -> bool:
+    """The head is a unit of FSDP2's, or one of a group (accelerate's FSDP2 puts the final norm and the head in one):
+    its hooks, FSDP2's alone, gather its weight around its forward (a DTensor outside it) and register its backward's
+    reduce-scatter; a call that skips the head, or calls it again, is FSDP2's to complete (chunked losses do so)."""
+    hooks = list(hooks_on(head))
+    return bool(hooks) and all(fsdp2_hook(h) for h in hooks)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """`module` is an nn.Linear: torch's own class, or the one FSDP2's `fully_shard` makes of it (FSDPModule first in
+    its bases, nothing else of its own)."""
+    bases = type(module).__bases__
+    return type(module) is nn.Linear or (bases[1:] == (nn.Linear,) and bases[0].__name__ == "FSDPModule"
+                                         and bases[0].__module__.startswith("torch.distributed.fsdp"))
 
 
 def _own_forward(head: nn.Module, forward: Any) -> bool:
