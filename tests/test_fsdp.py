@@ -226,11 +226,13 @@ def test_fsdp2_a_head_in_a_unit_of_its_own_runs_fused_as_unpatched(fsdp_script):
 
 
 def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatched(tmp_path):
-    """accelerate's own FSDP2 preparation (1.15: the final norm and the head a unit of their own, kept gathered from
-    the norm's forward to the backward; tied, the embedding in it too), as the Trainer's and a custom loop's
+    """accelerate's own FSDP2 preparation (1.15: the final norm and the head a unit of their own, kept gathered from the
+    norm's forward to the backward; tied, the embedding in it too), as the Trainer's and a custom loop's
     `--fsdp_version 2` prepare a model: an instance patch after it fuses the head on every step of each rank, with
-    the unpatched losses. The head's call from the fused loss leaves the rows out: otherwise FSDP2 resharded the
-    norm's weight before the norm's backward read it (a segmentation fault on the second step)."""
+    the unpatched losses; under PEFT's LoRA too, its copy of the head trained (`modules_to_save`) or LoRA on the
+    head (the unit is then PEFT's wrapper or LoRA layer, called for the weights it holds). The head's call from the
+    fused loss leaves the rows out: otherwise FSDP2 resharded the norm's weight before the norm's backward read it
+    (a segmentation fault on the second step)."""
     pytest.importorskip("accelerate")
     pytest.importorskip("peft")
     out = tmp_path / "accelerate_fsdp2.json"
@@ -239,7 +241,7 @@ def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatche
                cwd=REPO / "tests" / "user_scripts", env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     result = json.loads(out.read_text())
-    for case in ("plain", "tied", "lora"):
+    for case in ("plain", "tied", "lora", "lora training the head", "lora on the head"):
         got = result[case]
         assert got["carved"], case  # the head a unit of its own, a DTensor outside its forward
         assert got["heads"] == {lm_head.FUSED: 3}, (case, got["heads"])

@@ -6,7 +6,8 @@ accelerate shards a model with FSDP only on GPUs (on CPUs it wraps it in DDP); h
 its own FSDP2 preparation (`fsdp2_prepare_model`) runs as on GPUs: each decoder layer a unit, and, since accelerate
 1.15, the final norm and the head a unit of their own, kept gathered from the norm's forward to the backward (tied:
 the embedding in it too); the root the rest. Each case (a LLaMA; its head tied to its embedding, as Llama 3.2 1B's;
-PEFT's LoRA on its attention, before accelerate prepares it) trains 3 steps on right-padded rows, its loss read
+PEFT's LoRA on its attention, before accelerate prepares it; with PEFT's copy of the head trained, as adding tokens
+needs; with LoRA on the head too) trains 3 steps on right-padded rows, its loss read
 alone, as the Trainer reads it, unpatched and then under an instance patch. Rank 0 writes each case's losses and
 patchkit's `heads`.
 """
@@ -30,7 +31,7 @@ opts = parser.parse_args()
 plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                         transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
 accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-CASES = ("plain", "tied", "lora")
+CASES = ("plain", "tied", "lora", "lora training the head", "lora on the head")
 
 
 def rows() -> list[dict]:
@@ -49,16 +50,19 @@ def train(case: str, patched: bool) -> tuple[list[float], dict]:
     model = tf.LlamaForCausalLM(tf.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=case == "tied"))
-    if case == "lora":
+    if case.startswith("lora"):
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        targets = ["q_proj", "v_proj"] + (["lm_head"] if case == "lora on the head" else [])
+        saved = ["lm_head"] if case == "lora training the head" else None
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, modules_to_save=saved))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     # told before each prepare: accelerate's state says MULTI_CPU again after one
     accelerator.state.distributed_type, accelerator.state.fsdp_plugin = DistributedType.FSDP, plugin
     model, optimizer = accelerator.prepare(model, optimizer)
     head = model.get_output_embeddings()
-    carved = type(head).__name__ == "FSDPLinear" and type(head.weight).__name__ == "DTensor"  # a unit of its own
+    weight = next(p for name, p in head.named_parameters() if name.endswith("weight"))
+    carved = type(head).__name__.startswith("FSDP") and type(weight).__name__ == "DTensor"  # a unit of its own
     handle = patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") if patched else None
     heads = patchkit_heads()
     mine = rows()[accelerator.process_index::accelerator.num_processes]

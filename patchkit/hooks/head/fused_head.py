@@ -58,13 +58,14 @@ def transform_of(config: Any) -> LogitTransform:
 class FusedHead:
     """One call's fused head: the LM's head and transform; `checked`: its logits were found to be these. `linear`: the
     nn.Linear under the head (the head itself, or the base of PEFT's trainable tokens); `hooks`: whose hooks place its
-    weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none."""
+    weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none; `holder`: the module whose hooks
+    those are (`linear`, or under FSDP2 the outermost of the output embeddings' modules a unit holds)."""
 
-    __slots__ = ("lm", "head", "linear", "hooks", "transform", "key", "checked", "lora")
+    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
-                 key: tuple, checked: bool) -> None:
-        self.lm, self.head, self.linear, self.hooks = lm, head, linear, hooks
+                 key: tuple, checked: bool, holder: Optional[nn.Module] = None) -> None:
+        self.lm, self.head, self.linear, self.hooks, self.holder = lm, head, linear, hooks, holder or linear
         self.transform, self.key, self.checked = transform, key, checked
         self.lora = head is not linear and lora(head)  # LoRA on the head: its adapters' terms add to the logits
 
@@ -128,7 +129,7 @@ def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> An
         return _as_forwards([head, *fused.adapters()], fn, tensors)
     if fused.hooks == "fsdp2":  # the rows stay out of the call: FSDP2 would register its unit's post-backward on them,
         # which would reshard a unit shared with the final norm (accelerate's) before the norm's backward had run
-        return _as_forwards([head], lambda: fn(*tensors), ())
+        return _as_forwards([fused.holder], lambda: fn(*tensors), ())
     if fused.hooks == "accelerate":
         inner = head._old_forward
         head._old_forward = fn
@@ -160,10 +161,10 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
         plain = "forward" not in vars(head) and not (head._forward_hooks or head._forward_pre_hooks)
         return head.token_adapter if plain else head
     copies = getattr(head, "modules_to_save", None)
-    if type(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
+    if _own_class(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
         return head
     active = getattr(head, "active_adapters", None)
-    hooked = (head._forward_hooks or head._forward_pre_hooks) and not _zero3_hooks(head)  # ZeRO-3's hold no weight
+    hooked = not _gathering_hooks(head)  # ZeRO-3's hold no weight; FSDP2's gather the copy's (`fsdp2_holder`)
     if getattr(head, "disable_adapters", True) or hooked or not (
             isinstance(active, list) and len(active) == 1 and active[0] in copies):
         return head  # the original head, several adapters or hooks: not one plain head
@@ -173,14 +174,15 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
 def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is, or
     PEFT's trainable tokens over one (`trainable_tokens`)."""
-    head = saved_copy(lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None)
+    outer = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    head = saved_copy(outer)
     linear = linear_of(head)
     if not _is_linear(linear) or ("forward" in vars(linear) and not (
             _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
-    sharded = _fsdp2_hooks(linear)  # FSDP2's unit: a DTensor outside its forward, gathered inside (`held`)
+    sharded = fsdp2_holder(outer, head, linear) is not None  # a DTensor outside its unit's forward, inside one
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (
             nn.Parameter, torch.Tensor) and (not sharded or type(linear.weight).__name__ != "DTensor"):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
@@ -210,7 +212,7 @@ def lora(head: Optional[nn.Module]) -> bool:
     other variant), its A and B plain nn.Linear and its dropout torch's, nothing of anyone's own on any of them
     (ZeRO-3's hooks, on all of base and B or none, only gather): its forward is the base layer's logits plus each
     adapter's `lora_B(lora_A(dropout(x))) * scaling`."""
-    if type(head).__name__ != "Linear" or not type(head).__module__.startswith("peft.tuners.lora"):
+    if _own_class(head).__name__ != "Linear" or not _own_class(head).__module__.startswith("peft.tuners.lora"):
         return False
     active = getattr(head, "active_adapters", None)
     if (getattr(head, "disable_adapters", True) or getattr(head, "merged", True) or getattr(head, "fan_in_fan_out", 1)
@@ -223,7 +225,7 @@ def lora(head: Optional[nn.Module]) -> bool:
         return False
     parts = [head] + [m for a in names for m in (head.lora_A[a], head.lora_B[a], head.lora_dropout[a])]
     return all(type(m) in (nn.Linear, nn.Dropout, nn.Identity) for m in parts[1:]) and all(
-        "forward" not in vars(m) and _zero3_hooks(m) for m in parts) and all(
+        "forward" not in vars(m) and _gathering_hooks(m) for m in parts) and all(
         isinstance(head.scaling.get(a), (int, float)) for a in names) and (
         _partitioned(head.base_layer) == all(_partitioned(head.lora_B[a]) for a in names))
 
@@ -264,12 +266,27 @@ def _fsdp2_hooks(head: nn.Module) -> bool:
     return bool(hooks) and all(fsdp2_hook(h) for h in hooks)
 
 
-def _is_linear(module: nn.Module) -> bool:
-    """`module` is an nn.Linear: torch's own class, or the one FSDP2's `fully_shard` makes of it (FSDPModule first in
-    its bases, nothing else of its own)."""
+def fsdp2_holder(*modules: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The first of `modules` (the output embeddings, outermost first) that FSDP2 holds as a unit, or None."""
+    return next((m for m in modules if m is not None and _fsdp2_hooks(m)), None)
+
+
+def _gathering_hooks(module: nn.Module) -> bool:
+    """Every hook on `module` is ZeRO-3's or FSDP2's: they gather its weights around its forward, nothing else."""
+    return all(zero3_hook(h) or fsdp2_hook(h) for h in hooks_on(module))
+
+
+def _own_class(module: Optional[nn.Module]) -> type:
+    """`module`'s class, or the one FSDP2's `fully_shard` made its class of (FSDPModule first in its two bases)."""
     bases = type(module).__bases__
-    return type(module) is nn.Linear or (bases[1:] == (nn.Linear,) and bases[0].__name__ == "FSDPModule"
-                                         and bases[0].__module__.startswith("torch.distributed.fsdp"))
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and bases[0].__module__.startswith("torch.distributed"):
+        return bases[1]
+    return type(module)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """`module` is an nn.Linear: torch's own class, or the one FSDP2's `fully_shard` makes of it."""
+    return _own_class(module) is nn.Linear
 
 
 def _own_forward(head: nn.Module, forward: Any) -> bool:
@@ -299,14 +316,16 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     if head is None:
         return None
     linear = linear_of(head)
-    hooks = hooks_of(linear)
+    holder = fsdp2_holder(lm.get_output_embeddings(), head, linear)
+    hooks = "fsdp2" if holder is not None else hooks_of(linear)
     autocast = autocast_dtype(_device(linear, hooks).type)
     transform = transform_of(lm.config)
     key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())))
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
-    return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key)
+    return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key,
+                     holder=holder)
 
 
 def _device(linear: nn.Linear, hooks: str) -> torch.device:
