@@ -31,7 +31,12 @@ opts = parser.parse_args()
 plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                         transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
 accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-CASES = ("plain", "tied", "lora", "lora training the head", "lora on the head")
+CASES = ("plain", "tied", "bf16", "lora", "lora training the head", "lora on the head")
+# bf16: FSDP2's mixed precision as accelerate's `mixed_precision: bf16` sets it (bf16 weights gathered, fp32 kept)
+BF16 = FullyShardedDataParallelPlugin(
+    fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    mixed_precision_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                        reduce_dtype=torch.float32))
 
 
 def rows() -> list[dict]:
@@ -58,7 +63,8 @@ def train(case: str, patched: bool) -> tuple[list[float], dict]:
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets, modules_to_save=saved))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     # told before each prepare: accelerate's state says MULTI_CPU again after one
-    accelerator.state.distributed_type, accelerator.state.fsdp_plugin = DistributedType.FSDP, plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = BF16 if case == "bf16" else plugin
     model, optimizer = accelerator.prepare(model, optimizer)
     head = model.get_output_embeddings()
     weight = next(p for name, p in head.named_parameters() if name.endswith("weight"))
