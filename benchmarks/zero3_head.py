@@ -1,7 +1,7 @@
 """The LM head and loss under DeepSpeed ZeRO-3: a step's peak memory per rank with the head fused or not.
 
 Under ZeRO-3 each rank holds a shard of the head's weight; DeepSpeed's hooks gather it around the head's forward. With
-`unpad="loss"` patchkit runs the fused head and loss as the head's forward (`hooks/head/fused_head.held`), so no
+`unpad="loss"` patchkit runs the fused head and loss as the head's forward (`hooks/head/weight_holders.held`), so no
 (L, V) logits exist. This benchmark trains the LLaMA of `vocab.py` (hidden 256, 4 layers) at Llama 3's vocabulary
 (128256) under ZeRO-3 on two gloo ranks, each rank a right-padded half of vocab.py's lognormal batch of 8 (1809 real
 tokens), and reports per provider the second step's peak resident set above the set before it (VmHWM, the larger

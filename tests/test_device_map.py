@@ -13,7 +13,7 @@ from models import labels_for, padded_batch, tiny_model
 from test_loss_alone import assert_grads
 
 import patchkit
-from patchkit.hooks.head import fused_head, lm_head
+from patchkit.hooks.head import fused_head, lm_head, weight_holders
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -116,7 +116,7 @@ def test_lora_on_a_dispatched_head_runs_fused_as_unpatched(tmp_path):
 
     want = train_step(lora_model(str(tmp_path / "want")))
     model = lora_model(str(tmp_path / "got"))
-    assert fused_head.hooks_of(model.get_output_embeddings().base_layer) == "accelerate"
+    assert weight_holders.hooks_of(model.get_output_embeddings().base_layer) == "accelerate"
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad="loss") as handle:
         got = train_step(model)
     assert handle.heads == {lm_head.FUSED: 2}

@@ -10,19 +10,12 @@ PEFT's `modules_to_save` copy of the head is a plain one; its trainable tokens (
 plain head are served with their weight as PEFT's forward builds it (`FusedHead.weight`), and LoRA on the head
 (`target_modules` naming it, as continued pretraining does) with each active adapter's term (`FusedHead.terms`).
 
-Under DeepSpeed ZeRO-3 each rank holds a shard of the head's weight, gathered by DeepSpeed's hooks around the head's
-forward and again before its backward. Whatever reads that weight here (the probes, the check, the fused loss) then runs
-as the head's forward (`held`): the head is called, its hooks gather, and the gradients flow as nn.Linear's do; a LoRA
-head's B layers are called so too, inside it (its A layers run as modules on the rows). So too under accelerate's
-device-map hook (a model dispatched across devices, or offloaded): it moves the rows to the head's device and loads an
-offloaded weight for the head's forward, which is then the fused loss (a LoRA head's: its base layer's, whose device
-PEFT put the adapters on). And under FSDP2 where the head is a unit of its own, or of one with the final norm
-(accelerate's): its weight is a DTensor shard outside that unit's forwards.
+Where hooks hold the head's weight (DeepSpeed ZeRO-3, FSDP2, accelerate's device map: `weight_holders.py`), what
+reads it here (the probes, the check, the fused loss) runs as the forward of the module they hold it on (`held`).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -30,8 +23,20 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.inputs.module_hooks import fsdp2_hook, global_hooks, hooks_on, zero3_hook
+from patchkit.forward.inputs.module_hooks import global_hooks
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, logits_of
+from patchkit.hooks.head.weight_holders import (
+    accelerate_hooks,
+    device_of,
+    fsdp2_holder,
+    gathering_hooks,
+    held,
+    hooks_of,
+    is_linear,
+    own_class,
+    own_forward,
+    zero3_held,
+)
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
 PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token: past any softcap, scale or bias
@@ -119,40 +124,6 @@ class FusedHead:
         return restore
 
 
-def held(fused: FusedHead, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
-    """`fn(*tensors)`, which reads the head's weight and bias: as the head's forward where hooks place them around
-    it. The head is called, so DeepSpeed ZeRO-3's hooks gather them for `fn` and, where `fn`'s output takes a
-    gradient, again before its backward; accelerate's device-map hook moves `tensors` to the head's device (and loads
-    an offloaded weight). `tensors` pass through the hooks as the head's inputs."""
-    head = fused.linear
-    if fused.hooks == "zero3":  # a LoRA head's B weights too: each adapter's term reads its B's whole (V, r) weight
-        return _as_forwards([head, *fused.adapters()], fn, tensors)
-    if fused.hooks == "fsdp2":  # the rows stay out of the call: FSDP2 would register its unit's post-backward on them,
-        # which would reshard a unit shared with the final norm (accelerate's) before the norm's backward had run
-        return _as_forwards([fused.holder], lambda: fn(*tensors), ())
-    if fused.hooks == "accelerate":
-        inner = head._old_forward
-        head._old_forward = fn
-        try:
-            return head(*tensors)
-        finally:
-            head._old_forward = inner
-    return fn(*tensors)
-
-
-def _as_forwards(modules: list[nn.Module], fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...]) -> Any:
-    """`fn(*tensors)` as the forward of each of `modules` in turn, one call inside the other: the hooks of each
-    gather its weights around `fn` and, where its output takes a gradient, again before its backward."""
-    if not modules:
-        return fn(*tensors)
-    module = modules[0]
-    module.forward = lambda *rows: _as_forwards(modules[1:], fn, rows)
-    try:
-        return module(*tensors)
-    finally:
-        del module.forward
-
-
 def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     """The head that runs: PEFT's `modules_to_save` wrapper (a LoRA run that trains the head too, as adding tokens
     needs) runs its one active adapter's copy of the head, which is then the head; its `trainable_token_indices`
@@ -161,10 +132,10 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
         plain = "forward" not in vars(head) and not (head._forward_hooks or head._forward_pre_hooks)
         return head.token_adapter if plain else head
     copies = getattr(head, "modules_to_save", None)
-    if _own_class(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
+    if own_class(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
         return head
     active = getattr(head, "active_adapters", None)
-    hooked = not _gathering_hooks(head)  # ZeRO-3's hold no weight; FSDP2's gather the copy's (`fsdp2_holder`)
+    hooked = not gathering_hooks(head)  # ZeRO-3's hold no weight; FSDP2's gather the copy's (`fsdp2_holder`)
     if getattr(head, "disable_adapters", True) or hooked or not (
             isinstance(active, list) and len(active) == 1 and active[0] in copies):
         return head  # the original head, several adapters or hooks: not one plain head
@@ -177,8 +148,8 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     outer = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     head = saved_copy(outer)
     linear = linear_of(head)
-    if not _is_linear(linear) or ("forward" in vars(linear) and not (
-            _own_forward(linear, vars(linear)["forward"]) or _accelerate_hooks(linear))):
+    if not is_linear(linear) or ("forward" in vars(linear) and not (
+            own_forward(linear, vars(linear)["forward"]) or accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
@@ -189,7 +160,7 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
     if linear is not head and hooks_of(linear) and not lora(head):
         return None  # trainable tokens over a head whose weight hooks place
     if linear._forward_hooks or linear._forward_pre_hooks:
-        return head if _zero3_hooks(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
+        return head if zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
             sharded and linear.weight.dim() == 2) else None
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
 
@@ -212,7 +183,7 @@ def lora(head: Optional[nn.Module]) -> bool:
     other variant), its A and B plain nn.Linear and its dropout torch's, nothing of anyone's own on any of them
     (ZeRO-3's hooks, on all of base and B or none, only gather): its forward is the base layer's logits plus each
     adapter's `lora_B(lora_A(dropout(x))) * scaling`."""
-    if _own_class(head).__name__ != "Linear" or not _own_class(head).__module__.startswith("peft.tuners.lora"):
+    if own_class(head).__name__ != "Linear" or not own_class(head).__module__.startswith("peft.tuners.lora"):
         return False
     active = getattr(head, "active_adapters", None)
     if (getattr(head, "disable_adapters", True) or getattr(head, "merged", True) or getattr(head, "fan_in_fan_out", 1)
@@ -225,7 +196,7 @@ def lora(head: Optional[nn.Module]) -> bool:
         return False
     parts = [head] + [m for a in names for m in (head.lora_A[a], head.lora_B[a], head.lora_dropout[a])]
     return all(type(m) in (nn.Linear, nn.Dropout, nn.Identity) for m in parts[1:]) and all(
-        "forward" not in vars(m) and _gathering_hooks(m) for m in parts) and all(
+        "forward" not in vars(m) and gathering_hooks(m) for m in parts) and all(
         isinstance(head.scaling.get(a), (int, float)) for a in names) and (
         _partitioned(head.base_layer) == all(_partitioned(head.lora_B[a]) for a in names))
 
@@ -240,76 +211,6 @@ def linear_of(head: nn.Module) -> nn.Linear:
     return head.base_layer if trainable_tokens(head) or lora(head) else head
 
 
-def hooks_of(head: nn.Module) -> str:
-    """Whose hooks place the weight of a `plain_head`: "zero3", "fsdp2", "accelerate", or ""."""
-    if head._forward_hooks or head._forward_pre_hooks:
-        return "fsdp2" if _fsdp2_hooks(head) else "zero3"
-    return "accelerate" if "forward" in vars(head) and _accelerate_hooks(head) else ""
-
-
-def accelerate_forward(forward: Any) -> bool:
-    """`forward` is accelerate's device-map hook around a module's own forward (`add_hook_to_module`'s partial)."""
-    return isinstance(forward, functools.partial) and getattr(forward.func, "__module__", None) == "accelerate.hooks"
-
-
-def _zero3_hooks(head: nn.Module) -> bool:
-    """Every hook on the head is DeepSpeed ZeRO-3's: they gather its weights around its forward and change nothing of
-    what it computes (a hook of anyone else's might: the family's own head runs)."""
-    return all(zero3_hook(h) for h in hooks_on(head))
-
-
-def _fsdp2_hooks(head: nn.Module) -> bool:
-    """The head is a unit of FSDP2's, or one of a group (accelerate's FSDP2 puts the final norm and the head in one):
-    its hooks, FSDP2's alone, gather its weight around its forward (a DTensor outside it) and register its backward's
-    reduce-scatter; a call that skips the head, or calls it again, is FSDP2's to complete (chunked losses do so)."""
-    hooks = list(hooks_on(head))
-    return bool(hooks) and all(fsdp2_hook(h) for h in hooks)
-
-
-def fsdp2_holder(*modules: Optional[nn.Module]) -> Optional[nn.Module]:
-    """The first of `modules` (the output embeddings, outermost first) that FSDP2 holds as a unit, or None."""
-    return next((m for m in modules if m is not None and _fsdp2_hooks(m)), None)
-
-
-def _gathering_hooks(module: nn.Module) -> bool:
-    """Every hook on `module` is ZeRO-3's or FSDP2's: they gather its weights around its forward, nothing else."""
-    return all(zero3_hook(h) or fsdp2_hook(h) for h in hooks_on(module))
-
-
-def _own_class(module: Optional[nn.Module]) -> type:
-    """`module`'s class, or the one FSDP2's `fully_shard` made its class of (FSDPModule first in its two bases)."""
-    bases = type(module).__bases__
-    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and bases[0].__module__.startswith("torch.distributed"):
-        return bases[1]
-    return type(module)
-
-
-def _is_linear(module: nn.Module) -> bool:
-    """`module` is an nn.Linear: torch's own class, or the one FSDP2's `fully_shard` makes of it."""
-    return _own_class(module) is nn.Linear
-
-
-def _own_forward(head: nn.Module, forward: Any) -> bool:
-    """`forward` is nn.Linear's own, bound to the head (what accelerate leaves on a module whose hook it removed)."""
-    return getattr(forward, "__func__", None) is nn.Linear.forward and getattr(forward, "__self__", None) is head
-
-
-ALIGNING = ("AlignDevicesHook",)  # accelerate's hooks that place weights and inputs and change nothing computed
-
-
-def _accelerate_hooks(head: nn.Module) -> bool:
-    """The head's forward is accelerate's device-map hook (`dispatch_model`: a model split across devices, or
-    offloaded) around nn.Linear's own, and its hooks only place: its inputs on the head's device, an offloaded weight
-    loaded for the forward. Anything else on it (another hook, a forward of someone's own) runs the family's head."""
-    forward, hook, inner = vars(head)["forward"], getattr(head, "_hf_hook", None), getattr(head, "_old_forward", None)
-    if not accelerate_forward(forward) or not _own_forward(head, inner):
-        return False
-    hooks = getattr(hook, "hooks", None) if type(hook).__name__ == "SequentialHook" else (hook,)
-    return bool(hooks) and all(type(h).__name__ in ALIGNING and type(h).__module__ == "accelerate.hooks"
-                               and not getattr(h, "io_same_device", False) and not getattr(h, "no_grad", False)
-                               for h in hooks)
-
-
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     """This call's fused head (checked, or to be checked on this call), or None: the LM's own head runs."""
     head = plain_head(lm)
@@ -318,7 +219,7 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     linear = linear_of(head)
     holder = fsdp2_holder(lm.get_output_embeddings(), head, linear)
     hooks = "fsdp2" if holder is not None else hooks_of(linear)
-    autocast = autocast_dtype(_device(linear, hooks).type)
+    autocast = autocast_dtype(device_of(linear, hooks).type)
     transform = transform_of(lm.config)
     key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())))
     seen = _checked.get(lm)
@@ -326,16 +227,6 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
         return None  # its logits were not these: its own head, from now on
     return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key,
                      holder=holder)
-
-
-def _device(linear: nn.Linear, hooks: str) -> torch.device:
-    """Where the head runs: its weight's device, or the device accelerate's hook runs it on (an offloaded weight is
-    on the meta device between forwards)."""
-    hook = linear._hf_hook if hooks == "accelerate" else None
-    for h in getattr(hook, "hooks", None) or (hook,):
-        if getattr(h, "execution_device", None) is not None:
-            return torch.device(h.execution_device)
-    return linear.weight.device
 
 
 def probes(weight: torch.Tensor) -> torch.Tensor:
