@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from patchkit.forward.loss import linear_cross_entropy as lce
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
-from patchkit.hooks.head import lm_head
+from patchkit.hooks.head import fused_head, lm_head
 
 
 def lora_leaves(base: torch.dtype, adapters: torch.dtype, head_trains: bool) -> dict:
@@ -178,3 +178,29 @@ def test_the_lora_kinds_users_put_on_a_head_train_as_unpatched(kind):
     for loss, grads in got:
         torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
         assert_grads(grads, want[2])
+
+
+def fsdp2_unit_stand_in(module: torch.nn.Module) -> None:
+    """FSDP2's mark on a unit's module, as `fully_shard` leaves it: hooks from its `_fully_shard` package, by which
+    patchkit knows them (they gather nothing here; the real ones: test_fsdp.py)."""
+    def pre(*_) -> None:
+        return None
+
+    pre.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    module.register_forward_pre_hook(pre)
+
+
+@pytest.mark.parametrize("tuning", ["modules_to_save", "lora on the head"])
+def test_a_hook_of_the_users_inside_an_fsdp2_unit_keeps_the_familys_head(tuning):
+    """FSDP2 holding PEFT's module of the head as a unit (accelerate's carving) is served fused; a forward hook of the
+    user's on the nn.Linear inside it is not FSDP2's and may change the logits: the family's own head runs."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"] + (["lm_head"] if "lora" in tuning else []),
+                             modules_to_save=["lm_head"] if tuning == "modules_to_save" else None)
+    model = peft.get_peft_model(family("llama"), config)
+    unit = model.get_output_embeddings()
+    fsdp2_unit_stand_in(unit)
+    inner = unit.modules_to_save["default"] if tuning == "modules_to_save" else unit.base_layer
+    assert fused_head.plain_head(model) is not None
+    inner.register_forward_hook(lambda module, args, output: output * 2)
+    assert fused_head.plain_head(model) is None

@@ -28,6 +28,7 @@ from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, 
 from patchkit.hooks.head.weight_holders import (
     accelerate_hooks,
     device_of,
+    fsdp2_held,
     fsdp2_holder,
     gathering_hooks,
     held,
@@ -161,7 +162,7 @@ def plain_head(lm: nn.Module) -> Optional[nn.Module]:
         return None  # trainable tokens over a head whose weight hooks place
     if linear._forward_hooks or linear._forward_pre_hooks:
         return head if zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
-            sharded and linear.weight.dim() == 2) else None
+            fsdp2_held(linear) and linear.weight.dim() == 2) else None  # its own hooks, FSDP2's alone
     return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
 
 
