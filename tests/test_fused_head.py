@@ -155,9 +155,7 @@ def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatche
     got, heads, rows = loss_alone_steps(model, inputs)
     assert heads == {lm_head.FUSED: 2}  # checked and fused on the first step, fused on the second
     assert rows == [checked_rows(inputs["labels"]), 1]  # checked (a few rows, the probes), then one zero row
-    for loss, grads in got:
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want)
 
 
 def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
@@ -172,9 +170,7 @@ def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():
     got, heads, rows = loss_alone_steps(model, inputs, steps=3)
     assert heads == {lm_head.LOSS_ONLY: 3} and len(layers) == 3
     assert rows == [checked_rows(inputs["labels"])] + [labelled_rows(inputs["labels"]) + 1] * 3
-    for loss, grads in got:
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want)
 
 
 def zero3_stand_in(head: torch.nn.Linear) -> None:
@@ -217,12 +213,7 @@ def test_a_head_whose_weight_zero3_gathers_runs_fused_as_its_forward(dtype):
     got, heads, rows = loss_alone_steps(model, inputs)
     assert heads == {lm_head.FUSED: 2} and rows == [checked_rows(inputs["labels"]), 1]
     assert model.lm_head.weight.numel() == 0  # released after every forward and backward
-    for loss, grads in got:
-        if dtype == torch.bfloat16:
-            assert_bf16_alike(loss, grads, want)
-            continue
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want, bf16=dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize("why", ["a forward hook on the head", "a head of another class"])
@@ -243,9 +234,7 @@ def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
     want = step(model, **inputs)
     got, heads, _ = loss_alone_steps(model, inputs)
     assert heads == {lm_head.LOSS_ONLY: 2}
-    for loss, grads in got:
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want)
 
 
 @pytest.mark.parametrize("tuning", ["full", "full in bfloat16", "full in bfloat16, head tied", "lora",
@@ -285,12 +274,18 @@ def test_a_full_or_a_lora_fine_tune_runs_the_fused_head_on_any_batch(tuning):
     got, heads, rows = loss_alone_steps(model, inputs)
     assert heads == {lm_head.FUSED: 2}
     assert rows == [checked_rows(inputs["labels"]), 1]
+    assert_steps_as_unpatched(got, want, bf16=bf16)
+
+
+def assert_steps_as_unpatched(got: list, want: tuple, bf16: bool = False) -> None:
+    """Each fused step's loss and gradients (`loss_alone_steps`) as the unpatched step's (`step`): to float32's
+    noise, or in bfloat16 as `assert_bf16_alike` holds them."""
     for loss, grads in got:
-        if not bf16:
-            torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-            assert_grads(grads, want[2])
+        if bf16:
+            assert_bf16_alike(loss, grads, want)
             continue
-        assert_bf16_alike(loss, grads, want)
+        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
+        assert_grads(grads, want[2])
 
 
 def assert_bf16_alike(loss: torch.Tensor, grads: dict, want: tuple) -> None:

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_head import TRANSFORMS, assert_bf16_alike, long_batch, loss_alone_steps, small_chunks, zero3_stand_in
+from test_fused_head import (
+    TRANSFORMS,
+    assert_steps_as_unpatched,
+    long_batch,
+    loss_alone_steps,
+    small_chunks,
+    zero3_stand_in,
+)
 from test_lm_head import family, step
-from test_loss_alone import assert_grads
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from patchkit.forward.loss import linear_cross_entropy as lce
@@ -128,12 +134,7 @@ def test_a_lora_head_whose_weights_zero3_gathers_runs_fused_as_their_forwards(ad
     got, heads, rows = loss_alone_steps(model, inputs)
     assert heads == {lm_head.FUSED: 2} and head.lora_B["default"].weight.numel() == 0
     assert head.lora_B["default"].weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
-    for loss, grads in got:
-        if bf16:
-            assert_bf16_alike(loss, grads, want)
-            continue
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want, bf16=bf16)
 
 
 LORA_KINDS = {  # LoraConfig arguments on top of r 4 on q_proj and lm_head; None: two adapters on the head, both active
@@ -175,9 +176,7 @@ def test_the_lora_kinds_users_put_on_a_head_train_as_unpatched(kind):
     got, heads, _ = loss_alone_steps(build(), inputs)
     assert heads == {lm_head.LOSS_ONLY if kind == "DoRA" else lm_head.FUSED: 2}
     assert sum("lm_head.lora_B" in name for name in want[2]) == (2 if options is None or "lora_bias" in options else 1)
-    for loss, grads in got:
-        torch.testing.assert_close(loss, want[0], atol=1e-5, rtol=1e-5)
-        assert_grads(grads, want[2])
+    assert_steps_as_unpatched(got, want)
 
 
 def fsdp2_unit_stand_in(module: torch.nn.Module) -> None:
