@@ -17,7 +17,7 @@ reads it here (the probes, the check, the fused loss) runs as the forward of the
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -70,10 +70,10 @@ class FusedHead:
     __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
-                 key: tuple, checked: bool, holder: Optional[nn.Module] = None) -> None:
+                 key: tuple, checked: bool, holder: Optional[nn.Module] = None, lora_head: bool = False) -> None:
         self.lm, self.head, self.linear, self.hooks, self.holder = lm, head, linear, hooks, holder or linear
         self.transform, self.key, self.checked = transform, key, checked
-        self.lora = head is not linear and lora(head)  # LoRA on the head: its adapters' terms add to the logits
+        self.lora = lora_head  # LoRA on the head: its adapters' terms add to the logits
 
     @property
     def weight(self) -> torch.Tensor:
@@ -143,27 +143,45 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     return copies[active[0]]
 
 
-def plain_head(lm: nn.Module) -> Optional[nn.Module]:
+class HeadParts(NamedTuple):
+    """A `plain_head`'s parts: the head that runs, its nn.Linear (itself, or the base of trainable tokens or of LoRA),
+    whether it is LoRA, and under FSDP2 the module whose unit holds its weight (`fsdp2_holder`), else None."""
+    head: nn.Module
+    linear: nn.Linear
+    lora: bool
+    holder: Optional[nn.Module]
+
+
+def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     """The LM's output embeddings where they are a plain nn.Linear whose weight the fused loss can read as it is, or
-    PEFT's trainable tokens over one (`trainable_tokens`)."""
+    PEFT's trainable tokens or LoRA over one (`trainable_tokens`, `lora`), with their parts; else None."""
     outer = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     head = saved_copy(outer)
-    linear = linear_of(head)
+    is_lora = lora(head)
+    linear = head.base_layer if is_lora or trainable_tokens(head) else head
     if not is_linear(linear) or ("forward" in vars(linear) and not (
             own_forward(linear, vars(linear)["forward"]) or accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
-    sharded = fsdp2_holder(outer, head, linear) is not None  # a DTensor outside its unit's forward, inside one
+    holder = fsdp2_holder(outer, head, linear)  # a DTensor outside its unit's forward, inside one
     if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (
-            nn.Parameter, torch.Tensor) and (not sharded or type(linear.weight).__name__ != "DTensor"):
+            nn.Parameter, torch.Tensor) and (holder is None or type(linear.weight).__name__ != "DTensor"):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
-    if linear is not head and hooks_of(linear) and not lora(head):
+    if linear is not head and hooks_of(linear) and not is_lora:
         return None  # trainable tokens over a head whose weight hooks place
     if linear._forward_hooks or linear._forward_pre_hooks:
-        return head if zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
-            fsdp2_held(linear) and linear.weight.dim() == 2) else None  # its own hooks, FSDP2's alone
-    return head if linear.weight.dim() == 2 and linear.weight.numel() > 0 else None
+        plain = zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
+            fsdp2_held(linear) and linear.weight.dim() == 2)  # its own hooks, FSDP2's alone
+    else:
+        plain = linear.weight.dim() == 2 and linear.weight.numel() > 0
+    return HeadParts(head, linear, is_lora, holder) if plain else None
+
+
+def plain_head(lm: nn.Module) -> Optional[nn.Module]:
+    """The head of `head_parts`, or None."""
+    parts = head_parts(lm)
+    return None if parts is None else parts.head
 
 
 def trainable_tokens(head: Optional[nn.Module]) -> bool:
@@ -207,18 +225,12 @@ def _partitioned(linear: nn.Linear) -> bool:
     return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(linear.weight, "ds_shape")
 
 
-def linear_of(head: nn.Module) -> nn.Linear:
-    """The nn.Linear of a `plain_head`: itself, or the base of trainable tokens or of LoRA."""
-    return head.base_layer if trainable_tokens(head) or lora(head) else head
-
-
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     """This call's fused head (checked, or to be checked on this call), or None: the LM's own head runs."""
-    head = plain_head(lm)
-    if head is None:
+    parts = head_parts(lm)
+    if parts is None:
         return None
-    linear = linear_of(head)
-    holder = fsdp2_holder(lm.get_output_embeddings(), head, linear)
+    head, linear, is_lora, holder = parts
     hooks = "fsdp2" if holder is not None else hooks_of(linear)
     autocast = autocast_dtype(device_of(linear, hooks).type)
     transform = transform_of(lm.config)
@@ -227,7 +239,7 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
     return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key,
-                     holder=holder)
+                     holder=holder, lora_head=is_lora)
 
 
 def probes(weight: torch.Tensor) -> torch.Tensor:
