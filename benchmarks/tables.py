@@ -246,7 +246,7 @@ def fused_loss(name: str = "fused_loss.csv") -> str:
 
 
 def zero3_head() -> str:
-    """A ZeRO-3 step's peak per rank by where the head ran (benchmarks/zero3_head.py), against HF sdpa."""
+    """A ZeRO-3 step's peak per rank by where the head ran (benchmarks/sharded_head.py), against HF sdpa."""
     rows = read("zero3_head.csv")
     hf = next(r for r in rows if r["provider"] == "hf_sdpa")
     body = [[r["provider"], r["real_tokens"], f"{float(r['seconds']):.2f}", x(float(hf["seconds"]) / float(

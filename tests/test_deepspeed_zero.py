@@ -178,12 +178,12 @@ def test_zero3_generate_with_synced_gpus_equals_unpatched(model_dir, tmp_path):
 
 
 def test_the_zero3_head_benchmark_runs_the_fused_head_to_the_unpatched_loss(tmp_path):
-    """benchmarks/zero3_head.py at a toy vocabulary and a tenth of its lengths: the fused loss alone trains the same
+    """benchmarks/sharded_head.py at a toy vocabulary and a tenth of its lengths: the fused loss alone trains the same
     step to HF sdpa's loss. Two of its four providers, a two-rank launch each: patchkit's other two ways under ZeRO-3,
     the logits and the family's own head on the labelled rows, are the ZeRO-3 tests above."""
     out = tmp_path / "zero3_head.csv"
     env = clean_env(PYTHONPATH=os.environ.get("PYTHONPATH", ""))
-    proc = run_group([sys.executable, REPO / "benchmarks" / "zero3_head.py", "--vocab", "512", "--scale", "0.1",
+    proc = run_group([sys.executable, REPO / "benchmarks" / "sharded_head.py", "--vocab", "512", "--scale", "0.1",
                       "--providers", "hf_sdpa", "patchkit_loss", "--csv", out], env, TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = list(csv.DictReader(out.open()))

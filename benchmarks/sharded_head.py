@@ -10,7 +10,7 @@ logits (`unpad="model"`), patchkit's loss alone with the family's own head on th
 before the fused head served it there) and the fused loss alone. Needs DeepSpeed (`make sp-test` installs it into
 .sp/).
 
-    PYTHONPATH=.sp python benchmarks/zero3_head.py [--vocab 128256] [--scale 1.0]
+    PYTHONPATH=.sp python benchmarks/sharded_head.py [--vocab 128256] [--scale 1.0]
         [--csv benchmarks/results/zero3_head.csv]
 """
 
