@@ -245,14 +245,14 @@ def fused_loss(name: str = "fused_loss.csv") -> str:
             + table(["vocab", "dtype", "way", "seconds", "x unfused", "peak MiB", "of unfused's"], body))
 
 
-def zero3_head() -> str:
-    """A ZeRO-3 step's peak per rank by where the head ran (benchmarks/sharded_head.py), against HF sdpa."""
-    rows = read("zero3_head.csv")
+def sharded_head(name: str) -> str:
+    """A ZeRO-3 or FSDP2 step's peak per rank by where the head ran (benchmarks/sharded_head.py), against HF sdpa."""
+    rows = read(name)
     hf = next(r for r in rows if r["provider"] == "hf_sdpa")
     body = [[r["provider"], r["real_tokens"], f"{float(r['seconds']):.2f}", x(float(hf["seconds"]) / float(
         r["seconds"])), f"{float(r['peak_mib']):.0f}", x(float(r["peak_mib"]) / float(hf["peak_mib"])),
         f"{float(r['loss']):.4f}"] for r in rows]
-    return (f"`zero3_head.csv` (vocabulary {rows[0]['vocab']}, two gloo ranks)\n\n"
+    return (f"`{name}` (vocabulary {rows[0]['vocab']}, two gloo ranks)\n\n"
             + table(["provider", "real tokens", "step s", "speed x HF sdpa", "peak MiB per rank", "x HF sdpa",
                      "loss"], body))
 
@@ -306,7 +306,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
-    "fused-loss": fused_loss, "fused-loss-lora": lambda: fused_loss("fused_loss_lora.csv"), "zero3-head": zero3_head,
+    "fused-loss": fused_loss, "fused-loss-lora": lambda: fused_loss("fused_loss_lora.csv"),
+    "zero3-head": lambda: sharded_head("zero3_head.csv"), "fsdp2-head": lambda: sharded_head("fsdp2_head.csv"),
     "peft-head": peft_head, "prepared-head": prepared_head,
     "trainer-head": trainer_head, "mixer-groups": mixer_groups,
 }

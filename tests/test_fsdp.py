@@ -4,6 +4,7 @@ every layer live."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import sys
@@ -21,6 +22,7 @@ FSDP_SCRIPT = '''"""FSDP2 (or FSDP1) tiny padded-batch training, unpatched then 
 
 import argparse
 import functools
+import csv
 import json
 import os
 import sys
@@ -248,3 +250,18 @@ def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatche
         # bf16 (FSDP2's mixed precision: bf16 weights gathered): patchkit's attention rounds otherwise than sdpa's
         atol = 2e-3 if case == "bf16" else 1e-6
         assert got["patched"] == pytest.approx(got["unpatched"], rel=1e-6, abs=atol), case
+
+
+def test_the_fsdp2_head_benchmark_runs_the_fused_head_to_the_unpatched_loss(tmp_path):
+    """benchmarks/sharded_head.py --sharding fsdp2 at a toy vocabulary and a tenth of its lengths: accelerate's FSDP2
+    preparation, and the fused loss alone trains the same step to HF sdpa's loss, fused on both of its steps."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "fsdp2_head.csv"
+    proc = run([sys.executable, REPO / "benchmarks" / "sharded_head.py", "--sharding", "fsdp2", "--vocab", "512",
+                "--scale", "0.1", "--providers", "hf_sdpa", "patchkit_loss", "--csv", out],
+               cwd=REPO, env=clean_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["provider"], r["heads"]) for r in rows] == [("hf_sdpa", ""), ("patchkit_loss", f"{lm_head.FUSED}:2")]
+    assert len({int(r["real_tokens"]) for r in rows}) == 1 and int(rows[0]["real_tokens"]) > 0
+    assert float(rows[1]["loss"]) == pytest.approx(float(rows[0]["loss"]), abs=1e-5)
