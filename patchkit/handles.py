@@ -126,7 +126,7 @@ class PatchHandle:
             f"patchkit patch {self.name!r} ({self.spec.description})",
             f"  status:  {'active' if self.active else 'reverted'}; scope: {where}",
             f"  backend: {self.backend} (requested {self.options[0]!r}, strict={self.options[1]})",
-            f"  attention layers through the patch: {self.layers_patched} ({self.calls} calls"
+            f"  attention layers through the patch: {self.layers_seen} ({self.calls} calls"
             + ("; compiled calls are not counted)" if self.state.compiled else ")"),
             "  forwards stepped aside to transformers' own attention: "
             + (", ".join(f"{n} ({cause})" for cause, n in self.state.stepped_aside.items()) or "none"),
@@ -264,7 +264,7 @@ class PatchGroup:
         lines = [
             f"patchkit patch {GROUP_NAME!r}: backend {self.backend!r} (requested {requested!r}, strict={strict}), "
             f"unpad {unpad!r}; {len(self.handles)} families patched, {len(self.skipped)} skipped",
-            "  ran: " + (", ".join(f"{h.name} ({h.layers_patched} attention layers, {h.calls} calls)" for h in ran)
+            "  ran: " + (", ".join(f"{h.name} ({h.layers_seen} attention layers, {h.calls} calls)" for h in ran)
                          or "no forward through any family yet"),
             "  forwards stepped aside to transformers' attention: "
             + (", ".join(f"{n} {cause}" for cause, n in aside.items()) or "none"),

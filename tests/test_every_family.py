@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import warnings
 
@@ -189,6 +190,9 @@ def test_the_groups_report_is_a_summary_that_names_what_ran():
             assert not any("0 (0 calls)" in line for line in text.splitlines()[-3:]), text.splitlines()[-3:]
         llama2 = detail.index("patchkit patch 'llama2'")
         assert all(llama2 < detail.index(f"patchkit patch {h.name!r}") for h in group if h.name != "llama2")
+    del model  # read at exit, as the launcher does: the model is gone, the layers it ran through are still counted
+    gc.collect()
+    assert group.report().splitlines()[1] == "  ran: llama2 (2 attention layers, 2 calls)"
     first = next(h for h in group if h.name == "llama2").report().splitlines()[:5]  # a family's own: summary first
     assert first[2].startswith("  backend: sdpa") and first[3] == "  attention layers through the patch: 2 (2 calls)"
     assert first[4] == "  forwards stepped aside to transformers' own attention: none"
