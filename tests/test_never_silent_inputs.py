@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import sys
+from typing import Any
 
 import pytest
 import torch
 import transformers
 from families import set_attention
-from models import VOCAB, dynamic_cache, needs_mask_interface, padded_batch, static_decode, tiny_model
+from models import VOCAB, dynamic_cache, labels_for, needs_mask_interface, padded_batch, static_decode, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -41,6 +42,78 @@ def test_a_mask_longer_than_the_dynamic_cache_is_refused():
         doubled = torch.cat([torch.ones_like(mask), mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
         with pytest.raises(PatchInputError, match="do not prepend past columns"):
             model(input_ids=ids[:, -1:], attention_mask=doubled, past_key_values=out.past_key_values)
+
+
+def decode_on_an_unextended_mask(model: torch.nn.Module) -> torch.Tensor:
+    """A hand-written decode loop's step that forgot to extend the prompt's mask: (2, 14) for 14 + 1 keys."""
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        return model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask,
+                     past_key_values=out.past_key_values).logits
+
+
+# transformers' masks fill in a 2D mask's missing columns as padding from 4.53 (masking_utils); before, its attention
+# failed on the shapes, and patchkit refuses the forward with the fix
+FILLS_SHORT_MASKS = VERSION >= Version("4.53")
+
+
+@pytest.mark.parametrize("way", ["class", "instance", "named"])
+def test_a_mask_short_of_the_keys_steps_aside_to_the_unpatched_numbers(way):
+    """A mask without the new token's column: transformers fills in what it lacks (as padding), so the step runs on
+    its attention, the unpatched logits, one warning naming the fix, counted; strict refuses it by name. Before
+    transformers filled masks in, unpatched failed on the shapes: patchkit refuses, naming the fix."""
+    if way == "named":
+        needs_mask_interface()
+    model = tiny_model(kv_heads=2)
+
+    def patch(**options: bool) -> Any:
+        return patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", **options)
+
+    if not FILLS_SHORT_MASKS:
+        with pytest.raises(RuntimeError):
+            decode_on_an_unextended_mask(model)
+        with patch(), pytest.raises(PatchInputError, match="a decode loop extends it by a column of ones"):
+            decode_on_an_unextended_mask(model)
+        return
+    want = decode_on_an_unextended_mask(model)
+    with pytest.warns(RuntimeWarning, match=r"fewer columns than past \+ new tokens \(short_mask\).*Fix: extend"):
+        if way == "named":
+            got = decode_on_an_unextended_mask(set_attention(copy.deepcopy(model), "patchkit"))
+        else:
+            with patch() as handle:
+                got = decode_on_an_unextended_mask(model)
+            assert handle.stepped_aside == {"short_mask": 1}
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)  # the prefill ran patched
+    if way != "named":
+        with patch(strict=True), pytest.raises(PatchInputError, match="fewer columns than the forward has keys"):
+            decode_on_an_unextended_mask(model)
+
+
+def test_a_mask_short_of_the_tokens_steps_aside_in_training_too():
+    """No cache: a mask one column short of the tokens (transformers reads the last token as padding): the
+    unpatched loss and gradients, stepped aside; refused with the fix where transformers failed on it."""
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right", batch=2, seq=14)
+    labels = labels_for(ids, mask)
+
+    def short_step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask[:, :-1], labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    if not FILLS_SHORT_MASKS:
+        with pytest.raises(RuntimeError):
+            short_step()
+        with patchkit.apply_patch(backend="sdpa"), pytest.raises(PatchInputError, match="give it a column per key"):
+            short_step()
+        return
+    want = short_step()
+    with patchkit.apply_patch(backend="sdpa", unpad="model") as handle:
+        got = short_step()
+    assert handle.stepped_aside == {"short_mask": 1}
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)  # the head and loss on the labelled rows
 
 
 def test_positions_across_a_padding_hole_stay_one_document():

@@ -118,12 +118,13 @@ def build_metadata(
     """Compute the unpadding metadata for one model forward from the 2D mask and packing hints."""
     mask = check_mask(mask)
     if mask is not None and tuple(mask.shape) != (batch, kv_len):
+        fix = ("give it a column per key: a decode loop extends it by a column of ones per new token, as generate() "
+               "does" if mask.shape[-1] < kv_len else "do not prepend past columns to a mask that already has them")
         raise PatchInputError(
             f"attention_mask has shape {tuple(mask.shape)} but this attention call has batch {batch} and "
             f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] "
             "(with a StaticCache, up to all max_cache_len slots, but past + q_len for a model with a sliding window "
-            "through attn_implementation='patchkit' alone, whose sliding layers hold fewer slots); do not prepend "
-            "past columns to a mask that already has them"
+            f"through attn_implementation='patchkit' alone, whose sliding layers hold fewer slots); {fix}"
         )
     if cu_seq_lens_q is not None:
         if mask is not None and not bool(mask.all()):

@@ -8,6 +8,7 @@ layers receive transformers' own mask, so a checkpoint recompute in backward ste
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -107,9 +108,38 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
+    if mask_short_of_keys(arguments.get("attention_mask"), cache, input_tokens(arguments)):
+        return "short_mask"
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def mask_short_of_keys(mask: Any, cache: Any, tokens: Any) -> bool:
+    """A 2D mask narrower than the forward's keys, the cache's past plus the new tokens (a decode loop that did not
+    extend it), where transformers fills in the columns it lacks (its `masking_utils`, 4.53+: as padding); before,
+    its attention failed on the shapes, and the per-layer path's shape check refuses it with the fix. So does a
+    cache that cannot tell its past (a tuple)."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(tokens, torch.Tensor)
+            and tokens.dim() >= 2) or not fills_short_masks():
+        return False
+    past = 0
+    if cache is not None:
+        length = getattr(cache, "get_seq_length", None)
+        if length is None:
+            return False
+        past = int(length())
+    return mask.shape[-1] < past + tokens.shape[1]
+
+
+@functools.cache
+def fills_short_masks() -> bool:
+    """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+)."""
+    try:
+        from transformers.masking_utils import prepare_padding_mask  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def paged_cache(cache: Any) -> bool:

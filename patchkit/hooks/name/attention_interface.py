@@ -106,6 +106,8 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)
     past_len = int(q_offset) if past_len is None else past_len
+    if short_of_keys(attention_mask, past_len, q_length):
+        return aside_mask("short_mask", args, kwargs)  # transformers fills in the columns it lacks
     key_offset = int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
     varlen = VarlenMask.for_forward(attention_mask, past_len, fixed, key_offset, kv_length if fixed else None, window,
@@ -158,6 +160,12 @@ def chunk_behind_cache(chunk: int, mask: Any, past_len: Optional[int], q_length:
     if past > 0 and past + int(q_length or 0) > chunk:
         return True
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > chunk and has_holes(mask)
+
+
+def short_of_keys(mask: Any, past_len: int, q_length: Any) -> bool:
+    """A 2D mask narrower than the past and the new tokens (a decode loop that did not extend it: `short_mask`)."""
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 2 and q_length is not None
+            and mask.shape[-1] < past_len + int(q_length))
 
 
 def encoder_mask(function: Any) -> bool:
