@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from families import served_tiny
 from models import clone, labels_for, padded_batch, tiny_model
 from packaging.version import Version
 
@@ -88,6 +89,29 @@ def test_all_padding_batch_gives_every_parameter_a_zero_gradient_as_unpatched(pa
     for name, grad in want.items():
         assert got[name] is not None, name
         torch.testing.assert_close(got[name], grad, msg=name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_an_all_padding_batch_gives_a_mixture_of_experts_the_unpatched_gradients(family):
+    """As above on a mixture of experts: unpatched, the padding tokens reach the router and its experts, whose
+    weights get zero gradients (not None, which DDP would take for unused parameters); patched, the same."""
+    model = served_tiny(family).train()
+    ids, mask = torch.randint(3, model.config.vocab_size, (2, 8)), torch.zeros(2, 8, dtype=torch.long)
+
+    def step() -> dict:
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        (logits * mask[..., None]).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    want = step()
+    with patchkit.apply_patch(backend="sdpa"):
+        got = step()
+    assert any(".experts." in name for name in want)
+    assert {n for n, g in got.items() if g is None} == {n for n, g in want.items() if g is None}
+    for name, grad in want.items():
+        if grad is not None:
+            torch.testing.assert_close(got[name], grad, msg=name)
 
 
 def test_an_empty_sequence_fails_as_unpatched():
