@@ -37,6 +37,7 @@ from patchkit.hooks.head.weight_holders import (
     own_class,
     own_forward,
     zero3_held,
+    zero3_partitioned,
 )
 
 CHECK_ROWS = 16  # the first labelled rows compared, besides the probes
@@ -217,12 +218,7 @@ def lora(head: Optional[nn.Module]) -> bool:
     return all(type(m) in (nn.Linear, nn.Dropout, nn.Identity) for m in parts[1:]) and all(
         "forward" not in vars(m) and gathering_hooks(m) for m in parts) and all(
         isinstance(head.scaling.get(a), (int, float)) for a in names) and (
-        _partitioned(head.base_layer) == all(_partitioned(head.lora_B[a]) for a in names))
-
-
-def _partitioned(linear: nn.Linear) -> bool:
-    """DeepSpeed ZeRO-3 holds `linear`'s weight in shards, gathered by its hooks around its forward."""
-    return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(linear.weight, "ds_shape")
+        zero3_partitioned(head.base_layer) == all(zero3_partitioned(head.lora_B[a]) for a in names))
 
 
 def fused_head(lm: nn.Module) -> Optional[FusedHead]:

@@ -81,6 +81,11 @@ def zero3_held(head: nn.Module) -> bool:
     return all(zero3_hook(h) for h in hooks_on(head))
 
 
+def zero3_partitioned(linear: nn.Linear) -> bool:
+    """DeepSpeed ZeRO-3 holds `linear`'s weight in shards, gathered by its hooks around its forward."""
+    return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(linear.weight, "ds_shape")
+
+
 def fsdp2_held(head: nn.Module) -> bool:
     """The head is a unit of FSDP2's, or one of a group (accelerate's FSDP2 puts the final norm and the head in one):
     its hooks, FSDP2's alone, gather its weight around its forward (a DTensor outside it) and register its backward's
