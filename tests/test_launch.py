@@ -11,7 +11,7 @@ import pytest
 import transformers
 from entrypoints import clean_env, launch, patchkit_cli, tagged
 from families import FAMILIES_FROM, served_here
-from models import tiny_model
+from models import labels_for, padded_batch, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -327,3 +327,23 @@ def test_the_exit_line_says_compiled_calls_are_not_counted():
         stream = io.StringIO()
         report_at_exit(group, stream)
     assert "attention layers ran through patch 'all' (0 calls; compiled calls are not counted" in stream.getvalue()
+
+
+def test_the_exit_line_says_where_the_head_and_loss_ran():
+    """The launcher's and the env var's one line at exit named the attention layers alone: where the LM head and
+    loss ran (on real tokens, fused with the loss) was in `patchkit.report()` only."""
+    import io
+
+    from patchkit.entry.process_report import report_at_exit
+    from patchkit.hooks.head import lm_head
+
+    model = tiny_model(hidden=32, layers=1).train()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch(backend="sdpa") as group:
+        model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
+        stream = io.StringIO()
+        report_at_exit(group, stream)
+    line = stream.getvalue().strip()
+    assert group.heads == {lm_head.FUSED: 1}
+    assert line.endswith("(1 calls, backend 'sdpa'); LM head and loss: 1 forwards on real tokens (1 returned the "
+                         "loss alone, the head on the labelled tokens only; 1 fused with the loss)"), line

@@ -105,6 +105,13 @@ def children_line(handle: Any, children: list[dict[str, Any]]) -> Optional[str]:
             f"{handle.name!r} ({calls} calls; each says so in its own line)")
 
 
+def heads_clause(handle: Any) -> str:
+    """Where the causal LM's head and loss ran, as the handle's report says it (`lm_head.heads_line`)."""
+    from patchkit.hooks.head.lm_head import heads_line  # at exit, after a model ran: already imported
+
+    return heads_line(handle.heads).strip()
+
+
 def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchkit.launch",
                    ended_by: Optional[BaseException] = None, handed_down: bool = False,
                    children: Optional[list[dict[str, Any]]] = None) -> None:
@@ -129,6 +136,7 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
             f"{handle.name!r} ({handle.calls} calls{'; compiled calls are not counted' if compiled(handle) else ''}, "
             f"backend {handle.backend!r}"
             + (f"; forwards stepped aside to transformers' attention: {aside})" if aside else ")")
+            + (f"; {heads_clause(handle)}" if getattr(handle, "heads", None) else "")
             + (f"; {started}" if started else ""),
             file=stream,
         )
