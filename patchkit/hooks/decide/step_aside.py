@@ -8,7 +8,6 @@ layers receive transformers' own mask, so a checkpoint recompute in backward ste
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -132,14 +131,20 @@ def mask_short_of_keys(mask: Any, cache: Any, tokens: Any) -> bool:
     return mask.shape[-1] < past + tokens.shape[1]
 
 
-@functools.cache
 def fills_short_masks() -> bool:
-    """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+)."""
-    try:
-        from transformers.masking_utils import prepare_padding_mask  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+); read
+    once, into a plain memo (dynamo warns of a `functools.cache` call in a compiled forward)."""
+    if not _FILLS:
+        try:
+            from transformers.masking_utils import prepare_padding_mask  # noqa: F401
+        except ImportError:
+            _FILLS.append(False)
+        else:
+            _FILLS.append(True)
+    return _FILLS[0]
+
+
+_FILLS: list[bool] = []
 
 
 def paged_cache(cache: Any) -> bool:

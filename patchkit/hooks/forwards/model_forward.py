@@ -249,7 +249,8 @@ def make_model_forward(
         check_one_cache(arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         # a mask narrower than its tokens (stepped aside: `short_mask`) keeps the cache: it sizes transformers' keys
-        if takes_use_cache and not mask_short_of_keys(arguments.get("attention_mask"), None, input_tokens(arguments)):
+        if takes_use_cache and (is_compiling() or not mask_short_of_keys(arguments.get("attention_mask"), None,
+                                                                          input_tokens(arguments))):
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:
                 _keep_no_cache_for_the_loss(self, arguments)
