@@ -89,9 +89,9 @@ CAUSES = {
         "patchkit before building the model",
     ),
     "short_mask": (
-        "the 2D attention_mask has fewer columns than the forward has keys (the cache's past plus the new tokens), "
-        "as a hand-written decode loop gives it when it does not extend the mask; transformers fills in the missing "
-        "columns itself, where patchkit would have to guess them",
+        "the 2D attention_mask has no column for this forward's new tokens (it is as wide as the cache's past, or "
+        "narrower), as a hand-written decode loop gives it when it does not extend the mask; transformers reads the "
+        "keys it lacks as padding, where patchkit would have to guess them",
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
@@ -142,7 +142,7 @@ BRIEF = {
     "window_over_padding_hole": ("a sliding window over a row with a padding hole", "pad on one side only"),
     "named_unseen": ("the model was named 'patchkit' where patchkit could not see it",
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
-    "short_mask": ("the 2D attention_mask has fewer columns than past + new tokens",
+    "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
     "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",

@@ -115,20 +115,17 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
 
 
 def mask_short_of_keys(mask: Any, cache: Any, tokens: Any) -> bool:
-    """A 2D mask narrower than the forward's keys, the cache's past plus the new tokens (a decode loop that did not
-    extend it), where transformers fills in the columns it lacks (its `masking_utils`, 4.53+: as padding); before,
-    its attention failed on the shapes, and the per-layer path's shape check refuses it with the fix. So does a
-    cache that cannot tell its past (a tuple)."""
+    """A 2D mask with no column for this forward's new tokens, as wide as the cache's past or narrower (a decode loop
+    that did not extend it), where transformers reads the keys it lacks as padding (`masking_utils`, 4.53+). A mask
+    that covers some of the new tokens but not all (PEFT's prompt tuning re-splicing its virtual tokens behind a
+    past it cannot see) or no past at all keeps the per-layer path's shape check, which refuses it with the fix;
+    so does an era that failed on the shapes, and a cache that cannot tell its past (a tuple)."""
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(tokens, torch.Tensor)
-            and tokens.dim() >= 2) or not fills_short_masks():
+            and tokens.dim() >= 2) or cache is None or not fills_short_masks():
         return False
-    past = 0
-    if cache is not None:
-        length = getattr(cache, "get_seq_length", None)
-        if length is None:
-            return False
-        past = int(length())
-    return mask.shape[-1] < past + tokens.shape[1]
+    length = getattr(cache, "get_seq_length", None)
+    past = int(length()) if length is not None else 0
+    return 0 < past and mask.shape[-1] <= past
 
 
 def fills_short_masks() -> bool:

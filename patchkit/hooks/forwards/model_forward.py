@@ -34,7 +34,7 @@ from patchkit.hooks.decide.graph_plan import asides_in_graph, graph_cause, route
 from patchkit.hooks.decide.plan import plan_forward
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import untrusted_what
-from patchkit.hooks.decide.step_aside import mask_short_of_keys, step_aside
+from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.forwards.embedding_hooks import embedded_padded
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
@@ -248,9 +248,7 @@ def make_model_forward(
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
-        # a mask narrower than its tokens (stepped aside: `short_mask`) keeps the cache: it sizes transformers' keys
-        if takes_use_cache and (is_compiling() or not mask_short_of_keys(arguments.get("attention_mask"), None,
-                                                                          input_tokens(arguments))):
+        if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:
                 _keep_no_cache_for_the_loss(self, arguments)
