@@ -95,3 +95,15 @@ def test_the_default_versions_reach_every_era_and_every_boundary_a_pitfall_names
         low = Version(boundary)
         assert any(low <= Version(v) < Version(f"4.{low.minor + 1}") for v in versions), f"no {boundary}.x"
     assert any(Version(v) >= Version("5.0") for v in plan.DEFAULT_VERSIONS), "no 5.x besides the pinned one"
+
+
+def test_a_dependency_the_index_lacks_is_named_for_an_install_without_it(tmp_path):
+    """transformers 5.25 requires `kernels` >=0.19.1, which this machine's package index lacks: the newest leg then
+    installs the release alone (--no-deps) and says so, where pip's failure failed the leg before any test ran."""
+    log = tmp_path / "install.log"
+    log.write_text("ERROR: Could not find a version that satisfies the requirement kernels<0.20,>=0.19.1 (from "
+                   "transformers) (from versions: 0.17.2)\nERROR: No matching distribution found for kernels<0.20,"
+                   ">=0.19.1\nERROR: No matching distribution found for kernels<0.20,>=0.19.1\n")
+    assert matrix.unavailable(log) == ["kernels"]
+    log.write_text("ERROR: No matching distribution found for transformers==9.9.9\n")
+    assert matrix.unavailable(log) == ["transformers"]  # the release itself: no install without it
