@@ -19,6 +19,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -197,8 +198,6 @@ WITHOUT_DEPS = ".patchkit-without-deps"  # in a target dir: the requirements the
 
 def unavailable(log: Path) -> list[str]:
     """The requirements pip found no distribution for, from an install's log."""
-    import re
-
     return sorted(set(re.findall(r"No matching distribution found for ([A-Za-z0-9_.\-]+)", log.read_text())))
 
 

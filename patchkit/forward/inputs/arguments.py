@@ -178,6 +178,12 @@ def window_over_hole(config: Any, mask: Any) -> bool:
     return has_holes(mask)
 
 
+def no_column_for_new_tokens(mask: Any, past: int) -> bool:
+    """A 2D mask as wide as the `past` keys or narrower, behind a past: this forward's new tokens have no column (a
+    decode loop that did not extend it; `step_aside.mask_short_of_keys`, the registered name's mask function)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and 0 < past and mask.shape[-1] <= past
+
+
 def ends_in_padding(mask: torch.Tensor) -> bool:
     """Some row of the 2D mask has a padding last column (a prefill's next token is read there), a row that is all
     padding too: transformers' attention gives it real logits there, varlen kernels zeros."""

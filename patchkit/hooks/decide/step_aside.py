@@ -20,6 +20,7 @@ from patchkit.forward.inputs.arguments import (
     ends_in_padding,
     given_cache,
     input_tokens,
+    no_column_for_new_tokens,
     resolved_use_cache,
     sliding_window,
     transformers_made,
@@ -107,25 +108,23 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
-    if mask_short_of_keys(arguments.get("attention_mask"), cache, input_tokens(arguments)):
+    if mask_short_of_keys(arguments.get("attention_mask"), cache):
         return "short_mask"
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
 
 
-def mask_short_of_keys(mask: Any, cache: Any, tokens: Any) -> bool:
+def mask_short_of_keys(mask: Any, cache: Any) -> bool:
     """A 2D mask with no column for this forward's new tokens, as wide as the cache's past or narrower (a decode loop
     that did not extend it), where transformers reads the keys it lacks as padding (`masking_utils`, 4.53+). A mask
     that covers some of the new tokens but not all (PEFT's prompt tuning re-splicing its virtual tokens behind a
     past it cannot see) or no past at all keeps the per-layer path's shape check, which refuses it with the fix;
     so does an era that failed on the shapes, and a cache that cannot tell its past (a tuple)."""
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(tokens, torch.Tensor)
-            and tokens.dim() >= 2) or cache is None or not fills_short_masks():
-        return False
     length = getattr(cache, "get_seq_length", None)
-    past = int(length()) if length is not None else 0
-    return 0 < past and mask.shape[-1] <= past
+    if not isinstance(mask, torch.Tensor) or length is None or not fills_short_masks():
+        return False
+    return no_column_for_new_tokens(mask, int(length()))
 
 
 def fills_short_masks() -> bool:

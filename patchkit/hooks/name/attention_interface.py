@@ -21,7 +21,12 @@ from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
-from patchkit.forward.inputs.arguments import ends_in_padding, transformers_mask, window_over_hole
+from patchkit.forward.inputs.arguments import (
+    ends_in_padding,
+    no_column_for_new_tokens,
+    transformers_mask,
+    window_over_hole,
+)
 from patchkit.forward.inputs.mask_functions import (
     beyond_causal,
     chunk_size,
@@ -106,7 +111,7 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
     if q_offset is None:
         return VarlenMask.for_forward(attention_mask, window=window, chunk=chunk)
     past_len = int(q_offset) if past_len is None else past_len
-    if short_of_keys(attention_mask, past_len):
+    if no_column_for_new_tokens(attention_mask, past_len):
         return aside_mask("short_mask", args, kwargs)  # transformers fills in the columns it lacks
     key_offset = int(kwargs.get("kv_offset") or 0)
     fixed = kv_length is not None and q_length is not None and kv_length > past_len + q_length - key_offset
@@ -160,12 +165,6 @@ def chunk_behind_cache(chunk: int, mask: Any, past_len: Optional[int], q_length:
     if past > 0 and past + int(q_length or 0) > chunk:
         return True
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > chunk and has_holes(mask)
-
-
-def short_of_keys(mask: Any, past_len: int) -> bool:
-    """A 2D mask with no column for the new tokens, behind a past (a decode loop that did not extend it:
-    `step_aside.mask_short_of_keys`, `short_mask`)."""
-    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and 0 < past_len and mask.shape[-1] <= past_len
 
 
 def encoder_mask(function: Any) -> bool:
