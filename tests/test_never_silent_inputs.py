@@ -246,6 +246,21 @@ def test_an_unserved_argument_is_refused_by_name():
         attention(layer, q, q, q, None, sparse_indices=torch.zeros(1, 3, 2, dtype=torch.int32))
 
 
+def test_nemotron_hs_misspelt_use_cache_is_inert():
+    """Nemotron-H's layers on transformers 5.x before 5.10 hand their attention `user_cache=use_cache` (a misspelling
+    that transformers' own attention functions take into **kwargs): it changes nothing, so it runs, with the numbers
+    of the call without it (it was refused, so every cached forward of Nemotron-H on 5.5 raised)."""
+    from patchkit.hooks.attention.varlen import make_attention_function
+    from patchkit.hooks.name.attention_interface import route_state
+
+    layer = tiny_model().model.layers[0].self_attn
+    q = torch.randn(1, 4, 3, 16, generator=torch.Generator().manual_seed(0))
+    attention = make_attention_function(route_state(), {"llama"})
+    want, _ = attention(layer, q, q, q, None)
+    got, _ = attention(layer, q, q, q, None, user_cache=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_packed_documents_behind_a_cache_are_refused():
     """A chunk whose positions restart with a cache behind it: the new document would see the cached one."""
     model = tiny_model(kv_heads=2)
