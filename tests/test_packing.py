@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from families import served_tiny, set_attention
 from models import check_packed_rows, doc_ids, pack, separate_logits, tiny_model
+from packaging.version import Version
 
 import patchkit
 
@@ -161,9 +163,15 @@ def test_packed_documents_stay_apart_behind_an_eval_forwards_own_cache(family):
         with patchkit.apply_patch(model=model, backend="sdpa") as handle:
             got = model(input_ids=ids, position_ids=positions, use_cache=True)
             assert handle.calls and not handle.stepped_aside
-    assert (plain.logits - apart).abs().max() > 1e-3  # unpatched joins them behind its cache (and not without)
-    torch.testing.assert_close(got.logits, apart, atol=2e-5, rtol=1e-4)  # as transformers with no cache
     torch.testing.assert_close(got.logits, want, atol=3e-4, rtol=1e-3)  # each document alone (Llama 4's 1.6e-4)
+    if family == "llama4_text" and Version(transformers.__version__) < Version("5.23"):
+        # transformers joins Llama 4's packed documents with no cache too (its chunked mask reads no documents:
+        # 0.21-0.24 off each document alone on 5.0.0, 5.10.4 and 5.20.2; 5.23.0 keeps them apart); patchkit keeps
+        # them apart, as its packed rows do in every family
+        assert (apart - want).abs().max() > 1e-2
+    else:
+        assert (plain.logits - apart).abs().max() > 1e-3  # unpatched joins them behind its cache (and not without)
+        torch.testing.assert_close(got.logits, apart, atol=2e-5, rtol=1e-4)  # as transformers with no cache
     assert got.past_key_values.get_seq_length() == ids.shape[1]  # the cache is returned, filled
 
 

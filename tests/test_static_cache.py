@@ -278,7 +278,10 @@ def test_static_cache_generation_of_a_hybrid_runs_patched_with_unpatched_tokens_
     model.eval()
     ids, mask = padded_batch("left", batch=2, seq=14)
     ids = ids.clamp(max=model.config.vocab_size - 1)
-    want, want_logits = generate_static(model, ids, mask)
+    try:
+        want, want_logits = generate_static(model, ids, mask)
+    except KeyError as unpatched:  # 5.10: create_masks_for_generate has no mask for "mamba", "linear_attention"
+        pytest.skip(f"unpatched raises KeyError {unpatched}")
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got, got_logits = generate_static(model, ids, mask)
         assert handle.calls and not handle.stepped_aside
