@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from matrix_plan import (  # noqa: E402  (tests/ is this script's directory, first on sys.path)
     DEFAULT_TESTS,
-    DEFAULT_VERSIONS,
+    ROTATING,
+    default_versions,
     era_extras,
+    rotating_minor,
     tests_for,
     workers_for,
 )
@@ -302,8 +304,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--versions", default=",".join(DEFAULT_VERSIONS),
-                        help="comma-separated transformers versions (default: one per era boundary)")
+    parser.add_argument("--versions", default=",".join(default_versions()),
+                        help="comma-separated transformers versions (default: one per era boundary and today's "
+                             "minor between them)")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths, relative to the repo")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".matrix", help="install cache (default .matrix/)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with torch and pytest")
@@ -343,6 +346,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     logs = args.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"[matrix] versions: {', '.join(args.versions)}; cache {args.cache_dir}")
+    if args.versions == default_versions():
+        print(f"[matrix] today's minor between the boundaries: {rotating_minor()} (one of {len(ROTATING)} in turn, "
+              "tests/matrix_plan.py ROTATING; --versions X runs any)")
     targets: dict[str, tuple[Optional[Path], str]] = {v: (None, "") for v in args.versions if v == here}
     with ThreadPoolExecutor(max(1, args.install_jobs)) as pool:
         futures = {v: pool.submit(install, v, args.cache_dir, args.python) for v in to_install}

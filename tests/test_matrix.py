@@ -97,6 +97,32 @@ def test_the_default_versions_reach_every_era_and_every_boundary_a_pitfall_names
     assert any(Version(v) >= Version("5.0") for v in plan.DEFAULT_VERSIONS), "no 5.x besides the pinned one"
 
 
+def test_each_run_adds_one_minor_between_the_boundaries_and_the_pool_comes_round(ran, monkeypatch, tmp_path, capsys):
+    """A run of `make matrix` adds the date's minor from ROTATING, in version order among the boundaries; as many
+    days as the pool holds run every one of its minors once; each lies inside patchkit's eras, between two
+    boundaries, and is none of them."""
+    import datetime
+
+    from packaging.version import Version
+
+    from patchkit.eras import ERAS
+
+    days = [datetime.date(2026, 12, 2) + datetime.timedelta(days=n) for n in range(len(plan.ROTATING))]
+    assert sorted(plan.rotating_minor(d) for d in days) == sorted(plan.ROTATING)
+    assert plan.rotating_minor(days[0]) != plan.rotating_minor(days[1])
+    for day in days[:2]:
+        versions = plan.default_versions(day)
+        assert sorted(set(versions) - set(plan.DEFAULT_VERSIONS)) == [plan.rotating_minor(day)]
+        assert versions == sorted(versions, key=Version)
+    low, high = (Version(f(plan.DEFAULT_VERSIONS, key=Version)) for f in (min, max))
+    for minor in plan.ROTATING:
+        assert minor not in plan.DEFAULT_VERSIONS and low < Version(minor) < high
+        assert any(minor in era for era in ERAS), minor
+    assert matrix.main(["--cache-dir", str(tmp_path)]) == 0
+    assert set(ran) == set(plan.default_versions())
+    assert f"today's minor between the boundaries: {plan.rotating_minor()}" in capsys.readouterr().out
+
+
 def test_a_dependency_the_index_lacks_is_named_for_an_install_without_it(tmp_path):
     """transformers 5.25 requires `kernels` >=0.19.1, which this machine's package index lacks: the newest leg then
     installs the release alone (--no-deps) and says so, where pip's failure failed the leg before any test ran."""
