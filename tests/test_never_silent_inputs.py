@@ -247,7 +247,7 @@ def test_an_unserved_argument_is_refused_by_name():
 
 
 def test_nemotron_hs_misspelt_use_cache_is_inert():
-    """Nemotron-H's layers on transformers 5.x before 5.10 hand their attention `user_cache=use_cache` (a misspelling
+    """Nemotron-H's layers on transformers 5.3 to 5.8 hand their attention `user_cache=use_cache` (a misspelling
     that transformers' own attention functions take into **kwargs): it changes nothing, so it runs, with the numbers
     of the call without it (it was refused, so every cached forward of Nemotron-H on 5.5 raised)."""
     from patchkit.hooks.attention.varlen import make_attention_function

@@ -26,7 +26,7 @@ INERT = frozenset({
     "use_cache", "cache_position", "cache", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
     "position_embeddings", "layer_idx", "token_type_ids", "num_items_in_batch", "output_router_logits",
     "shift_labels", "labels",
-    "user_cache",  # Nemotron-H's layers on transformers 5.x before 5.10 pass `use_cache` under this misspelt name
+    "user_cache",  # Nemotron-H's layers on transformers 5.3 to 5.8 pass `use_cache` under this misspelt name
 })
 
 ACCEPTED = HONOURED | INERT
