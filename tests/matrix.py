@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import importlib.metadata
 import json
 import os
@@ -304,9 +305,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--versions", default=",".join(default_versions()),
-                        help="comma-separated transformers versions (default: one per era boundary and today's "
-                             "minor between them)")
+    parser.add_argument("--versions", help="comma-separated transformers versions (default: one per era boundary "
+                                           "and today's minor between them)")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths, relative to the repo")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".matrix", help="install cache (default .matrix/)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with torch and pytest")
@@ -314,6 +314,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--install-jobs", type=int, default=2, help="parallel pip installs")
     parser.add_argument("--reinstall", action="store_true", help="ignore cached installs")
     args = parser.parse_args(argv)
+    args.minor = None  # the rotating minor the default versions took (decided once, so a run over midnight agrees)
+    if args.versions is None:
+        today = datetime.datetime.now(datetime.timezone.utc).date()
+        args.minor, args.versions = rotating_minor(today), ",".join(default_versions(today))
     args.versions = [v.strip() for v in args.versions.split(",") if v.strip()]
     args.newest = None
     args.pytest_args = extra
@@ -346,8 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logs = args.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     print(f"[matrix] versions: {', '.join(args.versions)}; cache {args.cache_dir}")
-    if args.versions == default_versions():
-        print(f"[matrix] today's minor between the boundaries: {rotating_minor()} (one of {len(ROTATING)} in turn, "
+    if args.minor is not None:
+        print(f"[matrix] today's minor between the boundaries: {args.minor} (one of {len(ROTATING)} in turn, "
               "tests/matrix_plan.py ROTATING; --versions X runs any)")
     targets: dict[str, tuple[Optional[Path], str]] = {v: (None, "") for v in args.versions if v == here}
     with ThreadPoolExecutor(max(1, args.install_jobs)) as pool:
