@@ -247,8 +247,13 @@ def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatche
         got = result[case]
         assert got["carved"], case  # the head a unit of its own, a DTensor outside its forward
         assert got["heads"] == {lm_head.FUSED: 3}, (case, got["heads"])
-        # bf16 (FSDP2's mixed precision: bf16 weights gathered): patchkit's attention rounds otherwise than sdpa's
-        atol = 2e-3 if case == "bf16" else 1e-6
+        # bf16 (FSDP2's mixed precision: bf16 weights gathered): patchkit's attention rounds otherwise than sdpa's, and
+        # AdamW (lr 1e-2) grows the rounding step by step, by how much depends on the CPU's bf16 kernels (AVX2 against
+        # AVX-512): held to twice what transformers' own eager attention differs from sdpa there (measured on AVX2:
+        # eager 2.0e-3 off sdpa by the third step, patchkit 2.4e-3), and never less than 2e-3
+        atol = 1e-6
+        if case == "bf16":
+            atol = max(2e-3, 2 * max(abs(e - u) for e, u in zip(got["eager"], got["unpatched"])))
         assert got["patched"] == pytest.approx(got["unpatched"], rel=1e-6, abs=atol), case
 
 

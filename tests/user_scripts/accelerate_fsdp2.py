@@ -9,7 +9,7 @@ the embedding in it too); the root the rest. Each case (a LLaMA; its head tied t
 PEFT's LoRA on its attention, before accelerate prepares it; with PEFT's copy of the head trained, as adding tokens
 needs; with LoRA on the head too) trains 3 steps on right-padded rows, its loss read
 alone, as the Trainer reads it, unpatched and then under an instance patch. Rank 0 writes each case's losses and
-patchkit's `heads`.
+patchkit's `heads`; the bf16 case unpatched under eager attention too, the size of transformers' own rounding.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def rows() -> list[dict]:
     return out
 
 
-def train(case: str, patched: bool) -> tuple[list[float], dict]:
+def train(case: str, patched: bool, attention: str = "sdpa") -> tuple[list[float], dict]:
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(attn_implementation=attention,
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=case == "tied"))
     if case.startswith("lora"):
@@ -91,6 +91,8 @@ for case in CASES:
     unpatched, _ = train(case, False)
     patched, seen = train(case, True)
     result[case] = {"unpatched": unpatched, "patched": patched, **seen}
+    if case == "bf16":
+        result[case]["eager"] = train(case, False, "eager")[0]
 if accelerator.is_main_process:
     write_result("ACCELERATE_FSDP2", opts.out, result)
 end_process_group()
