@@ -72,6 +72,9 @@ GATED = ("use the sdpa backend instead", "exact sdpa backend")  # said where lay
 # backend: a head size, softcap or window the kernel does not take, attention sinks
 
 
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
 @pytest.mark.parametrize("backend", sorted(DOUBLES))
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_verified_family_trains_and_generates_on_the_kernels(model_type, backend, monkeypatch):
@@ -102,10 +105,12 @@ def test_a_verified_family_trains_and_generates_on_the_kernels(model_type, backe
             torch.testing.assert_close(got[2][name], want[2][name], msg=name)
         assert torch.equal(got[3], want[3])
         return
-    # as close to fp32 as the exact backend's bf16 numbers (the logits, the loss, each gradient as a whole)
+    # as close to fp32 as the exact backend's bf16 numbers (the logits, the loss, each gradient as a whole), or within
+    # bf16's own precision of it (one eps of its size: a gradient near zero, as a linear attention's dt_bias at 7e-6,
+    # rounds by a CPU's bf16 kernels, AVX2 or AVX-512, 0.2-0.5% off fp32 on either backend)
     pairs = [(got[0][real], want[0][real], fp32[0][real], "logits"), (got[1], want[1], fp32[1], "loss")]
     pairs += [(got[2][n], want[2][n], fp32[2][n], n) for n in want[2]]
     assert got[2].keys() == want[2].keys()
     for ours, exact, ref, name in pairs:
-        off, bound = (ours - ref).norm(), 2 * (exact - ref).norm() + 1e-3 * ref.norm()
+        off, bound = (ours - ref).norm(), 2 * (exact - ref).norm() + BF16_EPS * ref.norm()
         assert off <= bound, f"{name}: {off:.3g} off fp32, the exact backend's bf16 {bound / 2:.3g}"
