@@ -130,9 +130,10 @@ class RecordingTorchVarlen:
     """Stands in for torch's `varlen_attn` (CUDA only): binds each call to the installed torch's real signature,
     checks what the kernel needs, records it, and computes what torch 2.13 computes with the sdpa reference."""
 
-    def __init__(self, signature: Optional[inspect.Signature] = None) -> None:
+    def __init__(self, signature: Optional[inspect.Signature] = None, follows_sdpa_kernel: bool = False) -> None:
         from torch.nn.attention import varlen
 
+        self.follows_sdpa_kernel = follows_sdpa_kernel  # torch 2.15's rule: only on SDPA's enabled backends
         self.signature = signature or inspect.signature(varlen.varlen_attn)
         self.__signature__ = self.signature  # what inspect.signature(double) reports, as for the real function
         self.calls: list[dict] = []
@@ -157,6 +158,9 @@ class RecordingTorchVarlen:
         assert q.shape[1] % k.shape[1] == 0 and (a.get("enable_gqa") or q.shape[1] == k.shape[1])
         assert all(a.get(name) is None for name in ("return_aux", "seqused_k", "block_table"))
         assert isinstance(a["scale"], float)
+        if self.follows_sdpa_kernel and not torch._C._get_flash_sdp_enabled():  # cuDNN never takes a CPU tensor
+            raise RuntimeError("No viable backend for varlen_attn. Enable SDPBackend.FLASH_ATTENTION "
+                               "or SDPBackend.CUDNN_ATTENTION with sdpa_kernel().")  # torch 2.15's words
         is_causal = window == (-1, 0)  # torch 2.13's own rule (varlen.py): causal is exactly this window
         self.calls.append(dict(shapes=[tuple(t.shape) for t in (q, k, v)], dtype=q.dtype, cu_q=cu_q.tolist(),
                                cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, scale=a["scale"], window=window,
@@ -170,11 +174,16 @@ class RecordingTorchVarlen:
 
 def install_torch_varlen_double(
     monkeypatch, environment: gates.Environment = NO_FLASH_GPU_ENV, signature: Optional[inspect.Signature] = None,
+    follows_sdpa_kernel: bool = False,
 ) -> RecordingTorchVarlen:
-    """Put the double where the backend looks it up, and pretend to be an A100 without flash-attn."""
+    """Put the double where the backend looks it up, and pretend to be an A100 without flash-attn (and, with
+    `follows_sdpa_kernel`, a torch from 2.15, whose varlen_attn runs only on SDPA's enabled backends)."""
     from torch.nn.attention import varlen
 
-    fake = RecordingTorchVarlen(signature)
+    from patchkit.backends import torch_varlen
+
+    fake = RecordingTorchVarlen(signature, follows_sdpa_kernel)
+    monkeypatch.setattr(torch_varlen, "OBEYS_SDPA_KERNEL", follows_sdpa_kernel or torch_varlen.OBEYS_SDPA_KERNEL)
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     monkeypatch.setattr(gates, "probe_environment", lambda: environment)
     return fake

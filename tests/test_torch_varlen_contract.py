@@ -145,6 +145,48 @@ def test_attention_dropout_in_training_falls_back_per_call(monkeypatch):
             model.train()(input_ids=ids, attention_mask=mask)
 
 
+def test_from_torch_2_15_a_call_with_sdpas_flash_off_steps_aside_and_the_rest_reach_the_kernel(monkeypatch):
+    """torch 2.15's varlen_attn runs only on the SDPA backends `sdpa_kernel` leaves on ("No viable backend" under
+    MATH, where 2.13 ignored it): under such a context patchkit steps aside with the reason, exactly, per call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fake = install_torch_varlen_double(monkeypatch, follows_sdpa_kernel=True)
+    model = tiny_model(kv_heads=2, dtype=torch.bfloat16)
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        truth = clone(model).float()(input_ids=ids, attention_mask=mask).logits
+        eager = model(input_ids=ids, attention_mask=mask).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"), sdpa_kernel(SDPBackend.MATH):
+            want = model(input_ids=ids, attention_mask=mask).logits  # what the fallback is: the exact backend
+        with patchkit.apply_patch("llama2", backend="torch_varlen") as handle:
+            with sdpa_kernel(SDPBackend.MATH):
+                with pytest.warns(RuntimeWarning, match=r"SDPA's FlashAttention backend is off here.*sdpa backend"):
+                    got = model(input_ids=ids, attention_mask=mask).logits
+                assert fake.calls == []
+            kernel = model(input_ids=ids, attention_mask=mask).logits  # the context closed: the kernel again
+    assert len(fake.calls) == model.config.num_hidden_layers and handle.backend == "torch_varlen"
+    real = mask.bool()
+    assert torch.equal(got[real], want[real])
+    within_bf16_error(kernel, eager, truth, real)
+    with patchkit.apply_patch("llama2", backend="torch_varlen", strict=True), sdpa_kernel(SDPBackend.MATH):
+        with pytest.raises(PatchGateError, match="SDPA's FlashAttention backend is off"):
+            model(input_ids=ids, attention_mask=mask)
+
+
+def test_which_torch_follows_sdpa_kernel_and_its_real_refusal():
+    from torch.nn.attention import SDPBackend, sdpa_kernel, varlen
+
+    from patchkit.backends.torch_varlen import OBEYS_SDPA_KERNEL, obeys_sdpa_kernel
+
+    assert [obeys_sdpa_kernel(v) for v in ("2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132", "2.16.0a0+git12")] == [
+        False, False, True, True]
+    if not OBEYS_SDPA_KERNEL:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn ignores sdpa_kernel")
+    q, cu = torch.zeros(4, 2, 8, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32)
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError, match="No viable backend for varlen_attn"):
+        varlen.varlen_attn(q, q, q, cu, cu, 4, 4, window_size=(-1, 0))  # the rule the double keeps, on this torch
+
+
 def test_the_backend_refuses_what_its_kernel_cannot_honour():
     """Called directly (not through backend_for), softcap or dropout raise: never dropped silently."""
     backend = TorchVarlenBackend(fn=lambda *a, **k: pytest.fail("the kernel must not run"))

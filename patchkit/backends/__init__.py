@@ -23,7 +23,9 @@ class Backend(Protocol):
     transformers keeps them -> (B, q_len, H, D)), returning None for a layout it cannot take; and
     `kvcache_missing(plan)`, why this install cannot serve such a step (a version gate), or None. A backend with
     `takes_sinks = True` (flash_attn_4) also takes `learnable_sink` (H,) in `varlen` and `attend_kvcache`: GPT-OSS's
-    attention sinks on its kernel; the others' layers with sinks run the exact sdpa path.
+    attention sinks on its kernel; the others' layers with sinks run the exact sdpa path. `ambient()`: the state
+    outside the layer whether the kernel can run hangs on (torch_varlen from torch 2.15: SDPA's FlashAttention switch),
+    part of the key a layer's backend is memoized under.
     """
 
     name: str

@@ -5,7 +5,9 @@ spelled torch's way (read from torch 2.11 and 2.13): `cu_seq_q`/`cu_seq_k` int32
 `enable_gqa` for fewer K/V heads (2.13; on 2.11 K/V heads are repeated over the real tokens), and `window_size`,
 where causal is `window_size=(-1, 0)` (there is no `is_causal` argument) and a causal sliding window is
 `(left, 0)`. It has no dropout (fixed at 0), no softcap and no ALiBi: a call that needs one of those falls back
-per call (`missing_feature`), as flash_attn's does.
+per call (`missing_feature`), as flash_attn's does. From torch 2.15 it runs only on the SDPA backends that
+`sdpa_kernel` / `torch.backends.cuda.enable_flash_sdp` leave on (cuDNN where eligible, else FlashAttention; it raises
+"No viable backend" otherwise): with SDPA's FlashAttention off, a call steps aside too (`sdpa_flash_off`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,29 @@ import inspect
 from typing import Callable, Optional
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from patchkit.backends.limits import check_index_range
 from patchkit.backends.padded_decode import attend_padded_cache
 from patchkit.errors import PatchInputError
 from patchkit.forward.metadata import VarlenMetadata
+
+
+def obeys_sdpa_kernel(version: str) -> bool:
+    """Whether this torch's varlen_attn picks its kernel among SDPA's enabled backends (2.15's `_select_backend`)."""
+    try:
+        return Version(version).release[:2] >= (2, 15)
+    except InvalidVersion:
+        return False
+
+
+OBEYS_SDPA_KERNEL = obeys_sdpa_kernel(torch.__version__)
+
+
+def sdpa_flash_off() -> bool:
+    """Whether `sdpa_kernel` or `enable_flash_sdp(False)` turned SDPA's FlashAttention off here (torch's own reading
+    in varlen.py, which dynamo folds to a constant; the public `flash_sdp_enabled()` breaks a fullgraph trace)."""
+    return not torch._C._get_flash_sdp_enabled()
 
 
 def kernel_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -48,11 +68,20 @@ class TorchVarlenBackend:
         self._varlen_attn = fn if fn is not None else importlib.import_module("torch.nn.attention.varlen").varlen_attn
         self._takes_gqa = takes_enable_gqa(self._varlen_attn)
 
+    def ambient(self) -> bool:
+        """What a call's kernel hangs on besides its layer (part of the per-need memo): SDPA's FlashAttention switch,
+        which varlen_attn follows from torch 2.15."""
+        return OBEYS_SDPA_KERNEL and sdpa_flash_off()
+
     def missing_feature(
         self, window_size: tuple[int, int], softcap: float, dropout_p: float = 0.0, head_dim: Optional[int] = None,
         backward: bool = False, sinks: bool = False,
     ) -> Optional[str]:
-        """torch's varlen_attn has no softcap and no attention dropout (windows it has; head_dim has its gate)."""
+        """torch's varlen_attn has no softcap and no attention dropout (windows it has; head_dim has its gate); from
+        2.15 it runs only where SDPA's FlashAttention is on (cuDNN, which it may take instead, is left to SDPA)."""
+        if self.ambient():
+            return (f"torch_varlen: SDPA's FlashAttention backend is off here (sdpa_kernel or "
+                    f"enable_flash_sdp(False)), and torch {torch.__version__}'s varlen_attn follows that choice")
         if softcap:
             return f"torch_varlen: softcap is not an argument of torch {torch.__version__}'s varlen_attn"
         if dropout_p:

@@ -67,7 +67,8 @@ class PatchState:
         raise in strict mode). Decided once per head_dim and need: the decode path is host-bound."""
         if not self.backend.half_only:
             return self.backend  # the exact backend serves everything
-        key = (head_dim, window, softcap, dropout, backward, sinks)
+        ambient = getattr(self.backend, "ambient", None)  # state outside the layer the kernel hangs on (sdpa_kernel)
+        key = (head_dim, window, softcap, dropout, backward, sinks, ambient() if ambient else None)
         chosen = self.serving.get(key)
         if chosen is None:
             chosen = self.serving[key] = serving_backend(
