@@ -84,17 +84,18 @@ def refuse_unfound(name: str) -> PatchInputError:
     )
 
 
-CONTEXT_PARALLEL_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+# Where torch's context_parallel keeps the functions it replaced: its package now, and the module it moved from
+# (torch 2.6 keeps them there; from the move that module re-exports the package without them)
+CONTEXT_PARALLEL_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
+                            "torch.distributed.tensor.experimental._attention")
 
 
 def context_parallel_active() -> bool:
     """torch's `context_parallel` is in effect (its default dispatch: F.scaled_dot_product_attention replaced)."""
-    module = sys.modules.get(CONTEXT_PARALLEL_MODULE)
-    if module is None:
-        return False
     import torch.nn.functional as F
 
-    return F.scaled_dot_product_attention in getattr(module, "_replaced_functions", {})
+    return any(F.scaled_dot_product_attention in getattr(sys.modules.get(name), "_replaced_functions", {})
+               for name in CONTEXT_PARALLEL_MODULES)
 
 
 def refuse_context_parallel() -> PatchInputError:
