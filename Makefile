@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.24.0
 
-.PHONY: setup bytecode demo test test-heavy docs fresh-install census lint matrix newest sp-test bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
+.PHONY: setup bytecode demo test test-heavy docs fresh-install census lint matrix newest sp-test torch-check bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
 
 $(BIN)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -103,6 +103,19 @@ sp-test: $(SP_DIR)/.installed bytecode
 	PYTHONPATH=$(CURDIR)/$(SP_DIR) PATH=$(CURDIR)/$(SP_DIR)/bin:$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS) \
 		tests/test_sequence_parallel.py tests/test_deepspeed_zero.py
 
+# Another torch release under the default suite, in .torch-check/ beside the venv: `make torch-check` (the newest,
+# 2.15.0), `TORCH_CHECK=torch==2.6.0` (transformers 5's floor), `TORCH_CHECK_MARKS=heavy` for the compiled and
+# multi-process tests. PyPI's Linux builds are CUDA builds (several GB; they run on the CPU), so it is not a CI part
+# (the install alone takes ~5 minutes). This machine caps pip at torch 2.14.1 (/etc/xdg/pip): lifted for this venv.
+TORCH_CHECK ?= torch==2.15.0
+TORCH_CHECK_MARKS ?= not heavy
+TORCH_CHECK_DIR := .torch-check
+torch-check:
+	rm -rf $(TORCH_CHECK_DIR) && $(PYTHON) -m venv $(TORCH_CHECK_DIR)
+	PIP_CONSTRAINT=/dev/null $(TORCH_CHECK_DIR)/bin/pip install -q "$(TORCH_CHECK)"
+	PIP_CONSTRAINT=/dev/null $(TORCH_CHECK_DIR)/bin/pip install -q "$(TRANSFORMERS)" -e ".[test]"
+	$(TORCH_CHECK_DIR)/bin/python -m pytest -q $(PYTEST_ARGS) -p no:cacheprovider -m "$(TORCH_CHECK_MARKS)" $(SUITE)
+
 bench: setup
 	$(BIN)/patchkit bench
 
@@ -130,4 +143,4 @@ gpu-truth-check: setup bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_gpu_truth.py
 
 clean:
-	rm -rf $(VENV) $(SP_DIR) $(FRESH_DIR) gpu-truth-out site *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SP_DIR) $(FRESH_DIR) $(TORCH_CHECK_DIR) gpu-truth-out site *.egg-info .pytest_cache .ruff_cache

@@ -177,9 +177,9 @@ def install_torch_varlen_double(
     follows_sdpa_kernel: bool = False,
 ) -> RecordingTorchVarlen:
     """Put the double where the backend looks it up, and pretend to be an A100 without flash-attn (and, with
-    `follows_sdpa_kernel`, a torch from 2.15, whose varlen_attn runs only on SDPA's enabled backends)."""
-    from torch.nn.attention import varlen
-
+    `follows_sdpa_kernel`, a torch from 2.15, whose varlen_attn runs only on SDPA's enabled backends). Skips on a
+    torch before 2.10, which has no varlen_attn to stand in for (the backend's torch_version gate turns it away)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen", reason=f"torch {torch.__version__} has no varlen_attn")
     from patchkit.backends import torch_varlen
 
     fake = RecordingTorchVarlen(signature, follows_sdpa_kernel)
