@@ -149,16 +149,16 @@ def test_layers_are_counted_once_each_with_the_weak_set_asked_only_for_unmarked_
 def test_the_family_check_reads_past_the_config_getattribute_and_an_instance_model_type_wins():
     from patchkit.errors import PatchInputError
     from patchkit.forward.inputs.arguments import model_type_of
-    from patchkit.hooks.attention.varlen import check_family
+    from patchkit.hooks.attention.varlen import check_family, family_rule
 
     model = tiny_model(layers=1)
     attention = model.model.layers[0].self_attn
     assert model_type_of(attention) == model.config.model_type == "llama"
-    check_family(attention, {"llama"})
+    check_family(attention, family_rule({"llama"}))
     model.config.model_type = "bert"  # an instance's own field, over its class's
     assert model_type_of(attention) == "bert"
     with pytest.raises(PatchInputError, match="model_type 'bert'"):
-        check_family(attention, {"llama"})
+        check_family(attention, family_rule({"llama"}))
 
 
 class HostSyncs:

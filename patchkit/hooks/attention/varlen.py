@@ -215,18 +215,28 @@ PACKINGS = {
 }
 
 
-@torch._dynamo.assume_constant_result  # in a compiled graph: answered while dynamo traces (it imports, may raise)
-def _serves(cls: type, model_type: Optional[str], model_types: Iterable[str],
-            family_of: Optional[Callable[[type], Any]]) -> bool:
-    return model_type in model_types or (family_of is not None and family_of(cls) is not None)
+def family_rule(model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None
+                ) -> Callable[[type, Optional[str]], bool]:
+    """Whether a layer of this class under this `model_type` is served: a served `model_type`, or (`family_of` a
+    class) a served family's attention layer under a model_type of its own. Built once, outside any graph; in a
+    compiled graph it is answered while dynamo traces (it imports, may raise) and takes only a class and a string,
+    which every torch's `assume_constant_result` takes (2.6's refuses a `ServedTypes` argument)."""
+    if isinstance(model_types, (list, tuple)):
+        model_types = frozenset(model_types)  # read per layer call (a registry's ServedTypes answers `in` itself)
+
+    @torch._dynamo.assume_constant_result
+    def serves(cls: type, model_type: Optional[str]) -> bool:
+        return model_type in model_types or (family_of is not None and family_of(cls) is not None)
+
+    serves.model_types = model_types  # for the refusal's message
+    return serves
 
 
-def check_family(module: nn.Module, model_types: Iterable[str], family_of: Optional[Callable[[type], Any]] = None
-                 ) -> None:
-    """The registered name serves only the families patchkit has a patch for: a served `model_type`, or (`family_of`
-    a class) a served family's attention layer under a model_type of its own; any other model is refused."""
-    if not _serves(type(module), model_type_of(module), model_types, family_of):
-        allowed = sorted(set(model_types))
+def check_family(module: nn.Module, serves: Callable[[type, Optional[str]], bool]) -> None:
+    """The registered name serves only the families patchkit has a patch for (`serves`, a `family_rule`): any other
+    model is refused."""
+    if not serves(type(module), model_type_of(module)):
+        allowed = sorted(set(serves.model_types))
         raise PatchInputError(
             f"attn_implementation='patchkit' was given to {model_label(module)}, a model family patchkit has no "
             f"patch for (it serves {', '.join(allowed)}). Its attention may differ from LLaMA's in ways the "
@@ -243,8 +253,7 @@ def make_attention_function(
     transformers hands a registered name to any model that asks: families other than `model_types` (or, by
     `family_of`, a served family's attention class) are refused.
     """
-    if isinstance(model_types, (list, tuple)):
-        model_types = frozenset(model_types)  # read per layer call (a registry's ServedTypes answers `in` itself)
+    serves = family_rule(model_types, family_of)
 
     def attention(
         module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -257,7 +266,7 @@ def make_attention_function(
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         sinks = kwargs.pop("s_aux", None)
         check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
-        check_family(module, model_types, family_of)
+        check_family(module, serves)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if isinstance(attention_mask, GraphMask):
             if sinks is not None:  # the graph's plan steps such a model aside; never drop the sinks silently

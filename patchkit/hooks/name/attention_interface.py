@@ -37,7 +37,7 @@ from patchkit.forward.inputs.mask_functions import (
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
-from patchkit.hooks.attention.varlen import check_family, make_attention_function
+from patchkit.hooks.attention.varlen import check_family, family_rule, make_attention_function
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
@@ -54,6 +54,7 @@ ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches 
 _options = {"backend": "auto", "strict": False}
 _state: Optional[PatchState] = None
 _function: Optional[Callable] = None
+_serves: Optional[Callable] = None  # family_rule of every served family, built before any graph traces it
 
 
 def mask_function(*args: Any, **kwargs: Any) -> Any:
@@ -252,7 +253,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask) and route is None:
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
-        check_family(module, served_model_types(), spec_for_class)  # an unserved family is refused, not stood aside
+        check_family(module, served_rule())  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
         what = untrusted_what(module.config) if cause in UNTRUSTED else None  # the family's check: what differed
         if not getattr(attention_mask, "patchkit_counted", False):  # a patch counts forwards, not layers; the
@@ -285,6 +286,14 @@ def family_eager_attention(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def served_rule() -> Callable:
+    """The `family_rule` of every family patchkit serves, built once."""
+    global _serves
+    if _serves is None:
+        _serves = family_rule(served_model_types(), spec_for_class)
+    return _serves
+
+
 def function_for(state: PatchState) -> Callable:
     """The attention function on `state`, built once per patch state: when the patch is applied, not in a layer's
     first call, which dynamo may trace (it would guard on the unbuilt function and compile the layer again)."""
@@ -298,7 +307,7 @@ def register_route() -> bool:
     """What a patch's route needs: the attention entry under ATTENTION_NAME (transformers 4.48+, a plain dict up to
     4.49) and, from 4.53, the mask entry; True when masks go through the interface. The served families are read
     now, not in a layer's first call, which may be traced by dynamo (which refuses the imports that read them)."""
-    served_model_types()
+    served_rule()
     if register():
         return True
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
