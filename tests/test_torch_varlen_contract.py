@@ -174,14 +174,16 @@ def test_from_torch_2_15_a_call_with_sdpas_flash_off_steps_aside_and_the_rest_re
 
 
 def test_which_torch_follows_sdpa_kernel_and_its_real_refusal():
-    from torch.nn.attention import SDPBackend, sdpa_kernel, varlen
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from patchkit.backends.torch_varlen import OBEYS_SDPA_KERNEL, obeys_sdpa_kernel
 
     assert [obeys_sdpa_kernel(v) for v in ("2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132", "2.16.0a0+git12")] == [
         False, False, True, True]
     if not OBEYS_SDPA_KERNEL:
-        pytest.skip(f"torch {torch.__version__}'s varlen_attn ignores sdpa_kernel")
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn ignores sdpa_kernel (or is not there)")
+    from torch.nn.attention import varlen
+
     q, cu = torch.zeros(4, 2, 8, dtype=torch.bfloat16), torch.tensor([0, 4], dtype=torch.int32)
     with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError, match="No viable backend for varlen_attn"):
         varlen.varlen_attn(q, q, q, cu, cu, 4, 4, window_size=(-1, 0))  # the rule the double keeps, on this torch
