@@ -316,12 +316,17 @@ def flash4_backend_gates(env: Environment) -> list[GateResult]:
     return [flash_attn_4_installed_gate(env), cuda_gate(env), flash_attn_4_capability_gate(env)]
 
 
+def torch_release_at_least(version: str, minimum: tuple[int, int]) -> bool:
+    """Whether a torch version is at least (major, minor): a pre-release or a local build counts as its release."""
+    try:
+        return Version(version).release[:2] >= minimum
+    except InvalidVersion:
+        return False
+
+
 def torch_version_gate(env: Environment) -> GateResult:
     """torch >= 2.10 ships varlen_attn (a pre-release of 2.10 counts as 2.10)."""
-    try:
-        ok = Version(env.torch_version).release[:2] >= TORCH_VARLEN_MIN
-    except InvalidVersion:
-        ok = False
+    ok = torch_release_at_least(env.torch_version, TORCH_VARLEN_MIN)
     need = ".".join(map(str, TORCH_VARLEN_MIN))
     return GateResult(
         "torch_version",

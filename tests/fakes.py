@@ -183,7 +183,8 @@ def install_torch_varlen_double(
     from patchkit.backends import torch_varlen
 
     fake = RecordingTorchVarlen(signature, follows_sdpa_kernel)
-    monkeypatch.setattr(torch_varlen, "OBEYS_SDPA_KERNEL", follows_sdpa_kernel or torch_varlen.OBEYS_SDPA_KERNEL)
+    if follows_sdpa_kernel:  # patchkit reads which torch it runs on: this one is 2.15's
+        monkeypatch.setattr(torch_varlen, "OBEYS_SDPA_KERNEL", True)
     monkeypatch.setattr(varlen, "varlen_attn", fake)
     monkeypatch.setattr(gates, "probe_environment", lambda: environment)
     return fake

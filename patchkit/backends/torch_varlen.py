@@ -17,20 +17,17 @@ import inspect
 from typing import Callable, Optional
 
 import torch
-from packaging.version import InvalidVersion, Version
 
 from patchkit.backends.limits import check_index_range
 from patchkit.backends.padded_decode import attend_padded_cache
 from patchkit.errors import PatchInputError
 from patchkit.forward.metadata import VarlenMetadata
+from patchkit.gates import torch_release_at_least
 
 
 def obeys_sdpa_kernel(version: str) -> bool:
     """Whether this torch's varlen_attn picks its kernel among SDPA's enabled backends (2.15's `_select_backend`)."""
-    try:
-        return Version(version).release[:2] >= (2, 15)
-    except InvalidVersion:
-        return False
+    return torch_release_at_least(version, (2, 15))
 
 
 OBEYS_SDPA_KERNEL = obeys_sdpa_kernel(torch.__version__)
