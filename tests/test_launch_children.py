@@ -170,3 +170,33 @@ def test_a_launcher_forwards_what_its_processes_reported_to_the_launcher_in_fron
     assert stream.getvalue().rstrip().endswith("no attention layer ran in this process; 2 processes it started ran "
                                                "attention layers through patch 'all' (120 calls; each says so in its "
                                                "own line).")
+
+
+def test_a_new_launcher_removes_the_report_files_of_launchers_that_are_gone(tmp_path, monkeypatch):
+    """A launcher killed (torchrun's SIGTERM when another rank fails) or ended by os._exit never closes its report
+    file; the next launcher removes it, and leaves those of launchers still running and the one it inherited."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from patchkit.entry.process_report import CHANNEL_PREFIX, ENV_REPORT_TO, close_channel, open_channel
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / f"{CHANNEL_PREFIX}{gone.pid}-abc.jsonl"
+    running = tmp_path / f"{CHANNEL_PREFIX}{os.getppid()}-def.jsonl"
+    inherited = tmp_path / f"{CHANNEL_PREFIX}{gone.pid}-ghi.jsonl"
+    other = tmp_path / "patchkit-report-notes.txt"
+    for path in (stale, running, inherited, other):
+        path.write_text("")
+    monkeypatch.setenv(ENV_REPORT_TO, str(inherited))
+    channel, parent = open_channel()
+    try:
+        assert parent == str(inherited) and os.path.dirname(channel) == str(tmp_path)
+        assert not stale.exists()
+        assert running.exists() and inherited.exists() and other.exists() and os.path.exists(channel)
+    finally:
+        close_channel(channel, parent)
+    assert not os.path.exists(channel) and os.environ[ENV_REPORT_TO] == str(inherited)

@@ -73,6 +73,7 @@ def open_channel() -> tuple[Optional[str], Optional[str]]:
     """A new report file for the processes this launcher starts, named in their environment (PATCHKIT_REPORT_TO);
     returns it and the one this process inherited (a launcher in front of this one), or None where none can be made."""
     parent = os.environ.get(ENV_REPORT_TO)
+    sweep_stale(tempfile.gettempdir(), keep=parent)
     try:
         fd, path = tempfile.mkstemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-", suffix=".jsonl")
     except OSError:
@@ -80,6 +81,35 @@ def open_channel() -> tuple[Optional[str], Optional[str]]:
     os.close(fd)
     os.environ[ENV_REPORT_TO] = path
     return path, parent
+
+
+def sweep_stale(directory: str, keep: Optional[str] = None) -> None:
+    """Remove the report files of launchers that are gone: one killed (torchrun's SIGTERM when another rank fails) or
+    ending in os._exit never reached its `close_channel`, and its file stayed in the temp dir. A file's launcher is
+    the pid in its name; one still running (or not ours to signal) keeps its file, and so does `keep`."""
+    if os.name == "nt":  # os.kill there terminates the process it names; nothing to check with
+        return
+    try:
+        entries = [e for e in os.scandir(directory) if e.name.startswith(CHANNEL_PREFIX) and e.name.endswith(".jsonl")]
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(CHANNEL_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) <= 0 or entry.path == keep or launcher_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+
+
+def launcher_alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending; another user's process refuses it: alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def close_channel(path: Optional[str], parent: Optional[str]) -> None:
