@@ -59,13 +59,17 @@ def lm_plan(arguments: dict, extra: dict) -> bool:
     return labelled and isinstance(mask, torch.Tensor) and mask.dim() == 2
 
 
-@contextlib.contextmanager
-def lm_in_graph(labels_over_padding: bool) -> Iterator[None]:
-    """For the traced span of a causal LM's call, what its base model's forward plans by."""
-    GRAPH_LABELS[0] = labels_over_padding
-    try:
-        yield
-    finally:
+class lm_in_graph:  # noqa: N801 (used as a function, `with lm_in_graph(plan):`)
+    """For the traced span of a causal LM's call, what its base model's forward plans by. A class, not a
+    contextlib.contextmanager: dynamo before torch 2.7 refuses those in a graph that may not break."""
+
+    def __init__(self, labels_over_padding: bool) -> None:
+        self.labels_over_padding = labels_over_padding
+
+    def __enter__(self) -> None:
+        GRAPH_LABELS[0] = self.labels_over_padding
+
+    def __exit__(self, *exc: object) -> None:
         GRAPH_LABELS[0] = False
 
 
