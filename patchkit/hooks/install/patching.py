@@ -8,6 +8,8 @@ import inspect
 import weakref
 from typing import Any, Callable, Optional
 
+import torch  # noqa: F401 (torch 2.6's dynamo names `torch` in the code it writes for BoundPatch.__call__'s frame)
+
 from patchkit.errors import PatchTargetError
 
 _MISSING = object()
