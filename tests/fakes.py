@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.machinery
+import importlib.util
 import inspect
 import sys
 import types
@@ -17,8 +18,11 @@ from packaging.version import Version
 from patchkit import gates
 from patchkit.backends import sdpa
 
+# The GPU machine these tests play runs a torch with varlen_attn (>= 2.10): the installed torch where it has one, else
+# 2.13 (on torch 2.6 the torch_varlen gates would otherwise fail on the version where a test means another gate)
+GPU_TORCH = torch.__version__ if importlib.util.find_spec("torch.nn.attention.varlen") else "2.13.0+cu130"
 GPU_ENV = gates.Environment(
-    torch_version=torch.__version__, transformers_version=gates.probe_environment().transformers_version,
+    torch_version=GPU_TORCH, transformers_version=gates.probe_environment().transformers_version,
     flash_attn_version="2.8.3", flash_attn_error=None, cuda_available=True, device_name="NVIDIA A100-SXM4-80GB",
     compute_capability=(8, 0), bf16_supported=True,
 )
