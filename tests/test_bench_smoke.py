@@ -201,19 +201,64 @@ def test_the_trainer_head_benchmark_fuses_the_head_where_the_trainer_reads_the_l
     assert "fused with the head" in rows["patchkit"]["heads"] and rows["hf_sdpa"]["heads"] == "{}"
 
 
-def test_the_prepared_head_benchmark_fuses_the_head_only_where_accelerates_wrappers_are_read(tmp_path: Path) -> None:
-    """benchmarks/prepared_head.py at a small vocabulary and a tenth of its lengths: each provider a row with a peak,
-    the unpatched loss, and the head fused only in `patchkit_loss` (the wrappers read through)."""
-    csv_path = tmp_path / "prepared_head.csv"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "prepared_head.py"), "--vocab", "512", "--scale", "0.1",
-         "--csv", str(csv_path)],
-        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with csv_path.open() as f:
-        rows = {r["provider"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"hf_sdpa", "patchkit_loss_wrapped", "patchkit_loss"}
+def test_the_prepared_head_benchmark_fuses_the_head_only_where_accelerates_wrappers_are_read(monkeypatch) -> None:
+    """benchmarks/prepared_head.py's worker, in this process as the PEFT one's, at a small vocabulary and a tenth of its
+    lengths: each provider a row with a peak, the unpatched loss, and the head fused only in `patchkit_loss` (the
+    wrappers read through)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import prepared_head
+    import vocab
+    from accelerate.state import AcceleratorState
+
+    import patchkit
+    from patchkit.hooks.head import lm_head
+
+    monkeypatch.setitem(vocab.RESCALE, "by", vocab.RESCALE["by"])
+    mixed_precision, rows = lm_head._mixed_precision, {}
+    monkeypatch.setattr(lm_head, "_mixed_precision", mixed_precision)
+    try:
+        for provider in prepared_head.PROVIDERS:
+            AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton, one per row's process
+            rows[provider] = prepared_head.worker(provider, 512, 0.1)
+            lm_head._mixed_precision = mixed_precision  # the wrapped row stops reading accelerate's wrappers
+            patchkit.revert_patch()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     # at this size a step's peak is within the resident set's noise (it can read -0.3 MiB): a number, no more
-    assert len({r["loss"] for r in rows.values()}) == 1 and all(abs(float(r["peak_mib"])) < 1e6 for r in rows.values())
+    assert len({r["loss"] for r in rows.values()}) == 1 and all(abs(r["peak_mib"]) < 1e6 for r in rows.values())
     fused = {p: "fused with the head" in r["heads"] for p, r in rows.items()}
     assert fused == {"hf_sdpa": False, "patchkit_loss_wrapped": False, "patchkit_loss": True}
+
+
+FRESH_SCRIPT = '''"""A benchmark of fresh-process rows, its worker a stand-in."""
+import os
+import sys
+
+sys.path.insert(0, {benchmarks!r})
+from workers import fresh_cli, fresh_rows
+
+
+def worker(name, vocab, scale):
+    return {{"name": name, "vocab": vocab, "scale": scale, "pid": os.getpid(), "parent": os.getppid()}}
+
+
+args = fresh_cli(__doc__, worker)
+if args is not None:
+    fresh_rows(__file__, ([n, args.vocab, args.scale] for n in ("a", "b")), lambda r: f"row {{r['name']}}", args.csv)
+'''
+
+
+def test_fresh_process_rows_run_each_worker_alone_and_write_its_csv(tmp_path: Path) -> None:
+    """The machinery of the head benchmarks (peft_head, prepared_head, trainer_head), whose workers the tests above call
+    in-process: each row's worker in its own process, its arguments through --worker, the rows in the CSV."""
+    script, csv_path = tmp_path / "fresh.py", tmp_path / "fresh.csv"
+    script.write_text(FRESH_SCRIPT.format(benchmarks=str(ROOT / "benchmarks")))
+    proc = subprocess.run([sys.executable, str(script), "--vocab", "512", "--scale", "0.1", "--csv", str(csv_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["row", "a", "row", "b"]
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["name"], r["vocab"], r["scale"]) for r in rows] == [("a", "512", "0.1"), ("b", "512", "0.1")]
+    parents = {r["parent"] for r in rows}  # two workers, each a child of the benchmark, not the benchmark itself
+    assert len({r["pid"] for r in rows}) == 2 and len(parents) == 1 and not parents & {r["pid"] for r in rows}
