@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from patchkit.errors import PatchInputError, PatchStateError
+from patchkit.forward.cache_length import query_offset
 from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows, seq_idx_lengths
 from patchkit.forward.metadata import (
@@ -336,8 +337,7 @@ def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[i
     fixed = fixed_slots(past_key_values)
     if isinstance(cache_position, torch.Tensor) and cache_position.numel():
         return int(cache_position.reshape(-1)[0]), fixed
-    offset = getattr(past_key_values, "get_query_offset", None) or past_key_values.get_seq_length
-    return int(offset()), fixed
+    return int(query_offset(past_key_values)), fixed
 
 
 def fixed_slots(cache: Any) -> bool:

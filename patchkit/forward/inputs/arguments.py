@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.cache_length import past_length
 from patchkit.forward.documents import block_diagonal_documents
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import fixed_slots
@@ -58,9 +59,10 @@ def given_cache(arguments: Mapping[str, Any], extra: Optional[Mapping[str, Any]]
 
 def holds_no_past(cache: Any) -> bool:
     """A cache that holds no past yet (an eval forward's own, or generate()'s before its prefill)."""
-    length = getattr(cache, "get_seq_length", None)
+    if getattr(cache, "get_seq_length", None) is None:
+        return False
     try:
-        return length is not None and int(length()) == 0
+        return int(past_length(cache)) == 0
     except Exception:  # noqa: BLE001 - a cache that cannot say: keep transformers' own reading
         return False
 
@@ -218,7 +220,7 @@ def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.T
     cache, mask = given_cache(arguments), arguments.get("attention_mask")
     if not transformers_mask(mask) or extra.get("cu_seq_lens_q") is not None:
         return None  # a dict of masks per layer type is generate()'s, never packed documents
-    if cache is not None and (fixed_slots(cache) or cache.get_seq_length() > 0):
+    if cache is not None and (fixed_slots(cache) or past_length(cache) > 0):
         return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
     return block_diagonal_documents(mask)
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from patchkit.errors import PatchInputError
+from patchkit.forward.cache_length import past_length
 from patchkit.forward.context import current
 from patchkit.forward.documents import check_seq_idx, has_packed_rows, real_tokens_of_4d
 from patchkit.forward.inputs.arguments import (
@@ -121,10 +122,9 @@ def mask_short_of_keys(mask: Any, cache: Any) -> bool:
     that covers some of the new tokens but not all (PEFT's prompt tuning re-splicing its virtual tokens behind a
     past it cannot see) or no past at all keeps the per-layer path's shape check, which refuses it with the fix;
     so does an era that failed on the shapes, and a cache that cannot tell its past (a tuple)."""
-    length = getattr(cache, "get_seq_length", None)
-    if not isinstance(mask, torch.Tensor) or length is None or not fills_short_masks():
+    if not isinstance(mask, torch.Tensor) or getattr(cache, "get_seq_length", None) is None or not fills_short_masks():
         return False
-    return no_column_for_new_tokens(mask, int(length()))
+    return no_column_for_new_tokens(mask, int(past_length(cache)))
 
 
 def fills_short_masks() -> bool:
@@ -179,8 +179,7 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     if logits_to_keep is None and not from_zero:
         return False  # not generate()
     if cache is not None:
-        length = getattr(cache, "get_seq_length", None)
-        if length is None or (logits_to_keep is None and length() != 0):
+        if getattr(cache, "get_seq_length", None) is None or (logits_to_keep is None and past_length(cache) != 0):
             return False
     elif not from_zero:
         return False
@@ -246,8 +245,7 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
     q_len = tokens.shape[1]
     if mask.dim() != 2 or mask.shape[-1] < q_len or (mask.shape[-1] > q_len and not fixed_slots(cache)):
         return False  # behind a past: a decode step, or a chunk after the first
-    length = getattr(cache, "get_seq_length", None)
-    if length is None or is_compiling() or length() != 0:
+    if getattr(cache, "get_seq_length", None) is None or is_compiling() or past_length(cache) != 0:
         return False
     if ending:
         return bool((mask[:, q_len - 1] == 0).any())

@@ -14,6 +14,7 @@ import torch
 from packaging.version import Version
 from torch import nn
 
+from patchkit.forward.cache_length import past_length
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input
 from patchkit.hooks.generation.slots_mask import static_layers
@@ -95,7 +96,7 @@ def fillable_cache(cache: Any) -> bool:
     recurrent layer's states (a hybrid's linear attention: each row's state, which the packed row does not keep)."""
     kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
     recurrent = any(type(layer).__name__.startswith(RECURRENT_LAYERS) for layer in getattr(cache, "layers", ()))
-    return kind and not recurrent and callable(getattr(cache, "update", None)) and bool(cache.get_seq_length() == 0)
+    return kind and not recurrent and callable(getattr(cache, "update", None)) and bool(past_length(cache) == 0)
 
 
 @contextlib.contextmanager
