@@ -240,3 +240,17 @@ def test_a_mamba_hybrids_check_model_derives_its_head_size_from_the_tiny_width()
     ids, mask = padded_batch("right", batch=2)
     with torch.no_grad():
         assert model(input_ids=ids.clamp(max=tiny.vocab_size - 1), attention_mask=mask).logits.isfinite().all()
+
+
+def test_a_config_whose_head_size_is_a_read_only_property_gets_a_tiny_copy_that_builds_and_runs():
+    """Falcon's config derives `head_dim` from hidden_size and the head count (a property without a setter): the
+    check's tiny copy set it and raised AttributeError, so the check's model "failed unpatched" and every such
+    family stepped aside (seen on transformers 5.25, where Falcon reached the attention interface). It is derived
+    from the tiny width now."""
+    config = transformers.FalconConfig()  # multi-query, rotary
+    tiny = self_check.tiny_config(config)
+    assert tiny.head_dim == config.head_dim and tiny.hidden_size < config.hidden_size
+    model = transformers.FalconForCausalLM(tiny).eval()
+    ids, mask = padded_batch("right", batch=2)
+    with torch.no_grad():
+        assert model(input_ids=ids.clamp(max=tiny.vocab_size - 1), attention_mask=mask).logits.isfinite().all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 LAYERS, HEADS, VOCAB = 2, 2, 64
@@ -33,8 +34,8 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     for key, value in sizes.items():
         if value_of(config, key) is not None:
             setattr(tiny, key, value)
-    if value_of(config, "head_dim") is not None:
-        tiny.head_dim = head_dim
+    if value_of(config, "head_dim") is not None and settable(tiny, "head_dim"):
+        tiny.head_dim = head_dim  # else derived from the tiny width and head count (Falcon's property, 5.25)
     for key in ("num_experts", "num_local_experts"):
         if isinstance(value_of(config, key), int):
             setattr(tiny, key, min(value_of(config, key), 4))
@@ -79,6 +80,12 @@ def value_of(config: Any, key: str) -> Any:
         return getattr(config, key, None)
     except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, whatever its base
         return vars(config).get(key)
+
+
+def settable(config: Any, key: str) -> bool:
+    """Whether `key` can be set on `config`: not a read-only property of its class (Falcon's `head_dim`)."""
+    found = inspect.getattr_static(type(config), key, None)
+    return not isinstance(found, property) or found.fset is not None
 
 
 def per_layer_picks(config: Any, layers: int) -> list[int]:
