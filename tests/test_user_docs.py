@@ -10,7 +10,7 @@ import pytest
 from entrypoints import REPO, run
 
 BENCH = REPO / "benchmarks" / "bench.py"
-USER_FACING = ["README.md", "benchmarks/README.md", "benchmarks/bench.py", "benchmarks/kernels.py",
+USER_FACING = ["README.md", "benchmarks/README.md", "benchmarks/bench.py", "benchmarks/attention_kernels.py",
                *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 
 
