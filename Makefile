@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Bytecode is compiled at install (pip's default): this machine sets PYTHONDONTWRITEBYTECODE=1, so a module without
 # its .pyc is compiled again in every process that imports it (measured: make test ~40% slower with --no-compile).
 TORCH ?= torch==2.13.0
-TRANSFORMERS ?= transformers==5.24.0
+TRANSFORMERS ?= transformers==5.25.0
 
 .PHONY: setup bytecode demo test test-heavy docs fresh-install census lint matrix newest sp-test torch-check bench gpu-test gpu-truth gpu-truth-stage1 gpu-truth-check clean
 

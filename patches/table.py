@@ -34,6 +34,8 @@ VERIFIED = frozenset({
     "laguna", "mellum", "minimax_m2", "ministral", "ministral3", "modernbert-decoder", "nanochat",
     "nemotron", "olmo", "olmo3", "olmoe", "phimoe", "sarvam_moe", "seed_oss", "solar_open", "stablelm",
     "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3", "dbrx", "gemma3n_text",
+    # new in transformers 5.25 (Ergo: sliding layers with RoPE, full ones without, DeepSeek-V3's MoE)
+    "ergo", "minicpm5_moe", "param2moe",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
@@ -78,10 +80,15 @@ MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "l
 
 REFUSED = {
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text", "glm5_next", "hy_v4",
-                     "mistral_large4", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4"),
+                     "mistral_large4", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4",
+                     "kolibri1_1"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": "a relative position bias added to the attention scores (`position_bias`)",
+    # through the attention interface from transformers 5.25 (before, its own attention code); its rotary configs
+    # (alibi=False) are exact in the census, but a config's ALiBi would meet patchkit's mask where the model adds the
+    # bias to it: the family is refused whole until a per-config step-aside serves the rotary ones
+    "falcon": "ALiBi in its `alibi=True` configs (Falcon-RW): a position bias the model adds to the attention mask",
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
 }
 

@@ -17,12 +17,14 @@ from packaging.version import Version
 # create_causal_mask;
 # 4.56 past_key_values + layered DynamicCache (4.57, the last 4.x, has them: `--versions 4.56.2` runs 4.56 itself);
 # 5.23 the last that names the cache past_key_values
-# (5.24 renames it cache), the end of the 5.x era that began with 5.0 (`--versions 5.0.0` runs its start). The pinned
-# version (5.24) is not here: make test and test-heavy run it whole. Inside the 4.36-4.47 era the legacy patch meets
+# (5.24 renames it cache), the end of the 5.x era that began with 5.0 (`--versions 5.0.0` runs its start); 5.24 the
+# first named `cache`, and the last whose hybrid caches count their past at the first attention layer (5.25 reads
+# layer 0, recurrent or not: `patchkit/forward/cache_length.py`). The pinned version (5.25) is not here: make test and
+# test-heavy run it whole. Inside the 4.36-4.47 era the legacy patch meets
 # `_update_causal_mask`'s changing signature (4.38, 4.39, 4.40, 4.41): 4.37.2 (LLaVA's pin: LlamaSdpaAttention by
 # default, before it) and 4.38.2 run too (about 20 s each, install included); 4.39 and 4.41 are in ROTATING.
 DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", "4.40.2", "4.46.3", "4.48.3",
-                    "4.53.3", "4.57.6", "5.23.0"]
+                    "4.53.3", "4.57.6", "5.23.0", "5.24.0"]
 # The minors between those, in turn: each run of `make matrix` adds one, picked by the UTC date (the day's ordinal
 # modulo the pool), so that a release users pin between two boundaries is run within a few weeks of CI at one
 # version's cost a run (a version before 4.48 about 20 s, one from 4.48 about 60 s). Each passed its tier when it

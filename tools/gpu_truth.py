@@ -265,7 +265,9 @@ class Flash:
 def setup_env(wheels: Path, rehearse: bool, log: Path) -> tuple[dict[str, str], str]:
     """The environment every part runs in: carried wheels first on PYTHONPATH (flash-attn 4's set only where its DSL
     wheel was rebuilt from the two calls' parts), patchkit installed editable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
+    # Hub kernels off: from transformers 5.25 `from_pretrained` kernelizes by default, which needs the `kernels`
+    # package and the hub (the GPU machine has neither); every row, HF's and patchkit's, runs transformers' modules
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", USE_HUB_KERNELS="NO",
                FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(FA4_CACHE))
     env.pop("PATCHKIT_FLASH_ATTN", None)
     found = sorted(w for w in wheels.glob("*.whl") if not w.name.startswith("flash_attn-")) if wheels.is_dir() else []
