@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -118,15 +119,28 @@ class IterableDataset:
 '''
 
 
-def loadable_datasets(target: Path, python: str) -> bool:
-    """Whether `import datasets` works beside this target dir's huggingface_hub; if not, a stand-in replaces it."""
+KERNELS_STUB = '''"""Stand-in for `kernels` where its era's huggingface_hub cannot import the venv's (0.19: hub 1.32+).
+
+The venv has `kernels` because the pinned transformers (5.25) requires it. transformers 4.53 imports `get_kernel`
+unguarded wherever `kernels` is installed, and falls back to its own stubs where the other names fail to import, as
+without `kernels`.
+"""
+
+
+def get_kernel(*args, **kwargs):
+    raise RuntimeError("kernels is a stand-in in this matrix version's target dir")
+'''
+
+
+def loadable(target: Path, python: str, module: str, stub: str) -> bool:
+    """Whether `import module` works beside this target dir's huggingface_hub; if not, a stand-in replaces it."""
     env = dict(os.environ, PYTHONPATH=str(target), PYTHONNOUSERSITE="1")
-    if subprocess.run([python, "-c", "import datasets"], env=env, capture_output=True).returncode == 0:
+    if subprocess.run([python, "-c", f"import {module}"], env=env, capture_output=True).returncode == 0:
         return True
-    for entry in target.glob("datasets*"):
+    for entry in target.glob(f"{module}*"):
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    (target / "datasets").mkdir()
-    (target / "datasets" / "__init__.py").write_text(DATASETS_STUB)
+    (target / module).mkdir()
+    (target / module / "__init__.py").write_text(stub)
     return False
 
 
@@ -185,8 +199,10 @@ def install(version: str, cache: Path, python: str) -> tuple[Optional[Path], str
         if status:
             shutil.rmtree(staging, ignore_errors=True)
             return None, f"pip install of {' '.join(extras)} failed (exit {status}); see {log}"
-    if extras and not loadable_datasets(staging, python):
+    if extras and not loadable(staging, python, "datasets", DATASETS_STUB):
         print(f"[matrix] {version}: its huggingface_hub cannot import datasets; a stand-in takes its place")
+    if importlib.util.find_spec("kernels") is not None and not loadable(staging, python, "kernels", KERNELS_STUB):
+        print(f"[matrix] {version}: its huggingface_hub cannot import the venv's kernels; a stand-in takes its place")
     removed = remove_forbidden(staging)
     if removed:
         print(f"[matrix] {version}: removed {', '.join(removed)} from the target dir (torch comes from the venv)")
