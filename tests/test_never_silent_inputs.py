@@ -300,3 +300,60 @@ def test_bidirectional_attention_is_refused(route):
             model(input_ids=ids, attention_mask=mask)
     finally:
         patchkit.register_attention(backend="auto", strict=False)
+
+
+def unread_cache_family() -> str:
+    """A family whose forward takes its cache as `cache` without transformers' rename of `past_key_values`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "ergo" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        pytest.skip("no family takes `cache` without the rename in this transformers (Ergo is new in 5.25)")
+    return "ergo"
+
+
+def decode_given_past_key_values(model: torch.nn.Module) -> torch.Tensor:
+    """A hand-written decode loop's step that hands the cache back as `past_key_values`, the name it had before 5.24."""
+    ids, mask = padded_batch("left", batch=2, seq=14)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        longer = torch.cat([mask, mask.new_ones(2, 1)], dim=-1)
+        return model(input_ids=ids[:, -1:], attention_mask=longer, past_key_values=out.cache).logits
+
+
+@pytest.mark.parametrize("way", ["apply_patch", "named"])
+def test_a_cache_the_family_does_not_read_steps_aside(way):
+    """Ergo (5.25) takes `cache` only and passes `past_key_values` on unread: transformers runs the step on no past.
+    patchkit read the cache and refused its mask as wider than the keys; now the step runs as transformers runs it,
+    with the cause named."""
+    from census import tiny_lm
+
+    model, why = tiny_lm(unread_cache_family())
+    assert model is not None, why
+    model.eval()
+    set_attention(model, "sdpa" if way == "apply_patch" else "eager")
+    want = decode_given_past_key_values(model)
+    with pytest.warns(RuntimeWarning, match=r"\(unread_cache\).*pass the cache as `cache=`"):
+        if way == "apply_patch":
+            with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+                got = decode_given_past_key_values(model)
+            assert handle.stepped_aside == {"unread_cache": 1}
+        else:
+            model.set_attn_implementation("patchkit")
+            got = decode_given_past_key_values(model)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_only_transformers_rename_makes_past_key_values_the_cache():
+    """The rename is read from transformers' own decorator, wherever it sits in a forward's wrappers."""
+    deprecation = pytest.importorskip("transformers.utils.deprecation")
+    from patchkit.forward.inputs.arguments import renames_past_key_values
+
+    def forward(self, cache=None, **kwargs):
+        return cache
+
+    renamed = deprecation.deprecate_kwarg("past_key_values", version="9.0", new_name="cache")(forward)
+    other = deprecation.deprecate_kwarg("cache_params", version="9.0", new_name="cache")(forward)
+    assert renames_past_key_values(renamed) and not renames_past_key_values(forward)
+    assert not renames_past_key_values(other)
+    dressed = patchkit.hooks.install.patching.dressed_as(lambda self, **kw: None, renamed)
+    assert renames_past_key_values(dressed)

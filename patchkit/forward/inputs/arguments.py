@@ -85,6 +85,27 @@ def cache_parameter(parameters: Iterable[str]) -> str:
     """The name a forward with these parameters takes its cache by: `cache` (5.24+) or `past_key_values`."""
     return "cache" if "cache" in parameters else "past_key_values"
 
+
+def renames_past_key_values(forward: Any) -> bool:
+    """`forward`, or a function it wraps, is transformers' `deprecate_kwarg("past_key_values", new_name="cache")`
+    wrapper (5.24+): a `past_key_values` given to it is its cache. A family without it (Ergo, Dory in 5.25) takes the
+    cache as `cache` only and passes `past_key_values` on unread in **kwargs."""
+    seen = 0
+    while forward is not None and seen < 16:  # a chain of decorators, each `functools.wraps` of the next
+        cells = getattr(forward, "__closure__", None) or ()
+        if any(_cell(cell) == "past_key_values" for cell in cells):
+            return True
+        inner = getattr(forward, "__wrapped__", None)  # functools.wraps; patchkit's own wrappers keep the original
+        forward, seen = inner if inner is not None else getattr(forward, "__wrapped_original__", None), seen + 1
+    return False
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
+
 WHY = {
     "sliding_window": "a sliding-window attention (each query sees only the last N keys)",
     "softcap": "attention-logit soft-capping (tanh on the scores)",

@@ -95,6 +95,11 @@ CAUSES = {
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
+    "unread_cache": (
+        "the forward was given `past_key_values`, which this family's forward does not read: it takes its cache as "
+        "`cache`, and transformers renames the old name for most families but not this one, so it runs on no past",
+        "pass the cache as `cache=` (the forward then reads it, patched)",
+    ),
     "output_attentions": (
         "output_attentions=True (on the call or the config) asks for the attention weights, which varlen kernels "
         "never form",
@@ -144,6 +149,8 @@ BRIEF = {
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
+    "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
+                     "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
     "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",
                            "compile without fullgraph=True, or pass packed rows without a mask"),

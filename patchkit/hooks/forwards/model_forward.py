@@ -21,6 +21,7 @@ from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
     input_tokens,
+    renames_past_key_values,
     resolved_use_cache,
     transformers_mask_in_graph,
 )
@@ -133,7 +134,7 @@ def bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Ca
     var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     by_name = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    if "cache" in by_name:  # 5.24+: `past_key_values` still accepted, renamed by transformers' decorator (warned)
+    if "cache" in by_name and renames_past_key_values(original):  # 5.24+: renamed by transformers' decorator
         by_name |= {"past_key_values"}
     simple = all(p.kind is not p.VAR_POSITIONAL for p in params)
     skipped = (params[0].name, var_kw)  # self and **kwargs: passed on their own
@@ -226,6 +227,8 @@ def make_model_forward(
     signature, var_kw, bind, call = bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)
+    # a `past_key_values` this forward passes on unread in **kwargs (it takes `cache` only: Ergo in 5.25)
+    unread = "past_key_values" if cache_name == "cache" and not renames_past_key_values(original) else None
     aside_state = state if state is not None else route
     graph_aside = asides_in_graph(lambda: aside_state) if aside_state is not None else None
 
@@ -269,7 +272,10 @@ def make_model_forward(
         rope_rows = take_rope_rows(arguments)  # multimodal RoPE: back in before the call, unpadded if packed
         ulysses = ulysses_wrapper(attn_name(self.config))
         padding_first = check_padding(self, ulysses, arguments, extra)  # on every rank, before any rank's own choice
-        plan = plan_forward(self, arguments, extra, aside_state, unpad, ulysses is not None)
+        if unread is not None and extra.get(unread) is not None and aside_state is not None:
+            plan = ForwardPlan(aside="unread_cache")  # transformers runs it on no past: so does patchkit, warned
+        else:
+            plan = plan_forward(self, arguments, extra, aside_state, unpad, ulysses is not None)
         if plan.aside is not None:
             if padding_first:
                 raise refuse_step_aside(plan.aside, *CAUSES[plan.aside])

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from torch import nn
 
 from patchkit.forward.context import current, within
-from patchkit.forward.inputs.arguments import given_cache
+from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.step_aside import lm_cause
@@ -144,9 +144,14 @@ def lm_forward(call: Callable) -> Callable:
         binder = _binders.get(type(self))
         if binder is None:
             signature, var_kw, bind, _ = bound_call(type(self).forward)
-            binder = _binders[type(self)] = (var_kw, bind, takes_logits_to_keep(signature))
+            unread = "cache" in signature.parameters and not renames_past_key_values(type(self).forward)
+            binder = _binders[type(self)] = (var_kw, bind, takes_logits_to_keep(signature), unread)
         arguments = binder[1](self, args, kwargs)
-        cause = lm_cause(arguments, arguments.get(binder[0], {}) if binder[0] else {}, self.training, binder[2])
+        extra = arguments.get(binder[0], {}) if binder[0] else {}
+        if binder[3] and extra.get("past_key_values") is not None:
+            cause = "unread_cache"  # transformers runs this forward on no past: so does its step aside
+        else:
+            cause = lm_cause(arguments, extra, self.training, binder[2])
         if cause is None and current().lm_cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
