@@ -39,4 +39,5 @@ SPEC = PatchSpec(
     attention_class=eras.attention_class,
     live_layers=eras.live_layers,
     check_model=check_model,
+    model_gate="no GQA",
 )

@@ -20,7 +20,7 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.decide import self_check
-from patchkit.hooks.install.registry import PatchSpec
+from patchkit.hooks.install.registry import PatchSpec, config_gate
 
 TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
 
@@ -36,6 +36,8 @@ VERIFIED = frozenset({
     "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3", "dbrx", "gemma3n_text",
     # new in transformers 5.25 (Ergo: sliding layers with RoPE, full ones without, DeepSeek-V3's MoE)
     "ergo", "minicpm5_moe", "param2moe",
+    # through the attention interface from 5.25: its rotary configs (the ALiBi ones step aside, `REFUSED_CONFIGS`)
+    "falcon",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
@@ -85,12 +87,16 @@ REFUSED = {
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": "a relative position bias added to the attention scores (`position_bias`)",
-    # through the attention interface from transformers 5.25 (before, its own attention code); its rotary configs
-    # (alibi=False) are exact in the census, but a config's ALiBi would meet patchkit's mask where the model adds the
-    # bias to it: the family is refused whole until a per-config step-aside serves the rotary ones
-    "falcon": "ALiBi in its `alibi=True` configs (Falcon-RW): a position bias the model adds to the attention mask",
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
 }
+
+
+# Families served but for configs with a feature the varlen path cannot take: model_type -> (the config field, which
+# names the step-aside cause of a model whose field is true, and the feature). Such a model runs on transformers'
+# attention, warned and counted; apply_patch(model=...) refuses it by its gate. Falcon reaches the attention
+# interface from transformers 5.25: its rotary configs (Falcon-7B/40B/180B) are exact, its ALiBi ones (Falcon-RW) add
+# the bias to the attention mask, in bfloat16, which no varlen kernel's ALiBi reproduces.
+REFUSED_CONFIGS = {"falcon": ("alibi", "ALiBi (Falcon-RW), a position bias the model adds to the attention mask")}
 
 
 def serves_here() -> bool:
@@ -238,7 +244,8 @@ def spec(model_type: str) -> PatchSpec:
         model_type, lambda: find_classes(model_type),
         f"{model_type}: served from data" + ("" if verified else " (not in the census: self-checked first)"),
         transformers=TABLE_TRANSFORMERS, unpad="attention" if mixes_outside_attention(model_type) else None,
-        verified=verified, mixers=lambda: mixer_classes(model_type),
+        verified=verified, mixers=lambda: mixer_classes(model_type), check_model=config_gate(model_type),
+        model_gate=f"{REFUSED_CONFIGS[model_type][0]}=False" if model_type in REFUSED_CONFIGS else "",
     )
 
 

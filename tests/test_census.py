@@ -30,6 +30,7 @@ from patchkit.patches import table
 import patchkit
 from patchkit.errors import PatchkitError, PatchTargetError
 from patchkit.hooks.decide import self_check
+from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.forwards import lm_forward
 from patchkit.hooks.generation.filled_cache import cache_is_storage
 from patchkit.hooks.head import lm_head
@@ -302,6 +303,10 @@ def test_census(model_type, monkeypatch):
         assert not differed, f"{model_type} differs from transformers' eager attention: {differed}"
     notes = list(differed.values()) or (
         ["unpadded inside attention only"] if table.mixes_outside_attention(model_type) else [])
+    if model_type in table.REFUSED_CONFIGS:  # served, but for the configs with this field (Falcon-RW's ALiBi)
+        field = table.REFUSED_CONFIGS[model_type][0]
+        assert field in CAUSES, f"the step-aside cause {field!r} of {model_type}'s refused configs is not in CAUSES"
+        notes.append(f"`{field}=True` configs step aside ({field})")
     record(model_type, "exact" if not differed else "self-checked", "; ".join(
         notes + ([] if model_type in FUSED else [OWN_HEAD])))
     if PINNED and model_type not in PATCH_MODULES:

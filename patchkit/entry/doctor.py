@@ -64,7 +64,7 @@ def evaluate_patch(spec: Any, env: _gates.Environment) -> dict[str, Any]:
         "or attention dropout the kernel lacks falls back per call (torch_varlen has no softcap and no dropout; "
         "flash_attn_4 no dropout, and no backward before compute capability 9.0), as "
         "does a head dim or feature a flash-attn built by tools/build_flash_attn.py was built without"
-        + ("; model_config (no GQA) when a model is patched" if spec.check_model else ""),
+        + (f"; model_config ({spec.model_gate}) when a model is patched" if spec.check_model else ""),
     }
 
 

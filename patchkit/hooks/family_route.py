@@ -22,6 +22,7 @@ from patchkit.errors import PatchTargetError
 from patchkit.forward.context import current
 from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
+from patchkit.gates import GateResult
 from patchkit.hooks.attention.varlen import KV_PACKED
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
@@ -62,12 +63,14 @@ def family_spec_of(
     model_type: str, classes: Callable[[], tuple[type, type, Optional[type]]], description: str, *,
     transformers: str = ROUTE_TRANSFORMERS, recorders: Callable[[], tuple[type, ...]] = tuple,
     unpad: Optional[str] = None, verified: bool = True, mixers: Callable[[], tuple[type, ...]] = tuple,
+    check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None, model_gate: str = "",
 ) -> PatchSpec:
     """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
     family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
     `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward);
     `mixers`: its token mixers outside attention, run the packed row's rows in groups of similar length
-    (`mixer_rows`)."""
+    (`mixer_rows`); `check_model`: its model gate (the configs the table refuses, `registry.config_gate`), which
+    requires `model_gate`."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -82,6 +85,8 @@ def family_spec_of(
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),
         verified=verified,
+        check_model=check_model,
+        model_gate=model_gate,
     )
 
 

@@ -95,6 +95,11 @@ CAUSES = {
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
+    "alibi": (
+        "the model's config uses ALiBi (Falcon-RW's alibi=True), a position bias transformers adds to the attention "
+        "mask in bfloat16, which no varlen kernel's ALiBi reproduces",
+        "none needed: such a model runs on transformers' attention; Falcon's rotary configs run patched",
+    ),
     "unread_cache": (
         "the forward was given `past_key_values`, which this family's forward does not read: it takes its cache as "
         "`cache`, and transformers renames the old name for most families but not this one, so it runs on no past",
@@ -149,6 +154,7 @@ BRIEF = {
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
+    "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),

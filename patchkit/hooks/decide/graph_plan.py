@@ -29,6 +29,7 @@ from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside
+from patchkit.hooks.install.registry import config_cause
 from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, loads_flash_masks, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
@@ -81,6 +82,8 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted or (wanted is None and getattr(config, "output_attentions", False)):
         return "output_attentions"
+    if config_cause(config) is not None:
+        return config_cause(config)
     if padded and GRAPH_LABELS[0]:
         return "labels"
     if given_cache(arguments, extra) is not None:

@@ -31,6 +31,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
+from patchkit.hooks.install.registry import config_cause
 
 IGNORE_INDEX = -100
 OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
@@ -97,6 +98,9 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     lm_cause = current().lm_cause
     if lm_cause is not None:
         return lm_cause
+    config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
+    if config is not None:
+        return config
     if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from packaging.specifiers import SpecifierSet
 from torch import nn
@@ -32,6 +32,7 @@ class PatchSpec:
     attention_class: Callable[[], type]  # the attention layer class whose instances run through the patch
     live_layers: Callable[[nn.Module, PatchState], tuple[int, int]]  # (layers through the patch, layers)
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None
+    model_gate: str = ""  # what `check_model` requires, in a few words (`patchkit doctor`)
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
     verified: bool = True  # the census saw it exact on CI's transformers (else: a self-check before the first forward)
@@ -101,6 +102,40 @@ def refusal(model_type: Optional[str]) -> Optional[str]:
     if not _REFUSED:
         _REFUSED.append(dict(getattr(importlib.import_module(TABLE), "REFUSED", {})))
     return _REFUSED[0].get(model_type)
+
+
+_REFUSED_CONFIGS: list[dict] = []  # the table's REFUSED_CONFIGS, read once (as `_REFUSED`)
+
+
+def refused_configs() -> dict[str, tuple[str, str]]:
+    """model_type -> (the config field, the feature) of the families the table serves but for some configs."""
+    if not _REFUSED_CONFIGS:
+        _REFUSED_CONFIGS.append(dict(getattr(importlib.import_module(TABLE), "REFUSED_CONFIGS", {})))
+    return _REFUSED_CONFIGS[0]
+
+
+def config_cause(config: Any) -> Optional[str]:
+    """The step-aside cause, named by its config field, of a model whose config has a feature the table refuses for
+    its family (Falcon's `alibi`), else None."""
+    entry = refused_configs().get(getattr(config, "model_type", None))
+    return entry[0] if entry is not None and getattr(config, entry[0], False) else None
+
+
+def config_gate(model_type: str) -> Optional[Callable[[nn.Module], list[GateResult]]]:
+    """The model gate of a family the table refuses some configs of (`config_cause`): apply_patch(model=...) on such
+    a model patches nothing and says why; None for every other family."""
+    entry = refused_configs().get(model_type)
+    if entry is None:
+        return None
+    field, feature = entry
+
+    def check(model: nn.Module) -> list[GateResult]:
+        value = getattr(model_config(model, (model_type,)), field, None)
+        return [GateResult("model_config", not value, f"{field}=False", f"{field}={value}: {feature}",
+                           "run this model unpatched, on transformers' attention ('sdpa' or 'eager'); under a "
+                           f"class patch it steps aside ({field})")]
+
+    return check
 
 
 def registered() -> list[PatchSpec]:

@@ -42,7 +42,7 @@ from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.decide.step_aside import step_aside
-from patchkit.hooks.install.registry import refusal, resolve, served_model_types, spec_for_class
+from patchkit.hooks.install.registry import config_cause, refusal, resolve, served_model_types, spec_for_class
 from patchkit.hooks.install.routing import ROUTE_NAME, loads_flash_masks
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import cached_documents
@@ -199,7 +199,7 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
     """
     if config is not None and not adopted(config):
         return "named_unseen"
-    cause = current().lm_cause
+    cause = config_cause(config) or current().lm_cause
     if cause is not None:
         return cause
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
@@ -254,7 +254,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_rule())  # an unserved family is refused, not stood aside
-        cause = getattr(attention_mask, "patchkit_cause", "custom_4d_mask")
+        cause = getattr(attention_mask, "patchkit_cause", None)  # else a config's (ALiBi, added to the model's mask
+        cause = cause or config_cause(module.config) or "custom_4d_mask"  # as a new tensor) or the caller's mask
         what = untrusted_what(module.config) if cause in UNTRUSTED else None  # the family's check: what differed
         if not getattr(attention_mask, "patchkit_counted", False):  # a patch counts forwards, not layers; the
             step_aside(routed or route_state(), cause, {}, {}, what)  # name alone counts attention calls
