@@ -36,6 +36,8 @@ VERIFIED = frozenset({
     "vaultgemma", "apertus1p5_text", "gpt-sw3", "hy_v3", "dbrx", "gemma3n_text",
     # new in transformers 5.25 (Ergo: sliding layers with RoPE, full ones without, DeepSeek-V3's MoE)
     "ergo", "minicpm5_moe", "param2moe",
+    # Dory (5.25): a recurrent section of layers run in loops, each loop on cache layers of its own
+    "dory",
     # through the attention interface from 5.25: its rotary configs (the ALiBi ones step aside, `REFUSED_CONFIGS`)
     "falcon",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)

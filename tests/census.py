@@ -102,6 +102,9 @@ OVERRIDES = {
     # queries to `logits_to_keep` before it (this pattern keeps TRL's 3-step Adam drift against eager under 1e-3)
     "gemma4_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                         layer_types=["full_attention", "sliding_attention", "full_attention"]),
+    # Dory's loop (5.25): input, recurrent and output sections of one layer each, the recurrent one run twice, each
+    # loop on its own cache layers (its defaults' 8 input and 8 output layers overrun the tiny model's layers)
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2),
     # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
     "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                          layer_types=["full_attention", "sliding_attention", "full_attention"]),
