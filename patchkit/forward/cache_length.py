@@ -9,7 +9,7 @@ before 5.25 and `masking_utils.find_first_full_attention_index` does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 def keys_layer(cache: Any) -> int:
@@ -24,8 +24,11 @@ def keys_layer(cache: Any) -> int:
     return next((i for i, (lin, dum) in enumerate(zip(linear, dummy)) if not lin and not dum), 0)
 
 
-def past_length(cache: Any) -> Any:
-    """The tokens `cache` held before this forward (`get_seq_length`, of its first layer that holds keys)."""
+def past_length(cache: Any) -> Optional[Any]:
+    """The tokens `cache` held before this forward (`get_seq_length`, of its first layer that holds keys); None for a
+    cache that cannot say (no `get_seq_length`: a legacy tuple, a caller's own object)."""
+    if getattr(cache, "get_seq_length", None) is None:
+        return None
     index = keys_layer(cache)
     return cache.get_seq_length(index) if index else cache.get_seq_length()
 

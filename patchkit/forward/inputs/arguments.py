@@ -59,10 +59,9 @@ def given_cache(arguments: Mapping[str, Any], extra: Optional[Mapping[str, Any]]
 
 def holds_no_past(cache: Any) -> bool:
     """A cache that holds no past yet (an eval forward's own, or generate()'s before its prefill)."""
-    if getattr(cache, "get_seq_length", None) is None:
-        return False
     try:
-        return int(past_length(cache)) == 0
+        past = past_length(cache)
+        return past is not None and int(past) == 0
     except Exception:  # noqa: BLE001 - a cache that cannot say: keep transformers' own reading
         return False
 

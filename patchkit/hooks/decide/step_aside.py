@@ -126,9 +126,10 @@ def mask_short_of_keys(mask: Any, cache: Any) -> bool:
     that covers some of the new tokens but not all (PEFT's prompt tuning re-splicing its virtual tokens behind a
     past it cannot see) or no past at all keeps the per-layer path's shape check, which refuses it with the fix;
     so does an era that failed on the shapes, and a cache that cannot tell its past (a tuple)."""
-    if not isinstance(mask, torch.Tensor) or getattr(cache, "get_seq_length", None) is None or not fills_short_masks():
+    if not isinstance(mask, torch.Tensor) or not fills_short_masks():
         return False
-    return no_column_for_new_tokens(mask, int(past_length(cache)))
+    past = past_length(cache)
+    return past is not None and no_column_for_new_tokens(mask, int(past))
 
 
 def fills_short_masks() -> bool:
@@ -184,7 +185,7 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
         return False  # not generate()
     if cache is not None:
         if getattr(cache, "get_seq_length", None) is None or (logits_to_keep is None and past_length(cache) != 0):
-            return False
+            return False  # a cache that cannot say; or a past, read only where generate() is not known
     elif not from_zero:
         return False
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[-1] < 2:
@@ -249,7 +250,7 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
     q_len = tokens.shape[1]
     if mask.dim() != 2 or mask.shape[-1] < q_len or (mask.shape[-1] > q_len and not fixed_slots(cache)):
         return False  # behind a past: a decode step, or a chunk after the first
-    if getattr(cache, "get_seq_length", None) is None or is_compiling() or past_length(cache) != 0:
+    if is_compiling() or past_length(cache) != 0:  # None: a cache that cannot say
         return False
     if ending:
         return bool((mask[:, q_len - 1] == 0).any())
