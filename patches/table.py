@@ -38,6 +38,8 @@ VERIFIED = frozenset({
     "ergo", "minicpm5_moe", "param2moe",
     # Dory (5.25): a recurrent section of layers run in loops, each loop on cache layers of its own
     "dory",
+    # Cohere Compass's text model (5.25): sliding and full layers, RoPE parameters per layer type
+    "cohere_compass_text",
     # through the attention interface from 5.25: its rotary configs (the ALiBi ones step aside, `REFUSED_CONFIGS`)
     "falcon",
     # attention sinks (`s_aux`), exact on the sdpa path: the attention times sigmoid(lse - sink)

@@ -105,6 +105,10 @@ OVERRIDES = {
     # Dory's loop (5.25): input, recurrent and output sections of one layer each, the recurrent one run twice, each
     # loop on its own cache layers (its defaults' 8 input and 8 output layers overrun the tiny model's layers)
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2),
+    # Cohere Compass's text model (5.25) reads RoPE parameters per layer type, which its default config leaves empty
+    "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                                                 for kind in ("full_attention", "sliding_attention")},
+                                layer_types=["sliding_attention", "full_attention"]),
     # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
     "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                          layer_types=["full_attention", "sliding_attention", "full_attention"]),
