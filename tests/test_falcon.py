@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not _served(), reason="Falcon calls transformers
 VARIANTS = {
     "multi_query": dict(multi_query=True, parallel_attn=True),  # Falcon-7B
     "new_decoder_architecture": dict(new_decoder_architecture=True, num_kv_heads=2),  # Falcon-40B / 180B
+    "falcon2": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),  # Falcon2-11B
     "multi_head": dict(multi_query=False, parallel_attn=False, bias=True),
 }
 ALIBI = dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)  # Falcon-RW
