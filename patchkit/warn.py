@@ -7,6 +7,7 @@ the model names the user's `trainer.train()` line, not TRL's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import sysconfig
@@ -21,22 +22,36 @@ _where: list[tuple[str, int]] = []  # an explicit call site, set by the launcher
 _registry: dict = {}  # warn_explicit's once-per-location registry for explicit call sites
 
 
+@functools.lru_cache(maxsize=4096)
+def real_path(filename: str) -> str:
+    """`filename` with every symlink resolved: a package reached through a link (a linked checkout, a venv's lib64)
+    names its files by the link in `__file__` and by the target in its code objects, or the other way round."""
+    return os.path.realpath(filename)
+
+
 def _module_root(name: str) -> Optional[str]:
-    """The folder of a package (or the file of a plain module) that is already imported, else None."""
+    """The folder of a package (or the file of a plain module) that is already imported, by its real path, else
+    None."""
     module = sys.modules.get(name)
     path = getattr(module, "__file__", None)
     if not path:
         return None
-    path = os.path.abspath(path)
+    path = real_path(path)
     return os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path
+
+
+def package_home(name: str) -> Optional[str]:
+    """The real folder of an imported package, ending in a separator (compare with `real_path` of a code's file)."""
+    root = _module_root(name)
+    return None if root is None or root.endswith(".py") else root + os.sep
 
 
 def _internal_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(internal package roots and the stdlib, site-packages folders: installed packages, frameworks included)."""
     roots = [r for r in map(_module_root, INTERNAL_MODULES) if r]
     paths = sysconfig.get_paths()
-    stdlib = {os.path.abspath(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)}
-    sites = {os.path.abspath(paths[k]) for k in ("purelib", "platlib") if paths.get(k)}
+    stdlib = {real_path(paths[k]) for k in ("stdlib", "platstdlib") if paths.get(k)}
+    sites = {real_path(paths[k]) for k in ("purelib", "platlib") if paths.get(k)}
     prefixes = tuple(r if r.endswith(".py") else r + os.sep for r in roots) + tuple(s + os.sep for s in stdlib)
     return prefixes, tuple(s + os.sep for s in sites)
 
@@ -46,7 +61,7 @@ def is_internal(filename: str, prefixes: tuple[str, ...], sites: tuple[str, ...]
     library's frames (importlib's frozen ones too)."""
     if filename.startswith("<frozen "):
         return True
-    path = os.path.abspath(filename)
+    path = real_path(os.path.abspath(filename))
     if any(path.startswith(s) for s in sites):
         return True
     return any(path == p or path.startswith(p) for p in prefixes)

@@ -250,3 +250,25 @@ def test_the_trainer_with_gradient_accumulation_equals_unpatched(tmp_path, unpad
                  for way in (None, unpad))
     assert got[2] == {lm_head.FUSED: 4}
     assert_trained_alike(got, want)
+
+
+def test_a_transformers_reached_through_a_link_is_still_read_as_transformers(tmp_path, monkeypatch):
+    """transformers' `__file__` by a symlink (a linked checkout, a test tree's `src/transformers`, a venv's lib64) and
+    its code objects by the real path: its decorators are still seen through, so a causal LM's head and loss run on
+    the real tokens, and the frames of its utils still pass the output on (the Trainer's loss alone). Before, every
+    family's head ran on the padded batch there, "its forward computes its loss without transformers' loss_function"."""
+    from pathlib import Path
+
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    from patchkit.hooks.head import loss_reader
+
+    real = Path(transformers.__file__).parent
+    link = tmp_path / "transformers"
+    link.symlink_to(real, target_is_directory=True)
+    monkeypatch.setattr(transformers, "__file__", str(link / "__init__.py"))
+    assert lm_head.servable_forward(LlamaForCausalLM.forward)
+    assert loss_reader._passing(str(real / "utils" / "generic.py"))
+    assert loss_reader._passing(str(link / "utils" / "generic.py"))
+    assert not loss_reader._passing(str(real / "models" / "llama" / "modeling_llama.py"))

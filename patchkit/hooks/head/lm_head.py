@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -44,6 +43,7 @@ from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
 from patchkit.hooks.head.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.head.weight_holders import accelerate_forward, held
 from patchkit.hooks.install.patching import Replacement, SharedInstall
+from patchkit.warn import package_home, real_path
 
 _hook = SharedInstall()
 
@@ -94,20 +94,21 @@ def _mixed_precision(forward: Callable) -> bool:
     its code (`functools.wraps` gives the autocast decorator's wrapper the name of what it wraps)."""
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     return code is not None and any(
-        code.co_name == name and code.co_filename == getattr(sys.modules.get(module), "__file__", None)
+        code.co_name == name and real_path(code.co_filename) == real_path(getattr(sys.modules.get(module), "__file__",
+                                                                                 None) or "?")
         for module, name in MIXED_PRECISION)
 
 
 def _undecorated(forward: Callable) -> Callable:
     """The function under transformers' own decorators of a forward (`can_return_tuple`, `deprecate_kwarg`, ...):
     a wrapper whose code is transformers' is followed to what it names, any other is the function itself."""
-    import transformers
+    import transformers  # noqa: F401 - imported, so that its home is known
 
-    home = os.path.dirname(transformers.__file__)
+    home = package_home("transformers") or "?"
     func = getattr(forward, "__func__", forward)
     for _ in range(16):
         inner, code = getattr(func, "__wrapped__", None), getattr(func, "__code__", None)
-        if inner is None or code is None or not code.co_filename.startswith(home):
+        if inner is None or code is None or not real_path(code.co_filename).startswith(home):
             break
         func = getattr(inner, "__func__", inner)
     return func

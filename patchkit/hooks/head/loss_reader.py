@@ -17,13 +17,13 @@ that reads its LM's output, a loop that reads the logits) keeps the logits.
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from types import FrameType
 from typing import Optional
 
 from patchkit.hooks.head.caller_code import LOSS, RETURNED, result_read_at
+from patchkit.warn import package_home, real_path
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
@@ -39,17 +39,11 @@ PASSING = {
 }
 
 
-@functools.cache
-def _home(package: str) -> Optional[str]:
-    module = sys.modules.get(package)
-    path = getattr(module, "__file__", None)
-    return os.path.dirname(path) + os.sep if path else None
-
-
 def _passing(filename: str) -> bool:
     """A frame of this file only passes the output of the call it makes on."""
+    filename = real_path(filename)
     for package, paths in PASSING.items():
-        home = _home(package) if package in sys.modules else None
+        home = package_home(package) if package in sys.modules else None
         if home is not None and filename.startswith(home):
             rest = filename[len(home):].replace(os.sep, "/")
             return any(rest.startswith(p) for p in paths)
@@ -58,9 +52,9 @@ def _passing(filename: str) -> bool:
 
 def _trainers(frame: FrameType, name: str) -> bool:
     """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
-    home = _home("transformers") if "transformers.trainer" in sys.modules else None
+    home = package_home("transformers") if "transformers.trainer" in sys.modules else None
     code = frame.f_code
-    return home is not None and code.co_name == name and code.co_filename == os.path.join(home, "trainer.py")
+    return home is not None and code.co_name == name and real_path(code.co_filename) == home + "trainer.py"
 
 
 def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
