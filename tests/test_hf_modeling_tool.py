@@ -144,3 +144,27 @@ def test_a_tree_linked_to_another_environments_transformers_is_refused(tmp_path:
     assert run.returncode == 2, run.stdout + run.stderr
     assert "gone/.venv" in run.stderr and "run --prepare again" in run.stderr
     assert not out.exists()
+
+
+def test_prepare_leaves_out_a_family_the_mirror_lacks_and_says_so(tmp_path: Path, capsys) -> None:
+    """A family newer than the mirror (Ergo, 5.25, in a mirror of 2026-08): before, `git archive` failed on its
+    pathspec and the whole tree failed to assemble with git's message swallowed; now that family is named and left
+    out, and the others are taken."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from hf_tests_tree import git_tar, present
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    mirror = tmp_path / "mirror"
+    (mirror / "tests/models/llama").mkdir(parents=True)
+    (mirror / "tests/models/llama/test_modeling_llama.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(mirror)], check=True)
+    subprocess.run(["git", "-C", str(mirror), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(mirror), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "m"],
+                   check=True)
+    assert present(mirror, "HEAD", ("llama", "ergo")) == ("llama",)
+    assert "ergo: not prepared: the mirror has no tests/models/ergo at HEAD" in capsys.readouterr().err
+    with git_tar(mirror, "HEAD", ["tests/models/llama"]) as tar:
+        assert [m.name for m in tar.getmembers() if m.isfile()] == ["tests/models/llama/test_modeling_llama.py"]
+    with pytest.raises(SystemExit, match="did not match any files"):
+        git_tar(mirror, "HEAD", ["tests/models/ergo"])

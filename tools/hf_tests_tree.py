@@ -7,6 +7,7 @@ import io
 import json
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -86,9 +87,25 @@ except ImportError:
 
 def git_tar(repo: Path, rev: str, paths: list[str]) -> tarfile.TarFile:
     """`git archive` of `paths` (pathspecs) at `rev` of a checkout or bare mirror, as an open tar."""
-    data = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", rev, "--", *paths],
-                          check=True, capture_output=True).stdout
-    return tarfile.open(fileobj=io.BytesIO(data))
+    done = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", rev, "--", *paths],
+                          capture_output=True)
+    if done.returncode:
+        raise SystemExit(f"git archive of {repo}@{rev} failed: {done.stderr.decode(errors='replace').strip()}")
+    return tarfile.open(fileobj=io.BytesIO(done.stdout))
+
+
+def present(repo: Path, rev: str, families: tuple[str, ...]) -> tuple[str, ...]:
+    """The families whose `tests/models/<family>` the mirror has at `rev`; each other one is said and left out (a
+    family newer than the mirror), so that the rest of the tree is still prepared."""
+    found = []
+    for family in families:
+        known = subprocess.run(["git", "-C", str(repo), "cat-file", "-e", f"{rev}:tests/models/{family}"],
+                               capture_output=True).returncode == 0
+        if known:
+            found.append(family)
+        else:
+            print(f"{family}: not prepared: the mirror has no tests/models/{family} at {rev}", file=sys.stderr)
+    return tuple(found)
 
 
 def extract(tar: tarfile.TarFile, dest: Path, strip: str = "", keep: Optional[Callable[[str], bool]] = None,
@@ -186,7 +203,7 @@ def prepare(tests_dir: Path, mirror: Path, rev: str, sdist: Optional[Path], pyth
     provenance: dict[str, str] = {}
     # two archives: an exclude pathspec wins over the include of tests/models/<family> in the same call
     for specs in (["tests", ":(exclude)tests/models", "utils/test_module", "utils/fetch_hub_objects_for_ci.py"],
-                  ["tests/models/__init__.py", *(f"tests/models/{family}" for family in families)]):
+                  ["tests/models/__init__.py", *(f"tests/models/{f}" for f in present(mirror, rev, families))]):
         with git_tar(mirror, rev, specs) as tar:
             for name in extract(tar, tests_dir):
                 provenance[name] = f"mirror {mirror}@{rev}"
