@@ -254,3 +254,18 @@ def test_a_config_whose_head_size_is_a_read_only_property_gets_a_tiny_copy_that_
     ids, mask = padded_batch("right", batch=2)
     with torch.no_grad():
         assert model(input_ids=ids.clamp(max=tiny.vocab_size - 1), attention_mask=mask).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("layout", ["falcon_40b", "falcon_7b"])
+def test_a_falcon_config_gets_a_tiny_copy_with_its_own_key_value_heads(layout):
+    """Falcon's attention reads `num_kv_heads`, not the `num_key_value_heads` its config derives from it: the tiny
+    copy of Falcon-40B's grouped layout (128 heads, 8 key/value groups) kept 8 groups of 2 heads and its model failed
+    unpatched, so a Falcon-40B on a transformers newer than CI's would step aside on every forward."""
+    grouped = dict(new_decoder_architecture=True, num_kv_heads=8) if layout == "falcon_40b" else dict(multi_query=True)
+    config = transformers.FalconConfig(hidden_size=8192, num_attention_heads=128, num_hidden_layers=60, **grouped)
+    tiny = self_check.tiny_config(config)
+    assert tiny.num_attention_heads == 2 and tiny.num_key_value_heads == 1
+    model = transformers.FalconForCausalLM(tiny).eval()
+    ids, mask = padded_batch("right", batch=2)
+    with torch.no_grad():
+        assert model(input_ids=ids.clamp(max=tiny.vocab_size - 1), attention_mask=mask).logits.isfinite().all()

@@ -21,10 +21,12 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     cut = not keep_depth and layers > LAYERS
     heads = value_of(config, "num_attention_heads") or HEADS
     kv_heads = value_of(config, "num_key_value_heads") or heads
+    kv_groups = value_of(config, "num_kv_heads") or heads  # Falcon's own name, which its attention reads
     head_dim = value_of(config, "head_dim") or config.hidden_size // heads
     keep = per_layer_picks(config, layers)
     sizes = {
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
+        "num_kv_heads": 1 if kv_groups < heads else 2,
         "hidden_size": HEADS * head_dim, "intermediate_size": 2 * HEADS * head_dim, "vocab_size": VOCAB,
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
