@@ -8,11 +8,14 @@ from typing import Any
 
 LAYERS, HEADS, VOCAB = 2, 2, 64
 WINDOW = 4  # shorter than the self-check's rows (10 tokens): a family's sliding window bites
+# what draws random numbers in a training step, by the names configs give it (GPT-2's and CTRL's `resid_pdrop`, a
+# router's jitter): dropout on the packed row draws other numbers than on the padded batch, and the check would fail
+RANDOM = ("dropout", "pdrop", "jitter")
 
 
 def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
-    it), a small vocabulary and MLP, at most 4 experts, no dropout, per-layer lists cut to 2 layers with each layer
+    it), a small vocabulary and MLP, at most 4 experts in one routing group, no dropout, per-layer lists cut to 2 layers with each layer
     type kept (a per-layer config's overrides too: Gemma4's wider full-attention heads), and a sliding window short
     enough to bite. `keep_depth`: every layer kept, for a config whose other fields fix its layer count (HRM-Text's
     `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache slots)."""
@@ -43,10 +46,13 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
             setattr(tiny, key, min(value_of(config, key), 4))
     if isinstance(value_of(config, "num_experts_per_tok"), int):
         tiny.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    for key in ("n_group", "topk_group"):  # DeepSeek-V3's group-limited routing: 4 experts in 8 groups had none
+        if isinstance(value_of(config, key), int):
+            setattr(tiny, key, 1)
     if isinstance(value_of(config, "sliding_window"), int):
         tiny.sliding_window = WINDOW
     for key, value in vars(config).items():
-        if "dropout" in key and isinstance(value, float):
+        if isinstance(value, float) and any(word in key for word in RANDOM):
             setattr(tiny, key, 0.0)
         elif isinstance(value, (list, tuple)) and len(value) == layers and cut:
             setattr(tiny, key, type(value)(value[i] for i in keep))
@@ -67,7 +73,8 @@ def with_derived_sizes(config: Any, tiny: Any) -> Any:
     try:
         default = cls()
         narrow, wide = default.to_dict(), cls(hidden_size=2 * default.hidden_size).to_dict()
-        derived = {k for k, v in narrow.items() if k != "hidden_size" and wide.get(k) != v}
+        width = {"hidden_size", getattr(cls, "attribute_map", {}).get("hidden_size")}  # GPT-2's `n_embd` is the width
+        derived = {k for k, v in narrow.items() if k not in width and wide.get(k) != v}
         if not derived:
             return tiny
         return cls(**{k: v for k, v in tiny.to_dict().items() if k not in derived})
