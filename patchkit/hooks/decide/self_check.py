@@ -278,6 +278,17 @@ def quiet_forward(device: torch.device) -> Iterator[None]:
             yield
 
 
+def generation_cache(model: nn.Module) -> Any:
+    """The cache generate() hands a model's prefill: an empty DynamicCache, or none where transformers lets the model
+    make its own (MiniMax's, which refuses a DynamicCache)."""
+    from transformers.generation.utils import GenerationMixin
+
+    supports = getattr(GenerationMixin, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports.__func__(type(model)):
+        return None
+    return empty_cache(model.config)
+
+
 def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.Tensor]]:
     """A right-padded training step (outputs at real tokens, every gradient) and a left-padded cached decode (the
     last position's output at the prefill and each step), on transformers' own forward or through the patch."""
@@ -309,9 +320,9 @@ def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.T
         name = cache_parameter(inspect.signature(type(tiny).forward).parameters)
         positions = (left.cumsum(-1) - 1).clamp(min=0)
         out = call(input_ids=ids, attention_mask=left, position_ids=positions, use_cache=True,
-                   **{name: empty_cache(tiny.config)})  # generate()'s prefill: into the empty cache it made
-        steps, cache, mask = [out.last_hidden_state[:, -1]], getattr(out, name), left
-        for t in range(STEPS):
+                   **{name: generation_cache(tiny)})  # generate()'s prefill: into the empty cache it made
+        steps, cache, mask = [out.last_hidden_state[:, -1]], getattr(out, name, None), left
+        for t in range(STEPS if cache is not None else 0):  # a model that keeps its state inside (RecurrentGemma)
             mask = torch.cat([mask, mask.new_ones(BATCH, 1)], -1)
             position = mask.sum(-1, keepdim=True) - 1
             out = call(input_ids=ids[:, t : t + 1], attention_mask=mask, position_ids=position, use_cache=True,

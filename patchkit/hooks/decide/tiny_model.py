@@ -11,13 +11,17 @@ WINDOW = 4  # shorter than the self-check's rows (10 tokens): a family's sliding
 # what draws random numbers in a training step, by the names configs give it (GPT-2's and CTRL's `resid_pdrop`, a
 # router's jitter): dropout on the packed row draws other numbers than on the padded batch, and the check would fail
 RANDOM = ("dropout", "pdrop", "jitter")
+# a Mamba mixer's state and scan chunk (the torch scan's intermediates grow with both: Bamba's defaults, 256 and 256,
+# took over 20 GB for a training step of 10-token rows), cut where larger; 16 still spans the check's rows
+STATE_CAPS = {"mamba_d_state": 16, "ssm_state_size": 16, "mamba_chunk_size": 16, "chunk_size": 16}
 
 
 def tiny_config(config: Any, keep_depth: bool = False) -> Any:
-    """A copy of `config` at a tiny size: 2 layers, 2 heads (GQA kept), the head size kept (RoPE sections depend on
-    it), a small vocabulary and MLP, at most 4 experts in one routing group, no dropout, per-layer lists cut to 2 layers with each layer
-    type kept (a per-layer config's overrides too: Gemma4's wider full-attention heads), and a sliding window short
-    enough to bite. `keep_depth`: every layer kept, for a config whose other fields fix its layer count (HRM-Text's
+    """A copy of `config` at a tiny size: 2 layers (3 where the last share keys), 2 heads (GQA kept), the head size
+    kept (RoPE sections depend on it), a small vocabulary and MLP, at most 4 experts in one routing group, a small
+    Mamba state, no dropout or jitter, per-layer lists cut to those layers with each layer type kept (a per-layer
+    config's overrides too: Gemma4's wider full-attention heads), and a sliding window short enough to bite.
+    `keep_depth`: every layer kept, for a config whose other fields fix its layer count (HRM-Text's
     `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache slots)."""
     tiny = copy.deepcopy(config)
     layers = value_of(config, "num_hidden_layers") or LAYERS
@@ -27,6 +31,7 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     kv_groups = value_of(config, "num_kv_heads") or heads  # Falcon's own name, which its attention reads
     head_dim = value_of(config, "head_dim") or config.hidden_size // heads
     keep = per_layer_picks(config, layers)
+    shares = len(keep) > LAYERS  # Gemma 3n's KV sharing: a third layer, sharing the keys of one before it
     sizes = {
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
         "num_kv_heads": 1 if kv_groups < heads else 2,
@@ -34,6 +39,8 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
     }
+    if shares and cut:
+        sizes.update(num_hidden_layers=len(keep), num_kv_shared_layers=1)
     if keep_depth:
         del sizes["num_hidden_layers"]
     for key, value in sizes.items():
@@ -46,6 +53,9 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
             setattr(tiny, key, min(value_of(config, key), 4))
     if isinstance(value_of(config, "num_experts_per_tok"), int):
         tiny.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    for key, cap in STATE_CAPS.items():
+        if isinstance(value_of(config, key), int) and value_of(config, key) > cap:
+            setattr(tiny, key, cap)
     for key in ("n_group", "topk_group"):  # DeepSeek-V3's group-limited routing: 4 experts in 8 groups had none
         if isinstance(value_of(config, key), int):
             setattr(tiny, key, 1)
@@ -98,9 +108,14 @@ def settable(config: Any, key: str) -> bool:
 
 
 def per_layer_picks(config: Any, layers: int) -> list[int]:
-    """Which 2 of the user's layers a per-layer list keeps: the first, and the first of another type if any."""
+    """Which of the user's layers a per-layer list keeps: the first, and the first of another type if any; and the
+    last where the last layers share an earlier layer's keys and values (Gemma 3n's `num_kv_shared_layers`), so that
+    the tiny copy shares one too."""
     kinds = getattr(config, "layer_types", None)
+    picks = [0, 1]
     if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
-        other = next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)
-        return [0, other]
-    return [0, 1]
+        picks = [0, next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)]
+    shared = value_of(config, "num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < layers - 2:
+        picks.append(layers - 1)
+    return picks
