@@ -95,6 +95,12 @@ REFUSED = {
 }
 
 
+# Families whose token mixers run over the padded batch and read its padding positions (RecurrentGemma's RG-LRU:
+# transformers does not zero them): where a row has padding before a real token (left padding), the attention output
+# transformers computes at that padding reaches the real tokens through the recurrence, and varlen kernels compute none
+# there. Such a forward steps aside (`padding_into_mixer`); right-padded and packed ones run patched.
+PADDING_INTO_MIXERS = frozenset({"recurrent_gemma"})
+
 # Families served but for configs with a feature the varlen path cannot take: model_type -> (the config field, which
 # names the step-aside cause of a model whose field is true, and the feature). Such a model runs on transformers'
 # attention, warned and counted; apply_patch(model=...) refuses it by its gate. Falcon reaches the attention

@@ -95,6 +95,12 @@ CAUSES = {
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
+    "padding_into_mixer": (
+        "a row has padding before a real token (left padding) in a model whose recurrent layers read the padding "
+        "positions' hidden states (RecurrentGemma's RG-LRU): the attention output transformers computes at that "
+        "padding flows into the real tokens, and varlen kernels compute none there",
+        "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
+    ),
     "alibi": (
         "the model's config uses ALiBi (Falcon-RW's alibi=True), a position bias transformers adds to the attention "
         "mask in bfloat16, which no varlen kernel's ALiBi reproduces",
@@ -154,6 +160,8 @@ BRIEF = {
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
+    "padding_into_mixer": ("left padding in a model whose recurrent layers read padding positions",
+                           "pad on the right"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),

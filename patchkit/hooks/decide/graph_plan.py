@@ -29,7 +29,7 @@ from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside
-from patchkit.hooks.install.registry import config_cause
+from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, loads_flash_masks, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
@@ -84,6 +84,8 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
         return "output_attentions"
     if config_cause(config) is not None:
         return config_cause(config)
+    if padded and padding_into_mixers(config):
+        return "padding_into_mixer"  # its padding's place cannot be read in the graph
     if padded and GRAPH_LABELS[0]:
         return "labels"
     if given_cache(arguments, extra) is not None:

@@ -31,7 +31,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
-from patchkit.hooks.install.registry import config_cause
+from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 
 IGNORE_INDEX = -100
 OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
@@ -101,6 +101,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None:
         return config
+    if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")):
+        return "padding_into_mixer"
     if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
@@ -255,3 +257,9 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
     if ending:
         return bool((mask[:, q_len - 1] == 0).any())
     return bool((mask[:, :q_len] == 0).all(dim=-1).any())
+
+
+def padding_before_real(mask: Any) -> bool:
+    """A 2D mask with a row that has padding before a real token (left padding, or a hole)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > 1 and bool(
+        (mask[:, :-1] < mask[:, 1:]).any())

@@ -114,6 +114,16 @@ def refused_configs() -> dict[str, tuple[str, str]]:
     return _REFUSED_CONFIGS[0]
 
 
+def padding_into_mixers(config: Any) -> bool:
+    """The family's mixers read the padding positions' hidden states (the table's PADDING_INTO_MIXERS)."""
+    if not _PADDING_INTO:
+        _PADDING_INTO.append(frozenset(getattr(importlib.import_module(TABLE), "PADDING_INTO_MIXERS", ())))
+    return getattr(config, "model_type", None) in _PADDING_INTO[0]
+
+
+_PADDING_INTO: list[frozenset] = []
+
+
 def config_cause(config: Any) -> Optional[str]:
     """The step-aside cause, named by its config field, of a model whose config has a feature the table refuses for
     its family (Falcon's `alibi`), else None."""

@@ -41,8 +41,15 @@ from patchkit.hooks.attention.varlen import check_family, family_rule, make_atte
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.decide.step_aside import step_aside
-from patchkit.hooks.install.registry import config_cause, refusal, resolve, served_model_types, spec_for_class
+from patchkit.hooks.decide.step_aside import padding_before_real, step_aside
+from patchkit.hooks.install.registry import (
+    config_cause,
+    padding_into_mixers,
+    refusal,
+    resolve,
+    served_model_types,
+    spec_for_class,
+)
 from patchkit.hooks.install.routing import ROUTE_NAME, loads_flash_masks
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import cached_documents
@@ -202,6 +209,8 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
     cause = config_cause(config) or current().lm_cause
     if cause is not None:
         return cause
+    if config is not None and padding_into_mixers(config) and padding_before_real(mask):
+        return "padding_into_mixer"
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
 
 

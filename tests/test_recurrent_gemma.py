@@ -1,0 +1,66 @@
+"""RecurrentGemma: its RG-LRU layers run over the padded batch and read the padding positions (transformers does not
+zero them), so left padding carries the attention output transformers computes at padding into the real tokens. A
+left-padded forward steps aside (`padding_into_mixer`), exact; a right-padded or packed one runs patched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from models import VOCAB, padded_batch
+
+import patchkit
+from patchkit.errors import PatchTargetError
+from patchkit.hooks.install.registry import for_model_type
+
+
+def _served() -> bool:
+    try:
+        for_model_type("recurrent_gemma")
+    except PatchTargetError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _served(), reason="RecurrentGemma from data: transformers 5.x")
+
+
+def recurrent_gemma(attn: str = "sdpa") -> torch.nn.Module:
+    """Six layers (recurrent, recurrent, attention, twice): the second attention layer reads a recurrence that ran
+    over the first one's output at padding (a model of one attention layer never shows it)."""
+    config = transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.RecurrentGemmaForCausalLM._from_config(config, attn_implementation=attn).eval()
+
+
+def logits(model, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = padded_batch(side, batch=3, seq=16)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits, mask
+
+
+def test_a_left_padded_forward_steps_aside_and_a_right_padded_one_runs_patched():
+    model = recurrent_gemma()
+    want_left, mask = logits(model, "left")
+    want_right, right = logits(model, "right")
+    with pytest.warns(RuntimeWarning, match=r"\(padding_into_mixer\).*pad on the right"):
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got_left, _ = logits(model, "left")
+            got_right, _ = logits(model, "right")
+    assert handle.stepped_aside == {"padding_into_mixer": 1} and handle.calls > 0
+    torch.testing.assert_close(got_left[mask.bool()], want_left[mask.bool()], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got_right[right.bool()], want_right[right.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_under_the_registered_name_alone_a_left_padded_forward_steps_aside():
+    model = recurrent_gemma("eager")
+    want, mask = logits(model, "left")
+    named = copy.deepcopy(model)
+    named.set_attn_implementation("patchkit")
+    with pytest.warns(RuntimeWarning, match=r"\(padding_into_mixer\)"):
+        got, _ = logits(named, "left")
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
