@@ -32,6 +32,7 @@ from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
 from patchkit.hooks.install.registry import config_cause, padding_into_mixers
+from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 IGNORE_INDEX = -100
 OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
@@ -101,7 +102,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None:
         return config
-    if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")):
+    if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")) and (
+            not loads_flash_masks(attn_name(module.config))):  # a flash attention computes none at padding either
         return "padding_into_mixer"
     if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
