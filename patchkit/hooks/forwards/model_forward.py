@@ -42,6 +42,7 @@ from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_t
 from patchkit.hooks.head.head_request import HeadRequest, asked
 from patchkit.hooks.head.lm_head import hand_kept, hand_packed
 from patchkit.hooks.install.patching import dressed_as
+from patchkit.hooks.install.registry import read_table_lists
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.parallel.ulysses_padding import check_padding, refuse_step_aside
@@ -224,6 +225,7 @@ def make_model_forward(
     `route`: the patch state that this forward's masks go to through the registered name. With a state (`route`
     or `state`), a forward the varlen path cannot serve exactly steps aside (`step_aside`). `keep_routed`: called
     first (eager forwards), it re-wraps an attention forward a framework set on the class since (`rerouting`)."""
+    read_table_lists()  # read by the plans of its forwards, some traced (`graph_cause`)
     signature, var_kw, bind, call = bound_call(original)
     takes_use_cache = "use_cache" in signature.parameters
     cache_name = cache_parameter(signature.parameters)

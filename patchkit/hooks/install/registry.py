@@ -124,6 +124,12 @@ def padding_into_mixers(config: Any) -> bool:
 _PADDING_INTO: list[frozenset] = []
 
 
+def read_table_lists() -> None:
+    """Read the table's per-config and per-input lists now, outside any traced forward (an import inside a graph that
+    may not break is refused by Dynamo): called where a forward is wrapped."""
+    refusal(None), refused_configs(), padding_into_mixers(None)
+
+
 def config_cause(config: Any) -> Optional[str]:
     """The step-aside cause, named by its config field, of a model whose config has a feature the table refuses for
     its family (Falcon's `alibi`), else None."""
