@@ -111,6 +111,18 @@ def served_here(patch: str) -> bool:
     return tf.__version__ in resolve(patch).supported
 
 
+def serves_model_type(model_type: str) -> bool:
+    """Whether patchkit serves `model_type` on this transformers (a module's family, or the table's, not refused)."""
+    from patchkit.errors import PatchTargetError
+    from patchkit.hooks.install.registry import for_model_type
+
+    try:
+        for_model_type(model_type)
+    except PatchTargetError:
+        return False
+    return True
+
+
 def served_tiny(family: str) -> torch.nn.Module:
     """The census's tiny `family` in eval mode; the test skips where this transformers has no patch for it (the
     families served from data start at 5.0)."""

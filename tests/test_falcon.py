@@ -8,23 +8,14 @@ import copy
 
 import pytest
 import torch
+from families import serves_model_type
 from models import VOCAB, assert_same, decode_logits, padded_batch, step
 
 import patchkit
 from patchkit import PatchGateError, PatchInputError
-from patchkit.errors import PatchTargetError
-from patchkit.hooks.install.registry import for_model_type
 
-
-def _served() -> bool:
-    try:
-        for_model_type("falcon")
-    except PatchTargetError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _served(), reason="Falcon calls transformers' attention interface from 5.25")
+pytestmark = pytest.mark.skipif(not serves_model_type("falcon"),
+                                reason="Falcon calls transformers' attention interface from 5.25")
 
 VARIANTS = {
     "multi_query": dict(multi_query=True, parallel_attn=True),  # Falcon-7B

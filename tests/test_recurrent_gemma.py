@@ -9,22 +9,13 @@ import copy
 import pytest
 import torch
 import transformers
+from families import serves_model_type
 from models import VOCAB, padded_batch
 
 import patchkit
-from patchkit.errors import PatchTargetError
-from patchkit.hooks.install.registry import for_model_type
 
-
-def _served() -> bool:
-    try:
-        for_model_type("recurrent_gemma")
-    except PatchTargetError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _served(), reason="RecurrentGemma from data: transformers 5.x")
+pytestmark = pytest.mark.skipif(not serves_model_type("recurrent_gemma"),
+                                reason="RecurrentGemma from data: transformers 5.x")
 
 
 def recurrent_gemma(attn: str = "sdpa") -> torch.nn.Module:
