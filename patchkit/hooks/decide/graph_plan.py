@@ -82,8 +82,9 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
     if wanted or (wanted is None and getattr(config, "output_attentions", False)):
         return "output_attentions"
-    if config_cause(config) is not None:
-        return config_cause(config)
+    refused = config_cause(config)
+    if refused is not None:
+        return refused
     if padded and padding_into_mixers(config):
         return "padding_into_mixer"  # its padding's place cannot be read in the graph
     if padded and GRAPH_LABELS[0]:
