@@ -10,7 +10,7 @@ from test_trl import MODES, STEPS, one_thread, sft_losses  # noqa: F401 - one_th
 import patchkit
 
 FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1", "zaya",
-             "hrm_text"]
+             "hrm_text", "falcon", "recurrent_gemma"]
 # hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there)
 PADDED_ONLY = ("hrm_text",)
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
@@ -51,7 +51,8 @@ def built(family: str):
 @pytest.mark.parametrize("family, mode", CASES)
 def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: str, tmp_path: Path) -> None:
     """The families patchkit serves from data (no module of their own: `patches/table.py`; sinks, latent attention,
-    routed experts, Llama 4's chunks and NoPE layers, Gemma4's per-layer head sizes, two hybrids), as a user trains
+    routed experts, Llama 4's chunks and NoPE layers, Gemma4's per-layer head sizes, hybrids, Falcon's multi-query
+    attention through the interface from 5.25, RecurrentGemma's RG-LRU beside attention), as a user trains
     them: `apply_patch()` before the tiny model is built (the census's sizes), TRL's defaults (gradient
     checkpointing), padded, padding-free and packing. Every attention layer runs through the patch in each step's
     forward and recompute (a hybrid's other layers are its own); the losses equal the unpatched run's. GPT-OSS's and
