@@ -333,3 +333,20 @@ def test_a_checkpoint_sized_config_of_a_family_with_its_own_cache_or_sharing_pas
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     assert check_of(CONFIG_MAPPING[model_type]()) is None
+
+
+@pytest.mark.skipif(not hasattr(transformers, "ZambaConfig"), reason="Zamba: transformers 4.46+")
+def test_a_family_with_a_block_shared_across_its_layers_is_checked_on_a_few_layers_not_all(newer, monkeypatch):
+    """Zamba ties one shared transformer block across its hybrid layers and refuses to build with only one. The
+    2-layer copy (a Mamba layer, a hybrid one) would not build, and the check fell back to every layer of the
+    checkpoint's 76 (35 s and 5 GB at a user's first forward on this machine). It now tries the first two layers of
+    each type before every layer."""
+    config = transformers.ZambaConfig()
+    tiny = self_check.tiny_config(config, each_twice=True)
+    assert tiny.num_hidden_layers == 4 < config.num_hidden_layers
+    assert list(tiny.layers_block_type).count("hybrid") == 2
+    built = []
+    real = self_check.tiny_config
+    monkeypatch.setattr(self_check, "tiny_config", lambda c, **depth: built.append(depth) or real(c, **depth))
+    assert check_of(config) is None
+    assert built == [{}, {"each_twice": True}]

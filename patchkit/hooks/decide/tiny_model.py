@@ -16,13 +16,15 @@ RANDOM = ("dropout", "pdrop", "jitter")
 STATE_CAPS = {"mamba_d_state": 16, "ssm_state_size": 16, "mamba_chunk_size": 16, "chunk_size": 16}
 
 
-def tiny_config(config: Any, keep_depth: bool = False) -> Any:
+def tiny_config(config: Any, keep_depth: bool = False, each_twice: bool = False) -> Any:
     """A copy of `config` at a tiny size: 2 layers (3 where the last share keys), 2 heads (GQA kept), the head size
     kept (RoPE sections depend on it), a small vocabulary and MLP, at most 4 experts in one routing group, a small
     Mamba state, no dropout or jitter, per-layer lists cut to those layers with each layer type kept (a per-layer
     config's overrides too: Gemma4's wider full-attention heads), and a sliding window short enough to bite.
-    `keep_depth`: every layer kept, for a config whose other fields fix its layer count (HRM-Text's
-    `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache slots)."""
+    `each_twice`: the first two layers of each type kept, for a family whose layers of a type share weights (Zamba's
+    shared transformer block, tied across its hybrid layers, needs two). `keep_depth`: every layer kept, for a config
+    whose other fields fix its layer count (HRM-Text's `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache
+    slots)."""
     tiny = copy.deepcopy(config)
     layers = value_of(config, "num_hidden_layers") or LAYERS
     cut = not keep_depth and layers > LAYERS
@@ -30,8 +32,8 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
     kv_heads = value_of(config, "num_key_value_heads") or heads
     kv_groups = value_of(config, "num_kv_heads") or heads  # Falcon's own name, which its attention reads
     head_dim = value_of(config, "head_dim") or config.hidden_size // heads
-    keep = per_layer_picks(config, layers)
-    shares = len(keep) > LAYERS  # Gemma 3n's KV sharing: a third layer, sharing the keys of one before it
+    keep = per_layer_picks(config, layers, each_twice)
+    shares = value_of(config, "num_kv_shared_layers") and layers - 1 in keep  # Gemma 3n's: the last shares keys
     sizes = {
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": 1 if kv_heads < heads else 2,
         "num_kv_heads": 1 if kv_groups < heads else 2,
@@ -39,8 +41,10 @@ def tiny_config(config: Any, keep_depth: bool = False) -> Any:
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_window_layers": 1,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "vocab_size_per_layer_input": VOCAB,
     }
+    if cut:
+        sizes.update(num_hidden_layers=len(keep))
     if shares and cut:
-        sizes.update(num_hidden_layers=len(keep), num_kv_shared_layers=1)
+        sizes.update(num_kv_shared_layers=1)
     if keep_depth:
         del sizes["num_hidden_layers"]
     for key, value in sizes.items():
@@ -107,15 +111,17 @@ def settable(config: Any, key: str) -> bool:
     return not isinstance(found, property) or found.fset is not None
 
 
-def per_layer_picks(config: Any, layers: int) -> list[int]:
-    """Which of the user's layers a per-layer list keeps: the first, and the first of another type if any; and the
-    last where the last layers share an earlier layer's keys and values (Gemma 3n's `num_kv_shared_layers`), so that
-    the tiny copy shares one too."""
+def per_layer_picks(config: Any, layers: int, each_twice: bool = False) -> list[int]:
+    """Which of the user's layers a per-layer list keeps: the first, and the first of another type if any (with
+    `each_twice`, the first two of each type, else the first four); and the last where the last layers share an
+    earlier layer's keys and values (Gemma 3n's `num_kv_shared_layers`), so that the tiny copy shares one too."""
     kinds = getattr(config, "layer_types", None)
-    picks = [0, 1]
+    picks = [0, 1, 2, 3][:min(layers, 4)] if each_twice else [0, 1]
     if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
         picks = [0, next((i for i, kind in enumerate(kinds) if kind != kinds[0]), 1)]
+        if each_twice:
+            picks = [i for i, kind in enumerate(kinds) if list(kinds[:i]).count(kind) < 2]
     shared = value_of(config, "num_kv_shared_layers")
-    if isinstance(shared, int) and 0 < shared < layers - 2:
+    if isinstance(shared, int) and 0 < shared < layers - 2 and layers - 1 not in picks:
         picks.append(layers - 1)
     return picks
