@@ -94,34 +94,29 @@ def imported_table_types() -> list[str]:
     return list(importlib.import_module(TABLE).imported_types())
 
 
-_REFUSED: list[dict] = []  # the table's REFUSED, read once (an import inside a traced forward guards sys.modules)
+_TABLE_LISTS: dict[str, Any] = {}  # the table's lists, read once (an import inside a traced forward guards sys.modules)
+
+
+def _table_list(name: str, kind: type) -> Any:
+    """The table's list `name` as `kind` (dict, frozenset), read at its first use; empty where the table lacks it."""
+    if name not in _TABLE_LISTS:
+        _TABLE_LISTS[name] = kind(getattr(importlib.import_module(TABLE), name, ()))
+    return _TABLE_LISTS[name]
 
 
 def refusal(model_type: Optional[str]) -> Optional[str]:
     """The feature the table names for a family it refuses (DeepSeek-V3.2's sparse attention, ...), else None."""
-    if not _REFUSED:
-        _REFUSED.append(dict(getattr(importlib.import_module(TABLE), "REFUSED", {})))
-    return _REFUSED[0].get(model_type)
-
-
-_REFUSED_CONFIGS: list[dict] = []  # the table's REFUSED_CONFIGS, read once (as `_REFUSED`)
+    return _table_list("REFUSED", dict).get(model_type)
 
 
 def refused_configs() -> dict[str, tuple[str, str]]:
     """model_type -> (the config field, the feature) of the families the table serves but for some configs."""
-    if not _REFUSED_CONFIGS:
-        _REFUSED_CONFIGS.append(dict(getattr(importlib.import_module(TABLE), "REFUSED_CONFIGS", {})))
-    return _REFUSED_CONFIGS[0]
+    return _table_list("REFUSED_CONFIGS", dict)
 
 
 def padding_into_mixers(config: Any) -> bool:
     """The family's mixers read the padding positions' hidden states (the table's PADDING_INTO_MIXERS)."""
-    if not _PADDING_INTO:
-        _PADDING_INTO.append(frozenset(getattr(importlib.import_module(TABLE), "PADDING_INTO_MIXERS", ())))
-    return getattr(config, "model_type", None) in _PADDING_INTO[0]
-
-
-_PADDING_INTO: list[frozenset] = []
+    return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
 
 
 def read_table_lists() -> None:
