@@ -20,6 +20,7 @@ from torch import nn
 
 from patchkit.errors import PatchTargetError
 from patchkit.hooks.decide import self_check
+from patchkit.hooks.install.patching import unpatched
 from patchkit.hooks.install.registry import PatchSpec, config_gate
 
 TABLE_TRANSFORMERS = ">=5.0,<6"  # where the census runs: every family's attention through the interface
@@ -210,9 +211,11 @@ def interface_attention(module: object, stem: str) -> Optional[type]:
 
 
 def forward_names(cls: type) -> tuple[str, ...]:
-    """The global and attribute names `cls`'s own forward reads (none where it defines no forward)."""
+    """The global and attribute names `cls`'s own forward reads (none where it defines no forward), transformers' own
+    under a patch of ours: read while a class patch is active (an instance patch under `apply_patch()`), the patched
+    base model's forward read none, and Moshi's depth decoder or OPT's outer model was taken for its mask builder."""
     forward = cls.__dict__.get("forward")
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    code = getattr(inspect.unwrap(unpatched(forward)), "__code__", None) if forward is not None else None
     return code.co_names if code is not None else ()
 
 

@@ -145,3 +145,47 @@ def test_an_instance_patch_over_a_class_patch_counts_its_own_forwards(revert_cla
     for got in (first, second):
         torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     assert not is_patched_forward(model.model.forward)
+
+
+@pytest.mark.parametrize("model_type", ["opt", "moshi", "gemma4_unified_text"])
+def test_an_instance_patch_over_a_class_patch_finds_the_mask_builder_of_a_family_served_from_data(model_type):
+    """A family served from data is read from its modeling code at apply time: which class's forward builds the
+    masks. Under a class patch (`PATCHKIT_FLASH_ATTN=1`'s, then the script's `apply_patch(model=...)`), that forward
+    was patchkit's and read nothing: Moshi's depth decoder was taken for its mask builder and the instance patch
+    raised that it found no such module with attention layers; OPT's outer model was taken for its decoder (Gemma4
+    Unified's multimodal model for its text model) and the instance patch installed on it served no layer (the class
+    patch did, the instance handle counted 0 calls)."""
+    from census import tiny_lm
+
+    from patches.table import serves_here
+
+    if not serves_here():
+        pytest.skip("the table serves transformers 5.x")
+    torch.manual_seed(0)
+    reference, why = tiny_lm(model_type)
+    if reference is None:
+        pytest.skip(why)
+    ids, mask = padded_batch("left")  # the census models have the same 97-token vocabulary
+    with torch.no_grad():
+        want = reference.eval()(input_ids=ids, attention_mask=mask).logits
+    with patchkit.apply_patch(backend="sdpa") as every:
+        model, _ = tiny_lm(model_type)
+        model.load_state_dict(reference.state_dict())
+        with patchkit.apply_patch(model=model.eval(), backend="sdpa") as instance:
+            with torch.no_grad():
+                got = model(input_ids=ids, attention_mask=mask).logits
+            assert instance.calls == instance.layers_patched >= 1 and every.calls == 0, instance.report()
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_every_family_served_from_data_reads_the_same_classes_under_a_class_patch():
+    """What the table reads of each family's modeling code (attention, mask builder, causal LM) is the same with
+    every family class-patched as without: a patched forward is read through to transformers' own."""
+    from patches import table
+
+    if not table.serves_here():
+        pytest.skip("the table serves transformers 5.x")
+    found = {t: table.find_classes(t) for t in sorted(table.VERIFIED)}
+    with patchkit.apply_patch(backend="sdpa"):
+        patched = {t: table.find_classes(t) for t in found}
+    assert {t: c for t, c in patched.items() if c != found[t]} == {}

@@ -102,6 +102,14 @@ def dressed_as(wrapper: Callable, original: Callable, signature: Optional[inspec
     return wrapper
 
 
+def unpatched(function: Any) -> Any:
+    """The function that patchkit's wrappers (`dressed_as`, one or a chain of them) stand for: `function` itself where
+    no patch of ours wraps it."""
+    while hasattr(function, "__wrapped_original__"):
+        function = function.__wrapped_original__
+    return function
+
+
 SHOWN = ("__name__", "__qualname__", "__annotations__", "__wrapped_original__")  # a BoundPatch's, from its function
 
 
