@@ -29,6 +29,7 @@ from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside
+from patchkit.hooks.install.patching import unpatched
 from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, loads_flash_masks, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
@@ -206,9 +207,7 @@ def _modeling_cause(module_name: str, class_name: str) -> str:
     key = (module_name, class_name)
     if key not in _MODELING:
         module = sys.modules[module_name]
-        method = getattr(getattr(module, class_name, None), "forward", None)
-        while hasattr(method, "__wrapped_original__"):
-            method = method.__wrapped_original__
+        method = unpatched(getattr(getattr(module, class_name, None), "forward", None))
         try:
             forward, whole = inspect.getsource(method), inspect.getsource(module)
         except (OSError, TypeError):  # unreadable: assume the worst, step aside

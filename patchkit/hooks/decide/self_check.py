@@ -25,6 +25,7 @@ from torch import nn
 from patchkit.forward.inputs.arguments import cache_parameter
 from patchkit.hooks.decide.tiny_model import VOCAB, tiny_config
 from patchkit.hooks.generation.filled_cache import empty_cache
+from patchkit.hooks.install.patching import unpatched
 from patchkit.warn import warn_user
 
 # The newest transformers release the whole suite passed on (CI's pinned version; `.ci/run`'s newest-release leg
@@ -295,7 +296,7 @@ def generation_cache(model: nn.Module) -> Any:
 def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.Tensor]]:
     """A right-padded training step (outputs at real tokens, every gradient) and a left-padded cached decode (the
     last position's output at the prefill and each step), on transformers' own forward or through the patch."""
-    forward = getattr(type(tiny).forward, "__wrapped_original__", type(tiny).forward) if reference else None
+    forward = unpatched(type(tiny).forward) if reference else None
 
     def call(**kwargs: Any) -> Any:
         return forward(tiny, **kwargs) if forward is not None else tiny(**kwargs)

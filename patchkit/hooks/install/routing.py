@@ -21,7 +21,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.install.patching import Replacement, dressed_as
+from patchkit.hooks.install.patching import Replacement, dressed_as, unpatched
 from patchkit.hooks.parallel.sequence_parallel import (
     refuse_shard_local,
     refuse_unfound,
@@ -173,10 +173,7 @@ def current_method(module: nn.Module, attr: str = "forward") -> Callable:
     counted on the instance patch alone, before and after the class patch's revert); what an instance patch wraps."""
     own = vars(module).get(attr)
     if own is None:  # the class's own function under any class patch of patchkit's: an instance patch stands alone
-        method = getattr(type(module), attr)
-        while hasattr(method, "__wrapped_original__"):
-            method = method.__wrapped_original__
-        return method
+        return unpatched(getattr(type(module), attr))
 
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return own(*args, **kwargs)
