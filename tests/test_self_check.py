@@ -8,6 +8,7 @@ check the family steps aside and generates exactly what transformers does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import warnings
@@ -350,3 +351,44 @@ def test_a_family_with_a_block_shared_across_its_layers_is_checked_on_a_few_laye
     monkeypatch.setattr(self_check, "tiny_config", lambda c, **depth: built.append(depth) or real(c, **depth))
     assert check_of(config) is None
     assert built == [{}, {"each_twice": True}]
+
+
+@pytest.mark.skipif(not NEW_ENOUGH, reason="families served from data: transformers 5.x")
+@pytest.mark.parametrize("way_in", ["class", "instance", "name"])
+def test_the_checks_own_forwards_warn_nothing_and_leave_the_users_warnings_to_come(newer, way_in):
+    """The check's decode is left-padded. A RecurrentGemma model steps aside there (`padding_into_mixer`), and a user
+    who padded on the right was told at their first forward that left padding ran on transformers' attention,
+    "Fix: pad on the right". Its once-only warning was then spent, and the user's own left-padded forward later
+    said nothing. The check's forwards now warn nothing and count nothing; the user's own forwards warn and count."""
+    from census import tiny_lm
+
+    from patchkit.hooks.name import attention_interface
+
+    if way_in == "name":
+        patchkit.register_attention(backend="sdpa")
+    with warnings.catch_warnings(record=True) as record, contextlib.ExitStack() as stack:
+        warnings.simplefilter("always")
+        if way_in == "class":
+            handle = stack.enter_context(patchkit.apply_patch("recurrent_gemma", backend="sdpa"))
+        model, why = tiny_lm("recurrent_gemma")
+        if model is None:
+            pytest.skip(why)
+        if way_in == "instance":
+            handle = stack.enter_context(patchkit.apply_patch(model=model, backend="sdpa"))
+        if way_in == "name":
+            model.set_attn_implementation(attention_interface.ATTENTION_NAME)
+            handle = attention_interface.route_state()
+            forget = lambda: handle.warned.difference_update(  # noqa: E731 - the name's state outlives a test
+                {key for key in handle.warned if key.startswith("aside:padding_into_mixer:")})
+            forget()
+            stack.callback(forget)
+        before = dict(handle.stepped_aside)  # (the registered name's has other tests' counts)
+        ids, right = padded_batch("right")
+        model(input_ids=ids, attention_mask=right)
+        assert self_check._verdicts.get(type(model.model), "unchecked") is None
+        said = [str(w.message) for w in record if "padding_into_mixer" in str(w.message)]
+        assert said == [] and handle.stepped_aside == before, said
+        model(input_ids=ids, attention_mask=right.flip(-1))
+        said = [str(w.message) for w in record if "padding_into_mixer" in str(w.message)]
+        assert len(said) == 1 and "left padding" in said[0], said
+        assert handle.stepped_aside.get("padding_into_mixer", 0) == before.get("padding_into_mixer", 0) + 1

@@ -16,6 +16,7 @@ import inspect
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -255,22 +256,43 @@ def run_patched(tiny: nn.Module, state: Any) -> list[tuple[str, torch.Tensor]]:
     if state is None:  # the registered name alone: the tiny model loaded with it
         tiny.config._attn_implementation = ROUTE_NAME
         try:
-            return run_both_checks(tiny, reference=False)
+            with unheard(named_state()):
+                return run_both_checks(tiny, reference=False)
         finally:
             tiny.config._attn_implementation = "eager"
     if is_patched_forward(type(tiny).forward) or _patcher is None:
-        counts = state.calls, state.layers_seen, dict(state.stepped_aside)
-        try:
+        with unheard(state):
             return run_both_checks(tiny, reference=False)
-        finally:  # the report counts the user's forwards only
-            state.calls, state.layers_seen = counts[:2]
-            state.stepped_aside.clear()
-            state.stepped_aside.update(counts[2])
     revert = _patcher(tiny, state)
     try:
-        return run_both_checks(tiny, reference=False)
+        with unheard(state):
+            return run_both_checks(tiny, reference=False)
     finally:
         revert()
+
+
+def named_state() -> Any:
+    """The registered name's state, whose mask call ran the check (None where it has none)."""
+    route = sys.modules.get("patchkit.hooks.name.attention_interface")
+    return route.route_state() if route is not None else None
+
+
+@contextlib.contextmanager
+def unheard(state: Any) -> Iterator[None]:
+    """The check's patched forwards as the user never sees them: no warning (its decode is left-padded, which some
+    families step aside for), and `state`'s counts and once-only warnings as they were, for the user's own forwards."""
+    kept = None if state is None else (state.calls, state.layers_seen, dict(state.stepped_aside), set(state.warned))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if kept is not None:
+            state.calls, state.layers_seen = kept[:2]
+            state.stepped_aside.clear()
+            state.stepped_aside.update(kept[2])
+            state.warned.clear()
+            state.warned.update(kept[3])
 
 
 @contextlib.contextmanager
