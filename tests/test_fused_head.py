@@ -144,9 +144,10 @@ def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tu
 
 # llama: a plain head; gemma2: softcap; cohere: logit_scale; granite: logits_scaling (divides); phi: a bias;
 # falcon_h1: lm_head_multiplier; mixtral: the router's auxiliary loss added to the fused one; hyperclovax:
-# logits_scaling, which multiplies there (the census's tiny configs set it to 4, as checkpoints set it)
+# logits_scaling, which multiplies there (the census's tiny configs set it to 4, as checkpoints set it); ergo: a
+# float32 head (`FLOAT32_HEADS`)
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "phi", "falcon_h1", "mixtral",
-                                        "hyperclovax"])
+                                        "hyperclovax", "ergo"])
 def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatched_numbers(model_type):
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if model_type == "mixtral" else {}
     model = family(model_type, **overrides)
@@ -156,6 +157,31 @@ def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatche
     assert heads == {lm_head.FUSED: 2}  # checked and fused on the first step, fused on the second
     assert rows == [checked_rows(inputs["labels"]), 1]  # checked (a few rows, the probes), then one zero row
     assert_steps_as_unpatched(got, want)
+
+
+def test_a_float32_head_in_a_bfloat16_model_runs_fused_in_float32(monkeypatch):
+    """Ergo's vocabulary head (`ErgoLinearWithFP32Output`) rounds the rows to the weight's bfloat16, then multiplies in
+    float32 with autocast off: its own forward writes the labelled rows' (n, V) logits in float32 and keeps a float32
+    copy of the weight for the backward. Fused, the loss computes those float32 logits a chunk at a time. Against the
+    same patched steps with its own head on the labelled rows (the model's bfloat16 attention on real tokens sums in
+    another order than unpatched, which is not the head's doing): the loss and every gradient to float32's noise."""
+    from patchkit.hooks.forwards import lm_forward
+
+    if not hasattr(__import__("transformers"), "ErgoForCausalLM"):
+        pytest.skip("Ergo: transformers 5.25")
+    model = family("ergo").to(torch.bfloat16)
+    assert type(model.lm_head).__name__ in fused_head.FLOAT32_HEADS
+    inputs = long_batch(model)
+    got, heads, rows = loss_alone_steps(model, inputs)
+    assert heads == {lm_head.FUSED: 2} and rows == [checked_rows(inputs["labels"]), 1]
+    monkeypatch.setattr(lm_forward, "fused_head", lambda lm: None)
+    want, own, _ = loss_alone_steps(model, inputs, steps=1)
+    assert own == {lm_head.LOSS_ONLY: 1}
+    for loss, grads in got:
+        torch.testing.assert_close(loss, want[0][0], atol=1e-6, rtol=1e-6)
+        assert grads.keys() == want[0][1].keys()
+        for name, w in want[0][1].items():  # bfloat16 gradients: a float32 sum's rounding, one ulp
+            torch.testing.assert_close(grads[name], w, atol=1e-6, rtol=8e-3, msg=name)
 
 
 def test_a_family_whose_logits_are_not_the_fused_ones_keeps_its_own_head():

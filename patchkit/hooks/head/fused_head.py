@@ -16,6 +16,7 @@ reads it here (the probes, the check, the fused loss) runs as the forward of the
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -45,6 +46,12 @@ PROBE_LOGITS = (64.0, 8.0, -8.0, -64.0)  # a probe row's logit at its own token:
 _checked: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
+# transformers' nn.Linear subclasses whose forward runs a vocabulary head in float32: the rows rounded to the weight's
+# dtype (where `cast_input_to_weight_dtype`), both operands upcast, no bias, autocast off (Ergo's, 5.25). Served
+# fused with those operands (`FusedHead.operands`): the head's own forward writes (n, V) float32 logits and keeps a
+# float32 copy of its weight for the backward
+FLOAT32_HEADS = frozenset({"ErgoLinearWithFP32Output"})
+
 # `logits_scaling` divides the logits (Granite's, MiniCPM3's), except in these families, where it multiplies them
 SCALING_MULTIPLIES = frozenset({"hyperclovax"})
 
@@ -68,13 +75,14 @@ class FusedHead:
     weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none; `holder`: the module whose hooks
     those are (`linear`, or under FSDP2 the outermost of the output embeddings' modules a unit holds)."""
 
-    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora")
+    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora", "float32")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
                  key: tuple, checked: bool, holder: Optional[nn.Module] = None, lora_head: bool = False) -> None:
         self.lm, self.head, self.linear, self.hooks, self.holder = lm, head, linear, hooks, holder or linear
         self.transform, self.key, self.checked = transform, key, checked
         self.lora = lora_head  # LoRA on the head: its adapters' terms add to the logits
+        self.float32 = float32_head(linear)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -89,6 +97,23 @@ class FusedHead:
         if self.head is self.linear or self.lora:
             return self.linear.bias
         return None  # trainable tokens' F.linear takes no bias
+
+    def operands(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(rows, weight, bias) as the head's forward multiplies them: a float32 head's (`FLOAT32_HEADS`) upcast."""
+        if not self.float32:
+            return rows, self.weight, self.bias
+        if getattr(self.linear, "cast_input_to_weight_dtype", False):
+            rows = rows.to(self.weight.dtype)
+        return rows.float(), self.weight.to(rows.dtype).float(), None
+
+    def computing(self, rows: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The context the head's matmul runs in: autocast off for a float32 head, as its forward turns it off."""
+        return torch.autocast(rows.device.type, enabled=False) if self.float32 else contextlib.nullcontext()
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The family's logits of `rows` as the fused loss computes them: the head's operands, terms and transform."""
+        with self.computing(rows):
+            return logits_of(*self.operands(rows), self.transform, self.terms(rows))
 
     def terms(self, rows: torch.Tensor) -> list[LowRank]:
         """A LoRA head's terms of `rows`' logits, as PEFT's lora.Linear forward makes them: for each active adapter,
@@ -160,7 +185,9 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     head = saved_copy(outer)
     is_lora = lora(head)
     linear = head.base_layer if is_lora or trainable_tokens(head) else head
-    if not is_linear(linear) or ("forward" in vars(linear) and not (
+    if float32_head(linear) and linear is not head:
+        return None  # PEFT's layers over a float32 head: their sum is not served
+    if not (is_linear(linear) or float32_head(linear)) or ("forward" in vars(linear) and not (
             own_forward(linear, vars(linear)["forward"]) or accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
@@ -177,6 +204,13 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     else:
         plain = linear.weight.dim() == 2 and linear.weight.numel() > 0
     return HeadParts(head, linear, is_lora, holder) if plain else None
+
+
+def float32_head(module: nn.Module) -> bool:
+    """`module` is one of transformers' float32 vocabulary heads (`FLOAT32_HEADS`), straight over nn.Linear."""
+    cls = own_class(module)
+    return (cls.__name__ in FLOAT32_HEADS and cls.__module__.startswith("transformers.")
+            and cls.__bases__ == (nn.Linear,))
 
 
 def plain_head(lm: nn.Module) -> Optional[nn.Module]:
@@ -257,8 +291,7 @@ def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled
             flat_h, flat_l = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
             pick = torch.cat([torch.arange(first), torch.arange(flat_h.shape[0] - n, flat_h.shape[0])])
             pick = pick.to(flat_h.device)
-            ours = held(fused, lambda rows: logits_of(rows, fused.weight, fused.bias, fused.transform,
-                                                      fused.terms(rows)), flat_h[pick])
+            ours = held(fused, fused.logits, flat_h[pick])
             theirs = flat_l[pick]
             tol = 1e-5 if theirs.dtype == torch.float32 and ours.dtype == torch.float32 else 1e-2  # 2-3 ulps
             scale = max(1.0, float(theirs.float().abs().max()))

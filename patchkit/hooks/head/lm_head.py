@@ -259,9 +259,13 @@ def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, 
                 **_: Any) -> torch.Tensor:
     """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
     fused, labels = request.fused, request.handed[0]
-    return held(fused, lambda rows: linear_cross_entropy(rows, fused.weight, fused.bias, labels, fused.transform,
-                                                         ignore_index, num_items_in_batch, fused.terms(rows)),
-                request.rows)
+
+    def loss(rows: torch.Tensor) -> torch.Tensor:
+        with fused.computing(rows):
+            return linear_cross_entropy(*fused.operands(rows), labels, fused.transform, ignore_index,
+                                        num_items_in_batch, fused.terms(rows))
+
+    return held(fused, loss, request.rows)
 
 
 def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
