@@ -82,9 +82,18 @@ def token_types(model, ids: torch.Tensor) -> dict:
     return {"token_type_ids": torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(5))}
 
 
+def census_batch(model, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The census's padded batch: rows padded on either side, on the right alone where the family's recurrent layers
+    read the padding positions (`PADDING_INTO_MIXERS`: a left-padded row steps aside, and the census would compare
+    transformers with itself)."""
+    from patchkit.hooks.install.registry import padding_into_mixers
+
+    return padded_batch("right" if padding_into_mixers(model.config) else "mixed", batch=3, seq=seq)
+
+
 def runs(model, packed: bool = True) -> dict:
     """The comparisons' numbers on `model` as it is now (patched or not): a padded step, and packed rows."""
-    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids, mask = census_batch(model, 16)
     ids = ids.clamp(max=model.config.vocab_size - 1)
     out = {"padded": train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask),
                                 **token_types(model, ids))}
@@ -123,7 +132,7 @@ def same(got: dict, want: dict, mask: torch.Tensor) -> str:
 def completion_step(model) -> tuple:
     """`train_step` of a padded batch with completion-only labels (a prompt unlabelled in each row), long enough
     that unpad="loss" runs the fused head and loss (`fused_head.py`) once it checked the family's logits."""
-    ids, mask = padded_batch("mixed", batch=3, seq=48)
+    ids, mask = census_batch(model, 48)
     ids = ids.clamp(max=model.config.vocab_size - 1)
     return train_step(model, input_ids=ids, attention_mask=mask, labels=completion_labels(ids, mask),
                       **token_types(model, ids))
@@ -153,7 +162,7 @@ def loss_alone(model_type: str, model, want: tuple, handle) -> str:
 def eval_forward(model) -> tuple[Optional[torch.Tensor], torch.Tensor, bool]:
     """An eval forward (no grad, the config's use_cache) of a padded batch with completion-only labels, as the HF
     Trainer's evaluation runs it: its logits (None where the loss came alone), its loss, and whether it kept a cache."""
-    ids, mask = padded_batch("mixed", batch=3, seq=48)
+    ids, mask = census_batch(model, 48)
     ids = ids.clamp(max=model.config.vocab_size - 1)
     model.eval()
     try:
@@ -273,7 +282,7 @@ def test_census(model_type, monkeypatch):
         assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but has {why}"
         record(model_type, "untested", why)
         pytest.skip(why)
-    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    ids, mask = census_batch(model, 16)
     try:
         want = runs(model)
         want["documents"] = document_logits(model, packed_rows()[0])
