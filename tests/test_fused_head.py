@@ -74,6 +74,38 @@ def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, tr
             torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=3e-2, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", ["plain", "softcap"])
+@pytest.mark.parametrize("head", ["frozen", "held", "recomputed"])
+def test_a_learned_scale_per_vocabulary_entry_gets_its_gradient_from_the_fused_loss(monkeypatch, dtype, transform,
+                                                                                  head):
+    """Dory's head: its output in float32 times `logit_scale * factor`, a trained (V,) parameter in the model's dtype.
+    The loss and the gradients of the rows, the weight, the bias and the scale's parameter are autograd's."""
+    small_chunks(monkeypatch)
+    monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16) if head == "held" else ())
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16).to(dtype).requires_grad_()
+    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_(head != "frozen")
+    bias = torch.randn(70).to(dtype).requires_grad_(head != "frozen")
+    parameter = (0.02 + torch.rand(70) / 50).to(dtype).requires_grad_()
+    labels = torch.randint(0, 70, (23,))
+    labels[[2, 9, 10]] = -100
+    inputs = (hidden, parameter) if head == "frozen" else (hidden, weight, bias, parameter)
+    scale = lambda: parameter.float() * 50.0  # noqa: E731 - as DoryLMHead.forward makes it
+    z = TRANSFORMS[transform].apply(torch.nn.functional.linear(hidden, weight, bias).float() * scale())
+    want = ForCausalLMLoss(z[None], None, 70, shift_labels=labels[None])
+    want_grads = torch.autograd.grad(want, inputs)
+    got = linear_cross_entropy(hidden, weight, bias, labels, TRANSFORMS[transform], column_scale=scale())
+    got_grads = torch.autograd.grad(got, inputs)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+        else:  # the bfloat16 casts of float32 sums taken in another order: an ulp
+            torch.testing.assert_close(g.float(), w.float(), atol=2e-3, rtol=2e-2)
+
+
 def test_a_second_backward_through_gradients_written_in_the_forward_is_refused_by_name():
     hidden = torch.randn(4, 8, requires_grad=True)
     loss = linear_cross_entropy(hidden, torch.randn(11, 8), None, torch.tensor([1, 2, -100, 3]))
@@ -145,9 +177,9 @@ def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tu
 # llama: a plain head; gemma2: softcap; cohere: logit_scale; granite: logits_scaling (divides); phi: a bias;
 # falcon_h1: lm_head_multiplier; mixtral: the router's auxiliary loss added to the fused one; hyperclovax:
 # logits_scaling, which multiplies there (the census's tiny configs set it to 4, as checkpoints set it); ergo: a
-# float32 head (`FLOAT32_HEADS`)
+# float32 head (`FLOAT32_HEADS`); dory: a learned scale per vocabulary entry (`SCALED_HEADS`)
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "phi", "falcon_h1", "mixtral",
-                                        "hyperclovax", "ergo"])
+                                        "hyperclovax", "ergo", "dory"])
 def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatched_numbers(model_type):
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if model_type == "mixtral" else {}
     model = family(model_type, **overrides)
@@ -159,18 +191,20 @@ def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatche
     assert_steps_as_unpatched(got, want)
 
 
-def test_a_float32_head_in_a_bfloat16_model_runs_fused_in_float32(monkeypatch):
+@pytest.mark.parametrize("model_type", ["ergo", "dory"])
+def test_a_head_with_a_forward_of_its_own_in_a_bfloat16_model_runs_fused(monkeypatch, model_type):
     """Ergo's vocabulary head (`ErgoLinearWithFP32Output`) rounds the rows to the weight's bfloat16, then multiplies in
-    float32 with autocast off: its own forward writes the labelled rows' (n, V) logits in float32 and keeps a float32
-    copy of the weight for the backward. Fused, the loss computes those float32 logits a chunk at a time. Against the
-    same patched steps with its own head on the labelled rows (the model's bfloat16 attention on real tokens sums in
-    another order than unpatched, which is not the head's doing): the loss and every gradient to float32's noise."""
+    float32 with autocast off; Dory's (`DoryLMHead`) multiplies its output in float32 by a learned scale per
+    vocabulary entry. Their own forwards write the labelled rows' (n, V) logits in float32 (Ergo's also keeps a
+    float32 copy of the weight for the backward). Fused, the loss computes them a chunk at a time. Against the same
+    patched steps with the family's own head on the labelled rows (the model's bfloat16 attention on real tokens sums
+    in another order than unpatched, which is not the head's doing): the loss and every gradient, the scale's too."""
     from patchkit.hooks.forwards import lm_forward
 
     if not hasattr(__import__("transformers"), "ErgoForCausalLM"):
-        pytest.skip("Ergo: transformers 5.25")
-    model = family("ergo").to(torch.bfloat16)
-    assert type(model.lm_head).__name__ in fused_head.FLOAT32_HEADS
+        pytest.skip("Ergo and Dory: transformers 5.25")
+    model = family(model_type).to(torch.bfloat16)
+    assert fused_head.head_of_its_own(model.lm_head) == type(model.lm_head).__name__
     inputs = long_batch(model)
     got, heads, rows = loss_alone_steps(model, inputs)
     assert heads == {lm_head.FUSED: 2} and rows == [checked_rows(inputs["labels"]), 1]

@@ -17,6 +17,9 @@ the dtype the head runs in:
   weight's gradient with one matmul in that dtype. A float32 buffer there would hold twice a bfloat16 gradient's
   memory and run its matmul at float32 speed (a fraction of a GPU's bfloat16 rate); the price is one more matmul.
 
+A head with a learned scale per vocabulary entry (Dory's `logit_scale`: the head's output in float32 times a (V,)
+vector) passes that vector as `column_scale`; its gradient is written beside the weight's.
+
 A LoRA head (PEFT's `lora.Linear` on the head, as continued pretraining trains it) adds `LowRank` terms: the rows'
 (n, r) products with each adapter's A, made outside by autograd, and B's (V, r) weight, a slice of whose logits adds
 to the head's as PEFT's forward adds them; their gradients are written beside the head's, each of B's a (V, r) one.
@@ -107,9 +110,21 @@ class LowRank(NamedTuple):
 
 
 def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              transform: LogitTransform, terms: Sequence[LowRank] = ()) -> torch.Tensor:
+              transform: LogitTransform, terms: Sequence[LowRank] = (),
+              column_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform); with LoRA
-    `terms`, each added as PEFT's forward adds it (in the promoted dtype, cast back to the head's)."""
+    `terms`, each added as PEFT's forward adds it (in the promoted dtype, cast back to the head's); with a
+    `column_scale`, the head's output in float32 times it, before the transform."""
+    return transform.apply(scaled(head_of(hidden, weight, bias, terms), column_scale))
+
+
+def scaled(z: torch.Tensor, column_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return z if column_scale is None else z.float() * column_scale
+
+
+def head_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            terms: Sequence[LowRank] = ()) -> torch.Tensor:
+    """The head's output of `hidden` rows, its LoRA `terms` added (`logits_of` before any scale or transform)."""
     z = F.linear(hidden, weight, bias)
     if terms:
         dtype = z.dtype
@@ -117,15 +132,26 @@ def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
             low = F.linear(term.rows, term.weight, term.bias).mul_(term.scale)
             z = low.add_(z) if low.dtype == torch.promote_types(z.dtype, low.dtype) else z.add_(low)
         z = z.to(dtype)
-    return transform.apply(z)
+    return z
+
+
+def through_scale(g: torch.Tensor, z: torch.Tensor, column_scale: Optional[torch.Tensor],
+                  grad_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """d loss / d z from d loss / d (z * column_scale) `g`, in z's dtype as autograd casts it; the scale's gradient
+    (the sum over rows of `g` times z, in float32) added into `grad_scale` where it is needed."""
+    if column_scale is None:
+        return g
+    if grad_scale is not None:
+        grad_scale.add_((g * z.float()).sum(0))
+    return (g * column_scale).to(z.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                labels: torch.Tensor, transform: LogitTransform, ignore_index: int,
-                denominator: Optional[torch.Tensor], scales: tuple[float, ...], *flat: Optional[torch.Tensor],
-                ) -> torch.Tensor:
+                column_scale: Optional[torch.Tensor], labels: torch.Tensor, transform: LogitTransform,
+                ignore_index: int, denominator: Optional[torch.Tensor], scales: tuple[float, ...],
+                *flat: Optional[torch.Tensor]) -> torch.Tensor:
         device = hidden.device.type
         autocast = autocast_dtype(device)
         dtype = autocast or weight.dtype  # the head's dtype, as nn.Linear runs here
@@ -136,17 +162,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe = labels.masked_fill(~valid, 0)
         scale = valid.float() / (valid.sum() if denominator is None else denominator).float()  # a row's share
         ctx.transform, ctx.device, ctx.scales = transform, device, scales
-        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, *flat))
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, column_scale, *flat))
         ctx.grads = None
-        needs = ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:]
+        needs = ctx.needs_input_grad[:4] + ctx.needs_input_grad[9:]
+        c = None if column_scale is None else column_scale.float()
         with torch.autocast(device, enabled=False):
             trains = needs[1] or needs[2]
             scaled = dtype in SCALED_DTYPES or any(t.weight.dtype in SCALED_DTYPES for t in terms)
             if (trains and dtype not in HOLD_DTYPES) or scaled:
-                nll, lse = _nll(h, w, b, safe, transform, terms)  # the gradients are computed in the backward
-                ctx.save_for_backward(h, w, b, safe, scale, lse, *(t for term in terms for t in term[:3]))
+                nll, lse = _nll(h, w, b, c, safe, transform, terms)  # the gradients are computed in the backward
+                ctx.save_for_backward(h, w, b, c, safe, scale, lse, *(t for term in terms for t in term[:3]))
                 return (nll * scale).sum()
-            total, ctx.grads = _nll_and_grads(h, w, b, safe, scale, transform, needs, terms)
+            total, ctx.grads = _nll_and_grads(h, w, b, c, safe, scale, transform, needs, terms)
             return total
 
     @staticmethod
@@ -160,12 +187,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None  # scaled in place and handed on: nothing of the forward's size stays
             grads = tuple(None if t is None else t.mul_(grad.to(t.dtype)) for t in grads)
         else:
-            h, w, b, safe, scale, lse, *flat = ctx.saved_tensors
+            h, w, b, c, safe, scale, lse, *flat = ctx.saved_tensors
             with torch.autocast(ctx.device, enabled=False):
-                grads = _recomputed_grads(h, w, b, safe, scale * grad.float(), lse, ctx.transform,
-                                          ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:], _terms(flat, ctx.scales))
+                grads = _recomputed_grads(h, w, b, c, safe, scale * grad.float(), lse, ctx.transform,
+                                          ctx.needs_input_grad[:4] + ctx.needs_input_grad[9:], _terms(flat, ctx.scales))
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
-        return (*grads[:3], None, None, None, None, None, *grads[3:])
+        return (*grads[:4], None, None, None, None, None, *grads[4:])
 
 
 def _terms(flat: Sequence[Optional[torch.Tensor]], scales: Sequence[float]) -> list[LowRank]:
@@ -182,7 +209,7 @@ def _term_grads(terms: Sequence[LowRank], needs: tuple, rows: int) -> list[Optio
     out: list[Optional[torch.Tensor]] = []
     for i, term in enumerate(terms):
         for j, t in enumerate(term[:3]):
-            needed = t is not None and needs[3 + 3 * i + j]
+            needed = t is not None and needs[4 + 3 * i + j]
             out.append(torch.zeros(t.shape if j else (rows, t.shape[1]), dtype=torch.float32, device=t.device)
                        if needed else None)
     return out
@@ -204,7 +231,7 @@ def _add_term_grads(out: list[Optional[torch.Tensor]], terms: Sequence[LowRank],
             grad_bias[cols].add_(gi.sum(0), alpha=term.scale)
 
 
-def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], c: Optional[torch.Tensor], safe: torch.Tensor,
          transform: LogitTransform, terms: Sequence[LowRank] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's -log softmax at its label, and its log-sum-exp, in float32: a vocabulary slice at a time over
     every row, the log-sum-exp kept running (the slice's maximum, the sum of exp below it, rescaled as the maximum
@@ -214,7 +241,8 @@ def _nll(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torc
     step = chunk_columns(h.shape[0], w.shape[0], h.device)
     for start in range(0, w.shape[0], step):
         cols = slice(start, start + step)
-        t = logits_of(h, w[cols], None if b is None else b[cols], transform, [term.cols(cols) for term in terms])
+        t = logits_of(h, w[cols], None if b is None else b[cols], transform, [term.cols(cols) for term in terms],
+                      None if c is None else c[cols])
         t = t.float()
         local, inside = _in_slice(safe, start, t.shape[1])
         picked += torch.where(inside, t.gather(1, local[:, None]).squeeze(1), 0.0)
@@ -232,7 +260,8 @@ def _in_slice(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tenso
     return local.clamp_(0, width - 1), inside
 
 
-def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], c: Optional[torch.Tensor],
+                      safe: torch.Tensor,
                       row_grad: torch.Tensor, lse: torch.Tensor, transform: LogitTransform,
                       needs: tuple, terms: Sequence[LowRank] = ()) -> tuple[Optional[torch.Tensor], ...]:
     """The gradients of the hidden rows, the weight and the bias (then the terms'), a vocabulary slice at a time over
@@ -244,17 +273,19 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if needs[0] else None
     grad_w = torch.empty_like(w) if needs[1] else None
     grad_b = torch.empty_like(b) if b is not None and needs[2] else None
+    grad_c = torch.zeros_like(c) if c is not None and needs[3] else None
     term_grads = _term_grads(terms, needs, h.shape[0])
     every = slice(None)
     step = chunk_columns(h.shape[0], w.shape[0], h.device)
     for start in range(0, w.shape[0], step):
         cols = slice(start, start + step)
-        w_c = w[cols]
-        t = logits_of(h, w_c, None if b is None else b[cols], transform, [term.cols(cols) for term in terms])
+        w_c, c_c = w[cols], None if c is None else c[cols]
+        z = head_of(h, w_c, None if b is None else b[cols], [term.cols(cols) for term in terms])
+        t = transform.apply(scaled(z, c_c))
         g = torch.sub(t.float(), shift[:, None]).exp_()
         local, inside = _in_slice(safe, start, g.shape[1])
         g.scatter_add_(1, local[:, None], torch.where(inside, -magnitude, 0.0)[:, None])
-        g = transform.grad(g.to(t.dtype), t)
+        g = through_scale(transform.grad(g.to(t.dtype), t), z, c_c, None if grad_c is None else grad_c[cols])
         if grad_h is not None:
             grad_h.add_(g @ w_c)
         if grad_w is not None:
@@ -262,7 +293,7 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
         if grad_b is not None:
             torch.sum(g, 0, out=grad_b[cols])
         _add_term_grads(term_grads, terms, g, every, cols)
-    grads = (grad_h, grad_w, grad_b, *term_grads)
+    grads = (grad_h, grad_w, grad_b, grad_c, *term_grads)
     if bool((row_grad < 0).any()):  # a loss scaled by a negative number (rare): the sign, last
         for t in grads:
             if t is not None:
@@ -270,7 +301,8 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     return grads
 
 
-def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], safe: torch.Tensor,
+def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], c: Optional[torch.Tensor],
+                   safe: torch.Tensor,
                    scale: torch.Tensor, transform: LogitTransform, needs: tuple, terms: Sequence[LowRank] = (),
                    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], ...]]:
     """The loss, and the gradients of the hidden rows, the weight (float32) and the bias (float32), then the terms'
@@ -279,19 +311,22 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     grad_h = torch.empty_like(h) if needs[0] else None
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if needs[1] else None
     grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if b is not None and needs[2] else None
+    grad_c = torch.zeros_like(c) if c is not None and needs[3] else None
     term_grads = _term_grads(terms, needs, h.shape[0])
     every = slice(None)
     step = chunk_rows(h.shape[0], w.shape[0], w.shape[1])
     for start in range(0, h.shape[0], step):
         rows, label = slice(start, start + step), safe[start:start + step, None]
-        t = logits_of(h[rows], w, b, transform, [term._replace(rows=term.rows[rows]) for term in terms])
+        z = head_of(h[rows], w, b, [term._replace(rows=term.rows[rows]) for term in terms])
+        t = transform.apply(scaled(z, c))
         logp = torch.log_softmax(t.float(), dim=-1)
         total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
-        if all(g is None for g in (grad_h, grad_w, grad_b, *term_grads)):
+        if all(g is None for g in (grad_h, grad_w, grad_b, grad_c, *term_grads)):
             continue
         g = logp.exp_()  # softmax - one-hot, times the row's share: d loss / d t in float32
         g.scatter_add_(1, label, torch.full_like(g[:, :1], -1.0)).mul_(scale[rows, None])
         g = transform.grad(g.to(t.dtype), t)  # as autograd: cast to t's dtype, then through the transform
+        g = through_scale(g, z, c, grad_c)
         if grad_h is not None:
             grad_h[rows] = g @ w
         if grad_w is not None:
@@ -299,17 +334,18 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
         if grad_b is not None:
             grad_b += g.float().sum(0)
         _add_term_grads(term_grads, terms, g, rows, every)
-    return total, (grad_h, grad_w, grad_b, *term_grads)
+    return total, (grad_h, grad_w, grad_b, grad_c, *term_grads)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          labels: torch.Tensor, transform: LogitTransform = PLAIN, ignore_index: int = -100,
                          num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
-                         terms: Sequence[LowRank] = ()) -> torch.Tensor:
+                         terms: Sequence[LowRank] = (), column_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """transformers' `fixed_cross_entropy` of the family's logits of (n, H) `hidden` against (n,) labels (already
     shifted): the mean over labelled rows, or the sum over `num_items_in_batch`. A label outside the vocabulary that
-    is not `ignore_index` raises as `cross_entropy` does. `terms`: a LoRA head's adapters (`LowRank`)."""
+    is not `ignore_index` raises as `cross_entropy` does. `terms`: a LoRA head's adapters (`LowRank`);
+    `column_scale`: a (V,) factor of the head's float32 output (`logits_of`)."""
     denominator = loss_denominator(labels, weight.shape[0], ignore_index, num_items_in_batch, hidden.device)
     flat = [t for term in terms for t in term[:3]]
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels.to(hidden.device), transform, ignore_index,
-                                     denominator, tuple(float(term.scale) for term in terms), *flat)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, column_scale, labels.to(hidden.device), transform,
+                                     ignore_index, denominator, tuple(float(term.scale) for term in terms), *flat)

@@ -51,6 +51,11 @@ _checked: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bool]] = weakref.Wea
 # fused with those operands (`FusedHead.operands`): the head's own forward writes (n, V) float32 logits and keeps a
 # float32 copy of its weight for the backward
 FLOAT32_HEADS = frozenset({"ErgoLinearWithFP32Output"})
+# transformers' nn.Linear subclasses whose forward multiplies the head's float32 output by a learned (V,) vector: that
+# vector as their forward makes it (Dory's, 5.25), fused as the loss's `column_scale`
+SCALED_HEADS: dict[str, Callable[[nn.Module], torch.Tensor]] = {
+    "DoryLMHead": lambda head: head.logit_scale.float() * head.logit_scale_factor,
+}
 
 # `logits_scaling` divides the logits (Granite's, MiniCPM3's), except in these families, where it multiplies them
 SCALING_MULTIPLIES = frozenset({"hyperclovax"})
@@ -75,14 +80,14 @@ class FusedHead:
     weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none; `holder`: the module whose hooks
     those are (`linear`, or under FSDP2 the outermost of the output embeddings' modules a unit holds)."""
 
-    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora", "float32")
+    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora", "kind")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
                  key: tuple, checked: bool, holder: Optional[nn.Module] = None, lora_head: bool = False) -> None:
         self.lm, self.head, self.linear, self.hooks, self.holder = lm, head, linear, hooks, holder or linear
         self.transform, self.key, self.checked = transform, key, checked
         self.lora = lora_head  # LoRA on the head: its adapters' terms add to the logits
-        self.float32 = float32_head(linear)
+        self.kind = head_of_its_own(linear)  # a class of FLOAT32_HEADS or SCALED_HEADS, else ""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -100,7 +105,7 @@ class FusedHead:
 
     def operands(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(rows, weight, bias) as the head's forward multiplies them: a float32 head's (`FLOAT32_HEADS`) upcast."""
-        if not self.float32:
+        if self.kind not in FLOAT32_HEADS:
             return rows, self.weight, self.bias
         if getattr(self.linear, "cast_input_to_weight_dtype", False):
             rows = rows.to(self.weight.dtype)
@@ -108,12 +113,17 @@ class FusedHead:
 
     def computing(self, rows: torch.Tensor) -> contextlib.AbstractContextManager:
         """The context the head's matmul runs in: autocast off for a float32 head, as its forward turns it off."""
-        return torch.autocast(rows.device.type, enabled=False) if self.float32 else contextlib.nullcontext()
+        return torch.autocast(rows.device.type, enabled=False) if self.kind in FLOAT32_HEADS else (
+            contextlib.nullcontext())
+
+    def column_scale(self) -> Optional[torch.Tensor]:
+        """A scaled head's (V,) factor of its float32 output (`SCALED_HEADS`), else None."""
+        return SCALED_HEADS[self.kind](self.linear) if self.kind in SCALED_HEADS else None
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The family's logits of `rows` as the fused loss computes them: the head's operands, terms and transform."""
         with self.computing(rows):
-            return logits_of(*self.operands(rows), self.transform, self.terms(rows))
+            return logits_of(*self.operands(rows), self.transform, self.terms(rows), self.column_scale())
 
     def terms(self, rows: torch.Tensor) -> list[LowRank]:
         """A LoRA head's terms of `rows`' logits, as PEFT's lora.Linear forward makes them: for each active adapter,
@@ -185,9 +195,9 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     head = saved_copy(outer)
     is_lora = lora(head)
     linear = head.base_layer if is_lora or trainable_tokens(head) else head
-    if float32_head(linear) and linear is not head:
-        return None  # PEFT's layers over a float32 head: their sum is not served
-    if not (is_linear(linear) or float32_head(linear)) or ("forward" in vars(linear) and not (
+    if head_of_its_own(linear) and linear is not head:
+        return None  # PEFT's layers over such a head: their sum is not served
+    if not (is_linear(linear) or head_of_its_own(linear)) or ("forward" in vars(linear) and not (
             own_forward(linear, vars(linear)["forward"]) or accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
@@ -206,11 +216,12 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     return HeadParts(head, linear, is_lora, holder) if plain else None
 
 
-def float32_head(module: nn.Module) -> bool:
-    """`module` is one of transformers' float32 vocabulary heads (`FLOAT32_HEADS`), straight over nn.Linear."""
+def head_of_its_own(module: nn.Module) -> str:
+    """The class name of one of transformers' vocabulary heads served with a forward of its own (`FLOAT32_HEADS`,
+    `SCALED_HEADS`), straight over nn.Linear; else ""."""
     cls = own_class(module)
-    return (cls.__name__ in FLOAT32_HEADS and cls.__module__.startswith("transformers.")
-            and cls.__bases__ == (nn.Linear,))
+    known = (cls.__name__ in FLOAT32_HEADS or cls.__name__ in SCALED_HEADS) and cls.__bases__ == (nn.Linear,)
+    return cls.__name__ if known and cls.__module__.startswith("transformers.") else ""
 
 
 def plain_head(lm: nn.Module) -> Optional[nn.Module]:

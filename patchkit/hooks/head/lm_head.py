@@ -263,7 +263,7 @@ def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, 
     def loss(rows: torch.Tensor) -> torch.Tensor:
         with fused.computing(rows):
             return linear_cross_entropy(*fused.operands(rows), labels, fused.transform, ignore_index,
-                                        num_items_in_batch, fused.terms(rows))
+                                        num_items_in_batch, fused.terms(rows), fused.column_scale())
 
     return held(fused, loss, request.rows)
 
