@@ -243,6 +243,33 @@ def test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly():
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("model_type", ["llama4_text", "zaya"])
+def test_generates_static_masks_over_layers_it_cannot_read_back_step_aside_by_their_own_name(model_type):
+    """generate(cache_implementation="static") builds each layer type's 4D mask before the model runs. Llama 4's
+    chunked layers (a chunk in a sliding cache layer) and ZAYA's linear-attention-and-attention layers have masks
+    patchkit does not read back as a padding mask. They step aside, exact, and that was named `custom_4d_mask`, "the
+    model was given a 4D attention mask. Fix: pass the 2D padding mask", though the user passed exactly that. They
+    are named `static_cache_mask` now, with the default dynamic cache as the way to run patched."""
+    import warnings
+
+    from patches.table import serves_here
+
+    if not serves_here():
+        pytest.skip("the table serves transformers 5.x")
+    model, why = tiny_lm(model_type)
+    if model is None:
+        pytest.skip(why)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want, want_logits = generate_static(model.eval(), ids, mask, n=4)
+    with warnings.catch_warnings(record=True) as record, patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        got, got_logits = generate_static(model, ids, mask, n=4)
+    assert torch.equal(got, want) and handle.stepped_aside == {"static_cache_mask": 4}
+    torch.testing.assert_close(got_logits, want_logits, atol=0, rtol=0)
+    said = [str(w.message) for w in record if "static_cache_mask" in str(w.message)]
+    assert len(said) == 1 and "generate()'s 4D masks for a static cache" in said[0], said
+
+
 @pytest.mark.parametrize("family", ["llama"] + FAMILIES)
 def test_static_cache_generation_under_the_registered_name_alone_runs_patched(family):
     """attn_implementation="patchkit" alone, no patch: generate()'s static-cache masks carry the 2D mask they were

@@ -24,6 +24,13 @@ CAUSES = {
         "pass the 2D [batch, seq] padding mask (and position_ids restarting at 0 for packed documents); a "
         "vision-language model that builds its own masks stays exact on transformers' attention",
     ),
+    "static_cache_mask": (
+        "generate() built the model's 4D masks for its static cache before the model ran, over cache layers whose "
+        "masks patchkit does not read back as a padding mask (Llama 4's chunked attention in a sliding layer, a "
+        "hybrid's linear-attention-and-attention layers)",
+        "none needed: such a generate() stays exact on transformers' attention; with the default dynamic cache "
+        "(no cache_implementation='static') it runs patched",
+    ),
     "bool_mask_on_eager": (
         "a boolean 4D attention mask on a model loaded with attn_implementation='eager', whose attention adds the "
         "mask to the scores (True as +1, False as 0), so it masks nothing; patchkit's kernels would mask",
@@ -140,6 +147,8 @@ BRIEF = {
     "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
                                 "that is all padding, reads a next token at padding", "pad prompts on the left"),
     "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
+    "static_cache_mask": ("generate()'s 4D masks for a static cache over layers patchkit does not place",
+                          "none needed; the default dynamic cache runs patched"),
     "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
                            "the 2D padding mask, or an additive float 4D mask"),
     "continuous_batching": ("continuous batching (generate_batch, paged attention) builds its own masks over its "

@@ -35,7 +35,8 @@ from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 IGNORE_INDEX = -100
-OWN_DOCUMENTS = ("custom_4d_mask", "continuous_batching")  # their masks keep packed documents apart themselves
+# their masks keep packed documents apart themselves
+OWN_DOCUMENTS = ("custom_4d_mask", "static_cache_mask", "continuous_batching")
 
 
 def step_aside(state: Any, cause: str, arguments: dict, extra: dict, what: Optional[str] = None) -> None:

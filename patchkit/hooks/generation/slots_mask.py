@@ -246,8 +246,9 @@ def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         take_documents(arguments, extra, documents)
         return None
     found = padding_from_slots_mask(module, arguments)
-    if found is None:
-        return "custom_4d_mask"
+    if found is None:  # generate()'s masks per layer type for a static cache (a dict: transformers' alone), or others
+        made = isinstance(arguments.get("attention_mask"), dict) and static_layers(given_cache(arguments)) is not None
+        return "static_cache_mask" if made else "custom_4d_mask"
     keys, past = found
     if past == 0 and ends_in_padding(keys):
         return "right_padded_generation"
