@@ -41,6 +41,21 @@ def small_chunks(monkeypatch) -> None:
         monkeypatch.setattr(lce, name, value)
 
 
+def head_case(monkeypatch, dtype: torch.dtype, head: str) -> tuple:
+    """(hidden rows, the head's weight and bias, labels with ignored rows among them) in `dtype`, in small chunks, the
+    gradients written as `head` says: "frozen" (a weight and bias without gradients), "held" (in the forward, as a
+    float32 head's) or "recomputed" (in the backward, as a bfloat16 head's)."""
+    small_chunks(monkeypatch)
+    monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16) if head == "held" else ())
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 16).to(dtype).requires_grad_()
+    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_(head != "frozen")
+    bias = torch.randn(70).to(dtype).requires_grad_(head != "frozen")
+    labels = torch.randint(0, 70, (23,))
+    labels[[2, 9, 10]] = -100
+    return hidden, weight, bias, labels
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("items", [None, 40])
@@ -50,14 +65,7 @@ def test_the_fused_loss_is_the_head_and_transformers_loss(monkeypatch, dtype, tr
     """Loss and the gradients of the hidden rows, the head's weight and its bias, with ignored rows among them:
     written in the forward, row chunk by row chunk (a frozen head; `held`: one that trains, as in float32), or
     computed again in the backward, vocabulary slice by slice (`recomputed`: one that trains, as in bfloat16)."""
-    small_chunks(monkeypatch)
-    monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16) if head == "held" else ())
-    torch.manual_seed(0)
-    hidden = torch.randn(23, 16).to(dtype).requires_grad_()
-    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_(head != "frozen")
-    bias = torch.randn(70).to(dtype).requires_grad_(head != "frozen")
-    labels = torch.randint(0, 70, (23,))
-    labels[[2, 9, 10]] = -100
+    hidden, weight, bias, labels = head_case(monkeypatch, dtype, head)
     inputs = (hidden,) if head == "frozen" else (hidden, weight, bias)
     kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     want = reference(hidden, weight, bias, labels, TRANSFORMS[transform], **kw)
@@ -81,15 +89,8 @@ def test_a_learned_scale_per_vocabulary_entry_gets_its_gradient_from_the_fused_l
                                                                                   head):
     """Dory's head: its output in float32 times `logit_scale * factor`, a trained (V,) parameter in the model's dtype.
     The loss and the gradients of the rows, the weight, the bias and the scale's parameter are autograd's."""
-    small_chunks(monkeypatch)
-    monkeypatch.setattr(lce, "HOLD_DTYPES", (torch.float32, torch.bfloat16) if head == "held" else ())
-    torch.manual_seed(0)
-    hidden = torch.randn(23, 16).to(dtype).requires_grad_()
-    weight = (torch.randn(70, 16) / 2).to(dtype).requires_grad_(head != "frozen")
-    bias = torch.randn(70).to(dtype).requires_grad_(head != "frozen")
+    hidden, weight, bias, labels = head_case(monkeypatch, dtype, head)
     parameter = (0.02 + torch.rand(70) / 50).to(dtype).requires_grad_()
-    labels = torch.randint(0, 70, (23,))
-    labels[[2, 9, 10]] = -100
     inputs = (hidden, parameter) if head == "frozen" else (hidden, weight, bias, parameter)
     scale = lambda: parameter.float() * 50.0  # noqa: E731 - as DoryLMHead.forward makes it
     z = TRANSFORMS[transform].apply(torch.nn.functional.linear(hidden, weight, bias).float() * scale())

@@ -115,10 +115,10 @@ def logits_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     """The family's logits of `hidden` rows, as its forward computes them (the head, then its transform); with LoRA
     `terms`, each added as PEFT's forward adds it (in the promoted dtype, cast back to the head's); with a
     `column_scale`, the head's output in float32 times it, before the transform."""
-    return transform.apply(scaled(head_of(hidden, weight, bias, terms), column_scale))
+    return transform.apply(column_scaled(head_of(hidden, weight, bias, terms), column_scale))
 
 
-def scaled(z: torch.Tensor, column_scale: Optional[torch.Tensor]) -> torch.Tensor:
+def column_scaled(z: torch.Tensor, column_scale: Optional[torch.Tensor]) -> torch.Tensor:
     return z if column_scale is None else z.float() * column_scale
 
 
@@ -281,7 +281,7 @@ def _recomputed_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
         cols = slice(start, start + step)
         w_c, c_c = w[cols], None if c is None else c[cols]
         z = head_of(h, w_c, None if b is None else b[cols], [term.cols(cols) for term in terms])
-        t = transform.apply(scaled(z, c_c))
+        t = transform.apply(column_scaled(z, c_c))
         g = torch.sub(t.float(), shift[:, None]).exp_()
         local, inside = _in_slice(safe, start, g.shape[1])
         g.scatter_add_(1, local[:, None], torch.where(inside, -magnitude, 0.0)[:, None])
@@ -318,7 +318,7 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     for start in range(0, h.shape[0], step):
         rows, label = slice(start, start + step), safe[start:start + step, None]
         z = head_of(h[rows], w, b, [term._replace(rows=term.rows[rows]) for term in terms])
-        t = transform.apply(scaled(z, c))
+        t = transform.apply(column_scaled(z, c))
         logp = torch.log_softmax(t.float(), dim=-1)
         total += (logp.gather(1, label).squeeze(1) * scale[rows]).sum().neg()
         if all(g is None for g in (grad_h, grad_w, grad_b, grad_c, *term_grads)):

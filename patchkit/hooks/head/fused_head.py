@@ -195,9 +195,10 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     head = saved_copy(outer)
     is_lora = lora(head)
     linear = head.base_layer if is_lora or trainable_tokens(head) else head
-    if head_of_its_own(linear) and linear is not head:
+    own = head_of_its_own(linear)
+    if own and linear is not head:
         return None  # PEFT's layers over such a head: their sum is not served
-    if not (is_linear(linear) or head_of_its_own(linear)) or ("forward" in vars(linear) and not (
+    if not (is_linear(linear) or own) or ("forward" in vars(linear) and not (
             own_forward(linear, vars(linear)["forward"]) or accelerate_hooks(linear))):
         return None
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
