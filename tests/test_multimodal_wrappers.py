@@ -1,0 +1,85 @@
+"""Multimodal models around a language model patchkit serves: what their own forwards hand that language model.
+
+LLaVA-OneVision (and GOT-OCR2) pass the head's `logits_to_keep` on to the language model's layers. Each against the
+unpatched model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from families import FAMILIES_FROM
+from models import labels_for, padded_batch
+from packaging.version import Version
+
+import patchkit
+
+if Version(tf.__version__) < Version(FAMILIES_FROM):
+    pytest.skip(f"family patches need transformers >= {FAMILIES_FROM}", allow_module_level=True)
+
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            max_position_embeddings=256)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+IMAGE = 122
+
+
+def llava_onevision() -> torch.nn.Module:
+    """LLaVA-OneVision: a Qwen2 language model behind a SigLIP tower."""
+    config = tf.LlavaOnevisionConfig(text_config=tf.Qwen2Config(**TEXT).to_dict(),
+                                     vision_config=tf.SiglipVisionConfig(**VISION).to_dict(), image_token_index=IMAGE)
+    torch.manual_seed(0)
+    return tf.LlavaOnevisionForConditionalGeneration._from_config(config, attn_implementation="eager").train()
+
+
+def text_batch(side: str = "mixed") -> dict:
+    ids, mask = padded_batch(side, batch=3, seq=16)
+    ids = ids.clamp(max=100)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+
+
+def train_step(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(got: tuple, want: tuple) -> None:
+    torch.testing.assert_close(got[0], want[0], atol=3e-6, rtol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, atol=3e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_llava_onevision_hands_logits_to_keep_to_its_layers_and_trains_patched(way):
+    """LlavaOnevisionModel passes `logits_to_keep` (the head's) on to Qwen2's layers, whose attention ignores it:
+    patchkit refused every forward ("passes logits_to_keep=0 to its attention function ... refuses rather than
+    ignore it"). A strict training step now runs patched and equals unpatched, every gradient."""
+    model = llava_onevision()
+    batch = text_batch()
+    want = train_step(model, batch)
+    if way == "instance":
+        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+            got = train_step(model, batch)
+    else:
+        with patchkit.apply_patch("qwen2", backend="sdpa", strict=True) as handle:
+            got = train_step(llava_onevision(), batch)
+    assert handle.calls == 2 and not handle.stepped_aside
+    assert_same_step(got, want)
+
+
+def test_llava_onevision_generates_patched_as_unpatched():
+    """generate() hands `logits_to_keep=1` to every step: a left-padded prompt, strict, the unpatched tokens."""
+    model = llava_onevision().eval()
+    batch = text_batch("left")
+    prompt, options = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]), dict(
+        max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(**prompt, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model.generate(**prompt, **options)
+    assert handle.calls == 2 * options["max_new_tokens"] and not handle.stepped_aside
+    assert torch.equal(got, want)
