@@ -21,7 +21,15 @@ from patchkit.hooks.forwards import batch_errors, unserved
 from patchkit.hooks.head import lm_head
 from patchkit.hooks.install.model_walk import head_dim, modeling_files
 from patchkit.hooks.install.patching import Replacement, apply_replacements
-from patchkit.hooks.install.registry import PatchSpec, for_model, imported_table_types, registered, resolve, table_spec
+from patchkit.hooks.install.registry import (
+    PatchSpec,
+    config_gates,
+    for_model,
+    imported_table_types,
+    registered,
+    resolve,
+    table_spec,
+)
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import flash_request
 from patchkit.names import GROUP_NAME
@@ -111,7 +119,8 @@ def _apply(
     if not tf_gate.passed:
         raise PatchGateError(tf_gate.describe())
     self_check.untested()  # a transformers newer than CI's: said once
-    model_gates = spec.check_model(model) if (model is not None and spec.check_model) else []
+    model_gates = [] if model is None else config_gates(model, spec.model_types) + (
+        spec.check_model(model) if spec.check_model else [])
     failed = _gates.first_failure(model_gates)
     if failed is not None:
         raise PatchGateError(f"patch {spec.name!r}: {failed.describe()}. Nothing was patched.")

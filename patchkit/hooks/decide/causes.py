@@ -113,6 +113,13 @@ CAUSES = {
         "mask in bfloat16, which no varlen kernel's ALiBi reproduces",
         "none needed: such a model runs on transformers' attention; Falcon's rotary configs run patched",
     ),
+    "use_bidirectional_attention": (
+        "the model's config sets use_bidirectional_attention (PaliGemma's, an encoder's): its layers are not causal, "
+        "and what they attend to is what the model's own masks say under eager attention, both ways wherever sdpa "
+        "skips that mask, and both ways everywhere under flash_attention_2; only transformers' attention reproduces "
+        "the one this model was loaded with",
+        "none needed: such a model runs on transformers' attention; apply_patch(model=...) refuses it",
+    ),
     "unread_cache": (
         "the forward was given `past_key_values`, which this family's forward does not read: it takes its cache as "
         "`cache`, and transformers renames the old name for most families but not this one, so it runs on no past",
@@ -172,6 +179,8 @@ BRIEF = {
     "padding_into_mixer": ("left padding in a model whose recurrent layers read padding positions",
                            "pad on the right"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
+    "use_bidirectional_attention": ("attention layers that are not causal (PaliGemma's, an encoder's)",
+                                    "none needed"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),

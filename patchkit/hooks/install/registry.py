@@ -114,6 +114,25 @@ def refused_configs() -> dict[str, tuple[str, str]]:
     return _table_list("REFUSED_CONFIGS", dict)
 
 
+# Config fields that, true in any family's config, ask for attention a key-padding mask cannot express (field ->
+# feature). Gemma's `use_bidirectional_attention` (PaliGemma sets it; EmbeddingGemma's encoders) makes every layer
+# non-causal: transformers' eager attention then follows the mask the model built (PaliGemma's prefix, both ways),
+# its sdpa attention attends both ways wherever that mask is skipped, and flash_attention_2 everywhere; which of
+# these the user's run computes only transformers' own attention can say. Gemma 4 names it by value: "all" is every
+# layer both ways; "vision" keeps text causal (its images' own masks: `bidirectional_image_tokens`).
+EVERY_FAMILY_REFUSES = {
+    "use_bidirectional_attention": "bidirectional attention (PaliGemma's image and prompt prefix, an encoder's "
+                                   "layers), which transformers' attention implementations each read differently",
+}
+
+
+def config_refusals(model_type: Optional[str]) -> dict[str, str]:
+    """field -> feature of the configs patchkit refuses in `model_type`: the table's for that family (Falcon's
+    `alibi`), then every family's."""
+    own = refused_configs().get(model_type)
+    return {**({own[0]: own[1]} if own is not None else {}), **EVERY_FAMILY_REFUSES}
+
+
 def padding_into_mixers(config: Any) -> bool:
     """The family's mixers read the padding positions' hidden states (the table's PADDING_INTO_MIXERS)."""
     return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
@@ -125,28 +144,47 @@ def read_table_lists() -> None:
     refusal(None), refused_configs(), padding_into_mixers(None)
 
 
+def refused_value(value: Any) -> bool:
+    """A refused config field's value that asks for the feature: true, or "all" (Gemma 4's every token both ways)."""
+    return value is True or value == "all"
+
+
 def config_cause(config: Any) -> Optional[str]:
-    """The step-aside cause, named by its config field, of a model whose config has a feature the table refuses for
-    its family (Falcon's `alibi`), else None."""
-    entry = refused_configs().get(getattr(config, "model_type", None))
-    return entry[0] if entry is not None and getattr(config, entry[0], False) else None
+    """The step-aside cause, named by its config field, of a model whose config has a feature patchkit refuses
+    (`config_refusals`: Falcon's `alibi`, any family's `use_bidirectional_attention`), else None."""
+    for field in config_refusals(getattr(config, "model_type", None)):
+        if refused_value(getattr(config, field, False)):
+            return field
+    return None
 
 
 def config_gate(model_type: str) -> Optional[Callable[[nn.Module], list[GateResult]]]:
-    """The model gate of a family the table refuses some configs of (`config_cause`): apply_patch(model=...) on such
-    a model patches nothing and says why; None for every other family."""
+    """The model gate of a family the table refuses some configs of (`refused_configs`): apply_patch(model=...) on
+    such a model patches nothing and says why; None for every other family."""
     entry = refused_configs().get(model_type)
     if entry is None:
         return None
-    field, feature = entry
+    return lambda model: config_gates(model, (model_type,), dict([entry]))
 
-    def check(model: nn.Module) -> list[GateResult]:
-        value = getattr(model_config(model, (model_type,)), field, None)
-        return [GateResult("model_config", not value, f"{field}=False", f"{field}={value}: {feature}",
-                           "run this model unpatched, on transformers' attention ('sdpa' or 'eager'); under a "
-                           f"class patch it steps aside ({field})")]
 
-    return check
+def config_gates(model: nn.Module, model_types: tuple[str, ...],
+                 fields: Optional[dict[str, str]] = None) -> list[GateResult]:
+    """The `model_config` gates of `model`'s config (the part of `model_types`) for `fields` (default: those every
+    family refuses), one for each field its config has: a true one fails; none for a model with no config (which the
+    patch then refuses by what it finds)."""
+    try:
+        config = model_config(model, model_types)
+    except PatchTargetError:
+        return []
+    out = []
+    for field, feature in (EVERY_FAMILY_REFUSES if fields is None else fields).items():
+        if not hasattr(config, field):
+            continue
+        value = getattr(config, field, None)
+        out.append(GateResult("model_config", not refused_value(value), f"{field}=False", f"{field}={value}: {feature}",
+                              "run this model unpatched, on transformers' attention ('sdpa' or 'eager'); under a "
+                              f"class patch it steps aside ({field})"))
+    return out
 
 
 def registered() -> list[PatchSpec]:
