@@ -165,6 +165,88 @@ def tiny_lm(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], 
     return model.train(), ""
 
 
+# A multimodal model's other towers (vision, audio, projector) at sizes their configs take: built, not run, on a batch
+# of text; a key is set only where the sub-config has it
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+             image_size=28, patch_size=14, depth=1, embed_dim=32, out_hidden_size=32, num_heads=2, d_model=32,
+             encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_layers=1, width=32, head_dim=16,
+             projection_dim=32, vision_output_dim=32)
+WRAPPER_PARAMETERS = 20_000_000  # a multimodal model whose towers stay bigger at TOWER's sizes: not built
+WRAPPER_MAPPINGS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES",
+                    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+
+
+def wrapper_types() -> dict[str, str]:
+    """model_type -> class name of every multimodal model with a language model inside (`text_config`) that
+    transformers' auto mappings name: image-, video- and audio-text-to-text, and the causal LMs that are one."""
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    found = {}
+    for mapping in WRAPPER_MAPPINGS:
+        for model_type, name in getattr(modeling_auto, mapping, {}).items():
+            name = name if isinstance(name, str) else name[0]
+            if "ForConditionalGeneration" in name and model_type in CONFIG_MAPPING:
+                found.setdefault(model_type, name)
+    return {t: n for t, n in sorted(found.items()) if "text_config" in getattr(CONFIG_MAPPING[t], "sub_configs", {})}
+
+
+def tower(config):
+    """A sub-config (vision, audio, projector) at TOWER's sizes, else as it is where those do not build."""
+    present = config.to_dict()
+    try:
+        return type(config)(**{**present, **{k: v for k, v in TOWER.items() if k in present}})
+    except Exception:
+        return config
+
+
+def rope_sections_fit(model, text) -> None:
+    """Multimodal RoPE's sections (time, height, width) as `model`'s rotary embeddings read them (the family's default
+    where the config has none), rescaled in `text`'s config to the tiny head: they must sum to the number of rotary
+    frequencies, which SMALL shrank."""
+    for module in model.modules():
+        sections, inv_freq = getattr(module, "mrope_section", None), getattr(module, "inv_freq", None)
+        if not isinstance(sections, (list, tuple)) or inv_freq is None:
+            continue
+        half = inv_freq.shape[-1]
+        fit = [max(1, round(s * half / sum(sections))) for s in sections]
+        fit[-1] = half - sum(fit[:-1])
+        text.rope_parameters = {**(text.rope_parameters or {}), "mrope_section": fit}
+        return
+
+
+def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
+    """(the tiny multimodal model of `model_type`, its language model `tiny_config`'s, its towers at TOWER's sizes,
+    fp32, eager attention, train mode; '') or (None, why not)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            default = cls()
+            text = tiny_config(default.text_config.model_type)
+            kw = {"text_config": text.to_dict()}
+            for key in cls.sub_configs:
+                part = getattr(default, key, None)
+                if key != "text_config" and hasattr(part, "to_dict"):
+                    kw[key] = tower(part).to_dict()
+            config = cls(**kw)
+            lm = getattr(transformers, wrapper_types()[model_type])
+            with torch.device("meta"):
+                built = lm._from_config(config, attn_implementation="eager")
+            size = sum(p.numel() for p in built.parameters())
+            rope_sections_fit(built, config.text_config)
+            if size > WRAPPER_PARAMETERS:
+                return None, f"no tiny model: {size / 1e6:.0f}M parameters at the census's sizes"
+            torch.manual_seed(seed)
+            model = lm._from_config(config, attn_implementation="eager").float()
+    except Exception as exc:  # a sub-config the census cannot shrink (timm towers, validators across sub-configs)
+        return None, f"no tiny model: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return model.train(), ""
+
+
 PACKED = [[7, 9, 8], [11, 13]]  # document lengths of two packed rows
 
 

@@ -1,0 +1,103 @@
+"""The multimodal census: every multimodal model of the installed transformers around a language model, served
+through `apply_patch(model=...)` on a batch of text exactly as unpatched, or refused by name.
+
+Real checkpoints of the families people fine-tune are often these wrappers (Gemma 3 from 4B up, Llama 4, Mistral Small
+3.1, Qwen3.5, LLaVA-OneVision, InternVL, SmolVLM): each hands its language model what its own forward chose (masks it
+built, the head's `logits_to_keep`, a bidirectional config), which the causal-LM census never sees. Each is built tiny
+(`census.tiny_wrapper`: the language model at the census's sizes, its towers shrunk) and compared with itself
+unpatched on eager attention: a mixed-padded training step (loss and every gradient) and left-padded greedy
+generation. Images are the VL families' own tests' (`test_qwen_vl.py`, `test_vision_language.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from census import tiny_wrapper, wrapper_types
+from models import labels_for, padded_batch
+from packaging.version import Version
+
+import patchkit
+from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
+from patchkit.hooks.install.registry import for_model
+
+pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.0"),
+                                reason="families from data: transformers 5.x")
+ATOL = 5e-5
+SAFE = 5  # a text token id no tiny model gives a meaning
+
+
+def text_only(model: torch.nn.Module, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded batch of text: ids within the language model's vocabulary, none of the model's special tokens."""
+    ids, mask = padded_batch(side, batch=3, seq=16)
+    ids = ids.clamp(max=model.config.get_text_config().vocab_size - 1)
+    special = {v for k, v in model.config.to_dict().items()
+               if isinstance(v, int) and k.endswith(("token_id", "token_index")) and k not in ("pad_token_id",)}
+    for token in special - {SAFE}:
+        ids = ids.masked_fill(ids == token, SAFE)
+    return ids, mask
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def differs(got: tuple, want: tuple) -> str:
+    """'' when the loss and every gradient agree, else what differed."""
+    if not (got[0] - want[0]).abs().item() <= ATOL * max(1.0, want[0].abs().item()):
+        return f"the loss differs by {(got[0] - want[0]).abs().item():.2g}"
+    if got[1].keys() != want[1].keys():
+        return f"gradients of other parameters: {sorted(got[1].keys() ^ want[1].keys())[:3]}"
+    for name, grad in want[1].items():
+        d = (got[1][name] - grad).abs().max().item()
+        if not d <= ATOL * max(1.0, grad.abs().max().item()):
+            return f"the gradient of {name} differs by {d:.2g}"
+    return ""
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    try:
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    finally:
+        model.train()
+
+
+@pytest.mark.parametrize("model_type", list(wrapper_types()))
+def test_wrapper_census(model_type):
+    model, why = tiny_wrapper(model_type)
+    if model is None:
+        pytest.skip(why)
+    ids, mask = text_only(model, "mixed")
+    try:
+        want = train_step(model, ids, mask)
+    except Exception as exc:  # a model that needs its images (BLIP's, Kosmos-2's pixel_values) for any forward
+        pytest.skip(f"no text-only forward unpatched: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+    text_type = model.config.get_text_config().model_type
+    try:
+        for_model(model)
+        served = True
+    except PatchTargetError:
+        served = False
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    try:
+        handle = patchkit.apply_patch(model=model, backend="sdpa")
+    except PatchkitError as refused:
+        # a language model patchkit does not serve, by its family; a served one only by a config it refuses
+        assert isinstance(refused, PatchGateError if served else PatchTargetError), f"{model_type}: {refused}"
+        assert {name: m.forward for name, m in model.named_modules()} == forwards, "a refusal left patches behind"
+        pytest.skip(f"refused: {str(refused)[:160]}")
+    assert served, f"{model_type}: its language model ({text_type}) is not served, yet apply_patch patched it"
+    with handle:
+        got = train_step(model, ids, mask)
+        assert handle.calls > 0 and not handle.stepped_aside, (model_type, handle.calls, handle.stepped_aside)
+    assert not differs(got, want), f"{model_type} ({text_type}): {differs(got, want)}"
+    prompt = text_only(model, "left")
+    want_tokens = greedy(model, *prompt)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got_tokens = greedy(model, *prompt)
+    assert torch.equal(got_tokens, want_tokens), f"{model_type}: generation differs ({dict(handle.stepped_aside)})"
