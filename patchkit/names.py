@@ -38,6 +38,7 @@ PATCH_MODULES = {
     "qwen2_5_vl": "patchkit.patches.qwen2_5_vl",
     "qwen3_vl": "patchkit.patches.qwen3_vl",
     "qwen3_vl_moe": "patchkit.patches.qwen3_vl_moe",
+    "glm4v": "patchkit.patches.glm4v",
 }
 ALIASES = {"llama": "llama2"}
 

@@ -21,7 +21,7 @@ if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.54", allow_module_level=True)
 
 # Qwen3-VL and Qwen3-VL-MoE from 4.57
-FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") if served_here(f)]
+FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v") if served_here(f)]
 QWEN3 = {"qwen3_vl", "qwen3_vl_moe"}
 # 2D position_ids become Qwen3-VL's text row; Qwen2-VL's expand to RoPE rows, handed on as text positions before 4.57
 TWO_D_PACKS = QWEN3 | ({"qwen2_vl", "qwen2_5_vl"} if Version(transformers.__version__) < Version("4.57") else set())
