@@ -39,6 +39,7 @@ PATCH_MODULES = {
     "qwen3_vl": "patchkit.patches.qwen3_vl",
     "qwen3_vl_moe": "patchkit.patches.qwen3_vl_moe",
     "glm4v": "patchkit.patches.glm4v",
+    "glm4v_moe": "patchkit.patches.glm4v_moe",
 }
 ALIASES = {"llama": "llama2"}
 

@@ -17,16 +17,19 @@ WINDOWED = {"mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starc
             "qwen2_moe", "qwen3_moe"}  # WINDOW bites
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "granite", "starcoder2", "olmo2",
             "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-            "qwen3_vl_moe", "glm4v"]
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe"}  # sparse experts: router logits, a load-balancing loss
+            "qwen3_vl_moe", "glm4v", "glm4v_moe"]
+# sparse experts: router logits, a load-balancing loss
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "glm4v_moe"}
 # RoPE rows (time, height, width), text row
-MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"}
+MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"}
 MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}  # of head_dim 8's 4 rotary frequencies
 QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
                  "mrope_section": MROPE["mrope_section"]}
 QWEN3_VL_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
                        spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
 GLM4V_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE["mrope_section"]}
+GLM4V_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
+                    image_size=28, spatial_merge_size=2, temporal_patch_size=2)
 ROPE_KEY = "rope_parameters" if Version(tf.__version__) >= Version("5.0") else "rope_scaling"  # its name in 4.x
 VL_TOKENS = dict(vocab_size=VOCAB, pad_token_id=0, image_token_id=VOCAB - 3, video_token_id=VOCAB - 2,
                  vision_start_token_id=VOCAB - 1)  # vocab_size at the top too: the loss reads it there before 4.56
@@ -91,9 +94,13 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
         "glm4v": lambda: tf.Glm4vForConditionalGeneration(tf.Glm4vConfig(
             text_config=dict(**{ROPE_KEY: GLM4V_ROPE}, partial_rotary_factor=0.5, attention_bias=True,
                              **{**common, "hidden_size": 64}),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
-                               patch_size=14, image_size=28, spatial_merge_size=2, temporal_patch_size=2),
-            attn_implementation="eager", image_start_token_id=VOCAB - 1, **VL_TOKENS)),
+            vision_config=GLM4V_VISION, attn_implementation="eager", image_start_token_id=VOCAB - 1, **VL_TOKENS)),
+        # GLM-4.5V: the same with GLM-4.5's experts (sigmoid router, a shared expert, layer 0 dense)
+        "glm4v_moe": lambda: tf.Glm4vMoeForConditionalGeneration(tf.Glm4vMoeConfig(
+            text_config=dict(**{ROPE_KEY: GLM4V_ROPE}, partial_rotary_factor=0.5, attention_bias=True,
+                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                             first_k_dense_replace=1, router_aux_loss_coef=0.5, **{**common, "hidden_size": 64}),
+            vision_config=GLM4V_VISION, attn_implementation="eager", image_start_token_id=VOCAB - 1, **VL_TOKENS)),
     }
     if Version(tf.__version__) >= Version(FAMILIES_FROM) and not served_here(model_type):  # before it: refusal tests
         from patchkit.hooks.install.registry import resolve

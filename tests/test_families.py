@@ -57,7 +57,7 @@ def test_a_mixture_of_experts_load_balancing_loss_and_router_logits_match_eager(
     if getattr(plain, "router_logits", None) is None:  # Qwen3-VL-MoE's output has no such field in 5.0 and 5.1
         return
     real = mask.flatten().bool()
-    assert len(patched.router_logits) == len(plain.router_logits) == 2
+    assert len(patched.router_logits) == len(plain.router_logits) > 0  # a layer each (GLM-4.5V's first is dense)
     for ours, theirs in zip(patched.router_logits, plain.router_logits):
         assert ours.shape == theirs.shape == (mask.numel(), 4)
         torch.testing.assert_close(ours[real], theirs[real], atol=ATOL, rtol=1e-4)

@@ -175,7 +175,7 @@ def test_available_patches_lists_the_registry():
     patches = {p["name"]: p for p in patchkit.available_patches()}
     assert set(patches) == {"llama1", "llama2", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
                             "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe", "qwen3_moe",
-                            "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"}
+                            "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"}
     assert patches["llama2"]["aliases"] == ["llama"]
     assert patches["llama2"]["transformers"] == ">=4.31,<6" and patches["mistral"]["transformers"] == ">=4.53,<6"
     assert patches["gemma3_text"]["model_types"] == ["gemma3_text"]

@@ -48,7 +48,11 @@ def multimodal_rope(config: Any) -> bool:
 
 
 def config_text_positions(config: Any, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """`text_positions` for a model of `config` (what transformers' mask preprocessing is handed)."""
+    """`text_positions` for a model of `config` (what transformers' mask preprocessing is handed). RoPE rows without
+    their text row, (3, B, S) as GLM-4.5V's text model hands its layers, mark no documents: transformers builds its
+    mask from the text row alone."""
+    if position_ids.dim() > 2:
+        return None
     if not multimodal_rope(config) or position_ids.dim() != 2:
         return position_ids
     later = position_ids[..., 1:]

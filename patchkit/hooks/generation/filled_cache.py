@@ -23,10 +23,12 @@ from patchkit.hooks.install.model_walk import modeling_files
 # The modeling files whose base model forward, in eval mode with use_cache and no cache given, makes a DynamicCache
 # (read in each, transformers 4.53.3, 4.54.1, 4.55.4, 4.56.2, 4.57.6 and 5.23.0; the MoE families and phi in 4.53.3,
 # 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen2_vl and qwen2_5_vl in 4.54.1, 4.56.2, 4.57.6, 5.0.0 and 5.23.0; qwen3_vl in
-# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 4.57.6, 5.0.0, 5.3.0 and 5.23.0; glm4v in 5.0.0, 5.23.0, 5.24.0 and 5.25.0).
+# 4.57.6, 5.0.0 and 5.23.0, qwen3_vl_moe in 4.57.6, 5.0.0, 5.3.0 and 5.23.0; glm4v and glm4v_moe in 5.0.0, 5.23.0
+# and 5.25.0).
 OWN_DYNAMIC_CACHE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
                                "granite", "starcoder2", "olmo2", "smollm3", "glm4", "mixtral", "qwen2_moe",
-                               "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"})
+                               "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v",
+                               "glm4v_moe"})
 # Those whose base model forward makes no cache in training before transformers 5.0, asked or not (`use_cache and
 # past_key_values is None and not self.training`; read in 4.53.3, 4.56.2 and 4.57.6).
 NO_TRAINING_CACHE_BEFORE_5 = frozenset({"gemma2", "gemma3"})
