@@ -40,6 +40,7 @@ MODELING_LLAMA = "transformers.models.llama.modeling_llama"
 FAMILY_MODULES = (MODELING_LLAMA, *(f"transformers.models.{m}.modeling_{m}" for m in (
     "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "granite", "starcoder2", "olmo2", "smollm3",
     "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "phi", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+    "glm4v", "glm4v_moe",
 )))
 
 _owner: Optional[str] = None  # who decides about patching in this process instead of PATCHKIT_FLASH_ATTN
