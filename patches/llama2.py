@@ -18,4 +18,5 @@ SPEC = PatchSpec(
     attention_class=eras.attention_class,
     live_layers=eras.live_layers,
     aliases=("llama",),
+    outer_heads=eras.outer_head_replacements,
 )

@@ -203,7 +203,22 @@ def _adopt(model: nn.Module) -> bool:
     group's options, before its first forward. True when it was patched now. (The families whose module was imported
     before `apply_patch()`, whose models may be built already, get theirs then.)"""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return _adopt_type(model_type, f"{type(model).__name__} (model_type {model_type!r})")
+    adopted = _adopt_type(model_type, f"{type(model).__name__} (model_type {model_type!r})")
+    _wrap_outer_heads(model)
+    return adopted
+
+
+def _wrap_outer_heads(model: nn.Module) -> None:
+    """A whole model built under a class patch: its generative heads of other modeling modules around a served
+    language model (LLaVA's around LLaMA's) are wrapped on the instance like the family's causal LM, under the patch
+    that serves it (its revert unwraps them)."""
+    if unserved.built_inside_another(model):
+        return  # the whole model's own post_init comes last
+    for key, handle in list(ACTIVE.items()):
+        if key[0] == "class":
+            replacements = handle.spec.outer_heads(handle.state, model)
+            apply_replacements(replacements)
+            handle.replacements.extend(replacements)
 
 
 def _adopt_type(model_type: Any, what: str) -> bool:

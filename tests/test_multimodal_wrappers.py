@@ -149,3 +149,100 @@ def test_an_embedding_gemma_encoder_under_a_class_patch_runs_as_unpatched():
     assert any("(use_bidirectional_attention)" in str(w.message) for w in caught)
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], atol=0, rtol=0)
+
+
+# around LLaMA, Mistral and Qwen2, each class in a modeling module of its own
+WRAPPERS = ["llava", "mistral3", "internvl"]
+
+
+def wrapper(model_type: str) -> torch.nn.Module:
+    from census import tiny_wrapper
+
+    model, why = tiny_wrapper(model_type)
+    assert model is not None, why
+    return model
+
+
+def padding_reads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of labels predicted from padding (labels = input_ids, as a script without a collator writes them) and
+    greedy generation from right-padded prompts: both read the logits at padding positions."""
+    ids, mask = text_batch()["input_ids"], text_batch()["attention_mask"]
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.detach()
+    right = text_batch("right")
+    model.eval()
+    try:
+        tokens = model.generate(input_ids=right["input_ids"], attention_mask=right["attention_mask"],
+                                max_new_tokens=3, do_sample=False, pad_token_id=0)
+    finally:
+        model.train()
+    return loss, tokens
+
+
+@pytest.mark.parametrize("way", ["instance", "class"])
+@pytest.mark.parametrize("model_type", WRAPPERS)
+def test_a_multimodal_model_of_another_module_reads_padding_as_unpatched(model_type, way):
+    """LLaVA, Mistral 3 and InternVL compute their head and loss over every position of what their language model
+    returns, in a class patchkit did not wrap (only the family's own causal LM and the multimodal models of its own
+    modeling module were): labels predicted from padding gave another loss (0.007-0.02 off) and right-padded
+    generation other tokens, silently. Wrapped on the instance now (apply_patch(model=...), or as a class patch
+    builds it), they step aside there by name, and a batch labelled -100 at padding still runs patched."""
+    want = padding_reads(wrapper(model_type))
+    with patchkit.apply_patch(model=wrapper(model_type) if way == "instance" else None, backend="sdpa") as patch:
+        model = wrapper(model_type) if way == "class" else patch._model()
+        assert "forward" in vars(model)  # its own forward wrapped on the instance
+        got = padding_reads(model)
+        handle = patch if way == "instance" else patch.handle_for(model)
+        assert handle.stepped_aside == {"labels_from_padding": 1, "right_padded_generation": 1}
+        calls = handle.calls
+        model(**text_batch(), use_cache=False)
+        assert handle.calls == calls + 2 and sum(handle.stepped_aside.values()) == 2
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    assert torch.equal(got[1], want[1])
+    assert "forward" not in vars(model)  # the revert unwrapped it
+
+
+def test_one_built_before_the_class_patch_steps_aside_by_name():
+    """A LLaVA built before `apply_patch()` (no model=): its class patch serves LLaMA's layers, but no wrapper of
+    patchkit's tells them what LLaVA's head reads. Found by the calling frames, its padded forwards step aside
+    (`head_outside_patch`): the unpatched loss; strict refuses, naming the fix."""
+    model = wrapper("llava")
+    want = padding_reads(model)
+    with pytest.warns(RuntimeWarning, match=r"\(head_outside_patch\)"):
+        with patchkit.apply_patch(backend="sdpa") as group:
+            got = padding_reads(model)
+    assert group.stepped_aside == {"head_outside_patch": 4}  # the loss, the prefill and two decode steps
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    assert torch.equal(got[1], want[1])
+    with patchkit.apply_patch(backend="sdpa", strict=True):
+        with pytest.raises(PatchInputError, match=r"apply_patch\(model=\.\.\.\) on the whole model"):
+            model(**text_batch())
+
+
+def test_llama4s_multimodal_model_tells_its_causal_lm_of_labels_at_padding():
+    """Llama 4's multimodal model holds the labels and calls its causal LM without them: the causal LM's wrapper said
+    'nothing read at padding' over the outer call's word, and the loss differed silently. An LM call inside another
+    keeps what the outer call reads: it steps aside, the unpatched loss."""
+    model = wrapper("llama4")
+    ids, mask = text_batch()["input_ids"], text_batch()["attention_mask"]
+    want = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert handle.stepped_aside == {"labels_from_padding": 1}
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_sequence_classifier_is_no_generative_head_and_runs_patched():
+    """A reward model's head reads each row's last real token (the last that is not the pad token, as a tokenizer
+    pads): LlamaForSequenceClassification takes labels but does not generate, so neither the wrapping nor the caller
+    check touches it; its padded batch runs patched, as unpatched."""
+    config = tf.LlamaConfig(**TEXT)
+    torch.manual_seed(0)
+    model = tf.LlamaForSequenceClassification._from_config(config, attn_implementation="eager").eval()
+    batch = text_batch("right")
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, TEXT["pad_token_id"])
+    with torch.no_grad():
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with patchkit.apply_patch(backend="sdpa") as group:
+            got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert group.calls == 2 and not group.stepped_aside
+    torch.testing.assert_close(got, want, atol=3e-6, rtol=1e-5)

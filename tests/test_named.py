@@ -135,11 +135,13 @@ def test_an_adopted_model_pickles_as_transformers_own(pair):
 
 def test_nothing_on_patchkits_path_reads_the_call_stack():
     """Decisions come from the calls patchkit wraps, never from frames up the stack; only the warnings' own line
-    finder (`warn.py`), the build-time judgment of a model's parts (`unserved.py`) and the proof that a causal LM's
+    finder (`warn.py`), the build-time judgment of a model's parts (`unserved.py`), the proof that a causal LM's
     caller reads its loss alone (`loss_reader.py`, the HF Trainer's own step, and `caller_code.py`, a caller's own
-    code: where they cannot prove it, the logits are returned as ever) read frames."""
+    code: where they cannot prove it, the logits are returned as ever) and the check that a served language model
+    runs inside a generative head no wrapper of patchkit's tells it about (`outer_caller.py`, once per base model:
+    it can only step aside) read frames."""
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
-    assert readers == ["hooks/forwards/unserved.py", "hooks/head/caller_code.py", "hooks/head/loss_reader.py",
-                       "warn.py"]
+    assert readers == ["hooks/decide/outer_caller.py", "hooks/forwards/unserved.py", "hooks/head/caller_code.py",
+                       "hooks/head/loss_reader.py", "warn.py"]

@@ -5,8 +5,11 @@ Real checkpoints of the families people fine-tune are often these wrappers (Gemm
 3.1, Qwen3.5, LLaVA-OneVision, InternVL, SmolVLM): each hands its language model what its own forward chose (masks it
 built, the head's `logits_to_keep`, a bidirectional config), which the causal-LM census never sees. Each is built tiny
 (`census.tiny_wrapper`: the language model at the census's sizes, its towers shrunk) and compared with itself
-unpatched on eager attention: a mixed-padded training step (loss and every gradient) and left-padded greedy
-generation. Images are the VL families' own tests' (`test_qwen_vl.py`, `test_vision_language.py`).
+unpatched on eager attention: a mixed-padded training step (loss and every gradient), left-padded greedy generation,
+what reads the logits at padding (labels predicted from padding, right-padded generation), which the wrapper must
+tell its language model about, and two steps under `unpad="loss"` (its head on the labelled rows, named in the
+report). Images are the VL families' own tests' (`test_qwen_vl.py`,
+`test_vision_language.py`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ def differs(got: tuple, want: tuple) -> str:
     return ""
 
 
+def padding_reads(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """What reads the logits at padding positions: the loss of labels predicted from padding (labels = input_ids)
+    and greedy generation from right-padded prompts (both step aside under the patch, exact)."""
+    ids, mask = text_only(model, "mixed")
+    with torch.no_grad():
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+    return loss, greedy(model, *text_only(model, "right"))
+
+
 def greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     model.eval()
     try:
@@ -97,7 +109,14 @@ def test_wrapper_census(model_type):
         assert handle.calls > 0 and not handle.stepped_aside, (model_type, handle.calls, handle.stepped_aside)
     assert not differs(got, want), f"{model_type} ({text_type}): {differs(got, want)}"
     prompt = text_only(model, "left")
-    want_tokens = greedy(model, *prompt)
+    want_tokens, want_reads = greedy(model, *prompt), padding_reads(model)
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
-        got_tokens = greedy(model, *prompt)
+        got_tokens, got_reads = greedy(model, *prompt), padding_reads(model)
     assert torch.equal(got_tokens, want_tokens), f"{model_type}: generation differs ({dict(handle.stepped_aside)})"
+    assert torch.equal(got_reads[0], want_reads[0]), f"{model_type}: the loss of labels at padding differs"
+    assert torch.equal(got_reads[1], want_reads[1]), f"{model_type}: right-padded generation differs"
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
+        alone = [train_step(model, ids, mask) for _ in range(2)]  # the first checks the head, the second runs as found
+        assert sum(handle.heads.values()) == 2, f"{model_type}: its head ran unnamed in the report ({handle.heads})"
+    for got in alone:
+        assert not differs(got, want), f"{model_type} under unpad='loss' ({handle.heads}): {differs(got, want)}"

@@ -91,6 +91,13 @@ def instance_replacements(state: PatchState, model: nn.Module) -> list[Replaceme
     return family_route.instance_replacements(state, model, llama_classes)
 
 
+def outer_head_replacements(state: PatchState, model: nn.Module) -> list[Replacement]:
+    """A model built under the class patch: its multimodal heads around LLaMA (LLaVA's), from 4.48."""
+    if legacy_installed():
+        return []
+    return family_route.outer_head_replacements(state, model, llama_classes)
+
+
 def live_layers(model: nn.Module, state: PatchState) -> tuple[int, int]:
     """(LLaMA attention layers that run through `state`, LLaMA attention layers in `model`)."""
     if not legacy_installed():

@@ -24,12 +24,13 @@ from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.gates import GateResult
 from patchkit.hooks.attention.varlen import KV_PACKED
+from patchkit.hooks.decide.outer_caller import generative_head
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.install.model_walk import find_modules
-from patchkit.hooks.install.patching import Replacement, bound_replacement, dressed_as
+from patchkit.hooks.install.patching import BoundPatch, Replacement, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import PatchSpec
 from patchkit.hooks.install.routing import current_method, make_attention_forward, rerouting, routes_to
 from patchkit.hooks.install.state import PatchState
@@ -87,6 +88,7 @@ def family_spec_of(
         verified=verified,
         check_model=check_model,
         model_gate=model_gate,
+        outer_heads=lambda state, model: outer_head_replacements(state, model, classes, unpad),
     )
 
 
@@ -154,6 +156,7 @@ def instance_replacements(
     for m in (m for outer in vision_lms(lm) for m in find_modules(model, outer)):
         forward = outer_forward(current_method(m), False, unpad or state.unpad, state)
         out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
+    out += outer_head_replacements(state, model, classes, unpad)
     for records in (r for r in recording if r is not lm):
         for m in find_modules(model, records):
             out.append(bound_replacement(make_recording_forward(current_method(m)), m, "forward",
@@ -184,6 +187,36 @@ def outer_forward(original: Callable, records: bool, unpad: str, state: PatchSta
     """The causal LM's wrapped forward; one that records router logits of its own returns the repadded ones."""
     forward = make_lm_forward(original, unpad, state)
     return make_recording_forward(forward) if records else forward
+
+
+def outer_heads(model: nn.Module, base: type, lm: Optional[type]) -> list[nn.Module]:
+    """The transformers models in `model` (itself included) that generate from a `base` model inside them, reading
+    its logits at every position (`generative_head`), and that the family's own LM classes do not cover: a multimodal
+    model of another modeling module around the family's language model (LLaVA, Mistral 3, InternVL, SmolVLM around
+    LLaMA, Mistral, Qwen2). Those already wrapped on the instance are left out."""
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    own = tuple(c for c in (lm, *vision_lms(lm)) if c is not None)
+    return [m for m in model.modules()
+            if isinstance(m, pretrained) and not isinstance(m, (base, *own)) and not ours(m)
+            and generative_head(type(m)) and find_modules(m, base)]
+
+
+def ours(module: nn.Module) -> bool:
+    """`module.forward` on the instance is a wrapper of patchkit's (an instance patch's, an adoption's)."""
+    return isinstance(vars(module).get("forward"), BoundPatch)
+
+
+def outer_head_replacements(
+    state: PatchState, model: nn.Module, classes: Callable, unpad: Optional[str] = None
+) -> list[Replacement]:
+    """`outer_heads` of `model` wrapped on the instance like the causal LM: each tells its language model what of its
+    call reads padding positions (labels predicted from padding, generate()'s next token at padding) and runs its
+    head on the real tokens. Without it such a model's padding-predicted loss and right-padded generation differed
+    from unpatched, silently."""
+    _, base, lm = classes()
+    return [bound_replacement(outer_forward(current_method(m), False, unpad or state.unpad, state), m, "forward",
+                              f"{type(m).__name__}.forward (its language model's head and loss)", state.track_copy)
+            for m in outer_heads(model, base, lm)]
 
 
 def vision_lms(lm: Optional[type]) -> tuple[type, ...]:

@@ -120,6 +120,14 @@ CAUSES = {
         "the one this model was loaded with",
         "none needed: such a model runs on transformers' attention; apply_patch(model=...) refuses it",
     ),
+    "head_outside_patch": (
+        "the language model runs inside a multimodal model of another modeling module (LLaVA's around LLaMA's) that "
+        "patchkit did not wrap: it was built before the class patch, or only its language model was patched. Its "
+        "head reads the logits at every position (labels predicted from padding, generate()'s next token), which "
+        "its language model cannot see",
+        "apply_patch() before loading the model, or apply_patch(model=...) on the whole model: patchkit then wraps "
+        "its head, and its padded batches run patched",
+    ),
     "unread_cache": (
         "the forward was given `past_key_values`, which this family's forward does not read: it takes its cache as "
         "`cache`, and transformers renames the old name for most families but not this one, so it runs on no past",
@@ -181,6 +189,8 @@ BRIEF = {
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "use_bidirectional_attention": ("attention layers that are not causal (PaliGemma's, an encoder's)",
                                     "none needed"),
+    "head_outside_patch": ("a multimodal model patchkit did not wrap runs its head over every position",
+                           "apply_patch() before loading, or apply_patch(model=...) on the whole model"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),

@@ -31,6 +31,7 @@ from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
+from patchkit.hooks.decide.outer_caller import head_outside_patch
 from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
@@ -103,6 +104,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None:
         return config
+    if not is_compiling() and head_outside_patch(module) is not None and padded(arguments.get("attention_mask")):
+        return "head_outside_patch"  # LLaVA built before the class patch: its head reads what it cannot say
     if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")) and (
             not loads_flash_masks(attn_name(module.config))):  # a flash attention computes none at padding either
         return "padding_into_mixer"
@@ -123,6 +126,11 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def padded(mask: Any) -> bool:
+    """A 2D mask with a padding position."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
 
 
 def mask_short_of_keys(mask: Any, cache: Any) -> bool:

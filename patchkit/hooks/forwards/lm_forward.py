@@ -13,6 +13,7 @@ from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import check_one_cache, resolved_use_cache, transformers_mask_in_graph
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
+from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
 from patchkit.hooks.head.fused_head import fused_head
@@ -68,7 +69,10 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
-        cause = lm_cause(arguments, extra, self.training, takes_keep)
+        # a call inside another LM's (Llama 4's causal LM in its multimodal model, which holds the labels) keeps what
+        # that call reads at padding
+        cause = lm_cause(arguments, extra, self.training, takes_keep) or (None if is_compiling() else
+                                                                           current().lm_cause)
         if cause is None and not is_compiling():
             alone = reads_alone(self, arguments, extra)
             if unpad in WHOLE_MODEL or alone:
@@ -100,6 +104,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         out, head = eager_run_lm(original, self, args, kwargs, eager_ask(self, arguments, extra, alone))
         return eager_finish(self, out, head, labelled(arguments, extra), heads)
 
+    LM_WRAPPERS.add(forward.__code__)  # its frame tells a base model's caller check that this call is told
     eager_with_head, eager_ask = torch._dynamo.disable(with_head, recursive=False), torch._dynamo.disable(ask)
     eager_reads_alone = torch._dynamo.disable(reads_alone)
     return dressed_as(forward, original, signature)

@@ -36,6 +36,8 @@ class PatchSpec:
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
     verified: bool = True  # the census saw it exact on CI's transformers (else: a self-check before the first forward)
+    # a model built under the class patch: its generative heads of other modeling modules, wrapped on the instance
+    outer_heads: Callable[[PatchState, nn.Module], list[Replacement]] = lambda state, model: []
 
     @property
     def family(self) -> str:

@@ -26,6 +26,7 @@ from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
+from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
@@ -150,13 +151,14 @@ def lm_forward(call: Callable) -> Callable:
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         if binder[3] and extra.get("past_key_values") is not None:
             cause = "unread_cache"  # transformers runs this forward on no past: so does its step aside
-        else:
-            cause = lm_cause(arguments, extra, self.training, binder[2])
-        if cause is None and current().lm_cause is None:
+        else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
+            cause = lm_cause(arguments, extra, self.training, binder[2]) or current().lm_cause
+        if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
             return call(self, *args, **kwargs)
 
+    LM_WRAPPERS.add(forward.__code__)  # its frame tells a base model's caller check that this call is told
     return forward
 
 

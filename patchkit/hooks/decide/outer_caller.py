@@ -1,0 +1,65 @@
+"""Whether a served base model runs inside a generative head that no patchkit wrapper tells it about.
+
+A multimodal model of another modeling module (LLaVA around LLaMA's) computes its head and loss over every position
+of the batch its language model returns. patchkit wraps such a head on the instance when a whole model is built under
+a class patch or patched by `apply_patch(model=...)` (`family_route.outer_heads`); one built before the class patch,
+or whose language model alone was patched, is not wrapped, so its base model cannot know whether the call reads
+padding positions (labels predicted from padding, generate()'s next token). Found by the calling frames, it steps
+aside (`head_outside_patch`), exact.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Optional
+
+from torch import nn
+
+from patchkit.hooks.install.patching import BoundPatch
+
+CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read
+# a forward: a WeakSet's lookup would build a weak reference every call)
+_generative: dict[type, bool] = {}
+LM_WRAPPERS: set = set()  # the code of patchkit's causal-LM wrappers (the patch's, the registered name's)
+
+
+def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
+    """The generative head around `base` that called it where no LM wrapper of patchkit's is on the way, else None.
+    Read off the calling frames once per base model (every call while one is found: the user may patch it since)."""
+    if vars(base).get(CLEAN):
+        return None
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    found, frame = None, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in LM_WRAPPERS:  # a wrapper of patchkit's tells the base model about its call
+            found = None
+            break
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if (owner is not base and isinstance(owner, pretrained) and generative_head(type(owner))
+                and any(m is base for m in owner.modules())):
+            if wrapped(owner):  # its wrapper speaks (a frame torch.compile rewrote is not the wrapper's own code)
+                found = None
+                break
+            found = found or owner
+        frame = frame.f_back
+    if found is None:
+        vars(base)[CLEAN] = True
+    return found
+
+
+def generative_head(cls: type) -> bool:
+    """`cls` generates and its forward takes labels: it computes its head and loss over the logits at every
+    position (a sequence classifier, which reads its last real token, does not generate)."""
+    if cls not in _generative:
+        generation = importlib.import_module("transformers.generation").GenerationMixin
+        _generative[cls] = issubclass(cls, generation) and "labels" in inspect.signature(cls.forward).parameters
+    return _generative[cls]
+
+
+def wrapped(module: nn.Module) -> bool:
+    """`module.forward` is patchkit's: on the instance, or on its class or a base class (a LLaVA repo's subclass of
+    LlamaForCausalLM calls the class patch's forward through `super()`)."""
+    return isinstance(vars(module).get("forward"), BoundPatch) or any(
+        hasattr(vars(cls).get("forward"), "__wrapped_original__") for cls in type(module).__mro__)
