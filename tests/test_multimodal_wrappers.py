@@ -246,3 +246,21 @@ def test_a_sequence_classifier_is_no_generative_head_and_runs_patched():
             got = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     assert group.calls == 2 and not group.stepped_aside
     torch.testing.assert_close(got, want, atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llava", "mistral3", "llama4"])
+def test_under_the_registered_name_per_part_a_multimodal_model_reads_padding_as_unpatched(model_type):
+    """attn_implementation={'text_config': 'patchkit', ...}: the multimodal model's own config keeps the name it was
+    loaded with, so its wrapper, asking that config, told its language model nothing, and labels predicted from
+    padding gave another loss (0.002-0.004 off) silently. The wrapper reads its language model's name: the unpatched
+    loss and tokens (both forwards step aside, warned once a process)."""
+    import copy
+
+    model = wrapper(model_type)
+    want = padding_reads(model)
+    named = copy.deepcopy(model)
+    parts = {key: "sdpa" for key in type(named.config).sub_configs if key != "text_config"}
+    named.set_attn_implementation({"text_config": "patchkit", **parts})
+    got = padding_reads(named)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    assert torch.equal(got[1], want[1])

@@ -140,8 +140,8 @@ def lm_forward(call: Callable) -> Callable:
     name alone steps aside there by its mask (`graph_plan`)."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if in_one_graph() or not names_patchkit(self.config):
-            return call(self, *args, **kwargs)
+        if in_one_graph() or not (names_patchkit(self.config) or names_patchkit(text_config(self.config))):
+            return call(self, *args, **kwargs)  # a multimodal model named per part: its language model's name
         binder = _binders.get(type(self))
         if binder is None:
             signature, var_kw, bind, _ = bound_call(type(self).forward)
