@@ -8,11 +8,13 @@ built, the head's `logits_to_keep`, a bidirectional config), which the causal-LM
 unpatched on eager attention: a mixed-padded training step (loss and every gradient), left-padded greedy generation,
 what reads the logits at padding (labels predicted from padding, right-padded generation), which the wrapper must
 tell its language model about, and two steps under `unpad="loss"` (its head on the labelled rows, named in the
-report). Images are the VL families' own tests' (`test_qwen_vl.py`,
-`test_vision_language.py`).
+report); then the step and those reads under the registered name given to its language model alone. Images are the
+VL families' own tests' (`test_qwen_vl.py`, `test_vision_language.py`).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -120,3 +122,10 @@ def test_wrapper_census(model_type):
         assert sum(handle.heads.values()) == 2, f"{model_type}: its head ran unnamed in the report ({handle.heads})"
     for got in alone:
         assert not differs(got, want), f"{model_type} under unpad='loss' ({handle.heads}): {differs(got, want)}"
+    named = copy.deepcopy(model)  # the registered name for the language model alone, the towers on sdpa
+    named.set_attn_implementation({"text_config": "patchkit",
+                                   **{key: "sdpa" for key in type(named.config).sub_configs if key != "text_config"}})
+    assert not differs(train_step(named, ids, mask), want), f"{model_type} under the registered name"
+    got_reads = padding_reads(named)
+    assert torch.equal(got_reads[0], want_reads[0]), f"{model_type}: the name's loss of labels at padding differs"
+    assert torch.equal(got_reads[1], want_reads[1]), f"{model_type}: the name's right-padded generation differs"
