@@ -88,6 +88,21 @@ def worker(provider: str, vocab: int, scale: float = 1.0, sharding: str = "zero3
     dist.barrier()
 
 
+def end_process_group() -> None:
+    """A rank ends its process groups, then the process, without interpreter teardown: left to it, gloo's threads
+    (DeepSpeed's and accelerate's subgroups' too) died under a live peer and one rank aborted ("terminate called
+    without an active exception") after its row was printed, twice in CI under load (as the test scripts' own
+    `end_process_group`, tests/user_scripts/common.py, found before)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def zero3_step(llama: Any) -> Callable[..., float]:
     """The model built inside zero.Init under a DeepSpeed engine (every weight partitioned): its training step."""
     import deepspeed
@@ -162,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.vocab, args.scale, args.sharding)
-        return
+        end_process_group()
     rows = [run(p, args.vocab, args.scale, args.sharding) for p in args.providers]
     base = next((r for r in rows if r["provider"] == "hf_sdpa"), rows[0])
     print("| provider | real tokens | step s | peak MiB (per rank) | x HF sdpa | loss |")
