@@ -24,13 +24,13 @@ from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.gates import GateResult
 from patchkit.hooks.attention.varlen import KV_PACKED
-from patchkit.hooks.decide.outer_caller import generative_head
+from patchkit.hooks.decide.outer_caller import generative_head, wrapped
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.install.model_walk import find_modules
-from patchkit.hooks.install.patching import BoundPatch, Replacement, bound_replacement, dressed_as
+from patchkit.hooks.install.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import PatchSpec
 from patchkit.hooks.install.routing import current_method, make_attention_forward, rerouting, routes_to
 from patchkit.hooks.install.state import PatchState
@@ -193,17 +193,12 @@ def outer_heads(model: nn.Module, base: type, lm: Optional[type]) -> list[nn.Mod
     """The transformers models in `model` (itself included) that generate from a `base` model inside them, reading
     its logits at every position (`generative_head`), and that the family's own LM classes do not cover: a multimodal
     model of another modeling module around the family's language model (LLaVA, Mistral 3, InternVL, SmolVLM around
-    LLaMA, Mistral, Qwen2). Those already wrapped on the instance are left out."""
+    LLaMA, Mistral, Qwen2). Those a wrapper of patchkit's serves already (`wrapped`) are left out."""
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     own = tuple(c for c in (lm, *vision_lms(lm)) if c is not None)
     return [m for m in model.modules()
-            if isinstance(m, pretrained) and not isinstance(m, (base, *own)) and not ours(m)
+            if isinstance(m, pretrained) and not isinstance(m, (base, *own)) and not wrapped(m)
             and generative_head(type(m)) and find_modules(m, base)]
-
-
-def ours(module: nn.Module) -> bool:
-    """`module.forward` on the instance is a wrapper of patchkit's (an instance patch's, an adoption's)."""
-    return isinstance(vars(module).get("forward"), BoundPatch)
 
 
 def outer_head_replacements(
