@@ -13,6 +13,7 @@ recomputes included). A family module declares its classes.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
@@ -220,17 +221,17 @@ def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
     `DoubleHeadsModel`. Wrapped like the causal LM, they tell the language model's forward what of their call reads
     padding positions (labels predicted from padding, generate()'s next token), which it must know to serve the masks
     they build themselves (`model_masks`), and to step aside where generate() reads a token at padding."""
-    import inspect
+    return beside(lm, lambda name, cls: name.endswith(("ForConditionalGeneration", "DoubleHeadsModel"))
+                  and "labels" in inspect.signature(cls.forward).parameters)
 
+
+def beside(lm: Optional[type], keep: Callable[[str, type], bool]) -> tuple[type, ...]:
+    """The classes of `lm`'s modeling module, other than `lm`, defined there and kept by `keep(name, cls)`."""
     module = sys.modules.get(lm.__module__) if lm is not None else None
     if module is None:
         return ()
-    found = []
-    for name, cls in vars(module).items():
-        if (isinstance(cls, type) and name.endswith(("ForConditionalGeneration", "DoubleHeadsModel")) and cls is not lm
-                and cls.__module__ == lm.__module__ and "labels" in inspect.signature(cls.forward).parameters):
-            found.append(cls)
-    return tuple(found)
+    return tuple(cls for name, cls in vars(module).items()
+                 if isinstance(cls, type) and cls is not lm and cls.__module__ == lm.__module__ and keep(name, cls))
 
 
 def live_layers(model: nn.Module, state: PatchState, classes: Callable) -> tuple[int, int]:
