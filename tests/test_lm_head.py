@@ -213,7 +213,7 @@ def test_a_loss_the_caller_computes_from_the_logits_gets_unpatched_gradients():
 
 def trainer_run(model: torch.nn.Module, rows: list, unpad: Optional[str], tmp_path, **arguments) -> tuple:
     """The HF Trainer over `rows` (2 micro-batches per step, seeded), under a patch with `unpad` (None: unpatched):
-    the logged losses, the trained weights and the patch's `heads`."""
+    the logged losses, the trained weights, the patch's `heads` and the forwards it stepped aside."""
     import transformers as tf
 
     args = tf.TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, learning_rate=1e-2,
@@ -223,12 +223,12 @@ def trainer_run(model: torch.nn.Module, rows: list, unpad: Optional[str], tmp_pa
     try:
         trainer = tf.Trainer(model=model, args=args, train_dataset=rows)
         trainer.train()
-        heads = dict(handle.heads) if handle else {}
+        heads, aside = (dict(handle.heads), dict(handle.stepped_aside)) if handle else ({}, {})
     finally:
         if handle is not None:
             handle.revert()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, heads, aside
 
 
 def assert_trained_alike(got: tuple, want: tuple) -> None:

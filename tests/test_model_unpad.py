@@ -323,11 +323,12 @@ def test_one_plan_per_forward_reaches_every_layer(monkeypatch, kind):
 @needs_mask_interface
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("kind", ["left", "right", "mixed"])
-def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_too(family, kind):
+@pytest.mark.parametrize("empty_row", [False, True], ids=["every row real", "a row all padding"])
+def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_too(family, kind, empty_row):
     """A reward model or classifier (`*ForSequenceClassification`) reads one row's score at its last real token from
-    the repadded hidden states, and an all-padding row's at whatever index transformers picks there (a zero hidden
-    state patched): the scores, the loss and every gradient equal the unpatched model's, with every row real or one
-    row all padding (a rejected answer truncated away)."""
+    the repadded hidden states: patched (strict), the scores, the loss and every gradient equal the unpatched model's.
+    A row all padding (a rejected answer truncated away) is scored at a padding position, whose hidden state varlen
+    kernels do not compute: that forward steps aside (`pooled_at_padding`), with the unpatched numbers too."""
     import transformers
 
     config = family_model(family).config if family != "llama" else tiny_model(kv_heads=2).config
@@ -338,8 +339,11 @@ def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_
     torch.manual_seed(0)
     model = classifier(config)
     ids, mask = padded_batch(kind, batch=4, seq=16)
+    if kind == "mixed":
+        mask[-1] = 1  # padded_batch's empty row: only where asked
+    if empty_row:
+        mask[-1] = 0
     ids = ids.masked_fill(mask == 0, 0)  # the padding token, which the classifier finds each row's end by
-    mask[-1], ids[-1] = 0, 0
     labels = torch.tensor([0, 1, 2, 1])
 
     def scored() -> tuple:
@@ -349,9 +353,10 @@ def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     want = scored()
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=not empty_row) as handle:
         got = scored()
-        assert handle.calls and not handle.stepped_aside
+        assert handle.stepped_aside == ({"pooled_at_padding": 1} if empty_row else {})
+        assert bool(handle.calls) != empty_row
     torch.testing.assert_close(got[0].logits, want[0].logits)
     torch.testing.assert_close(got[0].loss, want[0].loss)
     assert got[1].keys() == want[1].keys()

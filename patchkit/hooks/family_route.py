@@ -26,10 +26,12 @@ from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.gates import GateResult
 from patchkit.hooks.attention.varlen import KV_PACKED
 from patchkit.hooks.decide.outer_caller import generative_head, wrapped
+from patchkit.hooks.decide.task_reads import task_of
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
+from patchkit.hooks.forwards.task_forward import make_task_forward
 from patchkit.hooks.install.model_walk import find_modules
 from patchkit.hooks.install.patching import Replacement, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import PatchSpec
@@ -113,6 +115,9 @@ def class_replacements(
     for outer in vision_lms(lm):
         out.append(Replacement(outer, "forward", outer_forward(outer.forward, False, unpad or state.unpad, state),
                                f"{outer.__name__}.forward"))
+    for head in task_heads(lm):
+        out.append(Replacement(head, "forward", make_task_forward(head.forward),
+                               f"{head.__name__}.forward (what its task reads at padding)"))
     for records in (r for r in recording if r is not lm):
         out.append(Replacement(records, "forward", make_recording_forward(records.forward),
                                f"{records.__name__}.forward (returns the repadded router logits)"))
@@ -158,6 +163,9 @@ def instance_replacements(
         forward = outer_forward(current_method(m), False, unpad or state.unpad, state)
         out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
     out += outer_head_replacements(state, model, classes, unpad)
+    for m in (m for head in task_heads(lm) for m in find_modules(model, head)):
+        out.append(bound_replacement(make_task_forward(current_method(m)), m, "forward",
+                                     f"{type(m).__name__}.forward (what its task reads at padding)", state.track_copy))
     for records in (r for r in recording if r is not lm):
         for m in find_modules(model, records):
             out.append(bound_replacement(make_recording_forward(current_method(m)), m, "forward",
@@ -223,6 +231,14 @@ def vision_lms(lm: Optional[type]) -> tuple[type, ...]:
     they build themselves (`model_masks`), and to step aside where generate() reads a token at padding."""
     return beside(lm, lambda name, cls: name.endswith(("ForConditionalGeneration", "DoubleHeadsModel"))
                   and "labels" in inspect.signature(cls.forward).parameters)
+
+
+def task_heads(lm: Optional[type]) -> tuple[type, ...]:
+    """The task heads beside the family's causal LM in its modeling module (`...ForSequenceClassification`,
+    `...ForTokenClassification`, `...ForQuestionAnswering`) whose forward takes a mask: wrapped, they tell the base
+    model what of their call reads padding positions (`task_reads`)."""
+    return beside(lm, lambda name, cls: task_of(cls) is not None
+                  and "attention_mask" in inspect.signature(cls.forward).parameters)
 
 
 def beside(lm: Optional[type], keep: Callable[[str, type], bool]) -> tuple[type, ...]:

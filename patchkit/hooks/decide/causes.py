@@ -128,6 +128,20 @@ CAUSES = {
         "apply_patch() before loading the model, or apply_patch(model=...) on the whole model: patchkit then wraps "
         "its head, and its padded batches run patched",
     ),
+    "pooled_at_padding": (
+        "a sequence classifier pools a padding position: it reads the last token that is not config.pad_token_id "
+        "(the last column under inputs_embeds), and this batch's padding holds other ids (the tokenizer pads with "
+        "another token than the config names) or ends a row; transformers computes a hidden state there, which "
+        "varlen kernels skip",
+        "pad with the token the config names (model.config.pad_token_id = tokenizer.pad_token_id), or pad on the "
+        "left",
+    ),
+    "softmax_over_padding": (
+        "a question-answering loss over a padded batch: its softmax over start and end positions spans every "
+        "position, padding included, whose logits transformers computes and varlen kernels skip",
+        "none needed for exactness: such a batch runs on transformers' attention; unpadded rows (a batch of one, or "
+        "rows of one length) run patched",
+    ),
     "unread_cache": (
         "the forward was given `past_key_values`, which this family's forward does not read: it takes its cache as "
         "`cache`, and transformers renames the old name for most families but not this one, so it runs on no past",
@@ -191,6 +205,11 @@ BRIEF = {
                                     "none needed"),
     "head_outside_patch": ("a multimodal model patchkit did not wrap runs its head over every position",
                            "apply_patch() before loading, or apply_patch(model=...) on the whole model"),
+    "pooled_at_padding": ("a sequence classifier pools a padding position (padding ids are not "
+                          "config.pad_token_id, or inputs_embeds ends a row in padding)",
+                          "pad with config.pad_token_id, or on the left"),
+    "softmax_over_padding": ("a question-answering loss normalises over every position, padding included",
+                             "none needed; unpadded rows run patched"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),

@@ -36,9 +36,9 @@ from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
 # why a forward in such a graph steps aside (the cause `compiled_fullgraph`, in these words), and the fix
 IN_GRAPH = {
-    "labels": "torch.compile(fullgraph=True) of a padded batch with labels: whether a label is predicted from a "
-              "padding position (which transformers computes and varlen kernels skip) is data the graph cannot branch "
-              "on",
+    "labels": "torch.compile(fullgraph=True) of a padded batch with labels (or a sequence classifier's pooled "
+              "token): whether one is read at a padding position (which transformers computes and varlen kernels "
+              "skip) is data the graph cannot branch on",
     "name_alone": "torch.compile(fullgraph=True) of a padded batch under attn_implementation='patchkit' alone: the "
                   "graph cannot see whether the caller's labels read padding positions",
     "cache": "torch.compile(fullgraph=True) of a forward given a KV cache: patchkit's in-graph path serves forwards "

@@ -28,6 +28,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
+from patchkit.hooks.decide.task_reads import task_cause, task_of
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
@@ -84,7 +85,8 @@ def adopt(model: nn.Module) -> None:
         if not isinstance(m, pretrained):
             continue
         seen(m, named=True)
-        if "labels" in inspect.signature(type(m).forward).parameters and not _ours(m, "forward"):
+        reads = "labels" in inspect.signature(type(m).forward).parameters or task_of(type(m)) is not None
+        if reads and not _ours(m, "forward"):
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
@@ -135,9 +137,9 @@ def present(module: nn.Module, attr: str) -> Callable:
 
 
 def lm_forward(call: Callable) -> Callable:
-    """A causal LM's forward that, under patchkit's name, tells the masks what of its call reads padding positions
-    (`step_aside.lm_cause`). Inside a graph that may not break it only passes the call on: a padded batch under the
-    name alone steps aside there by its mask (`graph_plan`)."""
+    """A causal LM's (or a task head's) forward that, under patchkit's name, tells the masks what of its call reads
+    padding positions (`step_aside.lm_cause`, `task_reads.task_cause`). Inside a graph that may not break it only
+    passes the call on: a padded batch under the name alone steps aside there by its mask (`graph_plan`)."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if in_one_graph() or not (names_patchkit(self.config) or names_patchkit(text_config(self.config))):
@@ -151,6 +153,8 @@ def lm_forward(call: Callable) -> Callable:
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         if binder[3] and extra.get("past_key_values") is not None:
             cause = "unread_cache"  # transformers runs this forward on no past: so does its step aside
+        elif task_of(type(self)) is not None:  # a task head reads its own positions (`task_reads`)
+            cause = task_cause(self, arguments) or current().lm_cause
         else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
             cause = lm_cause(arguments, extra, self.training, binder[2]) or current().lm_cause
         if cause is None:

@@ -1,0 +1,77 @@
+"""What a task head around a served base model reads at padding positions, which its base model must know to step aside.
+
+A sequence classifier pools one position per row, a token classifier's loss reads each labelled position, and
+question answering's loss normalises its start and end logits over every position. transformers computes a hidden
+state at each padding position (a padding query row attends to the real keys before it; eager attention averages
+over a left-padded query's masked keys); varlen kernels compute none there, so a head that reads one gets other
+numbers unless the forward runs on transformers' attention. A row that is all padding is no exception: its values
+agree on some families, its gradients not on those with biases (StarCoder2's, StableLM's).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from patchkit.forward.inputs.arguments import input_tokens
+
+IGNORE_INDEX = -100
+# the task heads of transformers' modeling modules, by the end of their class names
+TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def task_of(cls: type) -> Optional[str]:
+    """The task (an entry of TASKS) whose head `cls` is, or None."""
+    return next((task for task in TASKS if cls.__name__.endswith(task)), None)
+
+
+def pad_token_id(config: Any) -> Optional[int]:
+    """The pad token a sequence classifier pools by: the config's own, else its text config's (5.x reads the text
+    config's, where a composite config keeps it)."""
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None and hasattr(config, "get_text_config"):
+        pad = getattr(config.get_text_config(), "pad_token_id", None)
+    return pad
+
+
+def pooled_positions(input_ids: Any, pad: Optional[int], batch: int, width: int, device: Any) -> list[torch.Tensor]:
+    """The position each row of a sequence classifier's batch pools, under each rule transformers has used (a row's
+    candidates are all read: a false positive only steps aside): the last token that is not `pad` (4.48+), and the
+    one before the first `pad`, wrapping to the last column (4.31-4.47); the last column without ids or pad token."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or pad is None:
+        return [torch.full((batch,), width - 1, dtype=torch.long, device=device)]
+    columns = torch.arange(width, device=input_ids.device)
+    not_pad = input_ids != pad
+    last_not_pad = (columns * not_pad).argmax(-1)
+    before_first_pad = ((~not_pad).int().argmax(-1) - 1) % width
+    return [last_not_pad, before_first_pad]
+
+
+def task_cause(head: Any, arguments: dict) -> Optional[str]:
+    """Why `head`'s call (a task head's: `task_of` its class) reads transformers' values at padding positions, or
+    None: `pooled_at_padding`, `labels_from_padding` (a token label at padding), `softmax_over_padding` (question
+    answering's loss over a padded row)."""
+    task = task_of(type(head))
+    mask = arguments.get("attention_mask")
+    if task is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+        return None
+    batch, width = mask.shape
+    padding = mask == 0
+    if task == "ForSequenceClassification":
+        rows = torch.arange(batch, device=mask.device)
+        ids = arguments.get("input_ids")
+        if input_tokens(arguments) is None or (ids is not None and tuple(ids.shape) != (batch, width)):
+            return None  # transformers refuses it, or a shape patchkit's own checks refuse
+        pad = pad_token_id(head.config)
+        if pad is None and batch != 1:
+            return None  # transformers refuses it: "Cannot handle batch sizes > 1 if no padding token is defined."
+        read = pooled_positions(ids if pad is not None else None, pad, batch, width, mask.device)
+        return "pooled_at_padding" if any(bool(padding[rows, p.to(mask.device)].any()) for p in read) else None
+    if task == "ForTokenClassification":
+        labels = arguments.get("labels")
+        if isinstance(labels, torch.Tensor) and tuple(labels.shape) == (batch, width):
+            return "labels_from_padding" if bool(((labels != IGNORE_INDEX) & padding).any()) else None
+        return None
+    labelled = arguments.get("start_positions") is not None and arguments.get("end_positions") is not None
+    return "softmax_over_padding" if labelled else None

@@ -1,0 +1,119 @@
+"""Task heads as users run them (a sequence classifier in the HF Trainer, inputs_embeds, strict mode, a compiled
+graph): where the head reads a padding position, the forward steps aside by name with transformers' numbers; where
+it reads none, it runs patched with them. (Every served family's heads: tests/test_task_head_census.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from test_lm_head import trainer_run
+from test_task_head_census import differs, outputs
+
+import patchkit
+from patchkit.errors import PatchInputError
+
+PAD = 0
+
+
+def classifier(seed: int = 0) -> torch.nn.Module:
+    """A tiny LlamaForSequenceClassification on eager attention whose config pads with token 0."""
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD, num_labels=3)
+    torch.manual_seed(seed)
+    return transformers.LlamaForSequenceClassification._from_config(config, attn_implementation="eager").float()
+
+
+def rows(pad_ids: int, seq: int = 12) -> list[dict]:
+    """Eight right-padded rows of 5 to 12 tokens whose padding holds `pad_ids`, each with a class."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, n in enumerate((12, 7, 9, 5, 11, 6, 12, 8)):
+        mask = (torch.arange(seq) < n).long()
+        ids = torch.randint(3, 97, (seq,), generator=g).masked_fill(mask == 0, pad_ids)
+        out.append(dict(input_ids=ids, attention_mask=mask, labels=torch.tensor(i % 3)))
+    return out
+
+
+@pytest.mark.parametrize("pad_ids", [PAD, 2], ids=["the config's pad token", "another token"])
+def test_the_trainer_fine_tunes_a_classifier_as_unpatched(pad_ids, tmp_path):
+    """The HF Trainer on a sequence classifier, 2 micro-batches a step. Padded with the config's token, every
+    forward runs patched; padded with another (a tokenizer whose pad token the config does not name), the classifier
+    pools each short row's last padding position, and every forward steps aside (`pooled_at_padding`). The losses
+    and trained weights equal unpatched either way."""
+    data = rows(pad_ids)
+    want, got = (trainer_run(classifier(), data, way, tmp_path, max_steps=2, per_device_train_batch_size=2)
+                 for way in (None, "model"))
+    assert got[3] == ({} if pad_ids == PAD else {"pooled_at_padding": 4})
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_inputs_embeds_pool_the_last_column(side):
+    """Under inputs_embeds a sequence classifier pools the last column: right-padded rows step aside there, left-
+    padded rows pool a real token and run patched; the numbers are transformers' either way."""
+    model = classifier()
+    ids, mask = torch.randint(3, 97, (3, 10)), torch.ones(3, 10, dtype=torch.long)
+    mask[1, 6:] = 0 if side == "right" else 1
+    if side == "left":
+        mask[1, :4] = 0
+    inputs = dict(inputs_embeds=model.get_input_embeddings()(ids).detach(), attention_mask=mask,
+                  labels=torch.tensor([0, 1, 2]))
+    want = outputs(model, inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        with pytest.warns(RuntimeWarning, match=r"pools a padding position.*\(pooled_at_padding\)") if (
+                side == "right") else _no_warning():
+            got = outputs(model, inputs)
+        assert handle.stepped_aside == ({"pooled_at_padding": 1} if side == "right" else {})
+        assert handle.calls == (0 if side == "right" else 2)
+    assert not differs(got, want), differs(got, want)
+
+
+class _no_warning:  # noqa: N801 (a context manager, used as `with`)
+    def __enter__(self) -> None:
+        import warnings
+
+        self.caught = warnings.catch_warnings()
+        self.caught.__enter__()
+        warnings.simplefilter("error", RuntimeWarning)
+
+    def __exit__(self, *exc: object) -> None:
+        self.caught.__exit__(*exc)
+
+
+def test_strict_refuses_a_pooled_padding_position_with_the_fix_and_stays_patched():
+    """strict=True refuses the forward that would pool a padding position, naming the config's pad token as the fix;
+    the patch stays as it was: the same batch padded with that token then runs patched, as unpatched."""
+    model = classifier()
+    reference = copy.deepcopy(model)
+    other, padded = rows(2)[:4], rows(PAD)[:4]
+    stack = lambda rs: {k: torch.stack([r[k] for r in rs]) for k in rs[0]}  # noqa: E731
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        with pytest.raises(PatchInputError, match=r"pools a padding position.*config\.pad_token_id"):
+            model(**stack(other))
+        got = outputs(model, stack(padded))
+        assert handle.calls == 2 and handle.stepped_aside == {}
+    assert not differs(got, outputs(reference, stack(padded)))
+
+
+def test_a_compiled_graph_that_may_not_break_steps_aside_for_a_padded_classifier():
+    """torch.compile(fullgraph=True): whether the pooled token is padding is data the graph cannot branch on, so a
+    padded batch through a sequence classifier steps aside there (`compiled_fullgraph`), with transformers' logits."""
+    model = classifier().eval()
+    batch = {k: torch.stack([r[k] for r in rows(2)[:4]]) for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        want = model(**batch).logits
+    torch._dynamo.reset()
+    try:
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            compiled = torch.compile(model, fullgraph=True, backend="eager")
+            with torch.no_grad(), pytest.warns(RuntimeWarning, match="compiled_fullgraph"):
+                got = compiled(**batch).logits
+            assert handle.stepped_aside == {"compiled_fullgraph": 1}
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
