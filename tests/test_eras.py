@@ -111,6 +111,82 @@ def test_an_instance_patch_matches_eager_or_is_refused_naming_why():
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
+def patches(model: torch.nn.Module, unpad: str = "model"):
+    """The class patch, or the instance patch where the era allows one (a module-level mask builder does not)."""
+    if MODULE_LEVEL_MASK:
+        return patchkit.apply_patch("llama2", backend="sdpa", unpad=unpad)
+    return patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad)
+
+
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_labels_predicted_from_padding_step_aside_with_this_versions_numbers(unpad, checkpointed):
+    """Every era: `labels = input_ids` on a left-padded batch predicts a real token from a padding position, whose
+    logits this version's eager attention computes: the forward steps aside (`labels_from_padding`, named once) and
+    gives those numbers, its gradient-checkpointing recompute too; labels at real tokens only run patched. Before,
+    4.31-4.47 ran it patched with another loss (2.7e-4 off on 4.46), silently."""
+    model = tiny_model(kv_heads=2).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    ids, mask = padded_batch("left")
+    want = step(model, ids, mask, labels=ids)
+    want_real = step(model, ids, mask)
+    with patches(model, unpad) as handle:
+        with pytest.warns(RuntimeWarning, match=r"\(labels_from_padding\)"):
+            got = step(model, ids, mask, labels=ids)
+        assert handle.stepped_aside == {"labels_from_padding": 1}
+        got_real = step(model, ids, mask)
+        assert handle.stepped_aside == {"labels_from_padding": 1} and handle.calls > 0
+    assert_same(got, want, torch.ones_like(mask))
+    assert_same(got_real, want_real, mask)
+
+
+def test_a_sequence_classifier_pooling_padding_steps_aside_with_this_versions_numbers():
+    """Every era: a LLaMA sequence classifier whose padding holds other ids than its config's pad token pools a
+    padding position; that forward steps aside (`pooled_at_padding`) with this version's scores and gradients, and
+    one padded with the config's token runs patched."""
+    from transformers import LlamaForSequenceClassification
+
+    config = tiny_model(kv_heads=2).config
+    config.num_labels, config.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config).train()
+    ids, mask = padded_batch("right", batch=3)
+    labels = torch.tensor([0, 1, 2])
+
+    def scored(batch_ids: torch.Tensor) -> tuple:
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=batch_ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded = ids.masked_fill(mask == 0, 0)
+    want, want_padded = scored(ids), scored(padded)
+    with patches(model) as handle:
+        got = scored(ids)
+        assert handle.stepped_aside == {"pooled_at_padding": 1}
+        got_padded = scored(padded)
+        assert handle.stepped_aside == {"pooled_at_padding": 1} and handle.calls > 0
+    everything = torch.ones(3, 3, dtype=torch.bool)
+    assert_same(got, want, everything)
+    assert_same(got_padded, want_padded, everything)
+
+
+def test_output_attentions_steps_aside_with_this_versions_weights():
+    """Every era: output_attentions=True asks for weights varlen kernels never form; the forward steps aside
+    (`output_attentions`) with this version's logits and attention weights. Before, 4.31-4.47 refused it."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        with patches(model) as handle:
+            got = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+            assert handle.stepped_aside == {"output_attentions": 1}
+    torch.testing.assert_close(got.logits, want.logits)
+    for g, w in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(g, w)
+
+
 def test_a_model_whose_attention_never_ran_through_the_patch_is_an_error():
     model = tiny_model()
     handle = patchkit.apply_patch("llama2", backend="sdpa")

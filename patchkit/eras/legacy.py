@@ -12,7 +12,7 @@ and each overrides `forward`: every one of them is patched, so the patch reaches
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -21,12 +21,13 @@ from patchkit.eras.legacy_attention import make_legacy_forward, rotary_takes_pos
 from patchkit.errors import PatchGateError, PatchTargetError
 from patchkit.forward.context import current
 from patchkit.forward.masks import VarlenMask, refuse_4d
+from patchkit.hooks import family_route
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
+from patchkit.hooks.forwards.task_forward import make_task_forward
 from patchkit.hooks.install.model_walk import find_modules
 from patchkit.hooks.install.patching import Replacement, bound_replacement
 from patchkit.hooks.install.state import PatchState
-from patchkit.names import WHOLE_MODEL
 
 ATTENTION_CLASSES = ("LlamaAttention", "LlamaFlashAttention2", "LlamaSdpaAttention")  # the last two: 4.34, 4.36
 MODULE_LEVEL_BUILDERS = ("_prepare_4d_causal_attention_mask", "_prepare_4d_causal_attention_mask_for_sdpa")
@@ -65,6 +66,16 @@ def update_causal_mask(
     return _varlen_mask(attention_mask, past)
 
 
+def aside_or(original: Callable, ours: Callable) -> Callable:
+    """A mask builder that hands a forward stepping aside (`step_aside`) transformers' own mask, and any other
+    patchkit's VarlenMask."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return (original if current().plan.aside is not None else ours)(*args, **kwargs)
+
+    return build
+
+
 def attention_classes(mod: Any) -> list[type]:
     """The LLaMA attention classes of this version that define their own forward."""
     return [getattr(mod, n) for n in ATTENTION_CLASSES if hasattr(mod, n) and "forward" in vars(getattr(mod, n))]
@@ -79,27 +90,38 @@ def _mask_method(mod: Any) -> tuple[str, Any]:
     return "_prepare_decoder_attention_mask", prepare_decoder_attention_mask
 
 
-def _forward(state: PatchState, mod: Any) -> Any:
+def _forward(state: PatchState, mod: Any, original: Callable) -> Any:
     return make_legacy_forward(
         state, mod.apply_rotary_pos_emb, tuple_cache=not hasattr(mod, "LlamaSdpaAttention"),
-        rotary_by_position_ids=rotary_takes_position_ids(mod.LlamaRotaryEmbedding),
+        rotary_by_position_ids=rotary_takes_position_ids(mod.LlamaRotaryEmbedding), original=original,
     )
+
+
+def reader_replacements(state: PatchState, mod: Any, model: Optional[nn.Module] = None) -> list[Replacement]:
+    """The causal LM and the task heads (the classes', or `model`'s instances'): each tells the model's forward what
+    of its call reads padding positions (labels predicted from padding, a classifier's pooled token), where it steps
+    aside."""
+    readers = [(mod.LlamaForCausalLM, lambda f: make_lm_forward(f, state.unpad, state))]
+    readers += [(head, make_task_forward) for head in family_route.task_heads(mod.LlamaForCausalLM)]
+    if model is None:
+        return [Replacement(cls, "forward", wrap(cls.forward), f"{cls.__name__}.forward") for cls, wrap in readers]
+    return [bound_replacement(wrap(type(m).forward), m, "forward", f"{type(m).__name__}.forward", state.track_copy)
+            for cls, wrap in readers for m in find_modules(model, cls)]
 
 
 def class_replacements(state: PatchState, mod: Any) -> list[Replacement]:
     """Before load: every LLaMA attention class of this version, the model forward and the mask builder."""
-    forward = _forward(state, mod)
-    out = [Replacement(cls, "forward", forward, f"{cls.__name__}.forward") for cls in attention_classes(mod)]
-    out.append(Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad),
-                           "LlamaModel.forward"))
-    if state.unpad in WHOLE_MODEL:
-        lm_forward = make_lm_forward(mod.LlamaForCausalLM.forward, state.unpad, state)
-        out.append(Replacement(mod.LlamaForCausalLM, "forward", lm_forward, "LlamaForCausalLM.forward"))
+    out = [Replacement(cls, "forward", _forward(state, mod, vars(cls)["forward"]), f"{cls.__name__}.forward")
+           for cls in attention_classes(mod)]
+    out.append(Replacement(mod.LlamaModel, "forward", make_model_forward(mod.LlamaModel.forward, state.unpad,
+                                                                         state=state), "LlamaModel.forward"))
+    out += reader_replacements(state, mod)
     attr, builder = _mask_method(mod)
     if builder is not None:
-        return out + [Replacement(mod.LlamaModel, attr, builder, f"LlamaModel.{attr}")]
-    return out + [Replacement(mod, name, prepare_4d_causal_attention_mask, f"modeling_llama.{name}")
-                  for name in MODULE_LEVEL_BUILDERS if hasattr(mod, name)]
+        return out + [Replacement(mod.LlamaModel, attr, aside_or(getattr(mod.LlamaModel, attr), builder),
+                                  f"LlamaModel.{attr}")]
+    return out + [Replacement(mod, name, aside_or(getattr(mod, name), prepare_4d_causal_attention_mask),
+                              f"modeling_llama.{name}") for name in MODULE_LEVEL_BUILDERS if hasattr(mod, name)]
 
 
 def instance_replacements(state: PatchState, model: nn.Module, mod: Any) -> list[Replacement]:
@@ -118,15 +140,13 @@ def instance_replacements(state: PatchState, model: nn.Module, mod: Any) -> list
             f"found {len(attentions)} LlamaAttention layers and {len(bases)} LlamaModel in {type(model).__name__}: "
             "patched 0 layers; nothing was patched."
         )
-    forward = _forward(state, mod)
-    out = [bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward (layer {i})", state.track_copy)
+    out = [bound_replacement(_forward(state, mod, type(m).forward), m, "forward",
+                             f"{type(m).__name__}.forward (layer {i})", state.track_copy)
            for i, m in enumerate(attentions)]
     for base in bases:
-        out.append(bound_replacement(make_model_forward(type(base).forward, state.unpad), base, "forward",
-                                     f"{type(base).__name__}.forward (unpad={state.unpad})", state.track_copy))
-        out.append(bound_replacement(builder, base, attr, f"LlamaModel.{attr}", state.track_copy))
-    if state.unpad in WHOLE_MODEL:
-        for lm in find_modules(model, mod.LlamaForCausalLM):
-            out.append(bound_replacement(make_lm_forward(type(lm).forward, state.unpad, state), lm, "forward",
-                                         f"{type(lm).__name__}.forward", state.track_copy))
-    return out
+        out.append(bound_replacement(make_model_forward(type(base).forward, state.unpad, state=state), base,
+                                     "forward", f"{type(base).__name__}.forward (unpad={state.unpad})",
+                                     state.track_copy))
+        out.append(bound_replacement(aside_or(getattr(type(base), attr), builder), base, attr, f"LlamaModel.{attr}",
+                                     state.track_copy))
+    return out + reader_replacements(state, mod, model)

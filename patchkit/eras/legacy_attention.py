@@ -72,10 +72,13 @@ def _cache_step(
 
 
 def make_legacy_forward(
-    state: PatchState, apply_rotary: Callable, tuple_cache: bool, rotary_by_position_ids: bool
+    state: PatchState, apply_rotary: Callable, tuple_cache: bool, rotary_by_position_ids: bool,
+    original: Optional[Callable] = None,
 ) -> Callable:
     """The replacement `forward` of LLaMA's attention classes for transformers 4.31-4.47 (`tuple_cache`: < 4.36;
-    `rotary_by_position_ids`: >= 4.38), both decided once per version, not per call."""
+    `rotary_by_position_ids`: >= 4.38), both decided once per version, not per call. A forward that stepped aside
+    hands its layers transformers' own mask (a tensor, not patchkit's VarlenMask; in a checkpoint's recompute too):
+    those run the class's `original` forward."""
 
     def forward(
         self: nn.Module,
@@ -87,6 +90,9 @@ def make_legacy_forward(
         use_cache: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None, Any]:
+        if original is not None and isinstance(attention_mask, torch.Tensor):  # transformers' mask: stepped aside
+            return original(self, hidden_states, attention_mask, position_ids, past_key_value, output_attentions,
+                            use_cache, **kwargs)
         if output_attentions:
             raise PatchInputError(
                 "output_attentions=True cannot be served by patchkit's varlen attention (the kernels never form the "
