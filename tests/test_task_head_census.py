@@ -86,7 +86,7 @@ def outputs(model: torch.nn.Module, inputs: dict) -> dict:
     for key in ("logits", "start_logits", "end_logits"):
         value = getattr(out, key, None)
         if value is not None:
-            got[key] = value.detach() if value.dim() == 2 and value.shape[:2] != real.shape else value.detach()[real]
+            got[key] = value.detach()[real] if value.shape[:2] == real.shape else value.detach()
     got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     return got
 

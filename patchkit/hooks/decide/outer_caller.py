@@ -51,7 +51,7 @@ def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
 
 def generative_head(cls: type) -> bool:
     """`cls` generates and its forward takes labels: it computes its head and loss over the logits at every
-    position (a sequence classifier, which reads its last real token, does not generate)."""
+    position (a sequence classifier does not generate: what it reads is `task_reads`'s)."""
     if cls not in _generative:
         generation = importlib.import_module("transformers.generation").GenerationMixin
         _generative[cls] = issubclass(cls, generation) and "labels" in inspect.signature(cls.forward).parameters

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 
 from patchkit.forward.inputs.arguments import input_tokens
+from patchkit.hooks.decide.step_aside import IGNORE_INDEX, padded
 
-IGNORE_INDEX = -100
 # the task heads of transformers' modeling modules, by the end of their class names
 TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
@@ -48,13 +48,24 @@ def pooled_positions(input_ids: Any, pad: Optional[int], batch: int, width: int,
     return [last_not_pad, before_first_pad]
 
 
+def reads_by_position(task: Optional[str], arguments: dict) -> bool:
+    """The call of a head of `task` may read a padding position (known without the tensors' values, as in a graph):
+    a sequence classifier always, the others where given their labels."""
+    if task == "ForSequenceClassification":
+        return True
+    if task == "ForTokenClassification":
+        return arguments.get("labels") is not None
+    return task is not None and arguments.get("start_positions") is not None and (
+        arguments.get("end_positions") is not None)
+
+
 def task_cause(head: Any, arguments: dict) -> Optional[str]:
     """Why `head`'s call (a task head's: `task_of` its class) reads transformers' values at padding positions, or
     None: `pooled_at_padding`, `labels_from_padding` (a token label at padding), `softmax_over_padding` (question
     answering's loss over a padded row)."""
     task = task_of(type(head))
     mask = arguments.get("attention_mask")
-    if task is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+    if not padded(mask) or not reads_by_position(task, arguments):
         return None
     batch, width = mask.shape
     padding = mask == 0
@@ -73,5 +84,4 @@ def task_cause(head: Any, arguments: dict) -> Optional[str]:
         if isinstance(labels, torch.Tensor) and tuple(labels.shape) == (batch, width):
             return "labels_from_padding" if bool(((labels != IGNORE_INDEX) & padding).any()) else None
         return None
-    labelled = arguments.get("start_positions") is not None and arguments.get("end_positions") is not None
-    return "softmax_over_padding" if labelled else None
+    return "softmax_over_padding"  # question answering, given its positions

@@ -11,7 +11,7 @@ from torch import nn
 from patchkit.forward.context import within
 from patchkit.forward.liveness import in_one_graph
 from patchkit.hooks.decide.graph_plan import lm_in_graph
-from patchkit.hooks.decide.task_reads import task_cause, task_of
+from patchkit.hooks.decide.task_reads import reads_by_position, task_cause, task_of
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.install.patching import dressed_as
 
@@ -26,7 +26,8 @@ def make_task_forward(original: Callable) -> Callable:
         arguments = bind(self, args, kwargs)
         if in_one_graph():  # whether a read position is padding is data the graph cannot branch on
             mask = arguments.get("attention_mask")
-            with lm_in_graph(isinstance(mask, torch.Tensor) and mask.dim() == 2 and reads_by_position(self, arguments)):
+            with lm_in_graph(isinstance(mask, torch.Tensor) and mask.dim() == 2
+                             and reads_by_position(task_of(type(self)), arguments)):
                 return original(self, *args, **kwargs)
         cause = eager_task_cause(self, arguments)
         if cause is None:
@@ -36,13 +37,3 @@ def make_task_forward(original: Callable) -> Callable:
 
     return dressed_as(forward, original, signature)
 
-
-def reads_by_position(head: nn.Module, arguments: dict) -> bool:
-    """The call may read a padding position (known in a graph without its values): a sequence classifier always,
-    the others where given labels."""
-    task = task_of(type(head))
-    if task == "ForSequenceClassification":
-        return True
-    if task == "ForTokenClassification":
-        return arguments.get("labels") is not None
-    return arguments.get("start_positions") is not None and arguments.get("end_positions") is not None
