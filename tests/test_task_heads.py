@@ -18,12 +18,15 @@ from patchkit.errors import PatchInputError
 PAD = 0
 
 
-def classifier(seed: int = 0) -> torch.nn.Module:
-    """A tiny LlamaForSequenceClassification on eager attention whose config pads with token 0."""
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD, num_labels=3)
+def classifier(seed: int = 0, family: str = "Llama") -> torch.nn.Module:
+    """A tiny `{family}ForSequenceClassification` on eager attention whose config pads with token 0 (Qwen2's with
+    the q, k, v biases its checkpoints have)."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=PAD, num_labels=3)
     torch.manual_seed(seed)
-    return transformers.LlamaForSequenceClassification._from_config(config, attn_implementation="eager").float()
+    head = getattr(transformers, f"{family}ForSequenceClassification")
+    return head._from_config(config, attn_implementation="eager").float()
 
 
 def rows(pad_ids: int, seq: int = 12) -> list[dict]:
@@ -37,14 +40,19 @@ def rows(pad_ids: int, seq: int = 12) -> list[dict]:
     return out
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
 @pytest.mark.parametrize("pad_ids", [PAD, 2], ids=["the config's pad token", "another token"])
-def test_the_trainer_fine_tunes_a_classifier_as_unpatched(pad_ids, tmp_path):
-    """The HF Trainer on a sequence classifier, 2 micro-batches a step. Padded with the config's token, every
-    forward runs patched; padded with another (a tokenizer whose pad token the config does not name), the classifier
-    pools each short row's last padding position, and every forward steps aside (`pooled_at_padding`). The losses
-    and trained weights equal unpatched either way."""
+def test_the_trainer_fine_tunes_a_classifier_as_unpatched(pad_ids, family, tmp_path):
+    """The HF Trainer on a sequence classifier, 2 micro-batches a step (Qwen2's under gradient checkpointing, whose
+    recompute follows the forward's choice). Padded with the config's token, every forward runs patched; padded with
+    another (a tokenizer whose pad token the config does not name), the classifier pools each short row's last
+    padding position, and every forward steps aside (`pooled_at_padding`). The losses and trained weights equal
+    unpatched either way."""
     data = rows(pad_ids)
-    want, got = (trainer_run(classifier(), data, way, tmp_path, max_steps=2, per_device_train_batch_size=2)
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}) if (
+        family == "Qwen2") else {}
+    want, got = (trainer_run(classifier(family=family), data, way, tmp_path, max_steps=2,
+                             per_device_train_batch_size=2, **checkpointing)
                  for way in (None, "model"))
     assert got[3] == ({} if pad_ids == PAD else {"pooled_at_padding": 4})
     assert got[0] == pytest.approx(want[0], abs=1e-5)
