@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -110,15 +110,17 @@ def task_heads(model_type: str) -> list[type]:
             if isinstance(cls, type) and cls.__module__ == module.__name__ and cls.__name__.endswith(TASKS)]
 
 
-def run_way(way: str, model_type: str, model: torch.nn.Module, inputs: dict) -> tuple[dict, dict]:
-    """`outputs` of `inputs` through one way in, and the forwards it stepped aside for (cause: count)."""
+def run_way(way: str, model_type: str, model: torch.nn.Module, inputs: dict,
+            measure: Callable[[torch.nn.Module, dict], dict] = outputs) -> tuple[dict, dict]:
+    """`measure` (`outputs`) of `inputs` through one way in, and the forwards it stepped aside for (cause: count;
+    under the registered name alone, the attention calls)."""
     if way == "registered name":
         attention_interface.register(backend="sdpa")
         model.set_attn_implementation(attention_interface.ATTENTION_NAME)
         state = attention_interface.route_state()
         before = dict(state.stepped_aside)
         try:
-            got = outputs(model, inputs)
+            got = measure(model, inputs)
         finally:
             model.set_attn_implementation("eager")
             after = dict(state.stepped_aside)
@@ -126,7 +128,7 @@ def run_way(way: str, model_type: str, model: torch.nn.Module, inputs: dict) -> 
         return got, {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     patch = dict(model=model) if way == "instance" else {}
     with patchkit.apply_patch(None if patch else model_type, **patch, backend="sdpa") as handle:
-        got = outputs(model, inputs)
+        got = measure(model, inputs)
         return got, dict(handle.stepped_aside)
 
 

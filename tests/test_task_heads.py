@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from test_lm_head import trainer_run
-from test_task_head_census import differs, outputs
+from test_task_head_census import differs, outputs, run_way
 
 import patchkit
 from patchkit.errors import PatchInputError
@@ -121,6 +121,79 @@ def test_a_compiled_graph_that_may_not_break_steps_aside_for_a_padded_classifier
             compiled = torch.compile(model, fullgraph=True, backend="eager")
             with torch.no_grad(), pytest.warns(RuntimeWarning, match="compiled_fullgraph"):
                 got = compiled(**batch).logits
+            assert handle.stepped_aside == {"compiled_fullgraph": 1}
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def double_heads() -> torch.nn.Module:
+    """A tiny GPT2DoubleHeadsModel on eager attention, no dropout (its summary's included)."""
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, pad_token_id=PAD,
+                                     bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     summary_first_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2DoubleHeadsModel._from_config(config, attn_implementation="eager").float().train()
+
+
+def choices() -> dict:
+    """Two questions of two choices each, (batch, choices, tokens): one question's choices right-padded, one choice of
+    the other left-padded, each with the choice's answer."""
+    ids = torch.randint(3, 64, (2, 2, 8), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :, 6:] = 0
+    mask[1, 1, :2] = 0
+    return dict(input_ids=ids.masked_fill(mask == 0, PAD), attention_mask=mask, mc_labels=torch.tensor([0, 1]))
+
+
+def choice_outputs(model: torch.nn.Module, inputs: dict) -> dict:
+    """Both losses, the choice logits, the LM logits at real tokens and every gradient."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    (out.mc_loss + (out.loss if out.loss is not None else 0)).backward()
+    got = dict(mc_loss=out.mc_loss.detach(), mc_logits=out.mc_logits.detach(),
+               logits=out.logits.detach()[inputs["attention_mask"].bool()])
+    if out.loss is not None:
+        got["loss"] = out.loss.detach()
+    got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return got
+
+
+@pytest.mark.parametrize("way", ["class", "instance", "registered name"])
+def test_gpt2s_multiple_choice_head_reads_its_choice_positions_as_unpatched(way):
+    """GPT-2's DoubleHeadsModel pools each choice's `mc_token_ids` position (the last column where None) and predicts
+    its labels over (batch, choices, tokens) rows. A pooled padding position gave a choice loss 0.06 off, and labels
+    predicted from padding an LM loss 0.03 off, silently: both step aside now, by name; choices read at their real
+    tokens, labelled -100 at padding, run patched. Each as unpatched, every gradient included."""
+    model = double_heads()
+    batch = choices()
+    last_real = torch.tensor([[5, 5], [7, 7]])
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[1, 1, 2] = -100  # the first real token after left padding: predicted from padding
+    cases = [(dict(mc_token_ids=last_real, labels=labels), set()),
+             ({}, {"choice_at_padding"}),
+             (dict(mc_token_ids=last_real, labels=batch["input_ids"]), {"labels_from_padding"})]
+    for extra, cause in cases:
+        inputs = {**batch, **extra}
+        want = choice_outputs(model, inputs)
+        got, aside = run_way(way, "gpt2", model, inputs, choice_outputs)
+        assert not differs(got, want), (sorted(extra), differs(got, want))
+        assert set(aside) == cause, (sorted(extra), aside)
+
+
+def test_a_compiled_graph_that_may_not_break_steps_aside_for_padded_choices():
+    """torch.compile(fullgraph=True) of a DoubleHeadsModel: where its choices are padded, the pooled position is data
+    the graph cannot branch on, so the forward steps aside there (`compiled_fullgraph`), with transformers' numbers."""
+    model = double_heads().eval()
+    batch = {k: v for k, v in choices().items() if k != "mc_labels"}
+    with torch.no_grad():
+        want = model(**batch).mc_logits
+    torch._dynamo.reset()
+    try:
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            compiled = torch.compile(model, fullgraph=True, backend="eager")
+            with torch.no_grad(), pytest.warns(RuntimeWarning, match="compiled_fullgraph"):
+                got = compiled(**batch).mc_logits
             assert handle.stepped_aside == {"compiled_fullgraph": 1}
     finally:
         torch._dynamo.reset()

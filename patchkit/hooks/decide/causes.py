@@ -136,6 +136,11 @@ CAUSES = {
         "pad with the token the config names (model.config.pad_token_id = tokenizer.pad_token_id), or pad on the "
         "left",
     ),
+    "choice_at_padding": (
+        "a multiple-choice head (GPT-2's DoubleHeadsModel) pools a padding position of a choice: mc_token_ids, or "
+        "the last column where it is None; transformers computes a hidden state there, which varlen kernels skip",
+        "give mc_token_ids at each choice's last real token, or pad on the left",
+    ),
     "softmax_over_padding": (
         "a question-answering loss over a padded batch: its softmax over start and end positions spans every "
         "position, padding included, whose logits transformers computes and varlen kernels skip",
@@ -208,6 +213,8 @@ BRIEF = {
     "pooled_at_padding": ("a sequence classifier pools a padding position (padding ids are not "
                           "config.pad_token_id, or inputs_embeds ends a row in padding)",
                           "pad with config.pad_token_id, or on the left"),
+    "choice_at_padding": ("a multiple-choice head pools a padding position (mc_token_ids, or the last column)",
+                          "mc_token_ids at each choice's last real token"),
     "softmax_over_padding": ("a question-answering loss normalises over every position, padding included",
                              "none needed; unpadded rows run patched"),
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",

@@ -213,18 +213,20 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
         return False  # no loss here (generate()'s steps): nothing to read the mask for
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
         mask = real_tokens_of_4d(mask)
+    read = shift_labels if isinstance(shift_labels, torch.Tensor) else labels  # given, the loss reads them alone
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3 and read.shape == mask.shape:  # (batch, choices, tokens):
+        mask, read = mask.flatten(0, 1), read.flatten(0, 1)  # GPT-2's DoubleHeadsModel, a row per choice
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
-    read = shift_labels if isinstance(shift_labels, torch.Tensor) else labels  # given, the loss reads them alone
     new = read.shape
     if len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
         mask = mask[:, -new[1]:]  # behind a past (a chunked loop, prefix tuning): the new tokens' own columns
     if new != mask.shape:
         return False
     pad = mask == 0
-    if read is shift_labels:  # `labels` may then be anything (a sequence-parallel script's copy of them)
-        return bool(((shift_labels != IGNORE_INDEX) & pad).any())
-    return bool(((labels[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
+    if isinstance(shift_labels, torch.Tensor):  # `labels` may then be anything (a sequence-parallel script's copy)
+        return bool(((read != IGNORE_INDEX) & pad).any())
+    return bool(((read[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
 
 
 @torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)

@@ -19,6 +19,9 @@ from patchkit.hooks.decide.step_aside import IGNORE_INDEX, padded
 
 # the task heads of transformers' modeling modules, by the end of their class names
 TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+# the argument of a multiple-choice head beside a language model's (GPT-2's DoubleHeadsModel): the position it pools
+# in each choice's row, the last column where None
+CHOICE = "mc_token_ids"
 
 
 def task_of(cls: type) -> Optional[str]:
@@ -85,3 +88,20 @@ def task_cause(head: Any, arguments: dict) -> Optional[str]:
             return "labels_from_padding" if bool(((labels != IGNORE_INDEX) & padding).any()) else None
         return None
     return "softmax_over_padding"  # question answering, given its positions
+
+
+def choice_cause(arguments: dict) -> Optional[str]:
+    """`choice_at_padding` where a multiple-choice head (a forward that takes `CHOICE`) pools a padding position:
+    GPT-2's DoubleHeadsModel reads each choice's `mc_token_ids` position (batch, choices) of its (batch, choices,
+    tokens) rows, the last column where None (a right-padded choice's padding); else None."""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or bool(mask.all()):
+        return None
+    rows = mask.reshape(-1, mask.shape[-1])
+    width, index = rows.shape[-1], arguments.get(CHOICE)
+    read = torch.full((rows.shape[0],), width - 1, device=mask.device) if index is None else index
+    if not isinstance(read, torch.Tensor) or read.numel() != rows.shape[0] or not bool(
+            ((read >= 0) & (read < width)).all()):
+        return None  # transformers refuses it
+    read = read.reshape(-1, 1).to(device=mask.device, dtype=torch.long)
+    return "choice_at_padding" if bool((rows.gather(1, read) == 0).any()) else None

@@ -15,6 +15,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
+from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
 from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
@@ -38,6 +39,7 @@ def labelled(arguments: dict, extra: dict) -> bool:
 # the counts and compile again every step); the LM's own forward, and the base model's in it, compile as frames of
 # their own. `recursive=False` skips only that function's frame: each helper it calls is skipped whole, but run_lm.
 eager_finish, eager_run_lm = torch._dynamo.disable(finish), torch._dynamo.disable(run_lm, recursive=False)
+eager_choice_cause = torch.compiler.disable(choice_cause)  # host reads, as lm_cause's
 
 
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
@@ -48,6 +50,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     servable = servable_forward(original)
     heads = state.heads if state is not None else None
     takes_keep = takes_logits_to_keep(signature)
+    chooses = CHOICE in signature.parameters  # a multiple-choice head's: it pools a position of each choice's row
     # unpad="loss" asked of the patch: the loss alone, also where this family's base model unpads inside attention
     loss_alone = state is not None and state.unpad == "loss"
     # the patch's unpad is "model" or "loss": a caller that reads the loss alone gets it fused, also from a family
@@ -64,15 +67,17 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
             return original(self, *args, **kwargs)  # the base model's forward decides (and hands that mask on)
         if in_one_graph():  # what the base model's traced forward plans by: labels over a padded batch
-            with lm_in_graph(lm_plan(arguments, extra)):
+            pools = chooses and isinstance(arguments.get("attention_mask"), torch.Tensor)  # a position per choice
+            with lm_in_graph(lm_plan(arguments, extra) or pools):
                 return original(self, *args, **kwargs)
         if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
                 wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
             kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
         # a call inside another LM's (Llama 4's causal LM in its multimodal model, which holds the labels) keeps what
         # that call reads at padding
-        cause = lm_cause(arguments, extra, self.training, takes_keep) or (None if is_compiling() else
-                                                                           current().lm_cause)
+        choice = eager_choice_cause(arguments) if chooses else None
+        cause = lm_cause(arguments, extra, self.training, takes_keep) or choice or (None if is_compiling() else
+                                                                                    current().lm_cause)
         if cause is None and not is_compiling():
             alone = reads_alone(self, arguments, extra)
             if unpad in WHOLE_MODEL or alone:

@@ -28,7 +28,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
-from patchkit.hooks.decide.task_reads import task_cause, task_of
+from patchkit.hooks.decide.task_reads import CHOICE, choice_cause, task_cause, task_of
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
@@ -148,7 +148,8 @@ def lm_forward(call: Callable) -> Callable:
         if binder is None:
             signature, var_kw, bind, _ = bound_call(type(self).forward)
             unread = "cache" in signature.parameters and not renames_past_key_values(type(self).forward)
-            binder = _binders[type(self)] = (var_kw, bind, takes_logits_to_keep(signature), unread)
+            binder = _binders[type(self)] = (var_kw, bind, takes_logits_to_keep(signature), unread,
+                                             CHOICE in signature.parameters)
         arguments = binder[1](self, args, kwargs)
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         if binder[3] and extra.get("past_key_values") is not None:
@@ -156,7 +157,8 @@ def lm_forward(call: Callable) -> Callable:
         elif task_of(type(self)) is not None:  # a task head reads its own positions (`task_reads`)
             cause = task_cause(self, arguments) or current().lm_cause
         else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
-            cause = lm_cause(arguments, extra, self.training, binder[2]) or current().lm_cause
+            choice = choice_cause(arguments) if binder[4] else None  # GPT-2's multiple-choice head's position
+            cause = lm_cause(arguments, extra, self.training, binder[2]) or choice or current().lm_cause
         if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
