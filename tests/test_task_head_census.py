@@ -1,5 +1,7 @@
 """The task-head census: every served family's sequence classifier, token classifier and question-answering head, tiny,
-against itself on transformers' eager attention, through the class patch, the instance patch and the registered name.
+against itself on transformers' eager attention, through the class patch, the instance patch and the registered name;
+with the multimodal heads beside a family's causal LM (Gemma 3's, Qwen 3.5's: a composite config, built from the
+census's tiny multimodal model).
 
 Each head reads its own positions of the base model's output: the pooled token, each labelled token, every position
 under question answering's softmax. Where the batch makes one of them a padding position, the forward steps aside by
@@ -16,7 +18,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import transformers
-from census import causal_lm_types, tiny_config
+from census import causal_lm_types, tiny_config, tiny_wrapper, wrapper_types
 from packaging.version import Version
 from patchkit.patches import table
 
@@ -110,6 +112,23 @@ def task_heads(model_type: str) -> list[type]:
             if isinstance(cls, type) and cls.__module__ == module.__name__ and cls.__name__.endswith(TASKS)]
 
 
+def head_config(model_type: str, head: type):
+    """A tiny config `head` builds from, 3 labels, padding with PAD: the family's own, or for a multimodal head beside
+    it (Gemma 3's, Qwen 3.5's sequence classifier: a composite config) the census's tiny multimodal model's, its
+    language model the family's tiny one; None where the head is of another family's config, or no tiny multimodal
+    model builds."""
+    config = tiny_config(model_type)
+    if not isinstance(config, head.config_class):
+        composite = head.config_class.model_type
+        wrapper = tiny_wrapper(composite)[0] if composite in wrapper_types() else None
+        if wrapper is None:
+            return None
+        config = copy.deepcopy(wrapper.config)
+    config.num_labels = 3
+    config.pad_token_id = config.get_text_config().pad_token_id = PAD
+    return config
+
+
 def run_way(way: str, model_type: str, model: torch.nn.Module, inputs: dict,
             measure: Callable[[torch.nn.Module, dict], dict] = outputs) -> tuple[dict, dict]:
     """`measure` (`outputs`) of `inputs` through one way in, and the forwards it stepped aside for (cause: count;
@@ -140,20 +159,18 @@ def test_task_heads(model_type):
         pytest.skip(f"not served: {stop}")
     if model_type not in table.VERIFIED and spec.name not in PATCH_MODULES:
         pytest.skip("not verified by the causal-LM census")
-    heads = task_heads(model_type)
-    config = tiny_config(model_type)
-    heads = [h for h in heads if isinstance(config, h.config_class)]  # a multimodal head needs its composite config
-    if not heads:
+    built = [(head, config) for head in task_heads(model_type) for config in [head_config(model_type, head)]
+             if config is not None]  # a head of another config class (a module several families share) is theirs
+    if not built:
         pytest.skip("no task head on this family's config")
-    config.num_labels, config.pad_token_id = 3, PAD
     failures = {}
-    for head in heads:
+    for head, config in built:
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = head._from_config(copy.deepcopy(config), attn_implementation="eager").float().train()
+            model = head._from_config(config, attn_implementation="eager").float().train()
         task = next(t for t in TASKS if head.__name__.endswith(t))
-        for name, inputs, cause in cases(task, config.vocab_size):
+        for name, inputs, cause in cases(task, config.get_text_config().vocab_size):
             want = outputs(model, inputs)
             for way in ("class", "instance", "registered name"):
                 with warnings.catch_warnings():
