@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # transformers' label of a token with no loss term (`ForCausalLMLoss`'s ignore_index)
 CHUNK_ELEMENTS = 1 << 24  # float32 elements of one chunk (64 MiB): rows = this // V
 CACHE_ELEMENTS = 1 << 18  # on a CPU the forward's chunks stay in cache at this size (measured 2.5x faster)
 
@@ -81,7 +82,7 @@ def loss_denominator(labels: torch.Tensor, vocab: int, ignore_index: int,
     return torch.as_tensor(num_items_in_batch, device=device).float()
 
 
-def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                           num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
     """`fixed_cross_entropy` of transformers (cross-entropy, mean over labelled rows or sum over
     `num_items_in_batch`) over (n, V) logits and (n,) labels, in row chunks. A label outside the vocabulary that is
@@ -91,7 +92,7 @@ def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_ind
 
 
 def shifted_labels(labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor] = None,
-                   ignore_index: int = -100) -> torch.Tensor:
+                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The labels each position predicts, as `ForCausalLMLoss` shifts them (a row's last position predicts nothing),
     or the caller's own `shift_labels` where given."""
     if shift_labels is not None:
@@ -100,8 +101,9 @@ def shifted_labels(labels: Optional[torch.Tensor], shift_labels: Optional[torch.
 
 
 def chunked_causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int,
-                           num_items_in_batch: Optional[Union[torch.Tensor, int]] = None, ignore_index: int = -100,
-                           shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+                           num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
+                           ignore_index: int = IGNORE_INDEX, shift_labels: Optional[torch.Tensor] = None,
+                           **kwargs: Any) -> torch.Tensor:
     """transformers' `ForCausalLMLoss` (same arguments, same numbers), chunked."""
     shift_labels = shifted_labels(labels, shift_labels, ignore_index)
     return chunked_cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.loss.cross_entropy import loss_denominator
+from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, loss_denominator
 
 CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's logits (64 MiB in float32) at least
 BALANCE_ELEMENTS = 1 << 26  # ... and up to H rows within this many (256 MiB): see chunk_rows
@@ -338,7 +338,7 @@ def _nll_and_grads(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         labels: torch.Tensor, transform: LogitTransform = PLAIN, ignore_index: int = -100,
+                         labels: torch.Tensor, transform: LogitTransform = PLAIN, ignore_index: int = IGNORE_INDEX,
                          num_items_in_batch: Optional[Union[torch.Tensor, int]] = None,
                          terms: Sequence[LowRank] = (), column_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """transformers' `fixed_cross_entropy` of the family's logits of (n, H) `hidden` against (n,) labels (already

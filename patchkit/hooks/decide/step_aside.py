@@ -28,6 +28,7 @@ from patchkit.forward.inputs.arguments import (
     window_over_hole,
 )
 from patchkit.forward.liveness import is_compiling
+from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
@@ -35,7 +36,6 @@ from patchkit.hooks.decide.outer_caller import head_outside_patch
 from patchkit.hooks.install.registry import config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
-IGNORE_INDEX = -100
 # their masks keep packed documents apart themselves
 OWN_DOCUMENTS = ("custom_4d_mask", "static_cache_mask", "continuous_batching")
 

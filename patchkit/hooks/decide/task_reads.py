@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 
 from patchkit.forward.inputs.arguments import input_tokens
-from patchkit.hooks.decide.step_aside import IGNORE_INDEX, padded
+from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
+from patchkit.hooks.decide.step_aside import padded
 
 # the task heads of transformers' modeling modules, by the end of their class names
 TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")

@@ -11,10 +11,9 @@ from torch import nn
 
 from patchkit.forward.context import current, within
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.head.fused_head import FusedHead
-
-IGNORE_INDEX = -100
 
 
 class HeadRequest:

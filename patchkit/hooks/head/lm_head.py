@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchkitError
-from patchkit.forward.loss.cross_entropy import chunked_causal_lm_loss, shifted_labels
+from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
 from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
-from patchkit.hooks.head.head_request import IGNORE_INDEX, CheckFailed, HeadRequest, asked, with_zero_row
+from patchkit.hooks.head.head_request import CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.head.weight_holders import accelerate_forward, held
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 from patchkit.warn import package_home, real_path
