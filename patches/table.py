@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from typing import Optional
 
 from packaging.specifiers import SpecifierSet
@@ -85,13 +86,16 @@ ROW_MIXERS = {
 }
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
+# a bias of the attention scores the family's attention hands transformers' attention function: no varlen kernel takes
+# one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
+SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text", "glm5_next", "hy_v4",
                      "mistral_large4", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4",
                      "kolibri1_1"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
-    "inkling_text": "a relative position bias added to the attention scores (`position_bias`)",
+    "inkling_text": SCORE_BIAS,
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
 }
 
@@ -165,6 +169,8 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     module = sys.modules[lm.__module__]
     if base.__module__ != module.__name__:
         raise PatchTargetError(f"{lm_name} wraps a model of another family ({base.__module__})")
+    if any(passes(c, "position_bias") for c in interface_classes(module)):
+        raise PatchTargetError(f"model_type {model_type!r} uses {SCORE_BIAS}")
     attention = interface_attention(module, lm_name.removesuffix("ForCausalLM"))
     if attention is None:
         raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface")
@@ -203,19 +209,35 @@ def builds_masks(cls: type) -> bool:
 def interface_attention(module: object, stem: str) -> Optional[type]:
     """The attention class of a modeling module: one whose forward calls transformers' attention interface (the
     text one, `{stem}Attention` or `{stem}TextAttention`, where a vision tower's does too), else None."""
-    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, nn.Module)
-             and c.__module__ == module.__name__ and calls_interface(c)]
+    found = interface_classes(module)
     named = [c for c in found if c.__name__ in (f"{stem}Attention", f"{stem}TextAttention")]
     text = [c for c in found if not any(w in c.__name__ for w in ("Vision", "Audio", "Cross", "Encoder"))]
     return (named or (text if len(text) == 1 else [None]))[0]
+
+
+def interface_classes(module: object) -> list[type]:
+    """The modules a modeling module defines whose forward calls transformers' attention interface."""
+    return [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, nn.Module)
+            and c.__module__ == module.__name__ and calls_interface(c)]
+
+
+def passes(cls: type, keyword: str) -> bool:
+    """`cls`'s own forward passes `keyword=` in a call (the keyword names of its calls are constants of its code)."""
+    code = forward_code(cls)
+    return code is not None and any(isinstance(c, tuple) and keyword in c for c in code.co_consts)
+
+
+def forward_code(cls: type) -> Optional[types.CodeType]:
+    """The code of `cls`'s own forward, transformers' own under a patch of ours (none where it defines no forward)."""
+    forward = cls.__dict__.get("forward")
+    return getattr(inspect.unwrap(unpatched(forward)), "__code__", None) if forward is not None else None
 
 
 def forward_names(cls: type) -> tuple[str, ...]:
     """The global and attribute names `cls`'s own forward reads (none where it defines no forward), transformers' own
     under a patch of ours: read while a class patch is active (an instance patch under `apply_patch()`), the patched
     base model's forward read none, and Moshi's depth decoder or OPT's outer model was taken for its mask builder."""
-    forward = cls.__dict__.get("forward")
-    code = getattr(inspect.unwrap(unpatched(forward)), "__code__", None) if forward is not None else None
+    code = forward_code(cls)
     return code.co_names if code is not None else ()
 
 
