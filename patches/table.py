@@ -172,8 +172,12 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     if any(passes(c, "position_bias") for c in interface_classes(module)):
         raise PatchTargetError(f"model_type {model_type!r} uses {SCORE_BIAS}")
     attention = interface_attention(module, lm_name.removesuffix("ForCausalLM"))
+    if attention is None and not any("Attention" in n for n, c in vars(module).items() if isinstance(c, type)):
+        raise PatchTargetError(f"{lm_name} has no attention layer (a state-space or recurrent model): there is no "
+                               "attention for patchkit to serve; run it as it is")
     if attention is None:
-        raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface")
+        raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface "
+                               "(its own code computes it): run it without patchkit")
     return attention, mask_builder(module, base), lm
 
 
