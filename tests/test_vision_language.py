@@ -147,34 +147,29 @@ def test_a_class_patch_serves_llava_loaded_after_it():
         torch.testing.assert_close(got_grads[name], grad, atol=3e-6, rtol=1e-4, msg=name)
 
 
-def test_gemma3_images_attend_bidirectionally_through_transformers_attention():
-    """Gemma3's image tokens see each other both ways, a pattern no key-padding mask expresses (the text after an
-    image attends into it: no document of its own). Its multimodal model builds those masks before its language
-    model runs: `apply_patch(model=...)` picks the gemma3_text patch, and those forwards run transformers'
-    attention, counted by the image tokens' own cause; logits equal unpatched, and strict mode refuses."""
+def test_gemma3_images_attend_bidirectionally_through_the_patch():
+    """Gemma3's image tokens see each other both ways, and the text after an image attends into it (no document of
+    its own). Its multimodal model builds those masks before its language model runs: `apply_patch(model=...)` picks
+    the gemma3_text patch, which reads each image's block off them and serves it with a pass of its own
+    (`forward/metadata.py`). Before, such forwards stepped aside to transformers' attention; now they run patched,
+    strict mode included, with unpatched logits."""
     model = gemma3().eval()
     batch = image_batch(first=3)
     batch.pop("labels")
     batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
     with torch.no_grad():
         want = model(**batch).logits
-        with pytest.warns(RuntimeWarning, match="image tokens that see each other both ways"):
-            with patchkit.apply_patch(model=model, backend="sdpa") as handle:
-                got = model(**batch).logits
-                assert handle.name == "gemma3_text" and handle.check(model) == 2
-                assert handle.stepped_aside == {"bidirectional_image_tokens": 1} and handle.calls == 0
-        with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
-            with pytest.raises(PatchkitError, match="strict=True.*vision-language model.s own masks"):
-                model(**batch)
+        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+            got = model(**batch).logits
+            assert handle.name == "gemma3_text" and handle.check(model) == 2
+            assert handle.stepped_aside == {} and handle.calls == 2
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4)
 
 
-def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched_and_says_so():
-    """`apply_patch()` before load (the env var's and the launcher's way): Gemma3's image prefill runs on
-    transformers' attention with the one warning and counted, on transformers 5.24 too (reported to run unpatched
-    with no word there); its decode steps (one query each, causal over the cache) run patched; its tokens equal
-    unpatched."""
+def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched():
+    """`apply_patch()` before load (the env var's and the launcher's way): Gemma3's image prefill (its image blocks
+    both ways) and its decode steps run patched; its tokens equal unpatched."""
     batch = image_batch(first=3)
     batch.pop("labels")
     batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
@@ -182,12 +177,11 @@ def test_gemma3_generates_with_images_under_every_family_patch_as_unpatched_and_
     batch["token_type_ids"] = batch["token_type_ids"].flip(-1)  # left-padded for generation
     options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     want = gemma3().eval().generate(**batch, **options)
-    with pytest.warns(RuntimeWarning, match="image tokens that see each other both ways"):
-        with patchkit.apply_patch(backend="sdpa") as group:
-            got = gemma3().eval().generate(**batch, **options)
-            handle = next(h for h in group if h.name == "gemma3_text")
-            assert handle.stepped_aside == {"bidirectional_image_tokens": 1}
-            assert handle.calls == 2 * (options["max_new_tokens"] - 1)  # the decode steps, 2 layers each
+    with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+        got = gemma3().eval().generate(**batch, **options)
+        handle = next(h for h in group if h.name == "gemma3_text")
+        assert handle.stepped_aside == {}
+        assert handle.calls == 2 * options["max_new_tokens"]  # the prefill and the decode steps, 2 layers each
     assert torch.equal(got, want)
 
 

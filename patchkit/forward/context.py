@@ -9,7 +9,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
-    from patchkit.forward.metadata import VarlenMetadata
+    from patchkit.forward.metadata import BlockQueries, VarlenMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,8 @@ class ForwardPlan:
     - `no_mask`: its caller gave no attention_mask (position_ids may define documents).
     - `own_cache`: unpadded, it returns a KV cache its caller did not bring, which the model would make itself: the
       forward makes it and fills it padded.
+    - `blocks`: its queries that also see the later keys of their block (an image's), in the unpadded rows
+      (`forward/metadata.py`), which its layers' metadata carry; else None.
     """
 
     aside: Optional[str] = None
@@ -33,6 +35,7 @@ class ForwardPlan:
     packed: Optional[VarlenMetadata] = None
     no_mask: bool = False
     own_cache: bool = False
+    blocks: Optional[BlockQueries] = None
 
     @property
     def unpadded(self) -> bool:

@@ -193,8 +193,8 @@ class VarlenMask:
     reaches it.
     """
 
-    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "_key",
-                 "_meta")
+    __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "blocks",
+                 "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
@@ -209,6 +209,7 @@ class VarlenMask:
         self.key_offset = key_offset  # the mask column of the first key the cache returns (a sliding-window cache)
         self.window = window
         self.chunk = chunk  # chunked attention's size (Llama 4's): documents cut every `chunk` tokens
+        self.blocks: Any = None  # the forward's image blocks (`ForwardPlan.blocks`), for the metadata of its keys
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
@@ -220,8 +221,10 @@ class VarlenMask:
         """The mask builders' entry: `mask`, or the packed forward's metadata when one is running; with the route of
         the forward building it, which its layers (and their checkpoint recomputes) then read from the mask."""
         context = current()
-        return cls(mask, context.plan.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
+        made = cls(mask, context.plan.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
                    context.route, window, chunk)
+        made.blocks = context.plan.blocks
+        return made
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
         """How many of the `keys` the cache returned the queries may see: past + q_len, the rest unfilled slots.
@@ -273,6 +276,8 @@ class VarlenMask:
             )
             check_seq_idx(fa_kwargs.get("seq_idx"), self._meta)
             self._meta = split_at_chunks(self._meta, self.chunk)
+            if self.blocks is not None and self._meta.blocks is None:
+                self._meta.blocks = self.blocks if q_len == kv_len else refuse_blocks_behind_past()
             self._key = key
         return self._meta.on(device)  # each layer's own device, where a device map splits the model
 
@@ -373,3 +378,8 @@ def four_d_cause(fixed_cache: bool) -> str:
         " If you did not pass it yourself, it was built outside the patch: the patch was applied while this forward"
         " was in flight, or the model's attention implementation was changed after the patch was applied."
     )
+
+
+def refuse_blocks_behind_past() -> None:
+    """A forward planned with image blocks (no past) whose layer got keys of a past: never served."""
+    raise PatchStateError("image blocks planned for a forward without a past reached a layer with cached keys")

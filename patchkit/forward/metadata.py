@@ -35,6 +35,8 @@ class VarlenMetadata:
     seqlens_k: list[int]
     packed: bool = False
     holes: bool = False  # some row has padding between real tokens (left/right padding is no hole)
+    # queries that also see the later keys of their block (an image's, both ways), in the unpadded rows
+    blocks: Optional[BlockQueries] = None
     # patchkit.forward.decode_plan's DecodePlan for this forward's decode steps, built by the first layer that needs it
     decode_plan: Optional[DecodePlan] = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _elsewhere: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -61,7 +63,8 @@ class VarlenMetadata:
 
     def _moved(self, device: torch.device) -> VarlenMetadata:
         fields = ("indices_q", "indices_k", "cu_seqlens_q", "cu_seqlens_k")
-        return dataclasses.replace(self, **{f: _to(getattr(self, f), device) for f in fields})
+        blocks = None if self.blocks is None else self.blocks.on(device)
+        return dataclasses.replace(self, blocks=blocks, **{f: _to(getattr(self, f), device) for f in fields})
 
     @property
     def same_qk(self) -> bool:
@@ -191,3 +194,73 @@ def mask_from_indices(indices: Optional[torch.Tensor], batch: int, width: int, d
         return None
     real = torch.zeros(batch * width, dtype=torch.bool, device=device)
     return real.index_fill_(0, indices, True).view(batch, width)
+
+
+# Image blocks. Queries that also see the later keys of their own block (an image's tokens, both ways, in Gemma 3's
+# multimodal masks): a varlen kernel is causal, so each block's queries get a second, non-causal pass over the keys
+# from their row's start to the block's end, whose output replaces theirs (`hooks/attention/attend.attend_blocks`).
+# In the unpadded rows (the real tokens in order, a packed row's too) a block's keys are one contiguous range ending
+# at its last query, so flash-attn's bottom-right alignment places each query where it is, and a sliding window's
+# left edge (`(w - 1, -1)`) falls where transformers puts it: keys after the query's position minus the window.
+# Gemma 4's blocks are its sliding layers' alone (`sliding_only`).
+
+
+@dataclasses.dataclass
+class BlockQueries:
+    """The block queries of a forward, in its unpadded rows: which query rows (`q_index`), the key rows each block
+    sees one block after another (`k_index`), and the varlen metadata of the blocks as sequences (`meta`)."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    meta: VarlenMetadata
+    sliding_only: bool = False  # the blocks are the sliding layers' alone (Gemma 4's full layers stay causal)
+
+    def on(self, device: torch.device) -> BlockQueries:
+        if self.q_index.device == device:
+            return self
+        return BlockQueries(self.q_index.to(device), self.k_index.to(device), self.meta.on(device), self.sliding_only)
+
+    def for_window(self, window: tuple[int, int]) -> bool:
+        """The blocks apply to a layer of this (flash-attn) window: every layer, or the sliding ones."""
+        return not self.sliding_only or window[0] >= 0
+
+
+def block_queries(reach: torch.Tensor, real: torch.Tensor) -> Optional[BlockQueries]:
+    """From each query's reach (B, N) (the last position it sees; its own where it sees nothing later) and the real
+    tokens (B, N), no past: the block queries, or None where the pattern is no set of blocks.
+
+    A block is a run of real queries that all reach the same token, the one right after the run (which reaches
+    itself): transformers' bidirectional image block from its first token to its last. Its pass takes the run and
+    that last token as queries, and the keys from the row's first real token to the last token."""
+    real = real.bool()
+    batch, width = real.shape
+    positions = torch.arange(width, device=real.device).expand(batch, width)
+    later = reach > positions
+    if bool((later & ~real).any()) or bool((reach < positions).any()):
+        return None  # a padding query that sees a later key; one that reaches back: no block
+    shifted = torch.nn.functional.pad  # (a column shift: the neighbour on the left, or on the right)
+    left, left_reach = shifted(later, (1, 0))[:, :-1], shifted(reach, (1, 0), value=-1)[:, :-1]
+    right, right_reach = shifted(later, (0, 1))[:, 1:], shifted(reach, (0, 1), value=-1)[:, 1:]
+    starts = later & (~left | (left_reach != reach))
+    ends = later & (~right | (right_reach != reach))
+    if not bool(starts.any()):
+        return None
+    rows, end_at = ends.nonzero(as_tuple=True)
+    closing = (end_at + 1).clamp(max=width - 1)
+    if not bool(((reach[rows, end_at] == end_at + 1) & real[rows, closing] & (reach[rows, closing] == closing)).all()):
+        return None  # the run's reach is not the token right after it, the block's last
+    flat = real.long().cumsum(-1) - 1 + shifted(real.sum(-1).cumsum(0), (1, 0))[:-1, None]  # rows once unpadded
+    row_first = shifted(real.sum(-1).cumsum(0), (1, 0))[:-1][rows]
+    first, last = flat[starts], flat[rows, closing]
+    lengths_q, lengths_k = last - first + 1, last - row_first + 1
+    host_q, host_k = lengths_q.tolist(), lengths_k.tolist()
+    meta = VarlenMetadata(len(host_q), max(host_q), max(host_k), None, None, cu_seqlens_from_lengths(lengths_q),
+                          cu_seqlens_from_lengths(lengths_k), max(host_q), max(host_k), host_q, host_k, packed=True)
+    return BlockQueries(ranges(first, lengths_q), ranges(row_first, lengths_k), meta)
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The concatenated ranges [start, start + length) of each pair."""
+    offsets = torch.arange(int(lengths.sum()), device=starts.device) - torch.repeat_interleave(
+        cu_seqlens_from_lengths(lengths)[:-1].long(), lengths)
+    return torch.repeat_interleave(starts, lengths) + offsets

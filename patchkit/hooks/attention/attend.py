@@ -9,9 +9,10 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from patchkit.backends import Backend, sdpa
+from patchkit.errors import PatchStateError
 from patchkit.forward.decode import decode_plan, is_decode_step
 from patchkit.forward.in_graph import GraphMask, back_in_rows, flat_in_layout
-from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.metadata import BlockQueries, VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 
 
@@ -58,10 +59,24 @@ def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch
                     o: KernelOptions) -> torch.Tensor:
     """q, k, v (B, H, S, D) gathered to their real tokens, the backend's varlen kernel, repadded (B, S, H, D)."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, S, H, D): rows of tokens to gather
-    out = backend.varlen(unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k),
-                         meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True, window_size=o.window,
-                         softcap=o.softcap, **o.sink_kwargs())
+    q, k, v = unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k)
+    out = backend.varlen(q, k, v, meta, dropout_p=o.dropout, softmax_scale=o.scaling, causal=True,
+                         window_size=o.window, softcap=o.softcap, **o.sink_kwargs())
+    if meta.blocks is not None and meta.blocks.for_window(o.window):
+        out = attend_blocks(backend, q, k, v, out, meta.blocks.on(out.device), o)
     return repad(out, meta)
+
+
+def attend_blocks(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  blocks: BlockQueries, o: KernelOptions) -> torch.Tensor:
+    """The causal pass's output `out` (nnz, H, D) with each block query's row replaced by its block's own pass:
+    non-causal over the keys from its row's first token to the block's last, a window's left edge kept
+    (`forward/metadata.py`). q, k, v: the unpadded rows."""
+    picked = backend.varlen(q.index_select(0, blocks.q_index), k.index_select(0, blocks.k_index),
+                            v.index_select(0, blocks.k_index), blocks.meta, dropout_p=o.dropout,
+                            softmax_scale=o.scaling, causal=False, window_size=(o.window[0], -1), softcap=o.softcap,
+                            **o.sink_kwargs())
+    return out.index_copy(0, blocks.q_index, picked.to(out.dtype))
 
 
 def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata,
@@ -78,6 +93,8 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
     """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
     sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
     backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too."""
+    if meta.blocks is not None and meta.blocks.for_window(o.window):
+        raise PatchStateError("a forward with bidirectional blocks reached attention sinks: no path serves both")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = sdpa.varlen_attention(
         unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,

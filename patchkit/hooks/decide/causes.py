@@ -46,11 +46,10 @@ CAUSES = {
         "dynamic cache runs patched",
     ),
     "bidirectional_image_tokens": (
-        "a vision-language model's own masks (Gemma 3's, from token_type_ids) let each image's tokens see each "
-        "other both ways; the text after an image attends into it, so an image is no document of its own, and a "
-        "key-padding mask with causal kernels cannot express it",
-        "none needed for exactness: batches with images run on transformers' attention, batches without image "
-        "tokens run patched; to train patched, put image and text-only samples in separate batches",
+        "a vision-language model's own masks (Gemma 3's, Gemma 4's, from token_type_ids) let image tokens see each "
+        "other both ways in a pattern patchkit's image blocks do not serve: blocks behind a past (a prefill in "
+        "chunks), or layer types whose blocks differ otherwise than Gemma 4's (sliding layers only)",
+        "none needed for exactness; a prefill in one piece (no prefill_chunk_size) runs its images patched",
     ),
     "window_under_4d_mask": (
         "the model was given a 4D attention mask, which transformers takes as the whole pattern (it applies no "
@@ -187,8 +186,9 @@ BRIEF = {
                            "the 2D padding mask, or an additive float 4D mask"),
     "continuous_batching": ("continuous batching (generate_batch, paged attention) builds its own masks over its "
                             "paged cache", "none needed; generate() with the default cache runs patched"),
-    "bidirectional_image_tokens": ("image tokens that see each other both ways (the model's own image masks)",
-                                   "none: batches without image tokens run patched"),
+    "bidirectional_image_tokens": ("image tokens that see each other both ways behind a past (a chunked "
+                                   "prefill), or in a pattern of no image blocks",
+                                   "none needed; a prefill in one piece runs patched"),
     "window_under_4d_mask": ("a 4D attention mask on a sliding-window model (transformers applies no sliding "
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",

@@ -1,11 +1,12 @@
 """A multimodal model's own masks for its language model, read back as the 2D padding mask they were made from.
 
-Gemma 3's (and Gemma 4's) multimodal model builds its language model's masks itself, outside the patch: one 4D mask
-per layer type (full, sliding), causal AND the 2D padding mask, OR a bidirectional block over each image's tokens
-(`token_type_ids`). On a batch without images they are exactly causal, windowed and padded: each key a query sees
-is real, and rebuilding every mask from those keys and comparing it entry for entry proves it is that and nothing
-else; the forward then runs patched on the 2D mask. An image block is never a document of its own (the text after it
-attends into it), so a mask where a query sees a later key steps aside, naming the image tokens.
+Gemma 3's multimodal model builds its language model's masks itself, outside the patch: one 4D mask per layer type
+(full, sliding), causal AND the 2D padding mask, OR a bidirectional block over each image's tokens
+(`token_type_ids`). Each query's reach (the last key it sees) and the real keys are read off them; rebuilding every
+mask from those and comparing it entry for entry proves it is that and nothing else. The forward then runs patched on
+the 2D mask, its image blocks (queries that see later keys of their own block) served by a pass of their own
+(`forward/metadata.py`). A pattern that is no set of blocks, or blocks behind a past, steps aside, naming the image
+tokens.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ import torch
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, window_over_hole
 from patchkit.forward.masks import cache_placement, fixed_slots
+from patchkit.forward.metadata import BlockQueries, block_queries
 from patchkit.hooks.generation.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
 
 BIDIRECTIONAL = "bidirectional_image_tokens"
 
 
-def padding_from_model_masks(module: Any, arguments: dict) -> Optional[torch.Tensor | str]:
-    """(B, past + q_len) long, 1 = real: the 2D mask a dict of per-layer-type 4D masks over every key (no static
-    cache) exactly is; `BIDIRECTIONAL` where some query sees a later key (an image's tokens, both ways); else None."""
+def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[torch.Tensor, Any] | str]:
+    """((B, past + q_len) long, 1 = real; the block queries or None): the 2D mask and image blocks a dict of
+    per-layer-type 4D masks over every key (no static cache) exactly are; `BIDIRECTIONAL` where some query sees a
+    later key in a pattern that is no set of blocks on a forward without a past; else None."""
     mask, cache, tokens = arguments.get("attention_mask"), given_cache(arguments), input_tokens(arguments)
     if not isinstance(mask, dict) or tokens is None or fixed_slots(cache):
         return None
@@ -39,31 +42,59 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[torch.Ten
                         or m.shape[-1] > end or (window is None and m.shape[-1] != end)
                         for window, m in given.items()):
         return None  # another shape: full layers' masks cover every key, sliding ones (a dynamic cache) the last
-    queries = torch.arange(past, end, device=tokens.device)[:, None]
+    queries = torch.arange(past, end, device=tokens.device)
     keys = torch.zeros(batch, end, dtype=torch.bool, device=tokens.device)
-    for m in given.values():  # a key is real where some query sees it; a query that sees a later key: an image's
+    reaches = {}  # by window: the last key each query sees (its own position where it sees none later)
+    for window, m in given.items():  # a key is real where some query sees it
         offset, seen = end - m.shape[-1], allowed_keys(m)
-        if bool((seen & (torch.arange(offset, end, device=tokens.device)[None, :] > queries)).any()):
-            return BIDIRECTIONAL
+        columns = torch.arange(offset, end, device=tokens.device)
+        reaches[window] = torch.maximum(torch.where(seen, columns, -1).amax(-1), queries)
         keys[:, offset:] |= seen.any(dim=1)
     if len(given) < len(masks):  # a layer type whose mask sdpa skipped (causal, no padding): every key real
         keys[:] = True
+    blocks = image_blocks(reaches, queries, keys, set(masks), past)
+    if isinstance(blocks, str):
+        return blocks
     for window, m in given.items():
-        if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, end - m.shape[-1])):
+        served = blocks is not None and (not blocks.sliding_only or window is not None)
+        if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, end - m.shape[-1],
+                                              reaches[window] if served else None)):
             return None
     if not same_recurrent_masks(mask, keys, q_len):
         return None
-    return keys.long()
+    return keys.long(), blocks
 
 
-def model_masks_cause(module: Any, arguments: dict) -> Optional[str]:
-    """What a forward given a multimodal model's own masks steps aside for, or None where they are read back (the 2D
-    mask now in `arguments`, in place): image tokens that see each other both ways, a sliding window over a padding
-    hole, or any other pattern (custom_4d_mask)."""
+def image_blocks(reaches: dict, queries: torch.Tensor, keys: torch.Tensor, kinds: set,
+                 past: int) -> Optional[BlockQueries | str]:
+    """The image blocks the masks' reaches (by window) say, for every layer type (Gemma 3's) or the sliding ones
+    alone (Gemma 4's: its full layers stay causal); None where no query sees a later key; `BIDIRECTIONAL` where
+    they are no blocks patchkit serves (behind a past, layer types that disagree)."""
+    later = {window for window, reach in reaches.items() if bool((reach > queries).any())}
+    if not later:
+        return None
+    first = reaches[next(iter(later))]
+    if past or any(not torch.equal(reaches[window], first) for window in later):
+        return BIDIRECTIONAL
+    sliding_only = later != kinds
+    if sliding_only and (None in later or None not in kinds):
+        return BIDIRECTIONAL  # blocks on full layers but not on sliding ones: no family's
+    blocks = block_queries(first, keys)
+    if blocks is None:
+        return BIDIRECTIONAL
+    blocks.sliding_only = sliding_only
+    return blocks
+
+
+def model_masks_cause(module: Any, arguments: dict) -> tuple[Optional[str], Optional[BlockQueries]]:
+    """(what a forward given a multimodal model's own masks steps aside for, None), or (None, its image blocks or
+    None) where they are read back (the 2D mask now in `arguments`, in place): image tokens that see each other both
+    ways in no pattern of blocks, a sliding window over a padding hole, or any other pattern (custom_4d_mask)."""
     found = padding_from_model_masks(module, arguments)
     if found is None or isinstance(found, str):
-        return found or "custom_4d_mask"
-    if window_over_hole(module.config, found):
-        return "window_over_padding_hole"
-    arguments["attention_mask"] = found
-    return None
+        return found or "custom_4d_mask", None
+    keys, blocks = found
+    if window_over_hole(module.config, keys):
+        return "window_over_padding_hole", None
+    arguments["attention_mask"] = keys
+    return None, blocks

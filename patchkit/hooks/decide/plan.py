@@ -43,10 +43,13 @@ def plan_forward(
     the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
     cause = forward_cause(module, arguments, extra) if state is not None else None
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
-    if cause == "custom_4d_mask":  # a multimodal model's own masks on a batch without images: patched too
-        cause = model_masks_cause(module, arguments)
+    blocks = None
+    if cause == "custom_4d_mask":  # a multimodal model's own masks (and its image blocks): patched too
+        cause, blocks = model_masks_cause(module, arguments)
     if cause is None and state is not None:
         cause = untrusted_cause(module, state)
+    if cause is None and blocks is not None and sequence_parallel:
+        cause = "bidirectional_image_tokens"  # a rank's shard would cut its blocks
     if cause is not None:
         return ForwardPlan(aside=cause)
     no_mask = arguments.get("attention_mask") is None
@@ -54,9 +57,11 @@ def plan_forward(
         return ForwardPlan(no_mask=no_mask)
     meta = unpad_plan(module, arguments, extra) if unpad in WHOLE_MODEL else None
     if meta is not None:
+        meta.blocks = blocks
         own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
-        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own)
-    return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask)
+        return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own,
+                           blocks=blocks)
+    return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask, blocks=blocks)
 
 
 def fills_a_cache(module: nn.Module, args: dict) -> bool:

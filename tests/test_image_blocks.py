@@ -1,0 +1,228 @@
+"""Image tokens that see each other both ways (Gemma 3's and Gemma 4's multimodal masks), served patched: each image's
+block gets a non-causal pass of its own over its row's keys up to the block's end (`patchkit/forward/metadata.py`), read
+off the masks the multimodal model builds and checked against them entry for entry. Training with images (loss,
+logits, every gradient), windows that cut into a block, both unpad modes and ways in, generation, and TRL's SFT on
+image conversations equal unpatched; blocks behind a past still step aside."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from families import FAMILIES_FROM
+from packaging.version import Version
+
+import patchkit
+from patchkit.forward.metadata import block_queries
+
+if Version(tf.__version__) < Version("5.0"):
+    pytest.skip("the families' multimodal masks with image blocks: transformers 5.x", allow_module_level=True)
+
+IMAGE, BOI, EOI = 94, 95, 96
+
+
+def test_block_queries_take_each_block_and_its_keys_in_the_unpadded_rows():
+    """A block is a run of real queries that reach the token right after the run (the block's last); its pass takes
+    the run and that token as queries, the keys from the row's first real token on. Anything else is no block."""
+    real = torch.tensor([[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1]]).bool()
+    positions = torch.arange(8).expand(2, 8)
+    reach = positions.clone()
+    reach[0, 2:4] = 4  # row 0: a block at 2..4
+    reach[1, 4:6] = 6  # row 1 (left-padded by 2, its unpadded rows from 8): a block at 4..6
+    blocks = block_queries(reach, real)
+    assert blocks.q_index.tolist() == [2, 3, 4, 10, 11, 12]
+    assert blocks.k_index.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    assert blocks.meta.seqlens_q == [3, 3] and blocks.meta.seqlens_k == [5, 5]
+    beyond = reach.clone()
+    beyond[0, 3] = 5  # one query of the run reaches further: no block
+    assert block_queries(beyond, real) is None
+    padded = reach.clone()
+    padded[1, 0] = 3  # a padding query that sees a later key
+    assert block_queries(padded, real) is None
+
+
+def gemma3(window: int, layer_types: list[str]) -> torch.nn.Module:
+    """A tiny Gemma 3 vision-language model (SigLIP 2 x 2 patches, 4 image tokens), `window` on its sliding layers."""
+    text = tf.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+                               layer_types=layer_types, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               max_position_embeddings=256)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                             boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE)
+    torch.manual_seed(0)
+    return tf.Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager").float()
+
+
+def image_batch(left: bool = False) -> dict:
+    """Three rows of 16 with an image's 4 tokens each, one row right-padded and one left-padded (`left`: all three
+    left-padded, for generation); labels -100 at padding, at images and after left padding."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 90, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    if left:
+        mask[1, :3], mask[2, :5] = 0, 0
+    else:
+        mask[1, 12:], mask[2, :3] = 0, 0
+    for row, start in ((0, 2), (1, 5), (2, 6)):
+        ids[row, start : start + 4] = IMAGE
+    ids = ids.masked_fill(mask == 0, 0)
+    types = (ids == IMAGE).long()
+    labels = ids.masked_fill((mask == 0) | (mask.cumsum(-1) == 1) | (types == 1), -100)
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                pixel_values=torch.randn(3, 3, 28, 28, generator=g))
+
+
+def train_step(model: torch.nn.Module, batch: dict) -> dict:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    got = {"loss": out.loss.detach(), "logits": out.logits.detach()[batch["attention_mask"].bool()]}
+    got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return got
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():  # the tiny projector's gradients reach 1e5: a relative tolerance
+        torch.testing.assert_close(got[name], value, atol=2e-5 * max(1.0, value.abs().max().item()), rtol=1e-4,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+@pytest.mark.parametrize("way", ["instance", "class"])
+@pytest.mark.parametrize("window, layer_types", [
+    (2, ["sliding_attention", "sliding_attention"]),  # a window shorter than an image: it cuts into the block
+    (3, ["sliding_attention", "full_attention"]),
+    (16, ["full_attention", "sliding_attention"]),
+], ids=["window 2", "window 3 and full", "full and window 16"])
+def test_a_gemma3_training_step_with_images_runs_patched_as_unpatched(window, layer_types, way, unpad):
+    model = gemma3(window, layer_types).train()
+    batch = image_batch()
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", strict=True,
+                              unpad=unpad) as handle:
+        got = train_step(model, batch)
+        assert handle.stepped_aside == {} and handle.calls == len(layer_types)
+    assert_same(got, want)
+
+
+def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside():
+    """Left-padded prompts with an image each: the prefill (its blocks) and the decode steps run patched, the tokens
+    as unpatched. A prefill in chunks puts a block behind a past, which patchkit does not serve: it steps aside,
+    exact."""
+    model = gemma3(4, ["sliding_attention", "full_attention"]).eval()
+    batch = image_batch(left=True)
+    batch.pop("labels")
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(**batch, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        assert torch.equal(model.generate(**batch, **options), want)
+        assert handle.stepped_aside == {} and handle.calls == 2 * options["max_new_tokens"]
+    chunked = dict(options, prefill_chunk_size=5)
+    want = model.generate(**batch, **chunked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = model.generate(**batch, **chunked)
+    assert handle.stepped_aside.get("bidirectional_image_tokens") == 1
+    assert torch.equal(got, want)
+
+
+def test_gemma4s_sliding_layers_attend_to_their_images_both_ways_its_full_layers_causally():
+    """Gemma 4 (`use_bidirectional_attention="vision"`) gives its sliding layers the image blocks and keeps its full
+    layers causal: the blocks serve the sliding layers alone, and a training step equals unpatched."""
+    from census import tiny_wrapper
+
+    if Version(tf.__version__) < Version(FAMILIES_FROM):
+        pytest.skip("families from data")
+    built, why = tiny_wrapper("gemma4")
+    if built is None:
+        pytest.skip(why)
+    config = copy.deepcopy(built.config)
+    text = config.get_text_config()
+    text.use_bidirectional_attention, text.sliding_window = "vision", 3
+    torch.manual_seed(0)
+    model = type(built)._from_config(config, attn_implementation="eager").float().train()
+    batch = image_batch()
+    batch["mm_token_type_ids"] = batch.pop("token_type_ids")
+    batch.pop("pixel_values")  # the masks read the token types; no image features needed
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = train_step(model, batch)
+        assert handle.stepped_aside == {} and handle.calls == len(text.layer_types)
+    assert_same(got, want)
+
+
+def gemma3_processor(side: int) -> tf.ProcessorMixin:
+    """Gemma 3's own processor around its PIL image processor and a word-level tokenizer with its image tokens at the
+    tiny model's ids (an image's 4 soft tokens between its begin and end tokens)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = {"<image_soft_token>": IMAGE, "<start_of_image>": BOI, "<end_of_image>": EOI}
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 97)]
+    for token, index in specials.items():
+        words[index] = token
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        extra_special_tokens={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                              "eoi_token": "<end_of_image>"})
+    template = ("{% for m in messages %}{{ m.role }} {% for c in m.content %}{% if c.type == 'image' %}"
+                "<start_of_image> {% else %}{{ c.text }} {% endif %}{% endfor %}</s> {% endfor %}"
+                "{% if add_generation_prompt %}assistant {% endif %}")
+    return tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessorPil(size={"height": side, "width": side}),
+                              tokenizer=tokenizer, image_seq_length=4, chat_template=template)
+
+
+def image_conversations(side: int):
+    """A dozen conversations, an image and a question each, a short answer."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(1)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(t)}" for t in torch.randint(4, 90, (n,), generator=g))
+
+    lengths = (3, 9, 5, 12, 4, 7)
+    images = [[Image.fromarray((torch.rand(side, side, 3, generator=g).numpy() * 255).astype(np.uint8))]
+              for _ in lengths]
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words(n)}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": words(n // 2 + 1)}]}] for n in lengths]
+    return Dataset.from_dict({"images": images * 2, "messages": messages * 2})
+
+
+def test_trl_sft_trains_gemma3_on_images_patched_as_unpatched(tmp_path):
+    """TRL's SFTTrainer on image conversations with its defaults (gradient checkpointing on, its vision collator
+    right-padding, token_type_ids marking the images): before, every step stepped aside to transformers' attention;
+    now each runs patched, forward and recompute, with the unpatched losses."""
+    pytest.importorskip("trl")
+    from test_trl import STEPS, assert_same_losses, common_args, logged_losses
+    from trl import SFTConfig, SFTTrainer
+
+    def losses() -> list[float]:
+        model = gemma3(4, ["sliding_attention", "full_attention"])
+        args = SFTConfig(**common_args(tmp_path), max_length=None)
+        assert args.gradient_checkpointing
+        torch.manual_seed(0)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=image_conversations(28),
+                             processing_class=gemma3_processor(28))
+        batch = next(iter(trainer.get_train_dataloader()))
+        assert (batch["token_type_ids"] == 1).any() and (batch["attention_mask"] == 0).any()
+        trainer.train()
+        return logged_losses(trainer)
+
+    want = losses()
+    with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+        got = losses()
+        handle = next(h for h in group if h.name == "gemma3_text")
+        assert handle.stepped_aside == {} and handle.calls == STEPS * 2 * 2  # 2 layers, forward and recompute
+    assert_same_losses(got, want)
