@@ -17,8 +17,9 @@ TOOL = ROOT / "tools" / "hf_modeling_tests.py"
 
 # A family test file whose tests differ the ways the real ones can: one passes either way, two (one at module
 # level, one in a class) read the patch's variable and fail patched (pass->fail the tool must report, with its
-# message), one runs a padded forward (attention through the patch when patched), one skips, and one compares
-# eager with sdpa, as transformers' test_eager_matches_sdpa_inference does: patched, both sides run patchkit.
+# message), one runs a padded forward (attention through the patch when patched), one steps aside with patchkit's
+# warning (labels predicted from padding), one skips, and one compares eager with sdpa, as transformers'
+# test_eager_matches_sdpa_inference does: patched, both sides run patchkit.
 FAMILY_TESTS = '''
 import os
 
@@ -48,6 +49,14 @@ def padded_logits(attn="eager"):
 
 def test_padded_forward():
     assert padded_logits().shape == (13, 64)
+
+
+def test_labels_from_padding():  # patched: the forward steps aside with patchkit's warning
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config)
+    ids, mask = torch.randint(1, 64, (2, 8)), torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
+    assert model(input_ids=ids, attention_mask=mask, labels=ids).loss > 0
 
 
 def test_eager_matches_sdpa_inference():
@@ -87,13 +96,15 @@ def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     family, opt = json.loads((out / "results.json").read_text())["families"]
     assert "did not import in both runs: ModuleNotFoundError: No module named 'not_installed_here_xyz'" in opt["error"]
     assert "opt: not run: tests/models/opt/test_modeling_opt.py did not import" in run.stdout
-    assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (6, 5, 5, 3)
+    assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (7, 6, 6, 4)
     assert (family["pass_to_fail"], family["fail_to_pass"], family["other_changes"]) == (2, 0, 0)
     changed = {row["id"].split("::", 1)[1]: row for row in family["changed"]}  # ids as pytest takes them back
     assert changed.keys() == {"test_fails_patched", "TestInAClass::test_fails_patched_too"}
     assert all(row["repeats_on_rerun"] is True for row in changed.values())  # the re-run found both
     assert "patched run" in changed["test_fails_patched"]["patched_message"]
     assert family["patched_attention_tests"] == 2 and family["patched_calls"] >= 6  # two layers, three forwards
+    # the warning pytest records after the test's protocol: in the test's record (the probe once wrote it too early)
+    assert any("(labels_from_padding)" in w for w in family["patchkit_warnings"]), family["patchkit_warnings"]
     assert "test_fails_patched" in run.stdout and "patched run" in run.stdout
     # the comparison passed either way, but patched it compared patchkit with itself: listed apart, not as evidence
     assert [i.split("::", 1)[1] for i in family["vacuous_comparisons"]] == ["test_eager_matches_sdpa_inference"]

@@ -1,6 +1,7 @@
-"""pytest plugin that tools/hf_modeling_tests.py copies beside its results: one JSON line per test,
-written as it ends: outcome, first line of the error, and the change in patchkit's counters (attention calls,
-forwards stepped aside)."""
+"""pytest plugin that tools/hf_modeling_tests.py copies beside its results: one JSON line per test: outcome, first line
+of the error, the change in patchkit's counters (attention calls, forwards stepped aside) and its `patchkit:`
+warnings. pytest records a test's warnings after its protocol returns (its warnings plugin wraps ours), so a test's
+line is written when the next test starts, and the last one's at the session's end."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 _OUT = os.environ.get("HFMT_PROBE_OUT")
 _reports = {}
 _warnings = {}
+_pending = []  # the records of tests whose warnings pytest may still be recording
 
 
 def _counters():
@@ -42,8 +44,23 @@ def pytest_warning_recorded(warning_message, when, nodeid, location):
         _warnings.setdefault(nodeid, []).append(text.splitlines()[0][:300])
 
 
+def _flush():
+    """Write the pending records, each with the warnings pytest recorded for its test."""
+    while _pending:
+        record = _pending.pop(0)
+        record["warnings"] = sorted(set(_warnings.pop(record["nodeid"], [])))
+        if _OUT:
+            with open(_OUT, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _flush()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    _flush()  # the previous test's warnings are recorded by now
     calls0, aside0 = _counters()
     result = yield
     calls1, aside1 = _counters()
@@ -59,9 +76,6 @@ def pytest_runtest_protocol(item, nextitem):
         "duration": round(sum(r.duration for r in reports), 3),
         "patched_calls": calls1 - calls0,
         "stepped_aside": {c: n - aside0.get(c, 0) for c, n in aside1.items() if n - aside0.get(c, 0)},
-        "warnings": sorted(set(_warnings.pop(item.nodeid, []))),
     }
-    if _OUT:
-        with open(_OUT, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+    _pending.append(record)
     return result
