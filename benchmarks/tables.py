@@ -302,6 +302,16 @@ def mixer_groups() -> str:
         ["batch", "rows", "provider", "calls a layer", "tok/s", "x HF sdpa"], out)
 
 
+def image_blocks() -> str:
+    rows = read("image_blocks.csv")
+    body = [[r["provider"], f"{float(r['median_s']):.3f}", f"{float(r['real_tokens_per_s']):.0f}",
+             x(float(r["vs_hf_sdpa"])), r["stepped_aside"]] for r in rows]
+    first = rows[0]
+    return (f"`image_blocks.csv` (Gemma 3 VLM, hidden 256, {first['rows']} rows, {first['real_tokens']} real tokens, "
+            f"an image of {first['image_tokens']} tokens each, {float(first['padding']):.1%} padding, cpu)\n\n"
+            + table(["provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
@@ -309,7 +319,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "fused-loss": fused_loss, "fused-loss-lora": lambda: fused_loss("fused_loss_lora.csv"),
     "zero3-head": lambda: sharded_head("zero3_head.csv"), "fsdp2-head": lambda: sharded_head("fsdp2_head.csv"),
     "peft-head": peft_head, "prepared-head": prepared_head,
-    "trainer-head": trainer_head, "mixer-groups": mixer_groups,
+    "trainer-head": trainer_head, "mixer-groups": mixer_groups, "image-blocks": image_blocks,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
