@@ -249,8 +249,9 @@ def block_queries(reach: torch.Tensor, real: torch.Tensor) -> Optional[BlockQuer
     closing = (end_at + 1).clamp(max=width - 1)
     if not bool(((reach[rows, end_at] == end_at + 1) & real[rows, closing] & (reach[rows, closing] == closing)).all()):
         return None  # the run's reach is not the token right after it, the block's last
-    flat = real.long().cumsum(-1) - 1 + shifted(real.sum(-1).cumsum(0), (1, 0))[:-1, None]  # rows once unpadded
-    row_first = shifted(real.sum(-1).cumsum(0), (1, 0))[:-1][rows]
+    row_start = cu_seqlens_from_lengths(real.sum(-1))[:-1].long()  # each row's first row once unpadded
+    flat = real.long().cumsum(-1) - 1 + row_start[:, None]  # each token's
+    row_first = row_start[rows]
     first, last = flat[starts], flat[rows, closing]
     lengths_q, lengths_k = last - first + 1, last - row_first + 1
     host_q, host_k = lengths_q.tolist(), lengths_k.tolist()
