@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import warnings
 
+import fakes
 import pytest
 import torch
 import transformers as tf
 from families import FAMILIES_FROM
+from flash4_stand_in import install_flash4_double
 from packaging.version import Version
 
 import patchkit
@@ -226,3 +228,35 @@ def test_trl_sft_trains_gemma3_on_images_patched_as_unpatched(tmp_path):
         handle = next(h for h in group if h.name == "gemma3_text")
         assert handle.stepped_aside == {} and handle.calls == STEPS * 2 * 2  # 2 layers, forward and recompute
     assert_same_losses(got, want)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
+def test_the_block_pass_reaches_each_kernel_non_causal_with_the_window_kept_on_its_left(monkeypatch, backend):
+    """On a GPU the block pass runs on a kernel backend: through each kernel's stand-in (its real signature and
+    checks, the sdpa backend's math), a bf16 step with images equals the sdpa backend's, every gradient; each layer
+    makes one causal call over every real token and one non-causal call over the blocks, whose window keeps the
+    layer's left edge and no right edge (flash-attn 2's -1, flash-attn 4's None, torch's -1)."""
+    model = gemma3(3, ["sliding_attention", "full_attention"]).to(torch.bfloat16).train()
+    batch = image_batch()
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
+        want = train_step(model, batch)
+    install = {"flash_attn": fakes.install_flash_double, "flash_attn_4": install_flash4_double,
+               "torch_varlen": fakes.install_torch_varlen_double}[backend]
+    fake = install(monkeypatch)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
+        got = train_step(model, batch)
+        assert handle.backend == backend and handle.stepped_aside == {} and handle.calls == 2
+    assert got.keys() == want.keys()
+    for name, value in want.items():  # torch's double spells a causal window as a non-causal one: bf16 rounding
+        exact = backend != "torch_varlen"
+        torch.testing.assert_close(got[name], value, rtol=0 if exact else 2e-2,
+                                   atol=0 if exact else 2e-2 * max(1.0, value.abs().max().item()), msg=name)
+    real = batch["attention_mask"].sum(-1).tolist()
+    lengths = [call["cu_q"][-1] for call in fake.calls]  # the queries of each call
+    assert lengths == [sum(real), 3 * 4] * 2  # a block per row: its 4 image tokens
+    causal = [call.get("causal", call.get("window") in ((-1, 0), (2, 0))) for call in fake.calls]
+    assert causal == [True, False] * 2
+    windows = [call.get("window_size", call.get("window", (-1, -1))) for call in fake.calls[1::2]]  # FA2: omitted
+    unbounded = {"flash_attn": -1, "flash_attn_4": None, "torch_varlen": -1}[backend]
+    assert windows == [(2, unbounded), (unbounded, unbounded)], windows
