@@ -145,10 +145,13 @@ def test_bad_arguments_raise_clearly_and_change_nothing(kwargs, error, match):
 
 @pytest.mark.parametrize("way", ["class", "instance"])
 def test_4d_mask_is_served_by_transformers_attention_never_dropped(way):
-    """An all-zeros additive 4D mask means bidirectional attention: transformers' attention serves it exactly."""
+    """An additive 4D mask in no pattern of padding, causality and blocks (each query sees the first key and itself):
+    transformers' attention serves it exactly."""
     model = tiny_model()
     ids, mask = padded_batch("right")
-    custom = torch.zeros(4, 1, 24, 24)
+    seen = torch.eye(24, dtype=torch.bool)
+    seen[:, 0] = True
+    custom = torch.zeros(4, 1, 24, 24).masked_fill(~seen, torch.finfo(torch.float32).min)
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=custom).logits
         handle = patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None)
@@ -156,6 +159,22 @@ def test_4d_mask_is_served_by_transformers_attention_never_dropped(way):
         assert handle.stepped_aside == {"custom_4d_mask": 1}
         model(input_ids=ids, attention_mask=mask)  # a 2D mask runs patched again
         assert handle.calls == 2
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_an_all_zeros_4d_mask_runs_patched_as_one_block_per_row(way):
+    """An all-zeros additive 4D mask is bidirectional attention over every key: read back, each row is one block
+    (`forward/metadata.py`), served by the block pass with transformers' numbers."""
+    model = tiny_model()
+    ids = padded_batch("right")[0]
+    custom = torch.zeros(4, 1, 24, 24)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=custom).logits
+        with patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None,
+                                  strict=True) as handle:
+            got = model(input_ids=ids, attention_mask=custom).logits
+            assert handle.stepped_aside == {} and handle.calls == model.config.num_hidden_layers
     torch.testing.assert_close(got, want)
 
 

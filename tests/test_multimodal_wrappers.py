@@ -1,7 +1,8 @@
 """Multimodal models around a language model patchkit serves: what their own forwards hand that language model.
 
-LLaVA-OneVision (and GOT-OCR2) pass the head's `logits_to_keep` on to the language model's layers; PaliGemma sets its
-Gemma's `use_bidirectional_attention`, as EmbeddingGemma's encoders do. Each against the unpatched model.
+LLaVA-OneVision (and GOT-OCR2) pass the head's `logits_to_keep` on to the language model's layers; EmbeddingGemma's
+encoders set `use_bidirectional_attention` (PaliGemma's prefix: `test_paligemma.py`). Each against the unpatched
+model.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from models import labels_for, padded_batch
 from packaging.version import Version
 
 import patchkit
-from patchkit.errors import PatchGateError, PatchInputError
+from patchkit.errors import PatchInputError
 
 if Version(tf.__version__) < Version(FAMILIES_FROM):
     pytest.skip(f"family patches need transformers >= {FAMILIES_FROM}", allow_module_level=True)
@@ -35,15 +36,6 @@ def llava_onevision() -> torch.nn.Module:
                                      vision_config=tf.SiglipVisionConfig(**VISION).to_dict(), image_token_index=IMAGE)
     torch.manual_seed(0)
     return tf.LlavaOnevisionForConditionalGeneration._from_config(config, attn_implementation="eager").train()
-
-
-def paligemma() -> torch.nn.Module:
-    """PaliGemma: a Gemma language model behind a SigLIP tower; its config sets the Gemma's
-    `use_bidirectional_attention` (its prompt prefix attends both ways)."""
-    config = tf.PaliGemmaConfig(text_config=tf.GemmaConfig(**TEXT).to_dict(), projection_dim=32,
-                                vision_config=tf.SiglipVisionConfig(**VISION).to_dict(), image_token_index=IMAGE)
-    torch.manual_seed(0)
-    return tf.PaliGemmaForConditionalGeneration._from_config(config, attn_implementation="eager").train()
 
 
 def embedding_gemma() -> torch.nn.Module:
@@ -103,36 +95,6 @@ def test_llava_onevision_generates_patched_as_unpatched():
         got = model.generate(**prompt, **options)
     assert handle.calls == 2 * options["max_new_tokens"] and not handle.stepped_aside
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("prefix", [False, True], ids=["text", "prompt-prefix"])
-def test_paligemma_steps_aside_by_its_bidirectional_config_under_a_class_patch(prefix):
-    """PaliGemma's Gemma layers are not causal (`use_bidirectional_attention`): eager attention follows the model's
-    mask (its prompt prefix both ways, by `token_type_ids`), sdpa attends both ways where that mask is skipped.
-    Under a class patch every forward raised PatchInputError ("passes is_causal=False"), or stepped aside as
-    custom_4d_mask, "pass the 2D padding mask", which the user had. It runs on transformers' attention now, named;
-    strict refuses it by name."""
-    batch = text_batch()
-    if prefix:
-        batch["token_type_ids"] = (torch.arange(16) >= 8).long().expand(3, 16)  # a prompt, then the suffix
-    want = train_step(paligemma(), batch)
-    with pytest.warns(RuntimeWarning, match=r"not causal .*\(use_bidirectional_attention\)"):
-        with patchkit.apply_patch("gemma", backend="sdpa") as handle:
-            got = train_step(paligemma(), batch)
-    assert handle.stepped_aside == {"use_bidirectional_attention": 1} and handle.calls == 0
-    assert_same_step(got, want)
-    with patchkit.apply_patch("gemma", backend="sdpa", strict=True):
-        with pytest.raises(PatchInputError, match="use_bidirectional_attention"):
-            paligemma()(**batch)
-
-
-def test_apply_patch_on_a_paligemma_patches_nothing_and_says_why():
-    model = paligemma()
-    forwards = {name: m.forward for name, m in model.named_modules()}
-    with pytest.raises(PatchGateError, match=r"use_bidirectional_attention=True: bidirectional attention.*"
-                                             r"Nothing was patched"):
-        patchkit.apply_patch(model=model, backend="sdpa")
-    assert {name: m.forward for name, m in model.named_modules()} == forwards and not patchkit.active_patches()
 
 
 def test_an_embedding_gemma_encoder_under_a_class_patch_runs_as_unpatched():

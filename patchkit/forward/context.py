@@ -28,6 +28,8 @@ class ForwardPlan:
       forward makes it and fills it padded.
     - `blocks`: its queries that also see the later keys of their block (an image's), in the unpadded rows
       (`forward/metadata.py`), which its layers' metadata carry; else None.
+    - `mask_decides`: its layers are not causal by their config (PaliGemma's Gemma), and attend as the mask read back
+      (or a single query) says, which the varlen path serves: their `is_causal=False` is no refusal.
     """
 
     aside: Optional[str] = None
@@ -36,6 +38,7 @@ class ForwardPlan:
     no_mask: bool = False
     own_cache: bool = False
     blocks: Optional[BlockQueries] = None
+    mask_decides: bool = False
 
     @property
     def unpadded(self) -> bool:

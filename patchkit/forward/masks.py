@@ -194,7 +194,7 @@ class VarlenMask:
     """
 
     __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "blocks",
-                 "_key", "_meta")
+                 "mask_decides", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
@@ -210,6 +210,7 @@ class VarlenMask:
         self.window = window
         self.chunk = chunk  # chunked attention's size (Llama 4's): documents cut every `chunk` tokens
         self.blocks: Any = None  # the forward's image blocks (`ForwardPlan.blocks`), for the metadata of its keys
+        self.mask_decides = False  # layers not causal by their config attend as it says (`ForwardPlan.mask_decides`)
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
@@ -223,7 +224,7 @@ class VarlenMask:
         context = current()
         made = cls(mask, context.plan.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
                    context.route, window, chunk)
-        made.blocks = context.plan.blocks
+        made.blocks, made.mask_decides = context.plan.blocks, context.plan.mask_decides
         return made
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
@@ -323,8 +324,10 @@ class VarlenMask:
         if start > 0 or documents or self.fixed_cache:
             raise PatchInputError(INDEX_MESSAGE.format(item=item))  # packed documents, or a cache's unfilled slots
         past = None if self.past_len is None or self.mask is None else self.mask.shape[-1] + start
-        return VarlenMask(self.mask, None, past, False, self.key_offset, self.slots, self.route, self.window,
-                          self.chunk)
+        sliced = VarlenMask(self.mask, None, past, False, self.key_offset, self.slots, self.route, self.window,
+                            self.chunk)
+        sliced.mask_decides = self.mask_decides
+        return sliced
 
     def __add__(self, other: Any) -> Any:
         raise self._foreign_use("arithmetic")

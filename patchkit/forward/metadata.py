@@ -214,11 +214,13 @@ class BlockQueries:
     k_index: torch.Tensor
     meta: VarlenMetadata
     sliding_only: bool = False  # the blocks are the sliding layers' alone (Gemma 4's full layers stay causal)
+    windowed: bool = True  # a sliding window cuts a block's keys (Gemma 3's); else a block sees all of itself
 
     def on(self, device: torch.device) -> BlockQueries:
         if self.q_index.device == device:
             return self
-        return BlockQueries(self.q_index.to(device), self.k_index.to(device), self.meta.on(device), self.sliding_only)
+        return BlockQueries(self.q_index.to(device), self.k_index.to(device), self.meta.on(device), self.sliding_only,
+                            self.windowed)
 
     def for_window(self, window: tuple[int, int]) -> bool:
         """The blocks apply to a layer of this (flash-attn) window: every layer, or the sliding ones."""
@@ -227,7 +229,8 @@ class BlockQueries:
 
 def block_queries(reach: torch.Tensor, real: torch.Tensor) -> Optional[BlockQueries]:
     """From each query's reach (B, N) (the last position it sees; its own where it sees nothing later) and the real
-    tokens (B, N), no past: the block queries, or None where the pattern is no set of blocks.
+    tokens (B, N), no past: the block queries, or None where the pattern is no set of blocks. What padding queries
+    see (PaliGemma's left padding belongs to its prompt's block) is left out.
 
     A block is a run of real queries that all reach the same token, the one right after the run (which reaches
     itself): transformers' bidirectional image block from its first token to its last. Its pass takes the run and
@@ -235,9 +238,9 @@ def block_queries(reach: torch.Tensor, real: torch.Tensor) -> Optional[BlockQuer
     real = real.bool()
     batch, width = real.shape
     positions = torch.arange(width, device=real.device).expand(batch, width)
-    later = reach > positions
-    if bool((later & ~real).any()) or bool((reach < positions).any()):
-        return None  # a padding query that sees a later key; one that reaches back: no block
+    later = (reach > positions) & real  # a padding query's reach is no block's (its output is padding either way)
+    if bool((reach < positions).any()):
+        return None  # a query that reaches back: no block
     shifted = torch.nn.functional.pad  # (a column shift: the neighbour on the left, or on the right)
     left, left_reach = shifted(later, (1, 0))[:, :-1], shifted(reach, (1, 0), value=-1)[:, :-1]
     right, right_reach = shifted(later, (0, 1))[:, 1:], shifted(reach, (0, 1), value=-1)[:, 1:]

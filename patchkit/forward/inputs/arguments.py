@@ -150,9 +150,10 @@ def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
     )
 
 
-def check_call(module: nn.Module, kwargs: Mapping[str, Any]) -> None:
-    """Refuse any argument that would change the result and that patchkit does not implement."""
-    if getattr(module, "is_causal", True) is False:
+def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool = False) -> None:
+    """Refuse any argument that would change the result and that patchkit does not implement. `mask_decides`: the
+    layer's mask was read back from the one its non-causal layers follow (`ForwardPlan.mask_decides`)."""
+    if getattr(module, "is_causal", True) is False and not mask_decides:
         raise refuse(module, "is_causal", False)
     if kwargs.keys() <= ACCEPTED:  # every layer call of a decode step asks: one set operation
         return

@@ -70,11 +70,12 @@ def attend_unpadded(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch
 def attend_blocks(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   blocks: BlockQueries, o: KernelOptions) -> torch.Tensor:
     """The causal pass's output `out` (nnz, H, D) with each block query's row replaced by its block's own pass:
-    non-causal over the keys from its row's first token to the block's last, a window's left edge kept
-    (`forward/metadata.py`). q, k, v: the unpadded rows."""
+    non-causal over the keys from its row's first token to the block's last, a window's left edge kept where the
+    masks keep it (`forward/metadata.py`). q, k, v: the unpadded rows."""
+    left = o.window[0] if blocks.windowed else -1
     picked = backend.varlen(q.index_select(0, blocks.q_index), k.index_select(0, blocks.k_index),
                             v.index_select(0, blocks.k_index), blocks.meta, dropout_p=o.dropout,
-                            softmax_scale=o.scaling, causal=False, window_size=(o.window[0], -1), softcap=o.softcap,
+                            softmax_scale=o.scaling, causal=False, window_size=(left, -1), softcap=o.softcap,
                             **o.sink_kwargs())
     return out.index_copy(0, blocks.q_index, picked.to(out.dtype))
 

@@ -265,7 +265,8 @@ def make_attention_function(
         window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         sinks = kwargs.pop("s_aux", None)
-        check_call(module, kwargs)  # first: an argument names the problem more precisely than the family
+        decides = getattr(attention_mask, "mask_decides", False)  # a non-causal layer's mask, read back
+        check_call(module, kwargs, decides)  # first: an argument names the problem more precisely than the family
         check_family(module, serves)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if isinstance(attention_mask, GraphMask):

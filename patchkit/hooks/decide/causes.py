@@ -114,10 +114,10 @@ CAUSES = {
     ),
     "use_bidirectional_attention": (
         "the model's config sets use_bidirectional_attention (PaliGemma's, an encoder's): its layers are not causal, "
-        "and what they attend to is what the model's own masks say under eager attention, both ways wherever sdpa "
-        "skips that mask, and both ways everywhere under flash_attention_2; only transformers' attention reproduces "
-        "the one this model was loaded with",
-        "none needed: such a model runs on transformers' attention; apply_patch(model=...) refuses it",
+        "and this forward has no mask that says what they attend to (sdpa attends both ways where transformers "
+        "skipped it), or one in a pattern patchkit does not read; only transformers' attention reproduces it",
+        "none needed: PaliGemma's forwards with their own masks (token_type_ids, or padding) run patched; "
+        "apply_patch(model=...) refuses an encoder of its own",
     ),
     "head_outside_patch": (
         "the language model runs inside a multimodal model of another modeling module (LLaVA's around LLaMA's) that "

@@ -6,7 +6,8 @@ Gemma 3's multimodal model builds its language model's masks itself, outside the
 mask from those and comparing it entry for entry proves it is that and nothing else. The forward then runs patched on
 the 2D mask, its image blocks (queries that see later keys of their own block) served by a pass of their own
 (`forward/metadata.py`). A pattern that is no set of blocks, or blocks behind a past, steps aside, naming the image
-tokens.
+tokens. PaliGemma's one 4D mask (or two, PaliGemma 2's) is read the same way, its image and prompt prefix one block;
+its non-causal Gemma layers attend as that mask says (`ForwardPlan.mask_decides`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from patchkit.forward.documents import allowed_keys
-from patchkit.forward.inputs.arguments import given_cache, input_tokens, window_over_hole
+from patchkit.forward.inputs.arguments import given_cache, input_tokens, transformers_made, window_over_hole
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.forward.metadata import BlockQueries, block_queries
 from patchkit.hooks.generation.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
@@ -25,11 +26,11 @@ BIDIRECTIONAL = "bidirectional_image_tokens"
 
 
 def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[torch.Tensor, Any] | str]:
-    """((B, past + q_len) long, 1 = real; the block queries or None): the 2D mask and image blocks a dict of
-    per-layer-type 4D masks over every key (no static cache) exactly are; `BIDIRECTIONAL` where some query sees a
+    """((B, past + q_len) long, 1 = real; the block queries or None): the 2D mask and image blocks a 4D mask, or a
+    dict of them per layer type, over every key (no static cache) exactly are; `BIDIRECTIONAL` where some query sees a
     later key in a pattern that is no set of blocks on a forward without a past; else None."""
     mask, cache, tokens = arguments.get("attention_mask"), given_cache(arguments), input_tokens(arguments)
-    if not isinstance(mask, dict) or tokens is None or fixed_slots(cache):
+    if not transformers_made(mask) or tokens is None or fixed_slots(cache):
         return None
     masks = layer_type_masks(module, mask)
     if masks is None:
@@ -59,7 +60,11 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[tor
         served = blocks is not None and (not blocks.sliding_only or window is not None)
         if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, end - m.shape[-1],
                                               reaches[window] if served else None)):
-            return None
+            if not (served and window is not None and same_mask(m, causal_over_slots(
+                    keys, past, q_len, m.shape[-1], window, end - m.shape[-1], reaches[window],
+                    block_members(reaches[window], queries, keys)))):
+                return None
+            blocks.windowed = False  # PaliGemma 2's: its prompt block sees all of itself, however long
     if not same_recurrent_masks(mask, keys, q_len):
         return None
     return keys.long(), blocks
@@ -84,6 +89,13 @@ def image_blocks(reaches: dict, queries: torch.Tensor, keys: torch.Tensor, kinds
         return BIDIRECTIONAL
     blocks.sliding_only = sliding_only
     return blocks
+
+
+def block_members(reach: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B, q_len) the queries of a block: the real ones that see a later key, and the token after each run of them
+    (the block's last)."""
+    later = (reach > queries) & keys[:, -reach.shape[-1]:]
+    return later | torch.nn.functional.pad(later, (1, 0))[:, :-1]
 
 
 def model_masks_cause(module: Any, arguments: dict) -> tuple[Optional[str], Optional[BlockQueries]]:

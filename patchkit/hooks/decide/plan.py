@@ -22,6 +22,7 @@ from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause
 from patchkit.names import WHOLE_MODEL
 from patchkit.warn import warn_user
 
@@ -31,6 +32,7 @@ FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made pack
 # (B, S, H) batch: the padded layout serves them, unannounced
 QUIET_FROM = ("peft.",)
 _warned: set[str] = set()  # the hooks already named in this process
+UNREAD = ("custom_4d_mask", "static_cache_mask")  # transformers' masks that no reading of patchkit's took
 
 
 @torch.compiler.disable  # host reads throughout: one break at the call, not one per read and a frame per callee
@@ -46,6 +48,9 @@ def plan_forward(
     blocks = None
     if cause == "custom_4d_mask":  # a multimodal model's own masks (and its image blocks): patched too
         cause, blocks = model_masks_cause(module, arguments)
+    noncausal = state is not None and config_cause(module.config) == NONCAUSAL
+    if noncausal and cause in UNREAD:
+        cause = NONCAUSAL  # PaliGemma's masks in a pattern patchkit does not read: its layers are the reason
     if cause is None and state is not None:
         cause = untrusted_cause(module, state)
     if cause is None and blocks is not None and sequence_parallel:
@@ -54,14 +59,15 @@ def plan_forward(
         return ForwardPlan(aside=cause)
     no_mask = arguments.get("attention_mask") is None
     if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
-        return ForwardPlan(no_mask=no_mask)
+        return ForwardPlan(no_mask=no_mask, mask_decides=noncausal)
     meta = unpad_plan(module, arguments, extra) if unpad in WHOLE_MODEL else None
     if meta is not None:
         meta.blocks = blocks
         own = given_cache(arguments) is None and fills_a_cache(module, arguments)  # made here, returned filled
         return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own,
-                           blocks=blocks)
-    return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask, blocks=blocks)
+                           blocks=blocks, mask_decides=noncausal)
+    return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask, blocks=blocks,
+                       mask_decides=noncausal)
 
 
 def fills_a_cache(module: nn.Module, args: dict) -> bool:

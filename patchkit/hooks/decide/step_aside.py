@@ -33,7 +33,7 @@ from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
 from patchkit.hooks.decide.outer_caller import head_outside_patch
-from patchkit.hooks.install.registry import config_cause, padding_into_mixers
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 # their masks keep packed documents apart themselves
@@ -102,7 +102,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if lm_cause is not None:
         return lm_cause
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
-    if config is not None:
+    if config is not None and not mask_decides(config, arguments):
         return config
     if not is_compiling() and head_outside_patch(module) is not None and padded(arguments.get("attention_mask")):
         return "head_outside_patch"  # LLaVA built before the class patch: its head reads what it cannot say
@@ -126,6 +126,16 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def mask_decides(cause: str, arguments: dict) -> bool:
+    """Layers that are not causal by their config (PaliGemma's Gemma) attend as the mask they are given says, under
+    eager and sdpa alike: one that transformers built (PaliGemma's own, its prompt prefix both ways), which the plan
+    reads back exactly or steps aside for; or any mask over a single query, which sees the same keys either way."""
+    if cause != NONCAUSAL:
+        return False
+    tokens = input_tokens(arguments)
+    return transformers_made(arguments.get("attention_mask")) or (tokens is not None and tokens.shape[1] == 1)
 
 
 def padded(mask: Any) -> bool:

@@ -60,17 +60,18 @@ def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
 
 def causal_over_slots(
     keys: torch.Tensor, past: int, q_len: int, slots: int, window: Optional[int] = None, offset: int = 0,
-    reach: Optional[torch.Tensor] = None,
+    reach: Optional[torch.Tensor] = None, unwindowed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """(B, 1, q_len, slots) booleans: query i (at position past + i) sees the key at position offset + j (column j)
     when it is not after the query (after `reach` (B, q_len), the last position each query sees, where given),
-    inside the window (`window`: less than that many positions back) and real in `keys` (B, past + q_len); no
-    unfilled slot."""
+    inside the window (`window`: less than that many positions back; the queries `unwindowed` (B, q_len) marks have
+    none) and real in `keys` (B, past + q_len); no unfilled slot."""
     positions = torch.arange(offset, offset + slots, device=keys.device)
     queries = torch.arange(past, past + q_len, device=keys.device)[:, None]
     seen = positions[None, :] <= (queries if reach is None else reach[:, :, None])
     if window is not None:
-        seen = seen & (positions[None, :] > queries - window)
+        inside = positions[None, :] > queries - window
+        seen = seen & (inside if unwindowed is None else inside | unwindowed[:, :, None])
     real = keys[:, offset : offset + slots]
     padding = torch.nn.functional.pad(real, (0, slots - real.shape[-1]))
     return ((seen if seen.dim() == 3 else seen[None]) & padding[:, None, :])[:, None]

@@ -118,12 +118,13 @@ def refused_configs() -> dict[str, tuple[str, str]]:
 
 # Config fields that, true in any family's config, ask for attention a key-padding mask cannot express (field ->
 # feature). Gemma's `use_bidirectional_attention` (PaliGemma sets it; EmbeddingGemma's encoders) makes every layer
-# non-causal: transformers' eager attention then follows the mask the model built (PaliGemma's prefix, both ways),
-# its sdpa attention attends both ways wherever that mask is skipped, and flash_attention_2 everywhere; which of
-# these the user's run computes only transformers' own attention can say. Gemma 4 names it by value: "all" is every
-# layer both ways; "vision" keeps text causal (its images' own masks: `bidirectional_image_tokens`).
+# non-causal: transformers' eager and sdpa attention then follow the mask they are given (PaliGemma's prefix, both
+# ways, which a forward reads back: `mask_decides`), and attend both ways over every token where sdpa skipped it.
+# Gemma 4 names it by value: "all" is every layer both ways; "vision" keeps text causal (its images' own masks:
+# `bidirectional_image_tokens`).
+NONCAUSAL = "use_bidirectional_attention"
 EVERY_FAMILY_REFUSES = {
-    "use_bidirectional_attention": "bidirectional attention (PaliGemma's image and prompt prefix, an encoder's "
+    NONCAUSAL: "bidirectional attention (PaliGemma's image and prompt prefix, an encoder's "
                                    "layers), which transformers' attention implementations each read differently",
 }
 
@@ -183,10 +184,24 @@ def config_gates(model: nn.Module, model_types: tuple[str, ...],
         if not hasattr(config, field):
             continue
         value = getattr(config, field, None)
+        if field == NONCAUSAL and refused_value(value) and builds_masks_for(model, config):
+            out.append(GateResult("model_config", True, f"{field}=False, or masks a multimodal model builds",
+                                  f"{field}={value}, read per forward off the masks {type(model).__name__} builds"))
+            continue
         out.append(GateResult("model_config", not refused_value(value), f"{field}=False", f"{field}={value}: {feature}",
                               "run this model unpatched, on transformers' attention ('sdpa' or 'eager'); under a "
                               f"class patch it steps aside ({field})"))
     return out
+
+
+
+def builds_masks_for(model: nn.Module, config: Any) -> bool:
+    """`model` is a multimodal model whose forward builds the masks of its language model (of `config`): PaliGemma,
+    whose Gemma is not causal by its config and attends as those masks say (its prompt prefix both ways), which each
+    forward reads back or steps aside for. An encoder of its own (EmbeddingGemma's) builds none."""
+    own = getattr(model, "config", None)
+    text = getattr(own, "get_text_config", None)
+    return own is not None and own is not config and callable(text) and text() is config
 
 
 def registered() -> list[PatchSpec]:

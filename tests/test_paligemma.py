@@ -1,0 +1,199 @@
+"""PaliGemma's prompt prefix, served patched: its Gemma is not causal by its config (`use_bidirectional_attention`)
+and attends as the masks PaliGemma builds say, the image and prompt both ways and the suffix causally. Each forward
+reads those masks back (`hooks/decide/model_masks.py`), the prefix a block of its own; a forward whose mask says
+anything else, or that has none (sdpa's skip: both ways everywhere), steps aside as before. Training (both
+paddings, both ways in, both unpad modes, PaliGemma 2's window shorter than its prefix), generation, and the HF
+Trainer on PaliGemma's own processor equal unpatched."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from packaging.version import Version
+from test_multimodal_wrappers import IMAGE, TEXT, VISION, embedding_gemma
+
+import patchkit
+from patchkit.errors import PatchGateError, PatchInputError
+
+if Version(tf.__version__) < Version("5.0"):
+    pytest.skip("PaliGemma's prefix as block_sequence_ids in its masks: transformers 5.x", allow_module_level=True)
+
+PREFIX, LENGTH = 10, 16  # 4 image tokens, then <bos> and the prompt; the suffix after
+
+
+def paligemma(attention: str = "eager", window: int | None = None) -> torch.nn.Module:
+    """PaliGemma around a Gemma (`window` None), or PaliGemma 2 around a Gemma 2 with that sliding window."""
+    text = tf.GemmaConfig(**TEXT) if window is None else tf.Gemma2Config(**TEXT, sliding_window=window)
+    config = tf.PaliGemmaConfig(text_config=text.to_dict(), projection_dim=32, image_token_index=IMAGE,
+                                vision_config=tf.SiglipVisionConfig(**VISION).to_dict())
+    torch.manual_seed(0)
+    return tf.PaliGemmaForConditionalGeneration._from_config(config, attn_implementation=attention).train()
+
+
+def prefix_batch(side: str, suffix: bool = True) -> dict:
+    """Three rows as PaliGemma's processor lays them out: 4 image tokens, <bos>, the prompt (token type 0), then the
+    suffix (type 1, labelled); rows 1 and 2 padded by 3 and 5 on `side`, padding of type 0 on the left (the
+    processor's), 1 on the right. Without `suffix`, every real token is the prompt (a generation's)."""
+    g = torch.Generator().manual_seed(1)
+    rows, types, masks = [], [], []
+    for pad in (0, 3, 5):
+        real = LENGTH - pad
+        ids = torch.randint(3, 100, (real,), generator=g)
+        ids[:4], ids[4] = IMAGE, 1
+        kind = (torch.arange(real) >= (PREFIX - pad if suffix else real)).long()
+        zeros = torch.zeros(pad, dtype=torch.long)
+        if side == "left":
+            rows.append(torch.cat([zeros, ids])), types.append(torch.cat([zeros, kind]))
+            masks.append(torch.cat([zeros, torch.ones(real, dtype=torch.long)]))
+        else:
+            rows.append(torch.cat([ids, zeros])), types.append(torch.cat([kind, zeros + 1]))
+            masks.append(torch.cat([torch.ones(real, dtype=torch.long), zeros]))
+    ids, types, mask = torch.stack(rows), torch.stack(types), torch.stack(masks)
+    labels = ids.masked_fill((types == 0) | (mask == 0), -100)
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                pixel_values=torch.randn(3, 3, 28, 28, generator=g))
+
+
+def train_step(model: torch.nn.Module, batch: dict) -> dict:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    got = {"loss": out.loss.detach(), "logits": out.logits.detach()[batch["attention_mask"].bool()]}
+    got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return got
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=2e-5 * max(1.0, value.abs().max().item()), rtol=1e-4,
+                                   msg=name)
+
+
+MODELS = {"paligemma eager": ("eager", None), "paligemma sdpa": ("sdpa", None),
+          "paligemma 2, window 4 inside the prefix": ("eager", 4), "paligemma 2, window 32": ("eager", 32)}
+
+
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+@pytest.mark.parametrize("way", ["instance", "class"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_training_step_with_a_prompt_prefix_runs_patched_as_unpatched(name, side, way, unpad):
+    """Before, every PaliGemma forward stepped aside (use_bidirectional_attention) and apply_patch(model=...) refused
+    the model. PaliGemma 2's sliding masks let its prefix see all of itself past the window: its block pass keeps no
+    window there."""
+    attention, window = MODELS[name]
+    model, batch = paligemma(attention, window), prefix_batch(side)
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", strict=True,
+                              unpad=unpad) as handle:
+        got = train_step(model, batch)
+        assert handle.stepped_aside == {} and handle.calls == TEXT["num_hidden_layers"]
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(attention):
+    """generate() with images: the prefill's prompt both ways, then each new token causally (a decode step's one
+    query sees the same keys either way); every forward patched, the same tokens."""
+    model = paligemma(attention).eval()
+    prompt = {k: v for k, v in prefix_batch("left", suffix=False).items() if k != "labels"}
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(**prompt, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model.generate(**prompt, **options)
+        assert handle.stepped_aside == {} and handle.calls == 5 * TEXT["num_hidden_layers"]
+    assert torch.equal(got, want)
+
+
+def test_a_forward_without_the_mask_that_decides_steps_aside_by_its_config():
+    """PaliGemma under sdpa with no padding and no token_type_ids: transformers skips the mask, and its non-causal
+    layers attend both ways over every token. That forward steps aside, exact; strict refuses it by name. Under eager
+    the same forward gets the causal mask, and runs patched."""
+    batch = {k: v[:1] for k, v in prefix_batch("left").items() if k != "token_type_ids"}
+    for attention, aside in (("sdpa", {"use_bidirectional_attention": 1}), ("eager", {})):
+        model = paligemma(attention)
+        want = train_step(model, batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+                got = train_step(model, batch)
+        assert handle.stepped_aside == aside, attention
+        assert_same(got, want)
+    with patchkit.apply_patch(model=paligemma("sdpa"), backend="sdpa", strict=True) as handle:
+        with pytest.raises(PatchInputError, match="use_bidirectional_attention"):
+            handle._model()(**batch)
+
+
+def test_the_gate_passes_a_paligemma_and_still_refuses_an_encoder_of_its_own():
+    """apply_patch(model=...) reads PaliGemma's masks per forward (the gate says so in the report); a bidirectional
+    Gemma 3 text model (EmbeddingGemma's encoder) builds no such masks, and is refused as before."""
+    with patchkit.apply_patch(model=paligemma(), backend="sdpa") as handle:
+        assert "read per forward off the masks PaliGemmaForConditionalGeneration builds" in handle.report()
+    with pytest.raises(PatchGateError, match=r"use_bidirectional_attention=True: bidirectional attention"):
+        patchkit.apply_patch(model=embedding_gemma(), backend="sdpa")
+
+
+def paligemma_processor() -> tf.ProcessorMixin:
+    """PaliGemma's own processor around SigLIP's image processor (2 x 2 patches: 4 image tokens) and a word-level
+    tokenizer with its <image> token at the tiny model's id, padding on the left."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, TEXT["vocab_size"])]
+    words[IMAGE] = "<image>"
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
+                                           eos_token="</s>", padding_side="left",
+                                           extra_special_tokens={"image_token": "<image>"})
+    images = tf.SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    images.image_seq_length = 4
+    return tf.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
+
+
+def test_the_hf_trainer_fine_tunes_paligemma_on_its_processors_batches_patched_as_unpatched(tmp_path):
+    """As HF's PaliGemma fine-tuning guide runs it: a collator calling the processor with prompts, images and
+    suffixes (labels -100 over the prefix and padding), the HF Trainer with gradient checkpointing. Every forward
+    and recompute runs patched; the losses are the unpatched ones."""
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+    from test_trl import STEPS, assert_same_losses, common_args, logged_losses
+
+    g = torch.Generator().manual_seed(2)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(t)}" for t in torch.randint(4, 100, (n,), generator=g))
+
+    lengths = (3, 9, 5, 12, 4, 7)
+    data = Dataset.from_dict({
+        "image": [Image.fromarray((torch.rand(28, 28, 3, generator=g).numpy() * 255).astype(np.uint8))
+                  for _ in lengths] * 2,
+        "prompt": [words(n) for n in lengths] * 2, "answer": [words(n // 2 + 1) for n in lengths] * 2})
+    processor = paligemma_processor()
+
+    def collate(examples: list[dict]) -> dict:
+        return processor(text=["<image>answer en " + e["prompt"] for e in examples],
+                         images=[e["image"].convert("RGB") for e in examples],
+                         suffix=[e["answer"] for e in examples], return_tensors="pt", padding="longest")
+
+    batch = collate([data[i] for i in range(4)])
+    assert (batch["attention_mask"] == 0).any() and (batch["token_type_ids"] == 1).any()
+
+    def losses() -> list[float]:
+        model = paligemma()
+        args = tf.TrainingArguments(**common_args(tmp_path), gradient_checkpointing=True, remove_unused_columns=False)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        trainer.train()
+        return logged_losses(trainer)
+
+    want = losses()
+    with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+        got = losses()
+        handle = next(h for h in group if h.name == "gemma")
+        assert handle.stepped_aside == {} and handle.calls == STEPS * TEXT["num_hidden_layers"] * 2
+    assert_same_losses(got, want)
