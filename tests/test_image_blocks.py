@@ -165,19 +165,11 @@ def test_gemma4s_sliding_layers_attend_to_their_images_both_ways_its_full_layers
 def gemma3_processor(side: int) -> tf.ProcessorMixin:
     """Gemma 3's own processor around its PIL image processor and a word-level tokenizer with its image tokens at the
     tiny model's ids (an image's 4 soft tokens between its begin and end tokens)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from user_scripts.vl_data import word_tokenizer
 
-    specials = {"<image_soft_token>": IMAGE, "<start_of_image>": BOI, "<end_of_image>": EOI}
-    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 97)]
-    for token, index in specials.items():
-        words[index] = token
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tokenizer = tf.PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        extra_special_tokens={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                              "eoi_token": "<end_of_image>"})
+    names = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+    tokenizer = word_tokenizer(97, {"<image_soft_token>": IMAGE, "<start_of_image>": BOI, "<end_of_image>": EOI},
+                               extra_special_tokens=names)
     template = ("{% for m in messages %}{{ m.role }} {% for c in m.content %}{% if c.type == 'image' %}"
                 "<start_of_image> {% else %}{{ c.text }} {% endif %}{% endfor %}</s> {% endfor %}"
                 "{% if add_generation_prompt %}assistant {% endif %}")

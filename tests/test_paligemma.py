@@ -140,16 +140,10 @@ def test_the_gate_passes_a_paligemma_and_still_refuses_an_encoder_of_its_own():
 def paligemma_processor() -> tf.ProcessorMixin:
     """PaliGemma's own processor around SigLIP's image processor (2 x 2 patches: 4 image tokens) and a word-level
     tokenizer with its <image> token at the tiny model's id, padding on the left."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from user_scripts.vl_data import word_tokenizer
 
-    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, TEXT["vocab_size"])]
-    words[IMAGE] = "<image>"
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
-                                           eos_token="</s>", padding_side="left",
-                                           extra_special_tokens={"image_token": "<image>"})
+    tokenizer = word_tokenizer(TEXT["vocab_size"], {"<image>": IMAGE}, padding_side="left",
+                               extra_special_tokens={"image_token": "<image>"})
     images = tf.SiglipImageProcessorPil(size={"height": 28, "width": 28})
     images.image_seq_length = 4
     return tf.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)

@@ -28,7 +28,7 @@ if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves the Qwen VL families from transformers 4.54", allow_module_level=True)
 from peft import LoraConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
-from user_scripts.qwen_vl_data import PROCESSORS, SPECIALS, conversations, processor  # noqa: E402
+from user_scripts.vl_data import PROCESSORS, SPECIALS, conversations, processor  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft_vl.py"
 FAMILIES = [f for f in PROCESSORS if served_here(f)]  # Qwen3-VL and its MoE from 4.57

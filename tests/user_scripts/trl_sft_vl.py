@@ -8,8 +8,8 @@ import tempfile
 
 import torch
 import transformers
-from qwen_vl_data import SPECIALS, VOCAB, conversations, processor
 from trl import SFTConfig, SFTTrainer
+from vl_data import SPECIALS, VOCAB, conversations, processor
 
 torch.manual_seed(0)
 config = transformers.Qwen2_5_VLConfig(

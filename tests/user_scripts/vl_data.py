@@ -1,5 +1,6 @@
-"""Image conversations for the tiny Qwen VL models, built offline: a word-level tokenizer with the Qwen vision tokens,
-the family's own processor class, and a dozen conversations with one random image each. No patchkit in it."""
+"""Image conversations for the tiny vision-language models, built offline: a word-level tokenizer with a family's
+vision tokens, the Qwen VL families' own processor class, and a dozen conversations with one random image each. No
+patchkit in it."""
 
 import numpy as np
 import torch
@@ -22,16 +23,17 @@ LENGTHS = (3, 9, 5, 12, 4, 7)  # words per user turn; the assistant answers in a
 GRID = 4  # each image 4 x 4 patches, merged 2 x 2: 4 image tokens
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level over the tiny models' vocabulary ('<pad>' 0, '<s>' 1, '</s>' 2, 'w4' ...), the Qwen vision tokens
-    at the ids the tiny configs name."""
-    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, VOCAB)]
-    for token, index in SPECIALS.items():
+def word_tokenizer(vocab: int = VOCAB, specials: dict[str, int] = SPECIALS, **options) -> PreTrainedTokenizerFast:
+    """Word-level over a tiny model's vocabulary ('<pad>' 0, '<s>' 1, '</s>' 2, 'w3' ...), its vision tokens
+    (`specials`, the Qwen ones by default) at the ids its config names; `options` for PreTrainedTokenizerFast."""
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, vocab)]
+    for token, index in specials.items():
         words[index] = token
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w4"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   **options)
 
 
 def processor(model_type: str, patch_size: int) -> transformers.ProcessorMixin:
@@ -48,7 +50,7 @@ def processor(model_type: str, patch_size: int) -> transformers.ProcessorMixin:
     side = patch_size * GRID
     images = transformers.Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
                                                    size={"shortest_edge": side * side, "longest_edge": side * side})
-    return ImagesOnly(image_processor=images, tokenizer=tokenizer(), chat_template=TEMPLATE)
+    return ImagesOnly(image_processor=images, tokenizer=word_tokenizer(), chat_template=TEMPLATE)
 
 
 def conversations(patch_size: int, prompt_completion: bool = False) -> Dataset:
