@@ -1,5 +1,6 @@
-"""TRL's SFTTrainer fine-tuning the Qwen VL families on images, as users run it: the family's own processor, TRL's
-vision collator and defaults (gradient checkpointing on); per-step losses equal to the unpatched run."""
+"""TRL's SFTTrainer fine-tuning vision-language models on images (the Qwen VL families, LLaVA), as users run it: the
+family's own processor, TRL's vision collator and defaults (gradient checkpointing on); per-step losses equal to the
+unpatched run."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves the Qwen VL families from transformers 4.54", allow_module_level=True)
 from peft import LoraConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
-from user_scripts.vl_data import PROCESSORS, SPECIALS, conversations, processor  # noqa: E402
+from user_scripts.vl_data import PROCESSORS, SPECIALS, conversations, processor, word_tokenizer  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "user_scripts" / "trl_sft_vl.py"
 FAMILIES = [f for f in PROCESSORS if served_here(f)]  # Qwen3-VL and its MoE from 4.57
@@ -106,3 +107,52 @@ def test_env_var_and_launcher_run_an_unmodified_vlm_sft_script_as_unpatched(tmp_
     for got in (by_env, by_launcher):
         assert got["calls"] == STEPS * LAYERS * 2  # forward + checkpointed recompute, both language layers
         assert_same_losses(got["losses"], plain["losses"])
+
+
+def llava_processor() -> object:
+    """LLaVA's own processor: CLIP's PIL image processor at the tiny tower's 28 pixels (4 image tokens once its class
+    token is dropped) and a word-level tokenizer with <image> at the tiny model's id."""
+    import transformers
+    from test_vision_language import IMAGE, TEXT
+
+    template = ("{% for m in messages %}{{ m.role }} {% for c in m.content %}{% if c.type == 'image' %}<image> "
+                "{% else %}{{ c.text }} {% endif %}{% endfor %}</s> {% endfor %}"
+                "{% if add_generation_prompt %}assistant {% endif %}")
+    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return transformers.LlavaProcessor(
+        image_processor=images, tokenizer=word_tokenizer(TEXT["vocab_size"], {"<image>": IMAGE}), patch_size=14,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=template)
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_llava_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> None:
+    """LLaVA on image conversations, TRL's defaults: every language layer's forward and recompute through the patch,
+    the unpatched losses; the CLIP tower keeps transformers' attention."""
+    from test_vision_language import llava
+
+    def losses(patch: bool) -> tuple[list[float], patchkit.PatchHandle | None]:
+        model = llava()
+        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True) if patch else None
+        args = SFTConfig(**common_args(tmp_path), max_length=None)
+        torch.manual_seed(0)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(14),
+                             processing_class=llava_processor())
+        batch = next(iter(trainer.get_train_dataloader()))
+        assert "pixel_values" in batch and (batch["attention_mask"] == 0).any()
+        try:
+            trainer.train()
+        finally:
+            if handle is not None:
+                handle.revert()
+        return logged_losses(trainer), handle
+
+    want, _ = losses(patch=False)
+    if way == "class":
+        with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+            got, _ = losses(patch=False)
+            handle = next(h for h in group if h.name == "llama2")
+    else:
+        got, handle = losses(patch=True)
+    assert_ran_through_patch(handle)
+    assert not handle.stepped_aside
+    assert_same_losses(got, want)
