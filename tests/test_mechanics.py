@@ -178,6 +178,23 @@ def test_an_all_zeros_4d_mask_runs_patched_as_one_block_per_row(way):
     torch.testing.assert_close(got, want)
 
 
+def test_a_4d_mask_whose_new_tokens_see_each_other_both_ways_behind_a_past_steps_aside_as_a_4d_mask():
+    """A caller's 4D mask over a cache's past and 4 new tokens that see each other both ways: blocks behind a past
+    are not served, and the cause named is the caller's mask (custom_4d_mask), not a multimodal model's images."""
+    model = tiny_model().eval()
+    ids = padded_batch("right")[0][:1, :12].clamp(min=3)
+    seen = torch.ones(1, 1, 4, 12, dtype=torch.bool)  # the 8 past keys and all 4 new ones, both ways
+    custom = torch.zeros(1, 1, 4, 12).masked_fill(~seen, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        want = model(input_ids=ids[:, 8:], attention_mask=custom, past_key_values=past).logits
+        past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = model(input_ids=ids[:, 8:], attention_mask=custom, past_key_values=past).logits
+        assert handle.stepped_aside == {"custom_4d_mask": 1}
+    torch.testing.assert_close(got, want)
+
+
 def test_output_attentions_is_refused_with_the_reason():
     """A layer called on its own with patchkit's mask (the model's forward steps aside for it: test_step_aside)."""
     model = tiny_model()

@@ -103,8 +103,8 @@ def model_masks_cause(module: Any, arguments: dict) -> tuple[Optional[str], Opti
     None) where they are read back (the 2D mask now in `arguments`, in place): image tokens that see each other both
     ways in no pattern of blocks, a sliding window over a padding hole, or any other pattern (custom_4d_mask)."""
     found = padding_from_model_masks(module, arguments)
-    if found is None or isinstance(found, str):
-        return found or "custom_4d_mask", None
+    if found is None or isinstance(found, str):  # a caller's one 4D mask is no multimodal model's: named as given
+        return found if isinstance(arguments.get("attention_mask"), dict) and found else "custom_4d_mask", None
     keys, blocks = found
     if window_over_hole(module.config, keys):
         return "window_over_padding_hole", None
