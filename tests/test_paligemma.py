@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import warnings
 
+import fakes
 import pytest
 import torch
 import transformers as tf
+from flash4_stand_in import install_flash4_double
 from packaging.version import Version
 from test_multimodal_wrappers import IMAGE, TEXT, VISION, embedding_gemma
 
@@ -24,9 +26,10 @@ if Version(tf.__version__) < Version("5.0"):
 PREFIX, LENGTH = 10, 16  # 4 image tokens, then <bos> and the prompt; the suffix after
 
 
-def paligemma(attention: str = "eager", window: int | None = None) -> torch.nn.Module:
-    """PaliGemma around a Gemma (`window` None), or PaliGemma 2 around a Gemma 2 with that sliding window."""
-    text = tf.GemmaConfig(**TEXT) if window is None else tf.Gemma2Config(**TEXT, sliding_window=window)
+def paligemma(attention: str = "eager", window: int | None = None, **gemma2: object) -> torch.nn.Module:
+    """PaliGemma around a Gemma (`window` None), or PaliGemma 2 around a Gemma 2 with that sliding window (and
+    `gemma2`'s config fields)."""
+    text = tf.GemmaConfig(**TEXT) if window is None else tf.Gemma2Config(**TEXT, sliding_window=window, **gemma2)
     config = tf.PaliGemmaConfig(text_config=text.to_dict(), projection_dim=32, image_token_index=IMAGE,
                                 vision_config=tf.SiglipVisionConfig(**VISION).to_dict())
     torch.manual_seed(0)
@@ -191,3 +194,32 @@ def test_the_hf_trainer_fine_tunes_paligemma_on_its_processors_batches_patched_a
         handle = next(h for h in group if h.name == "gemma")
         assert handle.stepped_aside == {} and handle.calls == STEPS * TEXT["num_hidden_layers"] * 2
     assert_same_losses(got, want)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
+def test_paligemma_2s_prefix_pass_reaches_each_kernel_non_causal_with_no_window(monkeypatch, backend):
+    """On a GPU the prefix's pass runs on a kernel backend: through each kernel's stand-in, a bf16 step of PaliGemma 2
+    (its window of 4 inside the prefix of 10, softcapping off for torch's kernel) equals the sdpa backend's; each
+    layer makes a causal call over every real token and a non-causal one over the prefixes, with no window on the
+    sliding layer either (flash-attn 2's and torch's (-1, -1), flash-attn 4's (None, None))."""
+    model = paligemma("eager", window=4, attn_logit_softcapping=None).to(torch.bfloat16)
+    batch = prefix_batch("left")
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
+        want = train_step(model, batch)
+    install = {"flash_attn": fakes.install_flash_double, "flash_attn_4": install_flash4_double,
+               "torch_varlen": fakes.install_torch_varlen_double}[backend]
+    fake = install(monkeypatch)
+    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
+        got = train_step(model, batch)
+        assert handle.backend == backend and handle.stepped_aside == {} and handle.calls == 2
+    assert got.keys() == want.keys()
+    for name, value in want.items():  # torch's double spells a causal window as a non-causal one: bf16 rounding
+        exact = backend != "torch_varlen"
+        torch.testing.assert_close(got[name], value, rtol=0 if exact else 2e-2,
+                                   atol=0 if exact else 2e-2 * max(1.0, value.abs().max().item()), msg=name)
+    real = batch["attention_mask"].sum(-1).tolist()
+    assert [call["cu_q"][-1] for call in fake.calls] == [sum(real), sum(PREFIX - pad for pad in (0, 3, 5))] * 2
+    unbounded = (None, None) if backend == "flash_attn_4" else (-1, -1)
+    blocks = [call.get("window_size", call.get("window", (-1, -1))) for call in fake.calls[1::2]]
+    assert blocks == [unbounded, unbounded]
