@@ -304,12 +304,12 @@ def mixer_groups() -> str:
 
 def image_blocks() -> str:
     rows = read("image_blocks.csv")
-    body = [[r["provider"], f"{float(r['median_s']):.3f}", f"{float(r['real_tokens_per_s']):.0f}",
-             x(float(r["vs_hf_sdpa"])), r["stepped_aside"]] for r in rows]
+    body = [[r.get("model", "gemma3"), r["provider"], f"{float(r['median_s']):.3f}",
+             f"{float(r['real_tokens_per_s']):.0f}", x(float(r["vs_hf_sdpa"])), r["stepped_aside"]] for r in rows]
     first = rows[0]
-    return (f"`image_blocks.csv` (Gemma 3 VLM, hidden 256, {first['rows']} rows, {first['real_tokens']} real tokens, "
+    return (f"`image_blocks.csv` (hidden 256, {first['rows']} rows, {first['real_tokens']} real tokens, "
             f"an image of {first['image_tokens']} tokens each, {float(first['padding']):.1%} padding, cpu)\n\n"
-            + table(["provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
+            + table(["model", "provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
 
 
 TABLES: dict[str, Callable[[], str]] = {
