@@ -224,14 +224,10 @@ def test_trl_sft_trains_gemma3_on_images_patched_as_unpatched(tmp_path):
     assert_same_losses(got, want)
 
 
-@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
-def test_the_block_pass_reaches_each_kernel_non_causal_with_the_window_kept_on_its_left(monkeypatch, backend):
-    """On a GPU the block pass runs on a kernel backend: through each kernel's stand-in (its real signature and
-    checks, the sdpa backend's math), a bf16 step with images equals the sdpa backend's, every gradient; each layer
-    makes one causal call over every real token and one non-causal call over the blocks, whose window keeps the
-    layer's left edge and no right edge (flash-attn 2's -1, flash-attn 4's None, torch's -1)."""
-    model = gemma3(3, ["sliding_attention", "full_attention"]).to(torch.bfloat16).train()
-    batch = image_batch()
+def kernel_step_as_sdpa(monkeypatch, backend: str, model: torch.nn.Module, batch: dict) -> object:
+    """A bf16 training step of `model` (two layers) on `batch` through `backend`'s stand-in (its real signature and
+    checks, the sdpa backend's math) equals the sdpa backend's, every gradient, strict and nothing aside; the
+    stand-in (its recorded calls)."""
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
         want = train_step(model, batch)
@@ -246,6 +242,18 @@ def test_the_block_pass_reaches_each_kernel_non_causal_with_the_window_kept_on_i
         exact = backend != "torch_varlen"
         torch.testing.assert_close(got[name], value, rtol=0 if exact else 2e-2,
                                    atol=0 if exact else 2e-2 * max(1.0, value.abs().max().item()), msg=name)
+    return fake
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
+def test_the_block_pass_reaches_each_kernel_non_causal_with_the_window_kept_on_its_left(monkeypatch, backend):
+    """On a GPU the block pass runs on a kernel backend: through each kernel's stand-in (its real signature and
+    checks, the sdpa backend's math), a bf16 step with images equals the sdpa backend's (`kernel_step_as_sdpa`); each
+    layer makes one causal call over every real token and one non-causal call over the blocks, whose window keeps the
+    layer's left edge and no right edge (flash-attn 2's -1, flash-attn 4's None, torch's -1)."""
+    model = gemma3(3, ["sliding_attention", "full_attention"]).to(torch.bfloat16).train()
+    batch = image_batch()
+    fake = kernel_step_as_sdpa(monkeypatch, backend, model, batch)
     real = batch["attention_mask"].sum(-1).tolist()
     lengths = [call["cu_q"][-1] for call in fake.calls]  # the queries of each call
     assert lengths == [sum(real), 3 * 4] * 2  # a block per row: its 4 image tokens

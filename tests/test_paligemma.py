@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import warnings
 
-import fakes
 import pytest
 import torch
 import transformers as tf
-from flash4_stand_in import install_flash4_double
 from packaging.version import Version
+from test_image_blocks import assert_same, kernel_step_as_sdpa, train_step
 from test_multimodal_wrappers import IMAGE, TEXT, VISION, embedding_gemma
 
 import patchkit
@@ -58,22 +57,6 @@ def prefix_batch(side: str, suffix: bool = True) -> dict:
     labels = ids.masked_fill((types == 0) | (mask == 0), -100)
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
                 pixel_values=torch.randn(3, 3, 28, 28, generator=g))
-
-
-def train_step(model: torch.nn.Module, batch: dict) -> dict:
-    model.zero_grad(set_to_none=True)
-    out = model(**batch, use_cache=False)
-    out.loss.backward()
-    got = {"loss": out.loss.detach(), "logits": out.logits.detach()[batch["attention_mask"].bool()]}
-    got.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    return got
-
-
-def assert_same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, atol=2e-5 * max(1.0, value.abs().max().item()), rtol=1e-4,
-                                   msg=name)
 
 
 MODELS = {"paligemma eager": ("eager", None), "paligemma sdpa": ("sdpa", None),
@@ -204,20 +187,7 @@ def test_paligemma_2s_prefix_pass_reaches_each_kernel_non_causal_with_no_window(
     sliding layer either (flash-attn 2's and torch's (-1, -1), flash-attn 4's (None, None))."""
     model = paligemma("eager", window=4, attn_logit_softcapping=None).to(torch.bfloat16)
     batch = prefix_batch("left")
-    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True):
-        want = train_step(model, batch)
-    install = {"flash_attn": fakes.install_flash_double, "flash_attn_4": install_flash4_double,
-               "torch_varlen": fakes.install_torch_varlen_double}[backend]
-    fake = install(monkeypatch)
-    with patchkit.apply_patch(model=model, backend=backend, strict=True) as handle:
-        got = train_step(model, batch)
-        assert handle.backend == backend and handle.stepped_aside == {} and handle.calls == 2
-    assert got.keys() == want.keys()
-    for name, value in want.items():  # torch's double spells a causal window as a non-causal one: bf16 rounding
-        exact = backend != "torch_varlen"
-        torch.testing.assert_close(got[name], value, rtol=0 if exact else 2e-2,
-                                   atol=0 if exact else 2e-2 * max(1.0, value.abs().max().item()), msg=name)
+    fake = kernel_step_as_sdpa(monkeypatch, backend, model, batch)
     real = batch["attention_mask"].sum(-1).tolist()
     assert [call["cu_q"][-1] for call in fake.calls] == [sum(real), sum(PREFIX - pad for pad in (0, 3, 5))] * 2
     unbounded = (None, None) if backend == "flash_attn_4" else (-1, -1)
