@@ -115,6 +115,24 @@ def test_a_gemma3_training_step_with_images_runs_patched_as_unpatched(window, la
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("unpad", ["model", "attention"])
+def test_two_images_in_a_row_are_two_blocks_each_seeing_its_own_tokens_both_ways(unpad):
+    """Rows with two images, a window of 2 cutting into them: back to back in row 0 (one block of 8, as Gemma 3 groups
+    images with no text between), apart in row 2 (two blocks, each its own pass); the unpatched step."""
+    model = gemma3(2, ["sliding_attention", "full_attention"]).train()
+    batch = image_batch()
+    batch["input_ids"][0, 6:10] = IMAGE
+    batch["input_ids"][2, 11:15] = IMAGE
+    batch["token_type_ids"] = (batch["input_ids"] == IMAGE).long()
+    batch["labels"] = batch["labels"].masked_fill(batch["token_type_ids"] == 1, -100)
+    batch["pixel_values"] = torch.randn(5, 3, 28, 28, generator=torch.Generator().manual_seed(4))
+    want = train_step(model, batch)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad=unpad) as handle:
+        got = train_step(model, batch)
+        assert handle.stepped_aside == {} and handle.calls == 2
+    assert_same(got, want)
+
+
 def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside():
     """Left-padded prompts with an image each: the prefill (its blocks) and the decode steps run patched, the tokens
     as unpatched. A prefill in chunks puts a block behind a past, which patchkit does not serve: it steps aside,
