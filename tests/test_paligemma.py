@@ -37,8 +37,9 @@ def paligemma(attention: str = "eager", window: int | None = None, **gemma2: obj
 
 def prefix_batch(side: str, suffix: bool = True) -> dict:
     """Three rows as PaliGemma's processor lays them out: 4 image tokens, <bos>, the prompt (token type 0), then the
-    suffix (type 1, labelled); rows 1 and 2 padded by 3 and 5 on `side`, padding of type 0 on the left (the
-    processor's), 1 on the right. Without `suffix`, every real token is the prompt (a generation's)."""
+    suffix (type 1, labelled); rows 1 and 2 padded by 3 and 5 on `side`, padding of type 0 (the tokenizer's pad
+    type: of the prompt's group, whose padding queries see all of the prompt). Without `suffix`, every real token is
+    the prompt (a generation's)."""
     g = torch.Generator().manual_seed(1)
     rows, types, masks = [], [], []
     for pad in (0, 3, 5):
@@ -51,7 +52,7 @@ def prefix_batch(side: str, suffix: bool = True) -> dict:
             rows.append(torch.cat([zeros, ids])), types.append(torch.cat([zeros, kind]))
             masks.append(torch.cat([zeros, torch.ones(real, dtype=torch.long)]))
         else:
-            rows.append(torch.cat([ids, zeros])), types.append(torch.cat([kind, zeros + 1]))
+            rows.append(torch.cat([ids, zeros])), types.append(torch.cat([kind, zeros]))
             masks.append(torch.cat([torch.ones(real, dtype=torch.long), zeros]))
     ids, types, mask = torch.stack(rows), torch.stack(types), torch.stack(masks)
     labels = ids.masked_fill((types == 0) | (mask == 0), -100)

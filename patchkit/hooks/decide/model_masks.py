@@ -3,7 +3,8 @@
 Gemma 3's multimodal model builds its language model's masks itself, outside the patch: one 4D mask per layer type
 (full, sliding), causal AND the 2D padding mask, OR a bidirectional block over each image's tokens
 (`token_type_ids`). Each query's reach (the last key it sees) and the real keys are read off them; rebuilding every
-mask from those and comparing it entry for entry proves it is that and nothing else. The forward then runs patched on
+mask from those and comparing it entry for entry, in every real query's row, proves it is that and nothing else
+(what a padding query sees is its own output's, padding either way). The forward then runs patched on
 the 2D mask, its image blocks (queries that see later keys of their own block) served by a pass of their own
 (`forward/metadata.py`). A pattern that is no set of blocks, or blocks behind a past, steps aside, naming the image
 tokens. PaliGemma's one 4D mask (or two, PaliGemma 2's) is read the same way, its image and prompt prefix one block;
@@ -53,16 +54,18 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[tor
         keys[:, offset:] |= seen.any(dim=1)
     if len(given) < len(masks):  # a layer type whose mask sdpa skipped (causal, no padding): every key real
         keys[:] = True
+    real = keys[:, past:]  # a real query's own key is real; what a padding query sees is its output's, padding
+    reaches = {window: torch.where(real, reach, queries) for window, reach in reaches.items()}
     blocks = image_blocks(reaches, queries, keys, set(masks), past)
     if isinstance(blocks, str):
         return blocks
     for window, m in given.items():
         served = blocks is not None and (not blocks.sliding_only or window is not None)
-        if not same_mask(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, end - m.shape[-1],
-                                              reaches[window] if served else None)):
-            if not (served and window is not None and same_mask(m, causal_over_slots(
+        if not same_rows(m, causal_over_slots(keys, past, q_len, m.shape[-1], window, end - m.shape[-1],
+                                              reaches[window] if served else None), real):
+            if not (served and window is not None and same_rows(m, causal_over_slots(
                     keys, past, q_len, m.shape[-1], window, end - m.shape[-1], reaches[window],
-                    block_members(reaches[window], queries, keys)))):
+                    block_members(reaches[window], queries, keys)), real)):
                 return None
             blocks.windowed = False  # PaliGemma 2's: its prompt block sees all of itself, however long
     if not same_recurrent_masks(mask, keys, q_len):
@@ -89,6 +92,11 @@ def image_blocks(reaches: dict, queries: torch.Tensor, keys: torch.Tensor, kinds
         return BIDIRECTIONAL
     blocks.sliding_only = sliding_only
     return blocks
+
+
+def same_rows(mask: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> bool:
+    """`mask` (B, 1, q_len, K) is `expected` in the query rows `rows` (B, q_len) marks (`same_mask`)."""
+    return same_mask(mask[:, 0][rows], expected[:, 0][rows])
 
 
 def block_members(reach: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
