@@ -49,10 +49,10 @@ def test_a_padding_free_batch_equals_unpatched():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_a_prefix_lm_block_steps_aside_once_a_forward_and_equals_unpatched():
-    """token_type_ids == 1 form one bidirectional block (`block_sequence_ids`): a pattern beyond causal, run on
-    transformers' mask and attention and counted once for the forward, not once for each of its 16 attention calls;
-    without token types the same model runs patched."""
+def test_a_prefix_lm_block_runs_patched_and_equals_unpatched():
+    """token_type_ids == 1 form one bidirectional block (`block_sequence_ids`), read from the block ids its mask
+    function ORs into causal (`hooks/name/named_blocks.py`) and served by the block pass; before, each such forward
+    stepped aside (custom_mask_pattern). Without token types the same model runs patched causally."""
     model = hrm(prefix_lm=True)
     ids = torch.randint(3, 99, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -62,12 +62,11 @@ def test_a_prefix_lm_block_steps_aside_once_a_forward_and_equals_unpatched():
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
         want_causal = model(input_ids=ids, attention_mask=mask).logits
-        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
-            with pytest.warns(RuntimeWarning, match="custom_mask_pattern"):
-                got = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-            assert handle.stepped_aside == {"custom_mask_pattern": 1} and handle.calls == 0
+        with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+            got = model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+            assert handle.stepped_aside == {} and handle.calls == 16
             got_causal = model(input_ids=ids, attention_mask=mask).logits
-            assert handle.calls == 16 and handle.stepped_aside == {"custom_mask_pattern": 1}
+            assert handle.calls == 32
     real = mask.bool()
     assert (want - want_causal)[real].abs().max() > 1e-4  # the block changes the numbers
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

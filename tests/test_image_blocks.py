@@ -48,6 +48,29 @@ def test_block_queries_take_each_block_and_its_keys_in_the_unpadded_rows():
     assert got.q_index.tolist() == blocks.q_index.tolist() and got.k_index.tolist() == blocks.k_index.tolist()
 
 
+def test_block_ids_and_the_mask_functions_that_or_them_into_causal_read_as_blocks():
+    """transformers' three shapes of causal OR block ids, by the window's place (none, over the blocks too, under
+    them); a block in pieces, or one off its row's start where a window lies under the blocks, is none served."""
+    from transformers import masking_utils as mu
+
+    from patchkit.forward.inputs.mask_functions import block_pattern
+    from patchkit.forward.metadata import id_blocks
+
+    ids = torch.tensor([[-1, -1, 1, 1, 1, -1, -1, -1], [0, 0, 0, 0, 0, 0, -1, -1]])
+    blocks = mu.blockwise_overlay(ids)
+    assert block_pattern(mu.or_masks(mu.causal_mask_function, blocks))[1] is None
+    assert block_pattern(mu.and_masks(mu.or_masks(mu.causal_mask_function, blocks), mu.sliding_window_overlay(4)))[1]
+    assert block_pattern(mu.or_masks(mu.sliding_window_causal_mask_function(4), blocks))[1] is False
+    assert block_pattern(mu.or_masks(mu.causal_mask_function, lambda *a: True)) is None
+    assert torch.equal(block_pattern(mu.or_masks(mu.causal_mask_function, blocks))[0], ids)
+    real = torch.tensor([[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1]]).bool()  # row 1: left padding of the prompt's block
+    found = id_blocks(ids, real)
+    assert found.q_index.tolist() == [2, 3, 4, 8, 9, 10, 11] and found.k_index.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11]
+    assert id_blocks(ids, real, from_row_start=True) is False  # row 0's block starts at its third token
+    assert id_blocks(torch.full((2, 8), -1), real) is None
+    assert id_blocks(torch.tensor([[1, 1, -1, 1, 1, -1, -1, -1], [-1] * 8]), real) is False  # one block in two pieces
+
+
 def gemma3(window: int, layer_types: list[str]) -> torch.nn.Module:
     """A tiny Gemma 3 vision-language model (SigLIP 2 x 2 patches, 4 image tokens), `window` on its sliding layers."""
     text = tf.Gemma3TextConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=len(layer_types),
@@ -153,6 +176,52 @@ def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside(
             got = model.generate(**batch, **chunked)
     assert handle.stepped_aside.get("bidirectional_image_tokens") == 1
     assert torch.equal(got, want)
+
+
+def under_the_name(model: torch.nn.Module, run: object, strict: bool = True) -> tuple[object, int, dict]:
+    """`run(model)` with the registered name for the language model alone, the towers on sdpa: (its result, the
+    attention calls the name served, and those it stepped aside by cause)."""
+    from patchkit.hooks.name import attention_interface
+
+    patchkit.register_attention(backend="sdpa", strict=strict)
+    try:
+        state = attention_interface.route_state()
+        calls, aside = state.calls, dict(state.stepped_aside)
+        model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME,
+                                       **{k: "sdpa" for k in type(model.config).sub_configs if k != "text_config"}})
+        got = run(model)
+        more = {k: v - aside.get(k, 0) for k, v in state.stepped_aside.items() if v != aside.get(k, 0)}
+        return got, state.calls - calls, more
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)
+
+
+@pytest.mark.parametrize("window, layer_types", [(2, ["sliding_attention", "full_attention"]),
+                                                 (16, ["full_attention", "sliding_attention"])])
+def test_images_under_the_registered_name_alone_run_patched_as_unpatched(window, layer_types):
+    """attn_implementation={'text_config': 'patchkit', ...}: the multimodal model builds its masks through patchkit's
+    mask function, which reads the blocks from transformers' block ids (`hooks/name/named_blocks.py`); before, each
+    such forward stepped aside (custom_mask_pattern). A training step and generation, strict, as unpatched; a
+    chunked prefill's blocks behind a past step aside."""
+    model = gemma3(window, layer_types).train()
+    batch = image_batch()
+    want = train_step(model, batch)
+    got, calls, aside = under_the_name(model, lambda m: train_step(m, batch))
+    assert calls == 2 and aside == {}
+    assert_same(got, want)
+    model = gemma3(window, layer_types).eval()
+    prompt = {k: v for k, v in image_batch(left=True).items() if k != "labels"}
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = model.generate(**prompt, **options)
+    got, calls, aside = under_the_name(model, lambda m: m.generate(**prompt, **options))
+    assert torch.equal(got, want) and calls == 3 * 2 and aside == {}
+    model = gemma3(window, layer_types).eval()
+    want = model.generate(**prompt, **options, prefill_chunk_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, calls, aside = under_the_name(model, lambda m: m.generate(**prompt, **options, prefill_chunk_size=8),
+                                           strict=False)
+    assert torch.equal(got, want) and aside.get("bidirectional_image_tokens")
 
 
 def test_gemma4s_sliding_layers_attend_to_their_images_both_ways_its_full_layers_causally():

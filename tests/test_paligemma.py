@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from packaging.version import Version
-from test_image_blocks import assert_same, kernel_step_as_sdpa, train_step
+from test_image_blocks import assert_same, kernel_step_as_sdpa, train_step, under_the_name
 from test_multimodal_wrappers import IMAGE, TEXT, VISION, embedding_gemma
 
 import patchkit
@@ -94,6 +94,26 @@ def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(atten
         got = model.generate(**prompt, **options)
         assert handle.stepped_aside == {} and handle.calls == 5 * TEXT["num_hidden_layers"]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", ["paligemma eager", "paligemma 2, window 4 inside the prefix"])
+def test_paligemma_under_the_registered_name_alone_runs_patched_as_unpatched(name, side):
+    """The name for the language model alone: PaliGemma builds its masks through patchkit's mask function, the
+    prefix read from its block ids and the mask handed on to its Gemma kept as made; before, every forward stepped
+    aside (use_bidirectional_attention). A training step and generation, strict."""
+    attention, window = MODELS[name]
+    model, batch = paligemma(attention, window), prefix_batch(side)
+    want = train_step(model, batch)
+    got, calls, aside = under_the_name(model, lambda m: train_step(m, batch))
+    assert calls == TEXT["num_hidden_layers"] and aside == {}
+    assert_same(got, want)
+    model = paligemma(attention, window).eval()
+    prompt = {k: v for k, v in prefix_batch("left", suffix=False).items() if k != "labels"}
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = model.generate(**prompt, **options)
+    got, calls, aside = under_the_name(model, lambda m: m.generate(**prompt, **options))
+    assert torch.equal(got, want) and calls == 3 * TEXT["num_hidden_layers"] and aside == {}
 
 
 def test_a_forward_without_the_mask_that_decides_steps_aside_by_its_config():

@@ -268,3 +268,26 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(int(lengths.sum()), device=starts.device) - torch.repeat_interleave(
         cu_seqlens_from_lengths(lengths)[:-1].long(), lengths)
     return torch.repeat_interleave(starts, lengths) + offsets
+
+
+def id_blocks(ids: torch.Tensor, real: torch.Tensor, from_row_start: bool = False) -> Optional[BlockQueries] | bool:
+    """The block queries transformers' block ids (B, N) say over the real tokens (B, N), no past: each id >= 0 a block
+    whose real tokens see each other both ways (what is not a block, causally); None where no two real tokens share
+    a block; False where the blocks are none that `block_queries` serves (a block in pieces), or, `from_row_start`,
+    one that does not begin at its row's first real token."""
+    real = real.bool()
+    positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+    grouped = (ids >= 0) & real
+    slot = ids.clamp(min=0)
+    last = torch.full((ids.shape[0], int(slot.max()) + 1), -1, dtype=torch.long, device=ids.device)
+    last.scatter_reduce_(1, slot, torch.where(grouped, positions, -1), "amax")  # each block's last real token
+    reach = torch.maximum(torch.where(grouped, last.gather(1, slot), positions), positions)
+    if not bool((reach > positions).any()):
+        return None
+    if from_row_start:
+        first = torch.where(real, positions, ids.shape[-1]).amin(-1, keepdim=True)
+        before = torch.nn.functional.pad(ids, (1, 0), value=-2)[:, :-1]
+        starts = grouped & ((before != ids) | ~torch.nn.functional.pad(real, (1, 0))[:, :-1])
+        if bool((starts & (positions != first)).any()):
+            return False
+    return block_queries(reach, real) or False

@@ -97,3 +97,37 @@ def chunk_size(function: Any) -> Optional[int]:
     `mask_function`, or None."""
     return next((c for c in leaf_parts(function, CHUNKED) or () if isinstance(c, int) and not isinstance(c, bool)),
                 None)
+
+
+OR = "or_masks.<locals>.or_mask"
+AND = "and_masks.<locals>.and_mask"
+BLOCKWISE = "blockwise_overlay.<locals>.inner_mask"  # `block_sequence_ids`: each block's tokens see each other
+SLIDING = "sliding_window_overlay.<locals>.inner_mask"
+
+
+def block_pattern(function: Any) -> Optional[tuple[torch.Tensor, Optional[bool]]]:
+    """transformers' causal mask OR its blockwise overlay (images, PaliGemma's prompt: each block's tokens see each
+    other both ways), in the three shapes its multimodal models build: (the block ids (B, N), whether a sliding window
+    cuts a block's keys), or None for any other mask function.
+
+    - or(causal, blocks): a full layer's (window None);
+    - and(or(causal, blocks), sliding): Gemma 3's sliding layers, the window over the blocks too (True);
+    - or(and(sliding, causal), blocks): `create_sliding_window_causal_mask` given block ids (PaliGemma 2's), where a
+      block sees all of itself past the window (False)."""
+    if getattr(function, "__module__", None) != "transformers.masking_utils":
+        return None
+    parts = [f for f in mask_parts(function) if callable(f) and not isinstance(f, torch.Tensor)]
+    names = sorted(mask_name(f) for f in parts)
+    if mask_name(function) == AND and names == sorted([OR, SLIDING]):
+        inner = block_pattern(next(f for f in parts if mask_name(f) == OR))
+        return None if inner is None or inner[1] is not None else (inner[0], True)
+    if mask_name(function) != OR or len(parts) != 2 or BLOCKWISE not in names:
+        return None
+    ids = leaf_rows(next(f for f in parts if mask_name(f) == BLOCKWISE), BLOCKWISE)
+    base = next(f for f in parts if mask_name(f) != BLOCKWISE)
+    if ids is None or getattr(base, "__module__", None) != "transformers.masking_utils":
+        return None
+    if mask_name(base) == "causal_mask_function":
+        return ids, None
+    inner = sorted(mask_name(f) for f in mask_parts(base) if callable(f))
+    return (ids, False) if mask_name(base) == AND and inner == sorted(["causal_mask_function", SLIDING]) else None

@@ -71,9 +71,9 @@ CAUSES = {
         "none needed: an encoder-decoder forward stays exact on the attention the model was loaded with",
     ),
     "custom_mask_pattern": (
-        "transformers was asked for a mask beyond causal and padding (a bidirectional span such as an image's "
-        "tokens, or an or_mask_function / and_mask_function / block_sequence_ids), which a key-padding mask cannot "
-        "express",
+        "transformers was asked for a mask beyond causal and padding (a bidirectional span, an or_mask_function / "
+        "and_mask_function, or block_sequence_ids in no pattern of blocks patchkit serves), which a key-padding "
+        "mask cannot express",
         "not possible for this pattern, which needs transformers' attention",
     ),
     "chunk_behind_cache": (

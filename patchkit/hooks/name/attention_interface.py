@@ -43,6 +43,7 @@ from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
 from patchkit.hooks.decide.step_aside import padding_before_real, step_aside
 from patchkit.hooks.install.registry import (
+    NONCAUSAL,
     config_cause,
     padding_into_mixers,
     refusal,
@@ -54,6 +55,7 @@ from patchkit.hooks.install.routing import ROUTE_NAME, loads_flash_masks
 from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import cached_documents
 from patchkit.hooks.name.named import adopted, watch
+from patchkit.hooks.name.named_blocks import named_blocks
 from patchkit.hooks.parallel.sequence_parallel import refuse_shard_local, through_ulysses
 
 ATTENTION_NAME = ROUTE_NAME  # defined beside the forward wrapper that switches a model to it
@@ -90,11 +92,23 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
     context = current()
     refuse_refused(kwargs.get("config"), context.route)
     function = kwargs.get("mask_function")
-    if beyond_causal(function, chunks=True):
+    blocks = named_blocks(function, kwargs) if not context.plan.unpadded else None
+    if isinstance(blocks, str):
+        return aside_mask(blocks, args, kwargs)
+    if blocks is None and beyond_causal(function, chunks=True):
         cause = "cross_attention" if encoder_mask(function) else "custom_mask_pattern"
         if context.plan.unpadded:  # transformers' mask over one packed row would join its documents: rerun padded
             raise PaddedOnly(cause)
         return aside_mask(cause, args, kwargs)
+    made = served_mask(args, kwargs, context, function)
+    if isinstance(made, VarlenMask):
+        made.blocks = blocks if blocks else made.blocks
+        made.mask_decides = config_cause(kwargs.get("config")) == NONCAUSAL  # the mask built here: what eager
+    return made  # attention follows on layers not causal by their config (PaliGemma's Gemma)
+
+
+def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
+    """`host_mask` for a pattern the varlen path serves: the mask transformers' attention would read, as patchkit's."""
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if context.route is None else None
     if cause is None and context.route is None:
@@ -206,8 +220,9 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
     """
     if config is not None and not adopted(config):
         return "named_unseen"
-    cause = config_cause(config) or current().lm_cause
-    if cause is not None:
+    cause = config_cause(config)
+    cause = (None if cause == NONCAUSAL else cause) or current().lm_cause  # layers not causal by their config
+    if cause is not None:  # attend as the mask built here says (`mask_decides`)
         return cause
     if config is not None and padding_into_mixers(config) and padding_before_real(mask):
         return "padding_into_mixer"

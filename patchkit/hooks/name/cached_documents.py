@@ -9,7 +9,8 @@ position_ids the model hands its masks (none for a multimodal model's RoPE-only 
 transformers; never a time row handed on as text positions, which repeats a position over an image), by the rule
 patchkit's attention reads them with (a position that does not increase starts a document; in a graph
 `in_graph.graph_layout` lays them out by it). A forward that steps aside, an unpatched model and a cache with a
-past keep transformers' own preprocessing.
+past keep transformers' own preprocessing. A mask patchkit made for a forward, handed on by a multimodal model to
+its language model (PaliGemma's), is kept as made, as transformers keeps a 4D one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.inputs.arguments import CACHE_NAMES, holds_no_past
 from patchkit.forward.inputs.rope_rows import config_text_positions, multimodal_rope
 from patchkit.forward.liveness import is_compiling
+from patchkit.forward.masks import VarlenMask
 
 PREPROCESS = "_preprocess_mask_arguments"  # masking_utils, 4.53+: returns (early exit, mask, packed ids, ...)
 EMBEDS_NAMES = ("inputs_embeds", "input_embeds")
@@ -48,6 +50,9 @@ def served_documents(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def preprocess(*args: Any, **kwargs: Any) -> Any:
+        mask = given(args, kwargs, ("attention_mask",))
+        if isinstance(mask, VarlenMask):  # patchkit's, handed on by a multimodal model (PaliGemma's): kept as made,
+            return kept_as_made(args, kwargs, mask)  # as transformers keeps a 4D mask
         out = original(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) < 3 or out[0] or out[2] is not None:
             return out
@@ -72,6 +77,18 @@ def served_documents(original: Callable) -> Callable:
             return out
         ids = document_ids(positions.expand(embeds.shape[0], -1), checked=not in_graph)
         return out if ids is None else (*out[:2], ids, *out[3:])
+
+    def kept_as_made(args: tuple, kwargs: dict, mask: VarlenMask) -> Any:
+        """transformers' early exit for a prepared mask, with `mask` in it: its answer for a 4D one, whose arity
+        varies by release, given an empty 4D tensor in the mask's place."""
+        place = places.get("attention_mask", len(args))
+        prepared = torch.empty(0, 0, 0, 0)
+        if "attention_mask" in kwargs or place >= len(args):
+            kwargs = {**kwargs, "attention_mask": prepared}
+        else:
+            args = (*args[:place], prepared, *args[place + 1:])
+        out = original(*args, **kwargs)
+        return (out[0], mask, *out[2:])
 
     preprocess.__patchkit_documents__ = True  # type: ignore[attr-defined]
     return preprocess
