@@ -42,6 +42,11 @@ def test_block_queries_take_each_block_and_its_keys_in_the_unpadded_rows():
     beyond = reach.clone()
     beyond[0, 3] = 5  # one query of the run reaches further: no block
     assert block_queries(beyond, real) is None
+    holed, holed_real = reach.clone(), real.clone()
+    holed_real[0, 3] = False  # a padding hole inside row 0's block: the block is its real tokens 2, 4
+    holed[0, 3] = 3
+    got = block_queries(holed, holed_real)
+    assert got.q_index.tolist() == [2, 3, 9, 10, 11] and got.k_index.tolist() == [0, 1, 2, 3, 7, 8, 9, 10, 11]
     padded = reach.clone()
     padded[1, 0] = 5  # a padding query that sees later keys (PaliGemma's left padding, of its prompt's block):
     got = block_queries(padded, real)  # its output is padding either way, and it is no block's

@@ -82,6 +82,24 @@ def test_a_training_step_with_a_prompt_prefix_runs_patched_as_unpatched(name, si
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_padding_hole_inside_the_prompt_keeps_its_block_whole(name):
+    """A padding position inside a row's prompt (transformers' own tests draw such rows): the prompt's block is its
+    real tokens on either side, read in the unpadded rows; PaliGemma 2's window of 4, which spans the hole in
+    positions but not in tokens, steps aside for it as for any sliding window (window_over_padding_hole)."""
+    attention, window = MODELS[name]
+    model, batch = paligemma(attention, window), prefix_batch("left")
+    batch["attention_mask"][0, 6] = 0
+    want = train_step(model, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = train_step(model, batch)
+    bites = window is not None and window < LENGTH
+    assert handle.stepped_aside == ({"window_over_padding_hole": 1} if bites else {})
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(attention):
     """generate() with images: the prefill's prompt both ways, then each new token causally (a decode step's one

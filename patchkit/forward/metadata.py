@@ -232,30 +232,29 @@ def block_queries(reach: torch.Tensor, real: torch.Tensor) -> Optional[BlockQuer
     tokens (B, N), no past: the block queries, or None where the pattern is no set of blocks. What padding queries
     see (PaliGemma's left padding belongs to its prompt's block) is left out.
 
-    A block is a run of real queries that all reach the same token, the one right after the run (which reaches
-    itself): transformers' bidirectional image block from its first token to its last. Its pass takes the run and
-    that last token as queries, and the keys from the row's first real token to the last token."""
+    A block is a run of real queries that all reach the same token, the next real one after the run (which reaches
+    itself): transformers' bidirectional image block from its first token to its last, read in the unpadded rows
+    (a padding hole inside a block does not cut it). Its pass takes the run and that last token as queries, and the
+    keys from the row's first real token to the last token."""
     real = real.bool()
-    batch, width = real.shape
-    positions = torch.arange(width, device=real.device).expand(batch, width)
-    later = (reach > positions) & real  # a padding query's reach is no block's (its output is padding either way)
+    positions = torch.arange(real.shape[-1], device=real.device).expand_as(real)
     if bool((reach < positions).any()):
         return None  # a query that reaches back: no block
-    shifted = torch.nn.functional.pad  # (a column shift: the neighbour on the left, or on the right)
-    left, left_reach = shifted(later, (1, 0))[:, :-1], shifted(reach, (1, 0), value=-1)[:, :-1]
-    right, right_reach = shifted(later, (0, 1))[:, 1:], shifted(reach, (0, 1), value=-1)[:, 1:]
-    starts = later & (~left | (left_reach != reach))
-    ends = later & (~right | (right_reach != reach))
-    if not bool(starts.any()):
+    rows, columns = real.nonzero(as_tuple=True)  # the unpadded rows, in order: index i is the token's there
+    reach = reach[rows, columns]
+    later = reach > columns
+    if not bool(later.any()):
         return None
-    rows, end_at = ends.nonzero(as_tuple=True)
-    closing = (end_at + 1).clamp(max=width - 1)
-    if not bool(((reach[rows, end_at] == end_at + 1) & real[rows, closing] & (reach[rows, closing] == closing)).all()):
-        return None  # the run's reach is not the token right after it, the block's last
-    row_start = cu_seqlens_from_lengths(real.sum(-1))[:-1].long()  # each row's first row once unpadded
-    flat = real.long().cumsum(-1) - 1 + row_start[:, None]  # each token's
-    row_first = row_start[rows]
-    first, last = flat[starts], flat[rows, closing]
+    same_row = rows[1:] == rows[:-1]  # tokens i and i + 1 of one row
+    shifted = torch.nn.functional.pad  # the neighbour before (1, 0) or after (0, 1), none across rows
+    before = shifted(later[:-1] & same_row, (1, 0)) & (shifted(reach[:-1], (1, 0), value=-1) == reach)
+    after = shifted(later[1:] & same_row, (0, 1)) & (shifted(reach[1:], (0, 1), value=-1) == reach)
+    first, end = (later & ~before).nonzero().squeeze(-1), (later & ~after).nonzero().squeeze(-1)
+    last = (end + 1).clamp(max=len(rows) - 1)
+    if not bool((shifted(same_row, (0, 1))[end] & (columns[last] == reach[end]) & (reach[last] == columns[last]))
+                .all()):
+        return None  # the run's reach is not the next real token after it, the block's last
+    row_first = cu_seqlens_from_lengths(real.sum(-1))[:-1].long()[rows[first]]  # its row's first unpadded token
     lengths_q, lengths_k = last - first + 1, last - row_first + 1
     host_q, host_k = lengths_q.tolist(), lengths_k.tolist()
     meta = VarlenMetadata(len(host_q), max(host_q), max(host_k), None, None, cu_seqlens_from_lengths(lengths_q),
