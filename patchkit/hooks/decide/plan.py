@@ -43,6 +43,7 @@ def plan_forward(
     aside (`forward_cause`; a transformers newer than CI's: the family's self-check). The masks patchkit serves are
     put in the form its path reads first, in `arguments` / `extra` in place (`served_cause`). Under unpad="model"
     the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
+    given, given_extra = dict(arguments), dict(extra)  # what the caller gave, which an aside runs on
     cause = forward_cause(module, arguments, extra) if state is not None else None
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
     blocks = None
@@ -55,7 +56,9 @@ def plan_forward(
         cause = untrusted_cause(module, state)
     if cause is None and blocks is not None and sequence_parallel:
         cause = "bidirectional_image_tokens"  # a rank's shard would cut its blocks
-    if cause is not None:
+    if cause is not None:  # the masks read back (a 2D mask, documents) are the served path's: an aside gets the
+        arguments.clear(), arguments.update(given)  # caller's own (a multimodal model's 4D masks, its image blocks)
+        extra.clear(), extra.update(given_extra)
         return ForwardPlan(aside=cause)
     no_mask = arguments.get("attention_mask") is None
     if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
