@@ -161,6 +161,25 @@ def test_two_images_in_a_row_are_two_blocks_each_seeing_its_own_tokens_both_ways
     assert_same(got, want)
 
 
+def test_a_forward_stepped_aside_after_its_masks_were_read_runs_on_the_masks_it_was_given(monkeypatch):
+    """The plan reads the multimodal model's masks back into a 2D mask in the forward's arguments; a cause found
+    after that (a transformers newer than CI's whose family failed its check, sequence parallelism with blocks, a
+    head patchkit does not wrap) stepped aside on that 2D mask, the images' blocks gone, silently. The aside runs on
+    the masks the caller gave now: the unpatched step."""
+    from patchkit.hooks.decide import plan
+
+    model = gemma3(3, ["sliding_attention", "full_attention"]).train()
+    batch = image_batch()
+    want = train_step(model, batch)
+    monkeypatch.setattr(plan, "untrusted_cause", lambda module, state: "untested_transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = train_step(model, batch)
+    assert handle.stepped_aside == {"untested_transformers": 1} and handle.calls == 0
+    assert_same(got, want)
+
+
 def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside():
     """Left-padded prompts with an image each: the prefill (its blocks) and the decode steps run patched, the tokens
     as unpatched. A prefill in chunks puts a block behind a past, which patchkit does not serve: it steps aside,

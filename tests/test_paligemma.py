@@ -232,3 +232,36 @@ def test_paligemma_2s_prefix_pass_reaches_each_kernel_non_causal_with_no_window(
     unbounded = (None, None) if backend == "flash_attn_4" else (-1, -1)
     blocks = [call.get("window_size", call.get("window", (-1, -1))) for call in fake.calls[1::2]]
     assert blocks == [unbounded, unbounded]
+
+
+def test_colpali_s_retrieval_head_reads_every_position_and_steps_aside_on_padded_batches():
+    """ColPali L2-normalizes each position's embedding before it masks padding. Patched, a padding position's hidden
+    state was its embedding's (zeros for the pad token) or zeros: with its projection's bias zero (as transformers
+    initializes a new head) 0 / 0 made NaN there, which its multi-vector scores sum over. A head patchkit does not
+    wrap steps aside on a padded batch now (`unwrapped_head`): every embedding equals unpatched, padding's zeros
+    included; a batch without padding runs patched."""
+    pg = tf.PaliGemmaConfig(text_config=tf.GemmaConfig(**TEXT).to_dict(), projection_dim=32, image_token_index=IMAGE,
+                            vision_config=tf.SiglipVisionConfig(**VISION).to_dict())
+    config = tf.ColPaliConfig(vlm_config=pg.to_dict(), embedding_dim=16)
+
+    def colpali() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return tf.ColPaliForRetrieval._from_config(config, attn_implementation="eager").eval()
+
+    batch = {k: v for k, v in prefix_batch("left", suffix=False).items() if k != "labels"}
+    whole = {k: v[:1] for k, v in batch.items()}  # row 0: no padding
+    with torch.no_grad():
+        want, want_whole = colpali()(**batch).embeddings, colpali()(**whole).embeddings
+        with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(backend="sdpa") as group:
+            warnings.simplefilter("always")
+            model = colpali()
+            assert not model.embedding_proj_layer.bias.any()
+            got = model(**batch).embeddings
+            handle = next(h for h in group if h.name == "gemma")
+            assert handle.stepped_aside == {"unwrapped_head": 1} and handle.calls == 0
+            got_whole = model(**whole).embeddings
+            assert handle.calls == TEXT["num_hidden_layers"]
+    assert any("(unwrapped_head)" in str(w.message) for w in caught)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got_whole, want_whole, atol=1e-5, rtol=1e-4)

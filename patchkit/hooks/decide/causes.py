@@ -127,6 +127,14 @@ CAUSES = {
         "apply_patch() before loading the model, or apply_patch(model=...) on the whole model: patchkit then wraps "
         "its head, and its padded batches run patched",
     ),
+    "unwrapped_head": (
+        "the base model runs under a model with a head of its own that patchkit does not wrap and that does not "
+        "generate (ColPali's retrieval head, a user's own), which reads the hidden state at every position, padding "
+        "included; varlen attention computes nothing at padding, and such a head may divide by it (ColPali "
+        "normalizes each position before it masks padding: 0 / 0 where its projection has no bias)",
+        "none needed: a batch without padding runs patched; a head of transformers' task classes, or a causal LM "
+        "around the base model, is wrapped",
+    ),
     "pooled_at_padding": (
         "a sequence classifier pools a padding position: it reads the last token that is not config.pad_token_id "
         "(the last column under inputs_embeds), and this batch's padding holds other ids (the tokenizer pads with "
@@ -210,6 +218,8 @@ BRIEF = {
                                     "none needed"),
     "head_outside_patch": ("a multimodal model patchkit did not wrap runs its head over every position",
                            "apply_patch() before loading, or apply_patch(model=...) on the whole model"),
+    "unwrapped_head": ("a model patchkit does not wrap reads every position's hidden state (ColPali's head)",
+                       "none needed"),
     "pooled_at_padding": ("a sequence classifier pools a padding position (padding ids are not "
                           "config.pad_token_id, or inputs_embeds ends a row in padding)",
                           "pad with config.pad_token_id, or on the left"),

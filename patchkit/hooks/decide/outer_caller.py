@@ -5,7 +5,8 @@ of the batch its language model returns. patchkit wraps such a head on the insta
 a class patch or patched by `apply_patch(model=...)` (`family_route.outer_heads`); one built before the class patch,
 or whose language model alone was patched, is not wrapped, so its base model cannot know whether the call reads
 padding positions (labels predicted from padding, generate()'s next token). Found by the calling frames, it steps
-aside (`head_outside_patch`), exact.
+aside (`head_outside_patch`), exact. So does one under a head that does not generate and that patchkit does not
+wrap (ColPali's retrieval head, a user's own): it reads every position's hidden state (`unwrapped_head`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,31 @@ def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
         frame = frame.f_back
     if found is None:
         vars(base)[CLEAN] = True
+    return found
+
+
+READER = "_patchkit_unwrapped_head"  # set on a base model once its callers were read for `unwrapped_head`
+
+
+def unwrapped_head(base: nn.Module) -> bool:
+    """`base` was called by a model with a head of its own that patchkit does not wrap and that does not generate
+    (those are `head_outside_patch`'s), with no wrapper of patchkit's on the way: a retrieval head (ColPali's) or a
+    user's, which reads the hidden state at every position, padding included. Varlen attention computes nothing at
+    padding (its hidden states there are an embedding's, or zeros), and such a head may divide by them (ColPali
+    L2-normalizes each position before it masks padding: 0 / 0). Read off the calling frames once per base model."""
+    known = vars(base).get(READER)
+    if known is not None:
+        return known
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    found, frame = False, sys._getframe(1)
+    while frame is not None and frame.f_code not in LM_WRAPPERS:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if (owner is not base and isinstance(owner, pretrained) and owner.base_model is not owner
+                and any(m is base for m in owner.modules())):
+            found = not wrapped(owner) and not generative_head(type(owner))
+            break
+        frame = frame.f_back
+    vars(base)[READER] = found
     return found
 
 

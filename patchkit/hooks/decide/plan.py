@@ -18,8 +18,9 @@ from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.model_masks import model_masks_cause
+from patchkit.hooks.decide.outer_caller import unwrapped_head
 from patchkit.hooks.decide.self_check import untrusted_cause
-from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause
@@ -52,6 +53,8 @@ def plan_forward(
     noncausal = state is not None and config_cause(module.config) == NONCAUSAL
     if noncausal and cause in UNREAD:
         cause = NONCAUSAL  # PaliGemma's masks in a pattern patchkit does not read: its layers are the reason
+    if cause is None and state is not None and padded(arguments.get("attention_mask")) and unwrapped_head(module):
+        cause = "unwrapped_head"  # ColPali's retrieval head: every position's hidden state (its 2D mask read back)
     if cause is None and state is not None:
         cause = untrusted_cause(module, state)
     if cause is None and blocks is not None and sequence_parallel:
