@@ -109,6 +109,17 @@ def assert_same_losses(got: list[float], want: list[float]) -> None:
     assert got == pytest.approx(want, abs=1e-5), f"patched {got} != unpatched {want}"
 
 
+def class_patched_as_unpatched(losses: Callable[[], list[float]], family: str, calls: int) -> None:
+    """`losses()` (a trainer's, its model built inside) under a strict class patch equals it unpatched: `family`'s
+    patch ran `calls` attention calls and stepped nothing aside."""
+    want = losses()
+    with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+        got = losses()
+        handle = next(h for h in group if h.name == family)
+        assert handle.stepped_aside == {} and handle.calls == calls, handle.report()
+    assert_same_losses(got, want)
+
+
 def assert_ran_through_patch(handle: patchkit.PatchHandle) -> None:
     """Every layer's attention in every step ran through the patch: its forward and its checkpointed recompute."""
     assert handle.calls == STEPS * LAYERS * 2, handle.report()
