@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 from torch import nn
 
@@ -26,25 +26,34 @@ _generative: dict[type, bool] = {}
 LM_WRAPPERS: set = set()  # the code of patchkit's causal-LM wrappers (the patch's, the registered name's)
 
 
+def outer_models(base: nn.Module) -> Iterator[Optional[nn.Module]]:
+    """The models whose forward called `base`, innermost first, read off the calling frames; None, and nothing after
+    it, for a wrapper of patchkit's on the way (it tells the base model about its call)."""
+    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in LM_WRAPPERS:
+            yield None
+            return
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if owner is not base and isinstance(owner, pretrained) and any(m is base for m in owner.modules()):
+            yield owner
+        frame = frame.f_back
+
+
 def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
     """The generative head around `base` that called it where no LM wrapper of patchkit's is on the way, else None.
     Read off the calling frames once per base model (every call while one is found: the user may patch it since)."""
     if vars(base).get(CLEAN):
         return None
-    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
-    found, frame = None, sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in LM_WRAPPERS:  # a wrapper of patchkit's tells the base model about its call
-            found = None
+    found = None
+    for owner in outer_models(base):
+        if owner is not None and not generative_head(type(owner)):
+            continue
+        if owner is None or wrapped(owner):  # a wrapper of patchkit's speaks (a frame torch.compile rewrote is not
+            found = None  # the wrapper's own code: its module's forward tells)
             break
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-        if (owner is not base and isinstance(owner, pretrained) and generative_head(type(owner))
-                and any(m is base for m in owner.modules())):
-            if wrapped(owner):  # its wrapper speaks (a frame torch.compile rewrote is not the wrapper's own code)
-                found = None
-                break
-            found = found or owner
-        frame = frame.f_back
+        found = found or owner
     if found is None:
         vars(base)[CLEAN] = True
     return found
@@ -62,15 +71,8 @@ def unwrapped_head(base: nn.Module) -> bool:
     known = vars(base).get(READER)
     if known is not None:
         return known
-    pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
-    found, frame = False, sys._getframe(1)
-    while frame is not None and frame.f_code not in LM_WRAPPERS:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-        if (owner is not base and isinstance(owner, pretrained) and owner.base_model is not owner
-                and any(m is base for m in owner.modules())):
-            found = not wrapped(owner) and not generative_head(type(owner))
-            break
-        frame = frame.f_back
+    head = next((m for m in outer_models(base) if m is None or m.base_model is not m), None)
+    found = head is not None and not wrapped(head) and not generative_head(type(head))
     vars(base)[READER] = found
     return found
 

@@ -124,8 +124,8 @@ def refused_configs() -> dict[str, tuple[str, str]]:
 # `bidirectional_image_tokens`).
 NONCAUSAL = "use_bidirectional_attention"
 EVERY_FAMILY_REFUSES = {
-    NONCAUSAL: "bidirectional attention (PaliGemma's image and prompt prefix, an encoder's "
-                                   "layers), which transformers' attention implementations each read differently",
+    NONCAUSAL: "bidirectional attention (PaliGemma's image and prompt prefix, an encoder's layers), which "
+               "transformers' attention implementations each read differently",
 }
 
 
@@ -192,7 +192,6 @@ def config_gates(model: nn.Module, model_types: tuple[str, ...],
                               "run this model unpatched, on transformers' attention ('sdpa' or 'eager'); under a "
                               f"class patch it steps aside ({field})"))
     return out
-
 
 
 def builds_masks_for(model: nn.Module, config: Any) -> bool:

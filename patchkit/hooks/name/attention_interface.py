@@ -102,7 +102,8 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
         return aside_mask(cause, args, kwargs)
     made = served_mask(args, kwargs, context, function)
     if isinstance(made, VarlenMask):
-        made.blocks = blocks if blocks else made.blocks
+        if blocks:
+            made.blocks = blocks
         made.mask_decides = config_cause(kwargs.get("config")) == NONCAUSAL  # the mask built here: what eager
     return made  # attention follows on layers not causal by their config (PaliGemma's Gemma)
 
