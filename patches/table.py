@@ -54,6 +54,8 @@ VERIFIED = frozenset({
     "ctrl", "gpt_bigcode", "moshi", "persimmon",
     # chunked attention (documents cut at the chunk size), NoPE layers whose temperature reads the row's length
     "llama4_text",
+    # Llama 3.2 Vision's language model: its cross-attention layers (to the image tiles) run transformers' attention
+    "mllama_text_model",
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
@@ -66,9 +68,18 @@ VERIFIED = frozenset({
     *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
-# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length); so is, by its default config's
-# `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
-ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
+# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length; Mllama's cross-attention layers, the
+# batch's image tiles per row); so is, by its default config's `layer_types`, any other family with layers of
+# MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
+ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text", "mllama_text_model"})
+# Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
+# Vision's `mllama`): model_type -> (causal LM, base model)
+TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel")}
+# Layers that attend from the text to another tower's tokens (Mllama's image tiles) under a (B, 1, N, tiles) mask of
+# the batch's own: no key-padding mask says which tiles a token sees, so they run the attention the model was loaded
+# with (`hooks/attention/cross_layers.py`), exactly, on the padded batch (their families are in ATTENTION_UNPAD).
+# model_type -> the class
+CROSS_LAYERS = {"mllama_text_model": "MllamaTextCrossAttention"}
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
 # padding's hidden states, so padding carries nothing into a row's state or convolution, and each row, alone or
@@ -136,7 +147,7 @@ def imported_types() -> list[str]:
 
     loaded = {name.split(".")[2] for name in list(sys.modules)
               if name.startswith("transformers.models.") and ".modeling_" in name}
-    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if model_type_to_module_name(t) in loaded]
+    return [t for t in (*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS) if model_type_to_module_name(t) in loaded]
 
 
 def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
@@ -150,7 +161,8 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
         if model_type in getattr(auto, kind, {}):
             raise PatchTargetError(f"model_type {model_type!r} is an encoder or encoder-decoder family; patchkit "
                                    "serves decoder-only causal LMs")
-    lm_name, base_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
+    lm_name, base_name = TEXT_MODELS.get(model_type) or (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
+                                                         MODEL_MAPPING_NAMES.get(model_type))
     if not isinstance(lm_name, str) or not isinstance(base_name, str):
         raise PatchTargetError(f"model_type {model_type!r} has no causal LM with a base model in this transformers")
     if lm_name.endswith("ForConditionalGeneration"):

@@ -26,6 +26,15 @@ from patchkit.names import GROUP_NAME, UNPAD_MEANING
 ACTIVE: dict[tuple, PatchHandle] = {}  # every applied patch by its key: ("class", family) or ("model", id(model))
 
 
+def unpad_line(asked: str, own: Optional[str]) -> str:
+    """The report's unpad line: the mode asked for, or the family's own where it always runs in one (its layers read
+    the padded batch: OPT's positions, Mllama's cross-attention), with what was asked."""
+    if own is None or own == asked:
+        return f"  unpad:   {asked} ({UNPAD_MEANING[asked]})"
+    return (f"  unpad:   {own} ({UNPAD_MEANING[own]}; the family's own mode, where {asked!r} was asked: its layers "
+            "read the padded batch)")
+
+
 class PatchHandle:
     """One applied patch: revert it (or use it as a context manager) and read its report."""
 
@@ -134,7 +143,7 @@ class PatchHandle:
             f"  transformers: {eras.installed_version()}"
             + (f" (era {eras.installed_era().name}: {eras.installed_era().changes})" if self.spec.family == "llama"
                else ""),
-            f"  unpad:   {self.options[2]} ({UNPAD_MEANING[self.options[2]]})",
+            unpad_line(self.options[2], self.spec.unpad),
             "  gates:",
             *_gates.gate_lines(self.gates, "    "),
             "  replaced:",

@@ -33,9 +33,29 @@ MAX_PARAMETERS = 3_000_000  # a family whose tiny model is bigger keeps sizes SM
 
 
 def causal_lm_types() -> list[str]:
+    """The auto mapping's causal LMs, and the language models it lists under their composite (Mllama's)."""
+    from patchkit.patches.table import TEXT_MODELS
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS})
+
+
+def causal_lm_name(model_type: str) -> str:
+    """The class name of `model_type`'s causal LM (a language model's own where the mapping lists it under its
+    composite: Mllama's text model's MllamaForCausalLM)."""
+    from patchkit.patches.table import TEXT_MODELS
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return TEXT_MODELS[model_type][0] if model_type in TEXT_MODELS else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def base_model_name(model_type: str) -> str:
+    """The class name of `model_type`'s base model (the language model's own where the mapping lists it under its
+    composite: Mllama's MllamaTextModel)."""
+    from patchkit.patches.table import TEXT_MODELS
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return TEXT_MODELS[model_type][1] if model_type in TEXT_MODELS else MODEL_MAPPING_NAMES[model_type]
 
 
 def tiny_config(model_type: str):
@@ -147,10 +167,9 @@ def grown(cls, kw: dict, default):
 def tiny_lm(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
     """(the tiny causal LM of `model_type` in fp32, eager attention, train mode; '') or (None, why not)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        lm = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        lm = getattr(transformers, causal_lm_name(model_type))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = tiny_config(model_type)

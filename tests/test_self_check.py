@@ -277,11 +277,11 @@ def test_a_falcon_config_gets_a_tiny_copy_with_its_own_key_value_heads(layout):
 def check_of(config, patch: Optional[str] = None) -> Optional[str]:
     """The self-check's verdict on a model of `config` (a checkpoint's sizes), its family (`patch`, default its
     model_type's) patched as apply_patch() does: None where it passes."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    from census import base_model_name
 
     from patchkit.hooks.install.registry import for_model_type
 
-    base = getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])
+    base = getattr(transformers, base_model_name(config.model_type))
     with patchkit.apply_patch(patch or for_model_type(config.model_type).name, backend="sdpa") as handle:
         # as a first forward runs it: the check's own patched forwards do not check again (`_checking`)
         self_check.verdict_cause(base, config, torch.device("cpu"), torch.float32, handle.state)

@@ -38,15 +38,15 @@ def served() -> list[str]:
 def unpatched_failure(config) -> Optional[str]:
     """transformers' own base model of the whole `config`, built and run on the meta device (no memory, no
     numbers): the exception's type name where it fails, else None."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    from census import base_model_name
 
     config._attn_implementation = "eager"
     ids = torch.ones(2, 6, dtype=torch.long, device="meta")
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            getattr(transformers, MODEL_MAPPING_NAMES[config.model_type])(config)(input_ids=ids,
-                                                                                   attention_mask=torch.ones_like(ids))
+            getattr(transformers, base_model_name(config.model_type))(config)(input_ids=ids,
+                                                                               attention_mask=torch.ones_like(ids))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises on its own defaults
         return type(exc).__name__
     return None

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 import transformers
-from census import causal_lm_types, tiny_config, tiny_wrapper, wrapper_types
+from census import causal_lm_name, causal_lm_types, tiny_config, tiny_wrapper, wrapper_types
 from packaging.version import Version
 from patchkit.patches import table
 
@@ -106,7 +106,7 @@ TASKS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnsw
 
 def task_heads(model_type: str) -> list[type]:
     """The task heads transformers defines beside the family's causal LM (read here, not from patchkit)."""
-    name = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    name = causal_lm_name(model_type)
     module = sys.modules[getattr(transformers, name).__module__]
     return [cls for cls in vars(module).values()
             if isinstance(cls, type) and cls.__module__ == module.__name__ and cls.__name__.endswith(TASKS)]

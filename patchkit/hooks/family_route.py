@@ -89,6 +89,7 @@ def family_spec_of(
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),
         verified=verified,
+        unpad=unpad,
         check_model=check_model,
         model_gate=model_gate,
         outer_heads=lambda state, model: outer_head_replacements(state, model, classes, unpad),

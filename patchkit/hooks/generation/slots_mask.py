@@ -13,7 +13,7 @@ qualify, which the varlen path already places (`VarlenMask`, `cache_placement`);
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 
@@ -32,13 +32,14 @@ from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.hooks.install.routing import attn_name
 
 
-def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
+def static_layers(cache: Any, cross: Collection[int] = ()) -> Optional[list[tuple[bool, int]]]:
     """A StaticCache's attention layers as (sliding, slots): full-attention StaticLayers and, from transformers 4.57,
     the StaticSlidingWindowLayers that keep a window's last keys in order (a hybrid's layers that hold such keys
     beside a recurrent state alike); None for any other cache or layer (4.56's sliding layers among them).
 
     A hybrid's layers that hold no keys (a Mamba or linear-attention layer's `LinearAttentionLayer`, a KV-sharing
-    or MLP-only layer's `DummyLayer`) are left out: no attention mask places anything in them."""
+    or MLP-only layer's `DummyLayer`) are left out: no attention mask places anything in them; so are the layers
+    `cross` indexes (Mllama's cross-attention layers, which hold the image tiles' keys: `cross_layers`)."""
     try:
         from transformers import cache_utils
     except ImportError:  # before 4.36: tuple caches, no cache_utils
@@ -52,10 +53,17 @@ def static_layers(cache: Any) -> Optional[list[tuple[bool, int]]]:
              getattr(cache_utils, "LinearAttentionAndStaticSlidingWindowAttentionLayer", None): True}
     keyless = tuple(k for k in (getattr(cache_utils, "LinearAttentionLayer", None),
                                 getattr(cache_utils, "DummyLayer", None)) if k is not None)
-    attending = [layer for layer in layers if type(layer) not in keyless]
+    attending = [layer for i, layer in enumerate(layers) if type(layer) not in keyless and i not in cross]
     if not attending or any(type(layer) not in kinds for layer in attending):
         return None
     return [(kinds[type(layer)], layer.max_cache_len) for layer in attending]
+
+
+def cross_layers(module: Any) -> frozenset[int]:
+    """The indices of `module`'s cross-attention layers (Mllama's `cross_attention_layers`), whose cache layers hold
+    another tower's keys, which no attention mask of the text places."""
+    found = getattr(getattr(module, "config", None), "cross_attention_layers", None)
+    return frozenset(found) if isinstance(found, (list, tuple)) else frozenset()
 
 
 def causal_over_slots(
@@ -142,7 +150,7 @@ def padding_from_slots_mask(module: Any, arguments: dict) -> Optional[tuple[torc
     no mask covers (before a sliding-only model's window) are never read: zero.
     """
     masks, cache = layer_type_masks(module, arguments.get("attention_mask")), given_cache(arguments)
-    layers, tokens = static_layers(cache), input_tokens(arguments)
+    layers, tokens = static_layers(cache, cross_layers(module)), input_tokens(arguments)
     if masks is None or layers is None or tokens is None or {w is not None for w in masks} != {s for s, _ in layers}:
         return None  # each mask's layers are the cache's: sliding ones under the window's mask, full ones not
     batch, q_len = tokens.shape[:2]

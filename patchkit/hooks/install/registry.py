@@ -36,6 +36,7 @@ class PatchSpec:
     aliases: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ("llama",)  # the `config.model_type`s this patch serves
     verified: bool = True  # the census saw it exact on CI's transformers (else: a self-check before the first forward)
+    unpad: Optional[str] = None  # the mode the family always runs in ("attention": its layers read the padded batch)
     # a model built under the class patch: its generative heads of other modeling modules, wrapped on the instance
     outer_heads: Callable[[PatchState, nn.Module], list[Replacement]] = lambda state, model: []
 
@@ -109,6 +110,11 @@ def _table_list(name: str, kind: type) -> Any:
 def refusal(model_type: Optional[str]) -> Optional[str]:
     """The feature the table names for a family it refuses (DeepSeek-V3.2's sparse attention, ...), else None."""
     return _table_list("REFUSED", dict).get(model_type)
+
+
+def cross_layer_names() -> frozenset[str]:
+    """The class names of the served families' cross-attention layers (Mllama's), which run transformers' attention."""
+    return frozenset(_table_list("CROSS_LAYERS", dict).values())
 
 
 def refused_configs() -> dict[str, tuple[str, str]]:

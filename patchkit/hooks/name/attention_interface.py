@@ -37,6 +37,7 @@ from patchkit.forward.inputs.mask_functions import (
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
+from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
 from patchkit.hooks.attention.varlen import check_family, family_rule, make_attention_function
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
@@ -268,6 +269,9 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     compiled graph (transformers' compiled static-cache decode) a transformers-made 4D mask goes straight to
     transformers' attention: no contextvar, no count, nothing that would break the graph.
     """
+    if cross_layer(module):  # to another tower's tokens, under the batch's own mask: the loaded attention
+        route = current().route
+        return cross_attention(module, query, key, value, attention_mask, route and route.loaded, **kwargs)
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced

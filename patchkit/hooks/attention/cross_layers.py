@@ -1,0 +1,46 @@
+"""A served family's cross-attention layers (Mllama's, text to image tiles) run the attention the model was loaded with.
+
+Their keys are another tower's tokens and their mask is the batch's own (B, 1, N, tiles): which tiles a text token
+sees, not where padding is. No varlen kernel takes that, and no padding is spent there that unpadding would save
+(the family keeps the padded batch: `patches/table.py` `ATTENTION_UNPAD`). They share the language model's config, so
+inside a routed forward they ask for patchkit's name too; this hands them the loaded name's function, the one their
+checkpoint recompute reads after the forward, so both compute the same numbers as unpatched.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from patchkit.hooks.install.registry import cross_layer_names
+from patchkit.hooks.install.routing import ROUTE_NAME
+
+_CROSS: dict[type, bool] = {}  # a plain dict, not functools.cache: compiled layers read it
+
+
+def cross_layer(module: nn.Module) -> bool:
+    """`module` is a served family's cross-attention layer (`patches/table.py` `CROSS_LAYERS`)."""
+    cls = type(module)
+    found = _CROSS.get(cls)
+    if found is None:
+        found = _CROSS[cls] = cls.__name__ in cross_layer_names()
+    return found
+
+
+def loaded_function(module: nn.Module, loaded: Optional[str]) -> Callable:
+    """The attention function of the name the model was loaded with (`loaded`; sdpa, transformers' default, where it
+    was loaded with patchkit's own): the family's eager attention for "eager", else transformers' registered one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = "sdpa" if loaded in (None, ROUTE_NAME) else loaded
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def cross_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: Any, loaded: Optional[str],
+                    **kwargs: Any) -> Any:
+    """The cross-attention layer's call, on the loaded name's function, as transformers would run it."""
+    return loaded_function(module, loaded)(module, query, key, value, mask, **kwargs)
