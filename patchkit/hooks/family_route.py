@@ -179,18 +179,23 @@ def mixer_replacements(
     mixers: Callable[[], tuple[type, ...]], model: Optional[nn.Module] = None, state: Optional[PatchState] = None
 ) -> list[Replacement]:
     """The token mixers' forwards (the classes', or `model`'s instances'), which run the packed row's rows in groups."""
-    out = []
-    for mixer in mixers():
+    classes = mixers()
+    for mixer in classes:
         hand_rows(sys.modules[mixer.__module__])
-        if model is None or state is None:
-            out.append(Replacement(mixer, "forward", make_mixer_forward(mixer.forward),
-                                   f"{mixer.__name__}.forward (the packed row's rows in groups)"))
-            continue
-        for m in find_modules(model, mixer):
-            out.append(bound_replacement(make_mixer_forward(current_method(m)), m, "forward",
-                                         f"{mixer.__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, the packed "
-                                         "row's rows in groups)", state.track_copy))
-    return out
+    return layer_replacements(classes, make_mixer_forward, "the packed row's rows in groups", model, state)
+
+
+def layer_replacements(
+    classes: tuple[type, ...], make: Callable[[Callable], Callable], what: str, model: Optional[nn.Module] = None,
+    state: Optional[PatchState] = None,
+) -> list[Replacement]:
+    """`classes`' forwards wrapped by `make` (the classes', or `model`'s instances'); `what` says what for."""
+    if model is None or state is None:
+        return [Replacement(cls, "forward", make(cls.forward), f"{cls.__name__}.forward ({what})") for cls in classes]
+    return [bound_replacement(make(current_method(m)), m, "forward",
+                              f"{cls.__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, {what})",
+                              state.track_copy)
+            for cls in classes for m in find_modules(model, cls)]
 
 
 def outer_forward(original: Callable, records: bool, unpad: str, state: PatchState) -> Callable:
