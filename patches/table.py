@@ -68,18 +68,17 @@ VERIFIED = frozenset({
     *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
-# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length; Mllama's cross-attention layers, the
-# batch's image tiles per row); so is, by its default config's `layer_types`, any other family with layers of
-# MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
-ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text", "mllama_text_model"})
+# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length); so is, by its default config's
+# `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
+ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
 # Vision's `mllama`): model_type -> (causal LM, base model)
 TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel")}
 # Layers that attend from the text to another tower's tokens (Mllama's image tiles) under a (B, 1, N, tiles) mask of
 # the batch's own: no key-padding mask says which tiles a token sees, so they run the attention the model was loaded
-# with (`hooks/attention/cross_layers.py`), exactly, on the padded batch (their families are in ATTENTION_UNPAD).
-# model_type -> the class
-CROSS_LAYERS = {"mllama_text_model": "MllamaTextCrossAttention"}
+# with (`hooks/attention/cross_layers.py`), exactly, and their decoder layers run on the padded batch inside a packed
+# forward (`hooks/forwards/padded_layers.py`). model_type -> (the attention class, its decoder layer class)
+CROSS_LAYERS = {"mllama_text_model": ("MllamaTextCrossAttention", "MllamaCrossAttentionDecoderLayer")}
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
 # padding's hidden states, so padding carries nothing into a row's state or convolution, and each row, alone or
@@ -297,6 +296,7 @@ def spec(model_type: str) -> PatchSpec:
         transformers=TABLE_TRANSFORMERS, unpad="attention" if mixes_outside_attention(model_type) else None,
         verified=verified, mixers=lambda: mixer_classes(model_type), check_model=config_gate(model_type),
         model_gate=f"{REFUSED_CONFIGS[model_type][0]}=False" if model_type in REFUSED_CONFIGS else "",
+        padded_layers=lambda: cross_decoder_layers(model_type),
     )
 
 
@@ -307,3 +307,11 @@ def mixer_classes(model_type: str) -> tuple[type, ...]:
         return ()
     lm = find_classes(model_type)[2]
     return (getattr(sys.modules[lm.__module__], ROW_MIXERS[model_type]),)
+
+
+def cross_decoder_layers(model_type: str) -> tuple[type, ...]:
+    """The decoder layer classes of `model_type`'s cross-attention layers (`CROSS_LAYERS`), in its modeling module."""
+    if model_type not in CROSS_LAYERS:
+        return ()
+    lm = find_classes(model_type)[2]
+    return (getattr(sys.modules[lm.__module__], CROSS_LAYERS[model_type][1]),)

@@ -1,10 +1,14 @@
-"""Llama 3.2 Vision (Mllama), served patched: its language model's self-attention layers run varlen on the real tokens,
-its cross-attention layers (text to the image tiles, under the batch's own (B, 1, N, tiles) mask) the attention the
-model was loaded with (`hooks/attention/cross_layers.py`), on the padded batch. Before, `apply_patch(model=...)`
-refused the model and a class patch left it unpatched. Training (both paddings, both ways in, both unpad modes,
+"""Llama 3.2 Vision (Mllama), served patched: its language model runs on the real tokens, its self-attention layers
+varlen; its cross-attention layers (text to the image tiles, under the batch's own (B, 1, N, tiles) mask) run the
+attention the model was loaded with (`hooks/attention/cross_layers.py`) on the padded batch, scattered back to it
+and gathered again (`hooks/forwards/padded_layers.py`). Before, `apply_patch(model=...)` refused the model and a
+class patch left it unpatched. Training (both paddings, both ways in, both unpad modes,
 gradient checkpointing), generation, the text model alone and the registered name equal unpatched."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import pytest
 import torch
@@ -68,14 +72,32 @@ def test_a_training_step_with_images_runs_patched_as_unpatched(attention, side, 
     want = train_step(model, batch)
     with patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", strict=True,
                               unpad=unpad) as handle:
-        got = loss_step(model, batch) if unpad == "loss" else train_step(model, batch)
+        with layer_inputs(model) as seen:
+            got = loss_step(model, batch) if unpad == "loss" else train_step(model, batch)
         assert handle.stepped_aside == {} and handle.calls == SELF_LAYERS
-        if way == "instance":  # the report names the mode the family runs in (before: the one asked for)
-            assert f"unpad:   attention (in each attention layer; hidden states keep their padded shape; the " \
-                   f"family's own mode, where {unpad!r} was asked" in handle.report()
+    real = int(batch["attention_mask"].sum())  # the self-attention layers' MLPs on the real tokens alone, the
+    assert seen == {"self": {(1, real)}, "cross": {(3, LENGTH)}}  # cross-attention layers on the padded batch
     if unpad == "loss":  # the head ran fused with the loss, on the labelled rows: no logits
         del want["logits"]
     assert_same(got, want)
+
+
+@contextlib.contextmanager
+def layer_inputs(model: torch.nn.Module) -> Iterator[dict]:
+    """The (batch, tokens) shapes the decoder layers' MLPs see, self-attention and cross-attention layers apart."""
+    seen: dict = {"self": set(), "cross": set()}
+
+    def recorder(kind: str) -> object:
+        return patchkit.shape_free(lambda module, args: seen[kind].add(tuple(args[0].shape[:2])))
+
+    layers = model.model.language_model.layers
+    hooks = [layer.mlp.register_forward_pre_hook(recorder("cross" if "Cross" in type(layer).__name__ else "self"))
+             for layer in layers]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def loss_step(model: torch.nn.Module, batch: dict) -> dict:

@@ -362,3 +362,21 @@ def test_a_sequence_classifier_scores_every_row_as_unpatched_an_all_padding_one_
     assert got[1].keys() == want[1].keys()
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], msg=name)
+
+
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_the_report_names_the_mode_a_family_always_runs_in(unpad):
+    """OPT counts its positions from the mask, so it always unpads inside attention only: the report's unpad line says
+    that mode and what was asked (before, it named the mode asked for, which OPT never ran)."""
+    import transformers
+    from census import tiny_lm
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.0"):
+        pytest.skip("families served from data: transformers 5.x")
+    model, _ = tiny_lm("opt")
+    ids, mask = padded_batch("mixed")
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad=unpad) as handle:
+        model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+        assert handle.calls and (f"unpad:   attention (in each attention layer; hidden states keep their padded "
+                                 f"shape; the family's own mode, where {unpad!r} was asked") in handle.report()

@@ -194,7 +194,7 @@ class VarlenMask:
     """
 
     __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "blocks",
-                 "mask_decides", "_key", "_meta")
+                 "mask_decides", "padded", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
@@ -211,6 +211,9 @@ class VarlenMask:
         self.chunk = chunk  # chunked attention's size (Llama 4's): documents cut every `chunk` tokens
         self.blocks: Any = None  # the forward's image blocks (`ForwardPlan.blocks`), for the metadata of its keys
         self.mask_decides = False  # layers not causal by their config attend as it says (`ForwardPlan.mask_decides`)
+        # the padded batch a packed forward unpadded (`ForwardPlan.padded`), for its layers that read that batch
+        # (Mllama's cross-attention ones) and their checkpoint recomputes
+        self.padded: Optional[VarlenMetadata] = None
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
@@ -224,7 +227,8 @@ class VarlenMask:
         context = current()
         made = cls(mask, context.plan.packed if mask is None else None, past_len, fixed_cache, key_offset, slots,
                    context.route, window, chunk)
-        made.blocks, made.mask_decides = context.plan.blocks, context.plan.mask_decides
+        plan = context.plan
+        made.blocks, made.mask_decides, made.padded = plan.blocks, plan.mask_decides, plan.padded
         return made
 
     def keys_in_use(self, q_len: int, keys: int, fixed_cache: bool = False) -> int:
@@ -326,7 +330,7 @@ class VarlenMask:
         past = None if self.past_len is None or self.mask is None else self.mask.shape[-1] + start
         sliced = VarlenMask(self.mask, None, past, False, self.key_offset, self.slots, self.route, self.window,
                             self.chunk)
-        sliced.mask_decides = self.mask_decides
+        sliced.mask_decides, sliced.padded = self.mask_decides, self.padded
         return sliced
 
     def __add__(self, other: Any) -> Any:

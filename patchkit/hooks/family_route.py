@@ -30,6 +30,7 @@ from patchkit.hooks.decide.task_reads import task_of
 from patchkit.hooks.forwards.lm_forward import make_lm_forward
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import make_model_forward
+from patchkit.hooks.forwards.padded_layers import make_padded_layer_forward
 from patchkit.hooks.forwards.recorded_router import make_recording_forward
 from patchkit.hooks.forwards.task_forward import make_task_forward
 from patchkit.hooks.install.model_walk import find_modules
@@ -40,6 +41,7 @@ from patchkit.hooks.install.state import PatchState
 from patchkit.hooks.name import attention_interface
 
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
+PADDED = "runs on the padded batch inside a packed forward"
 
 
 def family_spec(
@@ -68,13 +70,15 @@ def family_spec_of(
     transformers: str = ROUTE_TRANSFORMERS, recorders: Callable[[], tuple[type, ...]] = tuple,
     unpad: Optional[str] = None, verified: bool = True, mixers: Callable[[], tuple[type, ...]] = tuple,
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None, model_gate: str = "",
+    padded_layers: Callable[[], tuple[type, ...]] = tuple,
 ) -> PatchSpec:
     """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
     family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
     `verified`: the census saw it exact (else each process checks it on a tiny model before its first forward);
     `mixers`: its token mixers outside attention, run the packed row's rows in groups of similar length
     (`mixer_rows`); `check_model`: its model gate (the configs the table refuses, `registry.config_gate`), which
-    requires `model_gate`."""
+    requires `model_gate`; `padded_layers`: its decoder layers that read the padded batch, run on it inside a packed
+    forward (`padded_layers`: Mllama's cross-attention ones)."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -82,9 +86,11 @@ def family_spec_of(
         transformers=transformers,
         flash_attn_min="2.1",
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
-        build_class=lambda state: class_replacements(state, classes, recorders, unpad) + mixer_replacements(mixers),
+        build_class=lambda state: class_replacements(state, classes, recorders, unpad) + mixer_replacements(mixers)
+        + layer_replacements(padded_layers(), make_padded_layer_forward, PADDED),
         build_instance=lambda state, model: instance_replacements(state, model, classes, recorders, unpad)
-        + mixer_replacements(mixers, model, state),
+        + mixer_replacements(mixers, model, state)
+        + layer_replacements(padded_layers(), make_padded_layer_forward, PADDED, model, state),
         attention_class=lambda: classes()[0],
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),

@@ -39,6 +39,7 @@ from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.forwards.embedding_hooks import embedded_padded
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
+from patchkit.hooks.generation.slots_mask import cross_layers
 from patchkit.hooks.head.head_request import HeadRequest, asked
 from patchkit.hooks.head.lm_head import hand_kept, hand_packed
 from patchkit.hooks.install.patching import dressed_as
@@ -300,7 +301,8 @@ def make_model_forward(
                 _unpad_inputs(arguments, meta, extra)
                 put_rope_rows(arguments, rope_rows, meta)
                 hooked = embedded_padded(self, padded.get("input_ids"), arguments.get("input_ids"), meta.indices_q)
-                with filled_padded(cache, meta) if cache is not None else contextlib.nullcontext(), hooked:
+                filled = contextlib.nullcontext() if cache is None else filled_padded(cache, meta, cross_layers(self))
+                with filled, hooked:
                     out = call(self, arguments)
         except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
             step_aside(aside_state, only.cause, padded, extra)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 from packaging.version import Version
@@ -102,8 +102,10 @@ def fillable_cache(cache: Any) -> bool:
 
 
 @contextlib.contextmanager
-def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
-    """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D).
+def filled_padded(cache: Any, meta: VarlenMetadata, padded_layers: Collection[int] = ()) -> Iterator[None]:
+    """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D); those of
+    the layers `padded_layers` indexes (Mllama's cross-attention ones, run on the padded batch: the image tiles' keys
+    per row) as they come.
 
     The cache then holds what transformers' padded prefill would store at every real position (filler at padding,
     which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
@@ -115,6 +117,8 @@ def filled_padded(cache: Any, meta: VarlenMetadata) -> Iterator[None]:
     fills = (1.0 if static_layers(cache) is not None else 0.0, 0.0)  # keys, values
 
     def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if layer_idx in padded_layers:
+            return original(key_states, value_states, layer_idx, *args, **kwargs)
         padded = [pad_input(t[0].transpose(0, 1), meta.indices_q, meta.batch, meta.q_len, fill).transpose(1, 2)
                   for t, fill in zip((key_states, value_states), fills)]
         if args:

@@ -114,7 +114,7 @@ def refusal(model_type: Optional[str]) -> Optional[str]:
 
 def cross_layer_names() -> frozenset[str]:
     """The class names of the served families' cross-attention layers (Mllama's), which run transformers' attention."""
-    return frozenset(_table_list("CROSS_LAYERS", dict).values())
+    return frozenset(attention for attention, _ in _table_list("CROSS_LAYERS", dict).values())
 
 
 def refused_configs() -> dict[str, tuple[str, str]]:
