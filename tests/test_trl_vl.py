@@ -156,3 +156,52 @@ def test_llava_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> None
     assert_ran_through_patch(handle)
     assert not handle.stepped_aside
     assert_same_losses(got, want)
+
+
+def mllama_processor() -> object:
+    """Llama 3.2 Vision's own processor: Mllama's PIL image processor at the tiny tower's 28-pixel tiles (2 at most)
+    and a word-level tokenizer with <|image|> at the tiny model's id; it builds the cross-attention mask."""
+    import transformers
+    from test_mllama import IMAGE, TEXT
+
+    template = ("{% for m in messages %}{{ m.role }} {% for c in m.content %}{% if c.type == 'image' %}<|image|> "
+                "{% else %}{{ c.text }} {% endif %}{% endfor %}</s> {% endfor %}"
+                "{% if add_generation_prompt %}assistant {% endif %}")
+    images = transformers.MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=2)
+    return transformers.MllamaProcessor(image_processor=images, tokenizer=word_tokenizer(TEXT["vocab_size"],
+                                                                                         {"<|image|>": IMAGE}),
+                                        chat_template=template)
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_mllama_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> None:
+    """Llama 3.2 Vision on image conversations, TRL's defaults (checkpointing on): every self-attention layer's forward
+    and recompute through the patch, its cross-attention layers on the padded batch, the unpatched losses."""
+    from test_mllama import mllama
+
+    def losses(patch: bool) -> tuple[list[float], patchkit.PatchHandle | None]:
+        model = mllama()
+        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True) if patch else None
+        args = SFTConfig(**common_args(tmp_path), max_length=None)
+        torch.manual_seed(0)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(14),
+                             processing_class=mllama_processor())
+        batch = next(iter(trainer.get_train_dataloader()))
+        assert "cross_attention_mask" in batch and (batch["attention_mask"] == 0).any()
+        try:
+            trainer.train()
+        finally:
+            if handle is not None:
+                handle.revert()
+        return logged_losses(trainer), handle
+
+    want, _ = losses(patch=False)
+    if way == "class":
+        with patchkit.apply_patch(backend="sdpa", strict=True) as group:
+            got, _ = losses(patch=False)
+            handle = next(h for h in group if h.name == "mllama_text_model")
+    else:
+        got, handle = losses(patch=True)
+    assert_ran_through_patch(handle)
+    assert not handle.stepped_aside
+    assert_same_losses(got, want)
