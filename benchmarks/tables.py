@@ -312,6 +312,16 @@ def image_blocks() -> str:
             + table(["model", "provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
 
 
+def cross_attention() -> str:
+    rows = read("cross_attention.csv")
+    body = [[r["provider"], f"{float(r['median_s']):.3f}", f"{float(r['real_tokens_per_s']):.0f}",
+             x(float(r["vs_hf_sdpa"])), r["stepped_aside"]] for r in rows]
+    first = rows[0]
+    return (f"`cross_attention.csv` (Mllama, hidden 256, {first['rows']} rows, {first['real_tokens']} real tokens, "
+            f"{float(first['padding']):.1%} padding, cpu)\n\n"
+            + table(["provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
@@ -320,6 +330,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "zero3-head": lambda: sharded_head("zero3_head.csv"), "fsdp2-head": lambda: sharded_head("fsdp2_head.csv"),
     "peft-head": peft_head, "prepared-head": prepared_head,
     "trainer-head": trainer_head, "mixer-groups": mixer_groups, "image-blocks": image_blocks,
+    "cross-attention": cross_attention,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

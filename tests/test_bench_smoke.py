@@ -280,3 +280,18 @@ def test_the_image_blocks_benchmark_times_gemma3_and_paligemma_with_images_patch
     assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
     for model in ("gemma3", "paligemma"):  # warm-up + 1
         assert rows[model, "patchkit"]["stepped_aside"] == "0" and rows[model, "patchkit_aside"]["stepped_aside"] == "2"
+
+
+def test_the_cross_attention_benchmark_times_mllama_in_both_unpad_modes(tmp_path: Path) -> None:
+    """benchmarks/cross_attention.py at a tenth of its lengths: every provider a row, patchkit's steps patched in both
+    unpad modes (none stepped aside)."""
+    csv_path = tmp_path / "cross_attention.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cross_attention.py"), "--reps", "1", "--scale", "0.1", "--csv",
+         str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {r["provider"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"hf_sdpa", "hf_eager", "patchkit_attention", "patchkit"}
+    assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
+    assert rows["patchkit"]["stepped_aside"] == rows["patchkit_attention"]["stepped_aside"] == "0"
