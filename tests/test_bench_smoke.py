@@ -264,17 +264,22 @@ def test_fresh_process_rows_run_each_worker_alone_and_write_its_csv(tmp_path: Pa
     assert len({r["pid"] for r in rows}) == 2 and len(parents) == 1 and not parents & {r["pid"] for r in rows}
 
 
+def tenth_scale_rows(benchmark: str, tmp_path: Path) -> list[dict]:
+    """The CSV rows of benchmarks/`benchmark`.py run at a tenth of its lengths, one timed round."""
+    csv_path = tmp_path / f"{benchmark}.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{benchmark}.py"), "--reps", "1", "--scale", "0.1", "--csv",
+         str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        return list(csv.DictReader(f))
+
+
 def test_the_image_blocks_benchmark_times_gemma3_and_paligemma_with_images_patched_and_aside(tmp_path: Path) -> None:
     """benchmarks/image_blocks.py at a tenth of its lengths: every model and provider a row; patchkit's steps run
     patched (none stepped aside), its `patchkit_aside` stand-in of the code before image blocks steps aside every
     step."""
-    csv_path = tmp_path / "image_blocks.csv"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "image_blocks.py"), "--reps", "1", "--scale", "0.1", "--csv",
-         str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with csv_path.open() as f:
-        rows = {(r["model"], r["provider"]): r for r in csv.DictReader(f)}
+    rows = {(r["model"], r["provider"]): r for r in tenth_scale_rows("image_blocks", tmp_path)}
     assert set(rows) == {(m, p) for m in ("gemma3", "paligemma")
                          for p in ("hf_sdpa", "hf_eager", "patchkit_aside", "patchkit")}
     assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
@@ -285,13 +290,7 @@ def test_the_image_blocks_benchmark_times_gemma3_and_paligemma_with_images_patch
 def test_the_cross_attention_benchmark_times_mllama_in_both_unpad_modes(tmp_path: Path) -> None:
     """benchmarks/cross_attention.py at a tenth of its lengths: every provider a row, patchkit's steps patched in both
     unpad modes (none stepped aside)."""
-    csv_path = tmp_path / "cross_attention.csv"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cross_attention.py"), "--reps", "1", "--scale", "0.1", "--csv",
-         str(csv_path)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with csv_path.open() as f:
-        rows = {r["provider"]: r for r in csv.DictReader(f)}
+    rows = {r["provider"]: r for r in tenth_scale_rows("cross_attention", tmp_path)}
     assert set(rows) == {"hf_sdpa", "hf_eager", "patchkit_attention", "patchkit"}
     assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
     assert rows["patchkit"]["stepped_aside"] == rows["patchkit_attention"]["stepped_aside"] == "0"

@@ -124,40 +124,6 @@ def llava_processor() -> object:
         vision_feature_select_strategy="default", num_additional_image_tokens=1, chat_template=template)
 
 
-@pytest.mark.parametrize("way", ["class", "instance"])
-def test_llava_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> None:
-    """LLaVA on image conversations, TRL's defaults: every language layer's forward and recompute through the patch,
-    the unpatched losses; the CLIP tower keeps transformers' attention."""
-    from test_vision_language import llava
-
-    def losses(patch: bool) -> tuple[list[float], patchkit.PatchHandle | None]:
-        model = llava()
-        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True) if patch else None
-        args = SFTConfig(**common_args(tmp_path), max_length=None)
-        torch.manual_seed(0)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(14),
-                             processing_class=llava_processor())
-        batch = next(iter(trainer.get_train_dataloader()))
-        assert "pixel_values" in batch and (batch["attention_mask"] == 0).any()
-        try:
-            trainer.train()
-        finally:
-            if handle is not None:
-                handle.revert()
-        return logged_losses(trainer), handle
-
-    want, _ = losses(patch=False)
-    if way == "class":
-        with patchkit.apply_patch(backend="sdpa", strict=True) as group:
-            got, _ = losses(patch=False)
-            handle = next(h for h in group if h.name == "llama2")
-    else:
-        got, handle = losses(patch=True)
-    assert_ran_through_patch(handle)
-    assert not handle.stepped_aside
-    assert_same_losses(got, want)
-
-
 def mllama_processor() -> object:
     """Llama 3.2 Vision's own processor: Mllama's PIL image processor at the tiny tower's 28-pixel tiles (2 at most)
     and a word-level tokenizer with <|image|> at the tiny model's id; it builds the cross-attention mask."""
@@ -174,20 +140,27 @@ def mllama_processor() -> object:
 
 
 @pytest.mark.parametrize("way", ["class", "instance"])
-def test_mllama_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> None:
-    """Llama 3.2 Vision on image conversations, TRL's defaults (checkpointing on): every self-attention layer's forward
-    and recompute through the patch, its cross-attention layers on the padded batch, the unpatched losses."""
+@pytest.mark.parametrize("family", ["llava", "mllama"])
+def test_vlm_sft_on_images_through_its_own_processor_matches_unpatched(family: str, way: str, tmp_path: Path) -> None:
+    """LLaVA and Llama 3.2 Vision on image conversations through their own processors, TRL's defaults (checkpointing
+    on): every language layer's forward and recompute through the patch (Mllama's self-attention ones; its
+    cross-attention layers on the padded batch), the unpatched losses; the vision towers keep transformers'
+    attention."""
     from test_mllama import mllama
+    from test_vision_language import llava
 
-    def losses(patch: bool) -> tuple[list[float], patchkit.PatchHandle | None]:
-        model = mllama()
-        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True) if patch else None
+    build, processing, patch, seen = {"llava": (llava, llava_processor, "llama2", "pixel_values"),
+                                      "mllama": (mllama, mllama_processor, "mllama_text_model",
+                                                 "cross_attention_mask")}[family]
+
+    def losses(patched: bool) -> tuple[list[float], patchkit.PatchHandle | None]:
+        model = build()
+        handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True) if patched else None
         args = SFTConfig(**common_args(tmp_path), max_length=None)
         torch.manual_seed(0)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(14),
-                             processing_class=mllama_processor())
+        trainer = SFTTrainer(model=model, args=args, train_dataset=conversations(14), processing_class=processing())
         batch = next(iter(trainer.get_train_dataloader()))
-        assert "cross_attention_mask" in batch and (batch["attention_mask"] == 0).any()
+        assert seen in batch and (batch["attention_mask"] == 0).any()
         try:
             trainer.train()
         finally:
@@ -195,13 +168,13 @@ def test_mllama_sft_on_images_matches_unpatched(way: str, tmp_path: Path) -> Non
                 handle.revert()
         return logged_losses(trainer), handle
 
-    want, _ = losses(patch=False)
+    want, _ = losses(patched=False)
     if way == "class":
         with patchkit.apply_patch(backend="sdpa", strict=True) as group:
-            got, _ = losses(patch=False)
-            handle = next(h for h in group if h.name == "mllama_text_model")
+            got, _ = losses(patched=False)
+            handle = next(h for h in group if h.name == patch)
     else:
-        got, handle = losses(patch=True)
+        got, handle = losses(patched=True)
     assert_ran_through_patch(handle)
     assert not handle.stepped_aside
     assert_same_losses(got, want)
