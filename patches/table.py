@@ -56,6 +56,8 @@ VERIFIED = frozenset({
     "llama4_text",
     # Llama 3.2 Vision's language model: its cross-attention layers (to the image tiles) run transformers' attention
     "mllama_text_model",
+    # Emu3's language model (its images are tokens of the text stream, from its VQ-VAE)
+    "emu3_text_model",
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
@@ -72,8 +74,9 @@ VERIFIED = frozenset({
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
 ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
-# Vision's `mllama`): model_type -> (causal LM, base model)
-TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel")}
+# Vision's `mllama`, Emu3's `emu3`): model_type -> (causal LM, base model)
+TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
+               "emu3_text_model": ("Emu3ForCausalLM", "Emu3TextModel")}
 # Layers that attend from the text to another tower's tokens (Mllama's image tiles) under a (B, 1, N, tiles) mask of
 # the batch's own: no key-padding mask says which tiles a token sees, so they run the attention the model was loaded
 # with (`hooks/attention/cross_layers.py`), exactly, and their decoder layers run on the padded batch inside a packed

@@ -404,3 +404,20 @@ def test_the_families_page_is_this_census():
     served = set(table.VERIFIED) | {t for name in PATCH_MODULES for t in resolve(name).model_types}
     assert {t for t, outcome in rows.items() if outcome == "exact"} == served & types
     assert f"transformers {transformers.__version__}," in page.read_text()
+
+
+def test_every_language_model_listed_under_its_composite_is_in_the_table():
+    """A composite's causal LM whose config is its text model's (Mllama's, Emu3's), where that text model_type is no
+    key of transformers' causal-LM mapping: the table names it (`TEXT_MODELS`), so the census and the patches find it
+    by its own model_type; a new one in a transformers release fails here until it is listed."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    under_composite = set()
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        config = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+        text = (getattr(config, "sub_configs", None) or {}).get("text_config")
+        text_type = getattr(text, "model_type", None)
+        if text_type is not None and text_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            under_composite.add(text_type)
+    assert under_composite == set(table.TEXT_MODELS)
