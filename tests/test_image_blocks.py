@@ -202,6 +202,22 @@ def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside(
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("window, layer_types", [(4, ["sliding_attention", "full_attention"]),
+                                                 (16, ["full_attention", "sliding_attention"])])
+def test_gemma3_generates_from_images_into_a_static_cache_patched(window, layer_types):
+    """generate(cache_implementation="static"): the prefill's masks span the cache's slots; cut to the filled ones
+    (every later slot unseen), they are read back as the padding and image blocks they were made from. Before, that
+    prefill stepped aside (static_cache_mask). Every forward patched, strict, the same tokens."""
+    model = gemma3(window, layer_types).eval()
+    batch = image_batch(left=True)
+    batch.pop("labels")
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    want = model.generate(**batch, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        assert torch.equal(model.generate(**batch, **options), want)
+        assert handle.stepped_aside == {} and handle.calls == 2 * options["max_new_tokens"]
+
+
 def under_the_name(model: torch.nn.Module, run: object, strict: bool = True) -> tuple[object, int, dict]:
     """`run(model)` with the registered name for the language model alone, the towers on sdpa: (its result, the
     attention calls the name served, and those it stepped aside by cause)."""

@@ -100,13 +100,17 @@ def test_a_padding_hole_inside_the_prompt_keeps_its_block_whole(name):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(attention):
+def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(attention, cache):
     """generate() with images: the prefill's prompt both ways, then each new token causally (a decode step's one
-    query sees the same keys either way); every forward patched, the same tokens."""
+    query sees the same keys either way); every forward patched, the same tokens. A static cache's prefill masks span
+    its slots, cut to the filled ones to be read (before, that prefill stepped aside)."""
     model = paligemma(attention).eval()
     prompt = {k: v for k, v in prefix_batch("left", suffix=False).items() if k != "labels"}
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
     want = model.generate(**prompt, **options)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got = model.generate(**prompt, **options)

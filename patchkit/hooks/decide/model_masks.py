@@ -21,7 +21,13 @@ from patchkit.forward.documents import allowed_keys
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, transformers_made, window_over_hole
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.forward.metadata import BlockQueries, block_queries
-from patchkit.hooks.generation.slots_mask import causal_over_slots, layer_type_masks, same_mask, same_recurrent_masks
+from patchkit.hooks.generation.slots_mask import (
+    causal_over_slots,
+    layer_type_masks,
+    same_mask,
+    same_recurrent_masks,
+    static_layers,
+)
 
 BIDIRECTIONAL = "bidirectional_image_tokens"
 
@@ -31,7 +37,7 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[tor
     dict of them per layer type, over every key (no static cache) exactly are; `BIDIRECTIONAL` where some query sees a
     later key in a pattern that is no set of blocks on a forward without a past; else None."""
     mask, cache, tokens = arguments.get("attention_mask"), given_cache(arguments), input_tokens(arguments)
-    if not transformers_made(mask) or tokens is None or fixed_slots(cache):
+    if not transformers_made(mask) or tokens is None:
         return None
     masks = layer_type_masks(module, mask)
     if masks is None:
@@ -39,6 +45,9 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[tor
     batch, q_len = tokens.shape[:2]
     past = cache_placement(cache, arguments.get("cache_position"))[0] if cache is not None else 0
     end = past + q_len
+    masks = filled_slots(masks, cache, past, end)
+    if masks is None:
+        return None
     given = {window: m for window, m in masks.items() if m is not None}
     if not given or any(not isinstance(m, torch.Tensor) or m.dim() != 4 or m.shape[:3] != (batch, 1, q_len)
                         or m.shape[-1] > end or (window is None and m.shape[-1] != end)
@@ -71,6 +80,25 @@ def padding_from_model_masks(module: Any, arguments: dict) -> Optional[tuple[tor
     if not same_recurrent_masks(mask, keys, q_len):
         return None
     return keys.long(), blocks
+
+
+def filled_slots(masks: dict, cache: Any, past: int, end: int) -> Optional[dict]:
+    """`masks` over the keys a dynamic cache (or none) returns; a static cache's prefill's (generate() with
+    `cache_implementation="static"`) over its slots, cut to the filled ones, which are that: every later column is an
+    unfilled slot that no query sees. None for any other static cache's forward (a decode step's single query sees
+    no later key: its masks are read as padding, `slots_mask`)."""
+    if not fixed_slots(cache):
+        return masks
+    if past or static_layers(cache) is None:
+        return None
+    cut = {}
+    for window, m in masks.items():
+        if isinstance(m, torch.Tensor) and m.dim() == 4 and m.shape[-1] > end:
+            if bool(allowed_keys(m[..., end:]).any()):
+                return None
+            m = m[..., :end]
+        cut[window] = m
+    return cut
 
 
 def image_blocks(reaches: dict, queries: torch.Tensor, keys: torch.Tensor, kinds: set,

@@ -48,8 +48,9 @@ def plan_forward(
     cause = forward_cause(module, arguments, extra) if state is not None else None
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
     blocks = None
-    if cause == "custom_4d_mask":  # a multimodal model's own masks (and its image blocks): patched too
-        cause, blocks = model_masks_cause(module, arguments)
+    if cause in UNREAD:  # a multimodal model's own masks (and its image blocks), a static cache's too: patched
+        read, blocks = model_masks_cause(module, arguments)
+        cause = cause if read == "custom_4d_mask" else read
     noncausal = state is not None and config_cause(module.config) == NONCAUSAL
     if noncausal and cause in UNREAD:
         cause = NONCAUSAL  # PaliGemma's masks in a pattern patchkit does not read: its layers are the reason
