@@ -1,10 +1,10 @@
 """A served family's cross-attention layers (Mllama's, text to image tiles) run the attention the model was loaded with.
 
 Their keys are another tower's tokens and their mask is the batch's own (B, 1, N, tiles): which tiles a text token
-sees, not where padding is. No varlen kernel takes that, and no padding is spent there that unpadding would save
-(the family keeps the padded batch: `patches/table.py` `ATTENTION_UNPAD`). They share the language model's config, so
-inside a routed forward they ask for patchkit's name too; this hands them the loaded name's function, the one their
-checkpoint recompute reads after the forward, so both compute the same numbers as unpatched.
+sees, not where padding is. No varlen kernel takes that; their decoder layers run on the padded batch inside a
+packed forward (`hooks/forwards/padded_layers.py`). They share the language model's config, so inside a routed
+forward they ask for patchkit's name too; this hands them the loaded name's function, the one their checkpoint
+recompute reads after the forward, so both compute the same numbers as unpatched.
 """
 
 from __future__ import annotations
