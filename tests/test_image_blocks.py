@@ -202,20 +202,29 @@ def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside(
     assert torch.equal(got, want)
 
 
+def generates_patched_as_unpatched(model: torch.nn.Module, prompt: dict, layers: int, cache: str = "dynamic",
+                                   steps: int = 5) -> None:
+    """Greedy generate() from `prompt` into a `cache` cache, unpatched, then under a strict instance patch: the same
+    tokens, and each step's `layers` attention layers patched."""
+    options = dict(max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    want = model.generate(**prompt, **options)
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model.generate(**prompt, **options)
+        assert handle.stepped_aside == {} and handle.calls == steps * layers
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("window, layer_types", [(4, ["sliding_attention", "full_attention"]),
                                                  (16, ["full_attention", "sliding_attention"])])
 def test_gemma3_generates_from_images_into_a_static_cache_patched(window, layer_types):
     """generate(cache_implementation="static"): the prefill's masks span the cache's slots; cut to the filled ones
     (every later slot unseen), they are read back as the padding and image blocks they were made from. Before, that
     prefill stepped aside (static_cache_mask). Every forward patched, strict, the same tokens."""
-    model = gemma3(window, layer_types).eval()
     batch = image_batch(left=True)
     batch.pop("labels")
-    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
-    want = model.generate(**batch, **options)
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
-        assert torch.equal(model.generate(**batch, **options), want)
-        assert handle.stepped_aside == {} and handle.calls == 2 * options["max_new_tokens"]
+    generates_patched_as_unpatched(gemma3(window, layer_types).eval(), batch, len(layer_types), "static", steps=4)
 
 
 def under_the_name(model: torch.nn.Module, run: object, strict: bool = True) -> tuple[object, int, dict]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from packaging.version import Version
-from test_image_blocks import assert_same, train_step, under_the_name
+from test_image_blocks import assert_same, generates_patched_as_unpatched, train_step, under_the_name
 
 import patchkit
 
@@ -129,16 +129,7 @@ def test_mllama_generates_from_left_padded_prompts_patched_as_unpatched(attentio
     step reads them back; the self-attention layers' decode runs on the padded cache. A static cache's masks are read
     back as the padding they were made from, its cross-attention layers (sized for the tiles) left out; before, each
     forward stepped aside (custom_4d_mask). The same tokens."""
-    model = mllama(attention).eval()
-    prompt = image_batch("left", labels=False)
-    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    if cache == "static":
-        options["cache_implementation"] = "static"
-    want = model.generate(**prompt, **options)
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
-        got = model.generate(**prompt, **options)
-        assert handle.stepped_aside == {} and handle.calls == 5 * SELF_LAYERS
-    assert torch.equal(got, want)
+    generates_patched_as_unpatched(mllama(attention).eval(), image_batch("left", labels=False), SELF_LAYERS, cache)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

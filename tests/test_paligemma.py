@@ -13,7 +13,13 @@ import pytest
 import torch
 import transformers as tf
 from packaging.version import Version
-from test_image_blocks import assert_same, kernel_step_as_sdpa, train_step, under_the_name
+from test_image_blocks import (
+    assert_same,
+    generates_patched_as_unpatched,
+    kernel_step_as_sdpa,
+    train_step,
+    under_the_name,
+)
 from test_multimodal_wrappers import IMAGE, TEXT, VISION, embedding_gemma
 
 import patchkit
@@ -106,16 +112,8 @@ def test_paligemma_generates_from_left_padded_prompts_patched_as_unpatched(atten
     """generate() with images: the prefill's prompt both ways, then each new token causally (a decode step's one
     query sees the same keys either way); every forward patched, the same tokens. A static cache's prefill masks span
     its slots, cut to the filled ones to be read (before, that prefill stepped aside)."""
-    model = paligemma(attention).eval()
     prompt = {k: v for k, v in prefix_batch("left", suffix=False).items() if k != "labels"}
-    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    if cache == "static":
-        options["cache_implementation"] = "static"
-    want = model.generate(**prompt, **options)
-    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
-        got = model.generate(**prompt, **options)
-        assert handle.stepped_aside == {} and handle.calls == 5 * TEXT["num_hidden_layers"]
-    assert torch.equal(got, want)
+    generates_patched_as_unpatched(paligemma(attention).eval(), prompt, TEXT["num_hidden_layers"], cache)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
