@@ -205,11 +205,16 @@ def test_gemma3_generates_from_images_patched_and_a_chunked_prefill_steps_aside(
 def generates_patched_as_unpatched(model: torch.nn.Module, prompt: dict, layers: int, cache: str = "dynamic",
                                    steps: int = 5) -> None:
     """Greedy generate() from `prompt` into a `cache` cache, unpatched, then under a strict instance patch: the same
-    tokens, and each step's `layers` attention layers patched."""
+    tokens, and each step's `layers` attention layers patched. Skipped where transformers itself cannot generate so
+    (Mllama's static cache in 5.16: its cross-attention layers' slots sized for the text)."""
     options = dict(max_new_tokens=steps, do_sample=False, pad_token_id=0)
     if cache == "static":
         options["cache_implementation"] = "static"
-    want = model.generate(**prompt, **options)
+    try:
+        want = model.generate(**prompt, **options)
+    except Exception as unpatched:  # noqa: BLE001 - whatever transformers' own generate() raises
+        pytest.skip(f"transformers {tf.__version__} does not generate this unpatched: {type(unpatched).__name__}: "
+                    f"{str(unpatched).splitlines()[0][:120]}")
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got = model.generate(**prompt, **options)
         assert handle.stepped_aside == {} and handle.calls == steps * layers
