@@ -152,19 +152,27 @@ def imported_types() -> list[str]:
     return [t for t in (*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS) if model_type_to_module_name(t) in loaded]
 
 
+def class_names(model_type: str) -> tuple[Optional[str], Optional[str]]:
+    """(causal LM, base model) class names of `model_type`: transformers' auto mappings', or `TEXT_MODELS`' for a
+    language model they list under its composite; None where a mapping has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    if model_type in TEXT_MODELS:
+        return TEXT_MODELS[model_type]
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
+
+
 def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
     """(attention, base model, causal LM) of `model_type` in the installed transformers, or `PatchTargetError`
     naming what is missing: not a causal LM, no base model beside it, no attention through the interface."""
     from transformers.models.auto import modeling_auto as auto
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     for kind in ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
                  "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"):
         if model_type in getattr(auto, kind, {}):
             raise PatchTargetError(f"model_type {model_type!r} is an encoder or encoder-decoder family; patchkit "
                                    "serves decoder-only causal LMs")
-    lm_name, base_name = TEXT_MODELS.get(model_type) or (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type),
-                                                         MODEL_MAPPING_NAMES.get(model_type))
+    lm_name, base_name = class_names(model_type)
     if not isinstance(lm_name, str) or not isinstance(base_name, str):
         raise PatchTargetError(f"model_type {model_type!r} has no causal LM with a base model in this transformers")
     if lm_name.endswith("ForConditionalGeneration"):

@@ -40,22 +40,20 @@ def causal_lm_types() -> list[str]:
     return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS})
 
 
-def causal_lm_name(model_type: str) -> str:
+def causal_lm_name(model_type: str) -> Optional[str]:
     """The class name of `model_type`'s causal LM (a language model's own where the mapping lists it under its
     composite: Mllama's text model's MllamaForCausalLM)."""
-    from patchkit.patches.table import TEXT_MODELS
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from patchkit.patches.table import class_names
 
-    return TEXT_MODELS[model_type][0] if model_type in TEXT_MODELS else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return class_names(model_type)[0]
 
 
-def base_model_name(model_type: str) -> str:
+def base_model_name(model_type: str) -> Optional[str]:
     """The class name of `model_type`'s base model (the language model's own where the mapping lists it under its
     composite: Mllama's MllamaTextModel)."""
-    from patchkit.patches.table import TEXT_MODELS
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    from patchkit.patches.table import class_names
 
-    return TEXT_MODELS[model_type][1] if model_type in TEXT_MODELS else MODEL_MAPPING_NAMES[model_type]
+    return class_names(model_type)[1]
 
 
 def tiny_config(model_type: str):
