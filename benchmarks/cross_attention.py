@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import timed_step  # noqa: E402
+from families import alternating_times  # noqa: E402
 from providers import add_sweep_args  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import HF_SIZE, lognormal_lengths, padding_fraction  # noqa: E402
@@ -86,12 +86,7 @@ def providers(reference: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, ob
 def measure(lengths: list[int], reps: int) -> list[dict]:
     data = batch(lengths)
     built = providers(build())
-    times: dict[str, list[float]] = {name: [] for name in PROVIDERS}
-    for rep in range(reps + 1):  # the first round warms up
-        for name in PROVIDERS:
-            seconds, _ = timed_step(built[name][0], data)
-            if rep:
-                times[name].append(seconds)
+    times = alternating_times({name: model for name, (model, _) in built.items()}, data, reps)
     real_tokens = int(data["attention_mask"].sum())
     base = statistics.median(times["hf_sdpa"])
     rows = []

@@ -27,11 +27,13 @@ family, so the rows measured are kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import statistics
 import sys
 from pathlib import Path
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -211,6 +213,21 @@ def timed_step(model: torch.nn.Module, batch: dict) -> tuple[float, float | None
     model.zero_grad(set_to_none=True)
     seconds, peak, _ = timed(lambda: model(**batch).loss.backward(), model.device)
     return seconds, peak
+
+
+def alternating_times(models: dict[str, torch.nn.Module], batch: dict, reps: int,
+                      around: Callable[[str], ContextManager[Any]] = lambda name: contextlib.nullcontext(),
+                      ) -> dict[str, list[float]]:
+    """Each model's step seconds (`timed_step`) over `reps` rounds after one untimed warm-up round, the models
+    alternating step by step in their order, each step inside `around(name)`."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for rep in range(reps + 1):  # the first round warms up
+        for name, model in models.items():
+            with around(name):
+                seconds, _ = timed_step(model, batch)
+            if rep:
+                times[name].append(seconds)
+    return times
 
 
 def hf_kernel_model(reference: torch.nn.Module, device: torch.device, name: str) -> tuple[torch.nn.Module | None, str]:

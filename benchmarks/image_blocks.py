@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import timed_step  # noqa: E402
+from families import alternating_times  # noqa: E402
 from providers import add_sweep_args  # noqa: E402
 from report import write_rows  # noqa: E402
 from workloads import HF_SIZE, lognormal_lengths, padding_fraction  # noqa: E402
@@ -113,17 +113,9 @@ def before(model: str) -> Iterator[None]:
 def measure(model_name: str, lengths: list[int], reps: int) -> list[dict]:
     data = batch(model_name, lengths)
     built = providers(build(model_name))
-    times: dict[str, list[float]] = {name: [] for name in PROVIDERS}
-    aside: dict[str, dict] = {}
-    for rep in range(reps + 1):  # the first round warms up
-        for name in PROVIDERS:
-            model, handle = built[name]
-            with before(model_name) if name == "patchkit_aside" else contextlib.nullcontext():
-                seconds, _ = timed_step(model, data)
-            if rep:
-                times[name].append(seconds)
-            if handle is not None:
-                aside[name] = dict(handle.stepped_aside)
+    times = alternating_times({name: model for name, (model, _) in built.items()}, data, reps,
+                              lambda name: before(model_name) if name == "patchkit_aside" else contextlib.nullcontext())
+    aside = {name: sum(handle.stepped_aside.values()) for name, (_, handle) in built.items() if handle is not None}
     real_tokens = int(data["attention_mask"].sum())
     base = statistics.median(times["hf_sdpa"])
     rows = []
@@ -132,9 +124,9 @@ def measure(model_name: str, lengths: list[int], reps: int) -> list[dict]:
         rows.append(dict(model=model_name, provider=name, rows=len(lengths), real_tokens=real_tokens,
                          image_tokens=IMAGE_TOKENS, padding=round(padding_fraction(lengths), 3), median_s=round(med, 4),
                          real_tokens_per_s=round(real_tokens / med, 1), vs_hf_sdpa=round(base / med, 2),
-                         stepped_aside=sum(aside.get(name, {}).values()), reps=len(times[name])))
+                         stepped_aside=aside.get(name, 0), reps=len(times[name])))
         print(f"{model_name:<11}{name:<16}{med:>10.3f}{real_tokens / med:>12.1f}{base / med:>9.2f}x"
-              f"{sum(aside.get(name, {}).values()):>8}", flush=True)
+              f"{aside.get(name, 0):>8}", flush=True)
     return rows
 
 
