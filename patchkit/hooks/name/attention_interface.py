@@ -46,6 +46,7 @@ from patchkit.hooks.decide.step_aside import padding_before_real, step_aside
 from patchkit.hooks.install.registry import (
     NONCAUSAL,
     config_cause,
+    cross_layer_names,
     padding_into_mixers,
     refusal,
     resolve,
@@ -353,8 +354,9 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     current setting.
     """
     global _state, _function
-    refusal(None)  # read now, not first inside a traced forward: the table's refusals, the installed transformers'
-    trusted(None)  # verdict (an import there guards sys.modules; a functools.cache call warns)
+    refusal(None)  # read now, not first inside a traced forward: the table's refusals and cross-attention layers,
+    cross_layer_names()  # the installed transformers' verdict (an import there guards sys.modules; a functools.cache
+    trusted(None)  # call warns)
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     try:
