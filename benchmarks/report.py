@@ -47,8 +47,8 @@ class Recorder:
     def add(self, provider: str, workload: str, x: Any, values: list[float], unit: str, note: str = "") -> None:
         row = {
             "provider": provider, "workload": workload, "dtype": self.dtype, "x": x, "unit": unit,
-            "median": round(statistics.median(values), 4) if values else "",
-            "min": round(min(values), 4) if values else "", "max": round(max(values), 4) if values else "",
+            "median": _rounded(statistics.median(values)) if values else "",
+            "min": _rounded(min(values)) if values else "", "max": _rounded(max(values)) if values else "",
             "reps": len(values), "device": self.device, "threads": os.environ.get("OMP_NUM_THREADS", os.cpu_count()),
             "timestamp": self.stamp, "note": note, **self.meta,
         }
@@ -88,6 +88,11 @@ class Recorder:
             for r in self.rows[self.written:]:
                 w.writerow({k: r.get(k, "") for k in CSV_COLUMNS})
         self.written = len(self.rows)
+
+
+def _rounded(value: float) -> float:
+    """Four decimals, or three significant figures where those would round a small share (a glue share) to zero."""
+    return round(value, 4) if abs(value) >= 0.01 or value == 0 else float(f"{value:.3g}")
 
 
 def record_throughput(rec: Recorder, result: dict[str, Any], workload: str, x: Any, names: dict[str, str]) -> None:

@@ -102,8 +102,9 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     On CUDA each piece is timed between synchronizations: the metadata's time holds no GPU work queued before it
     (its first host read would wait for it: the H100 run's padded shares, 8.7% MHA and 17.3% GQA, were timed so),
     and the replay times kernels, not their launches. Every place that builds metadata or unpads is counted: once
-    per model forward (`plan.unpad_plan` and `model_forward`'s unpad and repad, and the caller-made documents of
-    `step_aside.documents_metadata`) and inside attention.
+    per model forward (`plan.unpad_plan` and `model_forward`'s unpad and repad, the caller-made documents of
+    `step_aside.documents_metadata`, and the packed position_ids' documents read by the registered mask function,
+    `attention_interface`'s `sequence_ids_metadata`) and inside attention.
     """
     import torch
 
@@ -112,6 +113,7 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
     import patchkit.hooks.decide.plan as pp
     import patchkit.hooks.decide.step_aside as psa
     import patchkit.hooks.forwards.model_forward as pmu
+    import patchkit.hooks.name.attention_interface as pai
 
     calls: list[tuple[str, tuple, Any, tuple]] = []
     meta_time = [0.0]
@@ -131,17 +133,20 @@ def measure_glue(provider: Provider, run: Callable[[], None], reps: int = 3) -> 
         calls.append(("pad", tuple(hidden.shape), indices, (batch, seqlen)))
         return orig_pad(hidden, indices, batch, seqlen)
 
-    def build(*args: Any, **kwargs: Any) -> Any:
-        sync()  # on CUDA the GPU work queued before (embeddings) is not the metadata's: its own reads sync once
-        t0 = time.perf_counter()
-        out = orig_build(*args, **kwargs)
-        sync()
-        meta_time[0] += time.perf_counter() - t0
-        return out
+    def timed(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            sync()  # on CUDA the GPU work queued before (embeddings) is not the metadata's: its own reads sync once
+            t0 = time.perf_counter()
+            out = orig(*args, **kwargs)
+            sync()
+            meta_time[0] += time.perf_counter() - t0
+            return out
+        return build
 
+    build, documents = timed(orig_build), timed(pai.sequence_ids_metadata)
     hooks = [(pa, "unpad_rows", gather), (pa, "pad_input", pad), (pm, "build_metadata", build),
              (pmu, "unpad_rows", gather), (pmu, "pad_input", pad), (pp, "build_metadata", build),
-             (psa, "build_metadata", build)]
+             (psa, "build_metadata", build), (pai, "sequence_ids_metadata", documents)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in hooks]
     for mod, name, fn in hooks:
         setattr(mod, name, fn)
