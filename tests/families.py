@@ -22,11 +22,17 @@ FAMILIES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "glm4v_moe"}
 # RoPE rows (time, height, width), text row
 MULTIMODAL_ROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"}
+TEXT_PATCH = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # multimodal, served by its language model
 MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}  # of head_dim 8's 4 rotary frequencies
 QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
                  "mrope_section": MROPE["mrope_section"]}
 QWEN3_VL_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=16,
                        spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+# Qwen3.5: Qwen3-VL's interleaved RoPE rows on a quarter of head_dim 16 in real checkpoints, half here (4 frequencies);
+# a Gated DeltaNet layer before a full-attention one, the vision tower without deepstack
+QWEN3_5_TEXT = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+QWEN3_5_VISION = {k: v for k, v in QWEN3_VL_VISION.items() if k != "deepstack_visual_indexes"}
 GLM4V_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": MROPE["mrope_section"]}
 GLM4V_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
                     image_size=28, spatial_merge_size=2, temporal_patch_size=2)
@@ -90,6 +96,14 @@ def family_model(model_type: str, seed: int = 0, layers: int = 2) -> torch.nn.Mo
             text_config=dict(head_dim=8, **{ROPE_KEY: QWEN3_VL_ROPE}, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=16, router_aux_loss_coef=0.5, **common),
             vision_config=QWEN3_VL_VISION, attn_implementation="eager", **VL_TOKENS)),
+        "qwen3_5": lambda: tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(
+            text_config=dict(**{ROPE_KEY: {**QWEN3_VL_ROPE, "partial_rotary_factor": 0.5}}, **QWEN3_5_TEXT, **common),
+            vision_config=QWEN3_5_VISION, attn_implementation="eager", **VL_TOKENS)),
+        "qwen3_5_moe": lambda: tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(
+            text_config=dict(**{ROPE_KEY: {**QWEN3_VL_ROPE, "partial_rotary_factor": 0.5}}, **QWEN3_5_TEXT,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16, router_aux_loss_coef=0.5, **common),
+            vision_config=QWEN3_5_VISION, attn_implementation="eager", **VL_TOKENS)),
         # GLM-4.1V: GLM-4's partial rotary (half of head_dim 16: 4 frequencies, 1 + 1 + 2 for time, height, width)
         "glm4v": lambda: tf.Glm4vForConditionalGeneration(tf.Glm4vConfig(
             text_config=dict(**{ROPE_KEY: GLM4V_ROPE}, partial_rotary_factor=0.5, attention_bias=True,
@@ -114,17 +128,20 @@ def packed_positions(family: str, positions: torch.Tensor) -> torch.Tensor:
     """The `position_ids` by which a caller packs documents for `family`: positions restarting at 0 (B, S); for the
     Qwen VL families, whose RoPE takes 3 rows (time, height, width), those as the text row in front of them
     (4, B, S), which every one of them packs by (Qwen2-VL's 2D position_ids are RoPE positions alone from 4.57)."""
-    if family in MULTIMODAL_ROPE:
+    if family in MULTIMODAL_ROPE or family in TEXT_PATCH:
         return torch.cat([positions[None], positions[None].expand(3, *positions.shape)])
     return positions
 
 
 def served_here(patch: str) -> bool:
     """Whether this transformers is in `patch`'s own range (before 4.53 only LLaMA's; Qwen2-MoE's from 5.0, the Qwen
-    VL families' from 4.54 or 4.57)."""
+    VL families' from 4.54 or 4.57; Qwen3.5's where transformers has it)."""
     from patchkit.hooks.install.registry import resolve
 
-    return tf.__version__ in resolve(patch).supported
+    try:
+        return tf.__version__ in resolve(TEXT_PATCH.get(patch, patch)).supported
+    except ValueError:  # a family from data this transformers does not have
+        return False
 
 
 def serves_model_type(model_type: str) -> bool:

@@ -1,5 +1,6 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE with images: patchkit serves the language model (multimodal RoPE
-rows, deepstack features) and leaves the vision tower (on flash_attention_2 too)."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V, GLM-4.5V and Qwen3.5 (dense and MoE) with images:
+patchkit serves the language model (multimodal RoPE rows, deepstack features, Qwen3.5's Gated DeltaNet layers) and
+leaves the vision tower (on flash_attention_2 too)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import inspect
 import pytest
 import torch
 import transformers
-from families import family_model, packed_positions, served_here, set_attention
+from families import TEXT_PATCH, family_model, packed_positions, served_here, set_attention
 from models import VOCAB, padded_batch
 from packaging.version import Version
 
@@ -21,14 +22,21 @@ if not served_here("qwen2_vl"):
     pytest.skip("patchkit serves Qwen2-VL and Qwen2.5-VL from transformers 4.54", allow_module_level=True)
 
 # Qwen3-VL and Qwen3-VL-MoE from 4.57
-FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe") if served_here(f)]
-QWEN3 = {"qwen3_vl", "qwen3_vl_moe"}
+FAMILIES = [f for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "qwen3_5",
+                         "qwen3_5_moe") if served_here(f)]
+QWEN3 = {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
 # 2D position_ids become Qwen3-VL's text row; Qwen2-VL's expand to RoPE rows, handed on as text positions before 4.57
 TWO_D_PACKS = QWEN3 | ({"qwen2_vl", "qwen2_5_vl"} if Version(transformers.__version__) < Version("4.57") else set())
-DEEPSTACK = QWEN3  # vision features added to the image tokens' hidden states inside the language model
+DEEPSTACK = {"qwen3_vl", "qwen3_vl_moe"}  # vision features added to the image tokens inside the language model
 # The text model hands its layers the 3 RoPE rows as position_ids (GLM-4.5V's): transformers' flash_attention_2 reads
 # them as packed positions, three times the tokens, and raises on packed rows (unpatched: nothing to compare there)
 ROWS_TO_LAYERS = {"glm4v_moe"}
+
+
+def layers(family: str) -> int:
+    """The tiny model's attention layers: both, but Qwen3.5's first, a Gated DeltaNet (linear attention)."""
+    return 1 if family in TEXT_PATCH else 2
+
 
 IMAGE, START, END = VOCAB - 3, VOCAB - 1, 3  # family_model's image and vision-start tokens; END: any text token
 GRID = torch.tensor([[1, 4, 4]])  # one frame of 4 x 4 patches, merged 2 x 2: 4 image tokens
@@ -95,11 +103,11 @@ def test_a_training_step_with_images_equals_unpatched(family, way):
     if way == "instance":
         handle = patchkit.apply_patch(model=model, backend="sdpa", strict=True)
     else:
-        handle = patchkit.apply_patch(family, backend="sdpa", strict=True)
+        handle = patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True)
         model = set_attention(family_model(family), "sdpa").train()
     with handle:
         got = train_step(model, batch)
-        assert handle.calls == 2 and not handle.stepped_aside and handle.check(model) == 2
+        assert handle.calls == layers(family) and not handle.stepped_aside and handle.check(model) == layers(family)
     assert_same_step(got, want, batch["attention_mask"])
 
 
@@ -166,7 +174,7 @@ def test_image_tokens_marked_padding_keep_the_padded_row_for_their_deepstack_fea
     want = train_step(model, batch)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got = train_step(model, batch)
-        assert handle.calls == 2 and not handle.stepped_aside
+        assert handle.calls == layers(family) and not handle.stepped_aside
     assert_same_step(got, want, batch["attention_mask"])
 
 
@@ -186,14 +194,14 @@ def test_a_forward_with_images_and_no_mask_equals_one_with_a_full_mask(family, w
         if way == "instance":
             with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
                 got = model(**no_mask).logits
-                assert handle.calls == 2 and not handle.stepped_aside
+                assert handle.calls == layers(family) and not handle.stepped_aside
         else:
             patchkit.register_attention(backend="sdpa", strict=True)
             try:
                 state = attention_interface.route_state()
                 model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME, "vision_config": "sdpa"})
                 got = model(**no_mask).logits
-                assert state.calls == 2 and not state.stepped_aside
+                assert state.calls == layers(family) and not state.stepped_aside
             finally:
                 patchkit.register_attention(backend="auto", strict=False)
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
@@ -209,7 +217,7 @@ def test_left_padded_generation_with_images_equals_unpatched(family):
     want = model.generate(**batch, **kw)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
         got = model.generate(**batch, **kw)
-        assert handle.calls == 2 * 6  # the prefill and five decode steps, two layers each
+        assert handle.calls == layers(family) * 6  # the prefill and five decode steps, each attention layer
     assert torch.equal(got, want)
 
 
@@ -224,7 +232,7 @@ def test_right_padded_generation_steps_aside_though_the_model_takes_no_logits_to
     want = model.generate(ids, **kw)
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         got = model.generate(ids, **kw)
-        assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == 2 * 3
+        assert handle.stepped_aside == {"right_padded_generation": 1} and handle.calls == layers(family) * 3
     assert torch.equal(got, want)
 
 
@@ -241,7 +249,7 @@ def test_two_dimensional_and_text_row_positions_pack_as_in_transformers(family):
     with torch.no_grad():
         want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         packed = model(input_ids=ids, position_ids=packed_positions(family, positions), use_cache=False).logits
-        with patchkit.apply_patch(family, backend="sdpa", strict=True):
+        with patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True):
             got = model(input_ids=ids, position_ids=positions).logits
             got_packed = model(input_ids=ids, position_ids=packed_positions(family, positions)).logits
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
@@ -262,16 +270,16 @@ def test_three_text_only_rows_without_a_mask_pack_as_in_transformers(family, way
     with torch.no_grad():
         want = model(input_ids=ids, position_ids=rows, use_cache=False).logits
         if way == "class":
-            with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:
+            with patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True) as handle:
                 got = model(input_ids=ids, position_ids=rows, use_cache=False).logits
-                assert handle.calls == 2
+                assert handle.calls == layers(family)
         else:
             patchkit.register_attention(backend="sdpa", strict=True)
             try:
                 state = attention_interface.route_state()
                 model.set_attn_implementation({"text_config": patchkit.ATTENTION_NAME, "vision_config": "sdpa"})
                 got = model(input_ids=ids, position_ids=rows, use_cache=False).logits
-                assert state.calls == 2
+                assert state.calls == layers(family)
             finally:
                 patchkit.register_attention(backend="auto", strict=False)
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
@@ -321,7 +329,7 @@ def trainer_losses(family: str, tmp_path, patched: bool) -> tuple[list[float], i
     """Per-step losses of 3 HF Trainer steps, gradient checkpointing on; and the attention calls through the patch."""
     import transformers as tf
 
-    handle = patchkit.apply_patch(family, backend="sdpa", strict=True) if patched else None
+    handle = patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True) if patched else None
     try:
         model = set_attention(family_model(family), "sdpa").train()
         args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
@@ -343,7 +351,7 @@ def test_hf_trainer_with_images_and_gradient_checkpointing_equals_unpatched(fami
     want, _ = trainer_losses(family, tmp_path, patched=False)
     got, calls = trainer_losses(family, tmp_path, patched=True)
     assert got == pytest.approx(want, abs=1e-5), (got, want)
-    assert calls == 3 * 2 * 2  # 3 steps, 2 layers, forward and recompute
+    assert calls == 3 * layers(family) * 2  # 3 steps, each attention layer, forward and recompute
 
 
 def test_the_head_dim_gate_reads_the_language_model_not_the_vision_tower():
@@ -381,9 +389,9 @@ def test_a_model_loaded_with_flash_attention_2_equals_unpatched(family, monkeypa
     model = on_flash_attention_2(family_model(family)).train()
     batch = image_rows(model, left=False)
     want = train_step(model, batch)
-    with patchkit.apply_patch(family, backend="sdpa", strict=True) as handle:
+    with patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True) as handle:
         got = train_step(model, batch)
-        assert handle.calls == 2
+        assert handle.calls == layers(family)
     assert_same_step(got, want, batch["attention_mask"])
 
     model.eval()
@@ -393,7 +401,7 @@ def test_a_model_loaded_with_flash_attention_2_equals_unpatched(family, monkeypa
     generate = dict(**image_rows(model, left=True), max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         want_tokens = model.generate(**generate)
-        with patchkit.apply_patch(family, backend="sdpa", strict=True):
+        with patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True):
             got_tokens = model.generate(**generate)
     assert torch.equal(got_tokens, want_tokens)
     if family in ROWS_TO_LAYERS:  # transformers' flash_attention_2 reads the rows as 3 x 20 packed positions
@@ -403,7 +411,7 @@ def test_a_model_loaded_with_flash_attention_2_equals_unpatched(family, monkeypa
     with torch.no_grad():
         want_packed = model(**packed, use_cache=False).logits
         joined = set_attention(copy.deepcopy(model), "sdpa")(**packed, use_cache=False).logits
-        with patchkit.apply_patch(family, backend="sdpa", strict=True):
+        with patchkit.apply_patch(TEXT_PATCH.get(family, family), backend="sdpa", strict=True):
             got_packed = model(**packed, use_cache=False).logits
     torch.testing.assert_close(got_packed, want_packed, atol=3e-5, rtol=1e-4)
     assert (got_packed - joined)[:, 9:].abs().max() > 1e-2  # the documents kept apart: sdpa joins them here
