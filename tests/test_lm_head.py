@@ -19,6 +19,7 @@ from models import labels_for, padded_batch
 import patchkit
 from patchkit.errors import PatchkitError
 from patchkit.hooks.head import lm_head
+from patchkit.hooks.head.forward_source import servable_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -268,7 +269,7 @@ def test_a_transformers_reached_through_a_link_is_still_read_as_transformers(tmp
     link = tmp_path / "transformers"
     link.symlink_to(real, target_is_directory=True)
     monkeypatch.setattr(transformers, "__file__", str(link / "__init__.py"))
-    assert lm_head.servable_forward(LlamaForCausalLM.forward)
+    assert servable_forward(LlamaForCausalLM.forward)
     assert loss_reader._passing(str(real / "utils" / "generic.py"))
     assert loss_reader._passing(str(link / "utils" / "generic.py"))
     assert not loss_reader._passing(str(real / "models" / "llama" / "modeling_llama.py"))

@@ -119,9 +119,10 @@ def test_the_loss_alone_with_images_equals_unpatched_and_runs_the_fused_head(fam
     family's forward computes its loss without transformers' loss_function (transformers before 5.0), each step
     keeps its own head and logits and the report says why."""
     from patchkit.hooks.head import lm_head
+    from patchkit.hooks.head.forward_source import servable_forward
 
     model = set_attention(family_model(family), "sdpa").train()
-    served = lm_head.servable_forward(type(model).forward)
+    served = servable_forward(type(model).forward)
     batch = image_rows(model, left=False)
     want = train_step(model, batch)
     with patchkit.apply_patch(model=model, backend="sdpa", strict=True, unpad="loss") as handle:
@@ -143,9 +144,10 @@ def test_where_the_fused_heads_check_fails_the_lm_reruns_on_its_language_models_
     layers do not run again; the vision tower, between the two, does); the loss and every gradient equal
     unpatched, and every later step keeps the family's own head."""
     from patchkit.hooks.head import lm_head
+    from patchkit.hooks.head.forward_source import servable_forward
 
     model = set_attention(family_model(family), "sdpa").train()
-    if not lm_head.servable_forward(type(model).forward):
+    if not servable_forward(type(model).forward):
         pytest.skip("this transformers' Qwen-VL computes its loss without loss_function: nothing fused to check")
     model.config.get_text_config().final_logit_softcapping = 0.5
     layers = []
