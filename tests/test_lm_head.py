@@ -162,9 +162,9 @@ def test_the_report_says_where_the_head_ran():
 
 @pytest.mark.parametrize("unpad, layout", [("model", "padded"), ("loss", "padded"), ("loss", "packed")])
 def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name(unpad, layout):
-    """A family whose forward reads as one that computes its loss through `self.loss_function` but does not would
-    compute it on the rows handed to its head (the packed row; the labelled rows alone under unpad="loss", of a
-    packed batch too): patchkit refuses it rather than return that loss."""
+    """A family whose forward reads as one that computes its loss through `self.loss_function` (no other value is
+    assigned to a `loss`) but does not would compute it on the rows handed to its head (the packed row; the labelled
+    rows alone under unpad="loss", of a packed batch too): patchkit refuses it rather than return that loss."""
     from transformers import LlamaForCausalLM
 
     class OwnLoss(LlamaForCausalLM):
@@ -172,8 +172,8 @@ def test_a_forward_that_computes_its_loss_past_loss_function_is_refused_by_name(
             # reads like transformers' (self.loss_function(...)), computes its own
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             logits = self.lm_head(out.last_hidden_state)
-            loss = logits.logsumexp(-1).mean()  # every position's, padding's too: not transformers' loss
-            return {"loss": loss, "logits": logits}
+            # every position's, padding's too: not transformers' loss
+            return {"loss": logits.logsumexp(-1).mean(), "logits": logits}
 
     base = family("llama")
     with warnings.catch_warnings():

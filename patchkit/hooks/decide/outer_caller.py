@@ -7,6 +7,11 @@ or whose language model alone was patched, is not wrapped, so its base model can
 padding positions (labels predicted from padding, generate()'s next token). Found by the calling frames, it steps
 aside (`head_outside_patch`), exact. So does one under a head that does not generate and that patchkit does not
 wrap (ColPali's retrieval head, a user's own): it reads every position's hidden state (`unwrapped_head`).
+
+A forward a framework set on a causal LM's instance after the class patch (Liger's `lce_forward`, TRL's fused head,
+Unsloth's) runs in place of the class's: it calls the base model and its own head and loss over the padded batch.
+Its call's arguments are read off its frame (`foreign_call`), so the base model steps aside only where they read
+padding (labels predicted from padding, generate()'s next token at padding), as the class's wrapper would tell it.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from torch import nn
 
+from patchkit.hooks.head.forward_source import innermost
 from patchkit.hooks.install.patching import BoundPatch
 
 CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read
@@ -35,7 +41,7 @@ def outer_models(base: nn.Module) -> Iterator[Optional[nn.Module]]:
         if frame.f_code in LM_WRAPPERS:
             yield None
             return
-        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        owner = frame.f_locals.get("self") if "forward" in frame.f_code.co_name else None  # lce_forward too
         if owner is not base and isinstance(owner, pretrained) and any(m is base for m in owner.modules()):
             yield owner
         frame = frame.f_back
@@ -46,17 +52,51 @@ def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
     Read off the calling frames once per base model (every call while one is found: the user may patch it since)."""
     if vars(base).get(CLEAN):
         return None
-    found = None
+    found, foreign = None, False
     for owner in outer_models(base):
+        foreign = foreign or (owner is not None and foreign_forward(owner) is not None)
         if owner is not None and not generative_head(type(owner)):
             continue
         if owner is None or wrapped(owner):  # a wrapper of patchkit's speaks (a frame torch.compile rewrote is not
             found = None  # the wrapper's own code: its module's forward tells)
             break
         found = found or owner
-    if found is None:
+    if found is None and not foreign:  # a framework's forward may call the base model past the class's wrapper
         vars(base)[CLEAN] = True
     return found
+
+
+def foreign_forward(module: nn.Module) -> Optional[Callable]:
+    """The function of a forward set on `module`'s instance that runs in place of its class's (Liger's, TRL's fused
+    head, Unsloth's), not patchkit's and not a wrapper around the class's (accelerate's hooks and mixed precision),
+    else None. patchkit's class wrapper does not see its calls."""
+    own = vars(module).get("forward")
+    if own is None or isinstance(own, BoundPatch):
+        return None
+    runs = innermost(own, through_patchkit=False)  # a functools.wraps of the class's copies its marks: code tells
+    runs = getattr(runs, "__func__", runs)
+    code = getattr(runs, "__code__", None)
+    if code is None or code in LM_WRAPPERS or code is getattr(type(module).forward, "__code__", None):
+        return None
+    return runs
+
+
+def foreign_call(head: nn.Module) -> Optional[tuple[dict, bool]]:
+    """The arguments `head`'s `foreign_forward` was called with (its frame's locals, its `**kwargs` spread), and
+    whether it takes `logits_to_keep`; None where no such call is on the stack."""
+    function = foreign_forward(head)
+    frame = sys._getframe(1)
+    while function is not None and frame is not None:
+        if frame.f_code is getattr(function, "__code__", None) and frame.f_locals.get("self") is head:
+            code, local = frame.f_code, dict(frame.f_locals)
+            named = code.co_argcount + code.co_kwonlyargcount
+            spread = {}
+            if code.co_flags & inspect.CO_VARKEYWORDS:  # its **kwargs, after the named ones and *args
+                spread = local.pop(code.co_varnames[named + bool(code.co_flags & inspect.CO_VARARGS)], {})
+            keeps = "logits_to_keep" in code.co_varnames[:named]
+            return {**(spread if isinstance(spread, dict) else {}), **local}, keeps
+        frame = frame.f_back
+    return None
 
 
 READER = "_patchkit_unwrapped_head"  # set on a base model once its callers were read for `unwrapped_head`
@@ -89,5 +129,7 @@ def generative_head(cls: type) -> bool:
 def wrapped(module: nn.Module) -> bool:
     """`module.forward` is patchkit's: on the instance, or on its class or a base class (a LLaVA repo's subclass of
     LlamaForCausalLM calls the class patch's forward through `super()`)."""
+    if foreign_forward(module) is not None:
+        return False  # the class's forward is patchkit's, but the instance runs its own
     return isinstance(vars(module).get("forward"), BoundPatch) or any(
         hasattr(vars(cls).get("forward"), "__wrapped_original__") for cls in type(module).__mro__)

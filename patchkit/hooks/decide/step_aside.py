@@ -32,7 +32,7 @@ from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
-from patchkit.hooks.decide.outer_caller import head_outside_patch
+from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
@@ -98,14 +98,20 @@ def documents_kept_apart(arguments: dict, extra: dict) -> bool:
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     """Why the base model's forward with these arguments cannot run patched exactly, or None."""
-    lm_cause = current().lm_cause
-    if lm_cause is not None:
-        return lm_cause
+    told = current().lm_cause
+    if told is not None:
+        return told
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None and not mask_decides(config, arguments):
         return config
-    if not is_compiling() and head_outside_patch(module) is not None and padded(arguments.get("attention_mask")):
-        return "head_outside_patch"  # LLaVA built before the class patch: its head reads what it cannot say
+    head = None if is_compiling() else head_outside_patch(module)
+    if head is not None and padded(arguments.get("attention_mask")):
+        call = foreign_call(head) if foreign_forward(head) is not None else None
+        if call is None:
+            return "head_outside_patch"  # LLaVA built before the class patch: its head reads what it cannot say
+        cause = lm_cause(call[0], call[0], head.training, call[1])  # Liger's forward: what its call reads
+        if cause is not None:
+            return cause
     if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")) and (
             not loads_flash_masks(attn_name(module.config))):  # a flash attention computes none at padding either
         return "padding_into_mixer"

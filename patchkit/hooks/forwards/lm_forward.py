@@ -17,7 +17,7 @@ from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
-from patchkit.hooks.head.forward_source import servable_forward
+from patchkit.hooks.head.forward_source import unservable_why
 from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
 from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish
@@ -48,7 +48,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
     in `state`'s `heads`)."""
     signature, var_kw, bind, _ = bound_call(original)
-    servable = servable_forward(original)
+    unservable = unservable_why(original)
     heads = state.heads if state is not None else None
     takes_keep = takes_logits_to_keep(signature)
     chooses = CHOICE in signature.parameters  # a multiple-choice head's: it pools a position of each choice's row
@@ -101,7 +101,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     def ask(self: nn.Module, arguments: dict, extra: dict, alone: Optional[bool]) -> HeadRequest:
         alone = reads_alone(self, arguments, extra) if alone is None else alone
         asks_loss = alone and labelled(arguments, extra)
-        return HeadRequest(declined(self, arguments, extra, servable), loss_only=alone,
+        return HeadRequest(declined(self, arguments, extra, unservable), loss_only=alone,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                            fused=fused_head(self) if asks_loss else None)
 

@@ -3,32 +3,78 @@ mixed precision's, transformers' own decorators), and whether its head and loss 
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
-from typing import Callable
+import textwrap
+from typing import Callable, Optional
 
 from patchkit.hooks.head.weight_holders import accelerate_forward
 from patchkit.warn import package_home, real_path
 
 
 def servable_forward(forward: Callable) -> bool:
-    """A causal LM's (unpatched) forward computes its loss through `self.loss_function` from its head's logits and
-    slices by `logits_to_keep`: its head and loss can run on the packed row (read once, when it is wrapped)."""
+    """A causal LM's (unpatched) forward computes its loss through `self.loss_function` from its head's logits, and
+    no other way, and slices by `logits_to_keep`: its head and loss can run on the packed row (read once, when it
+    is wrapped). Liger's and Unsloth's forwards also call `self.loss_function`, on the path where they keep the
+    logits, and otherwise compute the loss from the hidden states with their own fused kernel, which takes the
+    padded batch's shape (`own_loss`)."""
     try:
-        source = inspect.getsource(_undecorated(innermost(forward)).__code__)
+        source = textwrap.dedent(inspect.getsource(_undecorated(innermost(forward)).__code__))
     except (OSError, TypeError, AttributeError):
         return False
-    return "self.loss_function(" in source and "logits_to_keep" in source and "CrossEntropyLoss" not in source
+    if "self.loss_function(" not in source or "logits_to_keep" not in source or "CrossEntropyLoss" in source:
+        return False
+    try:
+        return not own_loss(ast.parse(source))
+    except SyntaxError:
+        return False
 
 
-def innermost(forward: Callable) -> Callable:
-    """The forward a wrapper runs: through patchkit's dressing of an instance's own forward, accelerate's device-map
-    hook (a dispatched model's), which calls the forward it names, and the mixed-precision wrappers
-    `Accelerator.prepare` puts on a model (`convert_outputs_to_fp32` around torch's autocast decorator), which run it
-    in a dtype context. Any other `__wrapped__` is not followed: `functools.wraps` names what a wrapper looks like,
-    not what it runs (TRL's fused-head forward wears the class's forward and runs the base model and its own head)."""
+def unservable_why(forward: Callable) -> Optional[str]:
+    """None where `servable_forward`, else why not, said of "<the LM's class>'s forward": the function named where it
+    is not transformers' own (Liger's `lce_forward`, Unsloth's)."""
+    if servable_forward(forward):
+        return None
+    func = _undecorated(innermost(forward))
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("transformers."):
+        return "computes its loss without transformers' loss_function"
+    name = f"{module}.{getattr(func, '__qualname__', getattr(func, '__name__', '?'))}"
+    return f"is {name}, which computes its head or loss its own way"
+
+
+def own_loss(tree: ast.AST) -> bool:
+    """`loss` is assigned something other than None, a call of `self.loss_function`, or an expression of the loss
+    itself (transformers' auxiliary terms: `loss + coef * aux_loss`): the forward has a loss of its own."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if not any(isinstance(n, ast.Name) and n.id == "loss" for t in targets for n in ast.walk(t)):
+            continue
+        if isinstance(value, ast.Constant) and value.value is None:
+            continue
+        if isinstance(value, ast.Call) and ast.unparse(value.func) == "self.loss_function":
+            continue
+        if any(isinstance(n, ast.Name) and n.id == "loss" for n in ast.walk(value)):
+            continue
+        return True
+    return False
+
+
+def innermost(forward: Callable, through_patchkit: bool = True) -> Callable:
+    """The forward a wrapper runs: through patchkit's dressing of an instance's own forward (unless not
+    `through_patchkit`), accelerate's device-map hook (a dispatched model's), which calls the forward it names, and the
+    mixed-precision wrappers `Accelerator.prepare` puts on a model (`convert_outputs_to_fp32` around torch's autocast
+    decorator), which run it in a dtype context. Any other `__wrapped__` is not followed: `functools.wraps` names what
+    a wrapper looks like, not what it runs (TRL's fused-head forward wears the class's forward and runs the base model
+    and its own head; worn over a class patch, it copies the patch's `__wrapped_original__` too)."""
     for _ in range(16):
-        inner = getattr(forward, "__wrapped_original__", None)
+        inner = getattr(forward, "__wrapped_original__", None) if through_patchkit else None
         if inner is None and (accelerate_forward(forward) or _mixed_precision(forward)):
             inner = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
             inner = getattr(inner, "model_forward", inner)  # accelerate's ConvertOutputsToFp32 holds what it calls

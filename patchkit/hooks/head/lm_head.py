@@ -67,16 +67,17 @@ def padded(heads: dict[str, int]) -> dict[str, int]:
     return {why: n for why, n in heads.items() if why not in (REAL_TOKENS, LOSS_ONLY, LOSS_ONLY_KEPT, FUSED)}
 
 
-def declined(lm: nn.Module, arguments: dict, extra: dict, servable: bool) -> Optional[str]:
+def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[str]) -> Optional[str]:
     """Why this call of a causal LM cannot take its base model's packed row ("" where it needs no more than the
-    padded exit gives: a few positions' logits), or None: it can. It can when its forward is `servable_forward`,
+    padded exit gives: a few positions' logits), or None: it can. It can when its forward is `servable_forward` (else
+    `unservable` says why),
     every position's logits are asked for in a dict output and, with labels, the loss is transformers' own
     causal-LM loss (not one the user set)."""
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep", 0)))
     if not (keep is None or (isinstance(keep, int) and keep == 0)):
         return ""  # generate()'s last position, or chosen positions: no head on padding to save
-    if not servable:
-        return f"{type(lm).__name__}'s forward computes its loss without transformers' loss_function"
+    if unservable is not None:
+        return f"{type(lm).__name__}'s forward {unservable}"
     asked = arguments.get("return_dict", extra.get("return_dict"))
     if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
         return "a tuple output (return_dict=False)"

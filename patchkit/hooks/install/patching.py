@@ -155,16 +155,30 @@ def apply_replacements(replacements: list[Replacement]) -> None:
 
 
 def restore_replacements(replacements: list[Replacement]) -> None:
-    """Undo in reverse order: the original object goes back (identity), or the instance attribute goes away."""
+    """Undo in reverse order: the original object goes back (identity), or the instance attribute goes away. What
+    someone else set there since (Liger's forward, set on the model or its class after the patch) stays."""
     for r in reversed(replacements):
         owner = r.target()
         if r.original is _MISSING or owner is None:
+            continue
+        if _replaced_since(r, owner):
+            r.original = _MISSING
             continue
         if r.had_own or _is_data_descriptor(owner, r.attr):
             setattr(owner, r.attr, r.original)
         else:
             delattr(owner, r.attr)
         r.original = _MISSING
+
+
+def _replaced_since(r: Replacement, owner: Any) -> bool:
+    """`owner.attr` now holds neither this replacement nor another patch's: someone else's, set after it."""
+    now = vars(owner).get(r.attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    if now is _MISSING:
+        return False
+    if isinstance(r.owner, weakref.ref):  # an instance's: patchkit's are BoundPatches
+        return not isinstance(now, BoundPatch)
+    return now is not r.new and not hasattr(now, "__wrapped_original__")
 
 
 class SharedInstall:
