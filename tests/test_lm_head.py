@@ -19,7 +19,7 @@ from models import labels_for, padded_batch
 import patchkit
 from patchkit.errors import PatchkitError
 from patchkit.hooks.head import lm_head
-from patchkit.hooks.head.forward_source import servable_forward
+from patchkit.hooks.install.forward_source import servable_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

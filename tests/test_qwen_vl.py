@@ -119,7 +119,7 @@ def test_the_loss_alone_with_images_equals_unpatched_and_runs_the_fused_head(fam
     family's forward computes its loss without transformers' loss_function (transformers before 5.0), each step
     keeps its own head and logits and the report says why."""
     from patchkit.hooks.head import lm_head
-    from patchkit.hooks.head.forward_source import servable_forward
+    from patchkit.hooks.install.forward_source import servable_forward
 
     model = set_attention(family_model(family), "sdpa").train()
     served = servable_forward(type(model).forward)
@@ -144,7 +144,7 @@ def test_where_the_fused_heads_check_fails_the_lm_reruns_on_its_language_models_
     layers do not run again; the vision tower, between the two, does); the loss and every gradient equal
     unpatched, and every later step keeps the family's own head."""
     from patchkit.hooks.head import lm_head
-    from patchkit.hooks.head.forward_source import servable_forward
+    from patchkit.hooks.install.forward_source import servable_forward
 
     model = set_attention(family_model(family), "sdpa").train()
     if not servable_forward(type(model).forward):

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional
 
 from torch import nn
 
-from patchkit.hooks.head.forward_source import innermost
+from patchkit.hooks.install.forward_source import innermost
 from patchkit.hooks.install.patching import BoundPatch
 
 CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read

@@ -17,11 +17,11 @@ from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
-from patchkit.hooks.head.forward_source import unservable_why
 from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
 from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish
 from patchkit.hooks.head.loss_reader import reads_loss_alone
+from patchkit.hooks.install.forward_source import unservable_why
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.names import WHOLE_MODEL
 

@@ -10,13 +10,13 @@ the weight for the fused loss (`fused_head.py`: the probes, the check, the loss)
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
 from patchkit.forward.inputs.module_hooks import fsdp2_hook, hooks_on, zero3_hook
+from patchkit.hooks.install.forward_source import accelerate_forward
 
 
 class Holding(Protocol):
@@ -68,11 +68,6 @@ def hooks_of(head: nn.Module) -> str:
     if head._forward_hooks or head._forward_pre_hooks:
         return "fsdp2" if fsdp2_held(head) else "zero3"
     return "accelerate" if "forward" in vars(head) and accelerate_hooks(head) else ""
-
-
-def accelerate_forward(forward: Any) -> bool:
-    """`forward` is accelerate's device-map hook around a module's own forward (`add_hook_to_module`'s partial)."""
-    return isinstance(forward, functools.partial) and getattr(forward.func, "__module__", None) == "accelerate.hooks"
 
 
 def zero3_held(head: nn.Module) -> bool:

@@ -4,13 +4,18 @@ mixed precision's, transformers' own decorators), and whether its head and loss 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 import textwrap
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from patchkit.hooks.head.weight_holders import accelerate_forward
 from patchkit.warn import package_home, real_path
+
+
+def accelerate_forward(forward: Any) -> bool:
+    """`forward` is accelerate's device-map hook around a module's own forward (`add_hook_to_module`'s partial)."""
+    return isinstance(forward, functools.partial) and getattr(forward.func, "__module__", None) == "accelerate.hooks"
 
 
 def servable_forward(forward: Callable) -> bool:
