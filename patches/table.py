@@ -58,6 +58,8 @@ VERIFIED = frozenset({
     "mllama_text_model",
     # Emu3's language model (its images are tokens of the text stream, from its VQ-VAE)
     "emu3_text_model",
+    # language models served inside their multimodal model (`WRAPPED_TEXT_MODELS`; the multimodal census checks them)
+    "glm_ocr_text", "granite_docling_text", "paddleocr_vl_text", "qwen2_5_omni_text", "qwen3_omni_moe_text",
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
@@ -81,6 +83,16 @@ TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
 # the batch's own: no key-padding mask says which tiles a token sees, so they run the attention the model was loaded
 # with (`hooks/attention/cross_layers.py`), exactly, and their decoder layers run on the padded batch inside a packed
 # forward (`hooks/forwards/padded_layers.py`). model_type -> (the attention class, its decoder layer class)
+# Language models with no causal LM of their own in transformers: their multimodal model holds the head (GLM-OCR's,
+# Granite-Docling's). Served inside it, verified by the multimodal census (`tests/test_wrapper_census.py`: training,
+# generation, the reads at padding, unpad="loss", the registered name); model_type -> its base model's class name,
+# or (that, its attention's) where the module's other towers' attention goes through the interface too.
+# Not listed: HunYuan-VL's (no text-only forward to check it by), Mistral Large 4's (an indexer picks the keys), GLM-5-
+# Next's (it builds 4D masks of its own)
+WRAPPED_TEXT_MODELS = {"glm_ocr_text": "GlmOcrTextModel", "granite_docling_text": "GraniteDoclingTextModel",
+                       "paddleocr_vl_text": "PaddleOCRTextModel",
+                       "qwen2_5_omni_text": ("Qwen2_5OmniThinkerTextModel", "Qwen2_5OmniAttention"),
+                       "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel"}
 CROSS_LAYERS = {"mllama_text_model": ("MllamaTextCrossAttention", "MllamaCrossAttentionDecoderLayer")}
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
@@ -149,16 +161,21 @@ def imported_types() -> list[str]:
 
     loaded = {name.split(".")[2] for name in list(sys.modules)
               if name.startswith("transformers.models.") and ".modeling_" in name}
-    return [t for t in (*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS) if model_type_to_module_name(t) in loaded]
+    return [t for t in (*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *TEXT_MODELS, *WRAPPED_TEXT_MODELS)
+            if model_type_to_module_name(t) in loaded]
 
 
 def class_names(model_type: str) -> tuple[Optional[str], Optional[str]]:
     """(causal LM, base model) class names of `model_type`: transformers' auto mappings', or `TEXT_MODELS`' for a
-    language model they list under its composite; None where a mapping has none."""
+    language model they list under its composite (`WRAPPED_TEXT_MODELS`': no causal LM); None where a mapping has
+    none."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     if model_type in TEXT_MODELS:
         return TEXT_MODELS[model_type]
+    if model_type in WRAPPED_TEXT_MODELS:
+        named = WRAPPED_TEXT_MODELS[model_type]
+        return None, named if isinstance(named, str) else named[0]
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
 
 
@@ -173,6 +190,8 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
             raise PatchTargetError(f"model_type {model_type!r} is an encoder or encoder-decoder family; patchkit "
                                    "serves decoder-only causal LMs")
     lm_name, base_name = class_names(model_type)
+    if model_type in WRAPPED_TEXT_MODELS:
+        return wrapped_text_classes(model_type, base_name)
     if not isinstance(lm_name, str) or not isinstance(base_name, str):
         raise PatchTargetError(f"model_type {model_type!r} has no causal LM with a base model in this transformers")
     if lm_name.endswith("ForConditionalGeneration"):
@@ -201,6 +220,31 @@ def find_classes(model_type: str) -> tuple[type, type, Optional[type]]:
         raise PatchTargetError(f"{lm_name}'s attention does not go through transformers' attention interface "
                                "(its own code computes it): run it without patchkit")
     return attention, mask_builder(module, base), lm
+
+
+def wrapped_text_classes(model_type: str, base_name: str) -> tuple[type, type, None]:
+    """(attention, base model, no causal LM) of a `WRAPPED_TEXT_MODELS` language model: its multimodal model, beside
+    it in its modeling module, is the head patchkit wraps (`family_route.vision_lms`). The base model is read from
+    that module (transformers does not export every one: Qwen2.5-Omni's thinker's)."""
+    import importlib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config_module = CONFIG_MAPPING[model_type].__module__
+        module = importlib.import_module(config_module.replace(".configuration_", ".modeling_"))
+    except (KeyError, ImportError):
+        module = None
+    base = getattr(module, base_name, None)
+    named = WRAPPED_TEXT_MODELS[model_type]
+    if base is not None and not isinstance(named, str):
+        attention = getattr(module, named[1], None)
+    else:
+        attention = interface_attention(module, base_name.removesuffix("Model")) if base is not None else None
+    if attention is None:
+        raise PatchTargetError(f"{base_name} is not in this transformers, or its attention does not go through "
+                               "transformers' attention interface: run it without patchkit")
+    return attention, base, None
 
 
 TOWERS = ("text_config", "vision_config", "audio_config", "decoder", "decoder_config")

@@ -232,6 +232,12 @@ def rope_sections_fit(model, text) -> None:
         return
 
 
+# Fields a real checkpoint's config has and the config class's defaults lack, which the model reads on any forward
+# (Qwen2.5-Omni's and Qwen3-Omni's thinkers find their RoPE rows by the vision-start token)
+CHECKPOINT_FIELDS = {"qwen2_5_omni_thinker": {"vision_start_token_id": VOCAB - 1},
+                     "qwen3_omni_moe_thinker": {"vision_start_token_id": VOCAB - 1}}
+
+
 def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
     """(the tiny multimodal model of `model_type`, its language model `tiny_config`'s, its towers at TOWER's sizes,
     fp32, eager attention, train mode; '') or (None, why not)."""
@@ -250,6 +256,8 @@ def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Modu
                 if key != "text_config" and hasattr(part, "to_dict"):
                     kw[key] = tower(part).to_dict()
             config = cls(**kw)
+            for key, value in CHECKPOINT_FIELDS.get(model_type, {}).items():
+                setattr(config, key, value)
             lm = getattr(transformers, wrapper_types()[model_type])
             with torch.device("meta"):
                 built = lm._from_config(config, attn_implementation="eager")

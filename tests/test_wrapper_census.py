@@ -15,6 +15,7 @@ VL families' own tests' (`test_qwen_vl.py`, `test_vision_language.py`).
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -129,3 +130,29 @@ def test_wrapper_census(model_type):
     got_reads = padding_reads(named)
     assert torch.equal(got_reads[0], want_reads[0]), f"{model_type}: the name's loss of labels at padding differs"
     assert torch.equal(got_reads[1], want_reads[1]), f"{model_type}: the name's right-padded generation differs"
+
+
+@pytest.mark.parametrize("text_type", sorted(__import__("patchkit.patches.table", fromlist=["x"]).WRAPPED_TEXT_MODELS))
+def test_a_language_model_with_no_causal_lm_is_served_inside_its_multimodal_model(text_type):
+    """GLM-OCR's and Granite-Docling's language models have no causal LM in transformers: `WRAPPED_TEXT_MODELS`
+    serves them, checked by `test_wrapper_census` alone, so their multimodal model must build tiny and run text (a
+    skip there would leave them unchecked). Under the class patch by the language model's name, the multimodal
+    model's own forward is wrapped as a causal LM's: a padded training step runs patched with the unpatched loss and
+    gradients, and labels predicted from padding step aside."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    wrapper = next(t for t in wrapper_types() if CONFIG_MAPPING[t]().get_text_config().model_type == text_type)
+    model, why = tiny_wrapper(wrapper)
+    assert model is not None, why
+    assert model.config.get_text_config().model_type == text_type
+    ids, mask = text_only(model, "mixed")
+    want, want_reads = train_step(model, ids, mask), padding_reads(model)
+    with patchkit.apply_patch(text_type, backend="sdpa", strict=True) as handle:
+        got = train_step(model, ids, mask)
+        assert handle.calls > 0 and not handle.stepped_aside, (handle.calls, handle.stepped_aside)
+    with patchkit.apply_patch(text_type, backend="sdpa") as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got_reads = padding_reads(model)
+        assert set(handle.stepped_aside) == {"labels_from_padding", "right_padded_generation"}
+    assert not differs(got, want), differs(got, want)
+    assert torch.equal(got_reads[0], want_reads[0]) and torch.equal(got_reads[1], want_reads[1])

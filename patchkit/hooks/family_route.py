@@ -119,10 +119,10 @@ def class_replacements(
     if lm is not None:  # the causal LM tells the base model's forward what of its call reads padding (step_aside)
         out.append(Replacement(lm, "forward", outer_forward(lm.forward, lm in recording, unpad or state.unpad, state),
                                f"{lm.__name__}.forward"))
-    for outer in vision_lms(lm):
+    for outer in vision_lms(lm or base):
         out.append(Replacement(outer, "forward", outer_forward(outer.forward, False, unpad or state.unpad, state),
                                f"{outer.__name__}.forward"))
-    for head in task_heads(lm):
+    for head in task_heads(lm or base):
         out.append(Replacement(head, "forward", make_task_forward(head.forward),
                                f"{head.__name__}.forward (what its task reads at padding)"))
     for records in (r for r in recording if r is not lm):
@@ -166,11 +166,11 @@ def instance_replacements(
         for m in find_modules(model, lm):
             forward = outer_forward(current_method(m), lm in recording, unpad or state.unpad, state)
             out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
-    for m in (m for outer in vision_lms(lm) for m in find_modules(model, outer)):
+    for m in (m for outer in vision_lms(lm or base) for m in find_modules(model, outer)):
         forward = outer_forward(current_method(m), False, unpad or state.unpad, state)
         out.append(bound_replacement(forward, m, "forward", f"{type(m).__name__}.forward", state.track_copy))
     out += outer_head_replacements(state, model, classes, unpad)
-    for m in (m for head in task_heads(lm) for m in find_modules(model, head)):
+    for m in (m for head in task_heads(lm or base) for m in find_modules(model, head)):
         out.append(bound_replacement(make_task_forward(current_method(m)), m, "forward",
                                      f"{type(m).__name__}.forward (what its task reads at padding)", state.track_copy))
     for records in (r for r in recording if r is not lm):
@@ -216,7 +216,7 @@ def outer_heads(model: nn.Module, base: type, lm: Optional[type]) -> list[nn.Mod
     model of another modeling module around the family's language model (LLaVA, Mistral 3, InternVL, SmolVLM around
     LLaMA, Mistral, Qwen2). Those a wrapper of patchkit's serves already (`wrapped`) are left out."""
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
-    own = tuple(c for c in (lm, *vision_lms(lm)) if c is not None)
+    own = tuple(c for c in (lm, *vision_lms(lm or base)) if c is not None)
     return [m for m in model.modules()
             if isinstance(m, pretrained) and not isinstance(m, (base, *own)) and not wrapped(m)
             and generative_head(type(m)) and find_modules(m, base)]
