@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from families import any_model
 from models import labels_for, padded_batch
+from test_multimodal_wrappers import assert_same_step
 
 import patchkit
 
@@ -109,20 +110,13 @@ def under(order: str, forward: Callable, labels: Callable, side: str) -> tuple[t
         undo()
 
 
-def assert_same(want: tuple, got: tuple) -> None:
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
-    assert got[1].keys() == want[1].keys()
-    for name, grad in want[1].items():
-        torch.testing.assert_close(got[1][name], grad, atol=2e-6, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("order", ORDERS)
 def test_ligers_forward_trains_patched_with_unpatched_numbers_in_either_order(order, side):
     """Labels that no padding position predicts: both layers through the patch, Liger's fused loss on the padded
     hidden states the base model hands back, named in the report where patchkit wraps Liger's forward."""
     want, got, (calls, aside, heads) = under(order, lce_forward, labels_for, side)
-    assert_same(want, got)
+    assert_same_step(got, want)
     assert calls == 2 and not aside
     if order.startswith("Liger"):  # patchkit's wrapper around Liger's forward: the padded exit, said why
         assert list(heads) == ["LlamaForCausalLM's forward is test_liger.lce_forward, which computes its head or "
@@ -135,7 +129,7 @@ def test_a_label_predicted_from_padding_under_ligers_forward_steps_aside(order):
     before it, whose state the packed path does not compute as transformers does. Under Liger's forward set after
     the class patch this trained on other numbers, silently; now every order steps aside, counted, exact."""
     want, got, (calls, aside, _) = under(order, lce_forward, naive_labels, "left")
-    assert_same(want, got)
+    assert_same_step(got, want)
     assert calls == 0 and aside == {"labels_from_padding": 1}
 
 
@@ -193,7 +187,7 @@ def test_liger_kernels_own_forward_in_either_order(order, labels, monkeypatch):
     """The same with liger-kernel's own forward where it is installed (skipped otherwise)."""
     forward = real_liger_forward(monkeypatch)
     want, got, (calls, aside, _) = under(order, forward, labels, "left")
-    assert_same(want, got)
+    assert_same_step(got, want)
     assert (calls, aside) == ((2, {}) if labels is labels_for else (0, {"labels_from_padding": 1}))
 
 
