@@ -60,6 +60,7 @@ VERIFIED = frozenset({
     "emu3_text_model",
     # language models served inside their multimodal model (`WRAPPED_TEXT_MODELS`; the multimodal census checks them)
     "glm_ocr_text", "granite_docling_text", "paddleocr_vl_text", "qwen2_5_omni_text", "qwen3_omni_moe_text",
+    "hunyuan_vl_text",
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
@@ -87,12 +88,11 @@ TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
 # Granite-Docling's). Served inside it, verified by the multimodal census (`tests/test_wrapper_census.py`: training,
 # generation, the reads at padding, unpad="loss", the registered name); model_type -> its base model's class name,
 # or (that, its attention's) where the module's other towers' attention goes through the interface too.
-# Not listed: HunYuan-VL's (no text-only forward to check it by), Mistral Large 4's (an indexer picks the keys), GLM-5-
-# Next's (it builds 4D masks of its own)
+# Not listed: Mistral Large 4's (an indexer picks the keys), GLM-5-Next's (it builds 4D masks of its own)
 WRAPPED_TEXT_MODELS = {"glm_ocr_text": "GlmOcrTextModel", "granite_docling_text": "GraniteDoclingTextModel",
                        "paddleocr_vl_text": "PaddleOCRTextModel",
                        "qwen2_5_omni_text": ("Qwen2_5OmniThinkerTextModel", "Qwen2_5OmniAttention"),
-                       "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel"}
+                       "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel", "hunyuan_vl_text": "HunYuanVLTextModel"}
 CROSS_LAYERS = {"mllama_text_model": ("MllamaTextCrossAttention", "MllamaCrossAttentionDecoderLayer")}
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their

@@ -237,6 +237,9 @@ def rope_sections_fit(model, text) -> None:
 CHECKPOINT_FIELDS = {"qwen2_5_omni_thinker": {"vision_start_token_id": VOCAB - 1},
                      "qwen3_omni_moe_thinker": {"vision_start_token_id": VOCAB - 1}}
 
+# RoPE fields of a real checkpoint's text config that the defaults lack (HunyuanOCR's four position axes, 16 each)
+CHECKPOINT_ROPE = {"hunyuan_vl": {"mrope_section": [1, 1, 1, 1]}}  # the tiny head's 4 frequencies
+
 
 def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Module], str]:
     """(the tiny multimodal model of `model_type`, its language model `tiny_config`'s, its towers at TOWER's sizes,
@@ -251,6 +254,9 @@ def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Modu
             default = cls()
             text = tiny_config(default.text_config.model_type)
             kw = {"text_config": text.to_dict()}
+            if model_type in CHECKPOINT_ROPE:
+                kw["text_config"]["rope_parameters"] = {**(kw["text_config"].get("rope_parameters") or {}),
+                                                        **CHECKPOINT_ROPE[model_type]}
             for key in cls.sub_configs:
                 part = getattr(default, key, None)
                 if key != "text_config" and hasattr(part, "to_dict"):
