@@ -34,10 +34,10 @@ def worker(provider: str, vocab: int, scale: float) -> dict[str, Any]:
     handle = None
     if provider != "hf_sdpa":
         import patchkit
-        from patchkit.hooks.head import lm_head
+        from patchkit.hooks.install import forward_source
 
         if provider == "patchkit_loss_wrapped":  # accelerate's wrappers not looked through: the padded exit
-            lm_head._mixed_precision = lambda forward: False
+            forward_source._mixed_precision = lambda forward: False
         handle = patchkit.apply_patch(model=model, backend="sdpa", unpad="loss")
     batch = vb.inputs("right", vocab)
     vb.step(model, batch)

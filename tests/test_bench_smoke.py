@@ -211,16 +211,16 @@ def test_the_prepared_head_benchmark_fuses_the_head_only_where_accelerates_wrapp
     from accelerate.state import AcceleratorState
 
     import patchkit
-    from patchkit.hooks.head import lm_head
+    from patchkit.hooks.install import forward_source
 
     monkeypatch.setitem(vocab.RESCALE, "by", vocab.RESCALE["by"])
-    mixed_precision, rows = lm_head._mixed_precision, {}
-    monkeypatch.setattr(lm_head, "_mixed_precision", mixed_precision)
+    mixed_precision, rows = forward_source._mixed_precision, {}
+    monkeypatch.setattr(forward_source, "_mixed_precision", mixed_precision)
     try:
         for provider in prepared_head.PROVIDERS:
             AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton, one per row's process
             rows[provider] = prepared_head.worker(provider, 512, 0.1)
-            lm_head._mixed_precision = mixed_precision  # the wrapped row stops reading accelerate's wrappers
+            forward_source._mixed_precision = mixed_precision  # the wrapped row stops reading accelerate's wrappers
             patchkit.revert_patch()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

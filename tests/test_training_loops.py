@@ -276,6 +276,36 @@ def test_trls_fused_head_forward_gets_the_padded_hidden_states_it_reads(way, unp
         torch.testing.assert_close(got[1][name], want[1][name], atol=2e-5, rtol=1e-3, msg=name)
 
 
+def test_trls_fused_head_set_after_a_class_patch_steps_aside_for_labels_predicted_from_padding():
+    """TRL's fused-head forward set on a model built under a class patch runs in place of patchkit's wrapper: with
+    left-padded rows labelled everywhere but at padding, each row's first token is predicted from padding, which the
+    base model was not told of (other gradients, silently). Its call is read off its frame: that forward steps aside,
+    counted, and the loss and gradients equal unpatched."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def run(patched: bool) -> tuple:
+        handle = patchkit.apply_patch("llama", backend="sdpa") if patched else None
+        model = any_model("llama", "sdpa").train()
+        trl_utils.add_fused_lm_head(model, outputs=("log_probs",))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            out.loss.backward()
+            return out.loss, {n: p.grad for n, p in model.named_parameters()}, handle and dict(handle.stepped_aside)
+        finally:
+            if handle is not None:
+                handle.revert()
+
+    want, got = run(False), run(True)
+    assert got[2] == {"labels_from_padding": 1}
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("unpad", ["model", "loss"])
 def test_an_instance_patch_after_accelerators_prepare_runs_the_head_on_real_tokens(unpad):
     """`Accelerator(mixed_precision="bf16").prepare(model)` sets `model.forward` to its float32-output wrapper around

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from types import CodeType
 from typing import Callable, Iterator, Optional
 
 from torch import nn
@@ -81,14 +82,22 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
     return runs
 
 
+def same_code(running: CodeType, code: CodeType) -> bool:
+    """`running` is `code`, or the copy of it torch.compile runs (the same name, file and first line)."""
+    return running is code or (running.co_name, running.co_filename, running.co_firstlineno) == (
+        code.co_name, code.co_filename, code.co_firstlineno)
+
+
 def foreign_call(head: nn.Module) -> Optional[tuple[dict, bool]]:
-    """The arguments `head`'s `foreign_forward` was called with (its frame's locals, its `**kwargs` spread), and
-    whether it takes `logits_to_keep`; None where no such call is on the stack."""
+    """The arguments `head`'s `foreign_forward` was called with (its frame's locals, its `**kwargs` spread; the frame
+    of torch.compile's copy of it too: SFTTrainer's fused head under `torch_compile=True`), and whether it takes
+    `logits_to_keep`; None where no such call is on the stack."""
     function = foreign_forward(head)
+    code = getattr(function, "__code__", None)
     frame = sys._getframe(1)
-    while function is not None and frame is not None:
-        if frame.f_code is getattr(function, "__code__", None) and frame.f_locals.get("self") is head:
-            code, local = frame.f_code, dict(frame.f_locals)
+    while code is not None and frame is not None:
+        if same_code(frame.f_code, code) and frame.f_locals.get("self") is head:
+            local = dict(frame.f_locals)
             named = code.co_argcount + code.co_kwonlyargcount
             spread = {}
             if code.co_flags & inspect.CO_VARKEYWORDS:  # its **kwargs, after the named ones and *args
