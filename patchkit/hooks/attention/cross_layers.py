@@ -9,11 +9,11 @@ recompute reads after the forward, so both compute the same numbers as unpatched
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional
 
 from torch import nn
 
+from patchkit.hooks.attention.eager import family_eager_attention
 from patchkit.hooks.install.registry import cross_layer_names
 from patchkit.hooks.install.routing import ROUTE_NAME
 
@@ -36,7 +36,7 @@ def loaded_function(module: nn.Module, loaded: Optional[str]) -> Callable:
 
     name = "sdpa" if loaded in (None, ROUTE_NAME) else loaded
     if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
-        return sys.modules[type(module).__module__].eager_attention_forward
+        return family_eager_attention(module)
     return ALL_ATTENTION_FUNCTIONS[name]
 
 

@@ -9,7 +9,6 @@ which transformers 5.x would take for a flash-attn build or a hub kernel.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,6 +37,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
+from patchkit.hooks.attention.eager import transformers_attention
 from patchkit.hooks.attention.varlen import check_family, family_rule, make_attention_function
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
@@ -301,20 +301,6 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if _state is None or _function is None:
         route_state()
     return _function(module, query, key, value, attention_mask, **kwargs)
-
-
-def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: torch.Tensor,
-                           **kwargs: Any) -> Any:
-    """transformers' eager attention of `module`'s family over its 4D mask (sdpa's boolean one made additive)."""
-    if mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~mask, torch.finfo(query.dtype).min)
-    return family_eager_attention(module)(module, query, key, value, mask, **kwargs)
-
-
-def family_eager_attention(module: nn.Module) -> Callable:
-    """transformers' own eager attention of `module`'s family (its softcap, sinks and scaling included)."""
-    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def served_rule() -> Callable:
