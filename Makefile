@@ -39,7 +39,8 @@ demo: setup
 # model; `make test-heavy` runs those (about 20 minutes), and CI runs both.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 SUITE := --ignore=tests/test_census.py --ignore=tests/test_trl_families.py --ignore=tests/test_self_check_census.py \
-	--ignore=tests/test_wrapper_census.py --ignore=tests/test_task_head_census.py --ignore=tests/test_gpu_truth.py
+	--ignore=tests/test_wrapper_census.py --ignore=tests/test_task_head_census.py --ignore=tests/test_gpu_truth.py \
+	--ignore=tests/test_continuous_batching_census.py
 test: setup bytecode
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not heavy" $(SUITE)
@@ -71,10 +72,12 @@ docs: $(VENV)/.docs-installed
 # from data (tests/test_trl_families.py), and every served family's self-check on its default, checkpoint-sized config
 # (tests/test_self_check_census.py), and every multimodal model around a language model, on text through
 # apply_patch(model=...) (tests/test_wrapper_census.py), and every served family's task heads (sequence and token
-# classification, question answering: tests/test_task_head_census.py). Its own part of CI: about 5 minutes.
+# classification, question answering: tests/test_task_head_census.py), and every served family's continuous batching
+# (`generate_batch()`: tests/test_continuous_batching_census.py). Its own part of CI: about 6 minutes.
+CENSUS_TESTS := tests/test_census.py tests/test_trl_families.py tests/test_self_check_census.py \
+	tests/test_wrapper_census.py tests/test_task_head_census.py tests/test_continuous_batching_census.py
 census: setup bytecode
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/test_census.py tests/test_trl_families.py tests/test_self_check_census.py \
-		tests/test_wrapper_census.py tests/test_task_head_census.py
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(CENSUS_TESTS)
 
 lint: setup
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
@@ -88,8 +91,8 @@ matrix: setup bytecode
 # the registered name, the launcher and env var, the self-check); nothing to run when it is the pinned version.
 NEWEST_TESTS := tests/test_every_family.py tests/test_families.py tests/test_generation.py tests/test_static_cache.py \
 	tests/test_packing.py tests/test_model_unpad.py tests/test_attention_interface.py tests/test_launch.py \
-	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py tests/test_census.py \
-	tests/test_trl_families.py tests/test_self_check_census.py tests/test_wrapper_census.py tests/test_task_head_census.py
+	tests/test_self_check.py tests/test_step_aside.py tests/test_peft.py \
+	tests/test_continuous_batching.py $(CENSUS_TESTS)
 newest: setup bytecode
 	$(BIN)/python tests/matrix.py --versions newest --tests $(NEWEST_TESTS) -- $(PYTEST_ARGS)
 

@@ -14,7 +14,7 @@ from families import FAMILIES, any_model, set_attention, static_cache_served
 from models import padded_batch
 
 import patchkit
-from patchkit import PatchInputError, PatchkitError
+from patchkit import PatchInputError
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.install.routing import routed
 
@@ -107,59 +107,6 @@ def test_strict_refuses_output_attentions_naming_the_cause():
     with patchkit.apply_patch("mistral", backend="sdpa", strict=True):
         with pytest.raises(PatchInputError, match="strict=True.*output_attentions=True.*leave output_attentions off"):
             model(input_ids=ids, attention_mask=mask, output_attentions=True)
-
-
-def unpatched_paged_generation() -> tuple:
-    """(LLaMA on sdpa, a left-padded batch, generate()'s paged kwargs, what continuous batching generates for it
-    unpatched); skips where generate() takes no "paged" cache or continuous batching generates nothing."""
-    model = any_model("llama", "sdpa")
-    ids, mask = padded_batch("left", batch=2, seq=14)
-    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
-              cache_implementation="paged")
-    config_class = getattr(transformers, "ContinuousBatchingConfig", None)
-    if config_class is not None:  # else its cache takes most of the free memory (20 GB on a 24 GB machine)
-        kw["continuous_batching_config"] = config_class(num_blocks=4, max_batch_tokens=64)
-    try:
-        want = model.generate(input_ids=ids, **kw)
-    except ValueError as err:  # generate() before it took "paged"
-        pytest.skip(f"no paged cache in this transformers' generate(): {err}")
-    if want.shape[-1] <= ids.shape[-1]:
-        pytest.skip("continuous batching generates nothing unpatched in this transformers (5.0 logs a TypeError)")
-    return model, ids, kw, want
-
-
-def test_paged_generation_runs_as_unpatched():
-    """Continuous batching (cache_implementation="paged") hands the layers its own 4D mask: stepped aside, exact,
-    instead of an error transformers would log and swallow (the prompts back with no new tokens)."""
-    model, ids, kw, want = unpatched_paged_generation()
-    with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = model.generate(input_ids=ids, **kw)
-        aside = group.stepped_aside
-    assert torch.equal(got, want) and got.shape[-1] == want.shape[-1] > ids.shape[-1]
-    # every transformers whose continuous batching generates unpatched (5.x after 5.0) runs it through the patched
-    # model forward: one that stopped would run it unseen, and is a release to read before serving
-    assert set(aside) == {"continuous_batching"}  # named for what it is, not "pass the 2D mask" (not possible)
-    (said,) = aside_messages(caught)
-    assert "continuous batching" in said and "2D" not in said
-    (where,) = {w.filename for w in caught if "ran on transformers' attention" in str(w.message)}
-    assert where == __file__  # generation runs in a worker thread: the warning names the main thread's line
-
-
-def test_a_refusal_inside_continuous_batching_reaches_the_caller():
-    """strict=True refuses continuous batching's 4D mask in its worker thread, whose loop logs and swallows every
-    exception: generate() returned the prompts with no new tokens. The refusal now reaches the caller; the next
-    call and a revert find transformers' continuous batching as it was."""
-    continuous_batching = pytest.importorskip("transformers.generation.continuous_batching")
-    original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
-    model, ids, kw, want = unpatched_paged_generation()
-    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
-        with pytest.raises(PatchkitError, match="continuous batching") as refused:  # not swallowed: no prompts back
-            model.generate(input_ids=ids, **kw)
-        assert "strict=True" in str(refused.value)
-        handle.revert()
-    assert vars(continuous_batching.ContinuousMixin)["generate_batch"] is original
-    assert torch.equal(model.generate(input_ids=ids, **kw), want)
 
 
 @pytest.mark.parametrize("family", ["llama", *FAMILIES])

@@ -39,11 +39,11 @@ CAUSES = {
         "as a mask",
     ),
     "continuous_batching": (
-        "continuous batching (generate_batch(), or generate(cache_implementation='paged')) runs the model on its "
-        "paged cache, whose keys it reads and writes by block index under masks it builds itself, which patchkit's "
-        "kernels do not read",
-        "none needed: continuous batching stays exact on transformers' paged attention; generate() with the default "
-        "dynamic cache runs patched",
+        "continuous batching (generate_batch(), or generate(cache_implementation='paged')) ran a step that "
+        "patchkit's layers do not serve: on a flash attention (no masks: transformers' own varlen kernels serve it), "
+        "a decode step read through block tables, or a step compiled or captured in a CUDA graph",
+        "none needed: continuous batching stays exact on transformers' paged attention; with the model loaded with "
+        "attn_implementation='sdpa' and no compile, its steps run patched",
     ),
     "bidirectional_image_tokens": (
         "a vision-language model's own masks (Gemma 3's, Gemma 4's, from token_type_ids) let image tokens see each "
@@ -192,8 +192,8 @@ BRIEF = {
                           "none needed; the default dynamic cache runs patched"),
     "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
                            "the 2D padding mask, or an additive float 4D mask"),
-    "continuous_batching": ("continuous batching (generate_batch, paged attention) builds its own masks over its "
-                            "paged cache", "none needed; generate() with the default cache runs patched"),
+    "continuous_batching": ("a continuous-batching step on a flash attention, block tables, a compile or a CUDA "
+                            "graph", "none needed; loaded with sdpa, its steps run patched"),
     "bidirectional_image_tokens": ("image tokens that see each other both ways behind a past (a chunked "
                                    "prefill), or in a pattern of no image blocks",
                                    "none needed; a prefill in one piece runs patched"),

@@ -20,7 +20,7 @@ from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.model_masks import model_masks_cause
 from patchkit.hooks.decide.outer_caller import unwrapped_head
 from patchkit.hooks.decide.self_check import untrusted_cause
-from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded, paged_cache
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause
@@ -46,6 +46,9 @@ def plan_forward(
     the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
     given, given_extra = dict(arguments), dict(extra)  # what the caller gave, which an aside runs on
     cause = forward_cause(module, arguments, extra) if state is not None else None
+    if cause is None and state is not None and paged_cache(given_cache(arguments)):
+        # continuous batching: the layers read its requests' lengths and check its masks (`hooks/attention/paged`)
+        return ForwardPlan(aside=untrusted_cause(module, state))
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
     blocks = None
     if cause in UNREAD:  # a multimodal model's own masks (and its image blocks), a static cache's too: patched

@@ -123,8 +123,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if wanted:
         return "output_attentions"
     cache = given_cache(arguments)
-    if paged_cache(cache):
-        return "continuous_batching"
+    if paged_cache(cache):  # its layers read the requests' own lengths (`forward/inputs/paged.py`), or it steps aside
+        return None if paged_servable(arguments, extra) else "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     if mask_short_of_keys(arguments.get("attention_mask"), cache):
@@ -182,6 +182,22 @@ def paged_cache(cache: Any) -> bool:
     shared by many requests, read and written by index, under masks it builds itself. Read by class name: the module
     moved between transformers releases."""
     return type(cache).__name__ == "PagedAttentionCache"
+
+
+def paged_servable(arguments: dict, extra: dict) -> bool:
+    """patchkit's layers serve a continuous-batching step (`hooks/attention/paged.py`) under the 4D mask(s) it makes
+    for sdpa and eager, which they check before they trust its lengths. Not one with no masks (a flash attention
+    loaded: transformers' own varlen kernels serve it), nor a decode step read through block tables, nor one compiled
+    or captured in a CUDA graph (the lengths are host reads)."""
+    masks = arguments.get("attention_mask")  # one per layer type, or the one tensor of a single type
+    masks = list(masks.values()) if isinstance(masks, dict) else [masks]
+    return all(isinstance(m, torch.Tensor) and m.dim() == 4 for m in masks) and (
+        extra.get("block_table") is None and not is_compiling() and not capturing())
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (continuous batching's `use_cuda_graph`)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def documents_metadata(arguments: dict, extra: dict) -> Optional[VarlenMetadata]:

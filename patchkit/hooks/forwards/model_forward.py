@@ -207,7 +207,8 @@ def _route_masks(module: nn.Module, patched_impl: Optional[str], route: Any) -> 
         yield
         return
     current = attn_name(module.config)
-    if patched_impl is not None and current not in (patched_impl, ROUTE_NAME):
+    # continuous batching runs an eager model as "paged|eager" for its steps: transformers' own switch, not the user's
+    if patched_impl is not None and current not in (patched_impl, ROUTE_NAME, f"paged|{patched_impl}"):
         raise PatchInputError(
             f"this model's attention implementation was changed to {current!r} after patchkit patched it (it was "
             f"{patched_impl!r}; model.set_attn_implementation?). patchkit's patched layers would ignore that change. "

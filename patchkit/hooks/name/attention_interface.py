@@ -33,11 +33,13 @@ from patchkit.forward.inputs.mask_functions import (
     mask_name,
     packed_sequence_ids,
 )
+from patchkit.forward.inputs.paged import paged_lengths
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
 from patchkit.hooks.attention.eager import transformers_attention
+from patchkit.hooks.attention.paged import paged_step
 from patchkit.hooks.attention.varlen import check_family, family_rule, make_attention_function
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
@@ -55,7 +57,7 @@ from patchkit.hooks.install.registry import (
 )
 from patchkit.hooks.install.routing import ROUTE_NAME, loads_flash_masks
 from patchkit.hooks.install.state import PatchState
-from patchkit.hooks.name import cached_documents
+from patchkit.hooks.name import batching_name, cached_documents
 from patchkit.hooks.name.named import adopted, watch
 from patchkit.hooks.name.named_blocks import named_blocks
 from patchkit.hooks.parallel.sequence_parallel import refuse_shard_local, through_ulysses
@@ -273,6 +275,11 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if cross_layer(module):  # to another tower's tokens, under the batch's own mask: the loaded attention
         route = current().route
         return cross_attention(module, query, key, value, attention_mask, route and route.loaded, **kwargs)
+    lengths = None if is_compiling() else paged_lengths(module, kwargs)
+    if lengths is not None:  # continuous batching: its requests are packed documents
+        route = current().route
+        state = route.state if route is not None else route_state()
+        return paged_step(state, function_for(state), module, query, key, value, attention_mask, kwargs, lengths)
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
@@ -358,6 +365,7 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     AttentionInterface.register(ATTENTION_NAME, _attention)
     AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
     cached_documents.install()  # packed documents behind an empty cache, in the forwards patchkit serves
+    batching_name.install()  # continuous batching keeps the name
     watch()  # models get the name from now on: adopted where they get it (`named`)
     return True
 

@@ -1,0 +1,221 @@
+"""Continuous batching (`generate_batch()`, `generate(cache_implementation="paged")`) runs patched: its requests are
+packed documents, their lengths the varlen metadata, its 4D mask checked before it is trusted; generated tokens and
+their log-probabilities equal the unpatched run's."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import transformers
+from families import FAMILIES, WINDOWED, any_model, set_attention
+
+import patchkit
+from patchkit.errors import PatchkitError
+
+cb_config = getattr(transformers, "ContinuousBatchingConfig", None)
+pytestmark = pytest.mark.skipif(cb_config is None or not hasattr(transformers.GenerationMixin, "generate_batch"),
+                                reason="continuous batching with its own config: transformers 5.x")
+
+PROMPT_LENGTHS = (3, 17, 9, 30, 1, 12)  # longer than the window (5) and than a step's token budget: chunked prefill
+NEW_TOKENS = 6
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def batch_run(model: torch.nn.Module, budget: int = 16) -> list[tuple[list[int], list[float]]]:
+    """Each request's (generated tokens, their log-probabilities): steps of at most `budget` tokens, so prompts are
+    prefilled in chunks behind their own past, beside other requests' decode tokens."""
+    generation = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                                               pad_token_id=0)
+    config = cb_config(num_blocks=32, max_batch_tokens=budget, return_logprobs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model.generate_batch(inputs=prompts(), generation_config=generation, continuous_batching_config=config,
+                                   progress_bar=False)
+    results = sorted(out.values(), key=lambda o: int(o.request_id.split("_")[-1]))
+    assert all(o.error is None for o in results), [o.error for o in results]
+    return [(o.generated_tokens, o.logprobs) for o in results]
+
+
+def assert_same_requests(got: list, want: list, atol: float = 1e-5) -> None:
+    assert len(got) == len(want) == len(PROMPT_LENGTHS)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens and len(tokens) == NEW_TOKENS
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=atol, rtol=0)
+
+
+def model_for(family: str) -> torch.nn.Module:
+    """The family's test model (`families.py`), else the census's tiny one (`census.py`), on sdpa where it has it
+    (GPT-OSS has none: eager, which continuous batching runs as "paged|eager"), in eval."""
+    if family == "llama" or family in FAMILIES:
+        return any_model(family, "sdpa")
+    from census import tiny_lm
+
+    model, why = tiny_lm(family)
+    if model is None:
+        pytest.skip(why)
+    try:
+        return set_attention(model.eval(), "sdpa")
+    except ValueError:
+        return model
+
+
+# beside the families' own: GPT-OSS's sinks, Gemma 3n's layers that read another layer's keys, multi-head latent
+# attention's narrower values (DeepSeek-V3)
+MORE = ["gpt_oss", "gemma3n_text", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILIES, *MORE])
+def test_every_family_runs_continuous_batching_patched_as_unpatched(family: str) -> None:
+    """Every step through patchkit's layers (prefill chunks behind a past, decode tokens, both in one step; sliding
+    windows that bite, Gemma's two layer types, GPT-OSS's sinks), none stepped aside, the unpatched tokens."""
+    model = model_for(family)
+    want = batch_run(model)
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = batch_run(model)
+        aside, calls = dict(group.stepped_aside), group.calls
+    assert_same_requests(got, want)
+    assert not aside and calls > 0
+    if family in WINDOWED:  # the window bites: a prompt of 30 tokens against a window of 5
+        assert max(PROMPT_LENGTHS) > model.config.sliding_window
+
+
+def test_generate_with_a_paged_cache_runs_patched_as_unpatched() -> None:
+    """generate(cache_implementation="paged") on a left-padded batch: continuous batching under generate()."""
+    from models import padded_batch
+
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None,
+              cache_implementation="paged", continuous_batching_config=cb_config(num_blocks=16, max_batch_tokens=64))
+    want = model.generate(input_ids=ids, **kw)
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = model.generate(input_ids=ids, **kw)
+        aside = dict(group.stepped_aside)
+    assert torch.equal(got, want) and got.shape[-1] > ids.shape[-1] and not aside
+
+
+@pytest.mark.parametrize("family, attn", [("qwen2", "sdpa"), ("llama", "eager")])
+def test_an_instance_patch_serves_continuous_batching(family: str, attn: str) -> None:
+    """An instance patch too; on an eager model, which continuous batching switches to "paged|eager" for its steps
+    (transformers' own switch, not a change of the user's the patch would refuse)."""
+    model = any_model(family, attn)
+    want = batch_run(model)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = batch_run(model)
+        assert handle.calls > 0 and not handle.stepped_aside
+    assert_same_requests(got, want)
+    assert model.config._attn_implementation == attn
+
+
+def test_the_manager_transformers_serve_runs_serves_its_requests_patched() -> None:
+    """`transformers serve` keeps a manager (`init_continuous_batching()`) and adds requests to it as they come:
+    the same steps, patched, each request's tokens as generate_batch() gives them unpatched."""
+    model = any_model("mistral", "sdpa")
+    want = [tokens for tokens, _ in batch_run(model)]
+    with patchkit.apply_patch(backend="sdpa") as group:
+        manager = model.init_continuous_batching(
+            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
+            continuous_batching_config=cb_config(num_blocks=32, max_batch_tokens=16))
+        manager.start()
+        try:
+            ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts()]
+            results = {}
+            while len(results) < len(ids):
+                out = manager.get_result(timeout=60)
+                assert out is not None and out.error is None
+                if out.is_finished():
+                    results[out.request_id] = out.generated_tokens
+        finally:
+            manager.stop(block=True)
+        aside, calls = dict(group.stepped_aside), group.calls
+    assert [results[i] for i in ids] == want
+    assert not aside and calls > 0
+
+
+def test_a_step_with_no_masks_block_tables_or_a_compile_steps_aside() -> None:
+    """What patchkit's layers do not serve: a step on a flash attention (no masks: transformers' varlen kernels
+    run it), a decode step read through block tables, a step being compiled."""
+    from unittest import mock
+
+    from patchkit.hooks.decide import step_aside
+
+    mask = torch.zeros(1, 1, 3, 9)
+    assert step_aside.paged_servable({"attention_mask": mask}, {"block_table": None})
+    assert step_aside.paged_servable({"attention_mask": {"full_attention": mask, "sliding_attention": mask}}, {})
+    assert not step_aside.paged_servable({"attention_mask": None}, {})
+    assert not step_aside.paged_servable({"attention_mask": mask}, {"block_table": torch.zeros(1, 2, 4)})
+    with mock.patch.object(step_aside, "is_compiling", return_value=True):
+        assert not step_aside.paged_servable({"attention_mask": mask}, {})
+
+
+def full_request_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Continuous batching's mask builder made to let every query see all its request's keys, later ones too."""
+    module = importlib.import_module("transformers.generation.continuous_batching.input_outputs")
+    original = module.build_attention_mask
+
+    def build(attention_mask: torch.Tensor, cumulative_seqlens_q: list, cumulative_seqlens_k: list,
+              sliding_window: int = 1) -> None:
+        original(attention_mask, cumulative_seqlens_q, cumulative_seqlens_k, sliding_window)
+        for i in range(len(cumulative_seqlens_q) - 1):
+            block = attention_mask[..., cumulative_seqlens_q[i]:cumulative_seqlens_q[i + 1],
+                                   cumulative_seqlens_k[i]:cumulative_seqlens_k[i + 1]]
+            block.zero_()
+
+    monkeypatch.setattr(module, "build_attention_mask", build)
+
+
+def test_a_mask_other_than_the_requests_lengths_say_steps_aside_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask that is not the causal pattern of the requests' lengths (here, made to see later keys) is what
+    transformers' attention runs; patchkit's kernels would not: that step steps aside, named and counted."""
+    full_request_masks(monkeypatch)
+    model = any_model("llama", "sdpa")
+    want = batch_run(model)
+    with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batch_run(model)
+        aside, calls = dict(group.stepped_aside), group.calls
+    assert_same_requests(got, want)
+    # the prefill steps: a decode token sees every key of its request under either mask, and is served
+    assert set(aside) == {"continuous_batching"} and 0 < aside["continuous_batching"] and calls > 0
+    assert any("causal pattern its per-request lengths" in str(w.message) for w in caught)
+
+
+def test_strict_refuses_such_a_mask_in_the_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """strict=True refuses that step in continuous batching's worker thread, whose loop logs and swallows every
+    exception (the prompts came back with no new tokens): the refusal reaches the caller, and the next call and a
+    revert find transformers' continuous batching as it was."""
+    continuous_batching = importlib.import_module("transformers.generation.continuous_batching")
+    original = vars(continuous_batching.ContinuousMixin)["generate_batch"]
+    full_request_masks(monkeypatch)
+    model = any_model("llama", "sdpa")
+    want = batch_run(model)
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        with pytest.raises(PatchkitError, match="strict=True.*per-request lengths"):
+            batch_run(model)
+        handle.revert()
+    assert vars(continuous_batching.ContinuousMixin)["generate_batch"] is original
+    assert_same_requests(batch_run(model), want)
+
+
+def test_the_registered_name_alone_runs_continuous_batching_patched() -> None:
+    """A model loaded with attn_implementation="patchkit": transformers' continuous batching refused the name
+    (`Implementation patchkit is not supported for continuous batching`); it keeps it now, and patchkit's attention
+    serves every step from the requests' lengths."""
+    from patchkit.hooks.name import attention_interface
+
+    model = any_model("mistral", "sdpa")
+    want = batch_run(model)
+    model.set_attn_implementation("patchkit")
+    state = attention_interface.route_state()
+    calls, aside = state.calls, dict(state.stepped_aside)
+    got = batch_run(model)
+    assert_same_requests(got, want)
+    assert state.calls > calls and dict(state.stepped_aside) == aside
+    assert model.config._attn_implementation == "patchkit"
