@@ -256,8 +256,10 @@ def test_bad_block_table_input_is_a_clear_value_error(change, match):
         bad_call(**change)
 
 
-def test_paged_path_still_reaches_sdpa_without_a_mask(monkeypatch):
-    """The common cases (full causal, decode) keep SDPA's fused kernel: no explicit mask, paged or not."""
+def test_paged_path_reaches_sdpa_without_a_mask_and_groups_decode_queries(monkeypatch):
+    """Full causal keeps SDPA's fused kernel (no explicit mask), paged or not; a decode step's queries (one per
+    sequence) go in one call over their keys with a key mask (`single_query_groups`), with each sequence's own
+    numbers."""
     masks = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -270,9 +272,18 @@ def test_paged_path_still_reaches_sdpa_without_a_mask(monkeypatch):
     k, v = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8)
     full = torch.tensor([0, 7, 13], dtype=torch.int32)
     stand_in.flash_attn_varlen_func(torch.randn(13, 4, 8), k, v, full, full, 7, 7, causal=True, block_table=table)
+    assert len(masks) == 2 and all(m is None for m in masks)
     decode = torch.tensor([0, 1, 2], dtype=torch.int32)
-    stand_in.flash_attn_varlen_func(torch.randn(2, 4, 8), k, v, decode, full, 1, 7, causal=True, block_table=table)
-    assert len(masks) == 4 and all(m is None for m in masks)
+    q = torch.randn(2, 4, 8)
+    got = stand_in.flash_attn_varlen_func(q, k, v, decode, full, 1, 7, causal=True, block_table=table)
+    (mask,) = masks[2:]
+    assert mask.shape[-2:] == (2, 13) and mask.sum().item() == 13  # each query its own sequence's keys
+    flat_k = torch.cat([k[b].reshape(-1, 2, 8) for b in table.flatten().tolist()])
+    flat_v = torch.cat([v[b].reshape(-1, 2, 8) for b in table.flatten().tolist()])
+    keys = [(0, 7), (8, 14)]  # each sequence's pages: 4 slots each, the first 7 and 6 of them used
+    for row, (lo, hi) in enumerate(keys):
+        want = sdpa.varlen_attention(q[row:row + 1], flat_k[lo:hi], flat_v[lo:hi], [1], [hi - lo], causal=True)[0]
+        torch.testing.assert_close(got[row], want[0], atol=1e-6, rtol=0)
 
 
 # --- backward precision: the math path (lse, windows, softcap, sq > sk) -------------------------------------------

@@ -7,7 +7,11 @@ q_len != kv_len, GQA/MQA with fewer K/V heads, `softmax_scale` defaulting to D *
 
 Speed: each sequence goes to `F.scaled_dot_product_attention` without an explicit mask whenever its
 causal pattern allows (that reaches SDPA's fused flash kernels on CPU and GPU); only the rare patterns
-that need a mask (chunked prefill, windows) build one, for that one sequence.
+that need a mask (chunked prefill, windows) build one, for that one sequence. Sequences of one query each (a
+continuous-batching decode step: a query per request) go in groups instead, one call per group over the group's
+keys with a key mask, the group's size bounded so that the scores it adds across sequences stay small
+(`single_query_groups`): a call costs about 100 us from a thread that is not the main one (OpenMP wakes its team
+per call; continuous batching runs the model in its own thread), where the attention of one query is a few us.
 """
 
 from __future__ import annotations
@@ -135,6 +139,9 @@ def varlen_attention(
         out, lse = _attend_batched(qb, kb, vb, scale, causal, window, softcap, dropout_p, return_lse)
         out = out.transpose(1, 2).reshape(n * s, h, -1)
         return out, (lse.permute(1, 0, 2).reshape(h, n * s) if lse is not None else None)
+    if n > 1 and alibi_slopes is None and not return_lse and softcap == 0 and dropout_p == 0 and (
+            single_queries(seqlens_q, seqlens_k, q.shape[0], k.shape[0])):
+        return _attend_single_queries(qh, kh, vh, seqlens_k, scale, window), None
     outs, lses = [], []
     # One split per tensor, not a slice per sequence: autograd sums a slice's gradient into a zeroed tensor of the
     # whole input, once per sequence (18% of a CPU training step at 8 sequences); a split's gradient is one cat.
@@ -167,6 +174,52 @@ def varlen_attention(
     if not return_lse:
         return out, None
     return out, torch.cat(lses, dim=1) if lses else torch.full((h, 0), float("inf"), device=q.device)  # no query
+
+
+GROUP_SCORES = 1 << 14  # a group's queries x its keys: cross-sequence scores stay under this per head
+
+
+def single_queries(seqlens_q: Sequence[int], seqlens_k: Sequence[int], q_tokens: int, k_tokens: int) -> bool:
+    """One query per sequence behind keys of its own, and no token past the last sequence's."""
+    return all(n == 1 for n in seqlens_q) and min(seqlens_k) > 0 and q_tokens == len(seqlens_q) and (
+        k_tokens == sum(seqlens_k))
+
+
+def single_query_groups(seqlens_k: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive sequences as [first, end) groups, each as large as GROUP_SCORES lets its queries x its keys be
+    (a sequence longer than that is a group of its own)."""
+    groups, first, keys = [], 0, 0
+    for i, n in enumerate(seqlens_k):
+        if i > first and (i - first + 1) * (keys + n) > GROUP_SCORES:
+            groups.append((first, i))
+            first, keys = i, 0
+        keys += n
+    groups.append((first, len(seqlens_k)))
+    return groups
+
+
+def _attend_single_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: Sequence[int],
+                           scale: float, window: tuple[int, int]) -> torch.Tensor:
+    """Heads first, q (H, n, D), k/v (Hk, Tk, D): each query over its own sequence's keys, whose last position it is
+    (causal or not, it sees them all; its window, the last of them), group by group (`single_query_groups`), each
+    group one SDPA call over its keys with a key mask -> (n, H, D)."""
+    starts = [0]
+    for n in seqlens_k:
+        starts.append(starts[-1] + n)
+    outs = []
+    for first, end in single_query_groups(seqlens_k):
+        lo, hi = starts[first], starts[end]
+        columns = torch.arange(hi - lo, device=q.device)
+        begin = torch.tensor(starts[first:end], device=q.device) - lo
+        stop = torch.tensor(starts[first + 1 : end + 1], device=q.device) - lo
+        if window[0] >= 0:
+            begin = torch.maximum(begin, stop - 1 - window[0])
+        seen = (columns >= begin[:, None]) & (columns < stop[:, None])  # (queries, keys)
+        out = F.scaled_dot_product_attention(
+            q[:, first:end].unsqueeze(0), k[:, lo:hi].unsqueeze(0), v[:, lo:hi].unsqueeze(0),
+            attn_mask=seen[None, None], scale=scale, enable_gqa=k.shape[0] != q.shape[0])
+        outs.append(out[0].transpose(0, 1))  # (queries, H, D)
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _attend_batched(
