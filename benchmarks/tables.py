@@ -322,6 +322,19 @@ def cross_attention() -> str:
             + table(["provider", "median s", "tok/s", "x HF sdpa", "forwards aside"], body))
 
 
+def continuous_batching() -> str:
+    rows = [r for r in read("continuous_batching.csv") if not r.get("skipped")]
+    body = [[f"{r['requests']} x {int(r['prompt_tokens']) // int(r['requests'])} (longest {r['longest_prompt']})",
+             r["provider"], f"{float(r['median_s']):.3f}", f"{float(r['real_tokens_per_s']):.0f}",
+             x(float(r["vs_hf_sdpa"])), f"{float(r['forward_s']):.3f}", x(float(r["forward_vs_hf_sdpa"])),
+             r["stepped_aside"], r["same_tokens"]] for r in rows]
+    first = rows[0]
+    return (f"`continuous_batching.csv` (LLaMA hidden 256, {first['new_tokens']} new tokens a request, steps of "
+            f"<= {first['step_budget']} tokens, {first['device']})\n\n"
+            + table(["requests x mean prompt", "provider", "generate_batch s", "tok/s", "x HF sdpa", "forward s",
+                     "x HF sdpa", "steps aside", "HF sdpa's tokens"], body))
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
     "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
@@ -330,7 +343,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "zero3-head": lambda: sharded_head("zero3_head.csv"), "fsdp2-head": lambda: sharded_head("fsdp2_head.csv"),
     "peft-head": peft_head, "prepared-head": prepared_head,
     "trainer-head": trainer_head, "mixer-groups": mixer_groups, "image-blocks": image_blocks,
-    "cross-attention": cross_attention,
+    "cross-attention": cross_attention, "continuous-batching": continuous_batching,
 }
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

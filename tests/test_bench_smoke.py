@@ -294,3 +294,13 @@ def test_the_cross_attention_benchmark_times_mllama_in_both_unpad_modes(tmp_path
     assert set(rows) == {"hf_sdpa", "hf_eager", "patchkit_attention", "patchkit"}
     assert all(float(r["real_tokens_per_s"]) > 0 for r in rows.values())
     assert rows["patchkit"]["stepped_aside"] == rows["patchkit_attention"]["stepped_aside"] == "0"
+
+
+def test_the_continuous_batching_benchmark_times_generate_batch_patched_and_aside(tmp_path: Path) -> None:
+    """benchmarks/continuous_batching.py at a tenth of its lengths: both workloads, every provider a row with HF
+    sdpa's tokens; patchkit's steps run patched, its `patchkit_aside` stand-in of the code before steps aside."""
+    rows = tenth_scale_rows("continuous_batching", tmp_path)
+    assert sorted(r["provider"] for r in rows) == sorted(["hf_sdpa", "hf_eager", "patchkit_aside", "patchkit"] * 2)
+    assert all(float(r["real_tokens_per_s"]) > 0 and r["same_tokens"] == "True" for r in rows)
+    assert all(r["stepped_aside"] == "0" for r in rows if r["provider"] == "patchkit")
+    assert all(int(r["stepped_aside"]) > 0 for r in rows if r["provider"] == "patchkit_aside")
