@@ -29,10 +29,16 @@ PAGED_ARGUMENTS = frozenset({
 MISMATCH = "mismatch"  # the 4D mask is not the pattern the lengths say
 
 
+def cache_beside(kwargs: Mapping[str, Any]) -> bool:
+    """The paged cache handed to attention itself, still to update (transformers before 5.24: its attention functions
+    read and write it; the layer's keys are its new tokens alone)."""
+    return any(type(kwargs.get(name)).__name__ == "PagedAttentionCache" for name in ("cache", "past_key_values"))
+
+
 def paged_lengths(module: Any, kwargs: Mapping[str, Any]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(cu_seq_lens_q, cu_seq_lens_k) of a layer's attention call inside continuous batching, or None for any other
-    call. The cache's update resolves the key lengths to the layer's type; a layer that reads another's keys (KV
-    sharing: Gemma 3n's last layers) updates no cache and gets them by its own type here."""
+    """(cu_seq_lens_q, cu_seq_lens_k) of a layer's attention call inside continuous batching, or None where they
+    are not there to read. The cache's update resolves the key lengths to the layer's type; a layer that reads
+    another's keys (KV sharing: Gemma 3n's last layers) updates no cache and gets them by its own type here."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if "write_index" not in kwargs or not isinstance(cu_q, torch.Tensor):
         return None

@@ -2,34 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from patchkit.forward.inputs.paged import MISMATCH, PAGED_ARGUMENTS, mask_window, paged_metadata
+from patchkit.forward.inputs.paged import (
+    MISMATCH,
+    PAGED_ARGUMENTS,
+    cache_beside,
+    mask_window,
+    paged_lengths,
+    paged_metadata,
+)
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.attention.eager import transformers_attention
+from patchkit.hooks.attention.cross_layers import loaded_function
 from patchkit.hooks.decide.step_aside import step_aside
 
 PAGED_MISMATCH = ("continuous batching built a 4D mask other than the causal pattern its per-request lengths "
                   "describe, which is what patchkit's kernels would run")
+CACHE_BESIDE = ("continuous batching handed attention its paged cache to update (transformers before 5.24, whose "
+                "attention functions read and write it themselves)")
 
 
 def paged_step(state: Any, function: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: Any, kwargs: dict, lengths: tuple[torch.Tensor, torch.Tensor]
-               ) -> Any:
-    """A continuous-batching layer call on a patch's state (the forward's route, or the registered name's alone);
-    a mask other than its lengths say steps aside, counted once per step (its `cu_seq_lens_q` is the step's own)."""
+               value: torch.Tensor, attention_mask: Any, kwargs: dict, loaded: Optional[str]) -> Any:
+    """A continuous-batching layer call on a patch's state (the forward's route, or the registered name's alone).
+    One patchkit does not serve runs the attention the model was loaded with (`loaded`: sdpa under the name alone),
+    as unpatched, counted once per step (its `cu_seq_lens_q` is the step's own): a mask other than the requests'
+    lengths say, a paged cache still to update, a layer whose keys' lengths it cannot tell."""
+    step = kwargs.get("cu_seq_lens_q")
 
-    def aside() -> Any:
-        step = lengths[0]
+    def aside(why: str) -> Any:
         if not getattr(step, "patchkit_counted", False):
-            step_aside(state, "continuous_batching", {}, {}, PAGED_MISMATCH)
-            step.patchkit_counted = True
-        return transformers_attention(module, query, key, value, attention_mask, **kwargs)
+            step_aside(state, "continuous_batching", {}, {}, why)
+            if isinstance(step, torch.Tensor):
+                step.patchkit_counted = True
+        return loaded_function(module, loaded)(module, query, key, value, attention_mask, **kwargs)
 
-    return paged_attention(function, module, query, key, value, attention_mask, kwargs, lengths, aside)
+    lengths = None if cache_beside(kwargs) else paged_lengths(module, kwargs)
+    if lengths is None:
+        return aside(CACHE_BESIDE if cache_beside(kwargs) else PAGED_MISMATCH)
+    return paged_attention(function, module, query, key, value, attention_mask, kwargs, lengths,
+                           lambda: aside(PAGED_MISMATCH))
 
 
 def paged_attention(

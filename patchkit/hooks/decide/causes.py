@@ -41,9 +41,10 @@ CAUSES = {
     "continuous_batching": (
         "continuous batching (generate_batch(), or generate(cache_implementation='paged')) ran a step that "
         "patchkit's layers do not serve: on a flash attention (no masks: transformers' own varlen kernels serve it), "
-        "a decode step read through block tables, or a step compiled or captured in a CUDA graph",
+        "a decode step read through block tables, a step compiled or captured in a CUDA graph, or one on a "
+        "transformers before 5.24, whose attention functions update the paged cache themselves",
         "none needed: continuous batching stays exact on transformers' paged attention; with the model loaded with "
-        "attn_implementation='sdpa' and no compile, its steps run patched",
+        "attn_implementation='sdpa', no compile and transformers 5.24 or newer, its steps run patched",
     ),
     "bidirectional_image_tokens": (
         "a vision-language model's own masks (Gemma 3's, Gemma 4's, from token_type_ids) let image tokens see each "

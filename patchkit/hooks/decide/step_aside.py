@@ -123,7 +123,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if wanted:
         return "output_attentions"
     cache = given_cache(arguments)
-    if paged_cache(cache):  # its layers read the requests' own lengths (`forward/inputs/paged.py`), or it steps aside
+    if paged_cache(given_cache(arguments, extra)):  # its layers read the requests' lengths (`forward/inputs/paged.py`)
         return None if paged_servable(arguments, extra) else "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
@@ -186,9 +186,13 @@ def paged_cache(cache: Any) -> bool:
 
 def paged_servable(arguments: dict, extra: dict) -> bool:
     """patchkit's layers serve a continuous-batching step (`hooks/attention/paged.py`) under the 4D mask(s) it makes
-    for sdpa and eager, which they check before they trust its lengths. Not one with no masks (a flash attention
-    loaded: transformers' own varlen kernels serve it), nor a decode step read through block tables, nor one compiled
-    or captured in a CUDA graph (the lengths are host reads)."""
+    for sdpa and eager, which they check before they trust its lengths, where the paged cache is the forward's own
+    cache argument: its layers update it and hand attention every request's keys (transformers 5.24+; before, it went
+    beside, in the kwargs, to transformers' attention functions, which updated it themselves). Not a step with no
+    masks (a flash attention loaded: transformers' own varlen kernels serve it), nor a decode step read through block
+    tables, nor one compiled or captured in a CUDA graph (the lengths are host reads)."""
+    if not paged_cache(given_cache(arguments)):
+        return False
     masks = arguments.get("attention_mask")  # one per layer type, or the one tensor of a single type
     masks = list(masks.values()) if isinstance(masks, dict) else [masks]
     return all(isinstance(m, torch.Tensor) and m.dim() == 4 for m in masks) and (

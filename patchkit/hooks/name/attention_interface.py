@@ -33,7 +33,6 @@ from patchkit.forward.inputs.mask_functions import (
     mask_name,
     packed_sequence_ids,
 )
-from patchkit.forward.inputs.paged import paged_lengths
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
@@ -275,11 +274,11 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if cross_layer(module):  # to another tower's tokens, under the batch's own mask: the loaded attention
         route = current().route
         return cross_attention(module, query, key, value, attention_mask, route and route.loaded, **kwargs)
-    lengths = None if is_compiling() else paged_lengths(module, kwargs)
-    if lengths is not None:  # continuous batching: its requests are packed documents
+    if "write_index" in kwargs and not is_compiling():  # continuous batching: its requests are packed documents
         route = current().route
         state = route.state if route is not None else route_state()
-        return paged_step(state, function_for(state), module, query, key, value, attention_mask, kwargs, lengths)
+        return paged_step(state, function_for(state), module, query, key, value, attention_mask, kwargs,
+                          route and route.loaded)
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced

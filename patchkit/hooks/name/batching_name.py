@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any, Callable
 
+from patchkit.forward.inputs.arguments import cache_parameter
 from patchkit.hooks.install.routing import ROUTE_NAME
 
 SWITCH = "switch_to_cb_friendly_attn"
@@ -21,12 +23,19 @@ SWITCH = "switch_to_cb_friendly_attn"
 def keeps_patchkit(original: Callable) -> Callable:
     @functools.wraps(original)
     def switch_to_cb_friendly_attn(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(getattr(model, "config", None), "_attn_implementation", None) == ROUTE_NAME:
+        named = getattr(getattr(model, "config", None), "_attn_implementation", None) == ROUTE_NAME
+        if named and layers_update_the_cache(model):
             return None  # kept: patchkit's attention serves continuous batching's steps
-        return original(self, model, *args, **kwargs)
+        return original(self, model, *args, **kwargs)  # before 5.24: transformers' refusal, as it was
 
     switch_to_cb_friendly_attn.__patchkit_name__ = True  # type: ignore[attr-defined]
     return switch_to_cb_friendly_attn
+
+
+def layers_update_the_cache(model: Any) -> bool:
+    """The model's layers update continuous batching's paged cache themselves (transformers 5.24+, where the cache
+    argument is `cache`); before, its attention functions did, which patchkit's attention does not."""
+    return cache_parameter(inspect.signature(type(model).forward).parameters) == "cache"
 
 
 def install() -> None:
