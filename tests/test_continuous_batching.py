@@ -275,3 +275,22 @@ def test_continuous_batching_on_the_kernel_backends(family: str, backend: str, m
     # a step of next tokens (a query per request, behind its past) and one with a prompt's chunk behind its past
     assert any(set(q) == {1} and len(q) > 1 and all(k > 1 for k in ks) for q, ks in lengths)
     assert any(any(1 < q < k for q, k in zip(qs, ks)) for qs, ks in lengths)
+
+
+def test_a_layer_with_no_lengths_to_read_runs_the_loaded_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer call whose key lengths patchkit cannot tell (a layer type it finds no lengths for) runs the attention
+    the model was loaded with over continuous batching's own mask, exact, named and counted once per step."""
+    from patchkit.hooks.attention import paged
+
+    if not SERVED:
+        pytest.skip("before transformers 5.24 continuous batching's steps step aside whole")
+    model = any_model("qwen2", "sdpa")
+    want = batch_run(model)
+    monkeypatch.setattr(paged, "paged_lengths", lambda module, kwargs: None)
+    with patchkit.apply_patch(backend="sdpa") as group, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = batch_run(model)
+        aside = dict(group.stepped_aside)
+    assert_same_requests(got, want)
+    assert set(aside) == {"continuous_batching"} and aside["continuous_batching"] >= NEW_TOKENS
+    assert any("no key lengths of its own type" in str(w.message) for w in caught)

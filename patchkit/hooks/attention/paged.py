@@ -23,6 +23,7 @@ PAGED_MISMATCH = ("continuous batching built a 4D mask other than the causal pat
                   "describe, which is what patchkit's kernels would run")
 CACHE_BESIDE = ("continuous batching handed attention its paged cache to update (transformers before 5.24, whose "
                 "attention functions read and write it themselves)")
+NO_LENGTHS = "continuous batching gave a layer no key lengths of its own type (patchkit found no layer_type on it)"
 
 
 def paged_step(state: Any, function: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -42,7 +43,7 @@ def paged_step(state: Any, function: Callable, module: nn.Module, query: torch.T
 
     lengths = None if cache_beside(kwargs) else paged_lengths(module, kwargs)
     if lengths is None:
-        return aside(CACHE_BESIDE if cache_beside(kwargs) else PAGED_MISMATCH)
+        return aside(CACHE_BESIDE if cache_beside(kwargs) else NO_LENGTHS)
     return paged_attention(function, module, query, key, value, attention_mask, kwargs, lengths,
                            lambda: aside(PAGED_MISMATCH))
 
