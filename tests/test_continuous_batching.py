@@ -4,8 +4,10 @@ their log-probabilities equal the unpatched run's."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -40,7 +42,9 @@ def batch_run(model: torch.nn.Module, budget: int = 16) -> list[tuple[list[int],
     generation = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
                                                pad_token_id=0)
     config = cb_config(num_blocks=32, max_batch_tokens=budget, return_logprobs=True)
-    with warnings.catch_warnings():
+    # its manager collects garbage twice a call, seconds in a test process that has made hundreds of models (the
+    # census's workers): no number depends on it
+    with warnings.catch_warnings(), mock.patch.object(gc, "collect", lambda *_: 0):
         warnings.simplefilter("ignore", FutureWarning)
         out = model.generate_batch(inputs=prompts(), generation_config=generation, continuous_batching_config=config,
                                    progress_bar=False)
@@ -161,7 +165,6 @@ def test_the_manager_transformers_serve_runs_serves_its_requests_patched() -> No
 def test_a_step_with_no_masks_block_tables_or_a_compile_steps_aside() -> None:
     """What patchkit's layers do not serve: a step on a flash attention (no masks: transformers' varlen kernels
     run it), a decode step read through block tables, a step being compiled, a cache handed beside the layers."""
-    from unittest import mock
 
     from patchkit.hooks.decide import step_aside
 
