@@ -297,3 +297,45 @@ def test_a_layer_with_no_lengths_to_read_runs_the_loaded_attention(monkeypatch: 
     assert_same_requests(got, want)
     assert set(aside) == {"continuous_batching"} and aside["continuous_batching"] >= NEW_TOKENS
     assert any("no key lengths of its own type" in str(w.message) for w in caught)
+
+
+def test_requests_that_share_a_prompt_prefix_reuse_its_cached_pages_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block sharing (prefix caching, on by default): a later request whose prompt starts with cached pages of an
+    earlier one's reads them as its past and prefills the rest, a query chunk behind keys it never computed; the
+    unpatched tokens and log-probabilities, every step patched."""
+    cache_module = importlib.import_module("transformers.generation.continuous_batching.cache")
+    original = getattr(cache_module.PagedAttentionCache, "search_prefix_match", None)
+    if original is None or not SERVED:
+        pytest.skip("no prefix sharing in this transformers' continuous batching, or its steps step aside")
+    matched: list[int] = []
+
+    def search_prefix_match(self, *args, **kwargs) -> int:
+        found = original(self, *args, **kwargs)
+        matched.append(found)
+        return found
+
+    monkeypatch.setattr(cache_module.PagedAttentionCache, "search_prefix_match", search_prefix_match)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 90, (12,), generator=g).tolist()
+    shared = [prefix + torch.randint(3, 90, (n,), generator=g).tolist() for n in (3, 9, 1, 14)]
+    generation = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                                               pad_token_id=0)
+    config = dict(num_blocks=64, page_size=4, max_batch_tokens=16, allow_block_sharing=True, return_logprobs=True)
+
+    def run(model: torch.nn.Module) -> list:
+        with mock.patch.object(gc, "collect", lambda *_: 0):
+            out = model.generate_batch(inputs=shared, generation_config=generation,
+                                       continuous_batching_config=cb_config(**config), progress_bar=False)
+        return [(o.generated_tokens, o.logprobs) for o in sorted(out.values(), key=lambda o: o.request_id)]
+
+    model = any_model("llama", "sdpa")  # full attention: a sliding window's pages are not shared
+    want = run(model)
+    matched.clear()
+    with patchkit.apply_patch(backend="sdpa") as group:
+        got = run(model)
+        aside, calls = dict(group.stepped_aside), group.calls
+    assert max(matched) >= 8  # pages of the shared prefix were found and read as a past
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-5, rtol=0)
+    assert_patched(aside, calls)
