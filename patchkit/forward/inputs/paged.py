@@ -29,10 +29,17 @@ PAGED_ARGUMENTS = frozenset({
 MISMATCH = "mismatch"  # the 4D mask is not the pattern the lengths say
 
 
+def paged_cache(cache: Any) -> bool:
+    """Continuous batching's cache (`generate_batch()`, `generate(cache_implementation="paged")`): blocks of keys
+    shared by many requests, read and written by index, under masks it builds itself. Read by class name: the module
+    moved between transformers releases."""
+    return type(cache).__name__ == "PagedAttentionCache"
+
+
 def cache_beside(kwargs: Mapping[str, Any]) -> bool:
     """The paged cache handed to attention itself, still to update (transformers before 5.24: its attention functions
     read and write it; the layer's keys are its new tokens alone)."""
-    return any(type(kwargs.get(name)).__name__ == "PagedAttentionCache" for name in ("cache", "past_key_values"))
+    return any(paged_cache(kwargs.get(name)) for name in ("cache", "past_key_values"))
 
 
 def paged_lengths(module: Any, kwargs: Mapping[str, Any]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

@@ -41,9 +41,11 @@ def paged_step(state: Any, function: Callable, module: nn.Module, query: torch.T
                 step.patchkit_counted = True
         return loaded_function(module, loaded)(module, query, key, value, attention_mask, **kwargs)
 
-    lengths = None if cache_beside(kwargs) else paged_lengths(module, kwargs)
+    if cache_beside(kwargs):
+        return aside(CACHE_BESIDE)
+    lengths = paged_lengths(module, kwargs)
     if lengths is None:
-        return aside(CACHE_BESIDE if cache_beside(kwargs) else NO_LENGTHS)
+        return aside(NO_LENGTHS)
     return paged_attention(function, module, query, key, value, attention_mask, kwargs, lengths,
                            lambda: aside(PAGED_MISMATCH))
 

@@ -14,13 +14,14 @@ from torch import nn
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
 from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook, origin_of
+from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.model_masks import model_masks_cause
 from patchkit.hooks.decide.outer_caller import unwrapped_head
 from patchkit.hooks.decide.self_check import untrusted_cause
-from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded, paged_cache
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause

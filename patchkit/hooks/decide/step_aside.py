@@ -27,6 +27,7 @@ from patchkit.forward.inputs.arguments import (
     transformers_made,
     window_over_hole,
 )
+from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
@@ -175,13 +176,6 @@ def fills_short_masks() -> bool:
 
 
 _FILLS: list[bool] = []
-
-
-def paged_cache(cache: Any) -> bool:
-    """Continuous batching's cache (`generate_batch()`, `generate(cache_implementation="paged")`): blocks of keys
-    shared by many requests, read and written by index, under masks it builds itself. Read by class name: the module
-    moved between transformers releases."""
-    return type(cache).__name__ == "PagedAttentionCache"
 
 
 def paged_servable(arguments: dict, extra: dict) -> bool:
