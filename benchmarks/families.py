@@ -131,6 +131,11 @@ def text_config(family: str, size: dict) -> object:
     rope, nope, v = (16, 32, 32) if head == 32 else (head // 2, head // 2, head)
     linear = dict(linear_num_key_heads=size["num_attention_heads"] // 2, linear_num_value_heads=size[
         "num_attention_heads"], linear_key_head_dim=head, linear_value_head_dim=head)  # the hybrids' linear layers
+    latent = dict(  # DeepSeek-V3's latent attention and routed MoE
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=size["hidden_size"] // 4,
+        q_lora_rank=size["hidden_size"] // 2, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
+        **{**size, "num_key_value_heads": size["num_attention_heads"]})
     configs = {
         "llama": lambda: tf.LlamaConfig(**size),
         "mistral": lambda: tf.MistralConfig(sliding_window=WINDOW, **size),
@@ -150,11 +155,12 @@ def text_config(family: str, size: dict) -> object:
         # served from data (patches/table.py): attention sinks, multi-head latent attention, a routed MoE
         "gpt_oss": lambda: tf.GptOssConfig(head_dim=head, num_local_experts=8, num_experts_per_tok=2,
                                            sliding_window=WINDOW, **{**size, "intermediate_size": expert}),
-        "deepseek_v3": lambda: tf.DeepseekV3Config(
-            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert, n_shared_experts=1,
-            first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=size["hidden_size"] // 4,
-            q_lora_rank=size["hidden_size"] // 2, qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v,
-            **{**size, "num_key_value_heads": size["num_attention_heads"]}),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**latent),
+        # DeepSeek-V3.2's sparse attention: an indexer of half the heads, at twice the rotary size, on every layer;
+        # its top-k (2048) keeps every key of these rows, so patchkit serves them and computes no index score
+        "deepseek_v32": lambda: tf.DeepseekV32Config(
+            index_n_heads=size["num_attention_heads"] // 2, index_head_dim=2 * rope,
+            layer_types=["indexed_attention"] * size["num_hidden_layers"], **latent),
         "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=head, n_routed_experts=8, num_experts_per_tok=2,
                                              moe_intermediate_size=expert, first_k_dense_replace=1, n_group=1,
                                              topk_group=1, **size),

@@ -48,6 +48,8 @@ VERIFIED = frozenset({
     "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash",
     # multi-head latent attention (values narrower than queries and keys): zero columns to one head size
     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1", "longcat_flash",
+    # sparse attention (DSA): served where no query sees more keys than its indexer keeps (`SPARSE_INDEXERS`)
+    "deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from transformers' mask function, for layers not handed position_ids
@@ -88,7 +90,8 @@ TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
 # Granite-Docling's). Served inside it, verified by the multimodal census (`tests/test_wrapper_census.py`: training,
 # generation, the reads at padding, unpad="loss", the registered name); model_type -> its base model's class name,
 # or (that, its attention's) where the module's other towers' attention goes through the interface too.
-# Not listed: Mistral Large 4's (an indexer picks the keys), GLM-5-Next's (it builds 4D masks of its own)
+# Not listed: Mistral Large 4's (an indexer picks the keys: its text model not yet in the census), GLM-5-Next's (it
+# builds 4D masks of its own)
 WRAPPED_TEXT_MODELS = {"glm_ocr_text": "GlmOcrTextModel", "granite_docling_text": "GraniteDoclingTextModel",
                        "paddleocr_vl_text": "PaddleOCRTextModel",
                        "qwen2_5_omni_text": ("Qwen2_5OmniThinkerTextModel", "Qwen2_5OmniAttention"),
@@ -109,15 +112,23 @@ ROW_MIXERS = {
     "granitemoehybrid": "GraniteMoeHybridMambaLayer", "minimax": "MiniMaxLightningAttention",
     "zaya": "ZayaCCAProjection",  # its attention's q/k convolution and the value delayed by one token
 }
+# Sparse attention (DeepSeek-V3.2's DSA): an indexer keeps each query's `index_topk` best-scored keys. A query that
+# sees no more keys than that keeps them all, and attends densely: forwards where every query does are served, their
+# indexers storing their keys in the cache and scoring none (`hooks/attention/sparse_indexer.py`); a forward with a
+# query past `index_topk` keys steps aside (`sparse_attention`). model_type -> its indexer class
+SPARSE_INDEXERS = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "axk2": "AXK2Indexer",
+                   "hy_v4": "HYV4Indexer"}
+# where their indexers were read and run (5.23.0, 5.24.0, 5.25.0); before, transformers' DSA layers had another layer
+# type and mask (5.16's "deepseek_sparse_attention"), which the census has not run: refused there by name
+SPARSE_TRANSFORMERS = ">=5.23"
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 # a bias of the attention scores the family's attention hands transformers' attention function: no varlen kernel takes
 # one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
-    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note", "dots3_note_text", "glm5_next", "hy_v4",
-                     "mistral_large4", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4",
-                     "kolibri1_1"),
+    **dict.fromkeys(("dots3_note", "dots3_note_text", "glm5_next", "mistral_large4", "minimax_m3_vl_text",
+                     "qwen4_exp", "qwen4_exp_text", "deepseek_v4", "kolibri1_1"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": SCORE_BIAS,
@@ -141,9 +152,14 @@ REFUSED_CONFIGS = {"falcon": ("alibi", "ALiBi (Falcon-RW), a position bias the m
 
 def serves_here() -> bool:
     """Whether the installed transformers is one the table serves (the census's)."""
+    return installed_in(TABLE_TRANSFORMERS)
+
+
+def installed_in(releases: str) -> bool:
+    """Whether the installed transformers is among `releases` (a version specifier)."""
     import transformers
 
-    return transformers.__version__ in SpecifierSet(TABLE_TRANSFORMERS)
+    return transformers.__version__ in SpecifierSet(releases)
 
 
 def verified_here() -> frozenset[str]:
@@ -336,6 +352,9 @@ def spec(model_type: str) -> PatchSpec:
         raise PatchTargetError(f"model_type {model_type!r} uses {REFUSED[model_type]}")
     if not serves_here():
         raise PatchTargetError(f"families served from data need transformers{TABLE_TRANSFORMERS} (the census's)")
+    if model_type in SPARSE_INDEXERS and not installed_in(SPARSE_TRANSFORMERS):
+        raise PatchTargetError(f"model_type {model_type!r} uses sparse attention (an indexer selects the keys each "
+                               f"query sees), which patchkit serves on transformers{SPARSE_TRANSFORMERS}")
     find_classes(model_type)  # what stops it, said now rather than at the first forward
     verified = model_type in VERIFIED
     if not verified:
@@ -351,7 +370,7 @@ def spec(model_type: str) -> PatchSpec:
         transformers=TABLE_TRANSFORMERS, unpad="attention" if mixes_outside_attention(model_type) else None,
         verified=verified, mixers=lambda: mixer_classes(model_type), check_model=config_gate(model_type),
         model_gate=f"{REFUSED_CONFIGS[model_type][0]}=False" if model_type in REFUSED_CONFIGS else "",
-        padded_layers=lambda: cross_decoder_layers(model_type),
+        padded_layers=lambda: cross_decoder_layers(model_type), indexers=lambda: indexer_classes(model_type),
     )
 
 
@@ -362,6 +381,14 @@ def mixer_classes(model_type: str) -> tuple[type, ...]:
         return ()
     lm = find_classes(model_type)[2]
     return (getattr(sys.modules[lm.__module__], ROW_MIXERS[model_type]),)
+
+
+def indexer_classes(model_type: str) -> tuple[type, ...]:
+    """The sparse-attention indexer class of `model_type` (`SPARSE_INDEXERS`), in its modeling module."""
+    if model_type not in SPARSE_INDEXERS:
+        return ()
+    lm = find_classes(model_type)[2]
+    return (getattr(sys.modules[lm.__module__], SPARSE_INDEXERS[model_type]),)
 
 
 def cross_decoder_layers(model_type: str) -> tuple[type, ...]:

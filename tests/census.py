@@ -105,7 +105,7 @@ def first_built(cls, kw: dict, default) -> tuple:
 
 
 # A hybrid layer (Zamba's, ZAYA's) runs attention beside its state-space mixer; a layer of any other kind mixes alone.
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "hybrid")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention", "hybrid", "indexed_attention")
 # What SMALL and the general rules cannot say, per family (each a transformers default that cannot build tiny)
 OVERRIDES = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default layer_types: the model reads them

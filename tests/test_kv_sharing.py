@@ -79,12 +79,14 @@ def test_kv_shared_layers_under_the_registered_name_alone_slice_the_mask(shared_
 
 
 def test_an_index_the_mask_cannot_place_names_it():
-    """Every query, or the last ones, is a slice of the mask; any other index names the index and the model's own code,
-    not a patch reverted mid-forward."""
+    """Every query, or the last ones, is a slice of the mask, and so is the head axis dropped (a sparse attention's
+    indexer reads `mask[:, 0, :, :]`); any other index names the index and the model's own code, not a patch
+    reverted mid-forward."""
     mask = VarlenMask(torch.ones(2, 6, dtype=torch.long))
     assert mask[:, :, slice(0, None), :] is mask
     assert mask[:, :, slice(-2, None), :].mask is mask.mask
-    for index in (0, (slice(None), slice(None), slice(0, 3), slice(None)), (slice(None), 0, slice(None), slice(None))):
+    assert mask[:, 0, :, :] is mask
+    for index in (0, (slice(None), slice(None), slice(0, 3), slice(None)), (slice(None), 1, slice(None), slice(None))):
         with pytest.raises(PatchInputError, match="the model's own code indexed patchkit's key-padding mask"):
             mask[index]
     static = VarlenMask(torch.ones(2, 6, dtype=torch.long), past_len=4, fixed_cache=True)

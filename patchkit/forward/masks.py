@@ -314,8 +314,11 @@ class VarlenMask:
     def __getitem__(self, item: Any) -> VarlenMask:
         """`mask[:, :, queries, :]`, as transformers slices a 4D mask's query rows (Gemma 4 keeps only the last
         `logits_to_keep` queries before its KV-shared layers): every query, or the last ones behind the others as
-        if those were cached; any other index is refused by what it is."""
+        if those were cached; `mask[:, 0, :, :]`, the head axis dropped as a sparse attention's indexer reads it
+        (the same mask: `hooks/attention/sparse_indexer.py`); any other index is refused by what it is."""
         full, rest = slice(None), None
+        if item == (full, 0, full, full):
+            return self
         if isinstance(item, tuple) and len(item) == 4 and item[:2] == (full, full) and item[3] == full:
             rest = item[2]
         if not isinstance(rest, slice) or rest.step not in (None, 1) or rest.stop is not None:

@@ -111,6 +111,7 @@ WHY = {
     "softcap": "attention-logit soft-capping (tanh on the scores)",
     "sparse_indices": "sparse attention over the keys an indexer selected for each query (DeepSeek-V3.2's DSA)",
     "block_indices": "sparse attention over the key blocks an indexer selected for each query",
+    "indices": "sparse attention over the keys an indexer selected for each query (DSA's top-k)",
     "output_attentions": "the attention weights, which varlen kernels never form",
     "head_mask": "a per-head mask on the attention weights",
     "is_causal": "bidirectional (non-causal) attention",
@@ -162,6 +163,8 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool 
             continue
         if name == "is_causal" and value is True:
             continue
+        if name == "indices" and isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[-1] == 0:
+            continue  # a sparse attention's indexer that kept every key (`hooks/attention/sparse_indexer.every_key`)
         raise refuse(module, name, value)
 
 

@@ -30,7 +30,7 @@ from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.self_check import untrusted_in_graph
 from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.install.patching import unpatched
-from patchkit.hooks.install.registry import config_cause, padding_into_mixers
+from patchkit.hooks.install.registry import config_cause, index_topk, padding_into_mixers
 from patchkit.hooks.install.routing import ROUTE_NAME, Route, attn_name, loads_flash_masks, set_attn_name
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 
@@ -98,6 +98,9 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
     tokens = input_tokens(arguments)
     if padded and window is not None and tokens is not None and window < tokens.shape[1]:
         return "window"
+    topk = index_topk(config)
+    if topk is not None and tokens is not None and tokens.shape[1] > topk:
+        return "sparse_attention"  # a row's padding or documents are data: counted by its columns
     cause = modeling_cause(type(module).__module__, type(module).__qualname__)
     if cause:
         return cause
@@ -184,6 +187,9 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
         return "cache"  # where the queries sit is unknown: planned for no past only
     if kv_length != q_length:
         return "cache"  # a past, or a static cache's slots
+    topk = index_topk(kwargs.get("config"))
+    if topk is not None and kv_length > topk:
+        return "sparse_attention"  # as `graph_cause`, for the name alone
     if plan is None:
         if mask is not None:
             return "name_alone"

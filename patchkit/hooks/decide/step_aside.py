@@ -34,7 +34,7 @@ from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
 from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch
-from patchkit.hooks.install.registry import NONCAUSAL, config_cause, padding_into_mixers
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause, index_topk, padding_into_mixers
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 # their masks keep packed documents apart themselves
@@ -124,6 +124,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if wanted:
         return "output_attentions"
     cache = given_cache(arguments)
+    if beyond_topk(index_topk(module.config), arguments, given_cache(arguments, extra)):
+        return "sparse_attention"
     if paged_cache(given_cache(arguments, extra)):  # its layers read the requests' lengths (`forward/inputs/paged.py`)
         return None if paged_servable(arguments, extra) else "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
@@ -133,6 +135,37 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
+    """A query of this forward sees more keys than a sparse attention's indexer keeps (`topk`; None: no indexer).
+    A continuous-batching step is counted by its columns: its requests' lengths are read in its layers."""
+    if topk is None:
+        return False
+    if paged_cache(cache):
+        return True
+    tokens, positions = input_tokens(arguments), arguments.get("position_ids")
+    new = tokens.shape[1] if tokens is not None else 0
+    past = int(past_length(cache) or 0) if cache is not None else 0
+    starts = None
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == new > 1:
+        starts = torch.ones_like(positions, dtype=torch.bool)  # a document starts where a position is not its
+        starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1  # predecessor's plus one (packed rows)
+    return keys_beyond(topk, arguments.get("attention_mask"), past, new, starts)
+
+
+def keys_beyond(topk: int, mask: Any, past: int, new: int, starts: Optional[torch.Tensor] = None) -> bool:
+    """More than `topk` keys seen by one query, counted as transformers' mask lets it: a row's real keys, past
+    included (a 2D mask); the columns of a 4D one; with no mask and no past, the tokens of the longest document
+    that `starts` (B, S) begins (packed rows: transformers' `find_packed_sequence_indices`); else every key."""
+    if isinstance(mask, torch.Tensor):
+        return (int(mask.sum(-1).max()) if mask.dim() == 2 else mask.shape[-1]) > topk
+    if starts is not None and not past:
+        starts = starts.clone()
+        starts[:, 0] = True
+        at = torch.cat([starts.flatten().nonzero().flatten(), starts.new_tensor([starts.numel()], dtype=torch.long)])
+        return int((at[1:] - at[:-1]).max()) > topk
+    return past + new > topk
 
 
 def mask_decides(cause: str, arguments: dict) -> bool:

@@ -105,7 +105,7 @@ def fillable_cache(cache: Any) -> bool:
 def filled_padded(cache: Any, meta: VarlenMetadata, padded_layers: Collection[int] = ()) -> Iterator[None]:
     """While a prefill runs packed, the cache stores each layer's keys and values repadded to (B, Hk, S, D); those of
     the layers `padded_layers` indexes (Mllama's cross-attention ones, run on the padded batch: the image tiles' keys
-    per row) as they come.
+    per row) as they come; a sparse attention's indexer keys repadded to (B, S, D).
 
     The cache then holds what transformers' padded prefill would store at every real position (filler at padding,
     which every later step masks), so decode steps run on it unchanged; the layer itself gets its packed keys back.
@@ -128,11 +128,21 @@ def filled_padded(cache: Any, meta: VarlenMetadata, padded_layers: Collection[in
         original(*padded, layer_idx, *args, **kwargs)
         return key_states, value_states
 
+    def update_indexer(keys: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """A sparse attention's indexer keys (B, S, D), single-headed (`hooks/attention/sparse_indexer.py`)."""
+        original_indexer(pad_input(keys[0], meta.indices_q, meta.batch, meta.q_len, 0.0), layer_idx, *args, **kwargs)
+        return keys
+
     cache.update = update
+    original_indexer = getattr(cache, "update_indexer", None)
+    if original_indexer is not None:
+        cache.update_indexer = update_indexer
     try:
         yield
     finally:
         del cache.update  # the class's own method again
+        if original_indexer is not None:
+            del cache.update_indexer
 
 
 def padded_cache_kwargs(cache_kwargs: Any, meta: VarlenMetadata) -> Any:

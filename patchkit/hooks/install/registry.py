@@ -147,10 +147,18 @@ def padding_into_mixers(config: Any) -> bool:
     return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
 
 
+def index_topk(config: Any) -> Optional[int]:
+    """How many keys the family's sparse-attention indexer keeps for each query (DeepSeek-V3.2's `index_topk`; the
+    table's SPARSE_INDEXERS), or None for a family with no indexer."""
+    if getattr(config, "model_type", None) not in _table_list("SPARSE_INDEXERS", dict):
+        return None
+    return getattr(config, "index_topk", None)
+
+
 def read_table_lists() -> None:
     """Read the table's per-config and per-input lists now, outside any traced forward (an import inside a graph that
     may not break is refused by Dynamo): called where a forward is wrapped."""
-    refusal(None), refused_configs(), padding_into_mixers(None)
+    refusal(None), refused_configs(), padding_into_mixers(None), index_topk(None)
 
 
 def refused_value(value: Any) -> bool:

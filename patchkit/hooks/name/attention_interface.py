@@ -43,11 +43,12 @@ from patchkit.hooks.attention.varlen import check_family, family_rule, make_atte
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.decide.step_aside import padding_before_real, step_aside
+from patchkit.hooks.decide.step_aside import keys_beyond, padding_before_real, step_aside
 from patchkit.hooks.install.registry import (
     NONCAUSAL,
     config_cause,
     cross_layer_names,
+    index_topk,
     padding_into_mixers,
     refusal,
     resolve,
@@ -116,6 +117,8 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
     cause = call_cause(kwargs.get("config"), attention_mask) if context.route is None else None
     if cause is None and context.route is None:
+        cause = sparse_cause(kwargs, function)
+    if cause is None and context.route is None:
         cause = untrusted_mask_cause(kwargs.get("config"), call_device(kwargs), kwargs.get("dtype"))  # a
         # transformers newer than CI's: the family's check
     if cause is not None:
@@ -154,6 +157,24 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     if placed:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
+
+
+def sparse_cause(kwargs: dict, function: Any) -> Optional[str]:
+    """Under the name alone (a patch's model forward asks `forward_cause`): a query of this call sees more keys than
+    its family's sparse attention keeps (`step_aside.keys_beyond`), or None."""
+    topk = index_topk(kwargs.get("config"))
+    if topk is None:
+        return None
+    documents = packed_sequence_ids(function)
+    starts = None
+    if isinstance(documents, torch.Tensor) and documents.dim() == 2:
+        starts = torch.ones_like(documents, dtype=torch.bool)
+        starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    past, new = int(kwargs.get("q_offset") or 0), int(kwargs.get("q_length") or 0)
+    cache_position = kwargs.get("cache_position")  # transformers 4.53-5.3: where the queries sit
+    if kwargs.get("q_length") is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        past, new = int(cache_position.reshape(-1)[0]), cache_position.numel()
+    return "sparse_attention" if keys_beyond(topk, kwargs.get("attention_mask"), past, new, starts) else None
 
 
 def flash_loaded_mask(mask: Any, route: Any) -> Any:

@@ -25,6 +25,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
@@ -80,7 +81,7 @@ def adopt(model: nn.Module) -> None:
     self_check.untested()
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     replacements: list[Replacement] = []
-    wrapping: set[int] = set()  # the mixers wrapped by this adoption (a causal LM's and its base model's are the same)
+    wrapping: set[int] = set()  # the layers wrapped by this adoption (a causal LM's and its base model's are the same)
     for m in model.modules():
         if not isinstance(m, pretrained):
             continue
@@ -90,7 +91,7 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
-        replacements += mixers_apart(m, wrapping)
+        replacements += mixers_apart(m, wrapping) + indexers_kept(m, wrapping)
     apply_replacements(replacements)
 
 
@@ -103,10 +104,26 @@ def mixers_apart(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
         return []
     for mixer in classes:
         hand_rows(sys.modules[mixer.__module__])
-    mixers = [m for m in part.modules() if isinstance(m, classes) and not _ours(m, "forward") and id(m) not in wrapping]
-    wrapping.update(map(id, mixers))
     return [wrapped(m, "forward", functools.partial(make_mixer_forward, like=type(m).forward), "packed documents apart")
-            for m in mixers]
+            for m in unwrapped(part, classes, wrapping)]
+
+
+def indexers_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
+    """A sparse attention's indexers (`patches/table.py` `SPARSE_INDEXERS`) wrapped on the instance, so that they
+    keep every key in the forwards patchkit serves (`sparse_indexer`), as the class patch's do."""
+    classes = importlib.import_module(TABLE).indexer_classes(getattr(part.config, "model_type", None))
+    return [wrapped(m, "forward", functools.partial(make_indexer_forward, like=type(m).forward),
+                    "keeps every key when served")
+            for m in unwrapped(part, classes, wrapping)]
+
+
+def unwrapped(part: nn.Module, classes: tuple[type, ...], wrapping: set[int]) -> list[nn.Module]:
+    """`part`'s modules of `classes` that no adoption wrapped yet, added to `wrapping` (the ids wrapped so far)."""
+    if not classes:
+        return []
+    found = [m for m in part.modules() if isinstance(m, classes) and not _ours(m, "forward") and id(m) not in wrapping]
+    wrapping.update(map(id, found))
+    return found
 
 
 def _copied(_module: nn.Module, _attr: str) -> None:

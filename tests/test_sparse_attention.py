@@ -1,0 +1,194 @@
+"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's): served where no query sees more keys than
+its indexer keeps, stepped aside by name where one does; equal to transformers' eager attention either way.
+
+The indexer keeps each query's `index_topk` best-scored keys; a query that sees `index_topk` keys or fewer keeps all of
+them. Here `index_topk` is small (8 or 10) so that one tiny batch has rows on both sides of it, and generation crosses
+it: its early steps run patched, its later ones on transformers' attention, from the same cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import transformers
+from census import tiny_config
+from models import assert_same, labels_for, padded_batch, step
+from packaging.version import Version
+from patchkit.patches import table
+
+import patchkit
+from patchkit.errors import PatchkitError
+from patchkit.hooks.name import attention_interface
+
+pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"),
+                                reason="the sparse-attention families are served on transformers 5.23+")
+FAMILIES = sorted(table.SPARSE_INDEXERS)
+
+
+@pytest.fixture(autouse=True)
+def _families_here(request):
+    """A family this transformers does not have yet (Hunyuan V4 arrives after 5.16) is skipped by name."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    wanted = request.node.callspec.params.get("model_type") if hasattr(request.node, "callspec") else None
+    for model_type in [wanted] if wanted else ["deepseek_v32", "glm_moe_dsa"]:
+        if model_type not in CONFIG_MAPPING:
+            pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+def tiny(model_type: str, topk: int, seed: int = 0) -> torch.nn.Module:
+    """The census's tiny model of `model_type` with an indexer that keeps `topk` keys per query."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config.index_topk = topk
+    if getattr(config, "indexer_types", None):  # GLM-5's and Hunyuan V4's later layers reuse an earlier one's top-k
+        config.indexer_types = ["full", "shared"]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
+
+
+def scored(model: torch.nn.Module) -> list[int]:
+    """A counter of the indexers' score computations (their per-head weights are read for each one)."""
+    calls: list[int] = []
+    for module in model.modules():
+        if type(module).__name__ in table.SPARSE_INDEXERS.values():
+            module.weights_proj.register_forward_hook(patchkit.shape_free(lambda *_: calls.append(1)))
+    return calls
+
+
+def within_topk() -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of 10, 9 and 3 real tokens in 16 columns (padded on either side): with index_topk=10 transformers' indexer
+    picks 10 of each query's 16 columns, and every real key a query sees is among them."""
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    mask[0] = 0
+    mask[0, :10] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_batch_within_topk_runs_patched_and_scores_nothing(model_type):
+    model = tiny(model_type, topk=10)
+    ids, mask = within_topk()
+    calls = scored(model)
+    want = step(model, ids, mask)
+    assert calls, "the unpatched indexer scored no key"
+    calls.clear()
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+        got = step(model, ids, mask)
+    assert handle.calls > 0 and not handle.stepped_aside
+    assert not calls, "the indexer scored keys in a served forward"
+    assert_same(got, want, mask)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_row_past_topk_steps_aside_by_name_and_strict_refuses(model_type):
+    model = tiny(model_type, topk=8)
+    ids, mask = within_topk()  # its first row sees 10 keys at its last token, more than 8
+    want = step(model, ids, mask)
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+        got = step(model, ids, mask)
+    assert handle.stepped_aside == {"sparse_attention": 1}
+    assert_same(got, want, mask)
+    with patchkit.apply_patch(model_type, backend="sdpa", strict=True):
+        with pytest.raises(PatchkitError, match="index_topk"):
+            step(model, ids, mask)
+    assert_same(step(model, ids, mask), want, mask)  # the refusal left the model as it was
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_packed_documents_within_topk_run_patched_in_a_longer_row(model_type):
+    """Packed documents of 7, 5 and 8 tokens (position_ids restarting, no mask): each within index_topk=8 though the
+    row holds 20; equal to each document run alone unpatched."""
+    model = tiny(model_type, topk=8).eval()
+    lengths = [7, 5, 8]
+    ids = torch.randint(3, model.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=doc, use_cache=False).logits
+                           for doc in ids.split(lengths, dim=1)], dim=1)
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+            got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert handle.calls > 0 and not handle.stepped_aside
+    torch.testing.assert_close(got, alone, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generation_across_topk_runs_patched_then_aside_from_the_same_cache(model_type):
+    """Left-padded prompts of 6, 4 and 2 tokens, 6 new tokens, index_topk=8: the prefill and the steps whose longest
+    row sees 8 keys or fewer run patched (the prefill packed, its indexer keys stored repadded); the later steps step
+    aside and read the indexer keys those stored. The same tokens as unpatched, greedy."""
+    model = tiny(model_type, topk=8).eval()
+    ids = torch.randint(3, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate((6, 4, 2)):
+        mask[row, 6 - n:] = 1
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert handle.calls > 0 and handle.stepped_aside.get("sparse_attention", 0) == 3  # 9, 10 and 11 keys
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("topk, asides", [(10, False), (8, True)])
+def test_the_registered_name_alone_serves_within_topk_and_steps_aside_past_it(topk, asides):
+    model = tiny("glm_moe_dsa", topk=topk)
+    ids, mask = within_topk()
+    calls = scored(model)
+    want = step(model, ids, mask)
+    calls.clear()
+    state = attention_interface.route_state()
+    before, served = state.stepped_aside.get("sparse_attention", 0), state.calls
+    model.set_attn_implementation("patchkit")
+    try:
+        got = step(model, ids, mask)
+    finally:
+        model.set_attn_implementation("eager")
+    assert (state.stepped_aside.get("sparse_attention", 0) > before) == asides  # counted per layer call here
+    assert (state.calls > served) != asides and bool(calls) == asides
+    assert_same(got, want, mask)
+
+
+def test_a_labelled_padded_batch_under_unpad_loss_equals_unpatched():
+    """The loss alone (unpad="loss": the head fused with the loss on the labelled tokens) of a batch within topk."""
+    model = tiny("deepseek_v32", topk=10)
+    ids, mask = within_topk()
+    labels = labels_for(ids, mask)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with patchkit.apply_patch("deepseek_v32", backend="sdpa", unpad="loss") as handle:
+        got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert handle.calls > 0 and not handle.stepped_aside
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, asides", [(8, {}), (16, {"sparse_attention": 1})])
+def test_fullgraph_compile_serves_rows_within_topk_in_the_graph_and_steps_aside_past_it(tokens, asides):
+    """torch.compile(fullgraph=True): a graph cannot read a row's padding or documents, so its rows are counted by
+    their columns; 8 within index_topk=10 run in the graph, 16 step aside by name. Equal to unpatched either way."""
+    model = tiny("deepseek_v32", topk=10).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        with patchkit.apply_patch("deepseek_v32", backend="sdpa") as handle:
+            got = torch.compile(model, fullgraph=True)(input_ids=ids, use_cache=False).logits
+            compiled = handle.state.compiled
+    torch._dynamo.reset()
+    assert handle.stepped_aside == asides and compiled == (not asides)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_before_their_served_releases_they_are_refused_by_name(monkeypatch):
+    """transformers before 5.23 laid out these layers otherwise (5.16's "deepseek_sparse_attention"): refused by
+    name there, with the releases that serve them, not served unread."""
+    from patchkit.errors import PatchTargetError
+    from patchkit.hooks.install import registry
+
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "5.16.1")  # the one loaded now
+    monkeypatch.setattr(registry, "_TABLE_SPECS", {})
+    with pytest.raises(PatchTargetError, match=r"sparse attention .* transformers>=5\.23"):
+        table.spec("deepseek_v32")
