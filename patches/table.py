@@ -63,6 +63,8 @@ VERIFIED = frozenset({
     # language models served inside their multimodal model (`WRAPPED_TEXT_MODELS`; the multimodal census checks them)
     "glm_ocr_text", "granite_docling_text", "paddleocr_vl_text", "qwen2_5_omni_text", "qwen3_omni_moe_text",
     "hunyuan_vl_text",
+    # Mistral Large 4's: sparse attention (`SPARSE_INDEXERS`), its layers' latent keys shared with later layers
+    "mistral_large4_text",
     # one stack's layers run many times a forward (HRM-Text's H/L cycles, a cache slot for each); its prefix-LM block
     # (token_type_ids) is a mask pattern beyond causal, stepped aside for
     "hrm_text",
@@ -90,12 +92,12 @@ TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
 # Granite-Docling's). Served inside it, verified by the multimodal census (`tests/test_wrapper_census.py`: training,
 # generation, the reads at padding, unpad="loss", the registered name); model_type -> its base model's class name,
 # or (that, its attention's) where the module's other towers' attention goes through the interface too.
-# Not listed: Mistral Large 4's (an indexer picks the keys: its text model not yet in the census), GLM-5-Next's (it
-# builds 4D masks of its own)
+# Not listed: GLM-5-Next's (it builds 4D masks of its own)
 WRAPPED_TEXT_MODELS = {"glm_ocr_text": "GlmOcrTextModel", "granite_docling_text": "GraniteDoclingTextModel",
                        "paddleocr_vl_text": "PaddleOCRTextModel",
                        "qwen2_5_omni_text": ("Qwen2_5OmniThinkerTextModel", "Qwen2_5OmniAttention"),
-                       "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel", "hunyuan_vl_text": "HunYuanVLTextModel"}
+                       "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel", "hunyuan_vl_text": "HunYuanVLTextModel",
+                       "mistral_large4_text": "MistralLarge4TextModel"}
 CROSS_LAYERS = {"mllama_text_model": ("MllamaTextCrossAttention", "MllamaCrossAttentionDecoderLayer")}
 # Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
 # on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
@@ -117,7 +119,7 @@ ROW_MIXERS = {
 # indexers storing their keys in the cache and scoring none (`hooks/attention/sparse_indexer.py`); a forward with a
 # query past `index_topk` keys steps aside (`sparse_attention`). model_type -> its indexer class
 SPARSE_INDEXERS = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "axk2": "AXK2Indexer",
-                   "hy_v4": "HYV4Indexer"}
+                   "hy_v4": "HYV4Indexer", "mistral_large4_text": "MistralLarge4TextIndexer"}
 # where their indexers were read and run (5.23.0, 5.24.0, 5.25.0); before, transformers' DSA layers had another layer
 # type and mask (5.16's "deepseek_sparse_attention"), which the census has not run: refused there by name
 SPARSE_TRANSFORMERS = ">=5.23"
@@ -127,7 +129,7 @@ MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "l
 # one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
-    **dict.fromkeys(("dots3_note", "dots3_note_text", "glm5_next", "mistral_large4", "minimax_m3_vl_text",
+    **dict.fromkeys(("dots3_note", "dots3_note_text", "glm5_next", "minimax_m3_vl_text",
                      "qwen4_exp", "qwen4_exp_text", "deepseek_v4", "kolibri1_1"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
@@ -387,8 +389,8 @@ def indexer_classes(model_type: str) -> tuple[type, ...]:
     """The sparse-attention indexer class of `model_type` (`SPARSE_INDEXERS`), in its modeling module."""
     if model_type not in SPARSE_INDEXERS:
         return ()
-    lm = find_classes(model_type)[2]
-    return (getattr(sys.modules[lm.__module__], SPARSE_INDEXERS[model_type]),)
+    base = find_classes(model_type)[1]  # a wrapped language model's has no causal LM of its own
+    return (getattr(sys.modules[base.__module__], SPARSE_INDEXERS[model_type]),)
 
 
 def cross_decoder_layers(model_type: str) -> tuple[type, ...]:

@@ -1,4 +1,4 @@
-"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's): served where no query sees more keys than
+"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's, Mistral Large 4's): served where no query sees more keys than
 its indexer keeps, stepped aside by name where one does; equal to transformers' eager attention either way.
 
 The indexer keeps each query's `index_topk` best-scored keys; a query that sees `index_topk` keys or fewer keeps all of
@@ -24,7 +24,7 @@ from patchkit.hooks.name import attention_interface
 
 pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"),
                                 reason="the sparse-attention families are served on transformers 5.23+")
-FAMILIES = sorted(table.SPARSE_INDEXERS)
+FAMILIES = sorted(set(table.SPARSE_INDEXERS) - set(table.WRAPPED_TEXT_MODELS))  # with a causal LM of their own
 
 
 @pytest.fixture(autouse=True)
@@ -192,3 +192,42 @@ def test_before_their_served_releases_they_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(registry, "_TABLE_SPECS", {})
     with pytest.raises(PatchTargetError, match=r"sparse attention .* transformers>=5\.23"):
         table.spec("deepseek_v32")
+
+
+@pytest.mark.parametrize("indexers", [["full", "full"], ["full", "shared"]])
+def test_mistral_large_4_inside_its_multimodal_model_with_shared_keys(indexers):
+    """Mistral Large 4's language model (no causal LM of its own: served inside MistralLarge4ForConditionalGeneration,
+    `apply_patch(model=...)`), its second layer reading the first layer's latent keys (`kv_source_layers`: "store",
+    then "reuse_but_indexer" with an indexer of its own, or "reuse" with the first one's top-k). A padded step within
+    index_topk=10 runs patched; greedy generation crosses it, patched then aside. Equal to unpatched."""
+    from census import tiny_wrapper
+
+    if "mistral_large4" not in importlib.import_module("transformers.models.auto.configuration_auto").CONFIG_MAPPING:
+        pytest.skip("no Mistral Large 4 in this transformers")
+    base, why = tiny_wrapper("mistral_large4")
+    assert base is not None, why
+    config = base.config
+    text = config.get_text_config()
+    text.kv_source_layers, text.indexer_types, text.no_rope_layers, text.index_topk = [0, 0], indexers, [1, 1], 10
+    torch.manual_seed(0)
+    model = type(base)._from_config(config, attn_implementation="eager").float().train()
+    assert text.kv_sharing_modes[0] == "store" and text.kv_sharing_modes[1].startswith("reuse")
+    ids, mask = within_topk()
+    ids = ids.clamp(max=text.vocab_size - 1)
+    want = step(model, ids, mask)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = step(model, ids, mask)
+    assert handle.calls > 0 and not handle.stepped_aside
+    assert_same(got, want, mask)
+    prompts = torch.randint(3, text.vocab_size, (3, 8), generator=torch.Generator().manual_seed(4))
+    prompt_mask = torch.zeros_like(prompts)
+    for row, n in enumerate((8, 5, 2)):
+        prompt_mask[row, 8 - n:] = 1
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.eval()
+    with torch.no_grad():
+        want_tokens = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got_tokens = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
+    assert handle.calls > 0 and handle.stepped_aside.get("sparse_attention", 0) == 2  # 11 and 12 keys
+    assert torch.equal(got_tokens, want_tokens)
