@@ -1,5 +1,6 @@
-"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's, Mistral Large 4's): served where no query sees more keys than
-its indexer keeps, stepped aside by name where one does; equal to transformers' eager attention either way.
+"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's, Mistral Large 4's): served where no query
+sees more keys than its indexer keeps, stepped aside by name where one does; equal to transformers' eager attention
+either way.
 
 The indexer keeps each query's `index_topk` best-scored keys; a query that sees `index_topk` keys or fewer keeps all of
 them. Here `index_topk` is small (8 or 10) so that one tiny batch has rows on both sides of it, and generation crosses
