@@ -9,8 +9,8 @@ from test_trl import MODES, STEPS, one_thread, sft_losses  # noqa: F401 - one_th
 
 import patchkit
 
-FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1", "zaya",
-             "hrm_text", "falcon", "recurrent_gemma"]
+FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "gemma4_text",
+             "qwen3_5_text", "falcon_h1", "zaya", "hrm_text", "falcon", "recurrent_gemma"]
 # hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there)
 PADDED_ONLY = ("hrm_text",)
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
