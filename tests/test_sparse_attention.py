@@ -39,12 +39,14 @@ def _families_here(request):
             pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
 
 
-def tiny(model_type: str, topk: int, seed: int = 0) -> torch.nn.Module:
-    """The census's tiny model of `model_type` with an indexer that keeps `topk` keys per query."""
+def tiny(model_type: str, topk: int, seed: int = 0, **fields) -> torch.nn.Module:
+    """The census's tiny model of `model_type` with an indexer that keeps `topk` keys per query (and `fields` set)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
     config.index_topk = topk
+    if fields:
+        config = type(config)(**{**config.to_dict(), **fields})
     if getattr(config, "indexer_types", None):  # GLM-5's and Hunyuan V4's later layers reuse an earlier one's top-k
         config.indexer_types = ["full", "shared"]
     torch.manual_seed(seed)
@@ -116,22 +118,61 @@ def test_packed_documents_within_topk_run_patched_in_a_longer_row(model_type):
     torch.testing.assert_close(got, alone, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_generation_across_topk_runs_patched_then_aside_from_the_same_cache(model_type):
-    """Left-padded prompts of 6, 4 and 2 tokens, 6 new tokens, index_topk=8: the prefill and the steps whose longest
-    row sees 8 keys or fewer run patched (the prefill packed, its indexer keys stored repadded); the later steps step
-    aside and read the indexer keys those stored. The same tokens as unpatched, greedy."""
-    model = tiny(model_type, topk=8).eval()
-    ids = torch.randint(3, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(4))
+def generate_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple:
+    """Greedy tokens and every step's logits."""
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def left_padded_prompts(vocab: int, lengths: tuple[int, ...] = (6, 4, 2)) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, vocab, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(4))
     mask = torch.zeros_like(ids)
-    for row, n in enumerate((6, 4, 2)):
-        mask[row, 6 - n:] = 1
+    for row, n in enumerate(lengths):
+        mask[row, max(lengths) - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generation_past_topk_runs_patched_on_the_keys_the_indexer_selects(model_type):
+    """Left-padded prompts of 6, 4 and 2 tokens, 8 new tokens, index_topk=4: the prefill steps aside (its queries see
+    up to 6 keys); every decode step runs patched, the indexer selecting 4 of each row's keys, which the attention
+    gathers from the cache. The selection bites (a dense run differs), and the tokens and every step's logits are
+    transformers' own."""
+    model = tiny(model_type, topk=4).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size)
+    calls = scored(model)
+    with torch.no_grad():
+        want, want_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        calls.clear()
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+            got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        dense = tiny(model_type, topk=64).eval()
+        _, dense_logits = generate_scores(dense, ids, mask, max_new_tokens=8)
+    assert handle.stepped_aside == {"sparse_attention": 1} and handle.calls >= 7 * 2  # the prefill aside
+    assert calls, "no decode step ran the indexer's selection"
+    assert not torch.allclose(dense_logits, want_logits, atol=1e-3)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generation_within_topk_scores_nothing_and_a_static_cache_past_it_steps_aside(model_type):
+    """Prompts within index_topk=8 and 6 new tokens: patched throughout, the dynamic cache's steps past 8 keys on the
+    selection. A static cache's steps past it step aside (its masks are transformers' own 4D ones): the same tokens."""
+    model = tiny(model_type, topk=8).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         want = model.generate(input_ids=ids, attention_mask=mask, **kw)
         with patchkit.apply_patch(model_type, backend="sdpa") as handle:
             got = model.generate(input_ids=ids, attention_mask=mask, **kw)
-    assert handle.calls > 0 and handle.stepped_aside.get("sparse_attention", 0) == 3  # 9, 10 and 11 keys
+        assert handle.calls > 0 and not handle.stepped_aside
+        assert torch.equal(got, want)
+        want = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **kw)
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **kw)
+    assert handle.stepped_aside.get("sparse_attention") == 3  # 9, 10 and 11 keys
     assert torch.equal(got, want)
 
 
@@ -200,7 +241,8 @@ def test_mistral_large_4_inside_its_multimodal_model_with_shared_keys(indexers):
     """Mistral Large 4's language model (no causal LM of its own: served inside MistralLarge4ForConditionalGeneration,
     `apply_patch(model=...)`), its second layer reading the first layer's latent keys (`kv_source_layers`: "store",
     then "reuse_but_indexer" with an indexer of its own, or "reuse" with the first one's top-k). A padded step within
-    index_topk=10 runs patched; greedy generation crosses it, patched then aside. Equal to unpatched."""
+    index_topk=10 runs patched; so does greedy generation across it, its later steps on the keys the indexer selects.
+    Equal to unpatched."""
     from census import tiny_wrapper
 
     if "mistral_large4" not in importlib.import_module("transformers.models.auto.configuration_auto").CONFIG_MAPPING:
@@ -230,5 +272,45 @@ def test_mistral_large_4_inside_its_multimodal_model_with_shared_keys(indexers):
         want_tokens = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
         with patchkit.apply_patch(model=model, backend="sdpa") as handle:
             got_tokens = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
-    assert handle.calls > 0 and handle.stepped_aside.get("sparse_attention", 0) == 2  # 11 and 12 keys
+    assert handle.calls > 0 and not handle.stepped_aside
     assert torch.equal(got_tokens, want_tokens)
+
+
+def test_generation_past_topk_under_the_registered_name_alone():
+    """attn_implementation="patchkit" alone (GLM-5, its second layer reusing the first one's top-k): transformers hands
+    the attention function the indexer's top-k as `indices=`; decode steps gather those keys, the prefill past
+    index_topk=4 runs transformers' attention with them merged into its mask. Tokens and logits as unpatched."""
+    model = tiny("glm_moe_dsa", topk=4).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size)
+    state = attention_interface.route_state()
+    with torch.no_grad():
+        want, want_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        calls = state.calls
+        model.set_attn_implementation("patchkit")
+        try:
+            got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        finally:
+            model.set_attn_implementation("eager")
+    assert state.calls - calls >= 7 * 2
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
+def test_generation_past_topk_on_the_kernel_backends(backend, monkeypatch):
+    """bf16 DeepSeek-V3.2 on each kernel backend (its recording double, `fakes.py`): the decode steps' gathered keys
+    reach the kernel, and the tokens are those of patchkit's exact backend."""
+    from test_kernel_census import DOUBLES
+
+    heads = dict(qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16)  # the kernels' multiples of 8
+    model = tiny("deepseek_v32", topk=4, **heads).eval().to(torch.bfloat16)
+    ids, mask = left_padded_prompts(model.config.vocab_size, (4, 3, 2))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        with patchkit.apply_patch("deepseek_v32", backend="sdpa"):
+            want = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        fake = DOUBLES[backend](monkeypatch)
+        with patchkit.apply_patch("deepseek_v32") as handle:
+            got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert handle.backend in (backend, "flash_attn") and not handle.stepped_aside and fake.calls
+    assert torch.equal(got, want)

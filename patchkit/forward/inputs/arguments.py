@@ -163,8 +163,6 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool 
             continue
         if name == "is_causal" and value is True:
             continue
-        if name == "indices" and isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[-1] == 0:
-            continue  # a sparse attention's indexer that kept every key (`hooks/attention/sparse_indexer.every_key`)
         raise refuse(module, name, value)
 
 

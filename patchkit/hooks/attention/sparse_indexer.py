@@ -1,11 +1,14 @@
-"""A sparse attention's indexer (DeepSeek-V3.2's DSA, GLM-5's) in a served forward: every key kept, none scored.
+"""A sparse attention's indexer (DeepSeek-V3.2's DSA, GLM-5's) in a served forward: every key kept and none scored,
+or, in a decode step past its top-k, the keys it selected as a cache of their own.
 
 The indexer scores every (query, key) pair and keeps the `index_topk` best keys of each query; the layer then
 attends to those alone. A query that sees no more than `index_topk` keys keeps all of them, so its attention is the
-dense causal one that patchkit's kernels compute. The plan steps aside any forward with a query that sees more
-(`sparse_attention`, `hooks/decide/step_aside.py`); in the forwards it serves, the indexer's (B, S, T) scores,
-computed for a top-k that keeps every key, are not computed. Its keys still go to the forward's cache, as
-transformers' own code computes them, so that a later step past `index_topk` (stepped aside) reads the same cache.
+dense causal one that patchkit's kernels compute. The plan steps aside a forward of several queries a row with one
+that sees more (`sparse_attention`, `hooks/decide/step_aside.py`); in the forwards it serves, the indexer's (B, S, T)
+scores, computed for a top-k that keeps every key, are not computed. Its keys still go to the forward's cache, as
+transformers' own code computes them. A decode step (one query a row) past `index_topk` keys runs the indexer as
+transformers does, over the step's 2D mask, and attends densely to the keys it selected, gathered from the cache
+(`selected_keys`): each row's keys, padding first, as a left-padded cache of `index_topk` columns.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from patchkit.errors import PatchStateError
 from patchkit.forward.inputs.arguments import CACHE_NAMES
 from patchkit.forward.masks import VarlenMask
 
@@ -45,9 +49,37 @@ def every_key(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states.new_empty((*hidden_states.shape[:2], 0), dtype=torch.int32)
 
 
-def kept_every_key(indices: Any) -> bool:
-    """`indices` (a layer's `indices=` to its attention function) is `every_key`'s."""
-    return isinstance(indices, torch.Tensor) and indices.dim() == 3 and indices.shape[-1] == 0
+def selecting(mask: VarlenMask, hidden_states: torch.Tensor, topk: int) -> bool:
+    """A decode step on a growing cache with more key columns than the indexer keeps: its selection is run."""
+    return (hidden_states.shape[1] == 1 and bool(mask.past_len) and mask.mask is not None and not mask.fixed_cache
+            and mask.mask.dim() == 2 and mask.mask.shape[-1] > topk)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (B, T) key-padding mask as the indexer reads a layer's mask: (B, 1, T), 0 at real keys, -inf at padding."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask.bool(), float("-inf"))[:, None]
+
+
+def selected_keys(key: torch.Tensor, value: torch.Tensor, mask: Any, indices: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, VarlenMask]:
+    """A decode step's keys and values at the indexer's `indices` (B, 1, k), gathered from the padded cache (B, Hk, T,
+    D) in column order, and their key-padding mask: the padding it selected (a row with fewer than k real keys) comes
+    first, so the k columns are a left-padded cache whose query, at its end, sees each real one."""
+    if not (isinstance(mask, VarlenMask) and mask.mask is not None and mask.mask.dim() == 2 and mask.past_len
+            and not mask.fixed_cache and not mask.key_offset and indices.shape[1] == 1
+            and key.shape[-2] == mask.mask.shape[-1]):
+        raise PatchStateError("a sparse attention's key selection reached patchkit's attention outside a decode step "
+                              "on a growing cache, which the plan steps aside: a patchkit bug (report the model type)")
+    columns = indices[:, 0].long().sort(dim=-1).values  # (B, k)
+    real = mask.mask.gather(1, columns).bool()
+    order = real.long().argsort(dim=-1, stable=True)  # padding first, each group in column order
+    columns, real = columns.gather(1, order), real.gather(1, order)
+    at = columns[:, None, :, None]
+    key = key.gather(2, at.expand(-1, key.shape[1], -1, key.shape[-1]))
+    value = value.gather(2, at.expand(-1, value.shape[1], -1, value.shape[-1]))
+    selected = VarlenMask(real.to(mask.mask.dtype), past_len=columns.shape[-1] - 1, route=mask.route)
+    selected.window, selected.mask_decides = mask.window, mask.mask_decides
+    return key, value, selected
 
 
 def make_indexer_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
@@ -65,6 +97,11 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
         if not isinstance(mask, VarlenMask):
             return original(self, *args, **kwargs)
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        if selecting(mask, hidden_states, self.index_topk):  # transformers' selection, over the step's 2D mask
+            read = additive(mask.mask, torch.float32)
+            if at_mask is not None and len(args) > at_mask:
+                return original(self, *args[:at_mask], read, *args[at_mask + 1:], **kwargs)
+            return original(self, *args, **{**kwargs, "attention_mask": read})
         positional = at_cache is not None and len(args) > at_cache
         cache = args[at_cache] if positional else kwargs.get(cache_name) if cache_name else None
         if cache is not None:

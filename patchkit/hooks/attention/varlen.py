@@ -28,6 +28,7 @@ from patchkit.hooks.attention.attend import (
     kernel_head_size,
     one_head_size,
 )
+from patchkit.hooks.attention.sparse_indexer import selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
@@ -265,6 +266,9 @@ def make_attention_function(
         window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         sinks = kwargs.pop("s_aux", None)
+        indices = kwargs.pop("indices", None)  # a sparse attention's top-k: none dropped, or a decode step's own
+        if isinstance(indices, torch.Tensor) and indices.shape[-1]:
+            key, value, attention_mask = selected_keys(key, value, attention_mask, indices)
         decides = getattr(attention_mask, "mask_decides", False)  # a non-causal layer's mask, read back
         check_call(module, kwargs, decides)  # first: an argument names the problem more precisely than the family
         check_family(module, serves)

@@ -103,10 +103,12 @@ CAUSES = {
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
     "sparse_attention": (
-        "a query that sees more keys than the sparse attention's indexer keeps (DeepSeek-V3.2's DSA, GLM-5's: "
-        "config.index_topk): transformers attends to the top-k keys its indexer scores, which a varlen kernel over a "
-        "key-padding mask does not select; queries that see index_topk keys or fewer keep every key, and run patched",
-        "none needed: rows and documents of index_topk tokens or fewer run patched",
+        "a forward of several queries a row, one of which sees more keys than the sparse attention's indexer keeps "
+        "(DeepSeek-V3.2's DSA, GLM-5's: config.index_topk): transformers attends to the top-k keys its indexer "
+        "scores for each query, which a varlen kernel over a key-padding mask does not select; queries that see "
+        "index_topk keys or fewer keep every key and run patched, and so do decode steps on a growing cache, on the "
+        "keys the indexer selects",
+        "none needed: rows and documents of index_topk tokens or fewer, and generation's decode steps, run patched",
     ),
     "padding_into_mixer": (
         "a row has padding before a real token (left padding) in a model whose recurrent layers read the padding "
@@ -218,8 +220,8 @@ BRIEF = {
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
-    "sparse_attention": ("a query sees more keys than the sparse attention's index_topk",
-                         "none needed; documents of index_topk tokens or fewer run patched"),
+    "sparse_attention": ("a forward of several queries a row sees more keys than the sparse attention's index_topk",
+                         "none needed; documents of index_topk tokens or fewer, and decode steps, run patched"),
     "padding_into_mixer": ("left padding in a model whose recurrent layers read padding positions",
                            "pad on the right"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),

@@ -138,8 +138,10 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
 
 
 def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
-    """A query of this forward sees more keys than a sparse attention's indexer keeps (`topk`; None: no indexer).
-    A continuous-batching step is counted by its columns: its requests' lengths are read in its layers."""
+    """A query of this forward sees more keys than a sparse attention's indexer keeps (`topk`; None: no indexer),
+    but for a decode step on a growing cache (one query a row, a 2D mask), whose selection the layers run
+    (`sparse_indexer.selected_keys`). A continuous-batching step is counted by its columns: its requests' lengths are
+    read in its layers."""
     if topk is None:
         return False
     if paged_cache(cache):
@@ -147,6 +149,9 @@ def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
     tokens, positions = input_tokens(arguments), arguments.get("position_ids")
     new = tokens.shape[1] if tokens is not None else 0
     past = int(past_length(cache) or 0) if cache is not None else 0
+    mask = arguments.get("attention_mask")
+    if new == 1 and past and not fixed_slots(cache) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return False
     starts = None
     if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == new > 1:
         starts = torch.ones_like(positions, dtype=torch.bool)  # a document starts where a position is not its
