@@ -45,7 +45,7 @@ class _StoreKeys:
 
 def every_key(hidden_states: torch.Tensor) -> torch.Tensor:
     """The indices of a selection that kept every key: (B, S, 0), which no top-k of transformers' returns (it keeps
-    at least one key), read by the attention function as "no key dropped" (`arguments.check_call`)."""
+    at least one key), read by patchkit's attention function as "no key dropped" (`varlen.make_attention_function`)."""
     return hidden_states.new_empty((*hidden_states.shape[:2], 0), dtype=torch.int32)
 
 
