@@ -49,10 +49,16 @@ def every_key(hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states.new_empty((*hidden_states.shape[:2], 0), dtype=torch.int32)
 
 
+def behind_growing_cache(mask: Any) -> bool:
+    """`mask` is patchkit's 2D key-padding mask of a forward behind a past in a growing cache (no preallocated
+    slots, no sliding offset): a decode step's, where its queries are one a row."""
+    return (isinstance(mask, VarlenMask) and mask.mask is not None and mask.mask.dim() == 2 and bool(mask.past_len)
+            and not mask.fixed_cache and not mask.key_offset)
+
+
 def selecting(mask: VarlenMask, hidden_states: torch.Tensor, topk: int) -> bool:
     """A decode step on a growing cache with more key columns than the indexer keeps: its selection is run."""
-    return (hidden_states.shape[1] == 1 and bool(mask.past_len) and mask.mask is not None and not mask.fixed_cache
-            and mask.mask.dim() == 2 and mask.mask.shape[-1] > topk)
+    return hidden_states.shape[1] == 1 and behind_growing_cache(mask) and mask.mask.shape[-1] > topk
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,9 +71,7 @@ def selected_keys(key: torch.Tensor, value: torch.Tensor, mask: Any, indices: to
     """A decode step's keys and values at the indexer's `indices` (B, 1, k), gathered from the padded cache (B, Hk, T,
     D) in column order, and their key-padding mask: the padding it selected (a row with fewer than k real keys) comes
     first, so the k columns are a left-padded cache whose query, at its end, sees each real one."""
-    if not (isinstance(mask, VarlenMask) and mask.mask is not None and mask.mask.dim() == 2 and mask.past_len
-            and not mask.fixed_cache and not mask.key_offset and indices.shape[1] == 1
-            and key.shape[-2] == mask.mask.shape[-1]):
+    if not (behind_growing_cache(mask) and indices.shape[1] == 1 and key.shape[-2] == mask.mask.shape[-1]):
         raise PatchStateError("a sparse attention's key selection reached patchkit's attention outside a decode step "
                               "on a growing cache, which the plan steps aside: a patchkit bug (report the model type)")
     columns = indices[:, 0].long().sort(dim=-1).values  # (B, k)

@@ -123,10 +123,10 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         wanted = getattr(module.config, "output_attentions", False)
     if wanted:
         return "output_attentions"
-    cache = given_cache(arguments)
-    if beyond_topk(index_topk(module.config), arguments, given_cache(arguments, extra)):
+    cache, either = given_cache(arguments), given_cache(arguments, extra)
+    if beyond_topk(index_topk(module.config), arguments, either):
         return "sparse_attention"
-    if paged_cache(given_cache(arguments, extra)):  # its layers read the requests' lengths (`forward/inputs/paged.py`)
+    if paged_cache(either):  # its layers read the requests' lengths (`forward/inputs/paged.py`)
         return None if paged_servable(arguments, extra) else "continuous_batching"
     if transformers_made(arguments.get("attention_mask")):
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
@@ -138,10 +138,9 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
 
 
 def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
-    """A query of this forward sees more keys than a sparse attention's indexer keeps (`topk`; None: no indexer),
-    but for a decode step on a growing cache (one query a row, a 2D mask), whose selection the layers run
-    (`sparse_indexer.selected_keys`). A continuous-batching step is counted by its columns: its requests' lengths are
-    read in its layers."""
+    """A query of this forward sees more keys than a sparse attention's indexer keeps (`topk`; None: no indexer) and
+    its layers can select (`keys_beyond`). A continuous-batching step is counted by its columns: its requests'
+    lengths are read in its layers."""
     if topk is None:
         return False
     if paged_cache(cache):
@@ -149,25 +148,25 @@ def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
     tokens, positions = input_tokens(arguments), arguments.get("position_ids")
     new = tokens.shape[1] if tokens is not None else 0
     past = int(past_length(cache) or 0) if cache is not None else 0
-    mask = arguments.get("attention_mask")
-    if new == 1 and past and not fixed_slots(cache) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return False
     starts = None
     if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == new > 1:
         starts = torch.ones_like(positions, dtype=torch.bool)  # a document starts where a position is not its
         starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1  # predecessor's plus one (packed rows)
-    return keys_beyond(topk, arguments.get("attention_mask"), past, new, starts)
+    return keys_beyond(topk, arguments.get("attention_mask"), past, new, not fixed_slots(cache), starts)
 
 
-def keys_beyond(topk: int, mask: Any, past: int, new: int, starts: Optional[torch.Tensor] = None) -> bool:
-    """More than `topk` keys seen by one query, counted as transformers' mask lets it: a row's real keys, past
-    included (a 2D mask); the columns of a 4D one; with no mask and no past, the tokens of the longest document
-    that `starts` (B, S) begins (packed rows: transformers' `find_packed_sequence_indices`); else every key."""
+def keys_beyond(topk: int, mask: Any, past: int, new: int, growing: bool,
+                starts: Optional[torch.Tensor] = None) -> bool:
+    """More than `topk` keys seen by one query that its layers cannot select, counted as transformers' mask lets it:
+    a row's real keys, past included (a 2D mask); the columns of a 4D one; with no mask and no past, the tokens of the
+    longest document that `starts` (B, S; True at each row's first column) begins (packed rows: transformers'
+    `find_packed_sequence_indices`); else every key. A decode step on a `growing` cache under a 2D mask is never
+    beyond: its layers run the indexer's selection (`sparse_indexer.selected_keys`)."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and new == 1 and past and growing:
+        return False
     if isinstance(mask, torch.Tensor):
         return (int(mask.sum(-1).max()) if mask.dim() == 2 else mask.shape[-1]) > topk
     if starts is not None and not past:
-        starts = starts.clone()
-        starts[:, 0] = True
         at = torch.cat([starts.flatten().nonzero().flatten(), starts.new_tensor([starts.numel()], dtype=torch.long)])
         return int((at[1:] - at[:-1]).max()) > topk
     return past + new > topk

@@ -128,13 +128,14 @@ def filled_padded(cache: Any, meta: VarlenMetadata, padded_layers: Collection[in
         original(*padded, layer_idx, *args, **kwargs)
         return key_states, value_states
 
+    original_indexer = getattr(cache, "update_indexer", None)
+
     def update_indexer(keys: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         """A sparse attention's indexer keys (B, S, D), single-headed (`hooks/attention/sparse_indexer.py`)."""
         original_indexer(pad_input(keys[0], meta.indices_q, meta.batch, meta.q_len, 0.0), layer_idx, *args, **kwargs)
         return keys
 
     cache.update = update
-    original_indexer = getattr(cache, "update_indexer", None)
     if original_indexer is not None:
         cache.update_indexer = update_indexer
     try:

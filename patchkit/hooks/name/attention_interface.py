@@ -174,11 +174,9 @@ def sparse_cause(kwargs: dict, function: Any) -> Optional[str]:
     cache_position = kwargs.get("cache_position")  # transformers 4.53-5.3: where the queries sit
     if kwargs.get("q_length") is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():
         past, new = int(cache_position.reshape(-1)[0]), cache_position.numel()
-    mask = kwargs.get("attention_mask")
     growing = kwargs.get("kv_length") in (None, past + new) and not kwargs.get("kv_offset")
-    if new == 1 and past and growing and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return None  # a decode step: its layers run the indexer's selection (`sparse_indexer.selected_keys`)
-    return "sparse_attention" if keys_beyond(topk, kwargs.get("attention_mask"), past, new, starts) else None
+    beyond = keys_beyond(topk, kwargs.get("attention_mask"), past, new, growing, starts)
+    return "sparse_attention" if beyond else None
 
 
 def flash_loaded_mask(mask: Any, route: Any) -> Any:
