@@ -50,6 +50,10 @@ VERIFIED = frozenset({
     "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "axk1", "longcat_flash",
     # sparse attention (DSA): served where no query sees more keys than its indexer keeps (`SPARSE_INDEXERS`)
     "deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4",
+    # dots3's text model: DSA layers among sliding ones, each kind its own head counts (`per_layer_config`)
+    "dots3_note_text",
+    # Kolibri-1.1: its indexer keeps top-k keys, sink and local ones besides, from a pool of an earlier layer's
+    "kolibri1_1",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from transformers' mask function, for layers not handed position_ids
@@ -119,7 +123,8 @@ ROW_MIXERS = {
 # indexers storing their keys in the cache and scoring none (`hooks/attention/sparse_indexer.py`); a forward with a
 # query past `index_topk` keys steps aside (`sparse_attention`). model_type -> its indexer class
 SPARSE_INDEXERS = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "axk2": "AXK2Indexer",
-                   "hy_v4": "HYV4Indexer", "mistral_large4_text": "MistralLarge4TextIndexer"}
+                   "hy_v4": "HYV4Indexer", "mistral_large4_text": "MistralLarge4TextIndexer",
+                   "dots3_note_text": "Dots3NoteTextIndexer", "kolibri1_1": "Kolibri1_1Indexer"}
 # where their indexers were read and run (5.23.0, 5.24.0, 5.25.0); before, transformers' DSA layers had another layer
 # type and mask (5.16's "deepseek_sparse_attention"), which the census has not run: refused there by name
 SPARSE_TRANSFORMERS = ">=5.23"
@@ -129,8 +134,7 @@ MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "l
 # one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
-    **dict.fromkeys(("dots3_note", "dots3_note_text", "glm5_next", "minimax_m3_vl_text",
-                     "qwen4_exp", "qwen4_exp_text", "deepseek_v4", "kolibri1_1"),
+    **dict.fromkeys(("glm5_next", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": SCORE_BIAS,
@@ -326,7 +330,12 @@ def forward_names(cls: type) -> tuple[str, ...]:
     under a patch of ours: read while a class patch is active (an instance patch under `apply_patch()`), the patched
     base model's forward read none, and Moshi's depth decoder or OPT's outer model was taken for its mask builder."""
     code = forward_code(cls)
-    return code.co_names if code is not None else ()
+    return code_names(code) if code is not None else ()
+
+
+def code_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names `code` reads, with those of the functions it defines (dots3's mask builders are lambdas)."""
+    return code.co_names + tuple(n for c in code.co_consts if isinstance(c, types.CodeType) for n in code_names(c))
 
 
 def calls_interface(cls: type) -> bool:

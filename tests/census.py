@@ -127,6 +127,10 @@ OVERRIDES = {
     "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
                                                  for kind in ("full_attention", "sliding_attention")},
                                 layer_types=["sliding_attention", "full_attention"]),
+    # Kolibri-1.1: NVFP4 keys need heads of 16; its indexer's heads share key head 0; its second sparse layer reads the
+    # first's keys and values and selects from the first's pool, as its checkpoint's do
+    "kolibri1_1": dict(head_dim=16, index_num_heads=2, num_hidden_layers=3,
+                       layer_types=["sliding_attention", "indexed_attention", "indexed_attention"]),
     # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
     "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                          layer_types=["full_attention", "sliding_attention", "full_attention"]),
@@ -208,11 +212,12 @@ def wrapper_types() -> dict[str, str]:
     return {t: n for t, n in sorted(found.items()) if "text_config" in getattr(CONFIG_MAPPING[t], "sub_configs", {})}
 
 
-def tower(config):
-    """A sub-config (vision, audio, projector) at TOWER's sizes, else as it is where those do not build."""
+def tower(config, fields: Optional[dict] = None):
+    """A sub-config (vision, audio, projector) at TOWER's sizes (and `fields`, where it has them), else as it is where
+    those do not build."""
     present = config.to_dict()
     try:
-        return type(config)(**{**present, **{k: v for k, v in TOWER.items() if k in present}})
+        return type(config)(**{**present, **{k: v for k, v in {**TOWER, **(fields or {})}.items() if k in present}})
     except Exception:
         return config
 
@@ -237,6 +242,12 @@ def rope_sections_fit(model, text) -> None:
 CHECKPOINT_FIELDS = {"qwen2_5_omni_thinker": {"vision_start_token_id": VOCAB - 1},
                      "qwen3_omni_moe_thinker": {"vision_start_token_id": VOCAB - 1}}
 
+# Tower fields that must follow TOWER's sizes for a family's validators to pass (dots3's adapters into the tiny text
+# width; its vision tower's MoE layers, set per layer at full depth, one dense layer here)
+TOWER_FIELDS = {"dots3_note": dict(adapter_in_dim=32, adapter_input_size=32, adapter_out_dim=32,
+                                   mlp_layer_types=["dense"], per_layer_config=None, downsample_hidden_size=32,
+                                   conv_output_size=32 * 16)}
+
 # RoPE fields of a real checkpoint's text config that the defaults lack (HunyuanOCR's four position axes, 16 each)
 CHECKPOINT_ROPE = {"hunyuan_vl": {"mrope_section": [1, 1, 1, 1]}}  # the tiny head's 4 frequencies
 
@@ -260,7 +271,7 @@ def tiny_wrapper(model_type: str, seed: int = 0) -> tuple[Optional[torch.nn.Modu
             for key in cls.sub_configs:
                 part = getattr(default, key, None)
                 if key != "text_config" and hasattr(part, "to_dict"):
-                    kw[key] = tower(part).to_dict()
+                    kw[key] = tower(part, TOWER_FIELDS.get(model_type)).to_dict()
             config = cls(**kw)
             for key, value in CHECKPOINT_FIELDS.get(model_type, {}).items():
                 setattr(config, key, value)

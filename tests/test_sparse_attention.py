@@ -1,6 +1,6 @@
-"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's, Mistral Large 4's): served where no query
-sees more keys than its indexer keeps, stepped aside by name where one does; equal to transformers' eager attention
-either way.
+"""Sparse attention (DeepSeek-V3.2's DSA, GLM-5's, A.X K2's, Hunyuan V4's, Mistral Large 4's, dots3's; Kolibri-1.1's):
+served where no query sees more keys than its indexer keeps, stepped aside by name where one does; equal to
+transformers' eager attention either way.
 
 The indexer keeps each query's `index_topk` best-scored keys; a query that sees `index_topk` keys or fewer keeps all of
 them. Here `index_topk` is small (8 or 10) so that one tiny batch has rows on both sides of it, and generation crosses
@@ -45,6 +45,9 @@ def tiny(model_type: str, topk: int, seed: int = 0, **fields) -> torch.nn.Module
 
     config = tiny_config(model_type)
     config.index_topk = topk
+    if model_type == "kolibri1_1":  # `topk` keys in all: one sink, one local, the rest its top-k, from a pool of 4
+        fields = dict(index_topk=topk - 2, index_num_sink_tokens=1, index_num_local_tokens=1, index_compression=2,
+                      index_pool_size=4, **fields)
     if fields:
         config = type(config)(**{**config.to_dict(), **fields})
     if getattr(config, "indexer_types", None):  # GLM-5's and Hunyuan V4's later layers reuse an earlier one's top-k
@@ -54,11 +57,17 @@ def tiny(model_type: str, topk: int, seed: int = 0, **fields) -> torch.nn.Module
 
 
 def scored(model: torch.nn.Module) -> list[int]:
-    """A counter of the indexers' score computations (their per-head weights are read for each one)."""
+    """A counter of the indexers' selections: DSA's score computations (their per-head weights are read for each
+    one), Kolibri-1.1's key selections (it scores only the rows past its budget, and walks every row to find them)."""
     calls: list[int] = []
     for module in model.modules():
-        if type(module).__name__ in table.SPARSE_INDEXERS.values():
+        if type(module).__name__ not in table.SPARSE_INDEXERS.values():
+            continue
+        if hasattr(module, "weights_proj"):
             module.weights_proj.register_forward_hook(patchkit.shape_free(lambda *_: calls.append(1)))
+        else:
+            select = module.select_tokens
+            module.select_tokens = lambda *a, _select=select, **k: calls.append(1) or _select(*a, **k)
     return calls
 
 
@@ -101,7 +110,7 @@ def test_a_row_past_topk_steps_aside_by_name_and_strict_refuses(model_type):
     assert_same(step(model, ids, mask), want, mask)  # the refusal left the model as it was
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "kolibri1_1"])
 def test_packed_documents_within_topk_run_patched_in_a_longer_row(model_type):
     """Packed documents of 7, 5 and 8 tokens (position_ids restarting, no mask): each within index_topk=8 though the
     row holds 20; equal to each document run alone unpatched."""
@@ -116,6 +125,49 @@ def test_packed_documents_within_topk_run_patched_in_a_longer_row(model_type):
             got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     assert handle.calls > 0 and not handle.stepped_aside
     torch.testing.assert_close(got, alone, atol=2e-5, rtol=1e-4)
+
+
+def dots3(topk: int) -> torch.nn.Module:
+    """dots3's text model as its checkpoint lays it out: DSA layers among sliding-window ones (window 4), the sliding
+    ones with their own head count and sizes (`per_layer_config`, from its `swa_*` fields)."""
+    from transformers import AutoModelForCausalLM
+
+    fields = {k: v for k, v in tiny_config("dots3_note_text").to_dict().items()
+              if k not in ("rope_parameters", "per_layer_config")}
+    fields.update(index_topk=topk, num_hidden_layers=3, sliding_window=4, mlp_layer_types=["dense", "sparse", "sparse"],
+                  layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+                  swa_num_attention_heads=2, swa_num_key_value_heads=2, swa_q_lora_rank=16, swa_kv_lora_rank=8,
+                  swa_head_dim=12, swa_qk_nope_head_dim=8, swa_v_head_dim=8)
+    config = type(tiny_config("dots3_note_text"))(**fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().train()
+    assert [layer.self_attn.num_heads for layer in model.model.layers] == [4, 2, 4]
+    return model
+
+
+def test_dots3_with_its_sliding_layers_trains_and_generates_as_transformers():
+    """Its base model builds its masks in lambdas (found there: before, the audio tower's was taken for its mask
+    builder and nothing ran patched) and its indexers read `mask[:, 0]`. A padded step within index_topk=10 runs
+    patched and scores nothing; generation past index_topk=4 runs its decode steps on the selected keys, its sliding
+    layers on their window, with transformers' tokens and logits."""
+    model = dots3(topk=10)
+    ids, mask = within_topk()
+    calls = scored(model)
+    want = step(model, ids, mask)
+    calls.clear()
+    with patchkit.apply_patch("dots3_note_text", backend="sdpa") as handle:
+        got = step(model, ids, mask)
+    assert handle.calls == 3 and not handle.stepped_aside and not calls
+    assert_same(got, want, mask)
+    model = dots3(topk=4).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size)
+    with torch.no_grad():
+        want, want_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        with patchkit.apply_patch("dots3_note_text", backend="sdpa") as handle:
+            got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+    assert handle.stepped_aside == {"sparse_attention": 1} and handle.calls >= 7 * 3  # the prefill aside
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
 
 
 def generate_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple:
@@ -176,21 +228,26 @@ def test_generation_within_topk_scores_nothing_and_a_static_cache_past_it_steps_
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1"])
 @pytest.mark.parametrize("topk, asides", [(10, False), (8, True)])
-def test_the_registered_name_alone_serves_within_topk_and_steps_aside_past_it(topk, asides):
-    model = tiny("glm_moe_dsa", topk=topk)
+def test_the_registered_name_alone_serves_within_topk_and_steps_aside_past_it(topk, asides, model_type):
+    """Past index_topk each call steps aside by that name: Kolibri-1.1's layers overlay their selection on the mask
+    as a new tensor, which lost its cause before (counted and warned as the caller's own 4D mask)."""
+    model = tiny(model_type, topk=topk)
     ids, mask = within_topk()
     calls = scored(model)
     want = step(model, ids, mask)
     calls.clear()
     state = attention_interface.route_state()
     before, served = state.stepped_aside.get("sparse_attention", 0), state.calls
+    custom = state.stepped_aside.get("custom_4d_mask", 0)
     model.set_attn_implementation("patchkit")
     try:
         got = step(model, ids, mask)
     finally:
         model.set_attn_implementation("eager")
     assert (state.stepped_aside.get("sparse_attention", 0) > before) == asides  # counted per layer call here
+    assert state.stepped_aside.get("custom_4d_mask", 0) == custom
     assert (state.calls > served) != asides and bool(calls) == asides
     assert_same(got, want, mask)
 
@@ -276,11 +333,13 @@ def test_mistral_large_4_inside_its_multimodal_model_with_shared_keys(indexers):
     assert torch.equal(got_tokens, want_tokens)
 
 
-def test_generation_past_topk_under_the_registered_name_alone():
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1"])
+def test_generation_past_topk_under_the_registered_name_alone(model_type):
     """attn_implementation="patchkit" alone (GLM-5, its second layer reusing the first one's top-k): transformers hands
     the attention function the indexer's top-k as `indices=`; decode steps gather those keys, the prefill past
-    index_topk=4 runs transformers' attention with them merged into its mask. Tokens and logits as unpatched."""
-    model = tiny("glm_moe_dsa", topk=4).eval()
+    index_topk=4 runs transformers' attention with them merged into its mask. Kolibri-1.1's second sparse layer
+    selects from its first one's pool, handed on through patchkit's mask. Tokens and logits as unpatched."""
+    model = tiny(model_type, topk=4).eval()
     ids, mask = left_padded_prompts(model.config.vocab_size)
     state = attention_interface.route_state()
     with torch.no_grad():
@@ -296,21 +355,25 @@ def test_generation_past_topk_under_the_registered_name_alone():
     torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "kolibri1_1"])
 @pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
-def test_generation_past_topk_on_the_kernel_backends(backend, monkeypatch):
-    """bf16 DeepSeek-V3.2 on each kernel backend (its recording double, `fakes.py`): the decode steps' gathered keys
-    reach the kernel, and the tokens are those of patchkit's exact backend."""
+def test_generation_past_topk_on_the_kernel_backends(backend, model_type, monkeypatch):
+    """DeepSeek-V3.2 and Kolibri-1.1 in half precision on each kernel backend (its recording double, `fakes.py`): the
+    decode steps' gathered keys reach the kernel, and the tokens are those of patchkit's exact backend."""
     from test_kernel_census import DOUBLES
 
     heads = dict(qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16)  # the kernels' multiples of 8
-    model = tiny("deepseek_v32", topk=4, **heads).eval().to(torch.bfloat16)
+    # Kolibri-1.1 in fp16: its tiny bf16 logits tie at bf16's resolution (top-two margins of 0.008), where eager and
+    # sdpa already pick other tokens
+    dtype = torch.bfloat16 if model_type == "deepseek_v32" else torch.float16
+    model = tiny(model_type, topk=4, **(heads if model_type == "deepseek_v32" else {})).eval().to(dtype)
     ids, mask = left_padded_prompts(model.config.vocab_size, (4, 3, 2))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        with patchkit.apply_patch("deepseek_v32", backend="sdpa"):
+        with patchkit.apply_patch(model_type, backend="sdpa"):
             want = model.generate(input_ids=ids, attention_mask=mask, **kw)
         fake = DOUBLES[backend](monkeypatch)
-        with patchkit.apply_patch("deepseek_v32") as handle:
+        with patchkit.apply_patch(model_type) as handle:
             got = model.generate(input_ids=ids, attention_mask=mask, **kw)
     assert handle.backend in (backend, "flash_attn") and not handle.stepped_aside and fake.calls
     assert torch.equal(got, want)

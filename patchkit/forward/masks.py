@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Optional
 
 import torch
@@ -194,7 +195,7 @@ class VarlenMask:
     """
 
     __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "blocks",
-                 "mask_decides", "padded", "_key", "_meta")
+                 "mask_decides", "padded", "selection", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
@@ -214,6 +215,7 @@ class VarlenMask:
         # the padded batch a packed forward unpadded (`ForwardPlan.padded`), for its layers that read that batch
         # (Mllama's cross-attention ones) and their checkpoint recomputes
         self.padded: Optional[VarlenMetadata] = None
+        self.selection: Optional[torch.Tensor] = None  # a decode step's keys chosen by Kolibri-1.1's indexer (B, T)
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
@@ -303,6 +305,17 @@ class VarlenMask:
     def _foreign_use(self, what: str) -> PatchStateError:
         return PatchStateError(FOREIGN_USE_MESSAGE.format(what=what))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """A boolean mask's: Kolibri-1.1's sparse layers read it to hand their indexer's selection on in its place."""
+        return torch.bool
+
+    def with_selection(self, chosen: torch.Tensor) -> VarlenMask:
+        """This mask, for a layer whose sparse indexer `chosen` (B, T) the keys of a decode step (`sparse_indexer`)."""
+        made = copy.copy(self)
+        made.selection = chosen
+        return made
+
     def __getattr__(self, name: str) -> Any:
         raise self._foreign_use(f"attribute {name!r}")
 
@@ -314,10 +327,11 @@ class VarlenMask:
     def __getitem__(self, item: Any) -> VarlenMask:
         """`mask[:, :, queries, :]`, as transformers slices a 4D mask's query rows (Gemma 4 keeps only the last
         `logits_to_keep` queries before its KV-shared layers): every query, or the last ones behind the others as
-        if those were cached; `mask[:, 0, :, :]`, the head axis dropped as a sparse attention's indexer reads it
-        (the same mask: `hooks/attention/sparse_indexer.py`); any other index is refused by what it is."""
+        if those were cached; `mask[:, 0, :, :]` or `mask[:, 0]`, the head axis dropped as a sparse attention's
+        indexer reads it (the same mask: `hooks/attention/sparse_indexer.py`); any other index is refused by what
+        it is."""
         full, rest = slice(None), None
-        if item == (full, 0, full, full):
+        if item in ((full, 0, full, full), (full, 0)):
             return self
         if isinstance(item, tuple) and len(item) == 4 and item[:2] == (full, full) and item[3] == full:
             rest = item[2]

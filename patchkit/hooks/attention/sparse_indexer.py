@@ -1,16 +1,17 @@
-"""A sparse attention's indexer (DeepSeek-V3.2's DSA, GLM-5's) in a served forward: every key kept and none scored,
-or, in a decode step past its top-k, the keys it selected as a cache of their own.
+"""A sparse attention's indexer (DeepSeek-V3.2's DSA, GLM-5's, Kolibri-1.1's) in a served forward: every key kept and
+none scored, or, in a decode step past its budget, the keys it selected as a cache of their own.
 
-The indexer scores every (query, key) pair and keeps the `index_topk` best keys of each query; the layer then
-attends to those alone. A query that sees no more than `index_topk` keys keeps all of them, so its attention is the
-dense causal one that patchkit's kernels compute. The plan steps aside a forward of several queries a row with one
-that sees more (`sparse_attention`, `hooks/decide/step_aside.py`); in the forwards it serves, the indexer's (B, S, T)
-scores, computed for a top-k that keeps every key, are not computed. Its keys still go to the forward's cache, as
-transformers' own code computes them. A decode step (one query a row) past `index_topk` keys runs the indexer as
-transformers does, over the step's 2D mask, and attends densely to the keys it selected, gathered from the cache
-(`selected_keys`): each row's keys, padding first, as a left-padded cache of `index_topk` columns.
+The indexer scores every (query, key) pair and keeps the best keys of each query (DSA: `index_topk`; Kolibri-1.1:
+that many, plus its first sink and last local tokens); the layer then attends to those alone. A query that sees no
+more keys than that keeps all of them, so its attention is the dense causal one that patchkit's kernels compute. The
+plan steps aside a forward of several queries a row with one that sees more (`sparse_attention`,
+`hooks/decide/step_aside.py`); in the forwards it serves, the indexer's scores, computed for a selection that keeps
+every key, are not computed. DSA's indexer keys still go to the forward's cache, as transformers' own code computes
+them. A decode step (one query a row) past the budget runs the indexer as transformers does, over the step's 2D mask,
+and attends densely to the keys it selected, gathered from the cache (`selected_keys`): each row's keys, padding
+first, as a left-padded cache. A DSA indexer returns their indices (handed to the attention as `indices=`); Kolibri's
+returns a mask of them, which the layer hands on in place of its own (`VarlenMask.selection`).
 """
-
 from __future__ import annotations
 
 import functools
@@ -56,9 +57,10 @@ def behind_growing_cache(mask: Any) -> bool:
             and not mask.fixed_cache and not mask.key_offset)
 
 
-def selecting(mask: VarlenMask, hidden_states: torch.Tensor, topk: int) -> bool:
-    """A decode step on a growing cache with more key columns than the indexer keeps: its selection is run."""
-    return hidden_states.shape[1] == 1 and behind_growing_cache(mask) and mask.mask.shape[-1] > topk
+def selecting(mask: VarlenMask, queries: int, keeps: int) -> bool:
+    """A decode step (`queries` a row) on a growing cache with more key columns than the indexer `keeps`: its
+    selection is run."""
+    return queries == 1 and behind_growing_cache(mask) and mask.mask.shape[-1] > keeps
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,22 +68,28 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask.bool(), float("-inf"))[:, None]
 
 
-def selected_keys(key: torch.Tensor, value: torch.Tensor, mask: Any, indices: torch.Tensor
+def chosen_by(indices: torch.Tensor, mask: VarlenMask) -> torch.Tensor:
+    """The real keys a decode step's DSA `indices` (B, 1, k) select, as a (B, T) boolean over the mask's columns."""
+    chosen = torch.zeros(mask.mask.shape, dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(1, indices[:, 0].long(), True) & mask.mask.bool()
+
+
+def selected_keys(key: torch.Tensor, value: torch.Tensor, mask: Any, chosen: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, VarlenMask]:
-    """A decode step's keys and values at the indexer's `indices` (B, 1, k), gathered from the padded cache (B, Hk, T,
-    D) in column order, and their key-padding mask: the padding it selected (a row with fewer than k real keys) comes
-    first, so the k columns are a left-padded cache whose query, at its end, sees each real one."""
-    if not (behind_growing_cache(mask) and indices.shape[1] == 1 and key.shape[-2] == mask.mask.shape[-1]):
+    """A decode step's keys and values that its indexer `chosen` (B, T: the real keys it selected), gathered from the
+    padded cache (B, Hk, T, D) in column order, and their key-padding mask: k columns, k the most any row chose, a
+    row's keys at the end and padding (keys it did not choose) before them, so that they are a left-padded cache whose
+    query, at its end, sees each chosen one."""
+    if not (behind_growing_cache(mask) and key.shape[-2] == mask.mask.shape[-1] == chosen.shape[-1]):
         raise PatchStateError("a sparse attention's key selection reached patchkit's attention outside a decode step "
                               "on a growing cache, which the plan steps aside: a patchkit bug (report the model type)")
-    columns = indices[:, 0].long().sort(dim=-1).values  # (B, k)
-    real = mask.mask.gather(1, columns).bool()
-    order = real.long().argsort(dim=-1, stable=True)  # padding first, each group in column order
-    columns, real = columns.gather(1, order), real.gather(1, order)
+    keep = int(chosen.sum(-1).max())
+    columns = chosen.long().argsort(dim=-1, stable=True)[:, chosen.shape[-1] - keep:]  # (B, k): unchosen first
+    real = chosen.gather(1, columns)
     at = columns[:, None, :, None]
     key = key.gather(2, at.expand(-1, key.shape[1], -1, key.shape[-1]))
     value = value.gather(2, at.expand(-1, value.shape[1], -1, value.shape[-1]))
-    selected = VarlenMask(real.to(mask.mask.dtype), past_len=columns.shape[-1] - 1, route=mask.route)
+    selected = VarlenMask(real.to(mask.mask.dtype), past_len=keep - 1, route=mask.route)
     selected.window, selected.mask_decides = mask.window, mask.mask_decides
     return key, value, selected
 
@@ -91,6 +99,8 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
     the keys stored in the cache (where there is one) and `every_key`. `like`: the forward whose parameters `original`
     takes, where it does not say (an instance's wrapper of its class's)."""
     names = list(inspect.signature(like or original).parameters)[1:]  # after self; the mask's and cache's places
+    if "query_states" in names:
+        return make_selecting_forward(original, like)
     at_mask = names.index("attention_mask") if "attention_mask" in names else None
     cache_name = next((n for n in CACHE_NAMES if n in names), None)
     at_cache = names.index(cache_name) if cache_name is not None else None
@@ -101,7 +111,7 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
         if not isinstance(mask, VarlenMask):
             return original(self, *args, **kwargs)
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-        if selecting(mask, hidden_states, self.index_topk):  # transformers' selection, over the step's 2D mask
+        if selecting(mask, hidden_states.shape[1], budget(self)):  # transformers' selection, over the step's 2D mask
             read = additive(mask.mask, torch.float32)
             if at_mask is not None and len(args) > at_mask:
                 return original(self, *args[:at_mask], read, *args[at_mask + 1:], **kwargs)
@@ -120,3 +130,40 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
         return every_key(hidden_states)
 
     return forward
+
+
+def make_selecting_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
+    """The forward of an indexer that returns a mask of the keys it selects and the pool it chose them from
+    (Kolibri-1.1's: `(query_states, key_states, attention_mask, index_pool)`): transformers' own under a 4D mask;
+    in a served forward the layer's own mask (every key) and the pool as it came; in a decode step past its budget
+    the mask with the step's selection (`VarlenMask.selection`), made by transformers' code over the step's 2D mask."""
+    signature = inspect.signature(like or original)
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        given = signature.bind(self, *args, **kwargs).arguments
+        mask, queries = given.get("attention_mask"), given["query_states"]
+        if not isinstance(mask, VarlenMask):  # the layer overlays the selection on this mask as a new tensor: the
+            self.patchkit_cause = getattr(mask, "patchkit_cause", None)  # cause it was made for, for `overlaid_cause`
+            return original(self, *args, **kwargs)
+        if not selecting(mask, queries.shape[2], budget(self)):
+            return mask, given.get("index_pool")
+        visible = mask.mask.bool()[:, None, None, :]  # (B, 1, 1, T): the step's query sees every real key
+        chosen, pool = original(self, queries, given["key_states"], visible, given.get("index_pool"))
+        return mask.with_selection(chosen[:, 0, 0] & mask.mask.bool()), pool
+
+    return forward
+
+
+def budget(indexer: nn.Module) -> int:
+    """How many keys an indexer keeps for each query: its top-k, and its sink and local tokens where it has them."""
+    topk = getattr(indexer, "index_topk", None)
+    if topk is None:
+        topk = indexer.topk
+    return topk + getattr(indexer, "num_local_tokens", 0) + getattr(indexer, "num_sink_tokens", 0)
+
+
+def overlaid_cause(module: nn.Module) -> Optional[str]:
+    """The step-aside cause of the mask a layer's indexer overlaid its selection on (Kolibri-1.1's layers hand
+    attention a new tensor, without the tags of patchkit's own), or None."""
+    return getattr(getattr(module, "indexer", None), "patchkit_cause", None)

@@ -28,7 +28,7 @@ from patchkit.hooks.attention.attend import (
     kernel_head_size,
     one_head_size,
 )
-from patchkit.hooks.attention.sparse_indexer import selected_keys
+from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
@@ -268,7 +268,9 @@ def make_attention_function(
         sinks = kwargs.pop("s_aux", None)
         indices = kwargs.pop("indices", None)  # a sparse attention's top-k: none dropped, or a decode step's own
         if isinstance(indices, torch.Tensor) and indices.shape[-1]:
-            key, value, attention_mask = selected_keys(key, value, attention_mask, indices)
+            key, value, attention_mask = selected_keys(key, value, attention_mask, chosen_by(indices, attention_mask))
+        elif getattr(attention_mask, "selection", None) is not None:  # Kolibri-1.1's, in its mask
+            key, value, attention_mask = selected_keys(key, value, attention_mask, attention_mask.selection)
         decides = getattr(attention_mask, "mask_decides", False)  # a non-causal layer's mask, read back
         check_call(module, kwargs, decides)  # first: an argument names the problem more precisely than the family
         check_family(module, serves)

@@ -148,11 +148,14 @@ def padding_into_mixers(config: Any) -> bool:
 
 
 def index_topk(config: Any) -> Optional[int]:
-    """How many keys the family's sparse-attention indexer keeps for each query (DeepSeek-V3.2's `index_topk`; the
-    table's SPARSE_INDEXERS), or None for a family with no indexer."""
+    """How many keys the family's sparse-attention indexer keeps for each query (DeepSeek-V3.2's `index_topk`, and
+    Kolibri-1.1's sink and local tokens besides; the table's SPARSE_INDEXERS), or None for a family with no indexer."""
     if getattr(config, "model_type", None) not in _table_list("SPARSE_INDEXERS", dict):
         return None
-    return getattr(config, "index_topk", None)
+    topk = getattr(config, "index_topk", None)
+    if topk is None:
+        return None
+    return topk + getattr(config, "index_num_local_tokens", 0) + getattr(config, "index_num_sink_tokens", 0)
 
 
 def read_table_lists() -> None:
