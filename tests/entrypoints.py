@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,11 +11,26 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def benchmarks_importable() -> Iterator[None]:
+    """benchmarks/ on sys.path, and what was imported from it forgotten after: its `families`, `models` and the like
+    would otherwise stand in for tests/' modules of those names in a later import."""
+    folder, path, before = str(REPO / "benchmarks"), list(sys.path), set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path[:] = path  # the benchmarks' own scripts put their folder first too
+        for name in set(sys.modules) - before:
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder):
+                del sys.modules[name]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from entrypoints import REPO
+from entrypoints import REPO, benchmarks_importable
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*\S.*-->")
@@ -146,11 +146,10 @@ def test_every_docs_page_is_in_the_site_nav():
 
 @pytest.fixture(scope="module")
 def tables():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import tables as module
+    with benchmarks_importable():
+        import tables as module
 
-    yield module
-    sys.path.remove(str(REPO / "benchmarks"))
+        yield module
 
 
 @pytest.mark.parametrize("name", ["docs/performance.md", "README.md"])

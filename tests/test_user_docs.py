@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from entrypoints import REPO, run
+from entrypoints import REPO, benchmarks_importable, run
 
 BENCH = REPO / "benchmarks" / "bench.py"
 USER_FACING = ["README.md", "benchmarks/README.md", "benchmarks/bench.py", "benchmarks/attention_kernels.py",
@@ -16,12 +16,11 @@ USER_FACING = ["README.md", "benchmarks/README.md", "benchmarks/bench.py", "benc
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(BENCH.parent))
+    with benchmarks_importable():
+        spec = importlib.util.spec_from_file_location("bench_under_test", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
 
 
 @pytest.mark.heavy  # starts Python processes: make test-heavy
