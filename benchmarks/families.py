@@ -181,6 +181,13 @@ def text_config(family: str, size: dict) -> object:
         "qwen3_next": lambda: tf.Qwen3NextConfig(head_dim=head, num_experts=8, num_experts_per_tok=2,
                                                  moe_intermediate_size=expert, shared_expert_intermediate_size=expert,
                                                  decoder_sparse_step=1, **linear, **size),
+        # Qwen4-Exp's text model: Qwen3.5's pattern with QSA's indexer on its full-attention layer (blocks of 16 pooled
+        # keys, a budget of 2048 that keeps every key of these rows), hyper-connections, a routed MoE
+        "qwen4_exp_text": lambda: tf.Qwen4ExpTextConfig(
+            head_dim=head, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=expert,
+            shared_expert_intermediate_size=expert, indexer_n_heads=size["num_attention_heads"] // 2,
+            indexer_kv_heads=1, indexer_head_dim=head, indexer_budget=2048, indexer_compress_ratio=16, **linear,
+            **size),
         "jamba": lambda: tf.JambaConfig(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=4,
                                         expert_layer_offset=1, num_experts=1, use_mamba_kernels=False, **size),
         # ZAYA: every layer's attention takes its q/k from a causal convolution and half its values from the token

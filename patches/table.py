@@ -54,6 +54,8 @@ VERIFIED = frozenset({
     "dots3_note_text",
     # Kolibri-1.1: its indexer keeps top-k keys, sink and local ones besides, from a pool of an earlier layer's
     "kolibri1_1",
+    # Qwen4-Exp's text model: QSA's indexer keeps whole blocks of pooled keys; linear-attention and PLE layers beside
+    "qwen4_exp_text",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from transformers' mask function, for layers not handed position_ids
@@ -124,7 +126,8 @@ ROW_MIXERS = {
 # query past `index_topk` keys steps aside (`sparse_attention`). model_type -> its indexer class
 SPARSE_INDEXERS = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeDsaIndexer", "axk2": "AXK2Indexer",
                    "hy_v4": "HYV4Indexer", "mistral_large4_text": "MistralLarge4TextIndexer",
-                   "dots3_note_text": "Dots3NoteTextIndexer", "kolibri1_1": "Kolibri1_1Indexer"}
+                   "dots3_note_text": "Dots3NoteTextIndexer", "kolibri1_1": "Kolibri1_1Indexer",
+                   "qwen4_exp_text": "Qwen4ExpTextQSAIndexer"}
 # where their indexers were read and run (5.23.0, 5.24.0, 5.25.0); before, transformers' DSA layers had another layer
 # type and mask (5.16's "deepseek_sparse_attention"), which the census has not run: refused there by name
 SPARSE_TRANSFORMERS = ">=5.23"
@@ -134,7 +137,7 @@ MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "l
 # one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
-    **dict.fromkeys(("glm5_next", "minimax_m3_vl_text", "qwen4_exp", "qwen4_exp_text", "deepseek_v4"),
+    **dict.fromkeys(("glm5_next", "minimax_m3_vl_text", "deepseek_v4"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": SCORE_BIAS,

@@ -131,6 +131,11 @@ OVERRIDES = {
     # first's keys and values and selects from the first's pool, as its checkpoint's do
     "kolibri1_1": dict(head_dim=16, index_num_heads=2, num_hidden_layers=3,
                        layer_types=["sliding_attention", "indexed_attention", "indexed_attention"]),
+    # Qwen4-Exp's text model: its defaults leave QSA's indexer unset, which its attention cannot build without; its
+    # per-layer n-gram embeddings (PLE: hashed n-grams of the ids, a convolution over them) on both layers
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=2048,
+                           indexer_compress_ratio=16, ple_layer_ids=[1, 2], ple_embed_dim=16, heads_per_ngram=2,
+                           ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=1),
     # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
     "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                          layer_types=["full_attention", "sliding_attention", "full_attention"]),

@@ -44,10 +44,13 @@ def tiny(model_type: str, topk: int, seed: int = 0, **fields) -> torch.nn.Module
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
-    config.index_topk = topk
+    if hasattr(config, "index_topk"):  # not Qwen4-Exp's, whose budget is its own field
+        config.index_topk = topk
     if model_type == "kolibri1_1":  # `topk` keys in all: one sink, one local, the rest its top-k, from a pool of 4
         fields = dict(index_topk=topk - 2, index_num_sink_tokens=1, index_num_local_tokens=1, index_compression=2,
                       index_pool_size=4, **fields)
+    if model_type == "qwen4_exp_text":  # `topk` blocks of one key (of two: `test_qwen4_exp_pools_blocks_...`)
+        fields = dict(indexer_budget=topk, indexer_compress_ratio=1) | fields
     if fields:
         config = type(config)(**{**config.to_dict(), **fields})
     if getattr(config, "indexer_types", None):  # GLM-5's and Hunyuan V4's later layers reuse an earlier one's top-k
@@ -65,9 +68,10 @@ def scored(model: torch.nn.Module) -> list[int]:
             continue
         if hasattr(module, "weights_proj"):
             module.weights_proj.register_forward_hook(patchkit.shape_free(lambda *_: calls.append(1)))
-        else:
-            select = module.select_tokens
-            module.select_tokens = lambda *a, _select=select, **k: calls.append(1) or _select(*a, **k)
+        else:  # Kolibri-1.1's, Qwen4-Exp's
+            name = "select_tokens" if hasattr(module, "select_tokens") else "_select_tokens"
+            select = getattr(module, name)
+            setattr(module, name, lambda *a, _select=select, **k: calls.append(1) or _select(*a, **k))
     return calls
 
 
@@ -170,6 +174,37 @@ def test_dots3_with_its_sliding_layers_trains_and_generates_as_transformers():
     torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
 
 
+def test_qwen4_exp_pools_blocks_and_keeps_a_querys_last_incomplete_one():
+    """Qwen4-Exp's QSA scores blocks of 2 pooled keys and keeps its budget of 8 keys in whole blocks, and the block
+    of a query's last keys where it is incomplete: a query that sees 9 keys keeps all of them, so rows of 9 run
+    patched, scoring nothing, and a row of 10 steps aside. Generation past a budget of 4 (5 keys) runs its decode
+    steps on the blocks the indexer selects: transformers' tokens and logits, where a dense run's differ."""
+    model = tiny("qwen4_exp_text", topk=8, indexer_budget=8, indexer_compress_ratio=2)
+    ids, mask = within_topk()
+    mask[0, 9] = 0  # rows of 9, 9 and 3 real tokens
+    calls = scored(model)
+    want = step(model, ids, mask)
+    calls.clear()
+    with patchkit.apply_patch("qwen4_exp_text", backend="sdpa") as handle:
+        got = step(model, ids, mask)
+        assert handle.calls > 0 and not handle.stepped_aside and not calls
+        mask[0, 9] = 1
+        step(model, ids, mask)
+    assert handle.stepped_aside == {"sparse_attention": 1}
+    assert_same(got, want, mask.index_put((torch.tensor(0), torch.tensor(9)), torch.tensor(0)))
+    model = tiny("qwen4_exp_text", topk=4, indexer_budget=4, indexer_compress_ratio=2).eval()
+    ids, mask = left_padded_prompts(model.config.vocab_size)
+    with torch.no_grad():
+        want, want_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        with patchkit.apply_patch("qwen4_exp_text", backend="sdpa") as handle:
+            got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
+        _, dense_logits = generate_scores(tiny("qwen4_exp_text", topk=64).eval(), ids, mask, max_new_tokens=8)
+    assert handle.stepped_aside == {"sparse_attention": 1} and handle.calls >= 7  # the prefill of 6 keys aside
+    assert not torch.allclose(dense_logits, want_logits, atol=1e-3)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
+
+
 def generate_scores(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kw) -> tuple:
     """Greedy tokens and every step's logits."""
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0,
@@ -201,7 +236,8 @@ def test_generation_past_topk_runs_patched_on_the_keys_the_indexer_selects(model
             got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
         dense = tiny(model_type, topk=64).eval()
         _, dense_logits = generate_scores(dense, ids, mask, max_new_tokens=8)
-    assert handle.stepped_aside == {"sparse_attention": 1} and handle.calls >= 7 * 2  # the prefill aside
+    assert handle.stepped_aside == {"sparse_attention": 1}  # the prefill
+    assert handle.calls >= 7 * handle.layers_patched > 0  # every decode step's layers
     assert calls, "no decode step ran the indexer's selection"
     assert not torch.allclose(dense_logits, want_logits, atol=1e-3)
     assert torch.equal(got, want)
@@ -228,11 +264,12 @@ def test_generation_within_topk_scores_nothing_and_a_static_cache_past_it_steps_
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1"])
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1", "qwen4_exp_text"])
 @pytest.mark.parametrize("topk, asides", [(10, False), (8, True)])
 def test_the_registered_name_alone_serves_within_topk_and_steps_aside_past_it(topk, asides, model_type):
-    """Past index_topk each call steps aside by that name: Kolibri-1.1's layers overlay their selection on the mask
-    as a new tensor, which lost its cause before (counted and warned as the caller's own 4D mask)."""
+    """Past index_topk each call steps aside by that name: Kolibri-1.1's and Qwen4-Exp's layers overlay their
+    selection on the mask as a new tensor, which lost its cause before (counted and warned as the caller's own 4D
+    mask)."""
     model = tiny(model_type, topk=topk)
     ids, mask = within_topk()
     calls = scored(model)
@@ -333,7 +370,7 @@ def test_mistral_large_4_inside_its_multimodal_model_with_shared_keys(indexers):
     assert torch.equal(got_tokens, want_tokens)
 
 
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1"])
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "kolibri1_1", "qwen4_exp_text"])
 def test_generation_past_topk_under_the_registered_name_alone(model_type):
     """attn_implementation="patchkit" alone (GLM-5, its second layer reusing the first one's top-k): transformers hands
     the attention function the indexer's top-k as `indices=`; decode steps gather those keys, the prefill past
@@ -350,7 +387,8 @@ def test_generation_past_topk_under_the_registered_name_alone(model_type):
             got, got_logits = generate_scores(model, ids, mask, max_new_tokens=8)
         finally:
             model.set_attn_implementation("eager")
-    assert state.calls - calls >= 7 * 2
+    layers = sum(type(m).__name__.endswith("Attention") and hasattr(m, "o_proj") for m in model.modules())
+    assert state.calls - calls >= 7 * layers > 0  # every decode step's attention layers
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, atol=2e-5, rtol=1e-4)
 

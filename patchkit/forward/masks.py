@@ -350,10 +350,17 @@ class VarlenMask:
         sliced.mask_decides, sliced.padded = self.mask_decides, self.padded
         return sliced
 
+    def __and__(self, other: Any) -> Any:
+        """Qwen4-Exp's sparse layers overlay their indexer's selection on their mask: what the indexer returned for
+        it (`sparse_indexer`: this mask, or this mask with a decode step's selection)."""
+        if isinstance(other, VarlenMask) and other.mask is self.mask:
+            return other
+        raise self._foreign_use("arithmetic")
+
     def __add__(self, other: Any) -> Any:
         raise self._foreign_use("arithmetic")
 
-    __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __add__
+    __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __rand__ = __or__ = __ror__ = __add__
 
 
 def cache_placement(past_key_values: Any, cache_position: Any = None) -> tuple[int, bool]:

@@ -96,8 +96,9 @@ def selected_keys(key: torch.Tensor, value: torch.Tensor, mask: Any, chosen: tor
 
 def make_indexer_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
     """The indexer's forward: transformers' own where the layer was handed a 4D mask (a forward stepped aside), else
-    the keys stored in the cache (where there is one) and `every_key`. `like`: the forward whose parameters `original`
-    takes, where it does not say (an instance's wrapper of its class's)."""
+    the keys stored in the cache (where there is one) and `every_key`, or, for an indexer whose layer overlays a mask
+    of its selection on its own (Qwen4-Exp's QSA: `overlays`), that mask itself. `like`: the forward whose parameters
+    `original` takes, where it does not say (an instance's wrapper of its class's)."""
     names = list(inspect.signature(like or original).parameters)[1:]  # after self; the mask's and cache's places
     if "query_states" in names:
         return make_selecting_forward(original, like)
@@ -106,16 +107,21 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
     at_cache = names.index(cache_name) if cache_name is not None else None
 
     @functools.wraps(original)
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = kwargs.get("attention_mask", args[at_mask] if at_mask is not None and len(args) > at_mask else None)
         if not isinstance(mask, VarlenMask):
+            if overlays(self):  # the layer overlays the selection on this mask as a new tensor: the cause it was
+                self.patchkit_cause = getattr(mask, "patchkit_cause", None)  # made for, for `overlaid_cause`
             return original(self, *args, **kwargs)
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         if selecting(mask, hidden_states.shape[1], budget(self)):  # transformers' selection, over the step's 2D mask
-            read = additive(mask.mask, torch.float32)
+            # as the indexer reads a layer's mask: DSA's (B, 1, T) additive, QSA's (B, 1, 1, T) boolean
+            read = mask.mask.bool()[:, None, None, :] if overlays(self) else additive(mask.mask, torch.float32)
             if at_mask is not None and len(args) > at_mask:
-                return original(self, *args[:at_mask], read, *args[at_mask + 1:], **kwargs)
-            return original(self, *args, **{**kwargs, "attention_mask": read})
+                chosen = original(self, *args[:at_mask], read, *args[at_mask + 1:], **kwargs)
+            else:
+                chosen = original(self, *args, **{**kwargs, "attention_mask": read})
+            return mask.with_selection(chosen[:, 0, 0] & mask.mask.bool()) if overlays(self) else chosen
         positional = at_cache is not None and len(args) > at_cache
         cache = args[at_cache] if positional else kwargs.get(cache_name) if cache_name else None
         if cache is not None:
@@ -127,9 +133,15 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
                 original(self, *args, **kwargs)
             except _KeysStored:
                 pass
-        return every_key(hidden_states)
+        return mask if overlays(self) else every_key(hidden_states)
 
     return forward
+
+
+def overlays(indexer: nn.Module) -> bool:
+    """The indexer returns a mask of the keys it selects, which its layer overlays on its own (Qwen4-Exp's QSA:
+    `token_budget`), not their indices (DSA's)."""
+    return hasattr(indexer, "token_budget")
 
 
 def make_selecting_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
@@ -156,7 +168,10 @@ def make_selecting_forward(original: Callable, like: Optional[Callable] = None) 
 
 
 def budget(indexer: nn.Module) -> int:
-    """How many keys an indexer keeps for each query: its top-k, and its sink and local tokens where it has them."""
+    """How many keys an indexer keeps for each query: its top-k, and its sink and local tokens where it has them;
+    QSA's budget of whole blocks, and the incomplete block of a query's last keys (`registry.index_topk`)."""
+    if overlays(indexer):
+        return indexer.token_budget + indexer.compress_ratio - 1
     topk = getattr(indexer, "index_topk", None)
     if topk is None:
         topk = indexer.topk

@@ -104,11 +104,10 @@ CAUSES = {
     ),
     "sparse_attention": (
         "a forward of several queries a row, one of which sees more keys than the sparse attention's indexer keeps "
-        "(DeepSeek-V3.2's DSA, GLM-5's: config.index_topk; Kolibri-1.1's sink and local keys besides): transformers "
-        "attends to the top-k keys its indexer "
-        "scores for each query, which a varlen kernel over a key-padding mask does not select; queries that see "
-        "index_topk keys or fewer keep every key and run patched, and so do decode steps on a growing cache, on the "
-        "keys the indexer selects",
+        "(DeepSeek-V3.2's DSA, GLM-5's: config.index_topk; Kolibri-1.1's sink and local keys besides; Qwen4-Exp's "
+        "QSA: config.indexer_budget): transformers attends to the top-k keys its indexer scores for each query, "
+        "which a varlen kernel over a key-padding mask does not select; queries that see index_topk keys or fewer "
+        "keep every key and run patched, and so do decode steps on a growing cache, on the keys the indexer selects",
         "none needed: rows and documents of index_topk tokens or fewer, and generation's decode steps, run patched",
     ),
     "padding_into_mixer": (

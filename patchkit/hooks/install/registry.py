@@ -149,10 +149,13 @@ def padding_into_mixers(config: Any) -> bool:
 
 def index_topk(config: Any) -> Optional[int]:
     """How many keys the family's sparse-attention indexer keeps for each query (DeepSeek-V3.2's `index_topk`, and
-    Kolibri-1.1's sink and local tokens besides; the table's SPARSE_INDEXERS), or None for a family with no indexer."""
+    Kolibri-1.1's sink and local tokens besides; Qwen4-Exp's `indexer_budget`; the table's SPARSE_INDEXERS), or None
+    for a family with no indexer."""
     if getattr(config, "model_type", None) not in _table_list("SPARSE_INDEXERS", dict):
         return None
     topk = getattr(config, "index_topk", None)
+    if topk is None and getattr(config, "indexer_budget", None) is not None:  # Qwen4-Exp's QSA: its budget of whole
+        return config.indexer_budget + config.indexer_compress_ratio - 1  # blocks, and a query's incomplete last one
     if topk is None:
         return None
     return topk + getattr(config, "index_num_local_tokens", 0) + getattr(config, "index_num_sink_tokens", 0)
