@@ -68,10 +68,12 @@ def scored(model: torch.nn.Module) -> list[int]:
             continue
         if hasattr(module, "weights_proj"):
             module.weights_proj.register_forward_hook(patchkit.shape_free(lambda *_: calls.append(1)))
-        else:  # Kolibri-1.1's, Qwen4-Exp's
-            name = "select_tokens" if hasattr(module, "select_tokens") else "_select_tokens"
-            select = getattr(module, name)
-            setattr(module, name, lambda *a, _select=select, **k: calls.append(1) or _select(*a, **k))
+        elif hasattr(module, "select_tokens"):  # Kolibri-1.1's
+            select = module.select_tokens
+            module.select_tokens = lambda *a, _select=select, **k: calls.append(1) or _select(*a, **k)
+        else:  # Qwen4-Exp's returns its selection's mask (a served forward's: patchkit's mask)
+            module.register_forward_hook(
+                patchkit.shape_free(lambda _m, _a, out: calls.append(1) if isinstance(out, torch.Tensor) else None))
     return calls
 
 
