@@ -79,6 +79,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         choice = eager_choice_cause(arguments) if chooses else None
         cause = lm_cause(arguments, extra, self.training, takes_keep) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
+        if cause is None and not is_compiling() and current().head is not None:
+            return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which
+            # computes the loss from this one's logits): that call's request is served here, one head a forward
         if cause is None and not is_compiling():
             alone = reads_alone(self, arguments, extra)
             if unpad in WHOLE_MODEL or alone:
