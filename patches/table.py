@@ -83,9 +83,9 @@ VERIFIED = frozenset({
     *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
-# from the mask (or, Llama 4's NoPE layers, a temperature from the row's length); so is, by its default config's
+# from the mask; so is, by its default config's
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
-ATTENTION_UNPAD = frozenset({"biogpt", "opt", "llama4_text"})
+ATTENTION_UNPAD = frozenset({"biogpt", "opt"})
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
 # Vision's `mllama`, Emu3's `emu3`): model_type -> (causal LM, base model)
 TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),

@@ -2,9 +2,10 @@
 
 A chunked layer's query sees the keys of its own chunk only (`attention_chunk_size`, counted from each document's
 first real token): the varlen path cuts every document into chunks (`split_at_chunks`). Its NoPE layers scale
-queries by a temperature read from the row's length, so Llama 4 unpads inside attention, never at the model. Where
-a chunk boundary falls behind a KV cache (generation past the first chunk) or in a row with a padding hole, the
-forward steps aside to transformers' attention, by name.
+queries by a temperature read from each token's column in the padded batch: a padded batch unpads at the model (every
+layer, its MoE too, on real tokens) and those layers' queries are scaled by the columns the packed row's tokens had
+(`forward/inputs/temperature.py`). Where a chunk boundary falls behind a KV cache (generation past the first chunk)
+or in a row with a padding hole, the forward steps aside to transformers' attention, by name.
 """
 
 from __future__ import annotations
@@ -44,6 +45,41 @@ def test_a_padded_training_step_equals_eager_with_chunks_and_nope_temperature(ki
         got = step(model, ids, mask)
     assert handle.calls > 0 and not handle.stepped_aside
     assert_same(got, want, mask)
+
+
+@pytest.mark.parametrize("kind", ["left", "mixed"])
+def test_a_padded_step_runs_every_layer_on_real_tokens_with_each_tokens_own_temperature(kind):
+    """Llama 4 unpadded inside attention only before 2026-12-05 (its MoE ran on padding). Now its feed-forward layers
+    see the real tokens alone; the NoPE layer's temperature, by the padded column (a left-padded row's first real
+    token sits at column 5 or more), is transformers' own: a training step's logits and gradients, and a left-padded
+    prompt's greedy tokens and logits in float32 and bfloat16."""
+    model = llama4()
+    ids, mask = padded_batch(kind, batch=3, seq=16)
+    want = step(model, ids, mask)
+    tokens: list[int] = []
+    hooks = [layer.feed_forward.register_forward_hook(
+        patchkit.shape_free(lambda _m, args, _o: tokens.append(args[0].shape[:-1].numel())))
+        for layer in model.model.layers]
+    with patchkit.apply_patch("llama4_text", backend="sdpa") as handle:
+        got = step(model, ids, mask)
+    for hook in hooks:
+        hook.remove()
+    assert handle.calls > 0 and not handle.stepped_aside
+    assert tokens == [int(mask.sum())] * len(model.model.layers)
+    assert_same(got, want, mask)
+    prompts, prompt_mask = padded_batch("left", batch=3, seq=16)
+    prompts, prompt_mask = prompts[:, -5:].clamp(max=95), prompt_mask[:, -5:]  # within the first chunk of 6
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.eval().to(dtype)
+        kw = dict(max_new_tokens=1, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        with torch.no_grad():
+            want = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
+            with patchkit.apply_patch("llama4_text", backend="sdpa") as handle:
+                got = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kw)
+        assert handle.calls > 0 and not handle.stepped_aside
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(got.logits[0], want.logits[0], atol=2e-5 if dtype == torch.float32 else 2e-2,
+                                   rtol=1e-4 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("way", ["class", "registered name"])

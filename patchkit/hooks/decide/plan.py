@@ -126,14 +126,20 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
     if rope_reads_padded_length(module, mask, position_ids, seqlen):
         return None
-    if meta.holes and sliding_window(module.config) is not None:
-        return None  # a window that does not bite (else stepped aside): the per-layer path sees the padded distances
+    if meta.holes and (sliding_window(module.config) is not None or chunked(module.config)):
+        return None  # a window that does not bite (else stepped aside), or chunks (Llama 4's) that count a hole's
+        # columns: the per-layer path sees the padded distances
     visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
     if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
         return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it
     if keeps_layout(module, input_embedding(module)):
         return None  # a hook of the user's, or PEFT's per-row arguments, read the (B, S, H) layout: kept
     return meta
+
+
+def chunked(config: Any) -> bool:
+    """Chunked attention (Llama 4's `attention_chunk_size`)."""
+    return bool(getattr(config, "attention_chunk_size", None))
 
 
 def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 from torch import nn
 
 from patchkit.forward.context import current, within
+from patchkit.forward.inputs.temperature import QUERY_SCALE, column_temperature, own_scaling_off
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.install.patching import Replacement, dressed_as, unpatched
@@ -167,6 +168,11 @@ def inside_route(config: Any, state: Any, mask: VarlenMask) -> bool:
     return route is not None and route.state is state and attn_name(config) == ROUTE_NAME
 
 
+def routed_unless_inside(config: Any, state: Any, mask: VarlenMask) -> contextlib.AbstractContextManager:
+    """`routed`, where the layer is not inside a forward already routed on `state` (`inside_route`)."""
+    return contextlib.nullcontext() if inside_route(config, state, mask) else routed(config, state)
+
+
 def current_method(module: nn.Module, attr: str = "forward") -> Callable:
     """`module.attr` as a function of (self, ...): the instance's own (a framework's `model.forward = ...`) if it
     has one, else its class's (transformers' own, under a class patch too: the instance's forwards then run and are
@@ -208,7 +214,13 @@ def make_attention_forward(original: Callable, state: Any) -> Callable:
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = read_mask(args, kwargs)
-        if not isinstance(mask, VarlenMask) or inside_route(self.config, state, mask):
+        if not isinstance(mask, VarlenMask):
+            return original(self, *args, **kwargs)
+        scales = column_temperature(self, mask, kwargs.get("hidden_states", args[0] if args else None))
+        if scales is not None:  # Llama 4's NoPE layer on a packed row: its temperature by the padded columns
+            with own_scaling_off(self), routed_unless_inside(self.config, state, mask):
+                return original(self, *args, **{**kwargs, QUERY_SCALE: scales})
+        if inside_route(self.config, state, mask):
             return original(self, *args, **kwargs)
         with routed(self.config, state):
             return original(self, *args, **kwargs)

@@ -33,6 +33,7 @@ from patchkit.forward.inputs.mask_functions import (
     mask_name,
     packed_sequence_ids,
 )
+from patchkit.forward.inputs.temperature import scaled_query
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
@@ -131,8 +132,9 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     chunk = chunk_size(function)
     # q_offset is a tensor before transformers 5.4: read on the host once, here if chunks need it, else below
     past_len = int(q_offset) if q_offset is not None and chunk is not None else None
-    if chunk is not None and (chunk_behind_cache(chunk, attention_mask, past_len, q_length)
-                              or chunks_off_start(function, chunk)):
+    if chunk is not None and (chunk_behind_cache(chunk, attention_mask, past_len, q_length) or (
+            context.plan.padded is None and chunks_off_start(function, chunk))):  # patchkit's packed rows of a
+        # padded batch: each row's chunks count from its first real token, as transformers counts past left padding
         return aside_mask("chunk_behind_cache", args, kwargs)
     attention_mask = flash_loaded_mask(attention_mask, context.route)
     documents = packed_sequence_ids(function) if attention_mask is None else None
@@ -295,6 +297,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     compiled graph (transformers' compiled static-cache decode) a transformers-made 4D mask goes straight to
     transformers' attention: no contextvar, no count, nothing that would break the graph.
     """
+    query = scaled_query(query, kwargs)  # Llama 4's NoPE layers in a packed forward: by the padded columns
     if cross_layer(module):  # to another tower's tokens, under the batch's own mask: the loaded attention
         route = current().route
         return cross_attention(module, query, key, value, attention_mask, route and route.loaded, **kwargs)
