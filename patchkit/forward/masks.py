@@ -215,7 +215,7 @@ class VarlenMask:
         # the padded batch a packed forward unpadded (`ForwardPlan.padded`), for its layers that read that batch
         # (Mllama's cross-attention ones) and their checkpoint recomputes
         self.padded: Optional[VarlenMetadata] = None
-        self.selection: Optional[torch.Tensor] = None  # a decode step's keys chosen by Kolibri-1.1's indexer (B, T)
+        self.selection: Optional[torch.Tensor] = None  # a decode step's keys chosen by a mask-returning indexer (B, T)
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
@@ -307,7 +307,7 @@ class VarlenMask:
 
     @property
     def dtype(self) -> torch.dtype:
-        """A boolean mask's: Kolibri-1.1's sparse layers read it to hand their indexer's selection on in its place."""
+        """A boolean mask's: Kolibri-1.1's and Qwen4-Exp's sparse layers read it to overlay their selection."""
         return torch.bool
 
     def with_selection(self, chosen: torch.Tensor) -> VarlenMask:

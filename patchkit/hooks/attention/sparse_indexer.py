@@ -110,18 +110,18 @@ def make_indexer_forward(original: Callable, like: Optional[Callable] = None) ->
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         mask = kwargs.get("attention_mask", args[at_mask] if at_mask is not None and len(args) > at_mask else None)
         if not isinstance(mask, VarlenMask):
-            if overlays(self):  # the layer overlays the selection on this mask as a new tensor: the cause it was
-                self.patchkit_cause = getattr(mask, "patchkit_cause", None)  # made for, for `overlaid_cause`
+            if overlays(self):
+                remember_cause(self, mask)
             return original(self, *args, **kwargs)
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         if selecting(mask, hidden_states.shape[1], budget(self)):  # transformers' selection, over the step's 2D mask
             # as the indexer reads a layer's mask: DSA's (B, 1, T) additive, QSA's (B, 1, 1, T) boolean
-            read = mask.mask.bool()[:, None, None, :] if overlays(self) else additive(mask.mask, torch.float32)
+            read = visible(mask) if overlays(self) else additive(mask.mask, torch.float32)
             if at_mask is not None and len(args) > at_mask:
                 chosen = original(self, *args[:at_mask], read, *args[at_mask + 1:], **kwargs)
             else:
                 chosen = original(self, *args, **{**kwargs, "attention_mask": read})
-            return mask.with_selection(chosen[:, 0, 0] & mask.mask.bool()) if overlays(self) else chosen
+            return with_selection(mask, chosen) if overlays(self) else chosen
         positional = at_cache is not None and len(args) > at_cache
         cache = args[at_cache] if positional else kwargs.get(cache_name) if cache_name else None
         if cache is not None:
@@ -155,14 +155,13 @@ def make_selecting_forward(original: Callable, like: Optional[Callable] = None) 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         given = signature.bind(self, *args, **kwargs).arguments
         mask, queries = given.get("attention_mask"), given["query_states"]
-        if not isinstance(mask, VarlenMask):  # the layer overlays the selection on this mask as a new tensor: the
-            self.patchkit_cause = getattr(mask, "patchkit_cause", None)  # cause it was made for, for `overlaid_cause`
+        if not isinstance(mask, VarlenMask):
+            remember_cause(self, mask)
             return original(self, *args, **kwargs)
         if not selecting(mask, queries.shape[2], budget(self)):
             return mask, given.get("index_pool")
-        visible = mask.mask.bool()[:, None, None, :]  # (B, 1, 1, T): the step's query sees every real key
-        chosen, pool = original(self, queries, given["key_states"], visible, given.get("index_pool"))
-        return mask.with_selection(chosen[:, 0, 0] & mask.mask.bool()), pool
+        chosen, pool = original(self, queries, given["key_states"], visible(mask), given.get("index_pool"))
+        return with_selection(mask, chosen), pool
 
     return forward
 
@@ -178,7 +177,23 @@ def budget(indexer: nn.Module) -> int:
     return topk + getattr(indexer, "num_local_tokens", 0) + getattr(indexer, "num_sink_tokens", 0)
 
 
+def visible(mask: VarlenMask) -> torch.Tensor:
+    """A decode step's 2D mask as a mask-returning indexer reads its layer's: (B, 1, 1, T), every real key seen."""
+    return mask.mask.bool()[:, None, None, :]
+
+
+def with_selection(mask: VarlenMask, chosen: torch.Tensor) -> VarlenMask:
+    """`mask` with the real keys of a decode step that a mask-returning indexer `chosen` ((B, 1, 1, T))."""
+    return mask.with_selection(chosen[:, 0, 0] & mask.mask.bool())
+
+
+def remember_cause(indexer: nn.Module, mask: Any) -> None:
+    """The cause patchkit made a handed-back mask for, kept on a mask-returning indexer: its layer overlays the
+    selection on that mask as a new tensor, which carries no tag (`overlaid_cause`)."""
+    indexer.patchkit_cause = getattr(mask, "patchkit_cause", None)
+
+
 def overlaid_cause(module: nn.Module) -> Optional[str]:
-    """The step-aside cause of the mask a layer's indexer overlaid its selection on (Kolibri-1.1's layers hand
-    attention a new tensor, without the tags of patchkit's own), or None."""
+    """The step-aside cause of the mask a layer's indexer overlaid its selection on (Kolibri-1.1's and Qwen4-Exp's
+    layers hand attention a new tensor, without the tags of patchkit's own), or None."""
     return getattr(getattr(module, "indexer", None), "patchkit_cause", None)
