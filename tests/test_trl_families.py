@@ -35,11 +35,12 @@ PER_STEP = {"hrm_text": 16 + 10}
 # up to the second step.
 DRIFT = {"gemma4_text": 1e-3}
 COMPARED_STEPS = {"gemma4_text": 2}
-# Kolibri-1.1 packing: its first step's loss is equal; the second and third differed by 4e-5 and 1.2e-4 (2.6e-5
-# relative) on 2026-12-05, padded and padding-free runs equal throughout. Its sparse layers round keys and values to
-# NVFP4, a step function that Adam's updates may push across from rounding-level differences; not confirmed, so only
-# the first step is compared here (see the session note).
-COMPARED_STEPS[("kolibri1_1", "packing")] = 1
+# Kolibri-1.1 packing: its first step's loss and gradients are equal (to 1.6e-6 relative); Adam's first update moves a
+# weight by its rate whatever its gradient's size, and one gradient of 8e-12 flips sign between two fp32 attention
+# kernels, so the second and third losses differ by 4e-5 and 1.2e-4 (NVFP4 rounding of the sparse layers' keys and
+# values grows it: 1.2e-5 without). transformers' own sdpa against its own eager differ as much (4.1e-5 and 1.3e-4,
+# measured 2026-12-05); patchkit's run lies within 1.4e-5 of transformers' sdpa.
+DRIFT[("kolibri1_1", "packing")] = 1e-3
 
 
 def built(family: str):
@@ -88,4 +89,5 @@ def test_sft_on_families_served_from_data_matches_unpatched(family: str, mode: s
         handle.revert()
     assert got[0] == pytest.approx(want[0], abs=1e-5), (got, want)  # the first step: before any optimizer step
     steps = COMPARED_STEPS.get((family, mode), COMPARED_STEPS.get(family, STEPS))
-    assert got[:steps] == pytest.approx(want[:steps], abs=DRIFT.get(family, 1e-5)), f"patched {got} != unpatched {want}"
+    drift = DRIFT.get((family, mode), DRIFT.get(family, 1e-5))
+    assert got[:steps] == pytest.approx(want[:steps], abs=drift), f"patched {got} != unpatched {want}"
