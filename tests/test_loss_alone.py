@@ -172,6 +172,28 @@ def test_a_batch_its_base_model_keeps_hands_the_head_its_labelled_rows(shift):
     assert_grads(grads, want[2], atol=2e-6)
 
 
+def test_a_forward_stepped_aside_still_runs_its_head_on_the_labelled_rows_alone():
+    """A forward whose attention steps aside (here the caller's own 4D mask, a window of 4 keys that no 2D mask says:
+    transformers' attention serves it) keeps
+    its padded batch, and its head and loss still run on the labelled rows alone: the prompts' tokens and padding are
+    not run through the head, and the loss and every gradient are transformers' own."""
+    model = family("llama")
+    inputs = batch(model)
+    mask = inputs["attention_mask"]
+    inputs["labels"] = completion_labels(inputs["input_ids"], mask)
+    n = mask.shape[1]
+    window = torch.tril(torch.ones(n, n, dtype=torch.bool)) & torch.triu(torch.ones(n, n, dtype=torch.bool), -3)
+    seen = window & mask.bool()[:, None, None, :]
+    inputs["attention_mask"] = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
+    want = step(model, **inputs)
+    out, grads, rows, heads, report = loss_alone_step(model, **inputs)
+    assert "forwards stepped aside to transformers' own attention: 1 (custom_4d_mask)" in report
+    assert heads == {lm_head.LOSS_ONLY: 1} and rows == [labelled_rows(inputs["labels"])]
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-6, rtol=1e-6)
+    assert_grads(grads, want[2], atol=2e-6)
+
+
 @pytest.mark.parametrize("model_type", ["jamba", "qwen3_next"])
 def test_a_family_unpadded_inside_attention_returns_the_loss_alone_too(model_type):
     """Hybrids (Mamba, linear attention) keep the padded batch at the model: their loss comes alone all the same,

@@ -285,8 +285,8 @@ def make_model_forward(
                 raise refuse_step_aside(plan.aside, *CAUSES[plan.aside])
             what = untrusted_what(self) if plan.aside in UNTRUSTED else None
             step_aside(aside_state, plan.aside, arguments, extra, what)
-            with within(plan=plan):
-                return call(self, put_rope_rows(arguments, rope_rows))
+            with within(plan=plan):  # transformers' attention; the head and loss still on the labelled rows alone
+                return hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head)
         meta = plan.padded
         try:
             with _route_masks(self, patched_impl, route), within(plan=plan):
@@ -308,7 +308,7 @@ def make_model_forward(
         except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
             step_aside(aside_state, only.cause, padded, extra)
             with within(plan=ForwardPlan(aside=only.cause)):
-                return call(self, put_rope_rows(padded, rope_rows))
+                return hand_kept(call(self, put_rope_rows(padded, rope_rows)), head)
         out = last_queries(exit_outputs(out, meta, head), kept)
         if not is_compiling():  # no contextvar in a graph (recording models, MoE, never compile whole)
             hand_up(out)  # to a model around this one that records router logits of its own
