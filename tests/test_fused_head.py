@@ -178,9 +178,10 @@ def loss_alone_steps(model: torch.nn.Module, inputs: dict, steps: int = 2) -> tu
 # llama: a plain head; gemma2: softcap; cohere: logit_scale; granite: logits_scaling (divides); phi: a bias;
 # falcon_h1: lm_head_multiplier; mixtral: the router's auxiliary loss added to the fused one; hyperclovax:
 # logits_scaling, which multiplies there (the census's tiny configs set it to 4, as checkpoints set it); ergo: a
-# float32 head (`FLOAT32_HEADS`); dory: a learned scale per vocabulary entry (`SCALED_HEADS`)
+# float32 head (`FLOAT32_HEADS`); dory: a learned scale per vocabulary entry (`SCALED_HEADS`); modernbert-decoder:
+# a module of its own before the head (dense, GELU, LayerNorm: `PRE_HEADS`), run on the labelled rows, its gradients too
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "cohere", "granite", "phi", "falcon_h1", "mixtral",
-                                        "hyperclovax", "ergo", "dory"])
+                                        "hyperclovax", "ergo", "dory", "modernbert-decoder"])
 def test_after_its_logits_are_checked_a_family_runs_the_fused_head_with_unpatched_numbers(model_type):
     overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if model_type == "mixtral" else {}
     model = family(model_type, **overrides)

@@ -5,7 +5,8 @@ then the logit transform its config names (`transform_of`). Nothing of the famil
 whose forward does something else to its logits would get another loss. An LM is therefore served fused only after
 one of its own training forwards showed, on its first rows and on probe rows (`probes`), that its logits are exactly
 those (`check`): until then, and wherever the check failed or the head is not a plain `nn.Linear` (a quantized
-head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before.
+head, a head under hooks or with a forward of its own), its own head runs on the labelled rows as before. A family
+whose forward runs a module of its own before the head (`PRE_HEADS`) has it run on the rows first.
 PEFT's `modules_to_save` copy of the head is a plain one; its trainable tokens (`trainable_token_indices`) over a
 plain head are served with their weight as PEFT's forward builds it (`FusedHead.weight`), and LoRA on the head
 (`target_modules` naming it, as continued pretraining does) with each active adapter's term (`FusedHead.terms`).
@@ -57,6 +58,11 @@ SCALED_HEADS: dict[str, Callable[[nn.Module], torch.Tensor]] = {
     "DoryLMHead": lambda head: head.logit_scale.float() * head.logit_scale_factor,
 }
 
+# causal LMs whose forward runs a module of their own on the hidden rows before the output embeddings: class name ->
+# that module's attribute (ModernBERT-decoder's `decoder(lm_head(hidden))`: dense, activation, LayerNorm). The fused
+# loss runs it on the labelled rows, as a module (its hooks, its gradients), then the output embeddings
+PRE_HEADS = {"ModernBertDecoderForCausalLM": "lm_head"}
+
 # `logits_scaling` divides the logits (Granite's, MiniCPM3's), except in these families, where it multiplies them
 SCALING_MULTIPLIES = frozenset({"hyperclovax"})
 
@@ -80,11 +86,13 @@ class FusedHead:
     weight around its forward ("zero3", "fsdp2", "accelerate"), or "" for none; `holder`: the module whose hooks
     those are (`linear`, or under FSDP2 the outermost of the output embeddings' modules a unit holds)."""
 
-    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora", "kind")
+    __slots__ = ("lm", "head", "linear", "hooks", "holder", "transform", "key", "checked", "lora", "kind", "pre")
 
     def __init__(self, lm: nn.Module, head: nn.Module, linear: nn.Linear, hooks: str, transform: LogitTransform,
-                 key: tuple, checked: bool, holder: Optional[nn.Module] = None, lora_head: bool = False) -> None:
+                 key: tuple, checked: bool, holder: Optional[nn.Module] = None, lora_head: bool = False,
+                 pre: Optional[nn.Module] = None) -> None:
         self.lm, self.head, self.linear, self.hooks, self.holder = lm, head, linear, hooks, holder or linear
+        self.pre = pre  # the LM's module before its output embeddings (`PRE_HEADS`), else None
         self.transform, self.key, self.checked = transform, key, checked
         self.lora = lora_head  # LoRA on the head: its adapters' terms add to the logits
         self.kind = head_of_its_own(linear)  # a class of FLOAT32_HEADS or SCALED_HEADS, else ""
@@ -102,6 +110,11 @@ class FusedHead:
         if self.head is self.linear or self.lora:
             return self.linear.bias
         return None  # trainable tokens' F.linear takes no bias
+
+    def head_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """The (n, H) hidden rows the base model hands its LM, as they reach the output embeddings: through the LM's
+        module before them (`PRE_HEADS`), where it has one."""
+        return rows if self.pre is None else self.pre(rows)
 
     def operands(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(rows, weight, bias) as the head's forward multiplies them: a float32 head's (`FLOAT32_HEADS`) upcast."""
@@ -121,7 +134,9 @@ class FusedHead:
         return SCALED_HEADS[self.kind](self.linear) if self.kind in SCALED_HEADS else None
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The family's logits of `rows` as the fused loss computes them: the head's operands, terms and transform."""
+        """The family's logits of the hidden `rows` as the fused loss computes them: the module before the head, the
+        head's operands, terms and transform."""
+        rows = self.head_input(rows)
         with self.computing(rows):
             return logits_of(*self.operands(rows), self.transform, self.terms(rows), self.column_scale())
 
@@ -276,12 +291,21 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     hooks = "fsdp2" if holder is not None else hooks_of(linear)
     autocast = autocast_dtype(device_of(linear, hooks).type)
     transform = transform_of(lm.config)
-    key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())))
+    pre = pre_head(lm)
+    key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())), id(pre))
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on
     return FusedHead(lm, head, linear, hooks, transform, key, checked=seen is not None and seen[0] == key,
-                     holder=holder, lora_head=is_lora)
+                     holder=holder, lora_head=is_lora, pre=pre)
+
+
+def pre_head(lm: nn.Module) -> Optional[nn.Module]:
+    """The LM's module before its output embeddings (`PRE_HEADS`, by the class whose forward it runs), or None (the
+    check then finds whether its logits are the head's alone)."""
+    name = next((PRE_HEADS[c.__name__] for c in type(lm).__mro__ if c.__name__ in PRE_HEADS), None)
+    module = getattr(lm, name, None) if name is not None else None
+    return module if isinstance(module, nn.Module) else None
 
 
 def probes(weight: torch.Tensor) -> torch.Tensor:

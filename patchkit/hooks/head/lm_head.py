@@ -204,6 +204,7 @@ def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, 
     fused, labels = request.fused, request.handed[0]
 
     def loss(rows: torch.Tensor) -> torch.Tensor:
+        rows = fused.head_input(rows)
         with fused.computing(rows):
             return linear_cross_entropy(*fused.operands(rows), labels, fused.transform, ignore_index,
                                         num_items_in_batch, fused.terms(rows), fused.column_scale())
