@@ -388,26 +388,23 @@ def spec(model_type: str) -> PatchSpec:
     )
 
 
+def modeling_classes(model_type: str, names: tuple[str, ...], of: int = 1) -> tuple[type, ...]:
+    """The classes `names` in the modeling module of `model_type`'s base model (`of=1`: a wrapped language model has
+    no causal LM of its own) or causal LM (`of=2`)."""
+    owner = find_classes(model_type)[of] if names else None
+    return tuple(getattr(sys.modules[owner.__module__], name) for name in names)
+
+
 def mixer_classes(model_type: str) -> tuple[type, ...]:
-    """The token mixer classes of `model_type` that run the packed row's rows in groups (`ROW_MIXERS`), in its modeling
-    module (the causal LM's)."""
-    if model_type not in ROW_MIXERS:
-        return ()
-    lm = find_classes(model_type)[2]
-    return (getattr(sys.modules[lm.__module__], ROW_MIXERS[model_type]),)
+    """The token mixer classes of `model_type` that run the packed row's rows in groups (`ROW_MIXERS`)."""
+    return modeling_classes(model_type, (ROW_MIXERS[model_type],) if model_type in ROW_MIXERS else (), of=2)
 
 
 def indexer_classes(model_type: str) -> tuple[type, ...]:
-    """The sparse-attention indexer class of `model_type` (`SPARSE_INDEXERS`), in its modeling module."""
-    if model_type not in SPARSE_INDEXERS:
-        return ()
-    base = find_classes(model_type)[1]  # a wrapped language model's has no causal LM of its own
-    return (getattr(sys.modules[base.__module__], SPARSE_INDEXERS[model_type]),)
+    """The sparse-attention indexer class of `model_type` (`SPARSE_INDEXERS`)."""
+    return modeling_classes(model_type, (SPARSE_INDEXERS[model_type],) if model_type in SPARSE_INDEXERS else ())
 
 
 def cross_decoder_layers(model_type: str) -> tuple[type, ...]:
-    """The decoder layer classes of `model_type`'s cross-attention layers (`CROSS_LAYERS`), in its modeling module."""
-    if model_type not in CROSS_LAYERS:
-        return ()
-    lm = find_classes(model_type)[2]
-    return (getattr(sys.modules[lm.__module__], CROSS_LAYERS[model_type][1]),)
+    """The decoder layer classes of `model_type`'s cross-attention layers (`CROSS_LAYERS`)."""
+    return modeling_classes(model_type, (CROSS_LAYERS[model_type][1],) if model_type in CROSS_LAYERS else (), of=2)
