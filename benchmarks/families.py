@@ -161,6 +161,14 @@ def text_config(family: str, size: dict) -> object:
         "deepseek_v32": lambda: tf.DeepseekV32Config(
             index_n_heads=size["num_attention_heads"] // 2, index_head_dim=2 * rope,
             layer_types=["indexed_attention"] * size["num_hidden_layers"], **latent),
+        # DeepSeek-V4 (eager-only in transformers): a sliding window of 128 on every layer, compressed entries of 4
+        # tokens (CSA, its indexer's top 512 keeping every entry of these rows) and of 128 (HCA), sinks, a routed MoE
+        "deepseek_v4": lambda: tf.DeepseekV4Config(
+            head_dim=head, q_lora_rank=size["hidden_size"] // 2, o_lora_rank=head, index_n_heads=size[
+                "num_attention_heads"] // 2, index_head_dim=head, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=expert, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                       "heavily_compressed_attention", "compressed_sparse_attention"],
+            **{k: v for k, v in size.items() if k not in ("intermediate_size", "num_key_value_heads")}),
         "glm4_moe": lambda: tf.Glm4MoeConfig(head_dim=head, n_routed_experts=8, num_experts_per_tok=2,
                                              moe_intermediate_size=expert, first_k_dense_replace=1, n_group=1,
                                              topk_group=1, **size),

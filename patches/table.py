@@ -56,6 +56,8 @@ VERIFIED = frozenset({
     "kolibri1_1",
     # Qwen4-Exp's text model: QSA's indexer keeps whole blocks of pooled keys; linear-attention and PLE layers beside
     "qwen4_exp_text",
+    # DeepSeek-V4: a sliding window's keys and compressed entries under their compressor's bias (`COMPRESSORS`)
+    "deepseek_v4",
     # per-layer configs: Gemma4's full-attention layers have wider heads than its sliding ones, each layer its own
     "gemma4_text", "gemma4_unified_text",
     # packed documents read from transformers' mask function, for layers not handed position_ids
@@ -85,7 +87,7 @@ VERIFIED = frozenset({
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
 # from the mask; so is, by its default config's
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
-ATTENTION_UNPAD = frozenset({"biogpt", "opt"})
+ATTENTION_UNPAD = frozenset({"biogpt", "opt", "deepseek_v4"})  # DeepSeek-V4: its compressors pool by column
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
 # Vision's `mllama`, Emu3's `emu3`): model_type -> (causal LM, base model)
 TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),
@@ -131,25 +133,27 @@ SPARSE_INDEXERS = {"deepseek_v32": "DeepseekV32Indexer", "glm_moe_dsa": "GlmMoeD
 # where their indexers were read and run (5.23.0, 5.24.0, 5.25.0); before, transformers' DSA layers had another layer
 # type and mask (5.16's "deepseek_sparse_attention"), which the census has not run: refused there by name
 SPARSE_TRANSFORMERS = ">=5.23"
+# Compressed KV entries appended to a layer's keys, each query seeing them under its compressor's bias (DeepSeek-V4's
+# heavily compressed and compressed sparse attention: `hooks/attention/compressed_kv.py`): model_type -> the classes
+COMPRESSORS = {"deepseek_v4": ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor")}
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
 # a bias of the attention scores the family's attention hands transformers' attention function: no varlen kernel takes
 # one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
-    **dict.fromkeys(("glm5_next", "minimax_m3_vl_text", "deepseek_v4"),
+    **dict.fromkeys(("glm5_next", "minimax_m3_vl_text"),
                     "sparse attention: an indexer selects the keys each query sees (DeepSeek-V3.2's DSA, MiniMax-M3's "
                     "blocks), which a key-padding mask cannot express"),
     "inkling_text": SCORE_BIAS,
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
 }
 
-
 # Families whose token mixers run over the padded batch and read its padding positions (RecurrentGemma's RG-LRU:
 # transformers does not zero them): where a row has padding before a real token (left padding), the attention output
 # transformers computes at that padding reaches the real tokens through the recurrence, and varlen kernels compute none
 # there. Such a forward steps aside (`padding_into_mixer`); right-padded and packed ones run patched.
-PADDING_INTO_MIXERS = frozenset({"recurrent_gemma"})
+PADDING_INTO_MIXERS = frozenset({"recurrent_gemma", "deepseek_v4"})  # DeepSeek-V4's compressors pool by column
 
 # Families served but for configs with a feature the varlen path cannot take: model_type -> (the config field, which
 # names the step-aside cause of a model whose field is true, and the feature). Such a model runs on transformers'
@@ -385,6 +389,7 @@ def spec(model_type: str) -> PatchSpec:
         verified=verified, mixers=lambda: mixer_classes(model_type), check_model=config_gate(model_type),
         model_gate=f"{REFUSED_CONFIGS[model_type][0]}=False" if model_type in REFUSED_CONFIGS else "",
         padded_layers=lambda: cross_decoder_layers(model_type), indexers=lambda: indexer_classes(model_type),
+        compressors=lambda: compressor_classes(model_type),
     )
 
 
@@ -403,6 +408,11 @@ def mixer_classes(model_type: str) -> tuple[type, ...]:
 def indexer_classes(model_type: str) -> tuple[type, ...]:
     """The sparse-attention indexer class of `model_type` (`SPARSE_INDEXERS`)."""
     return modeling_classes(model_type, (SPARSE_INDEXERS[model_type],) if model_type in SPARSE_INDEXERS else ())
+
+
+def compressor_classes(model_type: str) -> tuple[type, ...]:
+    """The KV compressor classes of `model_type` (`COMPRESSORS`)."""
+    return modeling_classes(model_type, COMPRESSORS.get(model_type, ()))
 
 
 def cross_decoder_layers(model_type: str) -> tuple[type, ...]:

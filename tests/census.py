@@ -136,6 +136,14 @@ OVERRIDES = {
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=2048,
                            indexer_compress_ratio=16, ple_layer_ids=[1, 2], ple_embed_dim=16, heads_per_ngram=2,
                            ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=1),
+    # DeepSeek-V4: a sliding, a compressed sparse (CSA: entries of 2 tokens, its indexer keeping 3 a query) and a
+    # heavily compressed (HCA: entries of 4) layer, a window of 4, hash-routed and routed experts, as its checkpoints
+    # mix them; heads of 16 (a rotary slice of 2), its grouped output projection at the tiny width
+    "deepseek_v4": dict(head_dim=16, num_hidden_layers=3, sliding_window=4, index_topk=3, index_n_heads=2,
+                        index_head_dim=8, o_groups=2, o_lora_rank=8, mlp_layer_types=["hash_moe", "moe", "moe"],
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
     # Gemma 3n's own (E2B: the last 10 of 30 layers), which it brought first
     "gemma3n_text": dict(num_hidden_layers=3, num_kv_shared_layers=1,
                          layer_types=["full_attention", "sliding_attention", "full_attention"]),

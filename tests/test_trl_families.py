@@ -9,7 +9,8 @@ from test_trl import MODES, STEPS, one_thread, sft_losses  # noqa: F401 - one_th
 
 import patchkit
 
-FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "dots3_note_text", "kolibri1_1",
+FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "dots3_note_text",
+             "kolibri1_1",
              "qwen4_exp_text", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1", "zaya", "hrm_text", "falcon",
              "recurrent_gemma"]
 # hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there);
@@ -47,13 +48,16 @@ def built(family: str):
     """The census's tiny model of `family`, as TRL can train it. TRL 1.16's fused LM head finds the backbone by
     `base_model_prefix`, which Llama4ForCausalLM names "language_model" (its multimodal model's name) while its
     backbone is `model`, and reads the load-balancing loss's expert count as `num_experts`, which Llama 4's config
-    names `num_local_experts`: unpatched TRL raises on both, so both runs point them at Llama 4's own."""
+    names `num_local_experts` (DeepSeek-V4's `n_routed_experts`): unpatched TRL raises on both, so both runs point
+    them at the family's own."""
     from census import tiny_lm
 
     model, why = tiny_lm(family)
     if model is not None and family == "llama4_text" and not hasattr(model, model.base_model_prefix):
         model.base_model_prefix = "model"
         model.config.num_experts = model.config.num_local_experts
+    if model is not None and family == "deepseek_v4":
+        model.config.num_experts = model.config.n_routed_experts
     return model, why
 
 

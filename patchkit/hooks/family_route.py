@@ -24,6 +24,7 @@ from patchkit.forward.context import current
 from patchkit.forward.inputs.arguments import transformers_mask_in_graph
 from patchkit.forward.masks import VarlenMask, cache_placement, refuse_4d
 from patchkit.gates import GateResult
+from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.attention.varlen import KV_PACKED
 from patchkit.hooks.decide.outer_caller import generative_head, wrapped
@@ -44,6 +45,7 @@ from patchkit.hooks.name import attention_interface
 ROUTE_TRANSFORMERS = ">=4.53,<6"  # AttentionMaskInterface: a registered name receives the 2D mask
 PADDED = "runs on the padded batch inside a packed forward"
 EVERY_KEY = "keeps every key in a served forward"
+ENTRY_BIAS = "hands its entries' bias to patchkit's attention"
 
 
 def family_spec(
@@ -73,6 +75,7 @@ def family_spec_of(
     unpad: Optional[str] = None, verified: bool = True, mixers: Callable[[], tuple[type, ...]] = tuple,
     check_model: Optional[Callable[[nn.Module], list[GateResult]]] = None, model_gate: str = "",
     padded_layers: Callable[[], tuple[type, ...]] = tuple, indexers: Callable[[], tuple[type, ...]] = tuple,
+    compressors: Callable[[], tuple[type, ...]] = tuple,
 ) -> PatchSpec:
     """The PatchSpec of a family whose (attention, base model, causal LM) `classes()` gives; `unpad`: the mode the
     family always runs in ("attention": its base model reads the mask itself or mixes tokens outside attention);
@@ -81,7 +84,8 @@ def family_spec_of(
     (`mixer_rows`); `check_model`: its model gate (the configs the table refuses, `registry.config_gate`), which
     requires `model_gate`; `padded_layers`: its decoder layers that read the padded batch, run on it inside a packed
     forward (`padded_layers`: Mllama's cross-attention ones); `indexers`: its sparse-attention indexers, which keep
-    every key in the forwards patchkit serves (`sparse_indexer`)."""
+    every key in the forwards patchkit serves (`sparse_indexer`); `compressors`: its KV compressors, whose entries'
+    bias they hand to patchkit's attention (`compressed_kv`)."""
     return PatchSpec(
         name=model_type,
         description=description,
@@ -91,11 +95,13 @@ def family_spec_of(
         flash_attn_why="bottom-right causal alignment for the KV cache; windows need 2.3, softcap 2.6",
         build_class=lambda state: class_replacements(state, classes, recorders, unpad) + mixer_replacements(mixers)
         + layer_replacements(padded_layers(), make_padded_layer_forward, PADDED)
-        + layer_replacements(indexers(), make_indexer_forward, EVERY_KEY),
+        + layer_replacements(indexers(), make_indexer_forward, EVERY_KEY)
+        + layer_replacements(compressors(), make_compressor_forward, ENTRY_BIAS),
         build_instance=lambda state, model: instance_replacements(state, model, classes, recorders, unpad)
         + mixer_replacements(mixers, model, state)
         + layer_replacements(padded_layers(), make_padded_layer_forward, PADDED, model, state)
-        + layer_replacements(indexers(), make_indexer_forward, EVERY_KEY, model, state),
+        + layer_replacements(indexers(), make_indexer_forward, EVERY_KEY, model, state)
+        + layer_replacements(compressors(), make_compressor_forward, ENTRY_BIAS, model, state),
         attention_class=lambda: classes()[0],
         model_types=(model_type,),
         live_layers=lambda model, state: live_layers(model, state, classes),

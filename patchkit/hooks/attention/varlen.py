@@ -28,10 +28,14 @@ from patchkit.hooks.attention.attend import (
     kernel_head_size,
     one_head_size,
 )
+from patchkit.hooks.attention.compressed_kv import Entries, attend_compressed, split_entries
 from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
+PACKED_ENTRIES = ("patchkit: DeepSeek-V4's compressors pool a packed row by column, across its documents: a query "
+                  "sees entries pooled from the documents before its own, in transformers as here (its sliding window "
+                  "stays within the document). Pad such a batch instead of packing it to keep documents apart.")
 QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
 KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 
@@ -100,9 +104,10 @@ def varlen_core(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    entries: Optional[Entries] = None,
 ) -> torch.Tensor:
-    """Attention on real tokens only. q (B, H, S, D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) ->
-    (B, S, H, D), padding zero.
+    """Attention on real tokens only (and `entries`, DeepSeek-V4's compressed ones, under their own bias). q (B, H, S,
+    D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) -> (B, S, H, D), padding zero.
 
     A decode step (a few new tokens behind a cache) attends to the padded cache in place when the backend can
     (`attend.py`, planned by `decode.py`); everything else unpads, runs the varlen kernel and repads.
@@ -122,7 +127,8 @@ def varlen_core(
     meta: VarlenMetadata = vmask.metadata(batch, q_len, kv_len, q.device, position_ids, kwargs)
     record_call(state, module)
     if meta.nnz_q == 0:  # an all-padding batch: nothing attends, the output is zero
-        return _zeros_on_graph(q.new_zeros(batch, q_len, heads, v.shape[-1]), q, k, v, sinks)
+        return _zeros_on_graph(q.new_zeros(batch, q_len, heads, v.shape[-1]), q, k, v, sinks,
+                               *(entries[:2] if entries is not None else ()))
     bites = window[0] >= 0 and window[0] + 1 < kv_len  # a window as long as the keys in use never bites
     if bites and (vmask.fixed_cache or fixed_cache) and kv_len > q_len:
         raise PatchInputError(
@@ -135,6 +141,10 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
+    if entries is not None:  # one softmax over the window's keys, the entries and the sinks: the exact sdpa path
+        if len(meta.seqlens_q) > batch:
+            state.warn_once("compressed_documents", PACKED_ENTRIES)
+        return attend_compressed(q, k, v, meta, dropout, scaling, window, sinks, entries)
     kernel_sinks = getattr(state.backend, "takes_sinks", False)
     if sinks is not None and not kernel_sinks:  # gpt-oss's attention sinks: the exact sdpa path on these backends
         if state.backend.half_only:
@@ -266,6 +276,7 @@ def make_attention_function(
         window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         sinks = kwargs.pop("s_aux", None)
+        key, value, entries = split_entries(module, key, value)  # DeepSeek-V4's compressed entries, and their bias
         indices = kwargs.pop("indices", None)  # a sparse attention's top-k: none dropped, or a decode step's own
         if isinstance(indices, torch.Tensor) and indices.shape[-1]:
             key, value, attention_mask = selected_keys(key, value, attention_mask, chosen_by(indices, attention_mask))
@@ -276,14 +287,15 @@ def make_attention_function(
         check_family(module, serves)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if isinstance(attention_mask, GraphMask):
-            if sinks is not None:  # the graph's plan steps such a model aside; never drop the sinks silently
+            if sinks is not None or entries is not None:  # the graph's plan steps such a model aside; never drop
+                # the sinks or the entries' bias silently
                 raise PatchStateError(f"{type(module).__name__} passes attention sinks inside a compiled graph that "
                                       "patchkit planned without them; compile without fullgraph=True")
             options = KernelOptions(dropout, scale, window, softcap, state.warn_once)
             return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options).contiguous(), None
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
-            scaling=scale, window=window, softcap=softcap, sinks=sinks,
+            scaling=scale, window=window, softcap=softcap, sinks=sinks, entries=entries,
         )
         return out.contiguous(), None  # as transformers' own attention functions return it: a layer may view it
 

@@ -111,9 +111,10 @@ CAUSES = {
         "none needed: rows and documents of index_topk tokens or fewer, and generation's decode steps, run patched",
     ),
     "padding_into_mixer": (
-        "a row has padding before a real token (left padding) in a model whose recurrent layers read the padding "
-        "positions' hidden states (RecurrentGemma's RG-LRU): the attention output transformers computes at that "
-        "padding flows into the real tokens, and varlen kernels compute none there",
+        "a row has padding before a real token (left padding) in a model whose recurrent layers or KV compressors "
+        "read the padding positions' hidden states (RecurrentGemma's RG-LRU, DeepSeek-V4's compressed entries): the "
+        "attention output transformers computes at that padding flows into the real tokens, and varlen kernels "
+        "compute none there",
         "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
     ),
     "alibi": (
@@ -222,7 +223,7 @@ BRIEF = {
                    "extend the mask by a column of ones per new token"),
     "sparse_attention": ("a forward of several queries a row sees more keys than the sparse attention's index_topk",
                          "none needed; documents of index_topk tokens or fewer, and decode steps, run patched"),
-    "padding_into_mixer": ("left padding in a model whose recurrent layers read padding positions",
+    "padding_into_mixer": ("left padding in a model whose recurrent layers or compressors read padding positions",
                            "pad on the right"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "use_bidirectional_attention": ("attention layers that are not causal (PaliGemma's, an encoder's)",

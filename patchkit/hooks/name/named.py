@@ -25,6 +25,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
 from patchkit.forward.liveness import in_one_graph, is_compiling
+from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
@@ -91,7 +92,7 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
-        replacements += mixers_apart(m, wrapping) + indexers_kept(m, wrapping)
+        replacements += mixers_apart(m, wrapping) + indexers_kept(m, wrapping) + compressors_kept(m, wrapping)
     apply_replacements(replacements)
 
 
@@ -115,6 +116,14 @@ def indexers_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
     return [wrapped(m, "forward", functools.partial(make_indexer_forward, like=type(m).forward),
                     "keeps every key when served")
             for m in unwrapped(part, classes, wrapping)]
+
+
+def compressors_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
+    """DeepSeek-V4's KV compressors (`patches/table.py` `COMPRESSORS`) wrapped on the instance, so that their entries'
+    bias reaches patchkit's attention (`compressed_kv`), as the class patch's do."""
+    classes = importlib.import_module(TABLE).compressor_classes(getattr(part.config, "model_type", None))
+    return [wrapped(m, "forward", functools.partial(make_compressor_forward, like=type(m).forward),
+                    "hands its entries' bias on") for m in unwrapped(part, classes, wrapping)]
 
 
 def unwrapped(part: nn.Module, classes: tuple[type, ...], wrapping: set[int]) -> list[nn.Module]:

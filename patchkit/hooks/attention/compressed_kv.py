@@ -1,0 +1,113 @@
+"""DeepSeek-V4's compressed KV entries in a served forward: the bias its compressor makes for them reaches patchkit's
+attention, which attends to the sliding window's keys on real tokens and to the entries under that bias.
+
+A V4 layer's keys are its sliding window's (K = V) followed by T compressed entries, each pooled from a window of
+`compress_rate` source tokens by the layer's compressor (`DeepseekV4HCACompressor`, `DeepseekV4CSACompressor`). Which
+entries a query sees is the compressor's `block_bias` (B, 1, S, T): -inf at a window the query has not reached the
+end of, and, in a CSA layer, at every entry its indexer did not keep. transformers appends that bias to a 4D mask only
+(`isinstance(attention_mask, torch.Tensor)`); patchkit's 2D mask is none, so the layer drops it and every query
+would see every entry. Here the compressor's forward keeps its entries' count and bias for its layer's next attention
+call (`make_compressor_forward`), which takes them back (`split_entries`) and runs `attend_compressed`: the window's
+keys through the varlen path, the entries under their bias, merged by log-sum-exp, then the sinks. The compressor
+itself runs on the padded batch, as transformers' does (it pools by column): the family unpads inside attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from patchkit.backends import sdpa
+from patchkit.errors import PatchInputError, PatchStateError
+from patchkit.forward.metadata import VarlenMetadata
+from patchkit.forward.padding import pad_input, unpad_rows
+
+ENTRIES = "patchkit_entries"  # a compressor's last forward's (entry count, bias), taken by its layer's attention
+
+
+class Entries(NamedTuple):
+    """A layer's compressed entries: keys and values (B, Hk, T, D), and the bias of each query's view of them
+    (B, 1, S, T), or None where every query sees every entry (a decode step's)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
+def make_compressor_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
+    """The compressor's forward: transformers' own, its entries' count and bias kept on the module for its layer's
+    attention call (`like`: unused, the wrapper takes any arguments)."""
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        compressed, bias = out
+        self.__dict__[ENTRIES] = (compressed.shape[-2], bias)
+        return out
+
+    return forward
+
+
+def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, Optional[Entries]]:
+    """A layer's keys and values without its compressed entries, and the entries with their bias (None for a layer
+    without a compressor). The layer's compressor ran just before its attention call, in the forward and in a
+    checkpointed recompute alike; keys without their bias are never attended to."""
+    compressor = getattr(module, "compressor", None)
+    if not isinstance(compressor, nn.Module):
+        return key, value, None
+    kept = compressor.__dict__.pop(ENTRIES, None)
+    if kept is None:
+        raise PatchStateError(
+            f"{type(module).__name__}'s compressed KV entries reached patchkit's attention without the bias its "
+            f"compressor ({type(compressor).__name__}) made for them: a patchkit bug (report the model type); "
+            "meanwhile run this model without patchkit"
+        )
+    count, bias = kept
+    raw = key.shape[-2] - count
+    return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias)
+
+
+def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout: float,
+                      scaling: float, window: tuple[int, int], sinks: Optional[torch.Tensor], entries: Entries
+                      ) -> torch.Tensor:
+    """q (B, H, S, D), the window's k/v (B, Hk, K, D) and the entries -> (B, S, H, D), zeros at padding: one softmax
+    over the keys each real query sees in its window (the varlen path, with its log-sum-exp), the entries its bias
+    leaves it (on the padded layout, as transformers computes them) and the sinks, which take weight but add no
+    value."""
+    if dropout:
+        raise PatchInputError("patchkit serves DeepSeek-V4's compressed attention without attention dropout; set "
+                              "config.attention_dropout = 0.0 (the checkpoints' value)")
+    qt = q.transpose(1, 2)
+    out, lse = sdpa.varlen_attention(
+        unpad_rows(qt, meta.indices_q), unpad_rows(k.transpose(1, 2), meta.indices_k),
+        unpad_rows(v.transpose(1, 2), meta.indices_k), meta.seqlens_q, meta.seqlens_k, 0.0, scaling, True, window,
+        0.0, return_lse=True,
+    )
+    lse = lse.transpose(0, 1).float()  # (tokens, H)
+    if entries.key.shape[-2]:
+        heads = q.shape[1] // entries.key.shape[1]
+        ek, ev = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (entries.key, entries.value))
+        scores = torch.matmul(q, ek.transpose(-1, -2)).float() * scaling  # (B, H, S, T)
+        if entries.bias is not None:
+            scores = scores + entries.bias.float()
+        top = scores.amax(-1, keepdim=True)
+        top = top.masked_fill(torch.isinf(top), 0.0)  # a query that sees no entry: its weights are all zero
+        weights = torch.exp(scores - top)
+        total = weights.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        seen = torch.matmul((weights / total).to(ev.dtype), ev)  # (B, H, S, D)
+        seen_lse = (total.log() + top).squeeze(-1)  # (B, H, S): about -87 where no entry is seen
+        seen, seen_lse = unpad_rows(seen.transpose(1, 2), meta.indices_q), unpad_rows(seen_lse.transpose(1, 2),
+                                                                                      meta.indices_q)
+        both = torch.logaddexp(lse, seen_lse)
+        out = (out.float() * torch.exp(lse - both).unsqueeze(-1)
+               + seen.float() * torch.exp(seen_lse - both).unsqueeze(-1)).to(out.dtype)
+        lse = both
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
+    if meta.indices_q is None:
+        return out.view(meta.batch, meta.q_len, *out.shape[1:])
+    return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
