@@ -87,7 +87,7 @@ VERIFIED = frozenset({
 # Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
 # from the mask; so is, by its default config's
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
-ATTENTION_UNPAD = frozenset({"biogpt", "opt", "deepseek_v4"})  # DeepSeek-V4: its compressors pool by column
+ATTENTION_UNPAD = frozenset({"biogpt", "opt"})
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
 # Vision's `mllama`, Emu3's `emu3`): model_type -> (causal LM, base model)
 TEXT_MODELS = {"mllama_text_model": ("MllamaForCausalLM", "MllamaTextModel"),

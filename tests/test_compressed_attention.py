@@ -1,10 +1,13 @@
 """DeepSeek-V4's compressed attention (`hooks/attention/compressed_kv.py`): each layer's keys are its sliding window's
 and compressed entries (CSA: pooled pairs of tokens, its indexer keeping 3 a query; HCA: pooled fours), each query
-seeing the entries its compressor's bias leaves it. Served on right-padded and packed batches and on unpadded
-generation, equal to transformers' eager attention; a left-padded batch steps aside (its compressors pool padding).
+seeing the entries its compressor's bias leaves it. Served on right-padded batches (unpadded at the model), packed
+documents (each pooled alone) and unpadded generation, equal to transformers' eager attention; a left-padded batch
+steps aside (its compressors pool padding).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -54,6 +57,9 @@ def test_a_right_padded_step_runs_patched_with_each_querys_entries():
     lm = model()
     ids, mask = right_padded(lm.config.vocab_size)
     biases = entry_biases(lm)
+    tokens = []
+    lm.model.layers[0].mlp.register_forward_hook(patchkit.shape_free(lambda _m, args, _o: tokens.append(
+        args[0].shape[:-1].numel())))
     want = step(lm, ids, mask)
     csa, hca = biases[0], biases[1]
     assert ((csa == 0).sum(-1) <= 3).all() and (csa == 0).sum(-1).max() == 3 and csa.shape[-1] == 12
@@ -61,6 +67,7 @@ def test_a_right_padded_step_runs_patched_with_each_querys_entries():
     with patchkit.apply_patch("deepseek_v4", backend="sdpa") as handle:
         got = step(lm, ids, mask)
     assert handle.calls == LAYERS and not handle.stepped_aside, handle.report()
+    assert tokens[-1] == int(mask.sum()) < tokens[0]  # unpadded at the model: its experts see real tokens alone
     assert_same(got, want, mask)
     assert not any(compressed_kv.ENTRIES in vars(m) for m in lm.modules())
 
@@ -86,34 +93,67 @@ def test_the_same_step_without_the_bias_would_differ(monkeypatch):
 
 def packed_step(lm: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """`models.step` of one packed row as TRL's padding-free collator hands it: position_ids, no mask, no cache (TRL's
-    gradient checkpointing turns it off; with one, transformers' own mask would join the documents)."""
+    gradient checkpointing turns it off; with one, transformers' own mask would join the documents), each document's
+    first token unlabelled (no label crosses into it)."""
     lm.zero_grad(set_to_none=True)
-    out = lm(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
+    out = lm(input_ids=ids, position_ids=positions, labels=ids.masked_fill(positions == 0, -100), use_cache=False)
     out.loss.backward()
     return out.logits.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_packed_documents_run_patched_as_transformers_runs_them(checkpointing):
-    """Documents of 9, 6 and 11 tokens in one row (position_ids restarting, no mask), as TRL's padding-free collator
-    packs them: the window's keys stay within each document; the compressors pool the row by column and each query
-    sees entries by its position, as in transformers' own run of the row (documents shorter than a window joined
-    in an entry, which packing with DeepSeek-V4 gives unpatched too). Under gradient checkpointing the recompute runs
-    each compressor again before its attention. patchkit says once that the documents' entries are pooled
-    together."""
+def test_packed_documents_run_patched_each_as_it_runs_alone(checkpointing):
+    """Documents of 9, 6 and 11 tokens in one row (position_ids restarting, no mask, no cache), as TRL's padding-free
+    collator packs them: each document's window and entries are its own (its compressors pool each document in a row
+    of its own), its logits and gradients those of the documents run alone, a padded batch of them. transformers'
+    own run of the row pools entries across the documents (which patchkit does only where a cache keeps one state a
+    row: below). Under gradient checkpointing the recompute runs each compressor again before its attention."""
     lm = model()
     lengths = (9, 6, 11)
     ids = torch.randint(3, lm.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     if checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    want = packed_step(lm, ids, positions)
-    with patchkit.apply_patch(model=lm, backend="sdpa") as handle, pytest.warns(RuntimeWarning, match="across its"):
+    rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(rows)
+    for row, doc in enumerate(ids.split(lengths, dim=1)):
+        rows[row, :doc.shape[1]], mask[row, :doc.shape[1]] = doc[0], 1
+    alone = step(lm, rows, mask, use_cache=False)
+    joined = packed_step(lm, ids, positions)
+    with patchkit.apply_patch(model=lm, backend="sdpa") as handle:
         got = packed_step(lm, ids, positions)
     assert handle.calls == LAYERS * (2 if checkpointing else 1) and not handle.stepped_aside, handle.report()
-    assert_same(got, want, torch.ones_like(ids))
-    alone = torch.cat([lm(input_ids=doc, use_cache=False).logits for doc in ids.split(lengths, dim=1)], dim=1)
-    assert (got[0] - alone.detach()).abs().max() > 1e-3  # later documents' queries saw the earlier ones' entries
+    torch.testing.assert_close(got[0][0], alone[0][mask.bool()], atol=2e-5, rtol=1e-4)
+    for name in alone[1]:
+        torch.testing.assert_close(got[1][name], alone[1][name], atol=2e-5, rtol=1e-3, msg=name)
+    assert (joined[0] - got[0]).abs().max() > 1e-3  # transformers' run of the row is not that
+
+
+def test_packed_documents_under_a_mask_of_ones_are_refused_by_name():
+    """A row whose position_ids restart but whose mask of ones joins its documents: its compressors would pool each
+    document alone while its attention joins them, which matches no run of transformers'; refused with the fix."""
+    lm = model()
+    ids = torch.randint(3, lm.config.vocab_size, (1, 15), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(9), torch.arange(6)])[None]
+    with patchkit.apply_patch(model=lm, backend="sdpa"):
+        with pytest.raises(PatchkitError, match="Pass no attention_mask to keep the documents apart"):
+            lm(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False)
+
+
+def test_packed_documents_behind_a_cache_run_as_transformers_runs_them():
+    """An eval forward of the packed row with a cache (transformers' default): the compressors keep one state a row,
+    so they pool it across its documents as transformers' do (its sliding window stays within each document, as
+    transformers' own run without a cache keeps it); patchkit says so once."""
+    lm = model().eval()
+    lengths = (9, 6, 11)
+    ids = torch.randint(3, lm.config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        want = lm(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with patchkit.apply_patch(model=lm, backend="sdpa") as handle, pytest.warns(RuntimeWarning, match="across"):
+            got = lm(input_ids=ids, position_ids=positions, use_cache=True).logits
+    assert handle.calls == LAYERS and not handle.stepped_aside, handle.report()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_a_left_padded_batch_steps_aside_by_name_and_strict_refuses():
@@ -178,3 +218,36 @@ def test_entries_whose_bias_never_reached_the_attention_are_refused(monkeypatch)
             monkeypatch.setattr(cls, "forward", cls.forward.__wrapped__)
         with pytest.raises(PatchStateError, match="without the bias its compressor"):
             lm(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn_4", "torch_varlen"])
+def test_on_the_kernel_backends_its_compressed_layers_run_exactly(backend, monkeypatch):
+    """In bf16 on each kernel backend (its recording double): the sliding layer's window reaches a kernel where the
+    kernel takes its sinks (flash-attn 4), else runs on the exact path, said; the compressed layers (one softmax over
+    the window's keys, the entries and the sinks) always run on the exact path. A training step and unpadded greedy
+    generation give the numbers of patchkit's exact backend."""
+    from test_kernel_census import DOUBLES, GATED
+
+    lm = model().to(torch.bfloat16)
+    ids, mask = right_padded(lm.config.vocab_size)
+    prompts = ids[:2, :7]
+
+    def run(**patch) -> tuple:
+        with warnings.catch_warnings(record=True) as said, patchkit.apply_patch(model=lm, **patch) as handle:
+            warnings.simplefilter("always")
+            got = step(lm, ids, mask)
+            with torch.no_grad():
+                tokens = lm.eval().generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                                            max_new_tokens=5, do_sample=False, pad_token_id=0)
+            lm.train()
+        assert not handle.stepped_aside, handle.report()
+        return got, tokens, [str(w.message) for w in said]
+
+    want, want_tokens, _ = run(backend="sdpa")
+    fake = DOUBLES[backend](monkeypatch)
+    got, tokens, said = run()
+    assert fake.calls or any(why in text for why in GATED for text in said)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(got[0][mask.bool()], want[0][mask.bool()], atol=0, rtol=0)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], msg=name)

@@ -191,7 +191,9 @@ def verified_families() -> list[str]:
 
     from patches import table
 
-    return sorted(set(causal_lm_types()) & set(table.VERIFIED))
+    # left-padded batches of a family whose compressors or recurrent layers read padding step aside (DeepSeek-V4's:
+    # `padding_into_mixer`); its generation: `test_compressed_attention.py`
+    return sorted(set(causal_lm_types()) & set(table.VERIFIED) - table.PADDING_INTO_MIXERS)
 
 
 @pytest.mark.parametrize("family", verified_families())

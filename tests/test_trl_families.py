@@ -20,8 +20,9 @@ PADDED_ONLY = ("hrm_text", "qwen4_exp_text")
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
 # unpatched, their conv / Mamba layers refuse padding-free rows without their CUDA kernels (they cannot keep the
 # documents apart), or ZAYA's convolution carries one state across them; patched, each document runs from a zero
-# state (`mixer_rows.document_rows`)
-APART = ("qwen3_5_text", "falcon_h1", "zaya")
+# state (`mixer_rows.document_rows`); DeepSeek-V4's compressors pool a padding-free row across its documents unpatched,
+# each document alone patched (`compressed_kv.documents`)
+APART = ("qwen3_5_text", "falcon_h1", "zaya", "deepseek_v4")
 CASES = [(f, mode) for f in FROM_DATA for mode in MODES
          if mode == "padded" or (f not in PADDED_ONLY and not (f in JOINS + APART and mode == "packing"))]
 # attention calls per training step where they are not every layer's forward and recompute: HRM-Text's 2 layers

@@ -8,13 +8,18 @@ end of, and, in a CSA layer, at every entry its indexer did not keep. transforme
 (`isinstance(attention_mask, torch.Tensor)`); patchkit's 2D mask is none, so the layer drops it and every query
 would see every entry. Here the compressor's forward keeps its entries' count and bias for its layer's next attention
 call (`make_compressor_forward`), which takes them back (`split_entries`) and runs `attend_compressed`: the window's
-keys through the varlen path, the entries under their bias, merged by log-sum-exp, then the sinks. The compressor
-itself runs on the padded batch, as transformers' does (it pools by column): the family unpads inside attention.
+keys through the varlen path, the entries under their bias, merged by log-sum-exp, then the sinks.
+
+transformers' compressor pools a row by column. In a packed row (the batch unpadded at the model, or documents packed
+by the caller) it runs once per document instead, each in a row of its own (`documents`): the entries of a
+right-padded row, or of a document run alone, as transformers makes them. A packed row with a cache runs as
+transformers runs it (one state a row), its entries pooled across its documents, said once.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -28,25 +33,70 @@ from patchkit.forward.padding import pad_input, unpad_rows
 ENTRIES = "patchkit_entries"  # a compressor's last forward's (entry count, bias), taken by its layer's attention
 
 
+class Rows(NamedTuple):
+    """A packed row's documents laid out as rows of their own: each token's place in the (count, length) layout."""
+
+    indices: torch.Tensor
+    count: int
+    length: int
+
+
 class Entries(NamedTuple):
-    """A layer's compressed entries: keys and values (B, Hk, T, D), and the bias of each query's view of them
-    (B, 1, S, T), or None where every query sees every entry (a decode step's)."""
+    """A layer's compressed entries: keys and values (B, Hk, T, D), the bias of each query's view of them
+    (B, 1, S, T) or None where every query sees every entry (a decode step's), and for a packed row the documents'
+    rows they were pooled in (`Rows`: keys and values then (1, Hk, count * T, D), the bias (count, 1, length, T))."""
 
     key: torch.Tensor
     value: torch.Tensor
     bias: Optional[torch.Tensor]
+    rows: Optional[Rows] = None
+
+
+def documents(position_ids: Optional[torch.Tensor]) -> Optional[Rows]:
+    """The documents of one packed row (1, N) whose positions count 0, 1, ... in each, where it holds several; else
+    None (a host read of the positions)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    positions = position_ids[0]
+    starts = (positions == 0).nonzero().squeeze(1)
+    if starts.numel() < 2 or int(starts[0]) != 0:
+        return None
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([positions.numel()])]))
+    offsets = torch.arange(positions.numel(), device=positions.device) - starts.repeat_interleave(lengths)
+    if not torch.equal(positions, offsets.to(positions.dtype)):
+        return None
+    length = int(lengths.max())
+    rows = torch.arange(len(lengths), device=positions.device).repeat_interleave(lengths)
+    return Rows(rows * length + offsets, len(lengths), length)
+
+
+def in_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """(1, N, F) tokens of a packed row -> (count, length, F), each document in a row of its own, zeros after it."""
+    return pad_input(x[0], rows.indices, rows.count, rows.length)
 
 
 def make_compressor_forward(original: Callable, like: Optional[Callable] = None) -> Callable:
     """The compressor's forward: transformers' own, its entries' count and bias kept on the module for its layer's
-    attention call (`like`: unused, the wrapper takes any arguments)."""
+    attention call; in a packed row without a cache, once per document (`documents`), its entries handed to the layer
+    as one row (1, 1, count * T, D) and their bias kept. `like`: the forward whose parameters `original` takes."""
+    signature = inspect.signature(like or original)
 
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        compressed, bias = out
-        self.__dict__[ENTRIES] = (compressed.shape[-2], bias)
-        return out
+        given = dict(list(signature.bind(self, *args, **kwargs).arguments.items())[1:])  # after self
+        cache = given.get("cache", given.get("past_key_values"))
+        hidden = given["hidden_states"]
+        rows = documents(given.get("position_ids")) if cache is None and hidden.shape[0] == 1 else None
+        if rows is None:
+            out = original(self, *args, **kwargs)
+            self.__dict__[ENTRIES] = (out[0].shape[-2], out[1], None)
+            return out
+        positions = torch.arange(rows.length, device=hidden.device).expand(rows.count, -1)
+        laid = {"hidden_states": in_rows(hidden, rows), "q_residual": in_rows(given["q_residual"], rows),
+                "position_ids": positions}
+        compressed, bias = original(self, **{**given, **laid})
+        self.__dict__[ENTRIES] = (compressed.shape[0] * compressed.shape[-2], bias, rows)
+        return compressed.transpose(0, 1).reshape(1, compressed.shape[1], -1, compressed.shape[-1]), None
 
     return forward
 
@@ -66,9 +116,9 @@ def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
             f"compressor ({type(compressor).__name__}) made for them: a patchkit bug (report the model type); "
             "meanwhile run this model without patchkit"
         )
-    count, bias = kept
+    count, bias, rows = kept
     raw = key.shape[-2] - count
-    return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias)
+    return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias, rows)
 
 
 def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout: float,
@@ -91,7 +141,12 @@ def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
     if entries.key.shape[-2]:
         heads = q.shape[1] // entries.key.shape[1]
         ek, ev = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (entries.key, entries.value))
-        scores = torch.matmul(q, ek.transpose(-1, -2)).float() * scaling  # (B, H, S, T)
+        rows, laid, indices = entries.rows, q, meta.indices_q
+        if rows is not None:  # each document's queries and entries in a row of their own
+            ek, ev = (t.reshape(t.shape[1], rows.count, -1, t.shape[-1]).transpose(0, 1) for t in (ek, ev))
+            laid = pad_input(unpad_rows(qt, meta.indices_q), rows.indices, rows.count, rows.length).transpose(1, 2)
+            indices = rows.indices
+        scores = torch.matmul(laid, ek.transpose(-1, -2)).float() * scaling  # (B, H, S, T)
         if entries.bias is not None:
             scores = scores + entries.bias.float()
         top = scores.amax(-1, keepdim=True)
@@ -100,8 +155,7 @@ def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
         total = weights.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         seen = torch.matmul((weights / total).to(ev.dtype), ev)  # (B, H, S, D)
         seen_lse = (total.log() + top).squeeze(-1)  # (B, H, S): about -87 where no entry is seen
-        seen, seen_lse = unpad_rows(seen.transpose(1, 2), meta.indices_q), unpad_rows(seen_lse.transpose(1, 2),
-                                                                                      meta.indices_q)
+        seen, seen_lse = unpad_rows(seen.transpose(1, 2), indices), unpad_rows(seen_lse.transpose(1, 2), indices)
         both = torch.logaddexp(lse, seen_lse)
         out = (out.float() * torch.exp(lse - both).unsqueeze(-1)
                + seen.float() * torch.exp(seen_lse - both).unsqueeze(-1)).to(out.dtype)

@@ -33,9 +33,13 @@ from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
-PACKED_ENTRIES = ("patchkit: DeepSeek-V4's compressors pool a packed row by column, across its documents: a query "
-                  "sees entries pooled from the documents before its own, in transformers as here (its sliding window "
-                  "stays within the document). Pad such a batch instead of packing it to keep documents apart.")
+PACKED_ENTRIES = ("patchkit: DeepSeek-V4's compressors pool a packed row with a cache by column, across its "
+                  "documents: a query sees entries pooled from the documents before its own, in transformers as here "
+                  "(its sliding window stays within the document). Pass use_cache=False to keep documents apart.")
+JOINED_DOCUMENTS = ("DeepSeek-V4: this row's position_ids restart (packed documents) but its attention mask joins "
+                    "them (a mask of ones): its compressors pool each document alone, its attention would not. Pass "
+                    "no attention_mask to keep the documents apart (padding-free), or position_ids that count through "
+                    "the row to join them.")
 QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
 KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 
@@ -142,8 +146,10 @@ def varlen_core(
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
     if entries is not None:  # one softmax over the window's keys, the entries and the sinks: the exact sdpa path
-        if len(meta.seqlens_q) > batch:
+        if entries.rows is None and len(meta.seqlens_q) > batch:
             state.warn_once("compressed_documents", PACKED_ENTRIES)
+        if entries.rows is not None and len(meta.seqlens_q) != entries.rows.count:
+            raise PatchInputError(JOINED_DOCUMENTS)
         return attend_compressed(q, k, v, meta, dropout, scaling, window, sinks, entries)
     kernel_sinks = getattr(state.backend, "takes_sinks", False)
     if sinks is not None and not kernel_sinks:  # gpt-oss's attention sinks: the exact sdpa path on these backends

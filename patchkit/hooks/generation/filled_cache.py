@@ -36,7 +36,9 @@ NO_TRAINING_CACHE_BEFORE_5 = frozenset({"gemma2", "gemma3"})
 # 3n's `past_key_values.shared_layers` in 4.53-5.0, its shared layers' own projections without a cache): their
 # numbers can depend on whether the forward keeps one.
 KV_SHARING = frozenset({"gemma3n", "gemma4", "gemma4_unified", "diffusion_gemma", "mistral_large4"})
-RECURRENT_LAYERS = ("LinearAttention",)  # transformers' cache layers holding a recurrent mixer's states (5.x)
+# transformers' cache layers holding a state per row beside its keys and values (5.x): a recurrent mixer's,
+# DeepSeek-V4's compressors' buffers and entries
+RECURRENT_LAYERS = ("LinearAttention", "DeepseekV4")
 
 
 _ERA: list[tuple[bool, bool, bool]] = []  # a plain memo, not functools.cache: compiled forwards read it (an eval
@@ -95,7 +97,7 @@ def own_cache(module: nn.Module) -> Any:
 def fillable_cache(cache: Any) -> bool:
     """An empty DynamicCache, or StaticCache of full-attention and in-order sliding layers: a prefill can run on the
     packed row and write its keys and values back padded (a static cache into its first slots). Not one with a
-    recurrent layer's states (a hybrid's linear attention: each row's state, which the packed row does not keep)."""
+    state per row (a hybrid's linear attention, DeepSeek-V4's compressors: what the packed row does not keep)."""
     kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
     recurrent = any(type(layer).__name__.startswith(RECURRENT_LAYERS) for layer in getattr(cache, "layers", ()))
     return kind and not recurrent and callable(getattr(cache, "update", None)) and bool(past_length(cache) == 0)
