@@ -89,11 +89,15 @@ def attend_with_cache(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: tor
     return out if out is not None else attend_unpadded(backend, q, k, v, meta, o)
 
 
-def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
-                      sinks: torch.Tensor) -> torch.Tensor:
+def attend_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, o: KernelOptions,
+    sinks: Optional[torch.Tensor], merge: Optional[Callable[[torch.Tensor, torch.Tensor], tuple]] = None,
+) -> torch.Tensor:
     """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
     sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
-    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too."""
+    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too.
+    `merge`: (out, lse) of the real tokens (tokens, H, D), (tokens, H) -> the same over more keys than k's
+    (DeepSeek-V4's compressed entries, `compressed_kv.entries_merge`), before the sinks."""
     if meta.blocks is not None and meta.blocks.for_window(o.window):
         raise PatchStateError("a forward with bidirectional blocks reached attention sinks: no path serves both")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
@@ -101,8 +105,12 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
         unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
         meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
     )
-    kept = torch.sigmoid(lse.transpose(0, 1) - sinks.float())  # (tokens, H): the weight the keys keep
-    return repad(out * kept.unsqueeze(-1).to(out.dtype), meta)
+    lse = lse.transpose(0, 1)  # (tokens, H)
+    if merge is not None:
+        out, lse = merge(out, lse)
+    if sinks is not None:
+        out = out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)  # the weight the keys keep
+    return repad(out, meta)
 
 
 def decode_attention(

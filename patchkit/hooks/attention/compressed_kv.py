@@ -7,8 +7,8 @@ entries a query sees is the compressor's `block_bias` (B, 1, S, T): -inf at a wi
 end of, and, in a CSA layer, at every entry its indexer did not keep. transformers appends that bias to a 4D mask only
 (`isinstance(attention_mask, torch.Tensor)`); patchkit's 2D mask is none, so the layer drops it and every query
 would see every entry. Here the compressor's forward keeps its entries' count and bias for its layer's next attention
-call (`make_compressor_forward`), which takes them back (`split_entries`) and runs `attend_compressed`: the window's
-keys through the varlen path, the entries under their bias, merged by log-sum-exp, then the sinks.
+call (`make_compressor_forward`), which takes them back (`split_entries`): the window's keys run through the
+varlen path with their log-sum-exp, the entries under their bias are merged into it (`entries_merge`), then the sinks.
 
 transformers' compressor pools a row by column. In a packed row (the batch unpadded at the model, or documents packed
 by the caller) it runs once per document instead, each in a row of its own (`documents`): the entries of a
@@ -25,7 +25,6 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from patchkit.backends import sdpa
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
@@ -121,30 +120,26 @@ def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
     return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias, rows)
 
 
-def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, dropout: float,
-                      scaling: float, window: tuple[int, int], sinks: Optional[torch.Tensor], entries: Entries
-                      ) -> torch.Tensor:
-    """q (B, H, S, D), the window's k/v (B, Hk, K, D) and the entries -> (B, S, H, D), zeros at padding: one softmax
-    over the keys each real query sees in its window (the varlen path, with its log-sum-exp), the entries its bias
-    leaves it (on the padded layout, as transformers computes them) and the sinks, which take weight but add no
-    value."""
+def entries_merge(q: torch.Tensor, meta: VarlenMetadata, dropout: float, scaling: float, entries: Entries
+                  ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The merge `attend.attend_with_sinks` runs on the window's attention of the real queries of q (B, H, S, D): its
+    (out, lse) and the entries each query's bias leaves it (on the padded layout, or the documents' rows, as
+    transformers computes them), one softmax over both (log-sum-exp), before the sinks."""
     if dropout:
         raise PatchInputError("patchkit serves DeepSeek-V4's compressed attention without attention dropout; set "
                               "config.attention_dropout = 0.0 (the checkpoints' value)")
-    qt = q.transpose(1, 2)
-    out, lse = sdpa.varlen_attention(
-        unpad_rows(qt, meta.indices_q), unpad_rows(k.transpose(1, 2), meta.indices_k),
-        unpad_rows(v.transpose(1, 2), meta.indices_k), meta.seqlens_q, meta.seqlens_k, 0.0, scaling, True, window,
-        0.0, return_lse=True,
-    )
-    lse = lse.transpose(0, 1).float()  # (tokens, H)
-    if entries.key.shape[-2]:
+
+    def merge(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = lse.float()
+        if not entries.key.shape[-2]:
+            return out, lse
         heads = q.shape[1] // entries.key.shape[1]
         ek, ev = (t.repeat_interleave(heads, dim=1) if heads > 1 else t for t in (entries.key, entries.value))
         rows, laid, indices = entries.rows, q, meta.indices_q
         if rows is not None:  # each document's queries and entries in a row of their own
             ek, ev = (t.reshape(t.shape[1], rows.count, -1, t.shape[-1]).transpose(0, 1) for t in (ek, ev))
-            laid = pad_input(unpad_rows(qt, meta.indices_q), rows.indices, rows.count, rows.length).transpose(1, 2)
+            tokens = unpad_rows(q.transpose(1, 2), meta.indices_q)
+            laid = pad_input(tokens, rows.indices, rows.count, rows.length).transpose(1, 2)
             indices = rows.indices
         scores = torch.matmul(laid, ek.transpose(-1, -2)).float() * scaling  # (B, H, S, T)
         if entries.bias is not None:
@@ -159,9 +154,6 @@ def attend_compressed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: V
         both = torch.logaddexp(lse, seen_lse)
         out = (out.float() * torch.exp(lse - both).unsqueeze(-1)
                + seen.float() * torch.exp(seen_lse - both).unsqueeze(-1)).to(out.dtype)
-        lse = both
-    if sinks is not None:
-        out = out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
-    if meta.indices_q is None:
-        return out.view(meta.batch, meta.q_len, *out.shape[1:])
-    return pad_input(out, meta.indices_q, meta.batch, meta.q_len)
+        return out, both
+
+    return merge

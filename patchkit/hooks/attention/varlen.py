@@ -28,7 +28,7 @@ from patchkit.hooks.attention.attend import (
     kernel_head_size,
     one_head_size,
 )
-from patchkit.hooks.attention.compressed_kv import Entries, attend_compressed, split_entries
+from patchkit.hooks.attention.compressed_kv import Entries, entries_merge, split_entries
 from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
@@ -145,26 +145,25 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
+    exact = KernelOptions(dropout, scaling, window, softcap, state.warn_once)  # the sdpa path's, with the sinks
     if entries is not None:  # one softmax over the window's keys, the entries and the sinks: the exact sdpa path
         if entries.rows is None and len(meta.seqlens_q) > batch:
             state.warn_once("compressed_documents", PACKED_ENTRIES)
         if entries.rows is not None and len(meta.seqlens_q) != entries.rows.count:
             raise PatchInputError(JOINED_DOCUMENTS)
-        return attend_compressed(q, k, v, meta, dropout, scaling, window, sinks, entries)
+        return attend_with_sinks(q, k, v, meta, exact, sinks, entries_merge(q, meta, dropout, scaling, entries))
     kernel_sinks = getattr(state.backend, "takes_sinks", False)
     if sinks is not None and not kernel_sinks:  # gpt-oss's attention sinks: the exact sdpa path on these backends
         if state.backend.half_only:
             state.warn_once("sinks", f"patchkit: {type(module).__name__} adds attention sinks (a learned logit per "
                                      f"head in every softmax), which the {state.backend.name} kernels do not; "
                                      "those layers run on patchkit's exact sdpa backend.")
-        options = KernelOptions(dropout, scaling, window, softcap, state.warn_once)
-        return attend_with_sinks(q, k, v, meta, options, sinks)
+        return attend_with_sinks(q, k, v, meta, exact, sinks)
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     backend = state.backend_for(kernel_head_size(q, v), window, softcap, dropout, backward=backward,
                                 sinks=sinks is not None)
     if sinks is not None and not getattr(backend, "takes_sinks", False):  # this call fell back to sdpa: exact sinks
-        return attend_with_sinks(q, k, v, meta, KernelOptions(dropout, scaling, window, softcap, state.warn_once),
-                                 sinks)
+        return attend_with_sinks(q, k, v, meta, exact, sinks)
     in_dtype = q.dtype
     if backend.half_only:
         q, k, v = to_half(
