@@ -26,7 +26,7 @@ from torch import nn
 
 from patchkit.dtypes import autocast_dtype
 from patchkit.forward.inputs.module_hooks import global_hooks
-from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, logits_of
+from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, linear_cross_entropy, logits_of
 from patchkit.hooks.head.weight_holders import (
     accelerate_hooks,
     device_of,
@@ -139,6 +139,15 @@ class FusedHead:
         rows = self.head_input(rows)
         with self.computing(rows):
             return logits_of(*self.operands(rows), self.transform, self.terms(rows), self.column_scale())
+
+    def loss(self, rows: torch.Tensor, labels: torch.Tensor, ignore_index: int, num_items_in_batch: Any
+             ) -> torch.Tensor:
+        """ForCausalLMLoss's number over the hidden `rows` and their `labels`, from the logits `logits` gives, never
+        written whole (`linear_cross_entropy`)."""
+        rows = self.head_input(rows)
+        with self.computing(rows):
+            return linear_cross_entropy(*self.operands(rows), labels, self.transform, ignore_index,
+                                        num_items_in_batch, self.terms(rows), self.column_scale())
 
     def terms(self, rows: torch.Tensor) -> list[LowRank]:
         """A LoRA head's terms of `rows`' logits, as PEFT's lora.Linear forward makes them: for each active adapter,

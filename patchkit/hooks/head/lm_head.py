@@ -35,7 +35,6 @@ from torch import nn
 
 from patchkit.errors import PatchkitError
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
-from patchkit.forward.loss.linear_cross_entropy import linear_cross_entropy
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
 from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
@@ -202,14 +201,7 @@ def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, 
                 **_: Any) -> torch.Tensor:
     """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
     fused, labels = request.fused, request.handed[0]
-
-    def loss(rows: torch.Tensor) -> torch.Tensor:
-        rows = fused.head_input(rows)
-        with fused.computing(rows):
-            return linear_cross_entropy(*fused.operands(rows), labels, fused.transform, ignore_index,
-                                        num_items_in_batch, fused.terms(rows), fused.column_scale())
-
-    return held(fused, loss, request.rows)
+    return held(fused, lambda rows: fused.loss(rows, labels, ignore_index, num_items_in_batch), request.rows)
 
 
 def _loss_alone(request: HeadRequest, *args: Any, **kwargs: Any) -> torch.Tensor:
