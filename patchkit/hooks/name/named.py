@@ -92,7 +92,7 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
-        replacements += mixers_apart(m, wrapping) + indexers_kept(m, wrapping) + compressors_kept(m, wrapping)
+        replacements += mixers_apart(m, wrapping) + layers_kept(m, wrapping)
     apply_replacements(replacements)
 
 
@@ -109,21 +109,21 @@ def mixers_apart(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
             for m in unwrapped(part, classes, wrapping)]
 
 
-def indexers_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
-    """A sparse attention's indexers (`patches/table.py` `SPARSE_INDEXERS`) wrapped on the instance, so that they
-    keep every key in the forwards patchkit serves (`sparse_indexer`), as the class patch's do."""
-    classes = importlib.import_module(TABLE).indexer_classes(getattr(part.config, "model_type", None))
-    return [wrapped(m, "forward", functools.partial(make_indexer_forward, like=type(m).forward),
-                    "keeps every key when served")
-            for m in unwrapped(part, classes, wrapping)]
+# the layers patchkit wraps on a model adopted by the name, as the class patch wraps their class: the table's function
+# naming their classes for a family, the wrapper, what it is for
+LAYER_WRAPPERS = (
+    ("indexer_classes", make_indexer_forward, "keeps every key when served"),  # a sparse attention's (`sparse_indexer`)
+    ("compressor_classes", make_compressor_forward, "hands its entries' bias on"),  # DeepSeek-V4's (`compressed_kv`)
+)
 
 
-def compressors_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
-    """DeepSeek-V4's KV compressors (`patches/table.py` `COMPRESSORS`) wrapped on the instance, so that their entries'
-    bias reaches patchkit's attention (`compressed_kv`), as the class patch's do."""
-    classes = importlib.import_module(TABLE).compressor_classes(getattr(part.config, "model_type", None))
-    return [wrapped(m, "forward", functools.partial(make_compressor_forward, like=type(m).forward),
-                    "hands its entries' bias on") for m in unwrapped(part, classes, wrapping)]
+def layers_kept(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
+    """`part`'s layers of the kinds `LAYER_WRAPPERS` names (`patches/table.py` `SPARSE_INDEXERS`, `COMPRESSORS`)
+    wrapped on the instance, as the class patch's are."""
+    table, model_type = importlib.import_module(TABLE), getattr(part.config, "model_type", None)
+    return [wrapped(m, "forward", functools.partial(make, like=type(m).forward), why)
+            for classes_of, make, why in LAYER_WRAPPERS
+            for m in unwrapped(part, getattr(table, classes_of)(model_type), wrapping)]
 
 
 def unwrapped(part: nn.Module, classes: tuple[type, ...], wrapping: set[int]) -> list[nn.Module]:
