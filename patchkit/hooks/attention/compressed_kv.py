@@ -29,6 +29,13 @@ from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 
+PACKED_ENTRIES = ("patchkit: DeepSeek-V4's compressors pool a packed row with a cache by column, across its "
+                  "documents: a query sees entries pooled from the documents before its own, in transformers as here "
+                  "(its sliding window stays within the document). Pass use_cache=False to keep documents apart.")
+JOINED_DOCUMENTS = ("DeepSeek-V4: this row's position_ids restart (packed documents) but its attention mask joins "
+                    "them (a mask of ones): its compressors pool each document alone, its attention would not. Pass "
+                    "no attention_mask to keep the documents apart (padding-free), or position_ids that count through "
+                    "the row to join them.")
 ENTRIES = "patchkit_entries"  # a compressor's last forward's (entry count, bias), taken by its layer's attention
 
 
@@ -118,6 +125,15 @@ def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
     count, bias, rows = kept
     raw = key.shape[-2] - count
     return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias, rows)
+
+
+def check_documents(entries: Entries, meta: VarlenMetadata, warn_once: Callable[[str, str], None]) -> None:
+    """The entries' documents against attention's (`meta`): pooled across a packed row's documents (a cache's one
+    state a row) is said once; pooled per document where attention joins them (a mask of ones) is refused."""
+    if entries.rows is None and len(meta.seqlens_q) > meta.batch:
+        warn_once("compressed_documents", PACKED_ENTRIES)
+    if entries.rows is not None and len(meta.seqlens_q) != entries.rows.count:
+        raise PatchInputError(JOINED_DOCUMENTS)
 
 
 def entries_merge(q: torch.Tensor, meta: VarlenMetadata, dropout: float, scaling: float, entries: Entries

@@ -28,18 +28,11 @@ from patchkit.hooks.attention.attend import (
     kernel_head_size,
     one_head_size,
 )
-from patchkit.hooks.attention.compressed_kv import Entries, entries_merge, split_entries
+from patchkit.hooks.attention.compressed_kv import Entries, check_documents, entries_merge, split_entries
 from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
 
-PACKED_ENTRIES = ("patchkit: DeepSeek-V4's compressors pool a packed row with a cache by column, across its "
-                  "documents: a query sees entries pooled from the documents before its own, in transformers as here "
-                  "(its sliding window stays within the document). Pass use_cache=False to keep documents apart.")
-JOINED_DOCUMENTS = ("DeepSeek-V4: this row's position_ids restart (packed documents) but its attention mask joins "
-                    "them (a mask of ones): its compressors pool each document alone, its attention would not. Pass "
-                    "no attention_mask to keep the documents apart (padding-free), or position_ids that count through "
-                    "the row to join them.")
 QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as query heads, no past
 KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 
@@ -147,10 +140,7 @@ def varlen_core(
         )
     exact = KernelOptions(dropout, scaling, window, softcap, state.warn_once)  # the sdpa path's, with the sinks
     if entries is not None:  # one softmax over the window's keys, the entries and the sinks: the exact sdpa path
-        if entries.rows is None and len(meta.seqlens_q) > batch:
-            state.warn_once("compressed_documents", PACKED_ENTRIES)
-        if entries.rows is not None and len(meta.seqlens_q) != entries.rows.count:
-            raise PatchInputError(JOINED_DOCUMENTS)
+        check_documents(entries, meta, state.warn_once)
         return attend_with_sinks(q, k, v, meta, exact, sinks, entries_merge(q, meta, dropout, scaling, entries))
     kernel_sinks = getattr(state.backend, "takes_sinks", False)
     if sinks is not None and not kernel_sinks:  # gpt-oss's attention sinks: the exact sdpa path on these backends
