@@ -20,12 +20,14 @@ def trainer_rows(model: torch.nn.Module) -> list[dict]:
             for i, m, lab in zip(batch["input_ids"], batch["attention_mask"], batch["labels"])][:3] * 2
 
 
-def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numbers(tmp_path):
-    """The HF Trainer as users run it: Gemma2 (its softcap in the fused loss), gradient checkpointing on, completion-
+@pytest.mark.parametrize("model_type", ["gemma2", "modernbert-decoder"])
+def test_the_trainer_runs_the_fused_head_under_checkpointing_with_unpatched_numbers(tmp_path, model_type):
+    """The HF Trainer as users run it: Gemma2 (its softcap in the fused loss), ModernBERT-decoder (its dense, GELU and
+    LayerNorm before the head, `PRE_HEADS`, trained on the labelled rows), gradient checkpointing on, completion-
     only labels, 2 micro-batches a step (num_items_in_batch): the losses and the trained weights equal unpatched,
     and every micro-batch ran the fused head (the first after its check)."""
-    rows = trainer_rows(family("gemma2"))
-    want, got = (trainer_run(family("gemma2"), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
+    rows = trainer_rows(family(model_type))
+    want, got = (trainer_run(family(model_type), rows, unpad, tmp_path, max_steps=3, per_device_train_batch_size=3,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
                  for unpad in (None, "loss"))
     assert got[2] == {lm_head.FUSED: 6}  # 3 steps x 2 micro-batches, the first checked
