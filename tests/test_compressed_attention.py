@@ -251,3 +251,20 @@ def test_on_the_kernel_backends_its_compressed_layers_run_exactly(backend, monke
     torch.testing.assert_close(got[0][mask.bool()], want[0][mask.bool()], atol=0, rtol=0)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], msg=name)
+
+
+def test_rows_whose_positions_run_past_their_real_tokens_step_aside_by_name():
+    """A right-padded batch with position_ids of the caller's that start past 0 (a continuation's offsets): a real
+    query's position then reaches past its row's real tokens, and transformers' compressors let it see entries pooled
+    from the padding columns after them (what attention computed there). That forward runs on transformers' attention,
+    named, with its numbers; positions from 0 run patched (the tests above)."""
+    lm = model()
+    ids, mask = right_padded(lm.config.vocab_size)
+    positions = (torch.arange(ids.shape[1]) + torch.tensor([[5], [2], [9]])) * mask
+    want = step(lm, ids, mask, position_ids=positions)
+    with patchkit.apply_patch(model=lm, backend="sdpa") as handle:
+        got = step(lm, ids, mask, position_ids=positions)
+        served = step(lm, ids, mask, position_ids=torch.arange(ids.shape[1]).expand_as(ids))
+    assert handle.stepped_aside == {"padding_into_mixer": 1} and handle.calls == LAYERS, handle.report()
+    assert_same(got, want, mask)
+    assert_same(served, step(lm, ids, mask), mask)

@@ -112,9 +112,9 @@ CAUSES = {
     ),
     "padding_into_mixer": (
         "a row has padding before a real token (left padding) in a model whose recurrent layers or KV compressors "
-        "read the padding positions' hidden states (RecurrentGemma's RG-LRU, DeepSeek-V4's compressed entries): the "
-        "attention output transformers computes at that padding flows into the real tokens, and varlen kernels "
-        "compute none there",
+        "read the padding positions' hidden states (RecurrentGemma's RG-LRU, DeepSeek-V4's compressed entries; for "
+        "DeepSeek-V4 also a padded row whose position_ids run past its real tokens): the attention output "
+        "transformers computes at that padding flows into the real tokens, and varlen kernels compute none there",
         "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
     ),
     "alibi": (

@@ -34,7 +34,13 @@ from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
 from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch
-from patchkit.hooks.install.registry import NONCAUSAL, config_cause, index_topk, padding_into_mixers
+from patchkit.hooks.install.registry import (
+    NONCAUSAL,
+    config_cause,
+    index_topk,
+    padding_into_mixers,
+    pools_by_column,
+)
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 # their masks keep packed documents apart themselves
@@ -113,7 +119,9 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         cause = lm_cause(call[0], call[0], head.training, call[1])  # Liger's forward: what its call reads
         if cause is not None:
             return cause
-    if padding_into_mixers(module.config) and padding_before_real(arguments.get("attention_mask")) and (
+    mask = arguments.get("attention_mask")
+    if padding_into_mixers(module.config) and (padding_before_real(mask) or pools_by_column(module.config) and (
+            position_past_real(mask, arguments.get("position_ids")))) and (
             not loads_flash_masks(attn_name(module.config))):  # a flash attention computes none at padding either
         return "padding_into_mixer"
     if cross_attends(arguments, extra):
@@ -337,6 +345,18 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
     if ending:
         return bool((mask[:, q_len - 1] == 0).any())
     return bool((mask[:, :q_len] == 0).all(dim=-1).any())
+
+
+def position_past_real(mask: Any, position_ids: Any) -> bool:
+    """A padded row with a real token whose position id exceeds the real tokens before it (a caller's offsets):
+    DeepSeek-V4's compressors let it see entries pooled from the padding columns after its row."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(position_ids, torch.Tensor):
+        return False
+    real = mask.bool()
+    if position_ids.shape[-1] != real.shape[-1] or bool(real.all()):
+        return False
+    past = (position_ids.to(real.device) > real.cumsum(-1) - 1) & real & ~real.all(-1, keepdim=True)
+    return bool(past.any())
 
 
 def padding_before_real(mask: Any) -> bool:

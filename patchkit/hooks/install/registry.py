@@ -147,6 +147,11 @@ def padding_into_mixers(config: Any) -> bool:
     return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
 
 
+def pools_by_column(config: Any) -> bool:
+    """The family pools compressed KV entries from windows of columns (the table's COMPRESSORS: DeepSeek-V4)."""
+    return getattr(config, "model_type", None) in _table_list("COMPRESSORS", dict)
+
+
 def index_topk(config: Any) -> Optional[int]:
     """How many keys the family's sparse-attention indexer keeps for each query (DeepSeek-V3.2's `index_topk`, and
     Kolibri-1.1's sink and local tokens besides; Qwen4-Exp's `indexer_budget`; the table's SPARSE_INDEXERS), or None
