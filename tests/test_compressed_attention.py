@@ -268,3 +268,35 @@ def test_rows_whose_positions_run_past_their_real_tokens_step_aside_by_name():
     assert handle.stepped_aside == {"padding_into_mixer": 1} and handle.calls == LAYERS, handle.report()
     assert_same(got, want, mask)
     assert_same(served, step(lm, ids, mask), mask)
+
+
+@pytest.mark.parametrize("part", ["lm", "model"])
+def test_rows_whose_positions_run_past_their_real_tokens_step_aside_under_the_name_alone(part):
+    """The same offsets under `attn_implementation="patchkit"` with no patch, through the causal LM and through its
+    base model called directly: the name's wrappers read the forward's position_ids (the mask interface is never
+    handed them) and step aside with transformers' numbers; positions from 0 stay served."""
+    lm = model()
+    ids, mask = right_padded(lm.config.vocab_size)
+    positions = (torch.arange(ids.shape[1]) + torch.tensor([[5], [2], [9]])) * mask
+
+    def run(position_ids: torch.Tensor) -> torch.Tensor:
+        if part == "lm":
+            return step(lm, ids, mask, position_ids=position_ids)[0]
+        return lm.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+
+    want, plain = run(positions), run(torch.arange(ids.shape[1]).expand_as(ids))
+    attention_interface.register(backend="sdpa")
+    lm.set_attn_implementation(attention_interface.ATTENTION_NAME)
+    state = attention_interface.route_state()
+    aside, calls = state.stepped_aside.get("padding_into_mixer", 0), state.calls
+    try:
+        got = run(positions)
+        assert state.stepped_aside.get("padding_into_mixer", 0) - aside == LAYERS, state.stepped_aside
+        served = run(torch.arange(ids.shape[1]).expand_as(ids))
+        assert state.calls - calls == LAYERS
+    finally:
+        lm.set_attn_implementation("eager")
+        attention_interface.register(backend="auto")
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(served[real], plain[real], atol=2e-5, rtol=1e-4)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchInputError, PatchStateError
+from patchkit.forward.context import current
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 
@@ -125,6 +126,17 @@ def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
     count, bias, rows = kept
     raw = key.shape[-2] - count
     return key[:, :, :raw], value[:, :, :raw], Entries(key[:, :, raw:], value[:, :, raw:], bias, rows)
+
+
+def appended_cause(module: nn.Module) -> Optional[str]:
+    """The step-aside cause a compressed layer's mask was made for, in a forward its causal LM or base model told
+    (`lm_cause`): the layer appends its entries' bias to transformers' 4D mask as a new tensor, which carries no tag.
+    The entries its compressor kept for patchkit's attention are dropped: transformers' attention reads the bias."""
+    compressor = getattr(module, "compressor", None)
+    if not isinstance(compressor, nn.Module):
+        return None
+    compressor.__dict__.pop(ENTRIES, None)
+    return current().lm_cause
 
 
 def check_documents(entries: Entries, meta: VarlenMetadata, warn_once: Callable[[str, str], None]) -> None:

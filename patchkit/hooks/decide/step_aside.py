@@ -119,11 +119,9 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         cause = lm_cause(call[0], call[0], head.training, call[1])  # Liger's forward: what its call reads
         if cause is not None:
             return cause
-    mask = arguments.get("attention_mask")
-    if padding_into_mixers(module.config) and (padding_before_real(mask) or pools_by_column(module.config) and (
-            position_past_real(mask, arguments.get("position_ids")))) and (
-            not loads_flash_masks(attn_name(module.config))):  # a flash attention computes none at padding either
-        return "padding_into_mixer"
+    mixer = mixer_cause(module.config, arguments)
+    if mixer is not None and not loads_flash_masks(attn_name(module.config)):  # nor does a flash attention compute
+        return mixer                                                            # at padding
     if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
     wanted = arguments.get("output_attentions", extra.get("output_attentions"))
@@ -345,6 +343,18 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
     if ending:
         return bool((mask[:, q_len - 1] == 0).any())
     return bool((mask[:, :q_len] == 0).all(dim=-1).any())
+
+
+def mixer_cause(config: Any, arguments: dict) -> Optional[str]:
+    """`padding_into_mixer` where this call's recurrent layers or compressors would read what transformers computes
+    at padding positions (left padding; a padded row whose positions run past its real tokens in a family whose
+    compressors pool by column), else None."""
+    if not padding_into_mixers(config):
+        return None
+    mask = arguments.get("attention_mask")
+    if padding_before_real(mask) or pools_by_column(config) and position_past_real(mask, arguments.get("position_ids")):
+        return "padding_into_mixer"
+    return None
 
 
 def position_past_real(mask: Any, position_ids: Any) -> bool:

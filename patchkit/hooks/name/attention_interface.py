@@ -37,6 +37,7 @@ from patchkit.forward.inputs.temperature import scaled_query
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
+from patchkit.hooks.attention.compressed_kv import appended_cause
 from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
 from patchkit.hooks.attention.eager import transformers_attention
 from patchkit.hooks.attention.paged import paged_step
@@ -317,9 +318,9 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
     if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_rule())  # an unserved family is refused, not stood aside
-        cause = getattr(attention_mask, "patchkit_cause", None) or overlaid_cause(module)  # else a config's (ALiBi,
-        cause = cause or config_cause(module.config) or "custom_4d_mask"  # added to the model's mask as a new
-        # tensor) or the caller's mask
+        cause = getattr(attention_mask, "patchkit_cause", None) or overlaid_cause(module) or appended_cause(module)
+        cause = cause or config_cause(module.config) or "custom_4d_mask"  # else a config's (ALiBi, added to the
+        # model's mask as a new tensor) or the caller's mask
         what = untrusted_what(module.config) if cause in UNTRUSTED else None  # the family's check: what differed
         if not getattr(attention_mask, "patchkit_counted", False):  # a patch counts forwards, not layers; the
             step_aside(routed or route_state(), cause, {}, {}, what)  # name alone counts attention calls

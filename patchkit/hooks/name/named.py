@@ -29,14 +29,14 @@ from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
-from patchkit.hooks.decide.step_aside import lm_cause
+from patchkit.hooks.decide.step_aside import lm_cause, mixer_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause, task_cause, task_of
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.registry import TABLE
+from patchkit.hooks.install.registry import TABLE, padding_into_mixers
 from patchkit.hooks.install.routing import adopted, names_patchkit, record_adopted
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
@@ -90,6 +90,8 @@ def adopt(model: nn.Module) -> None:
         reads = "labels" in inspect.signature(type(m).forward).parameters or task_of(type(m)) is not None
         if reads and not _ours(m, "forward"):
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
+        elif padding_into_mixers(m.config) and not _ours(m, "forward"):
+            replacements.append(wrapped(m, "forward", mixer_forward, "tells masks of its positions"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
         replacements += mixers_apart(m, wrapping) + layers_kept(m, wrapping)
@@ -191,6 +193,27 @@ def lm_forward(call: Callable) -> Callable:
             return call(self, *args, **kwargs)
 
     LM_WRAPPERS.add(forward.__code__)  # its frame tells a base model's caller check that this call is told
+    return forward
+
+
+def mixer_forward(call: Callable) -> Callable:
+    """The base model's forward of a family whose mixers read padding positions (`patches/table.py`
+    `PADDING_INTO_MIXERS`), under patchkit's name: tells the masks where this call's mask and position_ids would have
+    its recurrent layers or compressors read what transformers computes at padding (`step_aside.mixer_cause`): the
+    mask interface is handed no position_ids. A cause the causal LM around it told stands."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if in_one_graph() or current().lm_cause is not None or not names_patchkit(self.config):
+            return call(self, *args, **kwargs)
+        binder = _binders.get(type(self))
+        if binder is None:
+            binder = _binders[type(self)] = bound_call(type(self).forward)[1:3]
+        cause = mixer_cause(self.config, binder[1](self, args, kwargs))
+        if cause is None:
+            return call(self, *args, **kwargs)
+        with within(lm_cause=cause):
+            return call(self, *args, **kwargs)
+
     return forward
 
 
