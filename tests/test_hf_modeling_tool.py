@@ -78,24 +78,26 @@ def test_the_tool_reports_what_patching_changes(tmp_path: Path) -> None:
     re-run, with its message; the forward's attention counted through the patch; the report groups it by cause;
     an eager-vs-sdpa comparison that passes patched is listed as vacuous (both sides ran patchkit).
     Two families at once (--jobs 2); the second's test file does not import (OPT's needs `timeout_decorator`),
-    which the tool reports by name with a non-zero exit, never as a family where nothing changed."""
+    which the tool reports by name with a non-zero exit, never as a family where nothing changed. The second is
+    named by its model_type, hyphenated (`modernbert-decoder`): its tests are found in transformers' folder."""
     tree = tmp_path / "hf_tests"
     (tree / "tests/models/llama").mkdir(parents=True)
-    (tree / "tests/models/opt").mkdir(parents=True)
+    (tree / "tests/models/modernbert_decoder").mkdir(parents=True)
     (tree / "pytest.ini").write_text("[pytest]\n")
     (tree / "tests/models/llama/test_modeling_llama.py").write_text(textwrap.dedent(FAMILY_TESTS))
-    (tree / "tests/models/opt/test_modeling_opt.py").write_text(
+    (tree / "tests/models/modernbert_decoder/test_modeling_modernbert_decoder.py").write_text(
         "import not_installed_here_xyz\n\n\ndef test_never_collected():\n    pass\n")
     out = tmp_path / "results"
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--tests-dir", str(tree), "--families", "llama", "opt", "--out", str(out),
-         "-k", "", "--python", sys.executable, "--timeout", "300", "--jobs", "2"],
+        [sys.executable, str(TOOL), "--tests-dir", str(tree), "--families", "llama", "modernbert-decoder",
+         "--out", str(out), "-k", "", "--python", sys.executable, "--timeout", "300", "--jobs", "2"],
         capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 1, run.stdout + run.stderr
     family, opt = json.loads((out / "results.json").read_text())["families"]
     assert "did not import in both runs: ModuleNotFoundError: No module named 'not_installed_here_xyz'" in opt["error"]
-    assert "opt: not run: tests/models/opt/test_modeling_opt.py did not import" in run.stdout
+    assert ("modernbert_decoder: not run: tests/models/modernbert_decoder/test_modeling_modernbert_decoder.py did not "
+            "import") in run.stdout
     assert (family["tests"], family["run_plain"], family["passed_plain"], family["passed_patched"]) == (7, 6, 6, 4)
     assert (family["pass_to_fail"], family["fail_to_pass"], family["other_changes"]) == (2, 0, 0)
     changed = {row["id"].split("::", 1)[1]: row for row in family["changed"]}  # ids as pytest takes them back

@@ -197,6 +197,12 @@ def collection_error(log: Path) -> str:
     return errors[-1].strip() if errors else "(no exception line in the log)"
 
 
+def folder_of(family: str) -> str:
+    """A family's folder under transformers' tests/models: a model_type spells words with hyphens
+    (`modernbert-decoder`), transformers' folders and modules with underscores."""
+    return family.replace("-", "_")
+
+
 def run_family(family: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Plain, then patched, then (for changed tests) both once more; the family's comparison."""
     target = f"tests/models/{family}/test_modeling_{family}.py"
@@ -306,8 +312,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sdist", type=Path, help="--prepare: a transformers sdist (default: pip download it)")
     parser.add_argument("--python", default=str(venv_python if venv_python.exists() else sys.executable),
                         help="the interpreter whose environment has transformers and patchkit (default: .venv)")
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), metavar="FAMILY",
-                        help=f"any folder name under transformers' tests/models (with --prepare: the folders to "
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), metavar="FAMILY", type=folder_of,
+                        help=f"any folder name under transformers' tests/models, or a model_type (with --prepare: "
+                             f"the folders to "
                              f"take from the mirror, added to the default); default: all of {' '.join(FAMILIES)}")
     parser.add_argument("-k", default=DEFAULT_K, help=f"pytest -k expression (default {DEFAULT_K!r}; '' for none)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run (default 1800)")
