@@ -300,3 +300,33 @@ def test_rows_whose_positions_run_past_their_real_tokens_step_aside_under_the_na
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(served[real], plain[real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_cache_kept_over_right_padding_steps_aside_so_a_loop_continuing_it_is_exact():
+    """A hand-written loop: an eval prefill of right-padded rows that keeps its cache, then each row's next token
+    appended after its padding. That token sees every entry in the cache, the ones pooled from the padding too; had
+    the prefill run patched, they would hold what varlen kernels compute there (nothing), not transformers' values.
+    The prefill steps aside (`cache_over_padding`); the same forward with labels, or use_cache=False, runs patched."""
+    lm = model().eval()
+    ids, mask = right_padded(lm.config.vocab_size, (16, 11, 6))
+    last = mask.sum(-1) - 1
+
+    def loop() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            out = lm(input_ids=ids, attention_mask=mask, use_cache=True)
+            token = out.logits[torch.arange(len(ids)), last].argmax(-1, keepdim=True)
+            step = lm(input_ids=token, attention_mask=torch.cat([mask, torch.ones_like(token)], -1),
+                      position_ids=last[:, None] + 1, past_key_values=out.past_key_values, use_cache=True)
+        return out.logits, step.logits
+
+    want = loop()
+    with patchkit.apply_patch(model=lm, backend="sdpa") as handle:
+        got = loop()
+        assert handle.stepped_aside.get("cache_over_padding") == 1, handle.report()
+        with torch.no_grad():
+            lm(input_ids=ids, attention_mask=mask, use_cache=False)
+            lm(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    assert handle.calls == 2 * LAYERS and handle.stepped_aside.get("cache_over_padding") == 1, handle.report()
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-4)

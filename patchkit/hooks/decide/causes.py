@@ -117,6 +117,13 @@ CAUSES = {
         "transformers computes at that padding flows into the real tokens, and varlen kernels compute none there",
         "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
     ),
+    "cache_over_padding": (
+        "an eval forward without labels keeps its cache with a row ending in padding, in a model whose cache keeps "
+        "KV entries pooled from windows of columns (DeepSeek-V4's compressors): the tokens a loop appends after that "
+        "padding see every entry, and those pooled from the padding hold the attention output transformers computes "
+        "there, which varlen kernels compute none of",
+        "pad prompts on the left, or pass use_cache=False where the cache is not continued",
+    ),
     "alibi": (
         "the model's config uses ALiBi (Falcon-RW's alibi=True), a position bias transformers adds to the attention "
         "mask in bfloat16, which no varlen kernel's ALiBi reproduces",
@@ -225,6 +232,8 @@ BRIEF = {
                          "none needed; documents of index_topk tokens or fewer, and decode steps, run patched"),
     "padding_into_mixer": ("left padding in a model whose recurrent layers or compressors read padding positions",
                            "pad on the right"),
+    "cache_over_padding": ("a cache kept over a row ending in padding, in a model whose cache pools padding "
+                           "into entries later tokens see", "pad on the left, or pass use_cache=False"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "use_bidirectional_attention": ("attention layers that are not causal (PaliGemma's, an encoder's)",
                                     "none needed"),

@@ -116,7 +116,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         call = foreign_call(head) if foreign_forward(head) is not None else None
         if call is None:
             return "head_outside_patch"  # LLaVA built before the class patch: its head reads what it cannot say
-        cause = lm_cause(call[0], call[0], head.training, call[1])  # Liger's forward: what its call reads
+        cause = lm_cause(call[0], call[0], head.training, call[1], head)  # Liger's forward: what its call reads
         if cause is not None:
             return cause
     mixer = mixer_cause(module.config, arguments)
@@ -303,14 +303,16 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
 
 
 @torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)
-def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: bool = True) -> Optional[str]:
+def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: bool = True,
+             module: Any = None) -> Optional[str]:
     """What of a causal LM's call reads transformers' values at padding positions: its labels, or generate()'s next
     token (its prefill; a plain forward's logits at padding are zeros, as documented), or a hand-written decode
     loop's for a row that is all padding, in eval mode (`training`: the model's mode).
 
     `takes_keep`: the model's forward takes `logits_to_keep`. One that does not (GPT-2's double-heads model) cannot be
     told generate()'s prefill by it, nor, on 5.x, by a `cache_position`: there a prefill into an empty cache the caller
-    brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too."""
+    brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too. `module`: the
+    causal LM, whose config says whether its cache keeps entries pooled from padding (`cache_over_padding`)."""
     mask = arguments.get("attention_mask")
     if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
         return "labels_from_padding"
@@ -322,7 +324,22 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments),
                                                                           ending=not takes_keep):
         return "right_padded_generation"
+    if module is not None and not training and cache_over_padding(module, arguments, extra):
+        return "cache_over_padding"
     return None
+
+
+def cache_over_padding(module: Any, arguments: dict, extra: dict) -> bool:
+    """An eval forward without labels that keeps its cache, with a row ending in padding, in a family whose cache
+    keeps entries pooled by column (DeepSeek-V4's compressors): every entry is seen by the tokens a caller's loop
+    appends after that padding, and those pooled from it hold what transformers computed there, which varlen kernels
+    never compute. (A training forward's cache is not continued; generate()'s prefill is `right_padded_generation`.)"""
+    mask = arguments.get("attention_mask")
+    if not pools_by_column(module.config) or arguments.get("labels") is not None or not isinstance(
+            mask, torch.Tensor) or mask.dim() != 2 or not ends_in_padding(mask):
+        return False
+    return given_cache(arguments, extra) is not None or resolved_use_cache(
+        module, arguments.get("use_cache", extra.get("use_cache")))
 
 
 def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending: bool = False) -> bool:

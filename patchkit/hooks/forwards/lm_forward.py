@@ -77,7 +77,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         # a call inside another LM's (Llama 4's causal LM in its multimodal model, which holds the labels) keeps what
         # that call reads at padding
         choice = eager_choice_cause(arguments) if chooses else None
-        cause = lm_cause(arguments, extra, self.training, takes_keep) or choice or (None if is_compiling() else
+        cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
         if cause is None and not is_compiling() and current().head is not None:
             return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which

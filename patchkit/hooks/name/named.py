@@ -186,7 +186,7 @@ def lm_forward(call: Callable) -> Callable:
             cause = task_cause(self, arguments) or current().lm_cause
         else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
             choice = choice_cause(arguments) if binder[4] else None  # GPT-2's multiple-choice head's position
-            cause = lm_cause(arguments, extra, self.training, binder[2]) or choice or current().lm_cause
+            cause = lm_cause(arguments, extra, self.training, binder[2], self) or choice or current().lm_cause
         if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
