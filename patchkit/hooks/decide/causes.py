@@ -230,7 +230,8 @@ BRIEF = {
                    "extend the mask by a column of ones per new token"),
     "sparse_attention": ("a forward of several queries a row sees more keys than the sparse attention's index_topk",
                          "none needed; documents of index_topk tokens or fewer, and decode steps, run patched"),
-    "padding_into_mixer": ("left padding in a model whose recurrent layers or compressors read padding positions",
+    "padding_into_mixer": ("padding before a real token (left padding, a hole) in a model whose recurrent layers or "
+                           "compressors read padding positions",
                            "pad on the right"),
     "cache_over_padding": ("a cache kept over a row ending in padding, in a model whose cache pools padding "
                            "into entries later tokens see", "pad on the left, or pass use_cache=False"),
