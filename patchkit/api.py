@@ -14,7 +14,7 @@ from patchkit.backends import BACKEND_NAMES, make_backend
 from patchkit.backends.choice import choose_backend
 from patchkit.errors import PatchGateError, PatchkitError, PatchTargetError
 from patchkit.gates import GateResult
-from patchkit.handles import ACTIVE, PatchGroup, PatchHandle
+from patchkit.handles import ACTIVE, PatchGroup, PatchHandle, detach_when_idle
 from patchkit.hooks.attention.varlen import UNPAD_MODES
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.forwards import batch_errors, unserved
@@ -274,9 +274,7 @@ def _forget(key: tuple, handle_ref: weakref.ref) -> None:
     handle = handle_ref()
     if handle is not None and ACTIVE.get(key) is handle:
         del ACTIVE[key]
-        if not ACTIVE:
-            batch_errors.detach()
-            lm_head.detach()
+        detach_when_idle()
 
 
 def _patch_tiny(tiny: nn.Module, state: PatchState) -> Any:

@@ -26,6 +26,14 @@ from patchkit.names import GROUP_NAME, UNPAD_MEANING
 ACTIVE: dict[tuple, PatchHandle] = {}  # every applied patch by its key: ("class", family) or ("model", id(model))
 
 
+def detach_when_idle() -> None:
+    """Where no patch is applied any more, take out what patchkit hooks into other code while one is (the batch
+    errors' note, the head's)."""
+    if not ACTIVE:
+        batch_errors.detach()
+        lm_head.detach()
+
+
 def unpad_line(asked: str, own: Optional[str]) -> str:
     """The report's unpad line: the mode asked for, or the family's own where it always runs in one (its layers read
     the padded batch: OPT's positions, Mllama's cross-attention), with what was asked."""
@@ -98,9 +106,7 @@ class PatchHandle:
         if not any(key[0] == "class" for key in ACTIVE):
             unserved.detach()
             flash_request.detach()
-        if not ACTIVE:
-            batch_errors.detach()
-            lm_head.detach()
+        detach_when_idle()
 
     def __enter__(self) -> PatchHandle:
         return self
