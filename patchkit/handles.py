@@ -14,7 +14,7 @@ from patchkit.errors import PatchTargetError
 from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
 from patchkit.hooks.forwards import batch_errors, unserved
-from patchkit.hooks.head import lm_head
+from patchkit.hooks.head import liger_rows, lm_head
 from patchkit.hooks.head.lm_head import heads_line
 from patchkit.hooks.install.model_walk import model_config
 from patchkit.hooks.install.patching import Replacement, restore_replacements
@@ -28,10 +28,11 @@ ACTIVE: dict[tuple, PatchHandle] = {}  # every applied patch by its key: ("class
 
 def detach_when_idle() -> None:
     """Where no patch is applied any more, take out what patchkit hooks into other code while one is (the batch
-    errors' note, the head's)."""
+    errors' note, the head's, Liger's fused loss on scored rows)."""
     if not ACTIVE:
         batch_errors.detach()
         lm_head.detach()
+        liger_rows.remove()
 
 
 def unpad_line(asked: str, own: Optional[str]) -> str:

@@ -208,3 +208,36 @@ def test_the_trainers_use_liger_kernel_trains_as_unpatched(labels, monkeypatch, 
                  for way in (None, "model"))
     assert_trained_alike(got, want)
     assert got[3] == ({} if labels is labels_for else {"labels_from_padding": 4})
+
+
+@pytest.mark.parametrize("order", [ORDERS[0], ORDERS[2]])
+def test_ligers_fused_loss_is_handed_the_rows_it_scores(order, monkeypatch):
+    """Liger's kernel computes the logits of every row it is handed before it drops those whose target is -100. Under
+    liger-kernel's own forward (set after the class patch, the Trainer's order, or before it), the patched run hands
+    it the rows of a completion-only loss alone, neither padding nor prompt, with the unpatched loss and gradients;
+    the unpatched run hands it every row. Reverted, Liger's function is its own again."""
+    import sys
+
+    from patchkit.hooks.head import liger_rows
+
+    forward = real_liger_forward(monkeypatch)
+    functional = sys.modules[liger_rows.FUNCTIONAL]
+    reference, handed = functional.liger_fused_linear_cross_entropy, []
+
+    def kernel(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **kw: Any) -> torch.Tensor:
+        handed.append((hidden.shape[0], int((target != -100).sum())))
+        return reference(hidden, weight, target, **kw)
+
+    monkeypatch.setattr(functional, liger_rows.NAME, kernel)
+
+    def completions(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        labels = labels_for(ids, mask)
+        prompt = (mask.cumsum(-1) <= 4) & (mask == 1)  # each row's first four real tokens: its prompt
+        return labels.masked_fill(prompt, -100)
+
+    want, got, (calls, aside, _) = under(order, forward, completions, "left")
+    assert_same_step(got, want)
+    assert calls == 2 and not aside
+    (rows, scored), (patched_rows, patched_scored) = handed
+    assert patched_rows == patched_scored == scored < rows
+    assert functional.liger_fused_linear_cross_entropy is kernel

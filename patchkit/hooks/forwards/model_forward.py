@@ -40,6 +40,7 @@ from patchkit.hooks.forwards.embedding_hooks import embedded_padded
 from patchkit.hooks.forwards.recorded_router import hand_up
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
 from patchkit.hooks.generation.slots_mask import cross_layers
+from patchkit.hooks.head import liger_rows
 from patchkit.hooks.head.head_request import HeadRequest, asked
 from patchkit.hooks.head.lm_head import hand_kept, hand_packed
 from patchkit.hooks.install.patching import dressed_as
@@ -237,8 +238,10 @@ def make_model_forward(
     graph_aside = asides_in_graph(lambda: aside_state) if aside_state is not None else None
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if keep_routed is not None and not is_compiling():
-            keep_routed()
+        if not is_compiling():
+            if keep_routed is not None:
+                keep_routed()
+            liger_rows.ensure()  # Liger's fused loss, imported since, on the rows it scores
         head = asked()
         if head is None:
             return served(self, args, kwargs, None)
