@@ -43,6 +43,7 @@ _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config
 _watching: list[Replacement] = []
 # a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
 _binders: dict[type, tuple] = {}
+_mixer_binders: dict[type, Callable] = {}  # a base model class -> its binder of a call's arguments (`mixer_forward`)
 SEEN = "_patchkit_seen"  # every model built while patchkit watches holds a `Seen` here
 
 
@@ -205,10 +206,10 @@ def mixer_forward(call: Callable) -> Callable:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if in_one_graph() or current().lm_cause is not None or not names_patchkit(self.config):
             return call(self, *args, **kwargs)
-        binder = _binders.get(type(self))
-        if binder is None:
-            binder = _binders[type(self)] = bound_call(type(self).forward)[1:3]
-        cause = mixer_cause(self.config, binder[1](self, args, kwargs))
+        bind = _mixer_binders.get(type(self))
+        if bind is None:
+            bind = _mixer_binders[type(self)] = bound_call(type(self).forward)[2]
+        cause = mixer_cause(self.config, bind(self, args, kwargs))
         if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
