@@ -105,6 +105,27 @@ def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_nu
     assert_same(got, want, mask)
 
 
+@pytest.mark.parametrize("model_type", list(MIXERS))
+def test_a_padding_hole_keeps_the_padded_layout_in_the_mixers(model_type):
+    """A row with padding between real tokens: transformers' mixers run over the hole's columns (zeroed inputs, but a
+    state that decays across them, a convolution window that spans them), which the packed row would drop (2e-2 off
+    in Qwen3-Next's logits after the hole, 5e-4 in Jamba's gradients, silently). Such a batch keeps the padded layout
+    in its layers, attention still patched, with the unpatched numbers."""
+    model = hybrid(model_type)
+    ids, mask = padded_batch("right")
+    mask[0, 4:6] = 0  # a hole in the longest row: real, real, real, real, pad, pad, real ...
+    ids = ids * mask
+    labels = labels_for(ids, mask)
+    labels[0, 6] = -100  # no label predicted from the hole's padding
+    want = lm_step(model, input_ids=ids, attention_mask=mask, labels=labels)
+    seen = mixers_see(model, model_type)
+    with patchkit.apply_patch(model_type, backend="sdpa") as handle:
+        got = lm_step(model, input_ids=ids, attention_mask=mask, labels=labels)
+        assert handle.calls > 0 and not handle.stepped_aside, handle.report()
+    assert seen and {shape[:2] for shape in seen} == {tuple(ids.shape)}  # the padded batch, as transformers runs it
+    assert_same(got, want, mask)
+
+
 @pytest.mark.parametrize("call", [0, 128], ids=["each row alone", "grouped"])
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba"])
 def test_a_recomputed_checkpoint_splits_the_rows_again(model_type, call, monkeypatch):

@@ -24,7 +24,7 @@ from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
-from patchkit.hooks.install.registry import NONCAUSAL, config_cause
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows
 from patchkit.names import WHOLE_MODEL
 from patchkit.warn import warn_user
 
@@ -126,9 +126,11 @@ def unpad_plan(module: nn.Module, args: dict, extra: dict) -> Optional[VarlenMet
         return None  # no padding, nothing to gain; or no real token, which the per-layer path answers with zeros
     if rope_reads_padded_length(module, mask, position_ids, seqlen):
         return None
-    if meta.holes and (sliding_window(module.config) is not None or chunked(module.config)):
-        return None  # a window that does not bite (else stepped aside), or chunks (Llama 4's) that count a hole's
-        # columns: the per-layer path sees the padded distances
+    if meta.holes and (sliding_window(module.config) is not None or chunked(module.config) or mixes_rows(
+            module.config)):
+        return None  # a window that does not bite (else stepped aside), chunks (Llama 4's) that count a hole's
+        # columns, or mixers whose state decays (whose convolution spans) across them: the per-layer path sees the
+        # padded distances
     visual = args.get("visual_pos_masks")  # Qwen3-VL's deepstack features go to these tokens, padding or not
     if isinstance(visual, torch.Tensor) and bool((visual.bool() & ~mask.bool()).any()):
         return None  # an image token at padding: the packed row would drop it, the per-layer path keeps it

@@ -147,6 +147,12 @@ def padding_into_mixers(config: Any) -> bool:
     return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
 
 
+def mixes_rows(config: Any) -> bool:
+    """The family's token mixers run the packed row's rows (the table's ROW_MIXERS: linear attention, Mamba,
+    convolutions)."""
+    return getattr(config, "model_type", None) in _table_list("ROW_MIXERS", dict)
+
+
 def pools_by_column(config: Any) -> bool:
     """The family pools compressed KV entries from windows of columns (the table's COMPRESSORS: DeepSeek-V4)."""
     return getattr(config, "model_type", None) in _table_list("COMPRESSORS", dict)
@@ -169,7 +175,7 @@ def index_topk(config: Any) -> Optional[int]:
 def read_table_lists() -> None:
     """Read the table's per-config and per-input lists now, outside any traced forward (an import inside a graph that
     may not break is refused by Dynamo): called where a forward is wrapped."""
-    refusal(None), refused_configs(), padding_into_mixers(None), index_topk(None)
+    refusal(None), refused_configs(), padding_into_mixers(None), index_topk(None), mixes_rows(None)
 
 
 def refused_value(value: Any) -> bool:
