@@ -3,6 +3,8 @@ run alone; a 2D attention_mask is padding only, as in transformers, and its rows
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -199,3 +201,41 @@ def test_document_restarts_compare_real_tokens_only():
         real = torch.tensor(real, dtype=torch.bool)
         indices = torch.nonzero(real.reshape(-1)).flatten()
         assert document_lengths(real, indices, torch.tensor(positions)).tolist() == want
+
+
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"), reason="5.x makes a cache in training too")
+@pytest.mark.parametrize("family, how", [("llama", "eval, the config's cache"), ("llama", "training"),
+                                         ("gpt_oss", "eval, no cache"), ("qwen3_next", "training")])
+def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family, how, monkeypatch):
+    """Where transformers' own sdpa or eager run of the call lets the caller's packed documents see each other (a
+    cache made in an eval forward or, 5.x, in training; GPT-OSS's masks, which are handed no position_ids; a hybrid's
+    mixers, one state along the row), patchkit keeps them apart, as flash_attention_2 does: each document's numbers
+    alone, said once by a warning that names how transformers joins them. A call that transformers keeps apart too
+    gives its numbers and says nothing."""
+    from census import document_logits, packed_rows
+
+    from patchkit.forward import documents
+
+    monkeypatch.setattr(documents, "_said", set())
+    model = served_tiny(family).train(how == "training")
+    ids, positions = packed_rows()
+    alone = document_logits(model, ids)
+
+    def run(**kw) -> torch.Tensor:
+        with torch.set_grad_enabled(how == "training"):
+            return model(input_ids=ids, position_ids=positions, **kw).logits
+
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        if family == "llama":  # its masks find the documents where no cache is made: nothing to say
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                torch.testing.assert_close(run(use_cache=False), alone, atol=3e-4, rtol=1e-3)
+        with pytest.warns(RuntimeWarning, match="packed documents .* are kept apart"):
+            got = run()
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            run()
+        assert handle.calls and not handle.stepped_aside
+    assert not [w for w in again if "kept apart" in str(w.message)]  # once
+    torch.testing.assert_close(got, alone, atol=3e-4, rtol=1e-3)
+    assert (run() - alone).abs().max() > 1e-3  # unpatched, transformers joins them

@@ -30,6 +30,8 @@ class ForwardPlan:
       (`forward/metadata.py`), which its layers' metadata carry; else None.
     - `mask_decides`: its layers are not causal by their config (PaliGemma's Gemma), and attend as the mask read back
       (or a single query) says, which the varlen path serves: their `is_causal=False` is no refusal.
+    - `joined`: how transformers' own sdpa or eager run of the call would let its caller's packed documents see each
+      other, which its layers keep apart (said once after it runs), else None.
     """
 
     aside: Optional[str] = None
@@ -39,6 +41,7 @@ class ForwardPlan:
     own_cache: bool = False
     blocks: Optional[BlockQueries] = None
     mask_decides: bool = False
+    joined: Optional[str] = None
 
     @property
     def unpadded(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.cache_length import query_offset
 from patchkit.forward.context import current
-from patchkit.forward.documents import check_seq_idx, document_lengths, has_packed_rows, seq_idx_lengths
+from patchkit.forward.documents import APART, check_seq_idx, document_lengths, has_packed_rows, seq_idx_lengths
 from patchkit.forward.metadata import (
     PastMetadata,
     VarlenMetadata,
@@ -217,6 +217,7 @@ class VarlenMask:
         self.padded: Optional[VarlenMetadata] = None
         self.selection: Optional[torch.Tensor] = None  # a decode step's keys chosen by a mask-returning indexer (B, T)
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
+        APART[0] += meta is not None and len(meta.seqlens_q) > meta.batch  # as in `metadata`
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
 
     @classmethod
@@ -282,6 +283,7 @@ class VarlenMask:
                 fa_kwargs.get("cu_seq_lens_q"), fa_kwargs.get("cu_seq_lens_k"),
             )
             check_seq_idx(fa_kwargs.get("seq_idx"), self._meta)
+            APART[0] += len(self._meta.seqlens_q) > batch  # a row's documents its layers keep apart
             self._meta = split_at_chunks(self._meta, self.chunk)
             if self.blocks is not None and self._meta.blocks is None:
                 self._meta.blocks = self.blocks if q_len == kv_len else refuse_blocks_behind_past()

@@ -5,13 +5,18 @@ context (`ForwardContext.plan`) to every mask builder and layer."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
+from patchkit.forward.documents import has_packed_rows
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
 from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook, origin_of
 from patchkit.forward.inputs.paged import paged_cache
@@ -21,7 +26,7 @@ from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.model_masks import model_masks_cause
 from patchkit.hooks.decide.outer_caller import unwrapped_head
 from patchkit.hooks.decide.self_check import untrusted_cause
-from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, padded
+from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, packed_call, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows
@@ -39,12 +44,14 @@ UNREAD = ("custom_4d_mask", "static_cache_mask")  # transformers' masks that no 
 
 @torch.compiler.disable  # host reads throughout: one break at the call, not one per read and a frame per callee
 def plan_forward(
-    module: nn.Module, arguments: dict, extra: dict, state: Any, unpad: str, sequence_parallel: bool
+    module: nn.Module, arguments: dict, extra: dict, state: Any, unpad: str, sequence_parallel: bool,
+    caller: Optional[dict] = None,
 ) -> ForwardPlan:
     """The plan of this forward. With a patch state (`state`), a forward the varlen path cannot serve exactly steps
     aside (`forward_cause`; a transformers newer than CI's: the family's self-check). The masks patchkit serves are
     put in the form its path reads first, in `arguments` / `extra` in place (`served_cause`). Under unpad="model"
-    the forward unpads its batch at the model where it can; its layers unpad per call otherwise."""
+    the forward unpads its batch at the model where it can; its layers unpad per call otherwise. `caller`: the
+    arguments as the caller gave them, before a training forward's default cache was dropped (`joined`)."""
     given, given_extra = dict(arguments), dict(extra)  # what the caller gave, which an aside runs on
     cause = forward_cause(module, arguments, extra) if state is not None else None
     if cause is None and state is not None and paged_cache(given_cache(arguments)):
@@ -69,6 +76,7 @@ def plan_forward(
         extra.clear(), extra.update(given_extra)
         return ForwardPlan(aside=cause)
     no_mask = arguments.get("attention_mask") is None
+    joined = joined_by_transformers(module, caller, extra) if no_mask and caller is not None else None
     if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
         return ForwardPlan(no_mask=no_mask, mask_decides=noncausal)
     meta = unpad_plan(module, arguments, extra) if unpad in WHOLE_MODEL else None
@@ -78,7 +86,7 @@ def plan_forward(
         return ForwardPlan(padded=meta, packed=packed_row_metadata(meta), no_mask=no_mask, own_cache=own,
                            blocks=blocks, mask_decides=noncausal)
     return ForwardPlan(packed=documents_metadata(arguments, extra), no_mask=no_mask, blocks=blocks,
-                       mask_decides=noncausal)
+                       mask_decides=noncausal, joined=joined)
 
 
 def fills_a_cache(module: nn.Module, args: dict) -> bool:
@@ -184,3 +192,45 @@ def packed_row_metadata(meta: VarlenMetadata) -> VarlenMetadata:
     return dataclasses.replace(
         meta, batch=1, q_len=nnz, kv_len=nnz, indices_q=None, indices_k=None, packed=len(meta.seqlens_q) > 1
     )
+
+
+def joined_by_transformers(module: nn.Module, arguments: dict, extra: dict) -> Optional[str]:
+    """How transformers' own sdpa or eager run of this call lets the caller's packed documents (position_ids
+    restarting with no mask, or `cu_seq_lens_*`) see each other, which patchkit's attention keeps apart, or None.
+    Read before a training forward's default cache is dropped: transformers makes one there too."""
+    if arguments.get("attention_mask") is not None:
+        return None
+    positions = arguments.get("position_ids", extra.get("position_ids"))
+    flash = any(extra.get(k) is not None for k in FLASH_KWARGS[:2])
+    if not flash and not isinstance(positions, torch.Tensor):
+        return None
+    restarts = has_packed_rows(None, positions)
+    if not packed_call(arguments, extra):
+        if restarts and masks_miss_positions(type(module)):
+            return "are not handed this family's position_ids, so they find no documents"
+        return None
+    if not restarts:
+        return "read no cu_seq_lens, so they find no documents"
+    return "find no documents behind the KV cache this forward makes or is given (use_cache=False has them find them)"
+
+
+@functools.cache
+def masks_miss_positions(cls: type) -> bool:
+    """The base model's forward hands its layers the position_ids (patchkit's attention finds packed documents from
+    them) but not its masks (where transformers finds them): GPT-OSS's and AFMoE's in 5.25. False where its code
+    cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    masks = layers = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name, named = ast.unparse(node.func), {k.arg for k in node.keywords}
+            if "mask" in name and "attention_mask" in named and "position_ids" in named:
+                masks = True  # create_causal_mask(...), a family's `mask_function(...)`
+            layers = layers or ("layer" in name and "position_ids" in named)
+        elif isinstance(node, ast.Dict):  # the masks' keyword arguments gathered first (`mask_kwargs`)
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            masks = masks or {"attention_mask", "position_ids"} <= keys
+    return layers and not masks

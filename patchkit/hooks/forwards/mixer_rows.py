@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.forward.context import NO_PLAN, ForwardPlan, current
-from patchkit.forward.documents import restart_lengths
+from patchkit.forward.documents import kept_apart, restart_lengths
 from patchkit.forward.liveness import in_one_graph
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.hooks.install.routing import adopted, names_patchkit
@@ -177,6 +177,8 @@ def document_rows(plan: ForwardPlan, config: Any = None, inputs_embeds: Any = No
             "run each document from a zero state."
         )
         return None
+    kept_apart("carry one state across them in a hybrid's linear-attention, Mamba and convolution layers (their "
+               "torch path)")
     return MixerRows(tuple(lengths))
 
 

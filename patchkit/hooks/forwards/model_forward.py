@@ -16,6 +16,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import ForwardPlan, PaddedOnly, within
+from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import (
     cache_parameter,
     check_one_cache,
@@ -258,6 +259,7 @@ def make_model_forward(
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
+        caller = dict(arguments) if arguments.get("attention_mask") is None else None  # before its cache is dropped
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:
@@ -282,7 +284,7 @@ def make_model_forward(
         if unread is not None and extra.get(unread) is not None and aside_state is not None:
             plan = ForwardPlan(aside="unread_cache")  # transformers runs it on no past: so does patchkit, warned
         else:
-            plan = plan_forward(self, arguments, extra, aside_state, unpad, ulysses is not None)
+            plan = plan_forward(self, arguments, extra, aside_state, unpad, ulysses is not None, caller)
         if plan.aside is not None:
             if padding_first:
                 raise refuse_step_aside(plan.aside, *CAUSES[plan.aside])
@@ -290,12 +292,16 @@ def make_model_forward(
             step_aside(aside_state, plan.aside, arguments, extra, what)
             with within(plan=plan):  # transformers' attention; the head and loss still on the labelled rows alone
                 return hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head)
+        apart = APART[0]
         meta = plan.padded
         try:
             with _route_masks(self, patched_impl, route), within(plan=plan):
                 if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
                     kept = every_query(arguments, extra, self.config)
-                    return last_queries(hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head), kept)
+                    out = last_queries(hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head), kept)
+                    if plan.joined is not None and APART[0] > apart:  # its layers kept the documents apart
+                        kept_apart(plan.joined)
+                    return out
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)
                 if plan.own_cache:
