@@ -21,7 +21,7 @@ JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's 
 # unpatched, their conv / Mamba layers refuse padding-free rows without their CUDA kernels (they cannot keep the
 # documents apart), or ZAYA's convolution carries one state across them; patched, each document runs from a zero
 # state (`mixer_rows.document_rows`); DeepSeek-V4's compressors pool a padding-free row across its documents unpatched,
-# each document alone patched (`compressed_kv.documents`)
+# each document alone patched (`forward/documents.documents`)
 APART = ("qwen3_5_text", "falcon_h1", "zaya", "deepseek_v4")
 CASES = [(f, mode) for f in FROM_DATA for mode in MODES
          if mode == "padded" or (f not in PADDED_ONLY and not (f in JOINS + APART and mode == "packing"))]

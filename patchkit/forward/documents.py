@@ -7,7 +7,7 @@ would mean the caller meant other documents, so it is refused by name rather tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -156,3 +156,29 @@ def block_diagonal_documents(mask: torch.Tensor) -> Optional[tuple[torch.Tensor,
     lengths = torch.diff(first, append=first.new_tensor([boundary.numel()]))
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     return cu, int(lengths.max())
+
+
+class Rows(NamedTuple):
+    """A packed row's documents laid out as rows of their own: each token's place in the (count, length) layout."""
+
+    indices: torch.Tensor
+    count: int
+    length: int
+
+
+def documents(position_ids: Optional[torch.Tensor]) -> Optional[Rows]:
+    """The documents of one packed row (1, N) whose positions count 0, 1, ... in each, where it holds several; else
+    None (a host read of the positions)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    positions = position_ids[0]
+    starts = (positions == 0).nonzero().squeeze(1)
+    if starts.numel() < 2 or int(starts[0]) != 0:
+        return None
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([positions.numel()])]))
+    offsets = torch.arange(positions.numel(), device=positions.device) - starts.repeat_interleave(lengths)
+    if not torch.equal(positions, offsets.to(positions.dtype)):
+        return None
+    length = int(lengths.max())
+    rows = torch.arange(len(lengths), device=positions.device).repeat_interleave(lengths)
+    return Rows(rows * length + offsets, len(lengths), length)

@@ -27,7 +27,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.context import current
-from patchkit.forward.documents import kept_apart
+from patchkit.forward.documents import Rows, documents, kept_apart
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 
@@ -41,14 +41,6 @@ JOINED_DOCUMENTS = ("DeepSeek-V4: this row's position_ids restart (packed docume
 ENTRIES = "patchkit_entries"  # a compressor's last forward's (entry count, bias), taken by its layer's attention
 
 
-class Rows(NamedTuple):
-    """A packed row's documents laid out as rows of their own: each token's place in the (count, length) layout."""
-
-    indices: torch.Tensor
-    count: int
-    length: int
-
-
 class Entries(NamedTuple):
     """A layer's compressed entries: keys and values (B, Hk, T, D), the bias of each query's view of them
     (B, 1, S, T) or None where every query sees every entry (a decode step's), and for a packed row the documents'
@@ -58,24 +50,6 @@ class Entries(NamedTuple):
     value: torch.Tensor
     bias: Optional[torch.Tensor]
     rows: Optional[Rows] = None
-
-
-def documents(position_ids: Optional[torch.Tensor]) -> Optional[Rows]:
-    """The documents of one packed row (1, N) whose positions count 0, 1, ... in each, where it holds several; else
-    None (a host read of the positions)."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
-        return None
-    positions = position_ids[0]
-    starts = (positions == 0).nonzero().squeeze(1)
-    if starts.numel() < 2 or int(starts[0]) != 0:
-        return None
-    lengths = torch.diff(torch.cat([starts, starts.new_tensor([positions.numel()])]))
-    offsets = torch.arange(positions.numel(), device=positions.device) - starts.repeat_interleave(lengths)
-    if not torch.equal(positions, offsets.to(positions.dtype)):
-        return None
-    length = int(lengths.max())
-    rows = torch.arange(len(lengths), device=positions.device).repeat_interleave(lengths)
-    return Rows(rows * length + offsets, len(lengths), length)
 
 
 def in_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
