@@ -330,3 +330,17 @@ def test_a_cache_kept_over_right_padding_steps_aside_so_a_loop_continuing_it_is_
     real = mask.bool()
     torch.testing.assert_close(got[0][real], want[0][real], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-4)
+
+
+def test_a_checkpointed_right_padded_step_says_nothing_of_packed_documents():
+    """The rows of a right-padded batch unpadded at the model are laid out as documents for the compressors, in the
+    forward and again in the checkpoint's recompute (where no forward's plan is in reach): no caller's documents, so
+    no word of them."""
+    lm = model()
+    lm.gradient_checkpointing_enable()
+    ids, mask = right_padded(lm.config.vocab_size)
+    with warnings.catch_warnings(record=True) as said, patchkit.apply_patch(model=lm, backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        lm(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
+    assert handle.calls == 2 * LAYERS and not handle.stepped_aside, handle.report()
+    assert not [w for w in said if "kept apart" in str(w.message)]

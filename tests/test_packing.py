@@ -205,7 +205,8 @@ def test_document_restarts_compare_real_tokens_only():
 
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"), reason="5.x makes a cache in training too")
 @pytest.mark.parametrize("family, how", [("llama", "eval, the config's cache"), ("llama", "training"),
-                                         ("gpt_oss", "eval, no cache"), ("qwen3_next", "training")])
+                                         ("gpt_oss", "eval, no cache"), ("qwen3_next", "training"),
+                                         ("deepseek_v4", "eval, no cache")])
 def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family, how, monkeypatch):
     """Where transformers' own sdpa or eager run of the call lets the caller's packed documents see each other (a
     cache made in an eval forward or, 5.x, in training; GPT-OSS's masks, which are handed no position_ids; a hybrid's
@@ -219,9 +220,13 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
     monkeypatch.setattr(documents, "_said", set())
     model = served_tiny(family).train(how == "training")
     ids, positions = packed_rows()
+    if family == "deepseek_v4":  # its compressors pool a packed row by document where the batch is that one row
+        ids, positions = ids[:1], positions[:1]
     alone = document_logits(model, ids)
 
     def run(**kw) -> torch.Tensor:
+        if how.endswith("no cache"):
+            kw.setdefault("use_cache", False)
         with torch.set_grad_enabled(how == "training"):
             return model(input_ids=ids, position_ids=positions, **kw).logits
 
@@ -239,3 +244,21 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
     assert not [w for w in again if "kept apart" in str(w.message)]  # once
     torch.testing.assert_close(got, alone, atol=3e-4, rtol=1e-3)
     assert (run() - alone).abs().max() > 1e-3  # unpatched, transformers joins them
+
+
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.25"), reason="DeepSeek-V4: transformers 5.25")
+def test_deepseek_v4s_packed_rows_in_a_batch_of_several_give_transformers_numbers_and_say_nothing():
+    """Two packed rows of DeepSeek-V4 with no cache: transformers keeps their documents apart in attention, as patchkit
+    does, and pools its compressed entries along each row, as patchkit does where the batch holds more than one row.
+    Its numbers, and no word of documents kept apart."""
+    from census import packed_rows
+
+    model = served_tiny("deepseek_v4").eval()
+    ids, positions = packed_rows()
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        with warnings.catch_warnings(record=True) as said, patchkit.apply_patch(model=model, backend="sdpa"):
+            warnings.simplefilter("always")
+            got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert not [w for w in said if "kept apart" in str(w.message)]

@@ -27,7 +27,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.context import current
-from patchkit.forward.documents import Rows, documents, kept_apart
+from patchkit.forward.documents import Rows, documents
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
 
@@ -73,8 +73,6 @@ def make_compressor_forward(original: Callable, like: Optional[Callable] = None)
             out = original(self, *args, **kwargs)
             self.__dict__[ENTRIES] = (out[0].shape[-2], out[1], None)
             return out
-        if current().plan.padded is None:  # a caller's documents, not the rows of a batch unpadded at the model
-            kept_apart("pool DeepSeek-V4's compressed entries across them", joined_by_mask=False)
         positions = torch.arange(rows.length, device=hidden.device).expand(rows.count, -1)
         laid = {"hidden_states": in_rows(hidden, rows), "q_residual": in_rows(given["q_residual"], rows),
                 "position_ids": positions}

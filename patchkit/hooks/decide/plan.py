@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
-from patchkit.forward.documents import has_packed_rows
+from patchkit.forward.documents import documents, has_packed_rows
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
 from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook, origin_of
 from patchkit.forward.inputs.paged import paged_cache
@@ -29,7 +29,7 @@ from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, packed_call, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
-from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows, pools_by_column
 from patchkit.names import WHOLE_MODEL
 from patchkit.warn import warn_user
 
@@ -208,6 +208,8 @@ def joined_by_transformers(module: nn.Module, arguments: dict, extra: dict) -> O
     if not packed_call(arguments, extra):
         if restarts and masks_miss_positions(type(module)):
             return "are not handed this family's position_ids, so they find no documents"
+        if pools_by_column(module.config) and documents(positions) is not None:  # one row: its compressors pool
+            return "pool DeepSeek-V4's compressed entries across them"  # each document alone (`compressed_kv`)
         return None
     if not restarts:
         return "read no cu_seq_lens, so they find no documents"

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from patchkit.forward.context import NO_PLAN, current
-from patchkit.forward.documents import document_ids, kept_apart
+from patchkit.forward.documents import document_ids
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.inputs.arguments import CACHE_NAMES, holds_no_past
 from patchkit.forward.inputs.rope_rows import config_text_positions, multimodal_rope
@@ -65,8 +65,6 @@ def served_documents(original: Callable) -> Callable:
             plan = current().plan
             if plan is NO_PLAN or plan.aside is not None:
                 return out
-            if plan.no_mask and plan.packed is not None and len(plan.packed.seqlens_q) > plan.packed.batch:
-                say_joined(given(args, kwargs, ("position_ids",)), given(args, kwargs, CACHE_NAMES))
         positions, cache = given(args, kwargs, ("position_ids",)), given(args, kwargs, CACHE_NAMES)
         embeds = given(args, kwargs, EMBEDS_NAMES)
         if (not isinstance(positions, torch.Tensor) or positions.dim() != 2 or cache is None
@@ -94,16 +92,6 @@ def served_documents(original: Callable) -> Callable:
 
     preprocess.__patchkit_documents__ = True  # type: ignore[attr-defined]
     return preprocess
-
-
-def say_joined(positions: Any, cache: Any) -> None:
-    """The documents patchkit's attention keeps apart, which transformers' masks of this forward did not find: why."""
-    if positions is None:
-        kept_apart("are not handed this family's position_ids, so they find no documents")
-    elif cache is not None:
-        kept_apart("find no documents behind the KV cache this forward makes or is given (use_cache=False finds them)")
-    else:
-        kept_apart("find no documents in this forward")
 
 
 def install() -> None:
