@@ -3,6 +3,7 @@ run alone; a 2D attention_mask is padding only, as in transformers, and its rows
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -203,19 +204,25 @@ def test_document_restarts_compare_real_tokens_only():
         assert document_lengths(real, indices, torch.tensor(positions)).tolist() == want
 
 
+KEPT_APART = [("llama", "eval, the config's cache"), ("llama", "training"), ("gpt_oss", "eval, no cache"),
+              ("qwen3_next", "training"), ("deepseek_v4", "eval, no cache")]
+
+
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"), reason="5.x makes a cache in training too")
-@pytest.mark.parametrize("family, how", [("llama", "eval, the config's cache"), ("llama", "training"),
-                                         ("gpt_oss", "eval, no cache"), ("qwen3_next", "training"),
-                                         ("deepseek_v4", "eval, no cache")])
-def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family, how, monkeypatch):
+@pytest.mark.parametrize("family, how, way", [(*case, "patch") for case in KEPT_APART]  # under the name alone a
+                         + [(*case, "name") for case in KEPT_APART if case[0] != "qwen3_next"])  # training forward
+# keeps the cache the config asks for, in which a hybrid's mixers carry their state (`test_census`)
+def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family, how, way, monkeypatch):
     """Where transformers' own sdpa or eager run of the call lets the caller's packed documents see each other (a
     cache made in an eval forward or, 5.x, in training; GPT-OSS's masks, which are handed no position_ids; a hybrid's
     mixers, one state along the row), patchkit keeps them apart, as flash_attention_2 does: each document's numbers
-    alone, said once by a warning that names how transformers joins them. A call that transformers keeps apart too
-    gives its numbers and says nothing."""
+    alone, said once by a warning that names how transformers joins them, by a patch and under
+    attn_implementation="patchkit" alone. A call that transformers keeps apart too gives its numbers and says
+    nothing."""
     from census import document_logits, packed_rows
 
     from patchkit.forward import documents
+    from patchkit.hooks.name import attention_interface
 
     monkeypatch.setattr(documents, "_said", set())
     model = served_tiny(family).train(how == "training")
@@ -230,7 +237,15 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
         with torch.set_grad_enabled(how == "training"):
             return model(input_ids=ids, position_ids=positions, **kw).logits
 
-    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+    loaded = model.config._attn_implementation
+    with contextlib.ExitStack() as stack:
+        if way == "patch":
+            handle = stack.enter_context(patchkit.apply_patch(model=model, backend="sdpa"))
+        else:
+            attention_interface.register(backend="sdpa")
+            state = attention_interface.route_state()
+            before = dict(state.stepped_aside)
+            set_attention(model, attention_interface.ATTENTION_NAME)
         if family == "llama":  # its masks find the documents where no cache is made: nothing to say
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
@@ -240,7 +255,11 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter("always")
             run()
-        assert handle.calls and not handle.stepped_aside
+        if way == "patch":
+            assert handle.calls and not handle.stepped_aside
+        else:
+            assert state.stepped_aside == before
+    set_attention(model, loaded)
     assert not [w for w in again if "kept apart" in str(w.message)]  # once
     torch.testing.assert_close(got, alone, atol=3e-4, rtol=1e-3)
     assert (run() - alone).abs().max() > 1e-3  # unpatched, transformers joins them

@@ -23,12 +23,14 @@ from typing import Any, Callable
 from torch import nn
 
 from patchkit.forward.context import current, within
+from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
+from patchkit.hooks.decide.plan import joined_by_transformers
 from patchkit.hooks.decide.step_aside import lm_cause, mixer_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause, task_cause, task_of
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
@@ -36,7 +38,7 @@ from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.registry import TABLE, padding_into_mixers
+from patchkit.hooks.install.registry import TABLE, padding_into_mixers, pools_by_column
 from patchkit.hooks.install.routing import adopted, names_patchkit, record_adopted
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
@@ -188,10 +190,16 @@ def lm_forward(call: Callable) -> Callable:
         else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
             choice = choice_cause(arguments) if binder[4] else None  # GPT-2's multiple-choice head's position
             cause = lm_cause(arguments, extra, self.training, binder[2], self) or choice or current().lm_cause
-        if cause is None:
-            return call(self, *args, **kwargs)
-        with within(lm_cause=cause):
-            return call(self, *args, **kwargs)
+        if cause is not None:
+            with within(lm_cause=cause):
+                return call(self, *args, **kwargs)
+        joined = joined_by_transformers(self.base_model, arguments, extra) if arguments.get(
+            "attention_mask") is None else None
+        apart = APART[0]
+        out = call(self, *args, **kwargs)
+        if joined is not None and APART[0] > apart:  # its layers kept the caller's packed documents apart
+            kept_apart(joined, joined_by_mask=not pools_by_column(self.config))  # V4: refused under a mask of ones
+        return out
 
     LM_WRAPPERS.add(forward.__code__)  # its frame tells a base model's caller check that this call is told
     return forward
