@@ -236,7 +236,9 @@ def test_strict_refuses_such_a_mask_in_the_callers_thread(monkeypatch: pytest.Mo
 def test_the_registered_name_alone_runs_continuous_batching_patched() -> None:
     """A model loaded with attn_implementation="patchkit": transformers' continuous batching refused the name
     (`Implementation patchkit is not supported for continuous batching`); it keeps it now, and patchkit's attention
-    serves every step from the requests' lengths."""
+    serves every step from the requests' lengths, and says nothing of packed documents: its own masks keep its
+    requests apart too."""
+    from patchkit.forward import documents
     from patchkit.hooks.name import attention_interface
 
     model = any_model("mistral", "sdpa")
@@ -248,7 +250,10 @@ def test_the_registered_name_alone_runs_continuous_batching_patched() -> None:
         return
     state = attention_interface.route_state()
     calls, aside = state.calls, dict(state.stepped_aside)
-    got = batch_run(model)
+    with mock.patch.object(documents, "_said", set()), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = batch_run(model)
+    assert not [w for w in said if "kept apart" in str(w.message)]
     assert_same_requests(got, want)
     assert state.calls > calls and dict(state.stepped_aside) == aside
     assert model.config._attn_implementation == "patchkit"

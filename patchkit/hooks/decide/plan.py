@@ -198,8 +198,8 @@ def joined_by_transformers(module: nn.Module, arguments: dict, extra: dict) -> O
     """How transformers' own sdpa or eager run of this call lets the caller's packed documents (position_ids
     restarting with no mask, or `cu_seq_lens_*`) see each other, which patchkit's attention keeps apart, or None.
     Read before a training forward's default cache is dropped: transformers makes one there too."""
-    if arguments.get("attention_mask") is not None:
-        return None
+    if arguments.get("attention_mask") is not None or paged_cache(given_cache(arguments, extra)):
+        return None  # continuous batching's requests: its own masks keep them apart too
     positions = arguments.get("position_ids", extra.get("position_ids"))
     flash = any(extra.get(k) is not None for k in FLASH_KWARGS[:2])
     if not flash and not isinstance(positions, torch.Tensor):
