@@ -210,8 +210,9 @@ KEPT_APART = [("llama", "eval, the config's cache"), ("llama", "training"), ("gp
 
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"), reason="5.x makes a cache in training too")
 @pytest.mark.parametrize("family, how, way", [(*case, "patch") for case in KEPT_APART]  # under the name alone a
-                         + [(*case, "name") for case in KEPT_APART if case[0] != "qwen3_next"])  # training forward
-# keeps the cache the config asks for, in which a hybrid's mixers carry their state (`test_census`)
+                         + [(*case, "name") for case in KEPT_APART if case[0] != "qwen3_next"]  # training forward
+                         + [("gpt_oss", "eval, no cache", "class")])  # keeps the cache the config asks for, in which
+# a hybrid's mixers carry their state (`test_census`); a class patch's wrapper is not the forward whose masks are read
 def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family, how, way, monkeypatch):
     """Where transformers' own sdpa or eager run of the call lets the caller's packed documents see each other (a
     cache made in an eval forward or, 5.x, in training; GPT-OSS's masks, which are handed no position_ids; a hybrid's
@@ -222,6 +223,7 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
     from census import document_logits, packed_rows
 
     from patchkit.forward import documents
+    from patchkit.hooks.decide.plan import masks_miss_positions
     from patchkit.hooks.name import attention_interface
 
     monkeypatch.setattr(documents, "_said", set())
@@ -239,8 +241,10 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
 
     loaded = model.config._attn_implementation
     with contextlib.ExitStack() as stack:
-        if way == "patch":
-            handle = stack.enter_context(patchkit.apply_patch(model=model, backend="sdpa"))
+        if way != "name":
+            masks_miss_positions.cache_clear()  # read from the family's forward, not the class patch's wrapper
+            target = {"model": model} if way == "patch" else {"name": family}
+            handle = stack.enter_context(patchkit.apply_patch(**target, backend="sdpa"))
         else:
             attention_interface.register(backend="sdpa")
             state = attention_interface.route_state()
@@ -255,7 +259,7 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter("always")
             run()
-        if way == "patch":
+        if way != "name":
             assert handle.calls and not handle.stepped_aside
         else:
             assert state.stepped_aside == before

@@ -29,6 +29,7 @@ from patchkit.hooks.decide.self_check import untrusted_cause
 from patchkit.hooks.decide.step_aside import documents_metadata, forward_cause, packed_call, padded
 from patchkit.hooks.generation.filled_cache import caches_in_training, fillable_cache, makes_own_cache
 from patchkit.hooks.generation.slots_mask import served_cause
+from patchkit.hooks.install.patching import unpatched
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows, pools_by_column
 from patchkit.names import WHOLE_MODEL
 from patchkit.warn import warn_user
@@ -222,7 +223,7 @@ def masks_miss_positions(cls: type) -> bool:
     them) but not its masks (where transformers finds them): GPT-OSS's and AFMoE's in 5.25. False where its code
     cannot be read."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(unpatched(cls.forward))))  # not a class patch's wrapper
     except (OSError, TypeError, SyntaxError):
         return False
     masks = layers = False
