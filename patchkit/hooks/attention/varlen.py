@@ -29,6 +29,7 @@ from patchkit.hooks.attention.attend import (
     one_head_size,
 )
 from patchkit.hooks.attention.compressed_kv import Entries, check_documents, entries_merge, split_entries
+from patchkit.hooks.attention.dropout_draws import say_attention_dropout
 from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
@@ -138,6 +139,7 @@ def varlen_core(
             "tokens. transformers counts padding columns inside the window; varlen kernels count real tokens only, "
             "so the result would differ. Pad on one side only (left or right), or pack documents with position_ids."
         )
+    say_attention_dropout(dropout)
     exact = KernelOptions(dropout, scaling, window, softcap, state.warn_once)  # the sdpa path's, with the sinks
     if entries is not None:  # one softmax over the window's keys, the entries and the sinks: the exact sdpa path
         check_documents(entries, meta, state.warn_once)

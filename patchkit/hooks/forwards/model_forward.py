@@ -31,6 +31,7 @@ from patchkit.forward.inputs.token_inputs import pack_token_inputs
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
+from patchkit.hooks.attention.dropout_draws import say_dropout
 from patchkit.hooks.decide.causes import CAUSES
 from patchkit.hooks.decide.graph_plan import asides_in_graph, graph_cause, routed_in_graph
 from patchkit.hooks.decide.plan import plan_forward
@@ -294,6 +295,7 @@ def make_model_forward(
                 return hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head)
         apart = APART[0]
         meta = plan.padded
+        say_dropout(self, meta is not None)
         try:
             with _route_masks(self, patched_impl, route), within(plan=plan):
                 if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
