@@ -99,6 +99,7 @@ def test_registered_name_warning_names_this_file(monkeypatch, tmp_path, load):
         attention_interface.register(backend="auto")
     assert len(record) == 1
     assert record[0].filename == __file__, record[0].filename
+    assert str(record[0].message).startswith("patchkit: attn_implementation='patchkit' runs on the exact sdpa backend")
 
 
 def test_what_counts_as_internal():

@@ -135,10 +135,12 @@ def resolve(
 
 def choose_backend(
     patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
-    head_dim: Optional[int] = None,
+    head_dim: Optional[int] = None, who: Optional[str] = None,
 ) -> tuple[str, list[GateResult]]:
-    """A patch's backend: resolve "auto" or a backend's name against the gates (warn, or raise)."""
-    choice = resolve(backend, strict, env, flash_min, why, f"patch {patch!r}", head_dim, " Nothing was patched.")
+    """A patch's backend: resolve "auto" or a backend's name against the gates (warn, or raise). `who`: what the
+    warning names (the patch, by default)."""
+    choice = resolve(backend, strict, env, flash_min, why, who or f"patch {patch!r}", head_dim,
+                     " Nothing was patched.")
     return choice.backend, choice.gates
 
 

@@ -274,7 +274,7 @@ def _first_route_state() -> PatchState:
         spec = resolve("llama2")
         chosen, _ = choose_backend(
             spec.name, spec.flash_attn_min, spec.flash_attn_why, _options["backend"], _options["strict"],
-            gates.probe_environment(),
+            gates.probe_environment(), who=f"attn_implementation={ATTENTION_NAME!r}",  # any family, not LLaMA's
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
         _function = function_for(_state)
