@@ -85,18 +85,23 @@ def test_strict_refuses_cross_attention_by_name():
 @pytest.mark.parametrize("with_mask", [True, False], ids=["encoder mask", "no encoder mask"])
 def test_under_the_name_alone_cross_attention_layers_step_aside_and_self_attention_stays_served(with_mask):
     """No patch wraps the forward: the cross-attention layers' encoder mask (transformers' bare bidirectional
-    one, a tensor even where transformers would skip it) steps those layers aside onto eager attention; the
-    self-attention layers run patched. The numbers are the eager-loaded model's at every real position."""
+    one, a tensor even where transformers would skip it) steps those layers aside onto transformers' attention, the
+    one the model runs without patchkit (sdpa, its default; eager for a model named after it was loaded with eager:
+    the two differ over a row whose encoder positions are all padding); the self-attention layers run patched. The
+    numbers are that model's at every real position."""
     attention_interface.register(backend="sdpa")
     try:
-        eager, named = decoder("eager").eval(), decoder("patchkit").eval()
         batch = inputs(with_mask)
         state = attention_interface.route_state()
-        calls, aside = state.calls, state.stepped_aside.get("cross_attention", 0)
-        with torch.no_grad():
-            want, got = eager(**batch), named(**batch)
-        assert state.calls > calls and state.stepped_aside.get("cross_attention", 0) > aside
+        for loaded in ("sdpa", "eager"):
+            plain, named = decoder(loaded).eval(), decoder("patchkit" if loaded == "sdpa" else "eager").eval()
+            if loaded == "eager":
+                named.set_attn_implementation("patchkit")
+            calls, aside = state.calls, state.stepped_aside.get("cross_attention", 0)
+            with torch.no_grad():
+                want, got = plain(**batch), named(**batch)
+            assert state.calls > calls and state.stepped_aside.get("cross_attention", 0) > aside
+            real = batch["attention_mask"].bool()
+            torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4, msg=loaded)
     finally:
         attention_interface.register(backend="auto", strict=False)
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)

@@ -145,3 +145,40 @@ def test_nothing_on_patchkits_path_reads_the_call_stack():
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
     assert readers == ["hooks/decide/outer_caller.py", "hooks/forwards/unserved.py", "hooks/head/caller_code.py",
                        "hooks/head/loss_reader.py", "warn.py"]
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("loaded", ["built with the name (sdpa, the default)", "sdpa", "eager"])
+def test_a_forward_stepped_aside_runs_the_attention_the_model_runs_without_the_name(loaded):
+    """Labels predicted from left padding step a forward aside. transformers' eager and sdpa attention disagree at a
+    padding query that sees no key, whose logits those labels read: the stepped-aside forward runs the attention the
+    model had before it was named (transformers' default, sdpa, for one built with the name), mask and function,
+    and gives its loss and gradients."""
+    import warnings
+
+    attn = "sdpa" if loaded.startswith("built") else loaded
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM._from_config(tiny_config(kv_heads=2), attn_implementation=attn).train()
+    torch.manual_seed(0)
+    if loaded.startswith("built"):
+        named_model = LlamaForCausalLM._from_config(tiny_config(kv_heads=2), attn_implementation="patchkit").train()
+    else:
+        named_model = copy.deepcopy(plain)
+        named_model.set_attn_implementation("patchkit")
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)  # the first real token after left padding is labelled
+    attention_interface.register(backend="sdpa")
+    state = attention_interface.route_state()
+    aside = state.stepped_aside.get("labels_from_padding", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = named_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want = plain(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert state.stepped_aside.get("labels_from_padding", 0) > aside
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    got.backward(), want.backward()
+    for (name, p), q in zip(named_model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    other = "eager" if attn == "sdpa" else "sdpa"  # the two really differ here: the test can tell them apart
+    plain.set_attn_implementation(other)
+    assert abs(plain(input_ids=ids, attention_mask=mask, labels=labels).loss.item() - want.item()) > 1e-4

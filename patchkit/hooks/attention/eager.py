@@ -1,12 +1,18 @@
-"""transformers' own eager attention of a layer's family, for the calls patchkit hands back over a 4D mask."""
+"""transformers' own attention for the calls patchkit hands back over a 4D mask: the one the model had before it was
+named (or was loaded with), else its family's default, sdpa where the family supports it, as an unpatched model runs."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from patchkit.forward.liveness import is_compiling
+from patchkit.hooks.install.routing import named_before
 
 
 def family_eager_attention(module: nn.Module) -> Callable:
@@ -14,16 +20,65 @@ def family_eager_attention(module: nn.Module) -> Callable:
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+@functools.cache
+def supports_sdpa(config_class: type) -> bool:
+    """The family of `config_class` runs sdpa by default (its model's `_supports_sdpa`); False where unknown."""
+    name = config_class.__module__.replace(".configuration_", ".modeling_")
+    try:
+        modeling = importlib.import_module(name)
+        pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    except Exception:  # noqa: BLE001 - remote code, a config without a modeling module: eager
+        return False
+    return any(getattr(c, "_supports_sdpa", False) for c in vars(modeling).values()
+               if isinstance(c, type) and issubclass(c, pretrained) and c.__module__ == name)
+
+
+def aside_name(config: Any) -> str:
+    """The attention a forward stepped aside under patchkit's name alone runs: "eager" or "sdpa", the one the model
+    had before it was named, else transformers' default for its family (what the model runs without patchkit)."""
+    before = named_before(config)
+    if before in ("eager", "sdpa"):
+        return before
+    return "sdpa" if config is not None and supports_sdpa(type(config)) else "eager"
+
+
+def aside_name_for(loaded: Optional[str], config: Any) -> str:
+    """`loaded` (a patch's model's own attention) where it is eager or sdpa, else eager inside a graph (its masks
+    are eager's), else `aside_name`."""
+    if loaded in ("eager", "sdpa"):
+        return loaded
+    return "eager" if is_compiling() else aside_name(config)
+
+
+def aside_mask(args: tuple, kwargs: dict, loaded: Optional[str] = None) -> Optional[torch.Tensor]:
+    """transformers' own mask for a mask-interface call, in the format of the attention `aside_name_for` runs
+    (eager's additive floats, sdpa's booleans, never skipped for is_causal)."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    if aside_name_for(loaded, kwargs.get("config")) == "sdpa":
+        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+    return eager_mask(*args, **kwargs)
+
+
 def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: torch.Tensor,
-                           **kwargs: Any) -> Any:
-    """transformers' eager attention of `module`'s family over its 4D mask (sdpa's boolean one made additive), and
-    over the keys a sparse attention's indexer selected (`indices`, which transformers hands a kernel by any name
-    but eager's and sdpa's: it merges them into their mask itself, and so does this)."""
-    if mask.dtype == torch.bool:  # sdpa's format (True: attend) -> eager's additive one
+                           loaded: Optional[str] = None, **kwargs: Any) -> Any:
+    """transformers' attention of `module`'s family over its 4D mask, the one `aside_name_for` names; eager where the
+    call passes what sdpa refuses or drops (softcap, sinks). Over the keys a sparse attention's indexer selected
+    (`indices`, which transformers hands a kernel by any name but eager's and sdpa's: it merges them into their mask
+    itself, and so does this)."""
+    name = aside_name_for(loaded, getattr(module, "config", None))
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        name = "eager"
+    if mask.dtype == torch.bool and name == "eager":  # sdpa's format (True: attend) -> eager's additive one
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
     indices = kwargs.pop("indices", None)
     if isinstance(indices, torch.Tensor) and indices.shape[-1]:  # (B, S, top-k) of the keys each query sees
         dropped = torch.ones((*indices.shape[:2], key.shape[-2]), dtype=torch.bool, device=indices.device)
-        mask = mask.masked_fill(dropped.scatter(-1, indices.long(), False).unsqueeze(1), torch.finfo(mask.dtype).min)
+        dropped = dropped.scatter(-1, indices.long(), False).unsqueeze(1)
+        mask = mask & ~dropped if mask.dtype == torch.bool else mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
+    if name == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     return family_eager_attention(module)(module, query, key, value, mask, **kwargs)

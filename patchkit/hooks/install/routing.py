@@ -106,6 +106,21 @@ def adopted(config: Any) -> bool:
     return ref is not None and ref() is config
 
 
+_before: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (the config, the name it had before patchkit's)
+
+
+def record_before(config: Any, name: Any) -> None:
+    """`config`'s model part had attention `name` before it was given patchkit's name (`named.watch`)."""
+    if isinstance(name, str) and name != ROUTE_NAME:
+        _before[id(config)] = (weakref.ref(config), name)
+
+
+def named_before(config: Any) -> Optional[str]:
+    """The attention `config`'s part had before it was given patchkit's name, or None (built with it)."""
+    entry = _before.get(id(config))
+    return entry[1] if entry is not None and entry[0]() is config else None
+
+
 def set_attn_name(config: Any, name: Optional[str]) -> None:
     """`config._attn_implementation = name`, as a plain field write where that is all the property does."""
     fields = _fields(config)

@@ -39,6 +39,7 @@ from patchkit.forward.masks import VarlenMask, sequence_ids_metadata
 from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.compressed_kv import appended_cause
 from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
+from patchkit.hooks.attention.eager import aside_mask as transformers_aside_mask
 from patchkit.hooks.attention.eager import transformers_attention
 from patchkit.hooks.attention.paged import paged_step
 from patchkit.hooks.attention.sparse_indexer import overlaid_cause
@@ -230,11 +231,11 @@ def encoder_mask(function: Any) -> bool:
 def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
     """transformers' own eager mask for this forward, tagged with the cause `_attention` steps aside for; a tensor
     even where transformers would skip it (bidirectional over no padding: zeros), so the cause reaches attention."""
-    from transformers.masking_utils import eager_mask
-
-    mask = eager_mask(*args, **kwargs)
+    route = current().route
+    loaded = route and route.loaded
+    mask = transformers_aside_mask(args, kwargs, loaded)
     if mask is None:
-        mask = eager_mask(*args, **{**kwargs, "allow_is_bidirectional_skip": False})
+        mask = transformers_aside_mask(args, {**kwargs, "allow_is_bidirectional_skip": False}, loaded)
     mask.patchkit_cause = cause
     mask.patchkit_alone = current().route is None  # under the name alone: no patched forward counted it
     return mask
@@ -285,10 +286,9 @@ _graph_aside = asides_in_graph(lambda: route_state() if GRAPH_ROUTE[0] is None e
 
 
 def transformers_eager_mask(args: tuple, kwargs: dict) -> torch.Tensor:
-    """transformers' own eager mask for the call the mask interface made."""
-    from transformers.masking_utils import eager_mask
-
-    return eager_mask(*args, **kwargs)
+    """transformers' own mask for the call the mask interface made (eager's in a graph)."""
+    route = current().route
+    return transformers_aside_mask(args, kwargs, route and route.loaded)
 
 
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
@@ -326,7 +326,7 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
             step_aside(routed or route_state(), cause, {}, {}, what)  # name alone counts attention calls
             if routed is not None and hasattr(attention_mask, "patchkit_cause"):  # made by `aside_mask` for this
                 attention_mask.patchkit_counted = True  # forward (a caller's own tensor may come back in the next)
-        return transformers_attention(module, query, key, value, attention_mask, **kwargs)
+        return transformers_attention(module, query, key, value, attention_mask, route and route.loaded, **kwargs)
     if routed is not None:
         if route.ulysses is not None:  # sequence parallel: its all-to-alls around patchkit's attention
             return through_ulysses(route.ulysses, function_for(routed), module, query, key, value, attention_mask,

@@ -39,7 +39,14 @@ from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import TABLE, padding_into_mixers, pools_by_column
-from patchkit.hooks.install.routing import adopted, names_patchkit, record_adopted
+from patchkit.hooks.install.routing import (
+    ROUTE_NAME,
+    adopted,
+    attn_name,
+    names_patchkit,
+    record_adopted,
+    record_before,
+)
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
 _watching: list[Replacement] = []
@@ -261,7 +268,12 @@ def watch() -> None:
     setter = getattr(pretrained, "set_attn_implementation", None)  # transformers 4.54+
     if setter is not None:
         def watched_setter(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            parts = [m.config for m in self.modules() if isinstance(m, pretrained)]
+            before = [attn_name(config) for config in parts]
             out = setter(self, *args, **kwargs)
+            for config, name in zip(parts, before):
+                if names_patchkit(config):
+                    record_before(config, name)  # what a forward stepped aside runs (`eager.aside_name`)
             if any(names_patchkit(m.config) for m in self.modules() if isinstance(m, pretrained)):
                 adopt(self)
             return out
@@ -280,11 +292,13 @@ def watched_property(prop: property) -> property:
     writes)."""
 
     def fset(config: Any, value: Any) -> None:
+        before = attn_name(config) if value == ROUTE_NAME and not is_compiling() else None
         prop.fset(config, value)
         if is_compiling() or current().route is not None or not names_patchkit(config) or adopted(config):
             return
         model = _built.get(id(config))
-        if model is not None and getattr(model, "config", None) is config:
+        if model is not None and getattr(model, "config", None) is config:  # a built model named (not one being
+            record_before(config, before)  # built, whose config passes through transformers' default first)
             adopt(model)
 
     return property(prop.fget, fset, prop.fdel, prop.__doc__)
