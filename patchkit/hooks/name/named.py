@@ -43,6 +43,7 @@ from patchkit.hooks.install.routing import (
     ROUTE_NAME,
     adopted,
     attn_name,
+    named_before,
     names_patchkit,
     record_adopted,
     record_before,
@@ -73,7 +74,9 @@ class Seen:
         module = self.module()  # the part being copied: its copy is in `memo` already
         if module is None:
             return False
-        return Seen(copy.deepcopy(self.config, memo), copy.deepcopy(module, memo), self.named)
+        config = copy.deepcopy(self.config, memo)
+        record_before(config, named_before(self.config))  # the copy steps aside onto the same attention
+        return Seen(config, copy.deepcopy(module, memo), self.named)
 
     def __reduce__(self) -> tuple:
         return bool, ()
