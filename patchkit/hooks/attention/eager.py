@@ -77,8 +77,8 @@ def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, 
         dropped = torch.ones((*indices.shape[:2], key.shape[-2]), dtype=torch.bool, device=indices.device)
         dropped = dropped.scatter(-1, indices.long(), False).unsqueeze(1)
         mask = mask & ~dropped if mask.dtype == torch.bool else mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
-    if name == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if name == "sdpa":  # the registered one, as transformers calls it (a framework may have wrapped it)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
     return family_eager_attention(module)(module, query, key, value, mask, **kwargs)

@@ -286,9 +286,9 @@ _graph_aside = asides_in_graph(lambda: route_state() if GRAPH_ROUTE[0] is None e
 
 
 def transformers_eager_mask(args: tuple, kwargs: dict) -> torch.Tensor:
-    """transformers' own mask for the call the mask interface made (eager's in a graph)."""
-    route = current().route
-    return transformers_aside_mask(args, kwargs, route and route.loaded)
+    """transformers' own mask for the call the mask interface made: eager's, in the graph it is traced in (where no
+    contextvar is read)."""
+    return transformers_aside_mask(args, kwargs)
 
 
 def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
