@@ -9,13 +9,12 @@ recompute reads after the forward, so both compute the same numbers as unpatched
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torch import nn
 
-from patchkit.hooks.attention.eager import family_eager_attention
+from patchkit.hooks.attention.eager import loaded_function
 from patchkit.hooks.install.registry import cross_layer_names
-from patchkit.hooks.install.routing import ROUTE_NAME
 
 _CROSS: dict[type, bool] = {}  # a plain dict, not functools.cache: compiled layers read it
 
@@ -27,17 +26,6 @@ def cross_layer(module: nn.Module) -> bool:
     if found is None:
         found = _CROSS[cls] = cls.__name__ in cross_layer_names()
     return found
-
-
-def loaded_function(module: nn.Module, loaded: Optional[str]) -> Callable:
-    """The attention function of the name the model was loaded with (`loaded`; sdpa, transformers' default, where it
-    was loaded with patchkit's own): the family's eager attention for "eager", else transformers' registered one."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = "sdpa" if loaded in (None, ROUTE_NAME) else loaded
-    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
-        return family_eager_attention(module)
-    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 def cross_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: Any, loaded: Optional[str],

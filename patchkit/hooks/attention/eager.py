@@ -12,12 +12,23 @@ import torch
 from torch import nn
 
 from patchkit.forward.liveness import is_compiling
-from patchkit.hooks.install.routing import named_before
+from patchkit.hooks.install.routing import ROUTE_NAME, named_before
 
 
 def family_eager_attention(module: nn.Module) -> Callable:
     """transformers' own eager attention of `module`'s family (its softcap, sinks and scaling included)."""
     return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def loaded_function(module: nn.Module, loaded: Optional[str]) -> Callable:
+    """The attention function of the name the model was loaded with (`loaded`; sdpa, transformers' default, where it
+    was loaded with patchkit's own): the family's eager attention for "eager", else transformers' registered one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = "sdpa" if loaded in (None, ROUTE_NAME) else loaded
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        return family_eager_attention(module)
+    return ALL_ATTENTION_FUNCTIONS[name]
 
 
 @functools.cache
@@ -77,8 +88,5 @@ def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, 
         dropped = torch.ones((*indices.shape[:2], key.shape[-2]), dtype=torch.bool, device=indices.device)
         dropped = dropped.scatter(-1, indices.long(), False).unsqueeze(1)
         mask = mask & ~dropped if mask.dtype == torch.bool else mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
-    if name == "sdpa":  # the registered one, as transformers calls it (a framework may have wrapped it)
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, **kwargs)
-    return family_eager_attention(module)(module, query, key, value, mask, **kwargs)
+    return loaded_function(module, name)(module, query, key, value, mask, **kwargs)  # sdpa: the registered one, as
+    # transformers calls it (a framework may have wrapped it)

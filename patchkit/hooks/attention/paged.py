@@ -16,7 +16,7 @@ from patchkit.forward.inputs.paged import (
     paged_metadata,
 )
 from patchkit.forward.masks import VarlenMask
-from patchkit.hooks.attention.cross_layers import loaded_function
+from patchkit.hooks.attention.eager import loaded_function
 from patchkit.hooks.decide.step_aside import step_aside
 
 PAGED_MISMATCH = ("continuous batching built a 4D mask other than the causal pattern its per-request lengths "
