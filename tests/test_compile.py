@@ -92,8 +92,8 @@ def test_fullgraph_compile_through_a_wrapper_that_pops_from_its_kwargs():
 
 def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_mask_in_the_graph():
     """HF's compiled static-cache generation (model.forward compiled, fullgraph): inside the graph generate()'s 4D
-    mask goes straight to transformers' attention (no host sync to read it back as a 2D mask, nothing counted);
-    the same tokens as unpatched."""
+    mask goes straight to transformers' attention (no host sync to read it back as a 2D mask), counted and said once
+    as `compiled_4d_mask` while traced (before, unsaid); the same tokens as unpatched."""
     model = any_model("llama", "sdpa")
     ids, mask = padded_batch("left", batch=3, seq=14)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
@@ -103,10 +103,13 @@ def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_ma
     with patchkit.apply_patch("llama2", backend="sdpa") as handle:
         model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
         try:
-            got = model.generate(**kw)
+            with pytest.warns(RuntimeWarning, match=r"\(compiled_4d_mask\)") as said:
+                got = model.generate(**kw)
         finally:
             del model.forward
-        assert handle.calls == 0 and not handle.stepped_aside
+        assert len([w for w in said if "compiled_4d_mask" in str(w.message)]) == 1
+        # one graph for the prefill, one for the decode steps: each counted once, as traced
+        assert handle.calls == 0 and handle.stepped_aside == {"compiled_4d_mask": 2}, handle.stepped_aside
     assert torch.equal(got, want)
 
 
@@ -125,8 +128,9 @@ def cpu_compile_config():
 def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family):
     """transformers' own compiled generation (a static cache with `generation_config.compile_config`, as generate()
     does by itself on a GPU): the prefill runs eager, so patchkit packs it; each decode step runs the compiled
-    `__call__`, where generate()'s 4D mask goes to transformers' attention. The same tokens as unpatched, no graph
-    break, and a second generate() compiles nothing new."""
+    `__call__`, where generate()'s 4D mask goes to transformers' attention, counted once as traced
+    (`compiled_4d_mask`). The same tokens as unpatched, no graph break, and a second generate() compiles nothing
+    new."""
     from torch._dynamo.utils import counters
 
     compile_config = cpu_compile_config()
@@ -145,10 +149,12 @@ def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family)
         assert counters["stats"]["unique_graphs"] == graphs >= 1, "generate() did not compile, or compiled again"
         assert sum(counters["graph_break"].values()) == 0
         # what `static_layers` serves: 4.56's layered StaticCache, and 4.57's in-order sliding layers
+        aside = dict(handle.stepped_aside)
+        assert aside.pop("compiled_4d_mask", 0) >= 1, handle.stepped_aside  # the decode step, once a trace
         if static_cache_served(family):
-            assert served == 2 and not handle.stepped_aside  # the prefill, in both layers, packed
+            assert served == 2 and not aside, handle.stepped_aside  # the prefill, in both layers, packed
         else:  # before that a static cache's prefill steps aside, counted
-            assert served == 0 and handle.stepped_aside == {"custom_4d_mask": 2}, handle.stepped_aside
+            assert served == 0 and aside == {"custom_4d_mask": 2}, handle.stepped_aside
     assert torch.equal(got, want) and torch.equal(again, want)
 
 
@@ -156,8 +162,9 @@ def test_generate_compiling_its_own_decode_steps_gets_the_packed_prefill(family)
 def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone(family):
     """attn_implementation="patchkit" alone, generate()'s own compiled static-cache decode (fullgraph, as on a GPU
     unasked): the eager prefill runs patched, each compiled decode step hands generate()'s 4D mask to transformers'
-    attention without reading patchkit's contextvar (which broke the fullgraph compile with a dynamo error). The same
-    tokens as unpatched, no graph break, nothing compiled again on a second generate()."""
+    attention without reading patchkit's contextvar (which broke the fullgraph compile with a dynamo error), counted
+    per layer as traced (`compiled_4d_mask`). The same tokens as unpatched, no graph break, nothing compiled again on
+    a second generate(); strict=True refuses the compiled decode step, naming the cause."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -178,9 +185,15 @@ def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone
     counters.clear()
     patchkit.register_attention(backend="sdpa", strict=True)
     try:
+        with pytest.raises(Exception, match=r"strict=True\): a compiled forward was given a 4D mask"):
+            named.generate(**kw, compile_config=compile_config)
+        torch._dynamo.reset()
+        counters.clear()
+        patchkit.register_attention(backend="sdpa", strict=False)
         state = attention_interface.route_state()
         got = named.generate(**kw, compile_config=compile_config)
-        assert state.calls == 2 and not state.stepped_aside  # the prefill, both layers, on the varlen path
+        # the prefill, both layers, on the varlen path; the compiled decode step's two layers aside, as traced
+        assert state.calls == 2 and set(state.stepped_aside) == {"compiled_4d_mask"}, state.stepped_aside
         graphs = counters["stats"]["unique_graphs"]
         again = named.generate(**kw, compile_config=compile_config)
         assert counters["stats"]["unique_graphs"] == graphs >= 1, "generate() did not compile, or compiled again"

@@ -181,6 +181,14 @@ CAUSES = {
         "never form",
         "leave output_attentions off",
     ),
+    "compiled_4d_mask": (
+        "a compiled forward was given a 4D mask (generate()'s for a static cache, in the decode steps it compiles by "
+        "itself on a GPU or in a model.forward you compiled; or packed documents as a block-diagonal mask), which "
+        "patchkit reads back as a padding mask only on the host, outside a graph",
+        "none needed: it stays exact on transformers' attention; uncompiled (generate(..., disable_compile=True)) or "
+        "with the default dynamic cache it runs patched, and packed documents compile patched as position_ids with "
+        "no mask",
+    ),
     "compiled_fullgraph": (
         "torch.compile(fullgraph=True) traces the model into one graph, whose plan cannot read tensor values",
         "compile without fullgraph=True (the graph breaks at patchkit's host reads, the model stays patched); for a "
@@ -252,6 +260,8 @@ BRIEF = {
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
+    "compiled_4d_mask": ("a compiled forward given a 4D mask (generate()'s static-cache decode steps)",
+                         "none needed; uncompiled, or the dynamic cache, runs patched"),
     "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",
                            "compile without fullgraph=True, or pass packed rows without a mask"),
     "untested_transformers": ("this transformers is newer than patchkit was tested with and the self-check differed",

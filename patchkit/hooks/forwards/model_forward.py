@@ -266,6 +266,8 @@ def make_model_forward(
             if head is not None and head.labels is not None:
                 _keep_no_cache_for_the_loss(self, arguments)
         if transformers_mask_in_graph(arguments.get("attention_mask")):
+            if graph_aside is not None:  # no host read of it in a graph: counted and warned while traced
+                graph_aside("compiled_4d_mask")
             return call(self, arguments)  # in a graph (fullgraph: no host sync, no contextvar): the mask steps aside
         one_graph = in_one_graph()
         if one_graph or (is_compiling() and route is not None and arguments.get("attention_mask") is None):

@@ -310,6 +310,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
+        else:  # generate()'s static-cache mask in its compiled decode step, or a caller's: no host read of it here
+            _graph_aside("compiled_4d_mask")
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
     route = current().route if route is None else route
