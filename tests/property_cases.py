@@ -90,9 +90,8 @@ def refusable(case: Case) -> Optional[str]:
     0, DynamicCache and StaticCache with either mask length) is expressible as key padding + causal + document
     boundaries and must be served.
     """
-    if case.extra == "output_attentions" and (separate_documents(case) or case.route == "registered"):
-        return ("output_attentions=True with packed documents (transformers' attention would mix them), or through "
-                "the registered name, which has no transformers attention of the model's own to step aside to")
+    if case.extra == "output_attentions" and separate_documents(case):
+        return "output_attentions=True with packed documents (transformers' attention would mix them)"
     if case.route == "registered" and case.family in WINDOWED and case.extra != "4d_mask" and has_a_hole(case):
         return "a biting sliding window over a padding hole, through the registered name"
     if case.family == "gemma2" and case.train and case.cache == "implicit" and GEMMA2_DROPS_TRAINING_CACHE:

@@ -18,6 +18,7 @@ from models import labels_for, needs_mask_interface, padded_batch, tiny_config
 from transformers import LlamaForCausalLM
 
 import patchkit
+from patchkit.errors import PatchInputError
 from patchkit.hooks.name import attention_interface, named
 
 pytestmark = needs_mask_interface
@@ -96,6 +97,39 @@ def test_a_compiled_named_model_steps_aside_for_labels_at_padding():
     want = loss_of(eager, ids, mask, ids)
     for got in losses:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@needs_mask_interface
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_it_had(attn):
+    """output_attentions=True on a causal LM named 'patchkit': the weights varlen kernels never form come from the
+    attention the model had before it was named, as unnamed (eager's weights; sdpa's none, as transformers gives
+    them), counted per layer as `output_attentions` (before, it was refused). A base model called alone still
+    refuses it, naming the fix; strict=True refuses both."""
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM._from_config(tiny_config(kv_heads=2), attn_implementation=attn).eval()
+    named_model = copy.deepcopy(plain)
+    named_model.set_attn_implementation("patchkit")
+    ids, mask = padded_batch("left")
+    attention_interface.register(backend="sdpa")
+    state = attention_interface.route_state()
+    aside = state.stepped_aside.get("output_attentions", 0)
+    with pytest.warns(RuntimeWarning, match=r"\(output_attentions\)"):
+        got = named_model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    want = plain(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert state.stepped_aside.get("output_attentions", 0) == aside + 2  # both layers
+    assert torch.equal(got.logits, want.logits)
+    assert len(got.attentions) == len(want.attentions) == (2 if attn == "eager" else 0)
+    for g, w in zip(got.attentions, want.attentions):
+        assert torch.equal(g, w)
+    with pytest.raises(PatchInputError, match="passes output_attentions=True"):
+        named_model.model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    attention_interface.register(backend="sdpa", strict=True)
+    try:
+        with pytest.raises(PatchInputError, match=r"output_attentions=True \(on the call or the config\)"):
+            named_model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    finally:
+        attention_interface.register(backend="sdpa")
 
 
 def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):

@@ -232,6 +232,13 @@ def transformers_mask_in_graph(mask: Any) -> bool:
     return is_compiling() and transformers_made(mask)
 
 
+def weights_wanted(config: Any, arguments: Mapping[str, Any], extra: Mapping[str, Any]) -> bool:
+    """output_attentions=True on the call (by name or through **kwargs), or on the config where the call leaves it
+    unset: the attention weights, which varlen kernels never form."""
+    wanted = arguments.get("output_attentions", extra.get("output_attentions"))
+    return bool(getattr(config, "output_attentions", False) if wanted is None else wanted)
+
+
 def cross_attends(arguments: Mapping[str, Any], extra: Mapping[str, Any]) -> bool:
     """The call gives a decoder its encoder's states (cross-attention), by name or through **kwargs."""
     return any(where.get("encoder_hidden_states") is not None for where in (arguments, extra))

@@ -24,6 +24,7 @@ from patchkit.forward.inputs.arguments import (
     input_tokens,
     resolved_use_cache,
     sliding_window,
+    weights_wanted,
 )
 from patchkit.forward.inputs.mask_functions import mask_kind
 from patchkit.hooks.decide.causes import CAUSES
@@ -80,8 +81,7 @@ def graph_cause(module: nn.Module, arguments: dict, extra: dict, state: Any) -> 
     of its own name), or None."""
     config, mask = module.config, arguments.get("attention_mask")
     padded = isinstance(mask, torch.Tensor)
-    wanted = arguments.get("output_attentions", extra.get("output_attentions"))
-    if wanted or (wanted is None and getattr(config, "output_attentions", False)):
+    if weights_wanted(config, arguments, extra):
         return "output_attentions"
     refused = config_cause(config)
     if refused is not None:

@@ -25,6 +25,7 @@ from patchkit.forward.inputs.arguments import (
     resolved_use_cache,
     sliding_window,
     transformers_made,
+    weights_wanted,
     window_over_hole,
 )
 from patchkit.forward.inputs.paged import paged_cache
@@ -124,10 +125,7 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return mixer                                                            # at padding
     if cross_attends(arguments, extra):
         return "cross_attention"  # before routing: the whole forward on the attention the model was loaded with
-    wanted = arguments.get("output_attentions", extra.get("output_attentions"))
-    if wanted is None:
-        wanted = getattr(module.config, "output_attentions", False)
-    if wanted:
+    if weights_wanted(module.config, arguments, extra):
         return "output_attentions"
     cache, either = given_cache(arguments), given_cache(arguments, extra)
     if beyond_topk(index_topk(module.config), arguments, either):

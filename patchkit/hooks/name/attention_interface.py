@@ -159,6 +159,7 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     from transformers.masking_utils import eager_mask
 
     mask = eager_mask(*args, **kwargs)  # a tensor generate() can hand the model
+    mask.patchkit_ahead = True  # a compiled decode step runs it on transformers' attention, counted (`_attention`)
     if placed:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
@@ -310,8 +311,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
-        else:  # generate()'s static-cache mask in its compiled decode step, or a caller's: no host read of it here
-            _graph_aside("compiled_4d_mask")
+        elif getattr(attention_mask, "patchkit_ahead", False):  # generate()'s, in its compiled decode step: no host
+            _graph_aside("compiled_4d_mask")  # read of it in a graph
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
     route = current().route if route is None else route

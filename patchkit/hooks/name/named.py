@@ -24,7 +24,7 @@ from torch import nn
 
 from patchkit.forward.context import current, within
 from patchkit.forward.documents import APART, kept_apart
-from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values
+from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values, weights_wanted
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
@@ -195,6 +195,8 @@ def lm_forward(call: Callable) -> Callable:
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         if binder[3] and extra.get("past_key_values") is not None:
             cause = "unread_cache"  # transformers runs this forward on no past: so does its step aside
+        elif weights_wanted(self.config, arguments, extra):
+            cause = "output_attentions"  # the attention it ran on before the name gives them, as unnamed
         elif task_of(type(self)) is not None:  # a task head reads its own positions (`task_reads`)
             cause = task_cause(self, arguments) or current().lm_cause
         else:  # or, inside another LM's call (Llama 4's multimodal model around its causal LM), what that one reads
