@@ -74,19 +74,20 @@ def base_model(kv_heads: int, device: torch.device, window: int | None = None) -
     return model_class(config).eval().to(device, dtype)
 
 
-def provider_model(base: torch.nn.Module, name: str) -> torch.nn.Module:
+def provider_model(base: torch.nn.Module, name: str, strict: bool = True) -> torch.nn.Module:
     """A copy of `base` running as provider `name`: an HF attention implementation (hf_*), patchkit instance-patched
     on backend <b> (patchkit_<b>, over HF sdpa), or `attn_implementation="patchkit"` alone on backend <b>
-    (patchkit_named_<b>); how it is compiled (a `_compiled` suffix) is left to the caller."""
+    (patchkit_named_<b>); how it is compiled (a `_compiled` suffix) is left to the caller. `strict`: a forward
+    patchkit would step aside for raises (False where the caller counts what stepped aside)."""
     name = name.split("_generate_compiled")[0].removesuffix("_compiled")
     model = copy.deepcopy(base)
     if name.startswith(NAMED):
-        patchkit.register_attention(backend=name.removeprefix(NAMED), strict=True)
+        patchkit.register_attention(backend=name.removeprefix(NAMED), strict=strict)
         model.set_attn_implementation(patchkit.ATTENTION_NAME)
         return model
     model.set_attn_implementation(HF_PROVIDERS.get(name, "sdpa"))
     if name.startswith("patchkit_"):
-        patchkit.apply_patch(model=model, backend=name.removeprefix("patchkit_"), strict=True)  # its family's
+        patchkit.apply_patch(model=model, backend=name.removeprefix("patchkit_"), strict=strict)  # its family's
     return model
 
 
