@@ -132,6 +132,33 @@ def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_i
         attention_interface.register(backend="sdpa")
 
 
+@pytest.mark.heavy  # torch.compile: make test-heavy
+@needs_mask_interface
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_compiled_named_model_steps_aside_onto_the_attention_it_had(attn):
+    """Compiled (a graph that may break, as the Trainer's torch_compile=True), a forward stepped aside under the name
+    alone runs the attention the model had before it was named, as uncompiled: left padding whose first real token
+    is labelled, where eager and sdpa differ (before, the graph ran eager whatever the model had: 4e-2 off an sdpa
+    model's Trainer loss)."""
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM._from_config(tiny_config(kv_heads=2, layers=1), attn_implementation=attn).train()
+    named_model = copy.deepcopy(plain)
+    named_model.set_attn_implementation("patchkit")
+    compiled = torch.compile(named_model, backend="eager")
+    ids, mask = padded_batch("left")
+    labels = ids.masked_fill(mask == 0, -100)  # the first real token after left padding is labelled
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+        got = loss_of(compiled, ids, mask, labels)
+    want = loss_of(plain, ids, mask, labels)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    got.backward(), want.backward()
+    for (name, p), q in zip(named_model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    plain.set_attn_implementation("eager" if attn == "sdpa" else "sdpa")  # the two really differ here
+    assert abs(loss_of(plain, ids, mask, labels).item() - want.item()) > 1e-4
+
+
 def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):
     """The config's internal field written directly (past the property patchkit watches): patchkit cannot read the
     model's calls, so the forward runs on transformers' attention, with one warning that names the fix."""

@@ -66,9 +66,18 @@ def aside_mask(args: tuple, kwargs: dict, loaded: Optional[str] = None) -> Optio
     (eager's additive floats, sdpa's booleans, never skipped for is_causal)."""
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    if aside_name_for(loaded, kwargs.get("config")) == "sdpa":
-        return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
-    return eager_mask(*args, **kwargs)
+    name = aside_name_for(loaded, kwargs.get("config"))
+    mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}) if name == "sdpa" else eager_mask(*args,
+                                                                                                        **kwargs)
+    return for_attention(mask, name)
+
+
+def for_attention(mask: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+    """`mask`, telling `transformers_attention` inside a compiled graph (where the record of the model's attention
+    before its name is not read) which attention it was made for."""
+    if mask is not None:
+        mask.patchkit_attention = name
+    return mask
 
 
 def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, mask: torch.Tensor,
@@ -77,7 +86,8 @@ def transformers_attention(module: nn.Module, query: Any, key: Any, value: Any, 
     call passes what sdpa refuses or drops (softcap, sinks). Over the keys a sparse attention's indexer selected
     (`indices`, which transformers hands a kernel by any name but eager's and sdpa's: it merges them into their mask
     itself, and so does this)."""
-    name = aside_name_for(loaded, getattr(module, "config", None))
+    made_for = getattr(mask, "patchkit_attention", None) if is_compiling() else None  # made on the host
+    name = made_for or aside_name_for(loaded, getattr(module, "config", None))
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         name = "eager"
     if mask.dtype == torch.bool and name == "eager":  # sdpa's format (True: attend) -> eager's additive one

@@ -40,7 +40,7 @@ from patchkit.forward.metadata import has_holes
 from patchkit.hooks.attention.compressed_kv import appended_cause
 from patchkit.hooks.attention.cross_layers import cross_attention, cross_layer
 from patchkit.hooks.attention.eager import aside_mask as transformers_aside_mask
-from patchkit.hooks.attention.eager import transformers_attention
+from patchkit.hooks.attention.eager import aside_name, for_attention, transformers_attention
 from patchkit.hooks.attention.paged import paged_step
 from patchkit.hooks.attention.sparse_indexer import overlaid_cause
 from patchkit.hooks.attention.varlen import check_family, family_rule, make_attention_function
@@ -158,8 +158,8 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
         return aside_mask("right_padded_generation", args, kwargs)  # a static cache's prefill reads its last column
     from transformers.masking_utils import eager_mask
 
-    mask = eager_mask(*args, **kwargs)  # a tensor generate() can hand the model
-    mask.patchkit_ahead = True  # a compiled decode step runs it on transformers' attention, counted (`_attention`)
+    mask = for_attention(eager_mask(*args, **kwargs), aside_name(kwargs.get("config")))  # a tensor generate() can
+    mask.patchkit_ahead = True  # hand the model; its compiled decode step runs it on transformers' attention, counted
     if placed:
         mask.patchkit_varlen = varlen  # a cache the varlen path places: served from the mask it was made from
     return mask
