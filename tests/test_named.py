@@ -135,20 +135,21 @@ def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_i
 @pytest.mark.heavy  # torch.compile: make test-heavy
 @needs_mask_interface
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_a_compiled_named_model_steps_aside_onto_the_attention_it_had(attn):
-    """Compiled (a graph that may break, as the Trainer's torch_compile=True), a forward stepped aside under the name
-    alone runs the attention the model had before it was named, as uncompiled: left padding whose first real token
-    is labelled, where eager and sdpa differ (before, the graph ran eager whatever the model had: 4e-2 off an sdpa
-    model's Trainer loss)."""
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph", "fullgraph"])
+def test_a_compiled_named_model_steps_aside_onto_the_attention_it_had(attn, fullgraph):
+    """Compiled (a graph that may break, as the Trainer's torch_compile=True, or one graph), a forward stepped aside
+    under the name alone runs the attention the model had before it was named, as uncompiled: left padding whose
+    first real token is labelled, where eager and sdpa differ (before, the graph ran eager whatever the model had:
+    4e-2 off an sdpa model's Trainer loss)."""
     torch.manual_seed(0)
     plain = LlamaForCausalLM._from_config(tiny_config(kv_heads=2, layers=1), attn_implementation=attn).train()
     named_model = copy.deepcopy(plain)
     named_model.set_attn_implementation("patchkit")
-    compiled = torch.compile(named_model, backend="eager")
+    compiled = torch.compile(named_model, backend="eager", fullgraph=fullgraph)
     ids, mask = padded_batch("left")
     labels = ids.masked_fill(mask == 0, -100)  # the first real token after left padding is labelled
     torch._dynamo.reset()
-    with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+    with pytest.warns(RuntimeWarning, match="compiled_fullgraph" if fullgraph else "labels_from_padding"):
         got = loss_of(compiled, ids, mask, labels)
     want = loss_of(plain, ids, mask, labels)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
@@ -157,6 +158,36 @@ def test_a_compiled_named_model_steps_aside_onto_the_attention_it_had(attn):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
     plain.set_attn_implementation("eager" if attn == "sdpa" else "sdpa")  # the two really differ here
     assert abs(loss_of(plain, ids, mask, labels).item() - want.item()) > 1e-4
+
+
+@pytest.mark.heavy  # a fresh interpreter, torch.compile: make test-heavy
+@needs_mask_interface
+def test_a_model_built_with_the_name_compiles_fullgraph_in_a_fresh_process():
+    """A fresh interpreter, a model built with attn_implementation='patchkit', compiled with fullgraph=True: its first
+    forward is traced, and patchkit's table is read when the name registers, not first in the graph (where dynamo
+    refused the import: it crashed). The logits at real tokens are sdpa's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, patchkit\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "patchkit.register_attention(backend='sdpa')\n"
+        "cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)\n"
+        "torch.manual_seed(0)\n"
+        "m = LlamaForCausalLM._from_config(cfg, attn_implementation='patchkit').eval()\n"
+        "ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18]])\n"
+        "mask = (ids != 0).long()\n"
+        "got = torch.compile(m, backend='eager', fullgraph=True)(input_ids=ids, attention_mask=mask,\n"
+        "                                                        use_cache=False).logits\n"
+        "m.set_attn_implementation('sdpa')\n"
+        "want = m(input_ids=ids, attention_mask=mask, use_cache=False).logits\n"
+        "print('off', (got - want)[mask.bool()].abs().max().item())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert float(proc.stdout.split("off")[-1]) <= 1e-5, proc.stdout
 
 
 def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):

@@ -3,7 +3,6 @@ named (or was loaded with), else its family's default, sdpa where the family sup
 
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 from typing import Any, Callable, Optional
@@ -31,9 +30,18 @@ def loaded_function(module: nn.Module, loaded: Optional[str]) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-@functools.cache
+_SUPPORTS_SDPA: dict[type, bool] = {}  # read on the host (an import), then inside a graph too (a plain dict read)
+
+
 def supports_sdpa(config_class: type) -> bool:
     """The family of `config_class` runs sdpa by default (its model's `_supports_sdpa`); False where unknown."""
+    known = _SUPPORTS_SDPA.get(config_class)
+    if known is None:
+        known = _SUPPORTS_SDPA[config_class] = _family_supports_sdpa(config_class)
+    return known
+
+
+def _family_supports_sdpa(config_class: type) -> bool:
     name = config_class.__module__.replace(".configuration_", ".modeling_")
     try:
         modeling = importlib.import_module(name)
@@ -46,19 +54,23 @@ def supports_sdpa(config_class: type) -> bool:
 
 def aside_name(config: Any) -> str:
     """The attention a forward stepped aside under patchkit's name alone runs: "eager" or "sdpa", the one the model
-    had before it was named, else transformers' default for its family (what the model runs without patchkit)."""
+    had before it was named, else transformers' default for its family (what the model runs without patchkit).
+    Inside a graph, where the family's modeling module is not imported, what the host read of it (a model named
+    'patchkit' is read when it gets the name, `named.adopt`); eager where nothing was."""
     before = named_before(config)
     if before in ("eager", "sdpa"):
         return before
-    return "sdpa" if config is not None and supports_sdpa(type(config)) else "eager"
+    if config is None:
+        return "eager"
+    sdpa = _SUPPORTS_SDPA.get(type(config)) if is_compiling() else supports_sdpa(type(config))
+    return "sdpa" if sdpa else "eager"
 
 
 def aside_name_for(loaded: Optional[str], config: Any) -> str:
-    """`loaded` (a patch's model's own attention) where it is eager or sdpa, else eager inside a graph (its masks
-    are eager's), else `aside_name`."""
+    """`loaded` (a patch's model's own attention) where it is eager or sdpa, else `aside_name`."""
     if loaded in ("eager", "sdpa"):
         return loaded
-    return "eager" if is_compiling() else aside_name(config)
+    return aside_name(config)
 
 
 def aside_mask(args: tuple, kwargs: dict, loaded: Optional[str] = None) -> Optional[torch.Tensor]:

@@ -176,6 +176,7 @@ def read_table_lists() -> None:
     """Read the table's per-config and per-input lists now, outside any traced forward (an import inside a graph that
     may not break is refused by Dynamo): called where a forward is wrapped."""
     refusal(None), refused_configs(), padding_into_mixers(None), index_topk(None), mixes_rows(None)
+    pools_by_column(None)
 
 
 def refused_value(value: Any) -> bool:

@@ -54,6 +54,7 @@ from patchkit.hooks.install.registry import (
     cross_layer_names,
     index_topk,
     padding_into_mixers,
+    read_table_lists,
     refusal,
     resolve,
     served_model_types,
@@ -287,8 +288,8 @@ _graph_aside = asides_in_graph(lambda: route_state() if GRAPH_ROUTE[0] is None e
 
 
 def transformers_eager_mask(args: tuple, kwargs: dict) -> torch.Tensor:
-    """transformers' own mask for the call the mask interface made: eager's, in the graph it is traced in (where no
-    contextvar is read)."""
+    """transformers' own mask for the call the mask interface made, for the attention a step aside runs
+    (`eager.aside_name`), in the graph it is traced in (where no contextvar is read)."""
     return transformers_aside_mask(args, kwargs)
 
 
@@ -378,9 +379,9 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     current setting.
     """
     global _state, _function
-    refusal(None)  # read now, not first inside a traced forward: the table's refusals and cross-attention layers,
-    cross_layer_names()  # the installed transformers' verdict (an import there guards sys.modules; a functools.cache
-    trusted(None)  # call warns)
+    read_table_lists()  # read now, not first inside a traced forward: the table's lists (a model built with this name
+    cross_layer_names()  # alone compiled fullgraph failed on the import) and cross-attention layers, the installed
+    trusted(None)  # transformers' verdict (an import there guards sys.modules; a functools.cache call warns)
     if backend is not None and backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
     try:

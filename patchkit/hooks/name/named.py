@@ -27,6 +27,7 @@ from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values, weights_wanted
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.attention.compressed_kv import make_compressor_forward
+from patchkit.hooks.attention.eager import supports_sdpa
 from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
@@ -100,6 +101,7 @@ def adopt(model: nn.Module) -> None:
         if not isinstance(m, pretrained):
             continue
         seen(m, named=True)
+        supports_sdpa(type(m.config))  # read here, on the host: a compiled forward's step aside reads it in its graph
         reads = "labels" in inspect.signature(type(m).forward).parameters or task_of(type(m)) is not None
         if reads and not _ours(m, "forward"):
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
