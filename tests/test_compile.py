@@ -203,6 +203,38 @@ def test_generate_compiling_its_own_decode_steps_under_the_registered_name_alone
     assert torch.equal(got, want) and torch.equal(again, want)
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph", "fullgraph"])
+def test_a_compiled_model_given_its_own_4d_mask_under_the_name_alone_is_said(fullgraph):
+    """attn_implementation="patchkit" alone, compiled, given a caller's 4D mask (two documents, block-diagonal): the
+    graph hands it to transformers' attention as the unnamed model runs it, counted per layer and said once as
+    `compiled_4d_mask` (before, unsaid and uncounted; eagerly it steps aside as custom_4d_mask)."""
+    import copy
+
+    from patchkit.hooks.name import attention_interface
+
+    if Version(transformers.__version__) < Version(FAMILIES_FROM):
+        pytest.skip("the registered name's mask interface: transformers 4.53+")
+    model = any_model("llama", "sdpa").eval()  # (eager adds a boolean mask to its scores: it would mask nothing)
+    named = copy.deepcopy(model)
+    named.set_attn_implementation(patchkit.ATTENTION_NAME)
+    ids = torch.randint(3, 90, (2, 12))
+    blocks = torch.tril(torch.ones(12, 12, dtype=torch.bool))
+    blocks[5:, :5] = False  # a second document from position 5
+    mask4d = blocks.expand(2, 1, 12, 12)
+    torch._dynamo.reset()
+    patchkit.register_attention(backend="sdpa")
+    state = attention_interface.route_state()
+    state.warned = {key for key in state.warned if "compiled_4d_mask" not in key}  # said once a process: again here
+    before = state.stepped_aside.get("compiled_4d_mask", 0)
+    compiled = torch.compile(named, backend="eager", fullgraph=fullgraph)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match=r"\(compiled_4d_mask\)"):
+            got = compiled(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
+        want = model(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
+    assert state.stepped_aside.get("compiled_4d_mask", 0) - before == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 COMPILED_STEPS: dict = {}  # (unpad, layers, family) -> compiled_training_step's counts, measured once for all tests
 
 

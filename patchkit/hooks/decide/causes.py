@@ -183,8 +183,8 @@ CAUSES = {
     ),
     "compiled_4d_mask": (
         "a compiled forward was given a 4D mask (generate()'s for a static cache, in the decode steps it compiles by "
-        "itself on a GPU or in a model.forward you compiled; or packed documents as a block-diagonal mask), which "
-        "patchkit reads back as a padding mask only on the host, outside a graph",
+        "itself on a GPU or in a model.forward you compiled; or the caller's own, packed documents as a block-diagonal "
+        "mask among them), which patchkit reads back as a padding mask only on the host, outside a graph",
         "none needed: it stays exact on transformers' attention; uncompiled (generate(..., disable_compile=True)) or "
         "with the default dynamic cache it runs patched, and packed documents compile patched as position_ids with "
         "no mask",
@@ -260,7 +260,7 @@ BRIEF = {
     "unread_cache": ("`past_key_values`, which this family's forward does not read (it takes `cache`)",
                      "pass the cache as `cache=`"),
     "output_attentions": ("output_attentions=True asks for attention weights", "leave output_attentions off"),
-    "compiled_4d_mask": ("a compiled forward given a 4D mask (generate()'s static-cache decode steps)",
+    "compiled_4d_mask": ("a compiled forward given a 4D mask (the caller's, or generate()'s for a static cache)",
                          "none needed; uncompiled, or the dynamic cache, runs patched"),
     "compiled_fullgraph": ("torch.compile(fullgraph=True) of a forward whose plan reads tensor values",
                            "compile without fullgraph=True, or pass packed rows without a mask"),

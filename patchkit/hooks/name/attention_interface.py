@@ -312,8 +312,10 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     if transformers_mask(attention_mask) and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
-        elif getattr(attention_mask, "patchkit_ahead", False):  # generate()'s, in its compiled decode step: no host
-            _graph_aside("compiled_4d_mask")  # read of it in a graph
+        elif getattr(attention_mask, "patchkit_ahead", False) or getattr(attention_mask, "patchkit_attention",
+                                                                         None) is None:
+            _graph_aside("compiled_4d_mask")  # generate()'s, in its compiled decode step, or the caller's own (any
+            # mask patchkit made is tagged): no host read of it in a graph
         return transformers_attention(module, query, key, value, attention_mask, **kwargs)
     route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
     route = current().route if route is None else route
