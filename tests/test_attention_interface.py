@@ -75,12 +75,14 @@ def test_registered_name_generates_like_eager(saved):
     assert torch.equal(ours.generate(input_ids=ids, **kw), eager.generate(input_ids=ids, **kw))
 
 
-def test_auto_route_names_the_failed_gate_on_first_use(saved):
+def test_auto_route_names_the_failed_gate_when_a_model_gets_the_name(saved):
+    """The route's backend is chosen (and a failed gate named) at the line that loads a model with the name, on the
+    host: its first forward may be traced by dynamo, which does not run the gates' probe."""
     attention_interface.register(backend="auto")
-    ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
-    ids, mask = padded_batch("right")
     with pytest.warns(RuntimeWarning, match=r"sdpa backend \(not flash_attn: flash_attn_installed: FAILED"):
-        ours(input_ids=ids, attention_mask=mask)
+        ours = LlamaForCausalLM.from_pretrained(saved, attn_implementation=patchkit.ATTENTION_NAME)
+    ids, mask = padded_batch("right")
+    ours(input_ids=ids, attention_mask=mask)
     assert attention_interface.route_state().backend.name == "sdpa"
 
 

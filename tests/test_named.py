@@ -162,13 +162,16 @@ def test_a_compiled_named_model_steps_aside_onto_the_attention_it_had(attn, full
 
 @pytest.mark.heavy  # a fresh interpreter, torch.compile: make test-heavy
 @needs_mask_interface
-def test_a_model_built_with_the_name_compiles_fullgraph_in_a_fresh_process():
+@pytest.mark.parametrize("first", ["padded", "no mask"])
+def test_a_model_built_with_the_name_compiles_fullgraph_in_a_fresh_process(first):
     """A fresh interpreter, a model built with attn_implementation='patchkit', compiled with fullgraph=True: its first
-    forward is traced, and patchkit's table is read when the name registers, not first in the graph (where dynamo
-    refused the import: it crashed). The logits at real tokens are sdpa's."""
+    forward is traced, and patchkit's table is read when the name registers and the route's state is made when the
+    model gets the name, not first in the graph (where dynamo refused the import, and the state's maker, which reads
+    the machine, is not traced: both crashed). The logits at real tokens are sdpa's."""
     import subprocess
     import sys
 
+    mask = "(ids != 0).long()" if first == "padded" else "None"
     code = (
         "import torch, patchkit\n"
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
@@ -178,12 +181,14 @@ def test_a_model_built_with_the_name_compiles_fullgraph_in_a_fresh_process():
         "torch.manual_seed(0)\n"
         "m = LlamaForCausalLM._from_config(cfg, attn_implementation='patchkit').eval()\n"
         "ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18]])\n"
-        "mask = (ids != 0).long()\n"
-        "got = torch.compile(m, backend='eager', fullgraph=True)(input_ids=ids, attention_mask=mask,\n"
-        "                                                        use_cache=False).logits\n"
-        "m.set_attn_implementation('sdpa')\n"
-        "want = m(input_ids=ids, attention_mask=mask, use_cache=False).logits\n"
-        "print('off', (got - want)[mask.bool()].abs().max().item())\n"
+        f"mask = {mask}\n"
+        "kw = dict(input_ids=ids, attention_mask=mask, use_cache=False) if mask is not None else dict(input_ids=ids)\n"
+        "with torch.no_grad():\n"
+        "    got = torch.compile(m, backend='eager', fullgraph=True)(**kw).logits\n"
+        "    m.set_attn_implementation('sdpa')\n"
+        "    want = m(**kw).logits\n"
+        "real = torch.ones_like(ids).bool() if mask is None else mask.bool()\n"
+        "print('off', (got - want)[real].abs().max().item())\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-1500:]

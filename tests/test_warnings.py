@@ -81,19 +81,21 @@ def test_a_per_call_warning_names_the_line_that_ran_the_model(monkeypatch):
 @needs_mask_interface
 @pytest.mark.parametrize("load", ["from_config", "from_pretrained"])
 def test_registered_name_warning_names_this_file(monkeypatch, tmp_path, load):
-    """attn_implementation="patchkit": the backend is chosen on the first forward, many frames inside transformers."""
+    """attn_implementation="patchkit": the backend is chosen when a model gets the name (on the host, before a first
+    forward that dynamo may trace), many frames inside transformers' loading."""
     monkeypatch.setattr(gates, "probe_environment", lambda: env(**NO_GPU))
     attention_interface.register(backend="sdpa")
-    attention_interface.register(backend="auto")  # a fresh route: its backend is chosen again on first use
-    if load == "from_config":
-        model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation=attention_interface.ATTENTION_NAME)
-    else:
+    attention_interface.register(backend="auto")  # a fresh route: its backend is chosen again
+    if load == "from_pretrained":
         torch.manual_seed(0)
         LlamaForCausalLM(tiny_config()).save_pretrained(tmp_path)
-        model = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=attention_interface.ATTENTION_NAME)
-    ids, mask = padded_batch("right")
+    name = attention_interface.ATTENTION_NAME
     try:
-        record = caught(lambda: model(input_ids=ids, attention_mask=mask))
+        if load == "from_config":
+            record = caught(lambda: LlamaForCausalLM._from_config(tiny_config(), attn_implementation=name))
+        else:
+            record = caught(lambda: LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation=name))
+        assert not caught(lambda: attention_interface.route_state())  # said once
     finally:
         attention_interface.register(backend="sdpa")
         attention_interface.register(backend="auto")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from patchkit.forward.documents import kept_apart
 from patchkit.forward.in_graph import GRAPH_LABELS, GRAPH_ROUTE, GraphMask, GraphPlan
 from patchkit.forward.inputs.arguments import (
     cross_attends,
@@ -155,6 +156,8 @@ def routed_in_graph(config: Any, state: Any, arguments: dict) -> Iterator[None]:
     flat = (by_position or flash_ones) and isinstance(positions, torch.Tensor) and positions.dim() == 2
     module = arguments.get("self")
     cached = module is not None and resolved_use_cache(module, arguments.get("use_cache"))
+    if by_position and cached and not flash_masks_in_graph(name):
+        kept_apart_in_graph()  # transformers' sdpa and eager find no documents behind the cache: said as traced
     GRAPH_ROUTE[0] = GraphPlan(state, by_position, positions if flat else None, cached, flash_ones and flat)
     set_attn_name(config, ROUTE_NAME)
     try:
@@ -229,3 +232,14 @@ PATTERN_MARKERS = ("or_mask_function", "and_mask_function", "block_sequence_ids"
 _MODELING: dict[tuple[str, str], str] = {}
 modeling_cause = torch._dynamo.assume_constant_result(_modeling_cause)  # run while traced
 flash_masks_in_graph = torch._dynamo.assume_constant_result(loads_flash_masks)  # run while traced
+
+
+def _kept_apart_in_graph() -> bool:
+    """`documents.kept_apart` for a compiled forward given position_ids and no mask that makes or is given a cache:
+    whether they restart is data the graph does not read, so it is said where they may."""
+    kept_apart("find no documents behind the KV cache this forward makes or is given (a compiled forward cannot "
+               "read whether its position_ids restart: said where they may; use_cache=False has them find them)")
+    return True
+
+
+kept_apart_in_graph = torch._dynamo.assume_constant_result(_kept_apart_in_graph)  # run while traced

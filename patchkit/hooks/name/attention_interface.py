@@ -400,7 +400,7 @@ def register(backend: Optional[str] = None, strict: Optional[bool] = None) -> bo
     AttentionMaskInterface.register(ATTENTION_NAME, mask_function)
     cached_documents.install()  # packed documents behind an empty cache, in the forwards patchkit serves
     batching_name.install()  # continuous batching keeps the name
-    watch()  # models get the name from now on: adopted where they get it (`named`)
+    watch(route_state)  # models get the name from now on: adopted where they get it (`named`), its state made then
     return True
 
 

@@ -18,7 +18,7 @@ import importlib
 import inspect
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -52,6 +52,7 @@ from patchkit.hooks.install.routing import (
 
 _built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
 _watching: list[Replacement] = []
+_ready: list[Callable[[], Any]] = []  # `watch`'s: what a model getting the name needs made first
 # a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
 _binders: dict[type, tuple] = {}
 _mixer_binders: dict[type, Callable] = {}  # a base model class -> its binder of a call's arguments (`mixer_forward`)
@@ -94,6 +95,8 @@ def adopt(model: nn.Module) -> None:
     """Count `model`'s parts as named and wrap its causal LMs' calls and generate()'s input preparation (once); a
     transformers newer than the tested one is said here, at the line that built or named the model."""
     self_check.untested()
+    for make in _ready:
+        make()
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
     replacements: list[Replacement] = []
     wrapping: set[int] = set()  # the layers wrapped by this adoption (a causal LM's and its base model's are the same)
@@ -252,8 +255,11 @@ def preparation(call: Callable) -> Callable:
     return prepare
 
 
-def watch() -> None:
-    """Watch where models get patchkit's name, from now on in this process (idempotent)."""
+def watch(ready: Optional[Callable[[], Any]] = None) -> None:
+    """Watch where models get patchkit's name, from now on in this process (idempotent). `ready`: called on the host
+    whenever a model gets the name (the route's state, made before any forward, the first of which may be traced)."""
+    if ready is not None and ready not in _ready:
+        _ready.append(ready)
     if _watching:
         return
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
