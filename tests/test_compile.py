@@ -227,11 +227,14 @@ def test_a_compiled_model_given_its_own_4d_mask_under_the_name_alone_is_said(ful
     state.warned = {key for key in state.warned if "compiled_4d_mask" not in key}  # said once a process: again here
     before = state.stepped_aside.get("compiled_4d_mask", 0)
     compiled = torch.compile(named, backend="eager", fullgraph=fullgraph)
-    with torch.no_grad():
-        with pytest.warns(RuntimeWarning, match=r"\(compiled_4d_mask\)"):
-            got = compiled(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
-        want = model(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
-    assert state.stepped_aside.get("compiled_4d_mask", 0) - before == model.config.num_hidden_layers
+    try:
+        with torch.no_grad():
+            with pytest.warns(RuntimeWarning, match=r"\(compiled_4d_mask\)"):
+                got = compiled(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
+            want = model(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
+        assert state.stepped_aside.get("compiled_4d_mask", 0) - before == model.config.num_hidden_layers
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)  # a fresh route state for later tests
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 

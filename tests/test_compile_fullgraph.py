@@ -57,7 +57,8 @@ def patched(family: str, way: str, model) -> patchkit.PatchHandle:
         return patchkit.apply_patch(family, backend="sdpa", **({"model": model} if way == "instance" else {}))
     from patchkit.hooks.name import attention_interface
 
-    attention_interface.register(backend="sdpa")
+    attention_interface.register(backend="auto")
+    attention_interface.register(backend="sdpa")  # a fresh route state: no counts of earlier tests in this process
     model.config._attn_implementation = "patchkit"
     return attention_interface.route_state()
 
