@@ -119,8 +119,11 @@ def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_i
     want = plain(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert state.stepped_aside.get("output_attentions", 0) == aside + 2  # both layers
     assert torch.equal(got.logits, want.logits)
-    assert len(got.attentions) == len(want.attentions) == (2 if attn == "eager" else 0)
-    for g, w in zip(got.attentions, want.attentions):
+    if attn == "eager":  # sdpa gives no weights, as transformers gives them (an empty tuple, or None before 5)
+        assert len(got.attentions) == len(want.attentions) == 2
+    else:
+        assert not got.attentions and not want.attentions and type(got.attentions) is type(want.attentions)
+    for g, w in zip(got.attentions or (), want.attentions or ()):
         assert torch.equal(g, w)
     with pytest.raises(PatchInputError, match="passes output_attentions=True"):
         named_model.model(input_ids=ids, attention_mask=mask, output_attentions=True)
