@@ -79,9 +79,9 @@ def aside_mask(args: tuple, kwargs: dict, loaded: Optional[str] = None) -> Optio
     from transformers.masking_utils import eager_mask, sdpa_mask
 
     name = aside_name_for(loaded, kwargs.get("config"))
-    mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}) if name == "sdpa" else eager_mask(*args,
-                                                                                                        **kwargs)
-    return for_attention(mask, name)
+    if name == "sdpa":
+        return for_attention(sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False}), name)
+    return for_attention(eager_mask(*args, **kwargs), name)
 
 
 def for_attention(mask: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
