@@ -104,8 +104,8 @@ def test_a_compiled_named_model_steps_aside_for_labels_at_padding():
 def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_it_had(attn):
     """output_attentions=True on a causal LM named 'patchkit': the weights varlen kernels never form come from the
     attention the model had before it was named, as unnamed (eager's weights; sdpa's none, as transformers gives
-    them), counted per layer as `output_attentions` (before, it was refused). A base model called alone still
-    refuses it, naming the fix; strict=True refuses both."""
+    them), counted per layer as `output_attentions` (before, it was refused). So does a base model called alone
+    (also refused before); strict=True refuses both."""
     torch.manual_seed(0)
     plain = LlamaForCausalLM._from_config(tiny_config(kv_heads=2), attn_implementation=attn).eval()
     named_model = copy.deepcopy(plain)
@@ -125,12 +125,19 @@ def test_output_attentions_under_the_name_alone_steps_aside_onto_the_attention_i
         assert not got.attentions and not want.attentions and type(got.attentions) is type(want.attentions)
     for g, w in zip(got.attentions or (), want.attentions or ()):
         assert torch.equal(g, w)
-    with pytest.raises(PatchInputError, match="passes output_attentions=True"):
-        named_model.model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    aside = state.stepped_aside["output_attentions"]
+    got = named_model.model(input_ids=ids, attention_mask=mask, output_attentions=True)  # a base model called alone
+    want = plain.model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert state.stepped_aside["output_attentions"] == aside + 2
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    assert type(got.attentions) is type(want.attentions) and len(got.attentions or ()) == len(want.attentions or ())
+    for g, w in zip(got.attentions or (), want.attentions or ()):
+        assert torch.equal(g, w)
     attention_interface.register(backend="sdpa", strict=True)
     try:
-        with pytest.raises(PatchInputError, match=r"output_attentions=True \(on the call or the config\)"):
-            named_model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        for call in (named_model, named_model.model):
+            with pytest.raises(PatchInputError, match=r"output_attentions=True \(on the call or the config\)"):
+                call(input_ids=ids, attention_mask=mask, output_attentions=True)
     finally:
         attention_interface.register(backend="sdpa")
 

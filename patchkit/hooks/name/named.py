@@ -39,7 +39,7 @@ from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.registry import TABLE, padding_into_mixers, pools_by_column
+from patchkit.hooks.install.registry import TABLE, pools_by_column
 from patchkit.hooks.install.routing import (
     ROUTE_NAME,
     adopted,
@@ -55,7 +55,8 @@ _watching: list[Replacement] = []
 _ready: list[Callable[[], Any]] = []  # `watch`'s: what a model getting the name needs made first
 # a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
 _binders: dict[type, tuple] = {}
-_mixer_binders: dict[type, Callable] = {}  # a base model class -> its binder of a call's arguments (`mixer_forward`)
+# a base model class -> its **kwargs name and its binder of a call's arguments (`base_forward`)
+_base_binders: dict[type, tuple] = {}
 SEEN = "_patchkit_seen"  # every model built while patchkit watches holds a `Seen` here
 
 
@@ -108,8 +109,8 @@ def adopt(model: nn.Module) -> None:
         reads = "labels" in inspect.signature(type(m).forward).parameters or task_of(type(m)) is not None
         if reads and not _ours(m, "forward"):
             replacements.append(wrapped(m, "forward", lm_forward, "tells masks of its labels"))
-        elif padding_into_mixers(m.config) and not _ours(m, "forward"):
-            replacements.append(wrapped(m, "forward", mixer_forward, "tells masks of its positions"))
+        elif not _ours(m, "forward"):
+            replacements.append(wrapped(m, "forward", base_forward, "tells masks of its call"))
         if hasattr(m, "prepare_inputs_for_generation") and not _ours(m, "prepare_inputs_for_generation"):
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
         replacements += mixers_apart(m, wrapping) + layers_kept(m, wrapping)
@@ -221,19 +222,23 @@ def lm_forward(call: Callable) -> Callable:
     return forward
 
 
-def mixer_forward(call: Callable) -> Callable:
-    """The base model's forward of a family whose mixers read padding positions (`patches/table.py`
-    `PADDING_INTO_MIXERS`), under patchkit's name: tells the masks where this call's mask and position_ids would have
-    its recurrent layers or compressors read what transformers computes at padding (`step_aside.mixer_cause`): the
-    mask interface is handed no position_ids. A cause the causal LM around it told stands."""
+def base_forward(call: Callable) -> Callable:
+    """A base model's (or any other named part's) forward under patchkit's name, where no causal LM around it told a
+    cause: asked for attention weights (output_attentions) it steps aside onto the attention it had before the name,
+    as unnamed; in a family whose mixers read padding positions (`patches/table.py` `PADDING_INTO_MIXERS`) it tells
+    the masks where this call's mask and position_ids would have its recurrent layers or compressors read what
+    transformers computes at padding (`step_aside.mixer_cause`): the mask interface is handed no position_ids."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if in_one_graph() or current().lm_cause is not None or not names_patchkit(self.config):
             return call(self, *args, **kwargs)
-        bind = _mixer_binders.get(type(self))
-        if bind is None:
-            bind = _mixer_binders[type(self)] = bound_call(type(self).forward)[2]
-        cause = mixer_cause(self.config, bind(self, args, kwargs))
+        binder = _base_binders.get(type(self))
+        if binder is None:
+            binder = _base_binders[type(self)] = bound_call(type(self).forward)[1:3]
+        arguments = binder[1](self, args, kwargs)
+        extra = arguments.get(binder[0], {}) if binder[0] else {}
+        cause = "output_attentions" if weights_wanted(self.config, arguments, extra) else None
+        cause = cause or mixer_cause(self.config, arguments)
         if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
