@@ -145,6 +145,33 @@ def test_strict_mode_refuses_a_family_whose_check_fails(newer, cache_lost):
             model(input_ids=ids, attention_mask=mask)
 
 
+@pytest.mark.heavy  # torch.compile: make test-heavy
+@pytest.mark.parametrize("first", ["compiled", "uncompiled"])
+def test_a_graph_traced_before_the_check_ran_steps_aside_as_unchecked_and_one_traced_after_is_served(newer, first):
+    """The check cannot run inside a graph: a family whose first forward is traced (fullgraph) steps aside as
+    `unchecked_in_graph`, exact, and is not said to have differed (before, it was `untested_transformers`, "the
+    self-check differed"); one uncompiled forward first runs the check, and the graph traced after it is served."""
+    torch._dynamo.reset()  # the verdict read while tracing is a constant of the graph
+    model = tiny_model().eval()
+    ids, mask = padded_batch("right")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    with warnings.catch_warnings(record=True) as record, patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        if first == "uncompiled":
+            model(input_ids=ids, attention_mask=mask)
+        got = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+        aside, served = dict(handle.stepped_aside), handle.state.compiled  # compiled calls through the patch
+    torch._dynamo.reset()
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-6, rtol=1e-5)
+    said = [str(w.message) for w in record if "patchkit" in str(w.message) and "(unchecked_in_graph)" in str(w.message)]
+    assert not any("differed" in str(w.message) for w in record)
+    if first == "compiled":
+        assert aside == {"unchecked_in_graph": 1} and served == 0 and len(said) == 1
+    else:
+        assert aside == {} and served > 0 and not said
+
+
 def test_the_registered_name_alone_steps_aside_where_the_check_fails(newer, monkeypatch):
     """attn_implementation='patchkit' with no patch: the check runs the tiny model under the name, and a fault in
     the name's attention (outputs scaled) makes its family step aside: the model's logits are transformers' own."""

@@ -203,6 +203,13 @@ CAUSES = {
         "self-check on a tiny model of its config differed",
         "load it with attn_implementation='sdpa' or 'eager' (exact), and tell patchkit's maintainers the family",
     ),
+    "unchecked_in_graph": (
+        "this family must check itself first (a transformers newer than patchkit was tested with, or a family the "
+        "census has not verified), and its self-check, which cannot run inside a compiled graph, had not run when "
+        "this graph was traced",
+        "run one forward uncompiled before the compiled one (the check runs there), or name a transformers you "
+        "verified in PATCHKIT_TESTED_TRANSFORMERS",
+    ),
 }
 
 # cause -> (what, in a few words, as the warning says it; the fix, as short): the long forms above are for strict
@@ -268,4 +275,6 @@ BRIEF = {
                               "a tested transformers"),
     "unverified_family": ("a family the census has not verified, whose self-check differed",
                           "attn_implementation='sdpa'"),
+    "unchecked_in_graph": ("a family whose self-check had not run when its compiled graph was traced",
+                           "one uncompiled forward first"),
 }

@@ -37,6 +37,7 @@ TESTED_ENV = "PATCHKIT_TESTED_TRANSFORMERS"
 CAUSE = "untested_transformers"
 UNVERIFIED = "unverified_family"  # a family served from data that the census has not seen, whose check differed
 CAUSES = (CAUSE, UNVERIFIED)
+UNCHECKED = "unchecked_in_graph"  # a family whose check had not run when its compiled graph was traced
 
 BATCH, SEQ, STEPS = 3, 10, 3
 LENGTHS = (SEQ, SEQ - 3, SEQ - 6)  # real tokens per row
@@ -143,11 +144,14 @@ def trusted(family: Optional[str]) -> bool:
 
 def _untrusted_in_graph(module_name: str, class_name: str, family: Optional[str]) -> str:
     """`untrusted_cause` for a forward dynamo traces, run then (its result a constant of the graph): a family that
-    must check itself and has no verdict yet steps aside, as the check cannot run inside a trace ("" : trusted)."""
+    must check itself and has no verdict yet steps aside as `unchecked_in_graph`, as the check cannot run inside a
+    trace ("" : trusted)."""
     if trusted(family):
         return ""
-    verdict = _verdicts.get(getattr(sys.modules.get(module_name), class_name.rpartition(".")[2], None), "unchecked")
-    return "" if verdict is None else failed_cause()
+    cls = getattr(sys.modules.get(module_name), class_name.rpartition(".")[2], None)
+    if cls not in _verdicts:
+        return UNCHECKED
+    return "" if _verdicts[cls] is None else failed_cause()
 
 
 untrusted_in_graph = torch._dynamo.assume_constant_result(_untrusted_in_graph)
