@@ -142,14 +142,19 @@ def test_packed_rows_in_the_graph_are_each_document_alone(fullgraph):
     ("llama", "name", "eval_padded", "attn_implementation='patchkit' alone"),
     ("qwen2", "class", "eval_padded", "a sliding window"),
     ("qwen2_moe", "class", "padded_labels", "a padded batch with labels"),
+    ("mistral", "name", "eval_dense", "a mask transformers joins from parts"),  # was custom_mask_pattern, "none"
 ])
 def test_a_forward_the_graph_cannot_plan_steps_aside_with_one_warning(family, way, case, words):
     """What the graph cannot decide without reading values (a label after padding; a padding hole under a sliding
-    window; labels the registered name alone cannot see) steps aside: transformers' attention, equal to the
-    unpatched compiled model, one warning naming it, counted when traced."""
+    window; labels the registered name alone cannot see; a sliding window joined into transformers' mask function
+    under the name alone) steps aside: transformers' attention, equal to the unpatched compiled model, one warning
+    naming it, counted when traced."""
     model = any_model(family, "eager" if way == "name" else "sdpa")
     ids, mask = padded_batch("right")
-    kw = dict(input_ids=ids, attention_mask=mask)
+    kw = dict(input_ids=ids) if case == "eval_dense" else dict(input_ids=ids, attention_mask=mask)
+    if case == "eval_dense":
+        mask = torch.ones_like(mask)
+        assert model.config.sliding_window < ids.shape[1]
     train = case == "padded_labels"
     if train:
         kw["labels"] = labels_for(ids, mask)

@@ -54,6 +54,9 @@ IN_GRAPH = {
     "backend": "torch.compile(fullgraph=True) on the {backend} backend, whose in-graph path is not verified yet",
     "positions": "torch.compile(fullgraph=True) of a forward with multimodal (k, B, S) position_ids",
     "sequence_parallel": "torch.compile(fullgraph=True) under sequence parallelism",
+    "joined": "torch.compile(fullgraph=True) under attn_implementation='patchkit' alone of a mask transformers joins "
+              "from parts (a sliding window, packed documents, a pattern of the model's own), which the graph cannot "
+              "read apart (a patch applied with apply_patch() plans them before the graph)",
 }
 
 def lm_plan(arguments: dict, extra: dict) -> bool:
@@ -175,14 +178,17 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
     served where it has no padding, no past and a plain causal (or sliding) pattern. Dynamo cannot read the closures
     of a mask function made in the graph, only its name: transformers' `and_masks` of a forward a patched model
     planned is packed documents (the model's own source was checked for other patterns, `modeling_cause`),
-    whose sequence indices the layers compute from position_ids as transformers does.
+    whose sequence indices the layers compute from position_ids as transformers does. Under the name alone nothing
+    planned it: a sliding window's, documents' or the model's own pattern, it steps aside as "joined".
     """
     mask, window, function = kwargs.get("attention_mask"), kwargs.get("local_size"), kwargs.get("mask_function")
     plan = GRAPH_ROUTE[0]
     kind = "expressible" if function is None else mask_kind(function)
     packed = kind == "joining"
-    if kind == "beyond" or (packed and plan is None):
+    if kind == "beyond":
         return "custom_mask_pattern"
+    if packed and plan is None:
+        return "joined"  # the name alone: a window, documents or the model's own pattern, unread in the graph
     q_length, kv_length, cache_position = kwargs.get("q_length"), kwargs.get("kv_length"), kwargs.get("cache_position")
     if q_length is None and isinstance(cache_position, torch.Tensor):  # transformers 4.53-5.3 pass cache_position
         q_length = cache_position.shape[-1]
