@@ -89,15 +89,27 @@ def test_prompt_learning_generates_the_unpatched_tokens(way, kind):
 
 @pytest.mark.skipif(not PEFT_READS_OLD_CACHE_NAME, reason="this peft reads the cache under transformers' own name")
 @pytest.mark.parametrize("kind", ["prefix", "prompt"])
-@pytest.mark.parametrize("way", ["instance", "class"])
+@pytest.mark.parametrize("way", ["instance", "class", "name"])
 def test_prompt_learning_generate_that_drops_its_virtual_tokens_is_refused(way, kind):
     """Where PEFT hands the cache under the name transformers no longer reads, patchkit refuses rather than copy
     transformers' silent result: prefix tuning's two caches by name, prompt tuning's re-spliced virtual tokens by
-    the mask that no longer covers the keys."""
+    the mask that no longer covers the keys, naming PEFT. Under the registered name alone too (before, prefix tuning
+    was refused there for a mask 'from a forward in training mode', a cause that was not it)."""
+    from patchkit.hooks.name import attention_interface
+
     ids, mask = padded_batch("left")
     options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    cause = "two caches, `cache` and `past_key_values`" if kind == "prefix" else "must cover every key exactly once"
+    cause = ("two caches, `cache` and `past_key_values`" if kind == "prefix" else
+             "must cover every key exactly once.*PEFT's prompt tuning and p-tuning")
     model = prompt_learning(kind).eval()
+    if way == "name":
+        attention_interface.register(backend="auto")
+        attention_interface.register(backend="sdpa")
+        model.get_base_model().set_attn_implementation("patchkit")
+        with pytest.raises(patchkit.PatchInputError, match=cause):
+            model.generate(**options)
+        attention_interface.register(backend="auto")
+        return
     with patchkit.apply_patch(**({"model": model} if way == "instance" else {"name": "llama2"}), backend="sdpa"):
         if way == "class":
             model = prompt_learning(kind).eval()

@@ -24,7 +24,7 @@ from torch import nn
 
 from patchkit.forward.context import current, within
 from patchkit.forward.documents import APART, kept_apart
-from patchkit.forward.inputs.arguments import given_cache, renames_past_key_values, weights_wanted
+from patchkit.forward.inputs.arguments import check_one_cache, given_cache, renames_past_key_values, weights_wanted
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.eager import supports_sdpa
@@ -199,6 +199,7 @@ def lm_forward(call: Callable) -> Callable:
                                              CHOICE in signature.parameters)
         arguments = binder[1](self, args, kwargs)
         extra = arguments.get(binder[0], {}) if binder[0] else {}
+        check_one_cache(arguments)  # PEFT's prefix beside generate()'s cache: refused by its name, as under a patch
         if binder[3] and extra.get("past_key_values") is not None:
             cause = "unread_cache"  # transformers runs this forward on no past: so does its step aside
         elif weights_wanted(self.config, arguments, extra):
