@@ -7,6 +7,7 @@ steps aside (its compressors pool padding).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -129,15 +130,39 @@ def test_packed_documents_run_patched_each_as_it_runs_alone(checkpointing):
     assert (joined[0] - got[0]).abs().max() > 1e-3  # transformers' run of the row is not that
 
 
-def test_packed_documents_under_a_mask_of_ones_are_refused_by_name():
-    """A row whose position_ids restart but whose mask of ones joins its documents: its compressors would pool each
-    document alone while its attention joins them, which matches no run of transformers'; refused with the fix."""
+@pytest.mark.parametrize("way", ["patch", "name"])
+def test_packed_documents_under_a_mask_of_ones_without_a_cache_step_aside_exactly(way):
+    """A row whose position_ids restart but whose mask of ones joins its documents, with no cache: transformers pools
+    the entries across the documents, each rotated from its own start; patchkit's compressors would pool each
+    document alone. The forward steps aside as `joined_documents`, equal to transformers' (before, it was refused);
+    with a cache the compressors pool by column in both, and it runs patched; strict=True refuses."""
     lm = model()
     ids = torch.randint(3, lm.config.vocab_size, (1, 15), generator=torch.Generator().manual_seed(2))
     positions = torch.cat([torch.arange(9), torch.arange(6)])[None]
-    with patchkit.apply_patch(model=lm, backend="sdpa"):
-        with pytest.raises(PatchkitError, match="Pass no attention_mask to keep the documents apart"):
-            lm(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, use_cache=False)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions)
+    with torch.no_grad():
+        want = {cache: lm(**inputs, use_cache=cache).logits for cache in (False, True)}
+    if way == "name":
+        attention_interface.register(backend="auto")
+        attention_interface.register(backend="sdpa")
+        lm.set_attn_implementation("patchkit")
+        state = attention_interface.route_state()
+    handle = patchkit.apply_patch(model=lm, backend="sdpa") if way == "patch" else contextlib.nullcontext(state)
+    try:
+        with torch.no_grad(), handle as handle:
+            with pytest.warns(RuntimeWarning, match=r"\(joined_documents\)"):
+                got = lm(**inputs, use_cache=False).logits
+            assert handle.stepped_aside == {"joined_documents": 1 if way == "patch" else LAYERS}
+            cached = lm(**inputs, use_cache=True).logits
+            assert set(handle.stepped_aside) == {"joined_documents"}
+    finally:
+        attention_interface.register(backend="auto")
+    torch.testing.assert_close(got, want[False], atol=0, rtol=0)
+    torch.testing.assert_close(cached, want[True], atol=2e-5, rtol=1e-4)
+    strict = model()
+    with patchkit.apply_patch(model=strict, backend="sdpa", strict=True):
+        with pytest.raises(PatchkitError, match="no attention_mask to keep the documents apart"):
+            strict(**inputs, use_cache=False)
 
 
 def test_packed_documents_behind_a_cache_run_as_transformers_runs_them():

@@ -21,17 +21,17 @@ _said: set[str] = set()  # the reasons `kept_apart` said, once a process each
 APART = [0]  # how many masks' metadata kept a row's documents apart (no mask given), in this process so far
 
 
-def kept_apart(why: str, joined_by_mask: bool = True) -> None:
+def kept_apart(why: str) -> None:
     """Say once per reason that patchkit keeps a caller's packed documents apart where transformers' own sdpa or
-    eager run of this forward lets them see each other (`why`: how it does), as its flash_attention_2 does not.
-    `joined_by_mask`: an attention mask of ones joins them in patchkit too."""
+    eager run of this forward lets them see each other (`why`: how it does), as its flash_attention_2 does not; an
+    attention mask of ones joins them in patchkit too."""
     if why in _said:
         return
     _said.add(why)
-    join = " Pass an attention_mask of ones to join them as those do." if joined_by_mask else ""
     warn_user(f"patchkit: packed documents (position_ids restarting, no attention_mask) are kept apart here, as "
               f"transformers' flash_attention_2 keeps them, where its sdpa and eager attention {why}: this forward "
-              f"gives each document's numbers alone, not theirs.{join}")
+              "gives each document's numbers alone, not theirs. Pass an attention_mask of ones to join them as those "
+              "do.")
 
 def document_lengths(
     real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]

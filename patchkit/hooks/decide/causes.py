@@ -117,6 +117,14 @@ CAUSES = {
         "transformers computes at that padding flows into the real tokens, and varlen kernels compute none there",
         "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
     ),
+    "joined_documents": (
+        "a row's position_ids restart (packed documents) under an attention mask that joins them, with no cache, in "
+        "a model whose KV compressors pool by column (DeepSeek-V4): transformers pools their compressed entries "
+        "across the documents while each document's rotary positions start again; patchkit's compressors pool each "
+        "document alone",
+        "pass no attention_mask to keep the documents apart (padding-free, patched), or position_ids that count "
+        "through the row to join them",
+    ),
     "cache_over_padding": (
         "an eval forward without labels keeps its cache with a row ending in padding, in a model whose cache keeps "
         "KV entries pooled from windows of columns (DeepSeek-V4's compressors): the tokens a loop appends after that "
@@ -248,6 +256,8 @@ BRIEF = {
     "padding_into_mixer": ("padding before a real token (left padding, a hole) in a model whose recurrent layers or "
                            "compressors read padding positions",
                            "pad on the right"),
+    "joined_documents": ("packed documents joined by the mask, with no cache, in a model whose compressors pool by "
+                         "column", "no attention_mask (padding-free)"),
     "cache_over_padding": ("a cache kept over a row ending in padding, in a model whose cache pools padding "
                            "into entries later tokens see", "pad on the left, or pass use_cache=False"),
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),

@@ -363,13 +363,25 @@ def caller_prefill_with_an_empty_row(mask: Any, cache: Any, tokens: Any, ending:
 def mixer_cause(config: Any, arguments: dict) -> Optional[str]:
     """`padding_into_mixer` where this call's recurrent layers or compressors would read what transformers computes
     at padding positions (left padding; a padded row whose positions run past its real tokens in a family whose
-    compressors pool by column), else None."""
+    compressors pool by column); `joined_documents` where such a family's row holds packed documents under a mask
+    that joins them and no cache (transformers pools their entries across them), else None."""
     if not padding_into_mixers(config):
         return None
-    mask = arguments.get("attention_mask")
-    if padding_before_real(mask) or pools_by_column(config) and position_past_real(mask, arguments.get("position_ids")):
+    mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
+    if padding_before_real(mask) or pools_by_column(config) and position_past_real(mask, positions):
         return "padding_into_mixer"
+    if pools_by_column(config) and isinstance(mask, torch.Tensor) and has_packed_rows(mask, positions) and (
+            makes_no_cache(arguments)):
+        return "joined_documents"  # its compressors, given no cache, would pool each document alone
     return None
+
+
+def makes_no_cache(arguments: dict) -> bool:
+    """A base model's call that is given no cache and makes none (use_cache off, on the call or its config)."""
+    module = arguments.get("self")
+    if module is None or given_cache(arguments) is not None:
+        return False
+    return not resolved_use_cache(module, arguments.get("use_cache"))
 
 
 def position_past_real(mask: Any, position_ids: Any) -> bool:

@@ -46,7 +46,7 @@ from patchkit.hooks.head import liger_rows
 from patchkit.hooks.head.head_request import HeadRequest, asked
 from patchkit.hooks.head.lm_head import hand_kept, hand_packed
 from patchkit.hooks.install.patching import dressed_as
-from patchkit.hooks.install.registry import pools_by_column, read_table_lists
+from patchkit.hooks.install.registry import read_table_lists
 from patchkit.hooks.install.routing import ROUTE_NAME, attn_name, routed
 from patchkit.hooks.parallel.sequence_parallel import ulysses_wrapper
 from patchkit.hooks.parallel.ulysses_padding import check_padding, refuse_step_aside
@@ -304,7 +304,7 @@ def make_model_forward(
                     kept = every_query(arguments, extra, self.config)
                     out = last_queries(hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head), kept)
                     if plan.joined is not None and APART[0] > apart:  # its layers kept the documents apart
-                        kept_apart(plan.joined, joined_by_mask=not pools_by_column(self.config))  # V4: refused
+                        kept_apart(plan.joined)
                     return out
                 padded = dict(arguments)  # as given: a forward whose masks only transformers serves reruns on it
                 cache = given_cache(arguments)

@@ -39,7 +39,7 @@ from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.registry import TABLE, pools_by_column
+from patchkit.hooks.install.registry import TABLE
 from patchkit.hooks.install.routing import (
     ROUTE_NAME,
     adopted,
@@ -216,7 +216,7 @@ def lm_forward(call: Callable) -> Callable:
         apart = APART[0]
         out = call(self, *args, **kwargs)
         if joined is not None and APART[0] > apart:  # its layers kept the caller's packed documents apart
-            kept_apart(joined, joined_by_mask=not pools_by_column(self.config))  # V4: refused under a mask of ones
+            kept_apart(joined)
         return out
 
     LM_WRAPPERS.add(forward.__code__)  # its frame tells a base model's caller check that this call is told
