@@ -1,9 +1,11 @@
 """RecurrentGemma: its RG-LRU layers run over the padded batch and read the padding positions (transformers does not
 zero them), so left padding carries the attention output transformers computes at padding into the real tokens. A
-left-padded forward steps aside (`padding_into_mixer`), exact; a right-padded or packed one runs patched."""
+left-padded forward steps aside (`padding_into_mixer`), exact; a right-padded or packed one runs patched, and so do
+the decode steps after a left-padded prefill (here and for DeepSeek-V4, whose compressors read padding alike)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -55,3 +57,42 @@ def test_under_the_registered_name_alone_a_left_padded_forward_steps_aside():
     with pytest.warns(RuntimeWarning, match=r"\(padding_into_mixer\)"):
         got, _ = logits(named, "left")
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "deepseek_v4"])
+@pytest.mark.parametrize("way", ["patch", "name"])
+def test_a_left_padded_generation_steps_aside_for_its_prefill_and_decodes_patched(family, way):
+    """Left-padded generate(): the prefill steps aside (its mixers or compressors read what transformers computes at
+    padding), counted as one left-padded forward is, and every decode step runs patched, equal to transformers: a
+    decode step's new token is real, and the padding in its past was computed by transformers' prefill (before,
+    every step stepped aside, and under the name alone DeepSeek-V4's decode steps were counted as `custom_4d_mask`)."""
+    from census import tiny_lm
+
+    from patchkit.hooks.name import attention_interface
+
+    model = recurrent_gemma() if family == "recurrent_gemma" else tiny_lm(family)[0].eval()
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    ids = ids % (model.config.vocab_size - 3) + 3 * mask  # real tokens past the special ones
+    options = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, output_scores=True,
+                   return_dict_in_generate=True)
+    want = model.generate(input_ids=ids, attention_mask=mask, **options)
+    attention_interface.register(backend="auto")
+    attention_interface.register(backend="sdpa")
+    if way == "name":
+        model.set_attn_implementation("patchkit")
+    handle = patchkit.apply_patch(model=model, backend="sdpa") if way == "patch" else None
+    try:
+        with handle or contextlib.nullcontext(), pytest.warns(RuntimeWarning, match=r"\(padding_into_mixer\)"):
+            state = handle.state if handle is not None else attention_interface.route_state()
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)  # one left-padded forward, as the prefill
+            prefill, calls = dict(state.stepped_aside), state.calls
+            got = model.generate(input_ids=ids, attention_mask=mask, **options)
+            aside, calls = dict(state.stepped_aside), state.calls - calls
+    finally:
+        attention_interface.register(backend="auto")
+    assert set(prefill) == {"padding_into_mixer"} and aside == {"padding_into_mixer": 2 * prefill["padding_into_mixer"]}
+    assert calls > 0  # the decode steps
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.scores, want.scores):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)

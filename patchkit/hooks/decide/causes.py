@@ -115,7 +115,8 @@ CAUSES = {
         "read the padding positions' hidden states (RecurrentGemma's RG-LRU, DeepSeek-V4's compressed entries; for "
         "DeepSeek-V4 also a padded row whose position_ids run past its real tokens): the attention output "
         "transformers computes at that padding flows into the real tokens, and varlen kernels compute none there",
-        "pad on the right (generation on a left-padded prompt runs on transformers' attention, exact)",
+        "pad on the right (a left-padded generate()'s prefill runs on transformers' attention, exact, and its "
+        "decode steps run patched)",
     ),
     "joined_documents": (
         "a row's position_ids restart (packed documents) under an attention mask that joins them, with no cache, in "

@@ -47,13 +47,12 @@ from patchkit.hooks.attention.varlen import check_family, family_rule, make_atte
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.decide.step_aside import keys_beyond, padding_before_real, step_aside
+from patchkit.hooks.decide.step_aside import keys_beyond, step_aside
 from patchkit.hooks.install.registry import (
     NONCAUSAL,
     config_cause,
     cross_layer_names,
     index_topk,
-    padding_into_mixers,
     read_table_lists,
     refusal,
     resolve,
@@ -256,10 +255,8 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
         return "named_unseen"
     cause = config_cause(config)
     cause = (None if cause == NONCAUSAL else cause) or current().lm_cause  # layers not causal by their config
-    if cause is not None:  # attend as the mask built here says (`mask_decides`)
-        return cause
-    if config is not None and padding_into_mixers(config) and padding_before_real(mask):
-        return "padding_into_mixer"
+    if cause is not None:  # attend as the mask built here says (`mask_decides`); padding into a family's mixers is
+        return cause       # told by its base model's forward (`named.base_forward`), which sees the new columns
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
 
 

@@ -24,7 +24,13 @@ from torch import nn
 
 from patchkit.forward.context import current, within
 from patchkit.forward.documents import APART, kept_apart
-from patchkit.forward.inputs.arguments import check_one_cache, given_cache, renames_past_key_values, weights_wanted
+from patchkit.forward.inputs.arguments import (
+    check_one_cache,
+    given_cache,
+    renames_past_key_values,
+    weights_wanted,
+    window_over_hole,
+)
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.attention.compressed_kv import make_compressor_forward
 from patchkit.hooks.attention.eager import supports_sdpa
@@ -39,7 +45,7 @@ from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
-from patchkit.hooks.install.registry import TABLE
+from patchkit.hooks.install.registry import TABLE, pools_by_column
 from patchkit.hooks.install.routing import (
     ROUTE_NAME,
     adopted,
@@ -240,6 +246,9 @@ def base_forward(call: Callable) -> Callable:
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         cause = "output_attentions" if weights_wanted(self.config, arguments, extra) else None
         cause = cause or mixer_cause(self.config, arguments)
+        if cause is None and pools_by_column(self.config) and window_over_hole(self.config, arguments.get(
+                "attention_mask")):  # told here, not at the mask call: its layers append their entries' bias to
+            cause = "window_over_padding_hole"  # the mask, a new tensor that carries no cause of the mask call's
         if cause is None:
             return call(self, *args, **kwargs)
         with within(lm_cause=cause):
