@@ -96,3 +96,28 @@ def test_a_left_padded_generation_steps_aside_for_its_prefill_and_decodes_patche
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.scores, want.scores):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.heavy  # torch.compile: make test-heavy
+def test_a_compiled_left_padded_forward_under_the_name_alone_steps_aside():
+    """Compiled (a graph that may break), the base model's wrapper passes the call on untouched (dynamo cannot resume
+    into transformers' wrapper of its forward after a break there), so the mask calls tell the cause, from the
+    columns of the forward's new tokens: exact, counted as `padding_into_mixer`."""
+    from patchkit.hooks.name import attention_interface
+
+    model = recurrent_gemma("eager")
+    want, mask = logits(model, "left")
+    named = copy.deepcopy(model)
+    attention_interface.register(backend="auto")
+    attention_interface.register(backend="sdpa")
+    named.set_attn_implementation("patchkit")
+    torch._dynamo.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"\(padding_into_mixer\)"):
+            got, _ = logits(torch.compile(named, backend="eager"), "left")
+        aside = dict(attention_interface.route_state().stepped_aside)
+    finally:
+        attention_interface.register(backend="auto")
+        torch._dynamo.reset()
+    assert set(aside) == {"padding_into_mixer"}
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-4)

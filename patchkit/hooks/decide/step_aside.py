@@ -368,7 +368,8 @@ def mixer_cause(config: Any, arguments: dict) -> Optional[str]:
     if not padding_into_mixers(config):
         return None
     mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
-    new = new_columns(mask, arguments)  # a decode step's: the past's padding was computed when it was new
+    tokens = input_tokens(arguments)
+    new = new_columns(mask, tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() > 1 else None)
     if padding_before_real(new) or pools_by_column(config) and position_past_real(new, positions):
         return "padding_into_mixer"
     if pools_by_column(config) and isinstance(mask, torch.Tensor) and has_packed_rows(mask, positions) and (
@@ -377,13 +378,12 @@ def mixer_cause(config: Any, arguments: dict) -> Optional[str]:
     return None
 
 
-def new_columns(mask: Any, arguments: dict) -> Any:
-    """A 2D mask's columns of this forward's own tokens (the last ones; all of them where it brings as many or
-    its tokens cannot be read), else the mask as it is."""
-    tokens = input_tokens(arguments)
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not isinstance(tokens, torch.Tensor):
+def new_columns(mask: Any, length: Optional[int]) -> Any:
+    """A 2D mask's columns of a forward's `length` new tokens (its last ones: a decode step's padding in its past was
+    computed when it was new); the mask as it is where it has no more columns or `length` is unknown."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not length:
         return mask
-    return mask[:, -tokens.shape[1]:] if 0 < tokens.shape[1] < mask.shape[-1] else mask
+    return mask[:, -length:] if length < mask.shape[-1] else mask
 
 
 def makes_no_cache(arguments: dict) -> bool:

@@ -47,12 +47,13 @@ from patchkit.hooks.attention.varlen import check_family, family_rule, make_atte
 from patchkit.hooks.decide.graph_plan import asides_in_graph, mask_in_graph
 from patchkit.hooks.decide.self_check import CAUSES as UNTRUSTED
 from patchkit.hooks.decide.self_check import trusted, untrusted_mask_cause, untrusted_what
-from patchkit.hooks.decide.step_aside import keys_beyond, step_aside
+from patchkit.hooks.decide.step_aside import keys_beyond, new_columns, padding_before_real, step_aside
 from patchkit.hooks.install.registry import (
     NONCAUSAL,
     config_cause,
     cross_layer_names,
     index_topk,
+    padding_into_mixers,
     read_table_lists,
     refusal,
     resolve,
@@ -119,7 +120,7 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
 def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     """`host_mask` for a pattern the varlen path serves: the mask transformers' attention would read, as patchkit's."""
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
-    cause = call_cause(kwargs.get("config"), attention_mask) if context.route is None else None
+    cause = call_cause(kwargs.get("config"), attention_mask, new_length(kwargs)) if context.route is None else None
     if cause is None and context.route is None:
         cause = sparse_cause(kwargs, function)
     if cause is None and context.route is None:
@@ -242,7 +243,15 @@ def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
     return mask
 
 
-def call_cause(config: Any, mask: Any) -> Optional[str]:
+def new_length(kwargs: dict) -> Optional[int]:
+    """How many new tokens a mask-interface call is for: `q_length` (5.4+), else its `cache_position`'s (4.53-5.3)."""
+    q_length, cache_position = kwargs.get("q_length"), kwargs.get("cache_position")
+    if q_length is None and isinstance(cache_position, torch.Tensor):
+        return cache_position.numel()
+    return int(q_length) if q_length is not None else None
+
+
+def call_cause(config: Any, mask: Any, new: Optional[int] = None) -> Optional[str]:
     """Under this name alone (no patch wraps the model's forward): why this call needs transformers' values at
     padding positions, which varlen kernels never compute, or None.
 
@@ -255,8 +264,10 @@ def call_cause(config: Any, mask: Any) -> Optional[str]:
         return "named_unseen"
     cause = config_cause(config)
     cause = (None if cause == NONCAUSAL else cause) or current().lm_cause  # layers not causal by their config
-    if cause is not None:  # attend as the mask built here says (`mask_decides`); padding into a family's mixers is
-        return cause       # told by its base model's forward (`named.base_forward`), which sees the new columns
+    if cause is not None:  # attend as the mask built here says (`mask_decides`)
+        return cause
+    if config is not None and padding_into_mixers(config) and padding_before_real(new_columns(mask, new)):
+        return "padding_into_mixer"  # a compiled forward's (its base model's forward tells it uncompiled)
     return "window_over_padding_hole" if config is not None and window_over_hole(config, mask) else None
 
 

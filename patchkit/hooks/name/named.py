@@ -237,8 +237,9 @@ def base_forward(call: Callable) -> Callable:
     transformers computes at padding (`step_aside.mixer_cause`): the mask interface is handed no position_ids."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if in_one_graph() or current().lm_cause is not None or not names_patchkit(self.config):
-            return call(self, *args, **kwargs)
+        if is_compiling() or current().lm_cause is not None or not names_patchkit(self.config):
+            return call(self, *args, **kwargs)  # traced: no break here (dynamo fails to resume into transformers'
+            # deprecate_kwarg wrapper of the base model's forward, torch 2.13); the mask calls tell a mixer's cause
         binder = _base_binders.get(type(self))
         if binder is None:
             binder = _base_binders[type(self)] = bound_call(type(self).forward)[1:3]
