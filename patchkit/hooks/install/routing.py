@@ -266,8 +266,13 @@ def rerouting(attention: type, replacement: Replacement, state: Any) -> Callable
 
 
 def routes_to(forward: Any, state: Any) -> bool:
-    """True when `forward` (bound or not) is a routing wrapper on `state`."""
-    return getattr(getattr(forward, "__func__", forward), "__patchkit_route__", None) is state
+    """True when `forward` (bound or not) is a routing wrapper on `state`, or an instance's wrapper that calls its
+    class's method at call time (the registered name's, `named.wrapped`) where that one is."""
+    function = getattr(forward, "__func__", forward)
+    defers = getattr(function, "__patchkit_defers__", None)
+    if defers is not None and hasattr(forward, "__self__"):
+        return routes_to(getattr(type(forward.__self__), defers, None), state)
+    return getattr(function, "__patchkit_route__", None) is state
 
 
 def is_patched_forward(forward: Any) -> bool:

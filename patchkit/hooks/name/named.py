@@ -174,7 +174,10 @@ def _ours(module: nn.Module, attr: str) -> bool:
 def wrapped(module: nn.Module, attr: str, make: Callable[[Callable], Callable], what: str) -> Replacement:
     """`module.attr` on this instance replaced by `make`'s wrapper of what it is now, as introspection sees the
     class's own (generate() and the Trainer read its parameters)."""
+    defers = vars(module).get(attr) is None  # it calls its class's method at call time: routed as that one is
     wrapper = dressed_as(make(present(module, attr)), getattr(type(module), attr))
+    if defers:
+        wrapper.__patchkit_defers__ = attr  # type: ignore[attr-defined] # `routing.routes_to` reads the class's
     return bound_replacement(wrapper, module, attr, f"{type(module).__name__}.{attr} ({what})", _copied)
 
 
