@@ -120,11 +120,9 @@ def build_metadata(
     """Compute the unpadding metadata for one model forward from the 2D mask and packing hints."""
     mask = check_mask(mask)
     if mask is not None and tuple(mask.shape) != (batch, kv_len):
-        fix = ("give it a column per key: a decode loop extends it by a column of ones per new token, as generate() "
-               "does. PEFT's prompt tuning and p-tuning (peft<=0.21 on transformers>=5.24) prepend their virtual "
-               "tokens again at every generate() step, so the mask falls short: they read the cache by the name "
-               "generate() no longer passes; use a peft release that supports this transformers, or "
-               "transformers<5.24" if mask.shape[-1] < kv_len else
+        fix = ("give it a column per key, as generate() extends it by a column of ones per new token (PEFT's prompt "
+               "tuning and p-tuning, peft<=0.21 on transformers>=5.24, prepend their virtual tokens at every step: "
+               "use a peft release that supports this transformers)" if mask.shape[-1] < kv_len else
                "do not prepend past columns to a mask that already has them")
         raise PatchInputError(
             f"attention_mask has shape {tuple(mask.shape)} but this attention call has batch {batch} and "
