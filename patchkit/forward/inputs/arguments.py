@@ -204,6 +204,15 @@ def window_over_hole(config: Any, mask: Any) -> bool:
     return has_holes(mask)
 
 
+def mask_queries(kwargs: Mapping[str, Any]) -> Any:
+    """How many new tokens (queries) a mask-interface call is for: its `q_length` (5.4+), else its `cache_position`'s
+    length (4.53-5.3), else None."""
+    q_length, cache_position = kwargs.get("q_length"), kwargs.get("cache_position")
+    if q_length is None and isinstance(cache_position, torch.Tensor):
+        return cache_position.shape[-1]
+    return q_length
+
+
 def no_column_for_new_tokens(mask: Any, past: int) -> bool:
     """A 2D mask as wide as the `past` keys or narrower, behind a past: this forward's new tokens have no column (a
     decode loop that did not extend it; `step_aside.mask_short_of_keys`, the registered name's mask function)."""

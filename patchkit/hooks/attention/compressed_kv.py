@@ -68,7 +68,8 @@ def make_compressor_forward(original: Callable, like: Optional[Callable] = None)
         given = dict(list(signature.bind(self, *args, **kwargs).arguments.items())[1:])  # after self
         cache = given.get("cache", given.get("past_key_values"))
         hidden = given["hidden_states"]
-        aside = current().lm_cause is not None or current().plan.aside is not None  # transformers' own forward
+        context = current()
+        aside = context.lm_cause is not None or context.plan.aside is not None  # transformers' own forward
         rows = documents(given.get("position_ids")) if cache is None and hidden.shape[0] == 1 and not aside else None
         if rows is None:
             out = original(self, *args, **kwargs)

@@ -23,6 +23,7 @@ from patchkit.forward.inputs.arguments import (
     cross_attends,
     given_cache,
     input_tokens,
+    mask_queries,
     resolved_use_cache,
     sliding_window,
     weights_wanted,
@@ -189,9 +190,7 @@ def mask_in_graph(kwargs: dict, name_alone: Callable[[], Any]) -> GraphMask | st
         return "custom_mask_pattern"
     if packed and plan is None:
         return "joined"  # the name alone: a window, documents or the model's own pattern, unread in the graph
-    q_length, kv_length, cache_position = kwargs.get("q_length"), kwargs.get("kv_length"), kwargs.get("cache_position")
-    if q_length is None and isinstance(cache_position, torch.Tensor):  # transformers 4.53-5.3 pass cache_position
-        q_length = cache_position.shape[-1]
+    q_length, kv_length = mask_queries(kwargs), kwargs.get("kv_length")
     if kv_length is None or q_length is None:
         return "cache"  # where the queries sit is unknown: planned for no past only
     if kv_length != q_length:

@@ -96,12 +96,7 @@ def documents_kept_apart(arguments: dict, extra: dict) -> bool:
         from transformers import masking_utils
     except ImportError:  # before 4.53: no masking_utils, documents joined
         return False
-    if not hasattr(masking_utils, "find_packed_sequence_indices") or given_cache(arguments, extra) is not None:
-        return False
-    module, use_cache = arguments.get("self"), arguments.get("use_cache", extra.get("use_cache"))
-    if module is None and use_cache is None:  # no config to read it from: assume the cache is made
-        return False
-    return not resolved_use_cache(module, use_cache)
+    return hasattr(masking_utils, "find_packed_sequence_indices") and makes_no_cache(arguments, extra)
 
 
 def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
@@ -386,12 +381,15 @@ def new_columns(mask: Any, length: Optional[int]) -> Any:
     return mask[:, -length:] if length < mask.shape[-1] else mask
 
 
-def makes_no_cache(arguments: dict) -> bool:
-    """A base model's call that is given no cache and makes none (use_cache off, on the call or its config)."""
-    module = arguments.get("self")
-    if module is None or given_cache(arguments) is not None:
+def makes_no_cache(arguments: dict, extra: Optional[dict] = None) -> bool:
+    """A base model's call that is given no cache and makes none (use_cache off, on the call or else its config)."""
+    extra = extra or {}
+    if given_cache(arguments, extra) is not None:
         return False
-    return not resolved_use_cache(module, arguments.get("use_cache"))
+    module, use_cache = arguments.get("self"), arguments.get("use_cache", extra.get("use_cache"))
+    if module is None and use_cache is None:  # no config to read it from: assume the cache is made
+        return False
+    return not resolved_use_cache(module, use_cache)
 
 
 def position_past_real(mask: Any, position_ids: Any) -> bool:

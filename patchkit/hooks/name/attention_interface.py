@@ -22,6 +22,7 @@ from patchkit.forward.context import PaddedOnly, current
 from patchkit.forward.in_graph import GRAPH_ROUTE
 from patchkit.forward.inputs.arguments import (
     ends_in_padding,
+    mask_queries,
     no_column_for_new_tokens,
     transformers_mask,
     window_over_hole,
@@ -120,7 +121,7 @@ def host_mask(args: tuple, kwargs: dict) -> Any:
 def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     """`host_mask` for a pattern the varlen path serves: the mask transformers' attention would read, as patchkit's."""
     attention_mask, cache_position = kwargs.get("attention_mask"), kwargs.get("cache_position")
-    cause = call_cause(kwargs.get("config"), attention_mask, new_length(kwargs)) if context.route is None else None
+    cause = call_cause(kwargs.get("config"), attention_mask, mask_queries(kwargs)) if context.route is None else None
     if cause is None and context.route is None:
         cause = sparse_cause(kwargs, function)
     if cause is None and context.route is None:
@@ -241,14 +242,6 @@ def aside_mask(cause: str, args: tuple, kwargs: dict) -> torch.Tensor:
     mask.patchkit_cause = cause
     mask.patchkit_alone = current().route is None  # under the name alone: no patched forward counted it
     return mask
-
-
-def new_length(kwargs: dict) -> Optional[int]:
-    """How many new tokens a mask-interface call is for: `q_length` (5.4+), else its `cache_position`'s (4.53-5.3)."""
-    q_length, cache_position = kwargs.get("q_length"), kwargs.get("cache_position")
-    if q_length is None and isinstance(cache_position, torch.Tensor):
-        return cache_position.numel()
-    return int(q_length) if q_length is not None else None
 
 
 def call_cause(config: Any, mask: Any, new: Optional[int] = None) -> Optional[str]:
