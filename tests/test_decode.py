@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from census import tiny_config
 from families import WINDOW, family_model
 from models import cache_tensors, decode_logits, needs_set_attn_implementation, padded_batch, static_decode, tiny_model
 
@@ -57,12 +58,24 @@ def with_attention(model, implementation: str):
     return other
 
 
+def windowed_lm(model_type: str) -> torch.nn.Module:
+    """The census's tiny causal LM of `model_type`, its sliding layers' window WINDOW (shorter than the steps)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config.sliding_window = WINDOW
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
 CASES = [  # (patch, model builder, new tokens, unpatched references)
     pytest.param("llama2", lambda: tiny_model(kv_heads=4, seed=3), 32, ("eager", "sdpa"), id="llama2-mha"),
     pytest.param("llama2", lambda: tiny_model(kv_heads=2, seed=3), 32, ("eager", "sdpa"), id="llama2-gqa"),
     pytest.param("llama2", lambda: tiny_model(kv_heads=1, seed=3), 12, ("eager",), id="llama2-mqa"),
     pytest.param("mistral", lambda: family_model("mistral", seed=1), 3 * WINDOW, ("eager", "sdpa"), id="mistral"),
     pytest.param("gemma2", lambda: family_model("gemma2", seed=1), 3 * WINDOW, ("eager",), id="gemma2-softcap"),
+    # one more logit per head in every softmax (GPT-OSS's sinks): the cache's attention with its log-sum-exp, in place
+    pytest.param("gpt_oss", lambda: windowed_lm("gpt_oss"), 3 * WINDOW, ("eager",), id="gpt_oss-sinks"),
 ]
 
 

@@ -46,21 +46,50 @@ def attend_padded_cache(
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2)
 
 
+def _grouped_scores(
+    q: torch.Tensor, k: torch.Tensor, visible: Optional[torch.Tensor], scale: float, softcap: float,
+    compute: torch.dtype,
+) -> torch.Tensor:
+    """(B, H, q_len, D) x (B, Hk, K, D) -> (B, Hk, group, q_len, K) logits in `compute`, the query heads of a K/V head
+    grouped over it (no repeated K/V), capped by `softcap * tanh(s / softcap)`, -inf where `visible` (B, 1, q_len, K)
+    hides a key."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, dim).to(compute),
+                          k.to(compute).transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, kv_heads, group, q_len, kv_len)
+    return scores if visible is None else scores.masked_fill(~visible[:, :, None], float("-inf"))
+
+
 def _softcap_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: Optional[torch.Tensor], scale: float, softcap: float,
     dropout_p: float,
 ) -> torch.Tensor:
     """(B, H, q_len, D) x (B, Hk, K, D): scores capped by `softcap * tanh(s / softcap)`, softmax in fp32 (eager's)."""
-    batch, heads, q_len, dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    scores = torch.matmul(q.reshape(batch, kv_heads, group * q_len, dim), k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(batch, kv_heads, group, q_len, kv_len)
-    if visible is not None:
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    batch, heads, q_len, _ = q.shape
+    scores = _grouped_scores(q, k, visible, scale, softcap, q.dtype)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
-    out = torch.matmul(probs.view(batch, kv_heads, group * q_len, kv_len), v)
+    out = torch.matmul(probs.view(batch, k.shape[1], -1, k.shape[2]), v)
     return out.view(batch, heads, q_len, -1)
+
+
+def attend_padded_cache_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: Optional[torch.Tensor], *, softmax_scale: float,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step on the cache in place with its log-sum-exp, for what merges more logits into the softmax
+    (attention sinks, DeepSeek-V4's compressed entries): q (B, H, q_len, D), k/v (B, Hk, K, D), `visible` a
+    `DecodePlan.mask` -> out (B, q_len, H, D), lse (B, q_len, H) fp32. The sdpa backend's math path (fp32 or wider),
+    on every row at once instead of each row's gathered keys."""
+    batch, heads, q_len, _ = q.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = _grouped_scores(q, k, visible, softmax_scale, softcap, compute)
+    lse = torch.logsumexp(scores, dim=-1).view(batch, heads, q_len)
+    probs = torch.softmax(scores, dim=-1).view(batch, k.shape[1], -1, k.shape[2])
+    out = torch.matmul(probs, v.to(compute)).view(batch, heads, q_len, -1).to(q.dtype)
+    return out.transpose(1, 2), lse.transpose(1, 2).float()

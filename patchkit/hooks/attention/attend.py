@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from patchkit.backends import Backend, sdpa
+from patchkit.backends.padded_decode import attend_padded_cache_lse
 from patchkit.errors import PatchStateError
 from patchkit.forward.decode import decode_plan, is_decode_step
 from patchkit.forward.in_graph import GraphMask, back_in_rows, flat_in_layout
@@ -95,22 +96,33 @@ def attend_with_sinks(
 ) -> torch.Tensor:
     """q, k, v (B, H, S, D) -> (B, S, H, D): a softmax over the visible keys and one learned logit per head (the
     sink, which takes weight but adds no value) is the plain attention times sigmoid(lse - sink). The sdpa
-    backend's math path returns the log-sum-exp with its gradient; the cache is gathered for decode steps too.
+    backend's math path returns the log-sum-exp with its gradient; a decode step whose queries are all real runs it
+    on the cache in place (`attend_padded_cache_lse`), else the cache's real keys are gathered.
     `merge`: (out, lse) of the real tokens (tokens, H, D), (tokens, H) -> the same over more keys than k's
     (DeepSeek-V4's compressed entries, `compressed_kv.entries_merge`), before the sinks."""
     if meta.blocks is not None and meta.blocks.for_window(o.window):
         raise PatchStateError("a forward with bidirectional blocks reached attention sinks: no path serves both")
+    if not o.dropout and is_decode_step(meta) and decode_plan(meta, q.device).real_q is None:
+        # a decode step whose every query is real: on the cache in place, every row at once, no gathered keys
+        batch, heads, q_len, _ = q.shape
+        out, lse = attend_padded_cache_lse(q, k, v, decode_plan(meta, q.device).mask(o.window),
+                                           softmax_scale=o.scaling, softcap=o.softcap)
+        out, lse = out.reshape(batch * q_len, heads, -1), lse.reshape(batch * q_len, heads)  # indices_q's order
+        out = _sunk(*(merge(out, lse) if merge is not None else (out, lse)), sinks)
+        return out.view(batch, q_len, heads, -1)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = sdpa.varlen_attention(
         unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
         meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
     )
     lse = lse.transpose(0, 1)  # (tokens, H)
-    if merge is not None:
-        out, lse = merge(out, lse)
-    if sinks is not None:
-        out = out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)  # the weight the keys keep
-    return repad(out, meta)
+    return repad(_sunk(*(merge(out, lse) if merge is not None else (out, lse)), sinks), meta)
+
+
+def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """out (tokens, H, D) of a softmax whose log-sum-exp is lse (tokens, H), with one more logit per head (the sink)
+    that takes weight but adds no value."""
+    return out if sinks is None else out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
 
 
 def decode_attention(
