@@ -332,3 +332,31 @@ def test_a_prefill_into_an_empty_cache_runs_packed_and_fills_it_as_transformers_
         for ours, theirs in zip(ours_kv, theirs_kv):
             assert ours.shape == theirs.shape
             torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], atol=ATOL, rtol=RTOL)
+
+
+def test_a_latent_attention_decode_step_pads_no_cache_to_the_keys_width(monkeypatch):
+    """Multi-head latent attention (DeepSeek-V3: values narrower than queries and keys) on the sdpa backend: a decode
+    step hands the cache's values to SDPA at their own width, where padding them to the keys' width for a kernel
+    copied the whole cache per layer per token; the same tokens and per-step logits as eager, and only the prompt's
+    tensors padded (its real tokens in one row, the model unpadded)."""
+    model = tiny_config("deepseek_v3")
+    assert model.v_head_dim != model.qk_nope_head_dim + model.qk_rope_head_dim  # the shapes this test is about
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(model, attn_implementation="eager").eval()
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    want_tokens, want_logits = generate(model, ids, mask, 6)
+    padded, pad = [], torch.nn.functional.pad
+
+    def counting_pad(x, widths, *args, **kwargs):
+        if x.dim() == 4:  # q, k or v (B, H, S, D): S is the prompt, or the cache's length on a decode step
+            padded.append(x.shape[-2])
+        return pad(x, widths, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "pad", counting_pad)
+    with patchkit.apply_patch("deepseek_v3", backend="sdpa"):
+        tokens, logits = generate(model, ids, mask, 6)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=RTOL)
+    assert padded and set(padded) == {int(mask.sum())}, padded  # the packed prompt's q, k, v per layer; no cache

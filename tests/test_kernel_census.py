@@ -22,6 +22,7 @@ from models import clone, labels_for, padded_batch
 
 import patchkit
 from patches import table
+from patchkit.backends import SdpaBackend
 
 # a left-padded forward of DeepSeek-V4 steps aside (its compressors pool padding: `padding_into_mixer`), and so would
 # this test's whole run; its kernel path: `test_compressed_attention.py`
@@ -85,6 +86,9 @@ def test_a_verified_family_trains_and_generates_on_the_kernels(model_type, backe
     the kernel computes with that backend, so they agree to the bit. torch's varlen double rounds a windowed layer its
     own way (an explicit window): there the numbers are held as close to fp32 as the exact backend's bf16 ones. A
     layer the kernel's gates turn away runs on the exact backend, said."""
+    # the exact backend's decode steps as the kernels' are: MLA's values padded to the keys' width (the sdpa backend
+    # alone takes them as they are, `attend.one_head_size`, rounding bf16 otherwise; the census holds that to fp32)
+    monkeypatch.setattr(SdpaBackend, "values_apart", False)
     model = served_tiny(model_type)
     truth = clone(model) if backend == "torch_varlen" else None
     model = model.to(torch.bfloat16)

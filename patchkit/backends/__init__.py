@@ -47,6 +47,7 @@ class SdpaBackend:
     name = "sdpa"
     half_only = False
     in_graph = True  # its op takes cu_seqlens inside a graph that may not break (`sdpa_op`; dropout excepted)
+    values_apart = True  # SDPA and its math take values narrower than queries and keys (MLA's)
 
     @staticmethod
     def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMetadata, *, dropout_p: float,

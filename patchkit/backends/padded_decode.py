@@ -43,7 +43,7 @@ def attend_padded_cache(
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=softmax_scale,
                                              enable_gqa=gqa)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2)
+    return out.reshape(batch, heads, q_len, -1).transpose(1, 2)  # values of their own width (MLA)
 
 
 def _grouped_scores(

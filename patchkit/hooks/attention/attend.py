@@ -41,9 +41,12 @@ def one_head_size(attend: Callable[..., torch.Tensor], backend: Backend, q: torc
                   v: torch.Tensor, layout: Any, options: KernelOptions) -> torch.Tensor:
     """`attend(backend, q, k, v, layout, options)`; where values are narrower than queries and keys (multi-head
     latent attention), zero columns give all three one head size for the kernels, dropped from the output (the scale
-    is explicit: zeros add nothing to the scores)."""
+    is explicit: zeros add nothing to the scores). A decode step on a backend whose kernels take values of their own
+    width (`values_apart`: SDPA's) gets them as they are, since padding its keys copies the whole cache per layer; a
+    prompt's stay padded, so that the exact backend rounds as the kernels do (`tests/test_kernel_census.py`)."""
     v_dim, width = v.shape[-1], kernel_head_size(q, v)
-    if v_dim != q.shape[-1]:
+    apart = getattr(backend, "values_apart", False) and isinstance(layout, VarlenMetadata) and is_decode_step(layout)
+    if v_dim != q.shape[-1] and not apart:
         q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     out = attend(backend, q, k, v, layout, options)
     return out if out.shape[-1] == v_dim else out[..., :v_dim]
