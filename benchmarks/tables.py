@@ -132,6 +132,15 @@ def decode() -> str:
             + table(["provider", "K/V heads", "tokens/s", "vs HF sdpa"], out))
 
 
+def family_decode() -> str:
+    rows = read("family_decode.csv")
+    out = [[f"`{r['family']}`", r["provider"], f"{float(r['prefill_s']):.3f}", f"{float(r['step_ms']):.2f}",
+            x(float(r["prefill_vs_hf"])), x(float(r["step_vs_hf"]))] for r in rows]
+    meta = rows[0]
+    return (f"`family_decode.csv`: {meta['device']}, {meta['threads']} threads, {meta['new_tokens']} new tokens\n\n"
+            + table(["family", "provider", "prefill s", "decode step ms", "prefill vs HF", "step vs HF"], out))
+
+
 def static_decode() -> str:
     out = []
     for name in ("static_decode.csv", "static_decode_window.csv"):
@@ -337,7 +346,8 @@ def continuous_batching() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "headline": headline, "cpu-bench": cpu_bench, "gpu-bench": gpu_bench, "families": families, "decode": decode,
-    "static-decode": static_decode, "compiled": compiled, "gpu-fa2": gpu_fa2, "gpu-decode": gpu_decode,
+    "static-decode": static_decode, "family-decode": family_decode, "compiled": compiled, "gpu-fa2": gpu_fa2,
+    "gpu-decode": gpu_decode,
     "gpu-truth": gpu_truth, "gpu-families": gpu_families, "vocab": vocab,
     "fused-loss": fused_loss, "fused-loss-lora": lambda: fused_loss("fused_loss_lora.csv"),
     "zero3-head": lambda: sharded_head("zero3_head.csv"), "fsdp2-head": lambda: sharded_head("fsdp2_head.csv"),

@@ -145,6 +145,22 @@ def test_families_benchmark_times_a_text_and_an_image_family(tmp_path: Path) -> 
     assert all(v > 0 for v in rows.values())
 
 
+def test_the_family_decode_benchmark_times_a_step_with_sinks_and_a_plain_one(tmp_path: Path) -> None:
+    """benchmarks/family_decode.py at a tenth of its lengths: GPT-OSS (sinks, HF eager) and LLaMA (HF sdpa), each
+    patched beside HF, the same tokens (the script stops otherwise), a prefill and a step time each."""
+    csv_path = tmp_path / "family_decode.csv"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "family_decode.py"), "--families", "llama", "gpt_oss", "--reps", "1",
+         "--scale", "0.1", "--new-tokens", "4", "--csv", str(csv_path)],
+        capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with csv_path.open() as f:
+        rows = {(r["family"], r["provider"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {("llama", "hf_sdpa"), ("llama", "patchkit"), ("gpt_oss", "hf_eager"), ("gpt_oss", "patchkit")}
+    assert all(float(r["prefill_s"]) > 0 and float(r["step_ms"]) > 0 and r["same_tokens"] == "1.0"
+               for r in rows.values())
+
+
 def test_the_mixer_groups_benchmark_times_each_call_cost(tmp_path: Path) -> None:
     """benchmarks/mixer_groups.py at a tenth of its lengths: Qwen3.5's step against HF sdpa at every row alone and
     at one call for all rows, on both batches; the calls a layer makes are row_groups' for each cost."""
