@@ -113,6 +113,49 @@ def test_a_compiled_forward_generating_into_a_static_cache_keeps_transformers_ma
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("way", ["instance", "class"])
+def test_a_compiled_forward_set_on_the_model_is_served_patched(way):
+    """transformers' recipe for compiled generation, `model.forward = torch.compile(model.forward)` over a patch
+    (an instance patch's forward, or the class patch's bound to the model): the base model sees patchkit's forward
+    through torch.compile's wrapper, so a left-padded generate() and a training step with labels run patched, with
+    the unpatched model's tokens, scores, loss and gradients (before, every forward stepped aside as
+    `head_outside_patch`, said as a multimodal model patchkit did not wrap)."""
+    model = any_model("llama", "sdpa")
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        want = model.generate(**kw)
+    want_loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want_loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    handle = patchkit.apply_patch(model=model, backend="sdpa") if way == "instance" else patchkit.apply_patch(
+        "llama2", backend="sdpa")
+    patched = vars(model).get("forward")  # the instance patch's, or none (the class patch's)
+    try:
+        model.forward = torch.compile(model.forward, backend="eager")
+        with torch.no_grad():
+            got = model.generate(**kw)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        assert handle.stepped_aside == {} and handle.calls > 0, (handle.stepped_aside, handle.calls)
+    finally:
+        if patched is None:
+            del model.forward  # the compiled one
+        else:
+            model.forward = patched
+        handle.revert()
+    assert torch.equal(got.sequences, want.sequences)
+    for ours, theirs in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(loss, want_loss, atol=3e-6, rtol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], atol=3e-5, rtol=1e-4, msg=name)
+
+
 def cpu_compile_config():
     """transformers' CompileConfig for generate() (the eager backend, fullgraph), made to compile on CPU as generate()
     does unasked on a GPU; skips where this transformers' generate() compiles on a GPU only."""

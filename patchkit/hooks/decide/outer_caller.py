@@ -71,7 +71,7 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
     """The function of a forward set on `module`'s instance that runs in place of its class's (Liger's, TRL's fused
     head, Unsloth's), not patchkit's and not a wrapper around the class's (accelerate's hooks and mixed precision),
     else None. patchkit's class wrapper does not see its calls."""
-    own = vars(module).get("forward")
+    own = instance_forward(module)
     if own is None or isinstance(own, BoundPatch):
         return None
     runs = innermost(own, through_patchkit=False)  # a functools.wraps of the class's copies its marks: code tells
@@ -80,6 +80,16 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
     if code is None or code in LM_WRAPPERS or code is getattr(type(module).forward, "__code__", None):
         return None
     return runs
+
+
+def instance_forward(module: nn.Module) -> Optional[Callable]:
+    """The forward set on `module`'s instance, seen through torch.compile's wrapper: `model.forward =
+    torch.compile(model.forward)` (transformers' recipe for compiled generation) compiles patchkit's forward, the
+    instance patch's or the class patch's bound to it, and runs no other."""
+    own = vars(module).get("forward")
+    own = getattr(own, "_torchdynamo_orig_callable", own)
+    inner = getattr(own, "__wrapped__", None)  # dynamo's frame around a callable object (`wrap_inline`)
+    return inner if isinstance(inner, BoundPatch) else own
 
 
 def same_code(running: CodeType, code: CodeType) -> bool:
@@ -140,5 +150,5 @@ def wrapped(module: nn.Module) -> bool:
     LlamaForCausalLM calls the class patch's forward through `super()`)."""
     if foreign_forward(module) is not None:
         return False  # the class's forward is patchkit's, but the instance runs its own
-    return isinstance(vars(module).get("forward"), BoundPatch) or any(
+    return isinstance(instance_forward(module), BoundPatch) or any(
         hasattr(vars(cls).get("forward"), "__wrapped_original__") for cls in type(module).__mro__)
