@@ -9,6 +9,7 @@ stretch of it alone: the numbers of the padded batch at its real tokens, with no
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -103,6 +104,27 @@ def test_a_padded_training_step_runs_the_mixers_on_real_tokens_with_unpatched_nu
         got = step(model, ids, mask)
         assert handle.calls > 0 and not handle.stepped_aside
     assert seen and set(seen) == {(1, int(mask.sum()), model.config.hidden_size)}  # the packed row, never padded
+    assert_same(got, want, mask)
+
+
+def test_a_mixer_forward_wrapped_without_its_signature_runs_grouped_with_unpatched_numbers(monkeypatch):
+    """A mixer whose forward a wrapper hides behind (self, *args, **kwargs), no `functools.wraps` (accelerate's hook
+    wrapper in transformers' development tree, 2026-07): the rows still arrive, in the wrapper's **kwargs, and the
+    padded step keeps the unpatched numbers (before, StopIteration on every padded forward)."""
+    modeling = sys.modules[transformers.Qwen3_5ForCausalLM.__module__]
+    mixer = getattr(modeling, MIXERS["qwen3_5_text"])
+    inner = mixer.forward
+
+    def hidden(self, *args, **kwargs):  # what the development tree's wrapper shows of the forward
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(mixer, "forward", hidden)
+    model = hybrid("qwen3_5_text")
+    ids, mask = padded_batch("left")
+    want = step(model, ids, mask)
+    with patchkit.apply_patch("qwen3_5_text", backend="sdpa") as handle:
+        got = step(model, ids, mask)
+        assert handle.calls > 0 and not handle.stepped_aside
     assert_same(got, want, mask)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -198,13 +198,23 @@ def make_mixer_forward(original: Callable, like: Optional[Callable] = None) -> C
 @torch.compiler.disable  # calls by the rows' lengths: eager between compiled frames, never a guard on them
 def _by_groups(original: Callable, signature: inspect.Signature, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     arguments = signature.bind(module, *args, **kwargs).arguments
-    rows = next(v for v in arguments.values() if isinstance(v, MixerRows))
+    rows = next(_rows(arguments))
     hidden = next(v for v in _tensors(arguments) if v.shape[0] * v.shape[1] == rows.total)
     layout = tuple(hidden.shape[:2])  # (1, total) for the packed row; (B, N) for packed documents in their rows
     groups, back = rows.plan(hidden.device)
     outs = [_call(original, signature, {k: _share(k, v, rows, g, layout) for k, v in arguments.items()})
             for g in groups]
     return _joined(outs, groups, back, layout)
+
+
+def _rows(arguments: dict) -> Iterator[MixerRows]:
+    """The `MixerRows` among the arguments, in a `**kwargs` too: a forward wrapped without `functools.wraps` (an
+    accelerate hook's wrapper of transformers' development tree) shows only (self, *args, **kwargs)."""
+    for v in arguments.values():
+        if isinstance(v, MixerRows):
+            yield v
+        elif isinstance(v, dict):
+            yield from _rows(v)
 
 
 def _tensors(arguments: dict) -> list[torch.Tensor]:
