@@ -11,6 +11,7 @@ from families import WINDOW, family_model
 from models import cache_tensors, decode_logits, needs_set_attn_implementation, padded_batch, static_decode, tiny_model
 
 import patchkit
+from patches.table import serves_here
 from patchkit.forward import decode, decode_plan, masks, metadata, padding
 from patchkit.hooks.attention import attend as attention_module
 from patchkit.hooks.decide import plan
@@ -19,6 +20,7 @@ ATOL, RTOL = 2e-5, 1e-4
 # The references switch a copy's attention with set_attn_implementation (transformers 4.56+). Before it, by hand
 # on 4.48.3: StaticCache decode is refused with a misleading message and a Gemma2 window case fails (known, open).
 pytestmark = needs_set_attn_implementation  # the unpatched references switch a copy's attention
+FROM_DATA = pytest.mark.skipif(not serves_here(), reason="families served from data: the table's transformers")
 
 
 @pytest.fixture
@@ -75,7 +77,8 @@ CASES = [  # (patch, model builder, new tokens, unpatched references)
     pytest.param("mistral", lambda: family_model("mistral", seed=1), 3 * WINDOW, ("eager", "sdpa"), id="mistral"),
     pytest.param("gemma2", lambda: family_model("gemma2", seed=1), 3 * WINDOW, ("eager",), id="gemma2-softcap"),
     # one more logit per head in every softmax (GPT-OSS's sinks): the cache's attention with its log-sum-exp, in place
-    pytest.param("gpt_oss", lambda: windowed_lm("gpt_oss"), 3 * WINDOW, ("eager",), id="gpt_oss-sinks"),
+    pytest.param("gpt_oss", lambda: windowed_lm("gpt_oss"), 3 * WINDOW, ("eager",), id="gpt_oss-sinks",
+                 marks=FROM_DATA),
 ]
 
 
@@ -334,6 +337,7 @@ def test_a_prefill_into_an_empty_cache_runs_packed_and_fills_it_as_transformers_
             torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], atol=ATOL, rtol=RTOL)
 
 
+@FROM_DATA
 def test_a_latent_attention_decode_step_pads_no_cache_to_the_keys_width(monkeypatch):
     """Multi-head latent attention (DeepSeek-V3: values narrower than queries and keys) on the sdpa backend: a decode
     step hands the cache's values to SDPA at their own width, where padding them to the keys' width for a kernel
