@@ -105,26 +105,27 @@ def attend_with_sinks(
     (DeepSeek-V4's compressed entries, `compressed_kv.entries_merge`), before the sinks."""
     if meta.blocks is not None and meta.blocks.for_window(o.window):
         raise PatchStateError("a forward with bidirectional blocks reached attention sinks: no path serves both")
-    if not o.dropout and is_decode_step(meta) and decode_plan(meta, q.device).real_q is None:
+    plan = decode_plan(meta, q.device) if not o.dropout and is_decode_step(meta) else None
+    if plan is not None and plan.real_q is None:
         # a decode step whose every query is real: on the cache in place, every row at once, no gathered keys
         batch, heads, q_len, _ = q.shape
-        out, lse = attend_padded_cache_lse(q, k, v, decode_plan(meta, q.device).mask(o.window),
-                                           softmax_scale=o.scaling, softcap=o.softcap)
+        out, lse = attend_padded_cache_lse(q, k, v, plan.mask(o.window), softmax_scale=o.scaling, softcap=o.softcap)
         out, lse = out.reshape(batch * q_len, heads, -1), lse.reshape(batch * q_len, heads)  # indices_q's order
-        out = _sunk(*(merge(out, lse) if merge is not None else (out, lse)), sinks)
-        return out.view(batch, q_len, heads, -1)
+        return _sunk(out, lse, merge, sinks).view(batch, q_len, heads, -1)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = sdpa.varlen_attention(
         unpad_rows(q, meta.indices_q), unpad_rows(k, meta.indices_k), unpad_rows(v, meta.indices_k), meta.seqlens_q,
         meta.seqlens_k, o.dropout, o.scaling, True, o.window, o.softcap, return_lse=True,
     )
-    lse = lse.transpose(0, 1)  # (tokens, H)
-    return repad(_sunk(*(merge(out, lse) if merge is not None else (out, lse)), sinks), meta)
+    return repad(_sunk(out, lse.transpose(0, 1), merge, sinks), meta)  # lse as (tokens, H)
 
 
-def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    """out (tokens, H, D) of a softmax whose log-sum-exp is lse (tokens, H), with one more logit per head (the sink)
-    that takes weight but adds no value."""
+def _sunk(out: torch.Tensor, lse: torch.Tensor, merge: Optional[Callable[[torch.Tensor, torch.Tensor], tuple]],
+          sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """out (tokens, H, D) of a softmax whose log-sum-exp is lse (tokens, H), `merge`d with more logits (V4's
+    entries) and then one more logit per head (the sink) that takes weight but adds no value."""
+    if merge is not None:
+        out, lse = merge(out, lse)
     return out if sinks is None else out * torch.sigmoid(lse - sinks.float()).unsqueeze(-1).to(out.dtype)
 
 
