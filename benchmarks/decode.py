@@ -22,6 +22,7 @@ import copy
 import functools
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,36 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
         seconds, _, out = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
                                                        min_new_tokens=new, do_sample=False, pad_token_id=0), ids.device)
     return seconds, out
+
+
+class _Clock:
+    """A logits processor that stamps the time each forward's logits reach it (after a CUDA sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.stamps = device, [time.perf_counter()]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def clocked_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int,
+                     ) -> tuple[float, list[float], Any]:
+    """A greedy generate() of exactly `new` tokens, clocked inside: the seconds to the first logits (the prefill),
+    each decode step's seconds after it (measured, never a difference of two runs' totals), and the sequences."""
+    from transformers import LogitsProcessorList
+
+    clock = _Clock(ids.device)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize(ids.device)
+    clock.stamps[0] = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    return gaps[0], gaps[1:], out
 
 
 def measure(lengths: list[int], new: int, reps: int, kv_heads: int, device: torch.device,

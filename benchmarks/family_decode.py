@@ -2,12 +2,13 @@
 
 The text families of `families.py` at its size (hidden 256, 4 layers, 8 heads, 2 K/V heads; each family's special
 feature biting: windows, softcap, GPT-OSS's sinks, DeepSeek-V4's compressed entries, the hybrids' recurrent layers)
-in eval mode, on a left-padded batch of 8 lognormal lengths (a quarter of the main benchmark's, by default). A
-greedy `generate()` of `--new-tokens` and one of a single token are timed, providers alternating, medians kept: the
-prefill is the second, a decode step the difference over the tokens after the first. HF's attention is sdpa, or
-eager where transformers has no sdpa path for the family (GPT-OSS, DeepSeek-V4, Gemma2). Every provider must
-generate HF's tokens on the CPU. A decode step has no padding query, so varlen saves nothing there: this measures
-what patchkit costs or saves per step (its decode kernel on the padded cache, its Python per layer and per forward).
+in eval mode, on a left-padded batch of 8 lognormal lengths (a quarter of the main benchmark's, by default). A greedy
+`generate()` of `--new-tokens` is clocked inside (a logits processor stamps each forward's logits), providers
+alternating: the prefill is the time to the first logits, a decode step the median gap between later ones. HF's
+attention is sdpa, or eager where transformers has no sdpa path for the family (GPT-OSS, DeepSeek-V4, Gemma2). Every
+provider must generate HF's tokens on the CPU. A decode step has no padding query, so varlen saves nothing there:
+this measures what patchkit costs or saves per step (its decode kernel on the padded cache, its Python per layer and
+per forward).
 
     python benchmarks/family_decode.py [--families gpt_oss deepseek_v4 llama] [--reps 5] [--new-tokens 32]
         [--scale 0.25] [--csv out.csv] [--device cpu|cuda]
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import timed_generate  # noqa: E402
+from decode import clocked_generate  # noqa: E402
 from families import VL, build, text_config  # noqa: E402
 from providers import add_run_args, no_cuda, one_line, patch_on_best  # noqa: E402
 from report import write_rows  # noqa: E402
@@ -36,7 +37,7 @@ DEFAULT = ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3", "deepseek_v4"
 
 
 def measure(family: str, lengths: list[int], new: int, reps: int, device: torch.device) -> list[dict]:
-    """Round-robin medians of generate(new) and generate(1) for HF and patchkit; the tokens checked equal."""
+    """Round-robin medians of the prefill and of a decode step, HF and patchkit; the tokens checked equal."""
     reference, implementation = build(family, device)
     reference.eval()
     ids, mask, _ = padded_batch(make_tokens(lengths, hf_size(device.type)["vocab_size"]), left=True)
@@ -45,23 +46,22 @@ def measure(family: str, lengths: list[int], new: int, reps: int, device: torch.
     handle, backend, _ = patch_on_best("llama2" if family == "llama" else family, model, device, strict=False)
     hf = f"hf_{implementation}"
     models = {hf: reference, "patchkit": model}
-    total: dict[str, list[float]] = {name: [] for name in models}
+    steps: dict[str, list[float]] = {name: [] for name in models}
     first: dict[str, list[float]] = {name: [] for name in models}
     tokens: dict[str, torch.Tensor] = {}
     try:
         for rep in range(reps + 1):  # the first round warms up
             for name, net in models.items():
-                seconds, tokens[name] = timed_generate(net, ids, mask, new)
-                prefill, _ = timed_generate(net, ids, mask, 1)
+                prefill, gaps, tokens[name] = clocked_generate(net, ids, mask, new)
                 if rep:
-                    total[name].append(seconds)
                     first[name].append(prefill)
+                    steps[name].extend(gaps)
     finally:
         handle.revert()
     same = (tokens["patchkit"] == tokens[hf]).float().mean().item()
     if same < 1 and device.type != "cuda":
         raise SystemExit(f"{family}: patchkit generated other tokens than {hf}: the comparison would be meaningless")
-    step = {name: (statistics.median(total[name]) - statistics.median(first[name])) / (new - 1) for name in models}
+    step = {name: statistics.median(steps[name]) for name in models}
     rows = []
     for name in models:
         prefill = statistics.median(first[name])
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", type=Path, default=CSV, help=f"where to write the rows (default {CSV})")
     add_run_args(parser, budget=False)
     args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: a decode step is timed after the first token")
     if no_cuda("family_decode", args.device):
         return 0
     unknown = [f for f in args.families if f in VL or not _known(f)]
