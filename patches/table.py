@@ -121,6 +121,9 @@ ROW_MIXERS = {
     "zamba2": "Zamba2MambaMixer", "nemotron_h": "NemotronHMamba2Mixer", "falcon_h1": "FalconH1Mixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer", "minimax": "MiniMaxLightningAttention",
     "zaya": "ZayaCCAProjection",  # its attention's q/k convolution and the value delayed by one token
+    # Qwen4-Exp's text model: the gated delta rule, and its per-layer n-gram embeddings (PLE: hashed n-grams of each
+    # row's ids, a dilated convolution over them), which read the ids and hidden states before each row's token
+    "qwen4_exp_text": ("Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextPLELayer"),
 }
 # Sparse attention (DeepSeek-V3.2's DSA): an indexer keeps each query's `index_topk` best-scored keys. A query that
 # sees no more keys than that keeps them all, and attends densely: forwards where every query does are served, their
@@ -402,7 +405,8 @@ def modeling_classes(model_type: str, names: tuple[str, ...], of: int = 1) -> tu
 
 def mixer_classes(model_type: str) -> tuple[type, ...]:
     """The token mixer classes of `model_type` that run the packed row's rows in groups (`ROW_MIXERS`)."""
-    return modeling_classes(model_type, (ROW_MIXERS[model_type],) if model_type in ROW_MIXERS else (), of=2)
+    names = ROW_MIXERS.get(model_type, ())
+    return modeling_classes(model_type, (names,) if isinstance(names, str) else names, of=2)
 
 
 def indexer_classes(model_type: str) -> tuple[type, ...]:

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(Version(transformers.__version__) < Version("5.2
                                 reason="the table's hybrids: transformers 5.24 (the census's)")
 
 MIXERS = {"qwen3_5_text": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet", "jamba": "JambaMambaMixer",
-          "lfm2": "Lfm2ShortConv", "zaya": "ZayaCCAProjection"}
+          "lfm2": "Lfm2ShortConv", "zaya": "ZayaCCAProjection", "qwen4_exp_text": "Qwen4ExpTextGatedDeltaNet"}
 
 
 def hybrid(model_type: str, seed: int = 0) -> torch.nn.Module:

@@ -13,16 +13,14 @@ FROM_DATA = ["gpt_oss", "llama4_text", "deepseek_v3", "deepseek_v32", "deepseek_
              "kolibri1_1",
              "qwen4_exp_text", "glm4_moe", "gemma4_text", "qwen3_5_text", "falcon_h1", "zaya", "hrm_text", "falcon",
              "recurrent_gemma"]
-# hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there);
-# qwen4_exp_text: its convolutions raise on packed rows without their CUDA kernel, unpatched and patched alike (its
-# gated delta rule is not among the row mixers)
-PADDED_ONLY = ("hrm_text", "qwen4_exp_text")
+# hrm_text: a packed row without a mask steps aside (transformers' own mask keeps its documents apart only there)
+PADDED_ONLY = ("hrm_text",)
 JOINS = ("gpt_oss", "gemma4_text")  # their eager attention lets a packed row's documents see each other
 # unpatched, their conv / Mamba layers refuse padding-free rows without their CUDA kernels (they cannot keep the
 # documents apart), or ZAYA's convolution carries one state across them; patched, each document runs from a zero
 # state (`mixer_rows.document_rows`); DeepSeek-V4's compressors pool a padding-free row across its documents unpatched,
-# each document alone patched (`forward/documents.documents`)
-APART = ("qwen3_5_text", "falcon_h1", "zaya", "deepseek_v4")
+# each document alone patched (`forward/documents.documents`); Qwen4-Exp's convolutions raise on them unpatched
+APART = ("qwen3_5_text", "falcon_h1", "zaya", "deepseek_v4", "qwen4_exp_text")
 CASES = [(f, mode) for f in FROM_DATA for mode in MODES
          if mode == "padded" or (f not in PADDED_ONLY and not (f in JOINS + APART and mode == "packing"))]
 # attention calls per training step where they are not every layer's forward and recompute: HRM-Text's 2 layers

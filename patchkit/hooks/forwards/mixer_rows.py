@@ -70,6 +70,11 @@ class MixerRows:
     def total(self) -> int:
         return sum(self.lengths)
 
+    def bool(self) -> torch.Tensor:
+        """Which tokens of the packed row are real, as the recurrent mask's `.bool()` says of the padded batch: all
+        of them (Qwen4-Exp's base model marks its padding ids with it before its PLE layers read them)."""
+        return torch.tensor(True)
+
     def plan(self, device: torch.device) -> tuple[list[Group], torch.Tensor]:
         """This forward's groups on `device`, and where each packed token sits among the groups' tokens (`back`),
         made once for every mixer layer (and its recompute)."""
