@@ -12,6 +12,7 @@ from patchkit.backends import Backend, sdpa
 from patchkit.backends.padded_decode import attend_padded_cache_lse
 from patchkit.errors import PatchStateError
 from patchkit.forward.decode import decode_plan, is_decode_step
+from patchkit.forward.decode_plan import DecodePlan
 from patchkit.forward.in_graph import GraphMask, back_in_rows, flat_in_layout
 from patchkit.forward.metadata import BlockQueries, VarlenMetadata
 from patchkit.forward.padding import pad_input, unpad_rows
@@ -135,7 +136,21 @@ def decode_attention(
     extra: Optional[dict] = None,
 ) -> Optional[torch.Tensor]:
     """A decode step on the padded cache: q (B, H, q_len, D), k/v (B, Hk, K, D) as transformers keeps them ->
-    (B, q_len, H, D), padding zero.
+    (B, q_len, H, D), padding zero; None where `kvcache_call` finds none (the caller runs the varlen path)."""
+    call = kvcache_call(backend, meta, q.device, warn_once)
+    if call is None:
+        return None
+    attend, plan = call
+    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap,
+                 **(extra or {}))
+    if out is None or plan.real_q is None:
+        return out
+    return out.where(plan.real_q, out.new_zeros(()))
+
+
+def kvcache_call(backend: object, meta: VarlenMetadata, device: torch.device, warn_once: Callable[[str, str], None],
+                 ) -> Optional[tuple[Callable[..., Optional[torch.Tensor]], DecodePlan]]:
+    """The backend's kernel on the padded cache (`attend_kvcache`) and the forward's decode plan, for a decode step.
 
     None when this is no decode step or the backend cannot serve it in place (no `attend_kvcache`, or a layout its
     kernel cannot express): the caller runs the varlen path, which is exact too. A backend whose kernel is too old
@@ -145,17 +160,13 @@ def decode_attention(
     attend = getattr(backend, "attend_kvcache", None)
     if attend is None or not is_decode_step(meta):
         return None
-    plan = decode_plan(meta, q.device)
+    plan = decode_plan(meta, device)
     missing = getattr(backend, "kvcache_missing", None)
     reason = missing(plan) if missing is not None else None
     if reason is not None:
         warn_once(reason, f"patchkit: {reason}; decode steps gather the KV cache for the varlen kernel instead")
         return None
-    out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap,
-                 **(extra or {}))
-    if out is None or plan.real_q is None:
-        return out
-    return out.where(plan.real_q, out.new_zeros(()))
+    return attend, plan
 
 
 def attend_in_graph(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: GraphMask,
