@@ -26,7 +26,10 @@ QUERY_SCALE = "patchkit_query_scale"  # the keyword the layer's attention call c
 def column_temperature(module: nn.Module, mask: Any, hidden_states: Any) -> Optional[torch.Tensor]:
     """(1, 1, nnz, 1) float32 query scales of a NoPE layer (`attn_temperature_tuning`, no RoPE) called on the packed
     row of a padded batch, from each token's column there; None for any other layer or call."""
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+    # read from the instance's dict, then its class: nn.Module's __getattr__ raises (a formatted message) for every
+    # other family's layer, in every call
+    tuning = vars(module).get("attn_temperature_tuning", getattr(type(module), "attn_temperature_tuning", False))
+    if not tuning or getattr(module, "use_rope", True):
         return None
     padded = mask.padded if isinstance(mask, VarlenMask) else None
     if padded is None or padded.indices_q is None or not isinstance(hidden_states, torch.Tensor):

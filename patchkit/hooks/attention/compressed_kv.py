@@ -90,7 +90,7 @@ def split_entries(module: nn.Module, key: torch.Tensor, value: torch.Tensor
     """A layer's keys and values without its compressed entries, and the entries with their bias (None for a layer
     without a compressor). The layer's compressor ran just before its attention call, in the forward and in a
     checkpointed recompute alike; keys without their bias are never attended to."""
-    compressor = getattr(module, "compressor", None)
+    compressor = module._modules.get("compressor")  # a submodule, if any: no nn.Module.__getattr__ miss per call
     if not isinstance(compressor, nn.Module):
         return key, value, None
     kept = compressor.__dict__.pop(ENTRIES, None)

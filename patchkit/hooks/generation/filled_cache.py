@@ -99,8 +99,9 @@ def fillable_cache(cache: Any) -> bool:
     packed row and write its keys and values back padded (a static cache into its first slots). Not one with a
     state per row (a hybrid's linear attention, DeepSeek-V4's compressors: what the packed row does not keep)."""
     kind = type(cache).__name__ == "DynamicCache" or static_layers(cache) is not None
-    recurrent = any(type(layer).__name__.startswith(RECURRENT_LAYERS) for layer in getattr(cache, "layers", ()))
-    return kind and not recurrent and callable(getattr(cache, "update", None)) and bool(past_length(cache) == 0)
+    if not kind or not callable(getattr(cache, "update", None)) or not bool(past_length(cache) == 0):
+        return False  # a decode step's cache, above all: its length is asked before its layers are read
+    return not any(type(layer).__name__.startswith(RECURRENT_LAYERS) for layer in getattr(cache, "layers", ()))
 
 
 @contextlib.contextmanager

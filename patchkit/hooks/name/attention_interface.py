@@ -310,7 +310,8 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
         state = route.state if route is not None else route_state()
         return paged_step(state, function_for(state), module, query, key, value, attention_mask, kwargs,
                           route and route.loaded)
-    if transformers_mask(attention_mask) and is_compiling():
+    foreign = transformers_mask(attention_mask)  # read once: every layer of a decode step asks
+    if foreign and is_compiling():
         if getattr(attention_mask, "patchkit_alone", False):  # stepped aside under the name alone, in a graph that
             _graph_aside(attention_mask.patchkit_cause)  # may break: counted and warned when traced
         elif getattr(attention_mask, "patchkit_ahead", False) or getattr(attention_mask, "patchkit_attention",
@@ -321,9 +322,10 @@ def _attention(module: nn.Module, query: Any, key: Any, value: Any, attention_ma
     route = attention_mask.route if isinstance(attention_mask, VarlenMask) else None  # a graph break-free read
     route = current().route if route is None else route
     routed = None if route is None else route.state
-    if transformers_mask(attention_mask) and route is None:
+    if foreign and route is None:
         attention_mask = getattr(attention_mask, "patchkit_varlen", attention_mask)  # generate()'s, made by us
-    if transformers_mask(attention_mask):  # a caller's 4D mask (transformers hands it on as it is): step aside
+        foreign = transformers_mask(attention_mask)
+    if foreign:  # a caller's 4D mask (transformers hands it on as it is): step aside
         check_family(module, served_rule())  # an unserved family is refused, not stood aside
         cause = getattr(attention_mask, "patchkit_cause", None) or overlaid_cause(module) or appended_cause(module)
         cause = cause or config_cause(module.config) or "custom_4d_mask"  # else a config's (ALiBi, added to the
