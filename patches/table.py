@@ -84,8 +84,7 @@ VERIFIED = frozenset({
     # Mamba, recurrent (RG-LRU) or convolution layers beside attention ones (Zamba's and ZAYA's hybrid layers hold both)
     *("bamba", "jamba", "zamba", "zamba2", "zaya", "recurrent_gemma", "lfm2_moe", "granitemoehybrid"),
 })
-# Served with the padded batch: unpadding once at the model would hand these layers positions the base model counts
-# from the mask; so is, by its default config's
+# Served with the padded batch (their base model counts positions from the mask); so is, by its default config's
 # `layer_types`, any other family with layers of MIXER_LAYER_TYPES (RecurrentGemma's RG-LRU) not in ROW_MIXERS
 ATTENTION_UNPAD = frozenset({"biogpt", "opt"})
 # Language models whose causal LM transformers' auto mappings list under their composite's model_type (Llama 3.2
@@ -107,11 +106,10 @@ WRAPPED_TEXT_MODELS = {"glm_ocr_text": "GlmOcrTextModel", "granite_docling_text"
                        "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel", "hunyuan_vl_text": "HunYuanVLTextModel",
                        "mistral_large4_text": "MistralLarge4TextModel"}
 CROSS_LAYERS = {"mllama_text_model": ("MllamaTextCrossAttention", "MllamaCrossAttentionDecoderLayer")}
-# Hybrids whose token mixers (linear attention's gated delta rule, Mamba, short convolutions, lightning attention) run
-# on the packed row, its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their
-# padding's hidden states, so padding carries nothing into a row's state or convolution, and each row, alone or
-# right-padded beside others, is what the padded batch computed at its real tokens; the census checks each. Their
-# mixer classes, by model_type
+# Hybrids whose token mixers (gated delta rule, Mamba, short convolutions, lightning attention) run on the packed row,
+# its rows in groups of similar length (`hooks/forwards/mixer_rows.py`): transformers zeroes their padding's hidden
+# states, so each row, alone or right-padded beside others, is what the padded batch computed at its real tokens; the
+# census checks each. Their mixer classes, by model_type
 ROW_MIXERS = {
     "qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_text": "Qwen3_5GatedDeltaNet",
     "qwen3_5_moe_text": "Qwen3_5MoeGatedDeltaNet", "olmo_hybrid": "OlmoHybridGatedDeltaNet",
@@ -121,9 +119,7 @@ ROW_MIXERS = {
     "zamba2": "Zamba2MambaMixer", "nemotron_h": "NemotronHMamba2Mixer", "falcon_h1": "FalconH1Mixer",
     "granitemoehybrid": "GraniteMoeHybridMambaLayer", "minimax": "MiniMaxLightningAttention",
     "zaya": "ZayaCCAProjection",  # its attention's q/k convolution and the value delayed by one token
-    # Qwen4-Exp's text model: the gated delta rule, and its per-layer n-gram embeddings (PLE: hashed n-grams of each
-    # row's ids, a dilated convolution over them), which read the ids and hidden states before each row's token
-    "qwen4_exp_text": ("Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextPLELayer"),
+    "qwen4_exp_text": ("Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextPLELayer"),  # and its n-gram embeddings' (PLE)
 }
 # Sparse attention (DeepSeek-V3.2's DSA): an indexer keeps each query's `index_topk` best-scored keys. A query that
 # sees no more keys than that keeps them all, and attends densely: forwards where every query does are served, their
@@ -406,7 +402,7 @@ def modeling_classes(model_type: str, names: tuple[str, ...], of: int = 1) -> tu
 def mixer_classes(model_type: str) -> tuple[type, ...]:
     """The token mixer classes of `model_type` that run the packed row's rows in groups (`ROW_MIXERS`)."""
     names = ROW_MIXERS.get(model_type, ())
-    return modeling_classes(model_type, (names,) if isinstance(names, str) else names, of=2)
+    return modeling_classes(model_type, (names,) if isinstance(names, str) else names, of=2)  # one name, or several
 
 
 def indexer_classes(model_type: str) -> tuple[type, ...]:
