@@ -103,6 +103,32 @@ def test_greedy_tokens_and_per_step_logits_match_unpatched_without_gathering_the
     assert prompt_only(gathers, 3, 14), gathers
 
 
+@pytest.mark.parametrize("family, per_step", [("llama", 1), ("gemma2", 2)])
+def test_a_decode_steps_later_layers_take_the_kernel_call_its_first_layer_settled_on(family, per_step, monkeypatch):
+    """A decode step is host-bound on a GPU: its first layer decides the kernel call (metadata, keys in use,
+    backend, plan) and the later layers of its signature take it as it is (`hooks/attention/lanes.py`): one full
+    path a step for LLaMA, one per window for Gemma2's sliding and global layers, which must not share theirs. A
+    DynamicCache made without the config keeps every layer's keys, so both kinds hand over keys of one shape, and
+    the window bites: a shared call would give the global layers the sliding ones' keys (each kind's mask keeps its
+    own calls, and the window is part of a call's signature besides). Logits are eager's."""
+    from patchkit.hooks.attention import varlen
+
+    model = tiny_model(kv_heads=2, layers=4, seed=3) if family == "llama" else family_model("gemma2", seed=1)
+    ids, mask = padded_batch("left", batch=3, seq=14)
+    steps = 3 * WINDOW
+    want, fed = decode_logits(with_attention(model, "eager"), ids, mask, steps)
+    calls = []
+    core = varlen.varlen_core
+    monkeypatch.setattr(varlen, "varlen_core", lambda *a, **k: calls.append(a[2].shape[2]) or core(*a, **k))
+    with torch.no_grad(), patchkit.apply_patch("llama2" if family == "llama" else family, backend="sdpa") as handle:
+        got, _ = decode_logits(model, ids, mask, steps, feed=fed)
+        assert handle.calls == model.config.num_hidden_layers * (steps + 1)  # every layer counted, lane or not
+    layers = model.config.num_hidden_layers
+    assert calls[:layers] == [int(mask.sum())] * layers  # the packed prefill's every layer: no decode step
+    assert calls[layers:] == [1] * (per_step * steps)  # then one full path per step and window
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
 def test_metadata_and_decode_plan_are_built_once_per_forward(monkeypatch):
     model = tiny_model(kv_heads=2, layers=4, seed=3)
     ids, mask = padded_batch("left", batch=3, seq=14)

@@ -191,13 +191,12 @@ class VarlenMask:
     the queries, whatever length the mask has. `slots`: the key count transformers sized the mask for, when
     `fixed_cache` was read from it (the mask interface): a layer handed fewer keys has no such cache. `window`: the
     sliding window transformers built this mask with (the mask interface's `local_size`), the window eager and sdpa
-    apply, for a layer whose attention call does not pass it. Code that
-    patchkit does not own gets a `PatchkitError`, not a type error from deep inside torch, if this object ever
-    reaches it.
+    apply, for a layer whose attention call does not pass it. Code that patchkit does not own gets a
+    `PatchkitError`, not a type error from deep inside torch, if this object ever reaches it.
     """
 
     __slots__ = ("mask", "past_len", "fixed_cache", "key_offset", "slots", "route", "window", "chunk", "blocks",
-                 "mask_decides", "padded", "selection", "_key", "_meta")
+                 "mask_decides", "padded", "selection", "lanes", "_key", "_meta")
 
     def __init__(
         self, mask: Optional[torch.Tensor], meta: Optional[VarlenMetadata] = None, past_len: Optional[int] = None,
@@ -218,6 +217,7 @@ class VarlenMask:
         # (Mllama's cross-attention ones) and their checkpoint recomputes
         self.padded: Optional[VarlenMetadata] = None
         self.selection: Optional[torch.Tensor] = None  # a decode step's keys chosen by a mask-returning indexer (B, T)
+        self.lanes: Optional[dict] = None  # a decode step's kernel calls, settled (`hooks/attention/lanes.py`)
         self._meta = split_at_chunks(meta, chunk) if meta is not None else None
         APART[0] += meta is not None and len(meta.seqlens_q) > meta.batch  # as in `metadata`
         self._key: Optional[tuple] = None if meta is None else (meta.batch, meta.q_len, meta.kv_len)
@@ -317,7 +317,7 @@ class VarlenMask:
     def with_selection(self, chosen: torch.Tensor) -> VarlenMask:
         """This mask, for a layer whose sparse indexer `chosen` (B, T) the keys of a decode step (`sparse_indexer`)."""
         made = copy.copy(self)
-        made.selection = chosen
+        made.selection, made.lanes = chosen, None
         return made
 
     def __getattr__(self, name: str) -> Any:

@@ -15,7 +15,7 @@ from patchkit.errors import PatchGateError, PatchInputError, PatchStateError
 from patchkit.forward.in_graph import GraphMask
 from patchkit.forward.inputs.arguments import check_call, model_label, model_type_of, part_of_multimodal
 from patchkit.forward.inputs.rope_rows import text_positions
-from patchkit.forward.liveness import record_call
+from patchkit.forward.liveness import is_compiling, record_call
 from patchkit.forward.masks import VarlenMask, as_varlen_mask
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.gates import HALF_DTYPES, dtype_gate
@@ -26,10 +26,12 @@ from patchkit.hooks.attention.attend import (
     attend_with_cache,
     attend_with_sinks,
     kernel_head_size,
+    kvcache_call,
     one_head_size,
 )
 from patchkit.hooks.attention.compressed_kv import Entries, check_documents, entries_merge, split_entries
 from patchkit.hooks.attention.dropout_draws import say_attention_dropout
+from patchkit.hooks.attention.lanes import Lane, lane_for, lane_key, may_settle, settle
 from patchkit.hooks.attention.sparse_indexer import chosen_by, selected_keys
 from patchkit.hooks.install.state import PatchState
 from patchkit.names import UNPAD_MODES  # noqa: F401 - re-exported
@@ -103,6 +105,7 @@ def varlen_core(
     softcap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     entries: Optional[Entries] = None,
+    lane: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Attention on real tokens only (and `entries`, DeepSeek-V4's compressed ones, under their own bias). q (B, H, S,
     D), k/v (B, Hk, Skv, D), transformers' layout (the KV cache's) -> (B, S, H, D), padding zero.
@@ -110,7 +113,8 @@ def varlen_core(
     A decode step (a few new tokens behind a cache) attends to the padded cache in place when the backend can
     (`attend.py`, planned by `decode.py`); everything else unpads, runs the varlen kernel and repads.
 
-    The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`).
+    The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`). `lane`: this call's
+    `lanes.lane_key`, under which a decode step's kernel call is kept for the forward's later layers.
     """
     batch, heads, q_len, _ = q.shape
     packing = PACKINGS[state.packing]
@@ -156,7 +160,7 @@ def varlen_core(
                                 sinks=sinks is not None)
     if sinks is not None and not getattr(backend, "takes_sinks", False):  # this call fell back to sdpa: exact sinks
         return attend_with_sinks(q, k, v, meta, exact, sinks)
-    in_dtype = q.dtype
+    q_in = q
     if backend.half_only:
         q, k, v = to_half(
             (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
@@ -164,7 +168,12 @@ def varlen_core(
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once, sinks)
     out = one_head_size(packing.attend, backend, q, k, v, meta, options)
-    return out if out.dtype == in_dtype else out.to(in_dtype)
+    if lane is not None and sinks is None and packing.attend is attend_with_cache and may_settle(
+            backend, q_in, q, v, dropout, backward):
+        call = kvcache_call(backend, meta, q.device, state.warn_once)
+        if call is not None:
+            settle(vmask, lane, Lane(call[0], call[1], kv_len, window, softcap))
+    return out if out.dtype == q_in.dtype else out.to(q_in.dtype)
 
 
 def varlen_in_graph(state: PatchState, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -290,9 +299,17 @@ def make_attention_function(
                                       "patchkit planned without them; compile without fullgraph=True")
             options = KernelOptions(dropout, scale, window, softcap, state.warn_once)
             return varlen_in_graph(state, module, query, key, value, attention_mask, kwargs, options).contiguous(), None
+        lane = None
+        if sinks is None and entries is None and not dropout and not is_compiling() and not torch.is_grad_enabled():
+            lane = lane_key(state, module, query, key, value, window, softcap)  # a decode step's later layers
+            settled = lane_for(attention_mask, lane)  # take the kernel call its first layer settled on
+            out = settled(query, key, value, scale) if settled is not None else None
+            if out is not None:  # None: the kernel declined this layout (flash-attn's, a hole): the varlen path
+                record_call(state, module)
+                return out.contiguous(), None
         out = varlen_core(
             state, module, query, key, value, attention_mask, kwargs.get("position_ids"), kwargs, dropout=dropout,
-            scaling=scale, window=window, softcap=softcap, sinks=sinks, entries=entries,
+            scaling=scale, window=window, softcap=softcap, sinks=sinks, entries=entries, lane=lane,
         )
         return out.contiguous(), None  # as transformers' own attention functions return it: a layer may view it
 
