@@ -140,7 +140,16 @@ def decode_attention(
     call = kvcache_call(backend, meta, q.device, warn_once)
     if call is None:
         return None
-    attend, plan = call
+    return attend_on_cache(*call, q, k, v, scaling=scaling, dropout=dropout, window=window, softcap=softcap,
+                           extra=extra)
+
+
+def attend_on_cache(
+    attend: Callable[..., Optional[torch.Tensor]], plan: DecodePlan, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, *, scaling: float, dropout: float, window: tuple[int, int], softcap: float,
+    extra: Optional[dict] = None,
+) -> Optional[torch.Tensor]:
+    """`kvcache_call`'s kernel on the padded cache, its padding queries zeroed; None where it declines the layout."""
     out = attend(q, k, v, plan, softmax_scale=scaling, dropout_p=dropout, window_size=window, softcap=softcap,
                  **(extra or {}))
     if out is None or plan.real_q is None:

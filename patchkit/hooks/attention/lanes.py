@@ -12,6 +12,7 @@ from torch import nn
 
 from patchkit.forward.decode_plan import DecodePlan
 from patchkit.forward.masks import VarlenMask
+from patchkit.hooks.attention.attend import attend_on_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +31,8 @@ class Lane:
         returns for this call; None where the kernel declines the layout, as it did for the first layer's."""
         if k.shape[2] != self.keys:
             k, v = k[:, :, : self.keys], v[:, :, : self.keys]
-        out = self.attend(q, k, v, self.plan, softmax_scale=scaling, dropout_p=0.0, window_size=self.window,
-                          softcap=self.softcap)
-        return out if out is None or self.plan.real_q is None else out.where(self.plan.real_q, out.new_zeros(()))
+        return attend_on_cache(self.attend, self.plan, q, k, v, scaling=scaling, dropout=0.0, window=self.window,
+                               softcap=self.softcap)
 
 
 def lane_key(state: Any, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -47,18 +47,15 @@ def lane_for(mask: Any, key: tuple) -> Optional[Lane]:
     return mask.lanes.get(key) if isinstance(mask, VarlenMask) and mask.lanes is not None else None
 
 
-def may_settle(backend: Any, q_in: torch.Tensor, q: torch.Tensor, v: torch.Tensor, dropout: float,
-               backward: bool) -> bool:
-    """A call whose kernel call later layers may take as it is: no dropout, no backward, no cast to half, values as
-    wide as queries, and a backend whose choice reads no state outside the layer (torch_varlen's `sdpa_kernel`)."""
-    return (not dropout and not backward and q.dtype == q_in.dtype and q.shape[-1] == v.shape[-1]
-            and getattr(backend, "ambient", None) is None)
+def may_settle(backend: Any, q_in: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """A call (one with a `lane_key`: no dropout, no gradients) whose kernel call later layers may take as it is: no
+    cast to half, values as wide as queries, and a backend whose choice reads no state outside the layer
+    (torch_varlen's `sdpa_kernel`)."""
+    return q.dtype == q_in.dtype and q.shape[-1] == v.shape[-1] and getattr(backend, "ambient", None) is None
 
 
-def settle(mask: VarlenMask, key: Optional[tuple], lane: Lane) -> None:
+def settle(mask: VarlenMask, key: tuple, lane: Lane) -> None:
     """Keep `lane` for `key` on the forward's mask."""
-    if key is None:
-        return
     if mask.lanes is None:
         mask.lanes = {}
     mask.lanes[key] = lane

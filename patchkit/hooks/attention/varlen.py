@@ -114,7 +114,8 @@ def varlen_core(
     (`attend.py`, planned by `decode.py`); everything else unpads, runs the varlen kernel and repads.
 
     The caller has checked `kwargs` against what patchkit honours (`arguments.check_call`). `lane`: this call's
-    `lanes.lane_key`, under which a decode step's kernel call is kept for the forward's later layers.
+    `lanes.lane_key` (made only for a call with no dropout and no gradients), under which a decode step's kernel call
+    is kept for the forward's later layers.
     """
     batch, heads, q_len, _ = q.shape
     packing = PACKINGS[state.packing]
@@ -168,8 +169,7 @@ def varlen_core(
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once, sinks)
     out = one_head_size(packing.attend, backend, q, k, v, meta, options)
-    if lane is not None and sinks is None and packing.attend is attend_with_cache and may_settle(
-            backend, q_in, q, v, dropout, backward):
+    if lane is not None and sinks is None and packing.attend is attend_with_cache and may_settle(backend, q_in, q, v):
         call = kvcache_call(backend, meta, q.device, state.warn_once)
         if call is not None:
             settle(vmask, lane, Lane(call[0], call[1], kv_len, window, softcap))
