@@ -66,6 +66,19 @@ def test_compiled_report_counts_every_layer(unpad, training):
             assert handle.heads == {"real tokens": 3}
 
 
+def test_the_compiled_report_counts_layers_not_copies_of_their_attributes():
+    # Regression (CI, under -n 2): the count of compiled layers took every dict holding the patch's mark for a layer's
+    # `__dict__`, so a copy of one still alive (dynamo's, a wrapper's) made a 2-layer model report 3 layers.
+    model = tiny_model(layers=2).train()
+    ids, mask = padded_batch("mixed")
+    torch._dynamo.reset()
+    with patchkit.apply_patch("llama2", backend="sdpa", unpad="attention") as handle:
+        torch.compile(model, backend="eager")(input_ids=ids, attention_mask=mask)
+        copies = [dict(vars(layer.self_attn)) for layer in model.model.layers]  # noqa: F841 - held while counting
+        assert handle.layers_patched == 2 and handle.check(model) == 2
+    torch._dynamo.reset()
+
+
 def test_fullgraph_compile_through_a_wrapper_that_pops_from_its_kwargs():
     """transformers' `can_return_tuple` pops from the compiled frame's kwargs before the base model's forward:
     Dynamo then refuses to read a mapping proxy, so a wrapper that bound its arguments with `Signature.bind`

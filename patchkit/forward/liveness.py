@@ -61,10 +61,16 @@ def live_layers(state: Any) -> int:
     """Distinct live attention layers that ran through `state`: `layers`, or once compiled calls ran, the marked ones.
 
     Compiled calls leave no Python-side set, only each layer's mark, so count the objects that hold the mark:
-    module `__dict__`s (or modules whose attributes live inline). A report-time scan, never on the hot path.
+    modules whose `__dict__` holds it. A dict that is no module's `__dict__` is not a layer: a copy of one (dynamo,
+    a wrapper, a test's `dict(vars(layer))`) may hold the mark for a while and is never counted. A report-time scan,
+    never on the hot path.
     """
     if not state.compiled:
         return len(state.layers)
-    holders = [r if type(r) is dict else r.__dict__ for r in gc.get_referrers(state.mark)
-               if type(r) is dict or isinstance(r, nn.Module)]
-    return len({id(d) for d in holders if d.get(LIVE_MARK) is state.mark})
+    layers = set()
+    for holder in gc.get_referrers(state.mark):
+        if isinstance(holder, nn.Module) and vars(holder).get(LIVE_MARK) is state.mark:  # attributes inline
+            layers.add(id(holder))
+        elif type(holder) is dict and holder.get(LIVE_MARK) is state.mark:
+            layers.update(id(m) for m in gc.get_referrers(holder) if isinstance(m, nn.Module) and m.__dict__ is holder)
+    return len(layers)
