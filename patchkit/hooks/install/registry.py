@@ -74,7 +74,10 @@ def resolve(name: str) -> PatchSpec:
                          f"data ({stop})") from None
 
 
-_TABLE_SPECS: dict[str, PatchSpec | PatchTargetError] = {}
+# model_type -> its spec, or the reason none can be made. The reason is kept as text and raised as a new error each
+# time: one error object raised again keeps every raise's frames on its traceback (each apply_patch's handles, and
+# whatever its callers held: ~8000 objects an apply_patch and revert, never freed).
+_TABLE_SPECS: dict[str, PatchSpec | str] = {}
 
 
 def table_spec(model_type: Optional[str]) -> PatchSpec:
@@ -85,10 +88,10 @@ def table_spec(model_type: Optional[str]) -> PatchSpec:
         try:
             _TABLE_SPECS[model_type] = importlib.import_module(TABLE).spec(model_type)
         except (PatchTargetError, ImportError, AttributeError, KeyError) as stop:
-            _TABLE_SPECS[model_type] = stop if isinstance(stop, PatchTargetError) else PatchTargetError(str(stop))
+            _TABLE_SPECS[model_type] = str(stop)
     found = _TABLE_SPECS[model_type]
-    if isinstance(found, PatchTargetError):
-        raise found
+    if isinstance(found, str):
+        raise PatchTargetError(found)
     return found
 
 
