@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
+from families import set_attention
 from models import labels_for, padded_batch, tiny_model
 from transformers import BertConfig, BertModel
 
@@ -13,7 +15,12 @@ import patchkit
 from patchkit.handles import PatchHandle
 
 
-def dropped_and_alive(build, times: int = 3) -> int:
+def named(model: torch.nn.Module) -> None:
+    patchkit.register_attention(backend="sdpa")
+    set_attention(model, patchkit.ATTENTION_NAME)
+
+
+def dropped_and_alive(build, times: int = 2) -> int:
     """Build `times` models with `build()`, drop each, and count those still alive after a full collection."""
     refs = []
     for _ in range(times):
@@ -36,16 +43,47 @@ def test_models_of_a_family_no_patch_serves_are_freed_once_dropped():
         assert dropped_and_alive(bert) == 0
 
 
-def test_a_patched_model_trained_then_dropped_is_freed():
-    def trained() -> torch.nn.Module:
-        model = tiny_model(layers=2).train()
-        ids, mask = padded_batch("mixed")
-        model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
+def train(model: torch.nn.Module) -> None:
+    ids, mask = padded_batch("mixed")
+    model.train()(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
+
+
+def generate(model: torch.nn.Module) -> None:
+    ids, mask = padded_batch("mixed")
+    with torch.no_grad():
+        model.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def compiled_train(model: torch.nn.Module) -> None:
+    torch._dynamo.reset()
+    train(torch.compile(model, backend="eager"))
+    torch._dynamo.reset()  # dynamo's own caches hold what it compiled until reset, patched or not
+
+
+@pytest.mark.parametrize("way, use", [
+    *[(way, use) for way in ("class", "instance", "name") for use in (train, generate)],
+    pytest.param("class", compiled_train, marks=pytest.mark.heavy),  # make test-heavy: compiles
+], ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_a_patched_model_used_then_dropped_is_freed(way: str, use):
+    def built() -> torch.nn.Module:
+        model = tiny_model(layers=2)
+        if way == "name":
+            named(model)
+        handle = patchkit.apply_patch(model=model, backend="sdpa") if way == "instance" else None
+        use(model)
+        if handle is not None:
+            handle.revert()
         return model
 
-    with patchkit.apply_patch(backend="sdpa"):
-        assert dropped_and_alive(trained) == 0
-    assert dropped_and_alive(trained) == 0
+    if way == "class":
+        with patchkit.apply_patch(backend="sdpa") as group:
+            assert dropped_and_alive(built) == 0
+            assert group.calls > 0 or use is compiled_train
+    else:
+        try:
+            assert dropped_and_alive(built) == 0
+        finally:
+            patchkit.register_attention(backend="auto", strict=False)  # a fresh route state for later tests
 
 
 def test_reverted_patches_are_not_kept():
