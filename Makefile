@@ -34,9 +34,9 @@ demo: setup
 	$(BIN)/python examples/demo.py
 
 # The suite on both cores (pytest-xdist, idle workers take queued tests: the slow ones do not pile up at the end);
-# PYTEST_ARGS="-n 0" runs it in one process. `make test` is the default run (about 5 minutes): everything but the
+# PYTEST_ARGS="-n 0" runs it in one process. `make test` is the default run (about 7 minutes): everything but the
 # tests marked heavy, which start Python processes (the launcher, torchrun, scripts, benchmarks) or torch.compile a
-# model; `make test-heavy` runs those (about 20 minutes), and CI runs both.
+# model; `make test-heavy` runs those (about 12 minutes), and CI runs both.
 PYTEST_ARGS ?= -n 2 --dist worksteal
 SUITE := --ignore=tests/test_census.py --ignore=tests/test_trl_families.py --ignore=tests/test_self_check_census.py \
 	--ignore=tests/test_wrapper_census.py --ignore=tests/test_task_head_census.py --ignore=tests/test_gpu_truth.py \
@@ -73,7 +73,7 @@ docs: $(VENV)/.docs-installed
 # (tests/test_self_check_census.py), and every multimodal model around a language model, on text through
 # apply_patch(model=...) (tests/test_wrapper_census.py), and every served family's task heads (sequence and token
 # classification, question answering: tests/test_task_head_census.py), and every served family's continuous batching
-# (`generate_batch()`: tests/test_continuous_batching_census.py). Its own part of CI: about 6 minutes.
+# (`generate_batch()`: tests/test_continuous_batching_census.py). Its own part of CI: about 4 minutes.
 CENSUS_TESTS := tests/test_census.py tests/test_trl_families.py tests/test_self_check_census.py \
 	tests/test_wrapper_census.py tests/test_task_head_census.py tests/test_continuous_batching_census.py
 census: setup bytecode
