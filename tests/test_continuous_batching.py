@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import warnings
+import weakref
 from unittest import mock
 
 import pytest
@@ -231,6 +233,36 @@ def test_strict_refuses_such_a_mask_in_the_callers_thread(monkeypatch: pytest.Mo
         handle.revert()
     assert vars(continuous_batching.ContinuousMixin)["generate_batch"] is original
     assert_same_requests(batch_run(model), want)
+
+
+def test_a_refusal_no_generate_batch_reads_keeps_no_model_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager polled directly (`transformers serve`'s way) whose steps strict=True refused: its requests come back
+    with the error, and once the model is dropped it is freed. The refusal kept for generate_batch held the worker's
+    traceback, whose frames hold the model, which kept it alive for the process (GPU memory, on a server)."""
+    full_request_masks(monkeypatch)
+
+    def served_and_dropped() -> weakref.ref:
+        model = any_model("llama", "sdpa")
+        with patchkit.apply_patch("llama2", backend="sdpa", strict=True):
+            manager = model.init_continuous_batching(
+                generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
+                continuous_batching_config=cb_config(num_blocks=32, max_batch_tokens=16))
+            manager.start()
+            try:
+                ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts()]
+                errors = [manager.get_result(timeout=60).error for _ in ids]
+            finally:
+                manager.stop(block=True)
+        assert errors and all(errors)  # each step refused (before 5.24, as a step that steps aside)
+        return weakref.ref(model)
+
+    logging.disable(logging.CRITICAL)  # the worker logs each error with its traceback, which pytest's capture keeps
+    try:
+        model = served_and_dropped()
+    finally:
+        logging.disable(logging.NOTSET)
+    gc.collect()
+    assert model() is None
 
 
 def test_the_registered_name_alone_runs_continuous_batching_patched() -> None:

@@ -37,8 +37,9 @@ def _note_refusal(original: Callable) -> Callable:
     def _handle_critical_error(self: Any, error: BaseException, *args: Any, **kwargs: Any) -> Any:
         model = getattr(self, "model", None)
         if isinstance(error, PatchkitError) and model is not None:
-            with _lock:
-                _refused.setdefault(model, error)
+            with _lock:  # its type and message: its traceback holds the worker's frames, and through them the model,
+                # which as a weak key's value would keep that key (and the model) alive where no generate_batch pops it
+                _refused.setdefault(model, type(error)(*error.args))
         return original(self, error, *args, **kwargs)
 
     return _handle_critical_error
