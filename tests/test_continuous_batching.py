@@ -56,6 +56,16 @@ def batch_run(model: torch.nn.Module, budget: int = 16) -> list[tuple[list[int],
     return [(o.generated_tokens, o.logprobs) for o in results]
 
 
+def started_manager(model: torch.nn.Module) -> object:
+    """A continuous-batching manager of `model`, started, as `transformers serve` keeps one: greedy, steps of at most 16
+    tokens."""
+    manager = model.init_continuous_batching(
+        generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
+        continuous_batching_config=cb_config(num_blocks=32, max_batch_tokens=16))
+    manager.start()
+    return manager
+
+
 def assert_patched(aside: dict, calls: int) -> None:
     """Every step through patchkit's layers; before transformers 5.24, every step stepped aside."""
     if SERVED:
@@ -145,10 +155,7 @@ def test_the_manager_transformers_serve_runs_serves_its_requests_patched() -> No
     model = any_model("mistral", "sdpa")
     want = [tokens for tokens, _ in batch_run(model)]
     with patchkit.apply_patch(backend="sdpa") as group:
-        manager = model.init_continuous_batching(
-            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
-            continuous_batching_config=cb_config(num_blocks=32, max_batch_tokens=16))
-        manager.start()
+        manager = started_manager(model)
         try:
             ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts()]
             results = {}
@@ -244,10 +251,7 @@ def test_a_refusal_no_generate_batch_reads_keeps_no_model_alive(monkeypatch: pyt
     def served_and_dropped() -> weakref.ref:
         model = any_model("llama", "sdpa")
         with patchkit.apply_patch("llama2", backend="sdpa", strict=True):
-            manager = model.init_continuous_batching(
-                generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
-                continuous_batching_config=cb_config(num_blocks=32, max_batch_tokens=16))
-            manager.start()
+            manager = started_manager(model)
             try:
                 ids = [manager.add_request(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts()]
                 errors = [manager.get_result(timeout=60).error for _ in ids]
