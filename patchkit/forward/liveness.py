@@ -67,10 +67,10 @@ def live_layers(state: Any) -> int:
     """
     if not state.compiled:
         return len(state.layers)
-    layers = set()
-    for holder in gc.get_referrers(state.mark):
-        if isinstance(holder, nn.Module) and vars(holder).get(LIVE_MARK) is state.mark:  # attributes inline
-            layers.add(id(holder))
-        elif type(holder) is dict and holder.get(LIVE_MARK) is state.mark:
-            layers.update(id(m) for m in gc.get_referrers(holder) if isinstance(m, nn.Module) and m.__dict__ is holder)
+    holders = gc.get_referrers(state.mark)
+    layers = {id(h) for h in holders if isinstance(h, nn.Module) and vars(h).get(LIVE_MARK) is state.mark}  # inline
+    dicts = {id(h): h for h in holders if type(h) is dict and h.get(LIVE_MARK) is state.mark}
+    if dicts:  # their owners, in one more scan of the heap (not one per layer)
+        layers.update(id(m) for m in gc.get_referrers(*dicts.values())
+                      if isinstance(m, nn.Module) and id(m.__dict__) in dicts)
     return len(layers)
