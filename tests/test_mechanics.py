@@ -10,6 +10,8 @@ import torch
 from models import padded_batch, tiny_model
 
 import patchkit
+import patchkit.api
+import patchkit.hooks.install.registry
 from patchkit import PatchInputError, PatchkitError, PatchTargetError, eras
 from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.install.patching import Replacement
