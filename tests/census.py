@@ -123,8 +123,10 @@ OVERRIDES = {
     # Dory's loop (5.25): input, recurrent and output sections of one layer each, the recurrent one run twice, each
     # loop on its own cache layers (its defaults' 8 input and 8 output layers overrun the tiny model's layers)
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2),
-    # Cohere Compass's text model (5.25) reads RoPE parameters per layer type, which its default config leaves empty
-    "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+    # Cohere Compass's text model (5.25) reads RoPE parameters per layer type, which its default config leaves empty;
+    # its M-RoPE sections must fill the tiny heads' 4 frequencies (5.20 pre-rotates them: [22, 22, 20] overruns them)
+    "cohere_compass_text": dict(rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [2, 1, 1]}
                                                  for kind in ("full_attention", "sliding_attention")},
                                 layer_types=["sliding_attention", "full_attention"]),
     # Kolibri-1.1: NVFP4 keys need heads of 16; its indexer's heads share key head 0; its second sparse layer reads the
