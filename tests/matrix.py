@@ -321,8 +321,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--versions", help="comma-separated transformers versions (default: one per era boundary "
-                                           "and today's minor between them)")
+    parser.add_argument("--versions", help="comma-separated transformers versions, `newest` or `rotating` (default: "
+                                           "one per era boundary and today's minor between them)")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="test paths, relative to the repo")
     parser.add_argument("--cache-dir", type=Path, default=REPO / ".matrix", help="install cache (default .matrix/)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with torch and pytest")
@@ -334,7 +334,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.versions is None:
         today = datetime.datetime.now(datetime.timezone.utc).date()
         args.minor, args.versions = rotating_minor(today), ",".join(default_versions(today))
-    args.versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    # "rotating": every minor that CI runs one a day of (a change that passes today's may fail tomorrow's)
+    args.versions = [w for v in args.versions.split(",") if v.strip()
+                     for w in (ROTATING if v.strip() == "rotating" else [v.strip()])]
     args.newest = None
     args.pytest_args = extra
     args.cache_dir = args.cache_dir.resolve()

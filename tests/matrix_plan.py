@@ -28,7 +28,8 @@ DEFAULT_VERSIONS = ["4.31.0", "4.34.1", "4.35.2", "4.36.2", "4.37.2", "4.38.2", 
 # The minors between those, in turn: each run of `make matrix` adds one, picked by the UTC date (the day's ordinal
 # modulo the pool), so that a release users pin between two boundaries is run within a few weeks of CI at one
 # version's cost a run (a version before 4.48 about 20 s, one from 4.48 about 60 s). Each passed its tier when it
-# joined (2026-12-02); `python tests/matrix.py --versions X` runs any of them now. Not here yet, for what their own
+# joined (2026-12-02) and all again on 2026-12-07; `python tests/matrix.py --versions X` runs any of them now
+# (`--versions rotating`: all eleven). Not here yet, for what their own
 # modeling does there: 5.0.0 (the census builds no tiny model of 7 families from its configs; OPT, Persimmon and
 # Bamba build 4D masks there, which patchkit steps aside for, exactly), 5.5.4 and 5.10.4 (a chunk behind a cache in
 # Falcon-H1 and Zamba2: transformers' own continuation is 8e-4 and 0.3 off its full forward, patchkit's 8.6e-5 off

@@ -97,6 +97,13 @@ def test_the_default_versions_reach_every_era_and_every_boundary_a_pitfall_names
     assert any(Version(v) >= Version("5.0") for v in plan.DEFAULT_VERSIONS), "no 5.x besides the pinned one"
 
 
+def test_rotating_runs_every_minor_of_the_pool_beside_the_versions_named(ran, tmp_path):
+    """`--versions rotating` runs each minor CI takes one a day of (before landing a test: a minor the change
+    breaks fails CI only on its day), beside any version named with it."""
+    assert matrix.main(["--versions", "rotating,5.0.0", "--cache-dir", str(tmp_path)]) == 0
+    assert list(ran) == [*plan.ROTATING, "5.0.0"]
+
+
 def test_each_run_adds_one_minor_between_the_boundaries_and_the_pool_comes_round(ran, monkeypatch, tmp_path, capsys):
     """A run of `make matrix` adds the date's minor from ROTATING, in version order among the boundaries; as many
     days as the pool holds run every one of its minors once; each lies inside patchkit's eras, between two
