@@ -357,3 +357,33 @@ def test_only_transformers_rename_makes_past_key_values_the_cache():
     assert not renames_past_key_values(other)
     dressed = patchkit.hooks.install.patching.dressed_as(lambda self, **kw: None, renamed)
     assert renames_past_key_values(dressed)
+
+
+def test_left_padded_labels_name_the_first_real_token_and_the_readmes_recipe_runs_patched():
+    """`labels = ids.masked_fill(mask == 0, -100)` on a left-padded batch still labels each row's first real token,
+    predicted from padding: the warning and the strict refusal name that token (not only "-100 at padding", which
+    the user already did), and the README's recipe, run as written, is served patched with the unpatched loss."""
+    import re
+    from pathlib import Path
+
+    from patchkit import PatchkitError
+
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("left")
+    with pytest.warns(RuntimeWarning, match="labels_from_padding.*first real token after left padding"):
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert handle.stepped_aside == {"labels_from_padding": 1}
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True), pytest.raises(
+            PatchkitError, match="first real token after left padding"):
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Left padding: the label recipe", 1)[1]
+    recipe = re.search(r"^labels = (.+?)$", section.split("```python", 1)[1].split("```", 1)[0], re.M).group(1)
+    labels = eval(recipe, {"ids": ids, "mask": mask, "torch": torch})  # noqa: S307 (the README's own line)
+    want = copy.deepcopy(model)(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True) as handle:
+        got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert handle.stepped_aside == {}
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

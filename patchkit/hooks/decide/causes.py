@@ -224,8 +224,8 @@ CAUSES = {
 # cause -> (what, in a few words, as the warning says it; the fix, as short): the long forms above are for strict
 # errors, the full table is docs/never-silently-wrong.md#the-causes
 BRIEF = {
-    "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and right after left "
-                            "padding"),
+    "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and at the first real "
+                            "token after left padding"),
     "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
                                 "that is all padding, reads a next token at padding", "pad prompts on the left"),
     "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
