@@ -43,10 +43,10 @@ SUITE := --ignore=tests/test_census.py --ignore=tests/test_trl_families.py --ign
 	--ignore=tests/test_continuous_batching_census.py
 test: setup bytecode
 	$(BIN)/ruff check patchkit patches tests examples benchmarks tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not heavy" $(SUITE)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=15 -m "not heavy" $(SUITE)
 
 test-heavy: setup bytecode
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) -m heavy $(SUITE)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) --durations=15 -m heavy $(SUITE)
 
 # A user's install: `pip install <clone>` (not editable) into a fresh venv beside the clone, with whatever transformers
 # pip resolves (the newest), then the demo and `patchkit verify` run from outside the clone, as a user runs them.
