@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -99,3 +100,24 @@ def test_reverted_patches_are_not_kept():
         with patchkit.apply_patch(backend="sdpa"):
             pass
     assert handles() == after_one  # the last group is kept (apply_patch() again returns it), no more
+
+
+def test_the_names_bookkeeping_keeps_no_entry_for_a_dropped_model():
+    # What the registered name remembers of a model's parts (adopted by the name; the attention each had before it)
+    # is keyed by the config's id: an entry outlived its config, one per part of every model ever named.
+    from patchkit.hooks.install import routing
+
+    def built() -> torch.nn.Module:
+        model = tiny_model(layers=2)
+        named(model)
+        copied = copy.deepcopy(model)  # a deepcopy of an adopted part is adopted too
+        train(copied)
+        return model
+
+    try:
+        dropped_and_alive(built, times=1)
+        before = len(routing._adopted), len(routing._before)
+        assert dropped_and_alive(built, times=3) == 0
+        assert (len(routing._adopted), len(routing._before)) == before
+    finally:
+        patchkit.register_attention(backend="auto", strict=False)  # a fresh route state for later tests

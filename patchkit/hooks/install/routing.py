@@ -95,9 +95,21 @@ def names_patchkit(config: Any) -> bool:
 _adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every model adopted by the name
 
 
+def _ref(table: dict, config: Any) -> weakref.ref:
+    """A weak reference to `config` whose death drops its entry in `table` (unless the id was reused since)."""
+    key = id(config)
+
+    def forget(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
+            del table[key]
+
+    return weakref.ref(config, forget)
+
+
 def record_adopted(config: Any) -> None:
     """`config`'s model part serves patchkit's name alone (`hooks/name/named.adopt`, or a deepcopy of such a part)."""
-    _adopted[id(config)] = weakref.ref(config)
+    _adopted[id(config)] = _ref(_adopted, config)
 
 
 def adopted(config: Any) -> bool:
@@ -112,7 +124,7 @@ _before: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (the config, t
 def record_before(config: Any, name: Any) -> None:
     """`config`'s model part had attention `name` before it was given patchkit's name (`named.watch`)."""
     if isinstance(name, str) and name != ROUTE_NAME:
-        _before[id(config)] = (weakref.ref(config), name)
+        _before[id(config)] = (_ref(_before, config), name)
 
 
 def named_before(config: Any) -> Optional[str]:
