@@ -92,30 +92,18 @@ def names_patchkit(config: Any) -> bool:
     return ROUTE_NAME in name.values() if isinstance(name, dict) else name == ROUTE_NAME
 
 
-_adopted: dict[int, weakref.ref] = {}  # id(config) -> the config, for every part of every model adopted by the name
-
-
-def _ref(table: dict, config: Any) -> weakref.ref:
-    """A weak reference to `config` whose death drops its entry in `table` (unless the id was reused since)."""
-    key = id(config)
-
-    def forget(ref: weakref.ref) -> None:
-        entry = table.get(key)
-        if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
-            del table[key]
-
-    return weakref.ref(config, forget)
+# id(config) -> the config, for every part of every model adopted by the name (as `named._built`, gone with it)
+_adopted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def record_adopted(config: Any) -> None:
     """`config`'s model part serves patchkit's name alone (`hooks/name/named.adopt`, or a deepcopy of such a part)."""
-    _adopted[id(config)] = _ref(_adopted, config)
+    _adopted[id(config)] = config
 
 
 def adopted(config: Any) -> bool:
     """`config` is one of an adopted model's parts (or of a deepcopy of one)."""
-    ref = _adopted.get(id(config))
-    return ref is not None and ref() is config
+    return _adopted.get(id(config)) is config
 
 
 _before: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (the config, the name it had before patchkit's)
@@ -124,7 +112,13 @@ _before: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (the config, t
 def record_before(config: Any, name: Any) -> None:
     """`config`'s model part had attention `name` before it was given patchkit's name (`named.watch`)."""
     if isinstance(name, str) and name != ROUTE_NAME:
-        _before[id(config)] = (_ref(_before, config), name)
+        key = id(config)
+
+        def forget(ref: weakref.ref) -> None:  # the config died: its entry goes, unless its id was reused since
+            if _before.get(key, (None,))[0] is ref:
+                del _before[key]
+
+        _before[key] = (weakref.ref(config, forget), name)
 
 
 def named_before(config: Any) -> Optional[str]:
