@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from families import set_attention
 from models import padded_batch, tiny_model
 
 import patchkit
@@ -268,8 +269,10 @@ def host_syncs_of_a_forward(case: str, layers: int, monkeypatch: pytest.MonkeyPa
 def test_host_syncs_of_a_forward_do_not_grow_with_the_number_of_layers(case, monkeypatch):
     """The unpadding metadata (indices, cu_seqlens, max_seqlen) is read to the host once per model forward, never once
     per layer: a 2-layer and an 8-layer LLaMA make the same number of host-syncing reads, patchkit's and in all.
-    Measured (torch 2.13, transformers 5.23): training 5 (unpad='model') and 4 (unpad='attention'), all patchkit's;
-    generate() 14, of which patchkit's 6 (4 in the prefill, 1 per decode step) and generate()'s own 8."""
+    Measured (torch 2.13, transformers 5.25): training 7 (unpad='model': 4 before the layers run, then which rows are
+    labelled and whether their labels are in the vocabulary) and 4 (unpad='attention'), all patchkit's; generate()
+    17, of which patchkit's 9 (5 in the prefill, 2 per decode step: whether the step's last column is padding, and its
+    metadata) and generate()'s own 8."""
     shallow, shallow_calls = host_syncs_of_a_forward(case, 2, monkeypatch)
     deep, deep_calls = host_syncs_of_a_forward(case, 8, monkeypatch)
     forwards = 3 if case == "generate" else 1
@@ -278,3 +281,27 @@ def test_host_syncs_of_a_forward_do_not_grow_with_the_number_of_layers(case, mon
     assert (deep.patchkit, deep.total) == (shallow.patchkit, shallow.total), (
         f"host syncs grew with depth: 2 layers {shallow.total} (patchkit {shallow.sites}), "
         f"8 layers {deep.total} (patchkit {deep.sites})")
+
+
+def test_a_decode_step_waits_on_the_device_no_more_often_than_transformers_own(monkeypatch):
+    """A decode step's padding lengths are read to the host once (its metadata), where transformers' sdpa reads once
+    too (whether the mask can be skipped): the step's decisions read nothing else of the device (the plan's check for
+    a head that reads every position asks the model first, the mask's padding only for such a head)."""
+    model = set_attention(tiny_model(layers=2), "sdpa")  # transformers' sdpa reads the mask once, its eager never
+    inputs = decode_inputs(model)
+
+    def step() -> torch.Tensor:
+        with torch.no_grad():
+            return model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])}).logits
+
+    step()
+    with HostSyncs(monkeypatch) as plain:
+        expected = step()
+    with patchkit.apply_patch("llama2", backend="sdpa", model=model) as handle:
+        step()  # first-call work is not per step
+        with HostSyncs(monkeypatch) as patched:
+            got = step()
+        assert handle.calls == 4
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert plain.total >= 1 and patched.patchkit == 1, patched.sites
+    assert patched.total <= plain.total, (plain.total, patched.sites)

@@ -66,8 +66,9 @@ def plan_forward(
     noncausal = state is not None and config_cause(module.config) == NONCAUSAL
     if noncausal and cause in UNREAD:
         cause = NONCAUSAL  # PaliGemma's masks in a pattern patchkit does not read: its layers are the reason
-    if cause is None and state is not None and padded(arguments.get("attention_mask")) and unwrapped_head(module):
-        cause = "unwrapped_head"  # ColPali's retrieval head: every position's hidden state (its 2D mask read back)
+    if cause is None and state is not None and unwrapped_head(module) and padded(arguments.get("attention_mask")):
+        cause = "unwrapped_head"  # ColPali's retrieval head: every position's hidden state (its 2D mask read back);
+        # its head first: known per model, where the mask's padding is a host read (a device sync) per forward
     if cause is None and state is not None:
         cause = untrusted_cause(module, state)
     if cause is None and blocks is not None and sequence_parallel:
