@@ -116,6 +116,27 @@ def test_callers_own_shift_labels_and_num_items_in_batch_reach_the_loss_on_real_
     assert_same(got, want, inputs["attention_mask"])
 
 
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_shift_labels_without_labels_ask_for_no_loss_as_transformers_computes_none(unpad):
+    """The HF Trainer's context-parallel step builds `shift_labels`, then pops `labels` where it computes a loss of its
+    own (label smoothing, `compute_loss_func`) from the logits: transformers' LM computes no loss then, and every
+    position's logits are the caller's (was: a PatchkitError blaming patchkit)."""
+    model = family("qwen3").train()
+    inputs = batch(model)
+    labels = inputs.pop("labels")
+    inputs["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    want = model(**inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad=unpad):
+        got = model(**inputs)
+    assert want.loss is None and got.loss is None
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
+    smoothed = torch.nn.functional.cross_entropy(  # the Trainer's own loss, from the logits
+        got.logits.flatten(0, 1), inputs["shift_labels"].flatten(), ignore_index=-100, label_smoothing=0.1)
+    torch.testing.assert_close(smoothed, torch.nn.functional.cross_entropy(
+        want.logits.flatten(0, 1), inputs["shift_labels"].flatten(), ignore_index=-100, label_smoothing=0.1))
+
+
 @pytest.mark.parametrize("how", ["logits_to_keep", "own_loss", "tuple"])
 def test_calls_the_packed_row_cannot_serve_keep_the_padded_exit_and_say_why(how):
     model = family("llama")

@@ -275,8 +275,8 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
 def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
     mask's real tokens are those that see themselves."""
-    if not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
-        return False  # no loss here (generate()'s steps): nothing to read the mask for
+    if labels is None or not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
+        return False  # no loss here (generate()'s steps; `shift_labels` alone, as transformers): nothing to read
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
         mask = real_tokens_of_4d(mask)
     read = shift_labels if isinstance(shift_labels, torch.Tensor) else labels  # given, the loss reads them alone

@@ -32,8 +32,10 @@ def takes_logits_to_keep(signature: inspect.Signature) -> bool:
 
 
 def labelled(arguments: dict, extra: dict) -> bool:
-    """The LM's call has labels (or a caller's shift_labels): it computes a loss."""
-    return arguments.get("labels") is not None or extra.get("shift_labels") is not None
+    """The LM's call has labels: it computes a loss (from its `shift_labels` too, where the caller gave them).
+    transformers' causal LMs compute none from `shift_labels` alone: the HF Trainer's context-parallel step pops
+    `labels` for a loss of its own (label smoothing, `compute_loss_func`), which it computes from the logits."""
+    return arguments.get("labels") is not None
 
 
 # Under torch.compile a causal LM's ask of its base model, its run and its counts run eagerly (dynamo would guard on
