@@ -285,7 +285,9 @@ def test_a_head_the_fused_loss_cannot_read_runs_the_familys_own(why):
     model = family("llama")
     inputs = long_batch(model)
     if why == "a forward hook on the head":
-        model.lm_head.register_forward_hook(lambda m, i, o: o * 1.0)
+        # marked: it reads no shape, so the head runs on the labelled rows (unmarked, on the padded batch: it may read
+        # the layout, `test_module_hooks.py`); it may change the logits all the same
+        model.lm_head.register_forward_hook(patchkit.shape_free(lambda m, i, o: o * 1.0))
     elif why == "a head of another class":
         class Head(torch.nn.Linear):
             pass

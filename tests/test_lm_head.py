@@ -39,9 +39,11 @@ def batch(model: torch.nn.Module) -> dict:
 
 
 def head_rows(model: torch.nn.Module) -> list:
-    """The row counts the LM's head sees, one entry per call (a forward hook on its output embeddings)."""
+    """The row counts the LM's head sees, one entry per call (a forward hook on its output embeddings, marked as
+    reading no layout: an unmarked one would keep the head on the padded batch)."""
     seen: list = []
-    model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].shape[:-1].numel()))
+    model.get_output_embeddings().register_forward_hook(
+        patchkit.shape_free(lambda m, i, o: seen.append(i[0].shape[:-1].numel())))
     return seen
 
 

@@ -161,6 +161,43 @@ def test_a_users_hook_on_a_layer_sees_the_padded_rows_and_the_numbers_are_unpatc
         torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_a_users_hook_on_the_head_sees_every_positions_logits_and_the_numbers_are_unpatched(unpad):
+    """The head is outside the base model: a hook on it (the logits' norm at real tokens, read through the batch's
+    mask) saw the packed row, or the labelled rows alone, and failed. The head now runs on the padded batch where
+    such a hook sits, said once; marked `shape_free`, it sees the rows patchkit hands the head."""
+    model = tiny_model(kv_heads=2, layers=2).train()
+    ref = clone(model)
+    ids, mask = padded_batch("left")
+    norms: dict[str, list] = {"want": [], "got": []}
+
+    def hook_on(m: torch.nn.Module, key: str) -> None:
+        m.lm_head.register_forward_hook(lambda mod, args, out: norms[key].append(out[mask.bool()].norm(dim=-1)))
+
+    hook_on(ref, "want")
+    hook_on(model, "got")
+    want = seeded_step(ref, ids, mask)
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa",
+                                                                             unpad=unpad) as handle:
+        warnings.simplefilter("always")
+        got = [seeded_step(model, ids, mask) for _ in range(2)][-1]
+        assert list(handle.heads) == ["a forward hook on its head that may read the (B, S, V) layout"]
+    said = hook_warnings(caught)
+    assert len(said) == 1 and "'lm_head'" in said[0] and "shape_free" in said[0], said
+    torch.testing.assert_close(norms["got"][-1], norms["want"][0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+    rows: list = []
+    marked = clone(ref)
+    marked.lm_head._forward_hooks.clear()
+    marked.lm_head.register_forward_hook(patchkit.shape_free(lambda mod, args, out: rows.append(out.shape[:-1])))
+    with patchkit.apply_patch(model=marked, backend="sdpa", unpad=unpad) as handle:
+        marked(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
+        assert "a forward hook on its head that may read the (B, S, V) layout" not in handle.heads
+    assert rows and rows[0].numel() < mask.numel()  # real tokens only (the labelled ones, fused: its checking call)
+
+
 def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
     """`patchkit.shape_free(hook)`: the user says the hook reads no shape. torch's pruning re-derives a weight in a
     pre-hook (a framework's hook: `torch.nn.utils`). Both forwards run their layers on the packed row, unannounced,

@@ -99,3 +99,17 @@ def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callabl
             if not reads_no_shape(hook):
                 return hook
     return None
+
+
+def head_hook(lm: nn.Module, base: nn.Module) -> Optional[Callable]:
+    """The first hook on a module of the causal LM `lm` outside its base model `base` (its head, which sees the
+    rows patchkit hands it), that may read the batch's layout, else None."""
+    for child in lm.children():
+        if child is base:
+            continue
+        for module in child.modules():
+            if module._forward_hooks or module._forward_pre_hooks:
+                hook = next((h for h in hooks_on(module) if not reads_no_shape(h)), None)
+                if hook is not None:
+                    return hook
+    return None

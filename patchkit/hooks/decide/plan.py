@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -157,7 +157,12 @@ def chunked(config: Any) -> bool:
 def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
     """A hook inside `model` may read the (B, S, H) layout (`layout_hook`): the forward keeps it. Said once per hook,
     with where it sits and the fix, unless it is PEFT's (`QUIET_FROM`)."""
-    hook = layout_hook(model, skip)
+    return said_layout(model, layout_hook(model, skip))
+
+
+def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:
+    """`hook`, found on a module of `model` (or on every module), may read the batch's layout: said once per hook
+    (unless it is PEFT's), True; no hook: False."""
     if hook is None:
         return False
     fn = function_of(hook)

@@ -34,9 +34,11 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchkitError
+from patchkit.forward.inputs.module_hooks import head_hook
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
+from patchkit.hooks.decide.plan import said_layout
 from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
 from patchkit.hooks.head.head_request import CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.head.weight_holders import held
@@ -77,6 +79,9 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
         return ""  # generate()'s last position, or chosen positions: no head on padding to save
     if unservable is not None:
         return f"{type(lm).__name__}'s forward {unservable}"
+    base = getattr(lm, "base_model", lm)
+    if base is not lm and said_layout(lm, head_hook(lm, base)):
+        return "a forward hook on its head that may read the (B, S, V) layout"
     asked = arguments.get("return_dict", extra.get("return_dict"))
     if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
         return "a tuple output (return_dict=False)"
