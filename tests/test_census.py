@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 from unittest import mock
 
 import pytest
@@ -194,6 +194,62 @@ def eval_loss_alone(model_type: str, model, want: tuple, handle) -> str:
     return ""
 
 
+def eval_outputs(model, asked: Optional[dict] = None) -> tuple[dict, Any]:
+    """An eval forward of a padded batch with no cache that returns every hidden state (and a mixture of experts'
+    router logits where transformers' own run can: `asked` unset), the fields a caller reads beside the logits; and
+    what it asked for."""
+    ids, mask = census_batch(model, 16)
+    if asked is None:
+        asked = {"output_hidden_states": True}
+        if "output_router_logits" in inspect.signature(model.forward).parameters:
+            try:  # a tiny config with no expert layer: transformers' load-balancing loss reads an empty tuple
+                return eval_outputs(model, {**asked, "output_router_logits": True})
+            except IndexError:
+                pass
+    model.eval()
+    try:
+        with torch.no_grad():
+            return asked, model(input_ids=ids.clamp(max=model.config.vocab_size - 1), attention_mask=mask,
+                                use_cache=False, **asked, **token_types(model, ids))
+    finally:
+        model.train()
+
+
+def output_tensors(out, path: str = "out") -> dict:
+    """Every tensor of a model output by where it sits (its cache left out)."""
+    if isinstance(out, torch.Tensor):
+        return {path: out}
+    if hasattr(out, "keys"):
+        return {k: v for key in out.keys() if key not in ("past_key_values", "cache", "cache_params")
+                for k, v in output_tensors(out[key], f"{path}.{key}").items()}
+    if isinstance(out, (tuple, list)):
+        return {k: v for i, item in enumerate(out) for k, v in output_tensors(item, f"{path}[{i}]").items()}
+    return {}
+
+
+def outputs_alike(got, want, mask: torch.Tensor) -> str:
+    """'' when the patched output has the unpatched one's fields, each of its shape and equal at real tokens (a
+    (..., B, S, ...) field at its (B, S) place, a (B * S, E) one by row), else what differed."""
+    got, want = output_tensors(got), output_tensors(want)
+    if got.keys() != want.keys():
+        return f"output fields {sorted(set(got) ^ set(want))} differ"
+    real = mask.bool()
+    for path, w in want.items():
+        g = got[path]
+        if g.shape != w.shape:
+            return f"{path} is {tuple(g.shape)}, unpatched {tuple(w.shape)}"
+        if w.dim() == 2 and w.shape[0] == real.numel():
+            g, w = g.view(*real.shape, -1), w.view(*real.shape, -1)
+        at = next((i for i in range(w.dim() - 1) if tuple(w.shape[i:i + 2]) == tuple(real.shape)), None)
+        if at is None or not w.is_floating_point():
+            continue
+        g, w = g.movedim((at, at + 1), (0, 1))[real], w.movedim((at, at + 1), (0, 1))[real]
+        diff = (g - w).abs().max().item() if w.numel() else 0.0
+        if not diff <= ATOL * max(1.0, w.abs().max().item() if w.numel() else 0.0):
+            return f"{path} differs at real tokens by {diff:.2g}"
+    return ""
+
+
 def cached_packed(model, want: dict) -> str:
     """Packed rows in an eval forward that makes a cache (use_cache=True; 5.x makes one from the config): each
     document alone, or transformers' run of the rows without a cache, where it joins them too (a hybrid's mixers,
@@ -251,6 +307,8 @@ def patched_outcomes(model_type: str, model, want: dict, want_tokens, mask) -> d
             outcomes["head"] = f"LM head on the padded batch: {padded_heads}"
     with patchkit.apply_patch(model=model, backend="sdpa") as handle:
         outcomes["instance"] = same(runs(model, packed=False), want, mask)  # the class patch's path, per instance
+        asked, outputs = want["outputs"]
+        outcomes["outputs"] = outputs_alike(eval_outputs(model, asked)[1], outputs, mask)
         assert handle.calls > 0 or handle.stepped_aside, "no forward went through the instance patch"
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="loss") as handle:
         outcomes["loss alone"] = loss_alone(model_type, model, want["completion"], handle)
@@ -289,6 +347,7 @@ def test_census(model_type, monkeypatch):
         want["documents_only"] = model_type in DOCUMENT_MIXERS
         want["completion"] = completion_step(model)
         want["eval"] = eval_forward(model)
+        want["outputs"] = eval_outputs(model)
     except Exception as exc:  # transformers' own eager attention cannot run this tiny model: nothing to compare
         assert model_type not in table.VERIFIED, f"{model_type} is in VERIFIED but its eager run raised {exc!r}"
         record(model_type, "untested", f"transformers' eager run of the tiny model raised {type(exc).__name__}")

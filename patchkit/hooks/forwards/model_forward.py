@@ -92,7 +92,8 @@ def last_queries(out: Any, keep: int) -> Any:
 
 
 def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
-    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding, and every (nnz, E)
+    """Put every (1, nnz, ...) tensor of the model output back to (B, S, ...), zeros at padding (and every (K, 1, nnz,
+    ...) stack of them, Gemma 3n's AltUp hidden states, back to (K, B, S, ...)), and every (nnz, E)
     one (a mixture of experts' per-layer router logits) back to (B * S, E), which the load-balancing loss reads
     against the 2D mask (its padding rows masked out): by what each element is, in a ModelOutput or a tuple
     (return_dict=False) alike."""
@@ -101,6 +102,8 @@ def repad_outputs(out: Any, meta: VarlenMetadata) -> Any:
     def repad(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[:2] == (1, meta.nnz_q):
             return pad_input(x[0], indices, meta.batch, meta.q_len)
+        if isinstance(x, torch.Tensor) and x.dim() >= 4 and x.shape[1:3] == (1, meta.nnz_q):  # a stack of them
+            return pad_input(x[:, 0].movedim(0, 1), indices, meta.batch, meta.q_len).movedim(2, 0)  # (Gemma 3n's)
         if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == meta.nnz_q:
             return pad_input(x, indices, meta.batch, meta.q_len).flatten(0, 1)
         if isinstance(x, (tuple, list)) and not hasattr(x, "keys"):

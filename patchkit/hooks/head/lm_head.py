@@ -259,10 +259,10 @@ def detach() -> None:
 
 
 def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads: Optional[dict]) -> Any:
-    """The LM's output with its logits back at (B, N, V), once its base model handed it the packed row (or, for the
-    loss alone, no logits once it handed the labelled rows), counted in `heads` (a patch state's: where the head
-    ran). A family that computed a loss with labels outside `loss_function` would have seen the rows handed to it:
-    refused by name."""
+    """The LM's output with its logits (and any other field of the packed row's) back at (B, N, ...), once its base
+    model handed it the packed row (or, for the loss alone, no logits once it handed the labelled rows), counted in
+    `heads` (a patch state's: where the head ran). A family that computed a loss with labels outside `loss_function`
+    would have seen the rows handed to it: refused by name."""
     meta, handed = request.meta, request.handed is not None
     alone = request.loss_only and labelled and request.losses > 0  # unpad="loss" served: no logits back
     if meta is None and not handed:
@@ -281,12 +281,13 @@ def finish(lm: nn.Module, out: Any, request: HeadRequest, labelled: bool, heads:
             "real tokens patchkit handed it; this loss cannot be trusted. This is a patchkit bug: report it, and "
             "meanwhile apply the patch with unpad='attention'."
         )
-    logits = out.get("logits") if hasattr(out, "keys") else None
     if alone:
         _drop_logits(out)  # the loss alone: the caller asked for no logits (unpad="loss")
-    elif meta is not None and isinstance(logits, torch.Tensor) and logits.dim() == 3 and (
-            logits.shape[:2] == (1, meta.nnz_q + 1)):
-        out["logits"] = repad_logits(logits, meta)
+    elif meta is not None and hasattr(out, "keys"):  # the logits, and a hidden state returned beside them (Moshi's)
+        for key in list(out.keys()):
+            value = out[key]
+            if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[:2] == (1, meta.nnz_q + 1):
+                out[key] = repad_logits(value, meta)
     return out
 
 
