@@ -151,3 +151,33 @@ def test_prefix_tuning_generates_a_right_padded_batch_as_unpatched():
         got = model.generate(**options)
         assert handle.stepped_aside["right_padded_generation"] == 1
     assert torch.equal(got, want)
+
+
+def cpt_model() -> torch.nn.Module:
+    """A tiny LLaMA under PEFT's CPT (context-aware prompt tuning): its forward calls the LM with labels, then computes
+    a loss of its own from the logits (`peft/tuners/cpt`)."""
+    torch.manual_seed(3)
+    return peft.get_peft_model(tiny_model(), peft.CPTConfig(
+        task_type="CAUSAL_LM", cpt_token_ids=[5, 6, 7, 8], cpt_mask=[1, 1, 1, 1], cpt_tokens_type_mask=[1, 2, 2, 3]))
+
+
+def test_cpt_reads_the_logits_its_lm_returns_in_the_trainer_and_a_loop(tmp_path):
+    """PEFT's frames pass the LM's output on, so a caller that reads the loss alone (the HF Trainer's step, a loop's
+    `.loss`) got no logits, and CPT's own loss failed on them: a PEFT frame that keeps the output in a local and
+    reads more of it is read as a user's, and keeps the logits."""
+    from models import labels_for
+    from test_lm_head import assert_trained_alike, trainer_run
+
+    ids, mask = padded_batch("right", batch=4, seq=16)
+    labels = labels_for(ids, mask)
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab, input_type_mask=m.clone())
+            for i, m, lab in zip(ids, mask, labels)]
+    want, got = (trainer_run(cpt_model(), rows, way, tmp_path, max_steps=2, per_device_train_batch_size=1,
+                             remove_unused_columns=False) for way in (None, "model"))
+    assert_trained_alike(got, want)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    expected = cpt_model()(**batch, input_type_mask=mask.clone()).loss  # CPT shifts the type mask in place
+    model = cpt_model()
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        loss = model(**batch, input_type_mask=mask.clone()).loss
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)

@@ -245,6 +245,16 @@ def _uses(frame: FrameType) -> Optional[frozenset[str]]:
     return None if rest is None else first | rest
 
 
+def reads_what_it_keeps(frame: FrameType) -> bool:
+    """`frame` keeps the result of the call it is making in a local and reads more of it than its loss, or passes
+    it to another function (PEFT's CPT computes a loss of its own from the logits)."""
+    at = _call_at(frame) if KNOWN else None
+    instructions = _instructions(frame.f_code)
+    if at is None or at + 1 >= len(instructions):
+        return False
+    return instructions[at + 1].opname in ("STORE_FAST", "STORE_FAST_LOAD_FAST") and _uses(frame) is None
+
+
 def result_read_at(frame: Optional[FrameType]) -> Optional[str]:
     """What `frame`'s code does with the result of the call it is making now, read once: LOSS (reads nothing of it
     but the loss), RETURNED (passes it on: returns it as it is to its own caller on some path, as a helper of the

@@ -22,7 +22,7 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.head.caller_code import LOSS, RETURNED, result_read_at
+from patchkit.hooks.head.caller_code import LOSS, RETURNED, reads_what_it_keeps, result_read_at
 from patchkit.warn import package_home, real_path
 
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
@@ -39,6 +39,11 @@ PASSING = {
 }
 
 
+# ... but PEFT's, whose frames are read as a user's where they keep the output in a local: PEFT's CPT calls the LM
+# with its labels, then computes a loss of its own from the logits
+READ_WHERE_KEPT = ("peft",)
+
+
 def _passing(filename: str) -> bool:
     """A frame of this file only passes the output of the call it makes on."""
     filename = real_path(filename)
@@ -48,6 +53,13 @@ def _passing(filename: str) -> bool:
             rest = filename[len(home):].replace(os.sep, "/")
             return any(rest.startswith(p) for p in paths)
     return False
+
+
+def _reads_kept(frame: FrameType) -> bool:
+    """`frame`, of a package in READ_WHERE_KEPT, keeps its call's output in a local and reads more of it."""
+    filename = real_path(frame.f_code.co_filename)
+    homes = (package_home(p) for p in READ_WHERE_KEPT if p in sys.modules)
+    return any(home is not None and filename.startswith(home) for home in homes) and reads_what_it_keeps(frame)
 
 
 def _trainers(frame: FrameType, name: str) -> bool:
@@ -70,7 +82,7 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
             return False
         if _trainers(frame, "compute_loss"):
             return _reads_loss(frame)
-        if not _passing(frame.f_code.co_filename):
+        if not _passing(frame.f_code.co_filename) or _reads_kept(frame):
             read = result_read_at(frame)  # the caller's own code: a training loop, a Trainer subclass's, a helper
             if read != RETURNED:
                 return read == LOSS
