@@ -129,6 +129,13 @@ def first_item(model, batch):
     return model(**batch)[0]
 
 
+def through_map(model, batch):
+    """`map` (C) calls the helper: the helper's caller's frame is this one, which reads the list `list` made."""
+    outs = list(map(lambda b: model(**b), [batch]))
+    outs[0].loss.backward()
+    return outs[0].logits.argmax(-1)
+
+
 def second_item(model, batch):
     return model(**batch)[1]
 
@@ -299,12 +306,13 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
     (through_a_helper_then_logits, False), (helper_kept, False), (through_a_generator, False), (first_item, True),
     (second_item, False), (false_item, False), (through_a_stored_helper, True),
     (through_a_stored_helper_then_logits, False), (through_a_branching_helper, True),
-    (through_a_helper_that_reads_the_logits, False)])
+    (through_a_helper_that_reads_the_logits, False), (through_map, False)])
 def test_helpers_that_return_the_output_as_it_is_are_read_through(code: Callable, reads: bool):
     """A helper of the user's that returns the LM's output as it is (`return model(**batch)`, a lambda, a wrapper
     module's forward, or an `outputs` it reads nothing of but the loss before it returns it) hands it to its own
     caller, whose code is read instead; a generator's return reaches no plain caller. `outputs[0]` is the loss
-    wherever one was computed (the first field set, a tuple's first item)."""
+    wherever one was computed (the first field set, a tuple's first item), but where a field is read of it: a list
+    of outputs (`map`'s, whose C frame is not seen)."""
     model = Walker()
     try:
         code(model, {})

@@ -24,6 +24,9 @@ from types import CodeType, FrameType
 from typing import Optional, Sequence
 
 LOSS = "loss"
+# A causal LM output's fields: read of `x[0]`, they say `x` holds outputs, not one
+OUTPUT_FIELDS = frozenset({LOSS, "logits", "past_key_values", "cache", "hidden_states", "attentions", "aux_loss",
+                           "router_logits", "last_hidden_state"})
 RETURNED = "returned"
 # Globals and attributes whose use in a function can read its variables without naming them (`model.eval()` and
 # `torch.stack` are attributes, not the builtin or inspect's)
@@ -94,8 +97,13 @@ def _reads_loss_at(code: Sequence[dis.Instruction], at: int) -> bool:
         return True
     subscript = code[at + 1] if at + 1 < len(code) else None
     key = first.argval if first.opname in ("LOAD_CONST", "LOAD_SMALL_INT") else None
-    # `outputs[0]` is the loss wherever there is one: a ModelOutput's first field that is set, a tuple's first item
-    return (key == LOSS or type(key) is int and key == 0) and subscript is not None and (
+    # `outputs[0]` is the loss wherever there is one: a ModelOutput's first field that is set, a tuple's first item;
+    # unless an output's field is read of it (`outs[0].logits`): `outs` holds outputs (a list a C function such as
+    # `map` built from a helper's returns, whose frame is the helper's caller's)
+    then = code[at + 2] if at + 2 < len(code) else None
+    first_of_many = type(key) is int and then is not None and then.opname in ("LOAD_ATTR", "LOAD_METHOD") and (
+        then.argval in OUTPUT_FIELDS)
+    return (key == LOSS or type(key) is int and key == 0 and not first_of_many) and subscript is not None and (
         subscript.opname == "BINARY_SUBSCR" or subscript.opname == "BINARY_OP" and subscript.argrepr == "[]")
 
 
