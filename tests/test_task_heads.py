@@ -5,6 +5,7 @@ it reads none, it runs patched with them. (Every served family's heads: tests/te
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -91,6 +92,42 @@ class _no_warning:  # noqa: N801 (a context manager, used as `with`)
 
     def __exit__(self, *exc: object) -> None:
         self.caught.__exit__(*exc)
+
+
+def gemma3_classifier() -> torch.nn.Module:
+    """A tiny `Gemma3ForSequenceClassification` (a composite config: its pad token on its text config, 0)."""
+    text = transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=PAD)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=96, boi_token_index=94,
+                                       eoi_token_index=95, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.Gemma3ForSequenceClassification._from_config(config, attn_implementation="eager").float()
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Gemma3ForSequenceClassification"), reason="transformers 4.52+")
+@pytest.mark.parametrize("where", ["text config", "composite config"])
+def test_a_multimodal_classifier_pools_by_the_pad_token_its_forward_reads(where):
+    """The tokenizer pads with 5. Set on the text config (where transformers' classifier reads it), the rows pool
+    real tokens and run patched; set on the composite config alone (which transformers' forward does not read: it
+    still pools by the text config's 0), the rows pool padding, so the forward steps aside (it ran patched, pooling
+    zero hidden states, unwarned). The numbers are transformers' either way."""
+    model = gemma3_classifier()
+    target = model.config.get_text_config() if where == "text config" else model.config
+    target.pad_token_id = 5
+    stack = lambda rs: {k: torch.stack([r[k] for r in rs]) for k in rs[0]}  # noqa: E731
+    inputs = stack(rows(5)[:3])
+    want = outputs(copy.deepcopy(model), inputs)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = outputs(model, inputs)
+        reads_text = "get_text_config().pad_token_id" in inspect.getsource(type(model).forward)
+        if reads_text:
+            assert handle.stepped_aside == ({} if where == "text config" else {"pooled_at_padding": 1})
+    assert not differs(got, want), differs(got, want)
 
 
 def test_strict_refuses_a_pooled_padding_position_with_the_fix_and_stays_patched():

@@ -166,8 +166,8 @@ CAUSES = {
         "(the last column under inputs_embeds), and this batch's padding holds other ids (the tokenizer pads with "
         "another token than the config names) or ends a row; transformers computes a hidden state there, which "
         "varlen kernels skip",
-        "pad with the token the config names (model.config.pad_token_id = tokenizer.pad_token_id), or pad on the "
-        "left",
+        "pad with the token the config names (model.config.pad_token_id = tokenizer.pad_token_id; a multimodal "
+        "model's: model.config.get_text_config().pad_token_id), or pad on the left",
     ),
     "choice_at_padding": (
         "a multiple-choice head (GPT-2's DoubleHeadsModel) pools a padding position of a choice: mc_token_ids, or "
@@ -270,7 +270,7 @@ BRIEF = {
                        "none needed"),
     "pooled_at_padding": ("a sequence classifier pools a padding position (padding ids are not "
                           "config.pad_token_id, or inputs_embeds ends a row in padding)",
-                          "pad with config.pad_token_id, or on the left"),
+                          "pad with config.pad_token_id (a multimodal model's text config's), or on the left"),
     "choice_at_padding": ("a multiple-choice head pools a padding position (mc_token_ids, or the last column)",
                           "mc_token_ids at each choice's last real token"),
     "softmax_over_padding": ("a question-answering loss normalises over every position, padding included",

@@ -10,6 +10,7 @@ agree on some families, its gradients not on those with biases (StarCoder2's, St
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -30,13 +31,31 @@ def task_of(cls: type) -> Optional[str]:
     return next((task for task in TASKS if cls.__name__.endswith(task)), None)
 
 
-def pad_token_id(config: Any) -> Optional[int]:
-    """The pad token a sequence classifier pools by: the config's own, else its text config's (5.x reads the text
-    config's, where a composite config keeps it)."""
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None and hasattr(config, "get_text_config"):
-        pad = getattr(config.get_text_config(), "pad_token_id", None)
-    return pad
+def pad_token_ids(head: Any) -> list[Optional[int]]:
+    """The pad token a sequence classifier pools by, as its forward reads it: transformers' generic classifier (5.x)
+    its text config's (where a composite config keeps it; a pad token set on the composite itself is not read),
+    a family's own its config's; both where its code cannot be read (each is checked: a false positive steps
+    aside)."""
+    config = head.config
+    own = getattr(config, "pad_token_id", None)
+    text = getattr(config.get_text_config(), "pad_token_id", None) if hasattr(config, "get_text_config") else own
+    reads = _pad_read_from(type(head))
+    return [text] if reads == "text" else [own] if reads == "config" else list(dict.fromkeys([own, text]))
+
+
+_pad_reads: dict[type, Optional[str]] = {}
+
+
+def _pad_read_from(cls: type) -> Optional[str]:
+    """Which config the classifier's forward reads its pad token from ("text", "config"), read off its code once."""
+    if cls not in _pad_reads:
+        try:
+            code = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            code = ""
+        _pad_reads[cls] = ("text" if "get_text_config().pad_token_id" in code
+                           else "config" if "config.pad_token_id" in code else None)
+    return _pad_reads[cls]
 
 
 def pooled_positions(input_ids: Any, pad: Optional[int], batch: int, width: int, device: Any) -> list[torch.Tensor]:
@@ -78,10 +97,11 @@ def task_cause(head: Any, arguments: dict) -> Optional[str]:
         ids = arguments.get("input_ids")
         if input_tokens(arguments) is None or (ids is not None and tuple(ids.shape) != (batch, width)):
             return None  # transformers refuses it, or a shape patchkit's own checks refuse
-        pad = pad_token_id(head.config)
-        if pad is None and batch != 1:
+        pads = pad_token_ids(head)
+        if all(pad is None for pad in pads) and batch != 1:
             return None  # transformers refuses it: "Cannot handle batch sizes > 1 if no padding token is defined."
-        read = pooled_positions(ids if pad is not None else None, pad, batch, width, mask.device)
+        read = [p for pad in pads for p in pooled_positions(ids if pad is not None else None, pad, batch, width,
+                                                             mask.device)]
         return "pooled_at_padding" if any(bool(padding[rows, p.to(mask.device)].any()) for p in read) else None
     if task == "ForTokenClassification":
         labels = arguments.get("labels")
