@@ -282,6 +282,37 @@ def test_dpo_matches_unpatched(padding_free: bool, tmp_path: Path) -> None:
     assert_same_losses(got, want)
 
 
+@pytest.mark.parametrize("trainer_name", ["ORPO", "CPO"])
+def test_orpo_and_cpo_train_as_unpatched_and_say_their_padding_metrics_differ(trainer_name: str,
+                                                                              tmp_path: Path) -> None:
+    """TRL's ORPO and CPO trainers (trl.experimental) log `logits/chosen` and `logits/rejected` as the mean of the
+    logits over every position, padding included: patched, those at padding are the head's of a zero hidden state.
+    Said once, by name; the losses, log-probabilities and rewards they log are the unpatched ones."""
+    import warnings
+
+    experimental = pytest.importorskip(f"trl.experimental.{trainer_name.lower()}")
+    config, trainer_class = (getattr(experimental, f"{trainer_name}{kind}") for kind in ("Config", "Trainer"))
+
+    def logged() -> dict:
+        torch.manual_seed(0)
+        args = config(**{**common_args(tmp_path), "max_steps": 1})
+        trainer = trainer_class(model=build("llama"), args=args, train_dataset=preferences(),
+                                processing_class=tokenizer())
+        trainer.train()
+        return trainer.state.log_history[0]
+
+    want = logged()
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        got = logged()
+        assert handle.calls > 0 and handle.stepped_aside == {}
+    said = [str(w.message) for w in caught if f"TRL's {trainer_name}Trainer logs" in str(w.message)]
+    assert len(said) == 1 and "logits/chosen and logits/rejected" in said[0], said
+    exact = [k for k in want if k.startswith(("loss", "logps/", "rewards/", "nll_loss", "log_odds"))]
+    assert "loss" in exact and "logps/chosen" in exact
+    assert {k: got[k] for k in exact} == pytest.approx({k: want[k] for k in exact}, abs=1e-5)
+
+
 def test_reward_trainer_on_a_sequence_classifier_matches_unpatched(tmp_path: Path) -> None:
     """RewardTrainer on Qwen2ForSequenceClassification (its score read at each row's last real token, from the
     repadded hidden states): the same losses, every layer through the patch."""

@@ -101,15 +101,16 @@ def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callabl
     return None
 
 
-def head_hook(lm: nn.Module, base: nn.Module) -> Optional[Callable]:
-    """The first hook on a module of the causal LM `lm` outside its base model `base` (its head, which sees the
-    rows patchkit hands it), that may read the batch's layout, else None."""
-    for child in lm.children():
-        if child is base:
-            continue
-        for module in child.modules():
-            if module._forward_hooks or module._forward_pre_hooks:
-                hook = next((h for h in hooks_on(module) if not reads_no_shape(h)), None)
-                if hook is not None:
-                    return hook
+def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
+    """The first hook on a module of the causal LM `lm` outside its base model (the child `base_name`): its head,
+    which sees the rows patchkit hands it, that may read the batch's layout, else None. Read off the modules' own
+    dicts (every forward asks, decode steps too)."""
+    todo = [child for name, child in lm._modules.items() if name != base_name and child is not None]
+    while todo:
+        module = todo.pop()
+        if module._forward_hooks or module._forward_pre_hooks:
+            hook = next((h for h in hooks_on(module) if not reads_no_shape(h)), None)
+            if hook is not None:
+                return hook
+        todo.extend(child for child in module._modules.values() if child is not None)
     return None

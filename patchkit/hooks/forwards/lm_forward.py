@@ -4,13 +4,19 @@ the real tokens the base model hands back (or fused with the loss where its call
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from patchkit.forward.context import current, within
-from patchkit.forward.inputs.arguments import check_one_cache, resolved_use_cache, transformers_mask_in_graph
+from patchkit.forward.inputs.arguments import (
+    check_one_cache,
+    input_tokens,
+    resolved_use_cache,
+    transformers_mask_in_graph,
+)
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
@@ -21,6 +27,7 @@ from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
 from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish
 from patchkit.hooks.head.loss_reader import reads_loss_alone
+from patchkit.hooks.head.padding_readers import say_padding_reader
 from patchkit.hooks.install.forward_source import unservable_why
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.names import WHOLE_MODEL
@@ -29,6 +36,12 @@ from patchkit.names import WHOLE_MODEL
 def takes_logits_to_keep(signature: inspect.Signature) -> bool:
     """The forward takes `logits_to_keep` (or its older name), which generate() sets in its prefill."""
     return any(name in signature.parameters for name in ("logits_to_keep", "num_logits_to_keep"))
+
+
+def wide(arguments: dict) -> bool:
+    """The call runs several tokens a row (not a decode step's one)."""
+    tokens = input_tokens(arguments)
+    return tokens is not None and tokens.dim() >= 2 and tokens.shape[1] > 1
 
 
 def labelled(arguments: dict, extra: dict) -> bool:
@@ -81,6 +94,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         choice = eager_choice_cause(arguments) if chooses else None
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
+        if cause is None and arguments.get("labels") is None and wide(arguments) and not is_compiling():
+            say_padding_reader(sys._getframe(1))  # a caller that reads the logits at padding (TRL's ORPO's metrics)
         if cause is None and not is_compiling() and current().head is not None:
             return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which
             # computes the loss from this one's logits): that call's request is served here, one head a forward

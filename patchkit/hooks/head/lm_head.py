@@ -79,8 +79,8 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
         return ""  # generate()'s last position, or chosen positions: no head on padding to save
     if unservable is not None:
         return f"{type(lm).__name__}'s forward {unservable}"
-    base = getattr(lm, "base_model", lm)
-    if base is not lm and said_layout(lm, head_hook(lm, base)):
+    base_name = getattr(lm, "base_model_prefix", "")
+    if base_name in lm._modules and said_layout(lm, head_hook(lm, base_name)):
         return "a forward hook on its head that may read the (B, S, V) layout"
     asked = arguments.get("return_dict", extra.get("return_dict"))
     if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
