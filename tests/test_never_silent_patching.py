@@ -111,6 +111,34 @@ def test_a_saved_instance_patched_model_loads_and_runs_without_patchkit(tmp_path
     assert "LOADED eager" in done.stdout
 
 
+def test_a_pickled_instance_patched_model_loaded_under_a_class_patch_keeps_none_of_it():
+    """A model pickled while instance-patched (torch.save of the whole model) and loaded while a class patch was
+    active held that class patch's forward on the instance: after the class patch's revert its LM still handed the
+    head the packed row, and the loss failed against the padded labels. It loads with the class's own method, by
+    builtins alone (no patchkit needed to load it)."""
+    import io
+    import pickle
+
+    from models import labels_for
+
+    model = tiny_model()
+    ids, mask = padded_batch("left")
+    labels = labels_for(ids, mask)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with patchkit.apply_patch("llama2", model=model, backend="sdpa"):
+        blob = pickle.dumps(model)
+
+    class WithoutPatchkit(pickle.Unpickler):
+        def find_class(self, module, name):
+            assert not module.startswith(("patchkit", "_patchkit")), f"the pickle needs {module}.{name}"
+            return super().find_class(module, name)
+
+    with patchkit.apply_patch(backend="sdpa"):
+        loaded = WithoutPatchkit(io.BytesIO(blob)).load()
+    assert not any(is_patched_forward(vars(m).get("forward")) for m in loaded.modules() if "forward" in vars(m))
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, labels=labels).loss, want)
+
+
 def test_a_collected_model_leaves_no_handle():
     model = tiny_model()
     patchkit.apply_patch("llama2", model=model.model, backend="sdpa")  # a submodule: the patch binds to it

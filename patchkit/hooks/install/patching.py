@@ -81,7 +81,32 @@ class BoundPatch:
         return new
 
     def __reduce__(self) -> tuple:
-        return getattr, (self.__self__, self.attr)  # at load: the class's own (unpatched) method
+        """Pickled as the class's own method bound to the module, found at load by builtins alone (a saved model needs
+        no patchkit to load): `getattr(cls, attr)`, unwrapped of a class patch of patchkit's active while it loads
+        (`__wrapped_original__`; bound as it was, the loaded model kept that wrapper past its revert), then its
+        `__get__(module)`."""
+        found = _Load(getattr, type(self.__self__), self.attr)
+        original = _Load(getattr, found, "__wrapped_original__", found)
+        return _Load(getattr, original, "__get__"), (self.__self__,)
+
+
+class _Load:
+    """Pickles as `fn(*args)` (pickle's own reconstruction, by builtins): a step of `BoundPatch.__reduce__`."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple:
+        return self.fn, self.args
+
+    def value(self) -> Any:
+        """What it loads as."""
+        return self.fn(*(a.value() if isinstance(a, _Load) else a for a in self.args))
+
+    def __call__(self, *args: Any) -> Any:  # pickle asks a reconstruction's first item to be callable
+        return self.value()(*args)
 
 
 # What introspection reads of a function: transformers' own tests read a forward's return type from its annotations
