@@ -246,12 +246,13 @@ def test_nothing_on_patchkits_path_reads_the_call_stack():
     caller reads its loss alone (`loss_reader.py`, the HF Trainer's own step, and `caller_code.py`, a caller's own
     code: where they cannot prove it, the logits are returned as ever) and the check that a served language model
     runs inside a generative head no wrapper of patchkit's tells it about (`outer_caller.py`, once per base model:
-    it can only step aside) read frames."""
+    it can only step aside), and TRL's trainers known to read the logits at padding (`padding_readers.py`: it only
+    warns) read frames."""
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))
     assert readers == ["hooks/decide/outer_caller.py", "hooks/forwards/unserved.py", "hooks/head/caller_code.py",
-                       "hooks/head/loss_reader.py", "warn.py"]
+                       "hooks/head/loss_reader.py", "hooks/head/padding_readers.py", "warn.py"]
 
 
 @needs_mask_interface

@@ -4,7 +4,6 @@ the real tokens the base model hands back (or fused with the loss where its call
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -95,7 +94,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
         if cause is None and arguments.get("labels") is None and wide(arguments) and not is_compiling():
-            say_padding_reader(sys._getframe(1))  # a caller that reads the logits at padding (TRL's ORPO's metrics)
+            say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
         if cause is None and not is_compiling() and current().head is not None:
             return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which
             # computes the loss from this one's logits): that call's request is served here, one head a forward

@@ -9,6 +9,7 @@ calling frames (a frame's method name and its class's) of a forward without labe
 
 from __future__ import annotations
 
+import sys
 from types import FrameType
 from typing import Optional
 
@@ -38,9 +39,10 @@ def padding_reader(frame: Optional[FrameType]) -> Optional[tuple[str, str]]:
     return None
 
 
-def say_padding_reader(frame: Optional[FrameType]) -> None:
-    """Warn once per reader that the values it derives from the logits at padding differ from unpatched."""
-    found = padding_reader(frame)
+def say_padding_reader() -> None:
+    """Warn once per reader (found from the caller of this function's caller up) that the values it derives from the
+    logits at padding differ from unpatched."""
+    found = padding_reader(sys._getframe(2))
     if found is None or found[0] in _said:
         return
     _said.add(found[0])
