@@ -133,3 +133,22 @@ def test_cli_verify_rejects_a_bad_dtype(capsys):
     assert exc.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dtype='fp8' is not valid; allowed values: fp32, bf16, fp16"):
         verify(dtype="fp8")
+
+
+def test_verify_takes_a_checkpoints_own_family_and_refuses_what_it_cannot_run_by_name(tmp_path, capsys):
+    """`--model` alone verifies the checkpoint's family (a family served from data too: GPT-OSS's); `--patch all`
+    and a family without its checkpoint are refused with the fix (the first exited 2 naming no such patch, and no
+    family served from data could be verified)."""
+    from census import tiny_lm
+
+    from patchkit.entry.cli import main
+
+    model, why = tiny_lm("gpt_oss")
+    assert model is not None, why
+    model.save_pretrained(tmp_path / "ckpt")
+    result = verify(None, "fp32", model_path=str(tmp_path / "ckpt"), backend="sdpa")
+    assert result.passed and result.patch == "gpt_oss", result.table()
+    assert main(["verify", "--patch", "all"]) == 2
+    assert "verify checks one family" in capsys.readouterr().err
+    assert main(["verify", "--patch", "qwen3"]) == 2
+    assert "give --model PATH" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from patchkit.errors import PatchkitError
-from patchkit.names import BACKEND_NAMES, patch_names
+from patchkit.names import BACKEND_NAMES
 
 USAGE = """usage: patchkit {run,doctor,verify,bench} ...
 
@@ -53,7 +53,8 @@ def cmd_verify(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="patchkit verify", description="Run padded batches and a short greedy "
                                      "generation through patched and unpatched (eager) attention; print the largest "
                                      "differences of logits and gradients against tolerances.")
-    parser.add_argument("--patch", default="llama2", choices=patch_names())
+    parser.add_argument("--patch", default=None, help="the family: a patch name (llama2, mistral, ...) or a "
+                        "model_type served from data (default: the --model checkpoint's model_type, else llama2)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])  # verify.DTYPES
     parser.add_argument("--model", default=None, metavar="PATH", help="local checkpoint (default: tiny random LLaMA)")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)

@@ -97,6 +97,27 @@ def tiny_llama(patch: str, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).float().eval()
 
 
+TINY = ("llama2", "llama1")  # the patches verify's tiny random LLaMA serves
+
+
+def family_to_verify(patch: Optional[str], model_path: Optional[str]) -> str:
+    """The one patch verify runs: `patch`, else the checkpoint's model_type, else llama2; refused by name where it is
+    every family at once (`all`) or a family served from data without a checkpoint of it."""
+    if patch is None:
+        if model_path is None:
+            return "llama2"
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path).model_type
+    if patch.lower() == "all":
+        raise ValueError("verify checks one family: name it (--patch llama2, or a model_type such as qwen3), or give "
+                         "--model alone to verify the checkpoint's own family")
+    if model_path is None and resolve(patch).name not in TINY:
+        raise ValueError(f"verify of {patch!r} runs on a checkpoint of that family: give --model PATH (without one, "
+                         f"verify's tiny model is a LLaMA: --patch {' or '.join(TINY)})")
+    return patch
+
+
 def load_model(patch: str, path: Optional[str], seed: int) -> tuple[nn.Module, str]:
     """The fp32 reference: a local checkpoint (from_pretrained, eager) or a tiny random LLaMA."""
     if path is None:
@@ -211,10 +232,12 @@ def run_side(model: nn.Module, batches: dict, gen: Optional[tuple]) -> dict[str,
 
 
 def verify(
-    patch: str = "llama2", dtype: str = "fp32", model_path: Optional[str] = None, backend: str = "auto",
+    patch: Optional[str] = "llama2", dtype: str = "fp32", model_path: Optional[str] = None, backend: str = "auto",
     strict: bool = False, seed: int = 0,
 ) -> VerifyResult:
     """Run padded batches (right/left/mixed) and, for llama2, greedy generation through patched and eager attention.
+    `patch`: a patch name or a model_type served from data (None: the checkpoint's model_type, else llama2); a
+    family served from data is verified on a checkpoint of it (`model_path`), the tiny model being a LLaMA.
 
     The unpatched side is the same weights with attn_implementation="eager". The reference scale is
     max(1, |logits|max) for logits and |gradient|max over all parameters for gradients. fp32: the largest difference
@@ -226,11 +249,11 @@ def verify(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; allowed values: {', '.join(DTYPES)}")
-    spec = resolve(patch)
+    spec = resolve(family_to_verify(patch, model_path))
     half = dtype != "fp32"
     if any(h.key == ("class", spec.family) for h in active_patches()):
-        raise PatchkitError("verify compares against unpatched attention, but a patch is already applied to the LLaMA "
-                            "classes; call patchkit.revert_patch() first")
+        raise PatchkitError(f"verify compares against unpatched attention, but a patch is already applied to the "
+                            f"{spec.family} classes; call patchkit.revert_patch() first")
     if strict:  # fail on the gates before building anything
         apply_patch(spec.name, backend=backend, strict=True).revert()
     reference, label = load_model(spec.name, model_path, seed)
