@@ -24,6 +24,9 @@ from patchkit.hooks.name import flash_request
 from patchkit.names import GROUP_NAME, UNPAD_MEANING
 
 ACTIVE: dict[tuple, PatchHandle] = {}  # every applied patch by its key: ("class", family) or ("model", id(model))
+# per patch name, the attention layers and calls of the patches reverted in this process (a script's own
+# `with apply_patch(model=...)`): what the launcher's exit line counts beside its own patch
+REVERTED: dict[str, list[int]] = {}
 
 
 def detach_when_idle() -> None:
@@ -102,6 +105,8 @@ class PatchHandle:
         restore_replacements(self.replacements)
         self.state.revert_copies()
         self.active = False
+        counts = REVERTED.setdefault(self.name, [0, 0])
+        counts[0], counts[1] = counts[0] + self.layers_seen, counts[1] + self.calls
         if ACTIVE.get(self.key) is self:
             del ACTIVE[self.key]
         if not any(key[0] == "class" for key in ACTIVE):

@@ -348,3 +348,36 @@ def test_the_exit_line_says_where_the_head_and_loss_ran():
     assert group.heads == {lm_head.FUSED: 1}
     assert line.endswith("(1 calls, backend 'sdpa'); LM head and loss: 1 forwards on real tokens (1 returned the "
                          "loss alone, the head on the labelled tokens only; 1 fused with the loss)"), line
+
+
+@pytest.mark.parametrize("reverted", [False, True])
+def test_the_exit_line_counts_the_scripts_own_instance_patch(reverted, monkeypatch):
+    """A script under the launcher (or the env var) that patches its own model, `apply_patch(model=...)`: its layers
+    ran through patchkit, yet the exit line warned that the script ran without it. It names the script's own
+    patches and what ran through them, the one that ended with the script's `with` block too."""
+    import io
+
+    import torch
+
+    from patchkit import handles
+    from patchkit.entry.process_report import report_at_exit
+
+    monkeypatch.setattr(handles, "REVERTED", {})
+    model = tiny_model(hidden=32, layers=2)
+    ids, mask = padded_batch("left")
+    group = patchkit.apply_patch(backend="sdpa")  # the launcher's, before the script built its model
+    try:
+        own = patchkit.apply_patch(model=model, backend="sdpa")
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        if reverted:
+            own.revert()
+        stream = io.StringIO()
+        report_at_exit(group, stream)
+        own.revert()
+    finally:
+        group.revert()
+    line = stream.getvalue().strip()
+    assert "WARNING" not in line and line.endswith(
+        "no attention layer ran through patch 'all'; the script's own patches ran 'llama2': 2 attention layers "
+        "(2 calls)."), line

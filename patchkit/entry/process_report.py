@@ -178,6 +178,9 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
               f"before any attention layer ran through patch {handle.name!r}.", file=stream)
     elif multiprocessing.parent_process() is not None:
         pass  # a worker (a DataLoader's, a pool's) that ran no model: nothing to warn about
+    elif others := others_that_ran(handle):
+        print(f"{who}: {rank_label()}: no attention layer ran through patch {handle.name!r}; the script's own "
+              f"patches ran {others}.", file=stream)
     else:
         print(
             f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r} in this process. "
@@ -189,6 +192,21 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
             file=stream,
         )
     stream.flush()
+
+
+def others_that_ran(handle: Any) -> str:
+    """The patches other than `handle` (and its group's) that attention layers ran through in this process, active
+    or reverted: a script's own `apply_patch(model=...)`; '' where none."""
+    from patchkit.handles import ACTIVE, REVERTED
+
+    mine = {id(h) for h in [handle, *(getattr(handle, "handles", None) or [])]}
+    counts: dict[str, list[int]] = {name: list(c) for name, c in REVERTED.items()}
+    for other in ACTIVE.values():
+        if id(other) not in mine:
+            c = counts.setdefault(other.name, [0, 0])
+            c[0], c[1] = c[0] + other.layers_seen, c[1] + other.calls
+    ran = {name: c for name, c in counts.items() if c[0]}
+    return ", ".join(f"{name!r}: {layers} attention layers ({calls} calls)" for name, (layers, calls) in ran.items())
 
 
 def compiled(handle: Any) -> bool:
