@@ -13,7 +13,7 @@ from models import clone, labels_for, padded_batch, tiny_model
 from test_lm_head import assert_trained_alike, family, trainer_run
 
 import patchkit
-from patchkit.hooks.decide import plan
+from patchkit.forward.inputs import module_hooks
 from patchkit.hooks.head import lm_head
 
 try:  # 5.x; the Trainer's own module before it
@@ -26,7 +26,7 @@ ALPHA = 5.0  # NEFTune's alpha: noise of at most alpha / sqrt(S * H) per element
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(plan, "_warned", set())
+    monkeypatch.setattr(module_hooks, "_warned", set())
 
 
 def neftune(model: torch.nn.Module) -> list[tuple[int, ...]]:

@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
+from patchkit.warn import warn_user
+
 # Frameworks whose hooks gather, move, record or re-derive weights and never read a batch's layout: ZeRO-3's and
 # FSDP's gathers, torch's pruning and weight norms, transformers' output recorders (whose records patchkit repads),
 # TRL's activation offloading, wandb's logging. Not transformers' NEFTune (its noise reads the shape), nor
@@ -20,6 +22,11 @@ SHAPE_FREE_FROM = ("deepspeed.runtime.zero.", "deepspeed.utils.nvtx", "torch.dis
 SHAPE_FREE_NAMES = frozenset({"make_inputs_require_grads", "make_inputs_require_grad",
                               "cast_outputs_to_original_dtype"})
 MARK = "__patchkit_shape_free__"
+# PEFT's hooks carry per-row arguments to its layers for a forward's duration (a mixed-adapter batch's
+# `adapter_names`, Activated LoRA's `alora_offsets`, Poly's `task_ids`, X-LoRA's scalings), read by row of the
+# (B, S, H) batch: the padded layout serves them, unannounced
+QUIET_FROM = ("peft.",)
+_warned: set[str] = set()  # the hooks already named in this process
 
 
 def shape_free(hook: Callable) -> Callable:
@@ -114,3 +121,23 @@ def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
                 return hook
         todo.extend(child for child in module._modules.values() if child is not None)
     return None
+
+
+def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:
+    """`hook`, found on a module of `model` (or on every module), may read the batch's layout: said once per hook
+    (unless it is PEFT's), True; no hook: False."""
+    if hook is None:
+        return False
+    fn = function_of(hook)
+    name = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    if not name.startswith(QUIET_FROM) and name not in _warned:
+        _warned.add(name)
+        where = next((f"on {type(model).__name__}'s '{n}'" for n, m in model.named_modules()
+                      if any(h is hook for h in hooks_on(m))), "on every module (a global hook)")
+        warn_user(
+            f"patchkit: a forward hook ({name}) {where} may read the batch's (B, S, H) "
+            "layout, so the forwards it sees keep that layout in their layers (attention still patched, padding "
+            "computed in the rest). If it reads no shape, mark it with patchkit.shape_free(hook) to run them on real "
+            "tokens only; unpad='attention' keeps the layout without this warning."
+        )
+    return True

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from torch import nn
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.documents import documents, has_packed_rows
 from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
-from patchkit.forward.inputs.module_hooks import function_of, hooks_on, input_embedding, layout_hook, origin_of
+from patchkit.forward.inputs.module_hooks import input_embedding, layout_hook, said_layout
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata
@@ -32,14 +32,8 @@ from patchkit.hooks.generation.slots_mask import served_cause
 from patchkit.hooks.install.patching import unpatched
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, mixes_rows, pools_by_column
 from patchkit.names import WHOLE_MODEL
-from patchkit.warn import warn_user
 
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # caller-made packing: the per-layer path serves it
-# PEFT's hooks carry per-row arguments to its layers for a forward's duration (a mixed-adapter batch's
-# `adapter_names`, Activated LoRA's `alora_offsets`, Poly's `task_ids`, X-LoRA's scalings), read by row of the
-# (B, S, H) batch: the padded layout serves them, unannounced
-QUIET_FROM = ("peft.",)
-_warned: set[str] = set()  # the hooks already named in this process
 UNREAD = ("custom_4d_mask", "static_cache_mask")  # transformers' masks that no reading of patchkit's took
 
 
@@ -156,28 +150,8 @@ def chunked(config: Any) -> bool:
 
 def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
     """A hook inside `model` may read the (B, S, H) layout (`layout_hook`): the forward keeps it. Said once per hook,
-    with where it sits and the fix, unless it is PEFT's (`QUIET_FROM`)."""
+    with where it sits and the fix, unless it is PEFT's (`module_hooks.said_layout`)."""
     return said_layout(model, layout_hook(model, skip))
-
-
-def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:
-    """`hook`, found on a module of `model` (or on every module), may read the batch's layout: said once per hook
-    (unless it is PEFT's), True; no hook: False."""
-    if hook is None:
-        return False
-    fn = function_of(hook)
-    name = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-    if not name.startswith(QUIET_FROM) and name not in _warned:
-        _warned.add(name)
-        where = next((f"on {type(model).__name__}'s '{n}'" for n, m in model.named_modules()
-                      if any(h is hook for h in hooks_on(m))), "on every module (a global hook)")
-        warn_user(
-            f"patchkit: a forward hook ({name}) {where} may read the batch's (B, S, H) "
-            "layout, so the forwards it sees keep that layout in their layers (attention still patched, padding "
-            "computed in the rest). If it reads no shape, mark it with patchkit.shape_free(hook) to run them on real "
-            "tokens only; unpad='attention' keeps the layout without this warning."
-        )
-    return True
 
 
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:

@@ -34,11 +34,10 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchkitError
-from patchkit.forward.inputs.module_hooks import head_hook
+from patchkit.forward.inputs.module_hooks import head_hook, said_layout
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
-from patchkit.hooks.decide.plan import said_layout
 from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
 from patchkit.hooks.head.head_request import CheckFailed, HeadRequest, asked, with_zero_row
 from patchkit.hooks.head.weight_holders import held
