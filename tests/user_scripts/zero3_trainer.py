@@ -16,7 +16,8 @@ The TrainingArguments carry a ZeRO-3 config before `from_pretrained`, so transfo
 module hooks around each forward. Gradient checkpointing on, right-padded rows, two per rank and step, fp32 on gloo
 (`--bf16`: DeepSpeed's bf16 mixed precision). The Trainer's steps read the loss alone, so under patchkit the loss is
 the fused head's, the head's weight gathered by its ZeRO-3 hooks (`--own-head`: a forward hook of the user's on the
-head, which the fused loss does not serve: the family's own head runs on the labelled rows). Rank 0 writes the
+head, marked `patchkit.shape_free`, which the fused loss does not serve: the family's own head runs on the labelled
+rows). Rank 0 writes the
 logged losses, an eval-mode loss on held-out rows, patchkit's counters and the parameters (gathered from every rank).
 bf16 and fp32 runs go in processes of their own (DeepSpeed's and accelerate's precision state is per process).
 """
@@ -64,8 +65,10 @@ def run(name: str, model_dir: str, flags: set[str]) -> None:
     model = tf.AutoModelForCausalLM.from_pretrained(
         model_dir, attn_implementation="flash_attention_2" if way == "launcher" else "sdpa", dtype=torch.float32)
     partitioned = hasattr(model.model.layers[0].self_attn.q_proj.weight, "ds_shape")  # sharded by zero.Init at load
-    if own_head:
-        model.get_output_embeddings().register_forward_hook(lambda module, args, output: None)
+    if own_head:  # marked as reading no layout: the head runs on the labelled rows (unmarked, on the padded batch)
+        import patchkit
+
+        model.get_output_embeddings().register_forward_hook(patchkit.shape_free(lambda module, args, output: None))
     if way == "instance":
         import patchkit
 
