@@ -29,6 +29,12 @@ ACTIVE: dict[tuple, PatchHandle] = {}  # every applied patch by its key: ("class
 REVERTED: dict[str, list[int]] = {}
 
 
+def add_ran(counts: dict[str, list[int]], handle: PatchHandle) -> None:
+    """Add `handle`'s attention layers and calls to `counts`' entry for its patch name."""
+    ran = counts.setdefault(handle.name, [0, 0])
+    ran[0], ran[1] = ran[0] + handle.layers_seen, ran[1] + handle.calls
+
+
 def detach_when_idle() -> None:
     """Where no patch is applied any more, take out what patchkit hooks into other code while one is (the batch
     errors' note, the head's, Liger's fused loss on scored rows)."""
@@ -105,8 +111,7 @@ class PatchHandle:
         restore_replacements(self.replacements)
         self.state.revert_copies()
         self.active = False
-        counts = REVERTED.setdefault(self.name, [0, 0])
-        counts[0], counts[1] = counts[0] + self.layers_seen, counts[1] + self.calls
+        add_ran(REVERTED, self)
         if ACTIVE.get(self.key) is self:
             del ACTIVE[self.key]
         if not any(key[0] == "class" for key in ACTIVE):

@@ -197,14 +197,13 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
 def others_that_ran(handle: Any) -> str:
     """The patches other than `handle` (and its group's) that attention layers ran through in this process, active
     or reverted: a script's own `apply_patch(model=...)`; '' where none."""
-    from patchkit.handles import ACTIVE, REVERTED
+    from patchkit.handles import ACTIVE, REVERTED, add_ran
 
     mine = {id(h) for h in [handle, *(getattr(handle, "handles", None) or [])]}
     counts: dict[str, list[int]] = {name: list(c) for name, c in REVERTED.items()}
     for other in ACTIVE.values():
         if id(other) not in mine:
-            c = counts.setdefault(other.name, [0, 0])
-            c[0], c[1] = c[0] + other.layers_seen, c[1] + other.calls
+            add_ran(counts, other)
     ran = {name: c for name, c in counts.items() if c[0]}
     return ", ".join(f"{name!r}: {layers} attention layers ({calls} calls)" for name, (layers, calls) in ran.items())
 

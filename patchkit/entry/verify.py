@@ -15,7 +15,7 @@ from torch import nn
 from patchkit.api import active_patches, apply_patch
 from patchkit.errors import PatchkitError
 from patchkit.forward.inputs.arguments import cache_parameter
-from patchkit.hooks.install.registry import resolve
+from patchkit.hooks.install.registry import PatchSpec, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_RTOL = 1e-4
@@ -100,22 +100,23 @@ def tiny_llama(patch: str, seed: int = 0) -> nn.Module:
 TINY = ("llama2", "llama1")  # the patches verify's tiny random LLaMA serves
 
 
-def family_to_verify(patch: Optional[str], model_path: Optional[str]) -> str:
+def spec_to_verify(patch: Optional[str], model_path: Optional[str]) -> PatchSpec:
     """The one patch verify runs: `patch`, else the checkpoint's model_type, else llama2; refused by name where it is
-    every family at once (`all`) or a family served from data without a checkpoint of it."""
+    every family at once (`all`) or a family other than LLaMA's without a checkpoint of it."""
     if patch is None:
         if model_path is None:
-            return "llama2"
+            return resolve("llama2")
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path).model_type
+        return resolve(AutoConfig.from_pretrained(model_path).model_type)
     if patch.lower() == "all":
         raise ValueError("verify checks one family: name it (--patch llama2, or a model_type such as qwen3), or give "
                          "--model alone to verify the checkpoint's own family")
-    if model_path is None and resolve(patch).name not in TINY:
+    spec = resolve(patch)
+    if model_path is None and spec.name not in TINY:
         raise ValueError(f"verify of {patch!r} runs on a checkpoint of that family: give --model PATH (without one, "
                          f"verify's tiny model is a LLaMA: --patch {' or '.join(TINY)})")
-    return patch
+    return spec
 
 
 def load_model(patch: str, path: Optional[str], seed: int) -> tuple[nn.Module, str]:
@@ -249,7 +250,7 @@ def verify(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; allowed values: {', '.join(DTYPES)}")
-    spec = resolve(family_to_verify(patch, model_path))
+    spec = spec_to_verify(patch, model_path)
     half = dtype != "fp32"
     if any(h.key == ("class", spec.family) for h in active_patches()):
         raise PatchkitError(f"verify compares against unpatched attention, but a patch is already applied to the "

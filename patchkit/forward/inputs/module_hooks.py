@@ -100,12 +100,17 @@ def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callabl
         if not reads_no_shape(hook):
             return hook
     for module in model.modules():
-        if module is model or module is skip or not (module._forward_hooks or module._forward_pre_hooks):
-            continue
-        for hook in hooks_on(module):
-            if not reads_no_shape(hook):
-                return hook
+        hook = None if module is model or module is skip else layout_hook_on(module)
+        if hook is not None:
+            return hook
     return None
+
+
+def layout_hook_on(module: nn.Module) -> Optional[Callable]:
+    """The first of `module`'s own hooks that may read the batch's layout, else None."""
+    if not (module._forward_hooks or module._forward_pre_hooks):
+        return None
+    return next((hook for hook in hooks_on(module) if not reads_no_shape(hook)), None)
 
 
 def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
@@ -115,10 +120,9 @@ def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
     todo = [child for name, child in lm._modules.items() if name != base_name and child is not None]
     while todo:
         module = todo.pop()
-        if module._forward_hooks or module._forward_pre_hooks:
-            hook = next((h for h in hooks_on(module) if not reads_no_shape(h)), None)
-            if hook is not None:
-                return hook
+        hook = layout_hook_on(module)
+        if hook is not None:
+            return hook
         todo.extend(child for child in module._modules.values() if child is not None)
     return None
 

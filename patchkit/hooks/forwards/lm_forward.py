@@ -93,7 +93,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         choice = eager_choice_cause(arguments) if chooses else None
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
-        if cause is None and arguments.get("labels") is None and wide(arguments) and not is_compiling():
+        if cause is None and not labelled(arguments, extra) and wide(arguments) and not is_compiling():
             say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
         if cause is None and not is_compiling() and current().head is not None:
             return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which

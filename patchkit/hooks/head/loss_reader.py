@@ -46,20 +46,18 @@ READ_WHERE_KEPT = ("peft",)
 
 def _passing(filename: str) -> bool:
     """A frame of this file only passes the output of the call it makes on."""
+    return _passing_package(filename) is not None
+
+
+def _passing_package(filename: str) -> Optional[str]:
+    """The package of PASSING whose frames of this file only pass the output of the call they make on, else None."""
     filename = real_path(filename)
     for package, paths in PASSING.items():
         home = package_home(package) if package in sys.modules else None
         if home is not None and filename.startswith(home):
             rest = filename[len(home):].replace(os.sep, "/")
-            return any(rest.startswith(p) for p in paths)
-    return False
-
-
-def _reads_kept(frame: FrameType) -> bool:
-    """`frame`, of a package in READ_WHERE_KEPT, keeps its call's output in a local and reads more of it."""
-    filename = real_path(frame.f_code.co_filename)
-    homes = (package_home(p) for p in READ_WHERE_KEPT if p in sys.modules)
-    return any(home is not None and filename.startswith(home) for home in homes) and reads_what_it_keeps(frame)
+            return package if any(rest.startswith(p) for p in paths) else None
+    return None
 
 
 def _trainers(frame: FrameType, name: str) -> bool:
@@ -82,7 +80,8 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
             return False
         if _trainers(frame, "compute_loss"):
             return _reads_loss(frame)
-        if not _passing(frame.f_code.co_filename) or _reads_kept(frame):
+        package = _passing_package(frame.f_code.co_filename)
+        if package is None or package in READ_WHERE_KEPT and reads_what_it_keeps(frame):
             read = result_read_at(frame)  # the caller's own code: a training loop, a Trainer subclass's, a helper
             if read != RETURNED:
                 return read == LOSS
