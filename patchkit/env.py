@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Mapping, Optional
 
 from packaging.version import InvalidVersion, Version
@@ -16,6 +17,7 @@ ENV_STRICT = "PATCHKIT_STRICT"
 ENV_UNPAD = "PATCHKIT_UNPAD"
 ENV_TESTED = "PATCHKIT_TESTED_TRANSFORMERS"  # patchkit.hooks.decide.self_check.TESTED_ENV
 
+MODEL_TYPE = re.compile(r"[a-z][a-z0-9_-]*")  # the shape of a transformers model_type (`gpt_oss`, `qwen3_next`)
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off", "")
 
@@ -29,6 +31,17 @@ def check_choice(where: str, value: Any, allowed: list[str] | tuple[str, ...]) -
     if isinstance(value, str) and value.strip().lower() in allowed:
         return value.strip().lower()
     raise EnvValueError(f"{where}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+
+
+def check_patch(where: str, value: Any) -> str:
+    """A patch name: a registered one or alias (`llama2`, `all`), or a model type the table may serve (`gpt_oss`),
+    which `resolve` checks when the patch is applied (that needs transformers); else an EnvValueError."""
+    if isinstance(value, str) and value.strip().lower() in patch_names():
+        return value.strip().lower()
+    if isinstance(value, str) and MODEL_TYPE.fullmatch(value.strip().lower()):
+        return value.strip().lower()
+    raise EnvValueError(f"{where}={value!r} is not valid; allowed values: {', '.join(patch_names())}, or a served "
+                        "model_type such as gpt_oss (patchkit doctor lists them)")
 
 
 def parse_bool(where: str, value: Any) -> bool:
@@ -61,7 +74,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     if ENV_FLASH_ATTN in env:
         values["flash_attn"] = parse_bool(ENV_FLASH_ATTN, env[ENV_FLASH_ATTN])
     if ENV_PATCH in env:
-        values["patch"] = check_choice(ENV_PATCH, env[ENV_PATCH], patch_names())
+        values["patch"] = check_patch(ENV_PATCH, env[ENV_PATCH])
     if ENV_BACKEND in env:
         values["attn_backend"] = check_choice(ENV_BACKEND, env[ENV_BACKEND], BACKEND_NAMES)
     if ENV_STRICT in env:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from entrypoints import REPO, clean_env, run, spy_of
-from families import FAMILIES_FROM
+from families import FAMILIES_FROM, served_here
 from models import padded_batch, tiny_model
 from packaging.version import Version
 from transformers import HfArgumentParser, TrainingArguments
@@ -87,10 +87,33 @@ def test_dataclass_validates_when_built_in_code():
     allowed_backends = "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"
     with pytest.raises(ValueError, match=rf"attn_backend='gpu' is not valid; allowed values: {allowed_backends}"):
         PatchArguments(flash_attn=True, attn_backend="gpu")
-    allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, .*smollm3, starcoder2, llama$"
-    with pytest.raises(ValueError, match=rf"patch='gpt2' is not valid; allowed values: {allowed}"):
-        PatchArguments(patch="gpt2")
+    allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, .*smollm3, starcoder2, llama, or a served model_type"
+    with pytest.raises(ValueError, match=rf"patch='gpt 2' is not valid; allowed values: {allowed}"):
+        PatchArguments(patch="gpt 2")
     assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
+
+
+def test_a_family_served_from_data_is_a_patch_name_as_in_apply_patch():
+    """PatchArguments(patch="olmo") and PATCHKIT_PATCH=olmo apply the patch `apply_patch("olmo")` does (they once
+    refused every family without a module of its own); one no transformers serves is refused when applied."""
+    if not served_here("olmo"):
+        pytest.skip("OLMo is served from 4.53")
+    handle = apply_from_args(PatchArguments(flash_attn=True, patch="OLMo", attn_backend="sdpa"))
+    assert handle.name == "olmo" and handle.spec.model_types[0] == "olmo"
+    handle.revert()
+    handle = apply_from_env({"PATCHKIT_FLASH_ATTN": "1", "PATCHKIT_BACKEND": "sdpa", "PATCHKIT_PATCH": "olmo"})
+    assert handle.name == "olmo"
+    handle.revert()
+    with pytest.raises(ValueError, match="unknown patch 'bert'; .* is an encoder"):
+        apply_from_args(PatchArguments(flash_attn=True, patch="bert", attn_backend="sdpa"))
+    assert patchkit.active_patches() == []
+
+
+def test_a_bad_patch_name_under_the_startup_hook_ends_the_process_in_one_line():
+    env = clean_env(PATCHKIT_FLASH_ATTN="1", PATCHKIT_PATCH="bogus")
+    proc = run([sys.executable, "-c", "from transformers import LlamaForCausalLM\nprint('IMPORTED')"], env=env)
+    assert proc.returncode == 1 and "IMPORTED" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("patchkit: PATCHKIT_PATCH: unknown patch 'bogus'; available patches:"), proc.stderr
 
 
 def test_apply_from_args_accepts_any_namespace_and_a_model():
@@ -149,7 +172,8 @@ def test_env_mapping_argument_instead_of_os_environ():
         ("PATCHKIT_FLASH_ATTN", "maybe", "PATCHKIT_FLASH_ATTN='maybe' is not valid; allowed values: 1, true, yes, on"),
         ("PATCHKIT_BACKEND", "cuda",
          "PATCHKIT_BACKEND='cuda' is not valid; allowed values: auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
-        ("PATCHKIT_PATCH", "gpt2", "PATCHKIT_PATCH='gpt2' is not valid; allowed values: all, gemma, .*, llama"),
+        ("PATCHKIT_PATCH", "gpt 2", "PATCHKIT_PATCH='gpt 2' is not valid; allowed values: all, gemma, .*, llama, or"),
+        ("PATCHKIT_PATCH", "bogus", "unknown patch 'bogus'; available patches: gemma, .*or a decoder model_type"),
         ("PATCHKIT_STRICT", "sometimes", "PATCHKIT_STRICT='sometimes' is not valid; allowed values: 1, true"),
         ("PATCHKIT_UNPAD", "layers", "PATCHKIT_UNPAD='layers' is not valid; allowed values: model, attention"),
     ],
@@ -303,7 +327,7 @@ def test_a_fastchat_style_script_with_its_own_flag_runs_patched(tmp_path):
     "var,value,allowed",
     [("PATCHKIT_BACKEND", "flashh", "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
      ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_UNPAD", "layers", "model, attention"),
-     ("PATCHKIT_PATCH", "gpt2", "all, gemma, "), ("PATCHKIT_STRICT", "2", "1, true, yes, on"),
+     ("PATCHKIT_PATCH", "gpt 2", "all, gemma, "), ("PATCHKIT_STRICT", "2", "1, true, yes, on"),
      ("PATCHKIT_TESTED_TRANSFORMERS", "five", "a transformers version such as")],
 )
 def test_a_bad_variable_fails_import_patchkit_in_one_line_with_the_hook_off(var, value, allowed):

@@ -231,7 +231,7 @@ def test_opt_out_runs_the_script_unpatched(in_process, monkeypatch, capsys, how)
 @pytest.mark.parametrize(
     "var,value,allowed",
     [("PATCHKIT_BACKEND", "gpu", "auto, flash_attn, flash_attn_4, torch_varlen, sdpa"),
-     ("PATCHKIT_PATCH", "gpt2", "all, gemma, .*starcoder2, llama"),
+     ("PATCHKIT_PATCH", "gpt 2", "all, gemma, .*starcoder2, llama, or a served model_type"),
      ("PATCHKIT_FLASH_ATTN", "maybe", "1, true, yes, on"), ("PATCHKIT_STRICT", "2", "1, true, yes, on")],
 )
 def test_bad_environment_values_are_rejected_naming_the_variable(in_process, monkeypatch, capsys, var, value, allowed):
@@ -242,6 +242,27 @@ def test_bad_environment_values_are_rejected_naming_the_variable(in_process, mon
         in_process()
     assert exc.value.code == 2
     assert re.search(f"{var}={value!r} is not valid; allowed values: {allowed}", capsys.readouterr().err)
+    assert patchkit.active_patches() == []
+
+
+@pytest.mark.skipif(not served_here("olmo"), reason="OLMo is served from 4.53")
+def test_a_family_served_from_data_is_named_as_apply_patch_names_it(in_process, monkeypatch, capsys, tmp_path):
+    """`apply_patch("olmo")` serves OLMo from data; `--patch olmo` and PATCHKIT_PATCH=olmo (or `olmo-2`'s hyphen
+    spelling of a model type) do too: they once took only the families with a patch module. A name no family
+    has fails before the script runs, naming the known ones."""
+    from patchkit.entry.launch import main
+
+    assert in_process("--patch", "olmo", "--backend", "sdpa") == [["olmo", "sdpa", "model"]]
+    patchkit.revert_patch()
+    monkeypatch.setenv("PATCHKIT_PATCH", "gpt-oss" if served_here("gpt_oss") else "olmo")
+    assert in_process("--backend", "sdpa")[0][0] == ("gpt_oss" if served_here("gpt_oss") else "olmo")
+    patchkit.revert_patch()
+    monkeypatch.delenv("PATCHKIT_PATCH")
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('the script ran')")
+    with pytest.raises(SystemExit) as exc:
+        main(["--patch", "bogus", str(script)])
+    assert exc.value.code == 2 and "unknown patch 'bogus'; available patches: gemma" in capsys.readouterr().err
     assert patchkit.active_patches() == []
 
 

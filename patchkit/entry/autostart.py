@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from patchkit.entry.process_report import rank_label, report_at_exit
-from patchkit.env import ENV_FLASH_ATTN
+from patchkit.env import ENV_FLASH_ATTN, ENV_PATCH
+from patchkit.errors import PatchkitError
 
 if TYPE_CHECKING:  # imported where used: `patchkit --help` and `stand_down` must not import torch
     from patchkit.api import PatchHandle
@@ -66,7 +67,12 @@ def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
         return None
     if any(h.key[0] == "class" for h in active_patches()):
         return None  # already applied in this process (same options: the same handle; else apply_patch says so)
-    handle = apply_from_args(args)
+    try:
+        handle = apply_from_args(args)
+    except ValueError as exc:  # PATCHKIT_PATCH names no family this transformers serves: one line, as for a bad value
+        if isinstance(exc, PatchkitError):
+            raise
+        raise SystemExit(f"patchkit: {ENV_PATCH}: {exc}. Fix or unset it.") from None
     if handle is not None:
         handle.origin = ORIGIN
         announce(handle, args)

@@ -17,11 +17,12 @@ from patchkit.env import (  # noqa: F401 - re-exported: the variables' names and
     FALSE_VALUES,
     TRUE_VALUES,
     check_choice,
+    check_patch,
     parse_bool,
     read_env,
 )
 from patchkit.handles import PatchGroup
-from patchkit.names import BACKEND_NAMES, GROUP_NAME, UNPAD_MODES, patch_names
+from patchkit.names import BACKEND_NAMES, GROUP_NAME, UNPAD_MODES
 
 
 def _flash_attn_field() -> Any:
@@ -35,8 +36,8 @@ def _patch_field() -> Any:
     return dataclasses.field(
         default=GROUP_NAME,
         metadata={"help": "Which patchkit patch to apply: all (every family patchkit serves; default), a family by "
-                          "model_type (llama2 for LLaMA, mistral, qwen2, ...), or llama1 (LLaMA, training only).",
-                  "choices": patch_names()},
+                          "model_type (llama2 for LLaMA, mistral, qwen2, gpt_oss, ...), or llama1 (LLaMA, training "
+                          "only)."},
     )
 
 
@@ -89,7 +90,7 @@ class PatchOptions:
 
     def __post_init__(self) -> None:
         self.patch_strict = parse_bool("patch_strict", self.patch_strict)
-        self.patch = check_choice("patch", self.patch, patch_names())
+        self.patch = check_patch("patch", self.patch)
         self.attn_backend = check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
         self.patch_unpad = check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
 
@@ -115,7 +116,7 @@ class PatchArguments:
     def __post_init__(self) -> None:
         self.flash_attn = parse_bool("flash_attn", self.flash_attn)
         self.patch_strict = parse_bool("patch_strict", self.patch_strict)
-        self.patch = check_choice("patch", self.patch, patch_names())
+        self.patch = check_patch("patch", self.patch)
         self.attn_backend = check_choice("attn_backend", self.attn_backend, BACKEND_NAMES)
         self.patch_unpad = check_choice("patch_unpad", self.patch_unpad, UNPAD_MODES)
 

@@ -64,8 +64,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "PATCHKIT_FLASH_ATTN=0 "
         "runs unpatched.",
     )
-    parser.add_argument("--patch", choices=patch_names(),
-                        help="patch to apply (default all: every family patchkit serves; or $PATCHKIT_PATCH)")
+    parser.add_argument("--patch", metavar="NAME",
+                        help="patch to apply: all (every family patchkit serves; the default, or $PATCHKIT_PATCH), a "
+                        f"family's model_type (gpt_oss, ...), or one of {', '.join(patch_names()[1:])}")
     parser.add_argument("--backend", choices=BACKEND_NAMES, help="backend (default auto or $PATCHKIT_BACKEND)")
     parser.add_argument("--unpad", choices=UNPAD_MODES,
                         help="remove padding once per model forward (model), in each attention layer (attention), or "
@@ -197,6 +198,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
     except PatchkitError as exc:
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a --patch (or PATCHKIT_PATCH) that names no family this transformers serves
+        parser.error(str(exc))
     announce(handle, args)
     os.environ.update(args.to_env())  # a command that re-executes itself or starts workers: they patch the same way
     channel, parent = open_channel() if handle is not None else (None, None)  # and they report back to this process

@@ -69,6 +69,11 @@ def resolve(name: str) -> PatchSpec:
     try:
         return table_spec(key)
     except PatchTargetError as stop:
+        if "-" in key:  # `gpt-oss`, as a checkpoint's name spells it: the model_type is `gpt_oss`
+            try:
+                return resolve(key.replace("-", "_"))
+            except ValueError:
+                pass
         known = ", ".join(sorted(PATCH_MODULES) + [f"{a} (= {t})" for a, t in ALIASES.items()])
         raise ValueError(f"unknown patch {name!r}; available patches: {known}; or a decoder model_type served from "
                          f"data ({stop})") from None
