@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,39 @@ def test_a_forward_stepped_aside_runs_the_attention_the_model_runs_without_the_n
     other = "eager" if attn == "sdpa" else "sdpa"  # the two really differ here: the test can tell them apart
     plain.set_attn_implementation(other)
     assert abs(plain(input_ids=ids, attention_mask=mask, labels=labels).loss.item() - want.item()) > 1e-4
+
+
+def test_a_model_named_under_a_class_patch_makes_no_route_of_its_own(monkeypatch, pair):
+    """`apply_patch(backend="sdpa")`, then a model built with attn_implementation="patchkit": the class patch's state
+    runs its forwards, so the route's backend is not chosen, nor its fallback warned (it told a user who had passed
+    backend='sdpa' that backend='sdpa' silences it). A family no class patch serves still gets the route made."""
+    eager, _ = pair
+    attention_interface.register(backend="auto")
+    monkeypatch.setattr(attention_interface, "_state", None)
+    monkeypatch.setattr(attention_interface, "_function", None)
+    ids, mask = padded_batch("mixed")
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            named = LlamaForCausalLM(named_config()).eval()
+            named.load_state_dict(eager.state_dict())
+            with torch.no_grad():
+                logits = named(input_ids=ids, attention_mask=mask).logits
+        assert [str(w.message) for w in caught if "patchkit" in str(w.message)] == []
+        assert attention_interface._state is None and handle.layers_patched == 2
+    with torch.no_grad():
+        expected = eager.eval()(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)
+    with patchkit.apply_patch("mistral", backend="sdpa"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LlamaForCausalLM(named_config())
+        assert attention_interface._state is not None
+    said = [str(w.message) for w in caught if "attn_implementation='patchkit' runs on the exact sdpa" in str(w.message)]
+    assert attention_interface._state.backend.name != "sdpa" or said  # the fix it names is the route's own
+    assert all("patchkit.register_attention(backend='sdpa') silences it" in text for text in said)
+
+
+def named_config():
+    config = tiny_config(kv_heads=2)
+    config._attn_implementation = "patchkit"
+    return config

@@ -70,11 +70,12 @@ def pick(
     return Choice(chosen, [g for _, results in evaluated for g in results], passed_over)
 
 
-def fallback_message(who: str, choice: Choice) -> str:
+def fallback_message(who: str, choice: Choice, silence: str = "backend='sdpa'") -> str:
     """One line of at most MAX_WARNING_CHARS: the backend that runs, the first failed gate of each better backend
-    (what was found, cut to fit), and the fix; every gate is in report() and `patchkit doctor`."""
+    (what was found, cut to fit), and the fix; every gate is in report() and `patchkit doctor`. `silence`: the call
+    that asks for sdpa where `who` is configured."""
     kind = "the exact sdpa backend" if choice.backend == "sdpa" else f"the {choice.backend} backend"
-    fix = "Fix: `patchkit doctor`; backend='sdpa' silences it" if choice.backend == "sdpa" else \
+    fix = f"Fix: `patchkit doctor`; {silence} silences it" if choice.backend == "sdpa" else \
         "`patchkit doctor` explains"
     for width in (40, 24, 16, 0):
         reasons = "; ".join(f"not {g.backend}: {g.name}: FAILED" + (f", {_cut(g.found, width)}" if width else "")
@@ -118,7 +119,7 @@ def _effort(gate: GateResult) -> int:
 
 def resolve(
     requested: str, strict: bool, env: Environment, flash_min: str, why: str, who: str,
-    head_dim: Optional[int] = None, refusal: str = "",
+    head_dim: Optional[int] = None, refusal: str = "", silence: str = "backend='sdpa'",
 ) -> Choice:
     """Choose the backend; a fallback warns once at the user's line, or raises `PatchGateError` when strict.
 
@@ -129,18 +130,18 @@ def resolve(
     if choice.passed_over and strict and (requested != "auto" or choice.backend == "sdpa"):
         raise PatchGateError(refusal_message(who, requested, choice, refusal))
     if choice.passed_over:
-        warn_user(fallback_message(who, choice))
+        warn_user(fallback_message(who, choice, silence))
     return choice
 
 
 def choose_backend(
     patch: str, flash_min: str, why: str, backend: str, strict: bool, env: Environment,
-    head_dim: Optional[int] = None, who: Optional[str] = None,
+    head_dim: Optional[int] = None, who: Optional[str] = None, silence: str = "backend='sdpa'",
 ) -> tuple[str, list[GateResult]]:
     """A patch's backend: resolve "auto" or a backend's name against the gates (warn, or raise). `who`: what the
-    warning names (the patch, by default)."""
+    warning names (the patch, by default); `silence`: how its user asks for sdpa."""
     choice = resolve(backend, strict, env, flash_min, why, who or f"patch {patch!r}", head_dim,
-                     " Nothing was patched.")
+                     " Nothing was patched.", silence)
     return choice.backend, choice.gates
 
 

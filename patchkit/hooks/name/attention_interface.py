@@ -279,6 +279,7 @@ def _first_route_state() -> PatchState:
         chosen, _ = choose_backend(
             spec.name, spec.flash_attn_min, spec.flash_attn_why, _options["backend"], _options["strict"],
             gates.probe_environment(), who=f"attn_implementation={ATTENTION_NAME!r}",  # any family, not LLaMA's
+            silence="patchkit.register_attention(backend='sdpa')",
         )
         _state = PatchState(spec.name, spec.packing, make_backend(chosen), _options["strict"])
         _function = function_for(_state)

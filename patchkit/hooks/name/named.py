@@ -50,6 +50,7 @@ from patchkit.hooks.install.routing import (
     ROUTE_NAME,
     adopted,
     attn_name,
+    is_patched_forward,
     named_before,
     names_patchkit,
     record_adopted,
@@ -102,9 +103,10 @@ def adopt(model: nn.Module) -> None:
     """Count `model`'s parts as named and wrap its causal LMs' calls and generate()'s input preparation (once); a
     transformers newer than the tested one is said here, at the line that built or named the model."""
     self_check.untested()
-    for make in _ready:
-        make()
     pretrained = importlib.import_module("transformers.modeling_utils").PreTrainedModel
+    if not class_served(model, pretrained):  # else its forwards run on the class patch's state, never the route's
+        for make in _ready:  # (whose backend would be chosen, and its fallback warned, for nothing)
+            make()
     replacements: list[Replacement] = []
     wrapping: set[int] = set()  # the layers wrapped by this adoption (a causal LM's and its base model's are the same)
     for m in model.modules():
@@ -121,6 +123,15 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
         replacements += mixers_apart(m, wrapping) + layers_kept(m, wrapping)
     apply_replacements(replacements)
+
+
+def class_served(model: nn.Module, pretrained: type) -> bool:
+    """Whether every part of `model` that names patchkit is, or holds, or lies inside a base model whose class a
+    class patch wraps (`apply_patch()` before `from_pretrained(..., attn_implementation="patchkit")`)."""
+    parts = [m for m in model.modules() if isinstance(m, pretrained) and names_patchkit(m.config)]
+    patched = {id(m) for m in parts if is_patched_forward(type(m).forward)}
+    inside = {id(sub) for m in parts if id(m) in patched for sub in m.modules()}
+    return bool(patched) and all(id(m) in inside or any(id(sub) in patched for sub in m.modules()) for m in parts)
 
 
 def mixers_apart(part: nn.Module, wrapping: set[int]) -> list[Replacement]:
