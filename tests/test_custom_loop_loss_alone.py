@@ -136,6 +136,21 @@ def through_map(model, batch):
     return outs[0].logits.argmax(-1)
 
 
+def through_map_then_stored(model, batch):
+    """`first = outs[0]` then `first.logits`: `outs` holds outputs, as where the field is read at once."""
+    outs = list(map(lambda b: model(**b), [batch]))
+    first = outs[0]
+    first.loss.backward()
+    return first["logits"].argmax(-1)
+
+
+def first_item_stored(model, batch):
+    """`loss = outputs[0]` then `loss.backward()`, as transformers' older examples write it: the loss."""
+    outputs = model(**batch)
+    loss = outputs[0]
+    loss.backward()
+
+
 def second_item(model, batch):
     return model(**batch)[1]
 
@@ -306,7 +321,8 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
     (through_a_helper_then_logits, False), (helper_kept, False), (through_a_generator, False), (first_item, True),
     (second_item, False), (false_item, False), (through_a_stored_helper, True),
     (through_a_stored_helper_then_logits, False), (through_a_branching_helper, True),
-    (through_a_helper_that_reads_the_logits, False), (through_map, False)])
+    (through_a_helper_that_reads_the_logits, False), (through_map, False), (through_map_then_stored, False),
+    (first_item_stored, True)])
 def test_helpers_that_return_the_output_as_it_is_are_read_through(code: Callable, reads: bool):
     """A helper of the user's that returns the LM's output as it is (`return model(**batch)`, a lambda, a wrapper
     module's forward, or an `outputs` it reads nothing of but the loss before it returns it) hands it to its own

@@ -95,16 +95,35 @@ def _reads_loss_at(code: Sequence[dis.Instruction], at: int) -> bool:
         return False
     if first.opname == "LOAD_ATTR" and first.argval == LOSS:
         return True
-    subscript = code[at + 1] if at + 1 < len(code) else None
     key = first.argval if first.opname in ("LOAD_CONST", "LOAD_SMALL_INT") else None
     # `outputs[0]` is the loss wherever there is one: a ModelOutput's first field that is set, a tuple's first item;
-    # unless an output's field is read of it (`outs[0].logits`): `outs` holds outputs (a list a C function such as
-    # `map` built from a helper's returns, whose frame is the helper's caller's)
-    then = code[at + 2] if at + 2 < len(code) else None
-    first_of_many = type(key) is int and then is not None and then.opname in ("LOAD_ATTR", "LOAD_METHOD") and (
-        then.argval in OUTPUT_FIELDS)
-    return (key == LOSS or type(key) is int and key == 0 and not first_of_many) and subscript is not None and (
-        subscript.opname == "BINARY_SUBSCR" or subscript.opname == "BINARY_OP" and subscript.argrepr == "[]")
+    # unless an output's field is read of it (`outs[0].logits`, or `first = outs[0]` ... `first.logits`): `outs`
+    # holds outputs (a list a C function such as `map` built from a helper's returns, whose frame is the helper's
+    # caller's)
+    first_of_many = type(key) is int and _field_read(code, at + 2, stored=True)
+    return (key == LOSS or type(key) is int and key == 0 and not first_of_many) and _subscript(code, at + 1)
+
+
+def _subscript(code: Sequence[dis.Instruction], at: int) -> bool:
+    """The instruction at `at` subscripts (`x[k]`)."""
+    found = code[at] if at < len(code) else None
+    return found is not None and (found.opname == "BINARY_SUBSCR" or found.opname == "BINARY_OP"
+                                  and found.argrepr == "[]")
+
+
+def _field_read(code: Sequence[dis.Instruction], at: int, stored: bool = False) -> bool:
+    """Instructions from `at` on read an output's field (`.logits`, `["logits"]`) of the value on top of the stack;
+    `stored`: or store it in a local of which some instruction of `code` reads one."""
+    then = code[at] if at < len(code) else None
+    if then is None:
+        return False
+    if then.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+        return then.argval in OUTPUT_FIELDS
+    if then.opname == "LOAD_CONST":
+        return isinstance(then.argval, str) and then.argval in OUTPUT_FIELDS and _subscript(code, at + 1)
+    stores = _names(then)[0]
+    return stored and len(stores) == 1 and then.opname != "DELETE_FAST" and any(
+        stores[0] in _names(i)[1][-1:] and _field_read(code, n + 1) for n, i in enumerate(code))
 
 
 def _names(instruction: dis.Instruction) -> tuple[tuple[str, ...], tuple[str, ...]]:
