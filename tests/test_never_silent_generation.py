@@ -9,7 +9,16 @@ import pytest
 import torch
 import transformers
 from families import set_attention
-from models import CACHE, VOCAB, dynamic_cache, dynamic_decode, padded_batch, static_decode, tiny_model
+from models import (
+    CACHE,
+    VOCAB,
+    dynamic_cache,
+    dynamic_decode,
+    needs_mask_interface,
+    padded_batch,
+    static_decode,
+    tiny_model,
+)
 from packaging.version import Version
 
 import patchkit
@@ -140,3 +149,50 @@ def test_right_padded_prefill_of_a_model_that_takes_no_logits_to_keep_steps_asid
                 got = run()
             assert handle.stepped_aside == {"right_padded_generation": 1}
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("way", ["model", "attention", pytest.param("name", marks=needs_mask_interface)])
+def test_a_continuation_that_would_attend_to_a_padded_prefills_padding_is_refused(way):
+    """patchkit's attention computes nothing for padding, so a padded prefill's cache holds other keys and values at
+    the padding slots than transformers' (zeros; under unpad="attention" or the name alone, those of padding rows whose
+    hidden states differ from the first layer on). A continuation whose mask covers them (none, or ones) would read
+    them: 0.06 off unpatched's logits on LLaMA, silently, before. It is refused naming the fix; with the prefill's mask
+    extended it equals unpatched, and a prefill without padding continues with no mask as unpatched does."""
+    model = tiny_model(seed=3)
+    ids, mask = padded_batch("left", batch=2, seq=10)
+    new = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(4))
+    extended = torch.cat([mask, mask.new_ones(2, 2)], -1)
+
+    def continued(model, prefill_mask, step_mask):
+        with torch.no_grad():
+            cache = model(input_ids=ids, attention_mask=prefill_mask, use_cache=True).past_key_values
+            return model(input_ids=new, attention_mask=step_mask, past_key_values=cache).logits
+
+    want = continued(model, mask, extended)
+    whole = continued(model, torch.ones_like(mask), None)
+    patched = set_attention(model, "patchkit") if way == "name" else model
+    with patchkit.apply_patch(model=model, backend="sdpa", unpad="attention" if way == "attention" else "model") \
+            if way != "name" else _route_sdpa():
+        for step_mask, said in ((None, "no attention_mask masks"), (torch.ones_like(extended), "its attention_mask leaves that")):
+            with pytest.raises(patchkit.PatchkitError, match=f"a padded forward filled, and {said}.*Fix: pass "
+                               r"attention_mask over the past and new tokens, the padding 0, as generate\(\) does"):
+                continued(patched, mask, step_mask)
+        torch.testing.assert_close(continued(patched, mask, extended), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(continued(patched, torch.ones_like(mask), None), whole, atol=1e-5, rtol=1e-5)
+
+
+def _route_sdpa():
+    """The registered name's route on the sdpa backend for a `with` block, and its own default after."""
+    import contextlib
+
+    from patchkit.hooks.name import attention_interface
+
+    @contextlib.contextmanager
+    def route():
+        attention_interface.register(backend="sdpa")
+        try:
+            yield
+        finally:
+            attention_interface.register(backend="auto", strict=False)
+
+    return route()

@@ -40,6 +40,7 @@ from patchkit.hooks.decide.self_check import untrusted_what
 from patchkit.hooks.decide.step_aside import step_aside
 from patchkit.hooks.forwards.embedding_hooks import embedded_padded
 from patchkit.hooks.forwards.recorded_router import hand_up
+from patchkit.hooks.generation import padded_slots
 from patchkit.hooks.generation.filled_cache import cache_is_storage, caches_in_training, filled_padded, own_cache
 from patchkit.hooks.generation.slots_mask import cross_layers
 from patchkit.hooks.head import liger_rows
@@ -262,6 +263,7 @@ def make_model_forward(
     def served(self: nn.Module, args: tuple, kwargs: dict, head: Optional[HeadRequest]) -> Any:
         arguments = bind(self, args, kwargs)
         check_one_cache(arguments)
+        padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         caller = dict(arguments) if arguments.get("attention_mask") is None else None  # before its cache is dropped
         if takes_use_cache:
@@ -306,6 +308,7 @@ def make_model_forward(
                 if meta is None:  # every query here too: packed documents' masks cannot be sliced by query
                     kept = every_query(arguments, extra, self.config)
                     out = last_queries(hand_kept(call(self, put_rope_rows(arguments, rope_rows)), head), kept)
+                    padded_slots.marked_by(out, arguments)  # unpadded in each layer: its padding rows differ
                     if plan.joined is not None and APART[0] > apart:  # its layers kept the documents apart
                         kept_apart(plan.joined)
                     return out
@@ -321,6 +324,7 @@ def make_model_forward(
                 filled = contextlib.nullcontext() if cache is None else filled_padded(cache, meta, cross_layers(self))
                 with filled, hooked:
                     out = call(self, arguments)
+                padded_slots.mark(cache, padded.get("attention_mask"), meta.nnz_q < meta.batch * meta.q_len)
         except PaddedOnly as only:  # raised while the masks were built, before any layer ran or filled a cache
             step_aside(aside_state, only.cause, padded, extra)
             with within(plan=ForwardPlan(aside=only.cause)):

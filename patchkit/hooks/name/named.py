@@ -27,6 +27,7 @@ from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
+    input_tokens,
     renames_past_key_values,
     weights_wanted,
     window_over_hole,
@@ -43,6 +44,7 @@ from patchkit.hooks.decide.task_reads import CHOICE, choice_cause, task_cause, t
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
 from patchkit.hooks.forwards.model_forward import bound_call
+from patchkit.hooks.generation import padded_slots
 from patchkit.hooks.generation.slots_mask import static_layers
 from patchkit.hooks.install.patching import BoundPatch, Replacement, apply_replacements, bound_replacement, dressed_as
 from patchkit.hooks.install.registry import TABLE, pools_by_column
@@ -265,7 +267,10 @@ def base_forward(call: Callable) -> Callable:
                 "attention_mask")):  # told here, not at the mask call: its layers append their entries' bias to
             cause = "window_over_padding_hole"  # the mask, a new tensor that carries no cause of the mask call's
         if cause is None:
-            return call(self, *args, **kwargs)
+            padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
+            out = call(self, *args, **kwargs)
+            padded_slots.marked_by(out, arguments)  # its layers ran the padded batch: its padding rows differ
+            return out
         with within(lm_cause=cause):
             return call(self, *args, **kwargs)
 
