@@ -387,3 +387,24 @@ def test_left_padded_labels_name_the_first_real_token_and_the_readmes_recipe_run
         got = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert handle.stepped_aside == {}
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_training_forward_given_a_cache_position_runs_patched_and_misfit_labels_get_transformers_error():
+    """A plain training forward with labels and `cache_position` from 0 on a right-padded batch was taken for
+    generate()'s prefill (which passes no labels) and stepped aside, warned as right-padded generation; labels of
+    another width than the tokens were read as a past's new tokens, warned as labels from padding. Now the first runs
+    patched, and the second gets transformers' own error, with nothing stepped aside."""
+    model = tiny_model(seed=2).train()
+    ids, mask = padded_batch("right", batch=3, seq=16)
+    labels = labels_for(ids, mask)
+    position = torch.arange(16)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, cache_position=position).loss
+    with pytest.raises(ValueError) as unpatched:
+        model(input_ids=ids, attention_mask=mask, labels=labels[:, :7])
+    with patchkit.apply_patch(model=model, backend="sdpa", strict=True) as handle:
+        got = model(input_ids=ids, attention_mask=mask, labels=labels, cache_position=position).loss
+        with pytest.raises(ValueError) as patched:
+            model(input_ids=ids, attention_mask=mask, labels=labels[:, :7])
+        assert handle.stepped_aside == {} and handle.layers_patched > 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not isinstance(patched.value, PatchInputError) and str(patched.value) == str(unpatched.value)

@@ -272,9 +272,10 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     return ends_in_padding(mask)
 
 
-def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
+def labels_from_padding(mask: Any, labels: Any, shift_labels: Any, past: bool = True) -> bool:
     """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
-    mask's real tokens are those that see themselves."""
+    mask's real tokens are those that see themselves. `past`: a cache was given, so labels narrower than the mask
+    are the new tokens' behind it (else they do not line up: transformers' loss refuses them)."""
     if labels is None or not isinstance(labels, torch.Tensor) and not isinstance(shift_labels, torch.Tensor):
         return False  # no loss here (generate()'s steps; `shift_labels` alone, as transformers): nothing to read
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == mask.shape[-2]:
@@ -285,7 +286,7 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any) -> bool:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return False
     new = read.shape
-    if len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
+    if past and len(new) == 2 and new[0] == mask.shape[0] and new[1] < mask.shape[1]:
         mask = mask[:, -new[1]:]  # behind a past (a chunked loop, prefix tuning): the new tokens' own columns
     if new != mask.shape:
         return False
@@ -306,13 +307,13 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     told generate()'s prefill by it, nor, on 5.x, by a `cache_position`: there a prefill into an empty cache the caller
     brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too. `module`: the
     causal LM, whose config says whether its cache keeps entries pooled from padding (`cache_over_padding`)."""
-    mask = arguments.get("attention_mask")
-    if labels_from_padding(mask, arguments.get("labels"), extra.get("shift_labels")):
-        return "labels_from_padding"
+    mask, labels = arguments.get("attention_mask"), arguments.get("labels")
     cache = given_cache(arguments, extra)
+    if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None):
+        return "labels_from_padding"
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))
-    if right_padded_generation(mask, cache, keep, position):
+    if labels is None and right_padded_generation(mask, cache, keep, position):  # generate() passes no labels
         return "right_padded_generation"
     if keep is None and not training and caller_prefill_with_an_empty_row(mask, cache, input_tokens(arguments),
                                                                           ending=not takes_keep):

@@ -57,6 +57,14 @@ eager_finish, eager_run_lm = torch._dynamo.disable(finish), torch._dynamo.disabl
 eager_choice_cause = torch.compiler.disable(choice_cause)  # host reads, as lm_cause's
 
 
+def misfit_labels(arguments: dict) -> bool:
+    """2D labels that are not one per token of the call (a caller's shape bug): its loss is transformers' to refuse
+    (the labelled rows patchkit would gather are not there)."""
+    labels, tokens = arguments.get("labels"), input_tokens(arguments)
+    return isinstance(labels, torch.Tensor) and labels.dim() == 2 and isinstance(tokens, torch.Tensor) and (
+        tokens.dim() >= 2 and labels.shape != tokens.shape[:2])
+
+
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
@@ -95,6 +103,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
                                                                                     current().lm_cause)
         if cause is None and not labelled(arguments, extra) and wide(arguments) and not is_compiling():
             say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
+        if cause is None and misfit_labels(arguments):
+            return original(self, *args, **kwargs)  # transformers' loss refuses them, in its own words
         if cause is None and not is_compiling() and current().head is not None:
             return original(self, *args, **kwargs)  # inside another LM's call (Llama 4's multimodal model, which
             # computes the loss from this one's logits): that call's request is served here, one head a forward
