@@ -173,7 +173,8 @@ def test_a_continuation_that_would_attend_to_a_padded_prefills_padding_is_refuse
     patched = set_attention(model, "patchkit") if way == "name" else model
     with patchkit.apply_patch(model=model, backend="sdpa", unpad="attention" if way == "attention" else "model") \
             if way != "name" else _route_sdpa():
-        for step_mask, said in ((None, "no attention_mask masks"), (torch.ones_like(extended), "its attention_mask leaves that")):
+        ones = torch.ones_like(extended)
+        for step_mask, said in ((None, "no attention_mask masks"), (ones, "its attention_mask leaves that")):
             with pytest.raises(patchkit.PatchkitError, match=f"a padded forward filled, and {said}.*Fix: pass "
                                r"attention_mask over the past and new tokens, the padding 0, as generate\(\) does"):
                 continued(patched, mask, step_mask)

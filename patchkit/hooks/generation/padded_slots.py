@@ -11,7 +11,7 @@ from transformers', which reads the pad tokens' keys there, and no path can make
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -31,7 +31,8 @@ def mark(cache: Any, mask: Any, padding: Optional[bool]) -> None:
     if padding is False or is_compiling() or cache is None or not hasattr(cache, "__dict__"):
         return
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        vars(cache)[MARK] = mask
+        filled = past_length(cache)  # the keys stored so far: a static cache's mask may cover its unfilled slots too
+        vars(cache)[MARK] = mask[:, : int(filled)] if filled is not None and 0 < filled < mask.shape[1] else mask
     elif padding:
         vars(cache)[MARK] = True
 
@@ -40,8 +41,10 @@ def marked_by(out: Any, arguments: dict) -> None:
     """The cache of a forward whose layers ran on the padded batch (`unpad="attention"`, the name alone), marked with
     its mask where it ran several tokens (a decode step's one new token is no padding)."""
     tokens = input_tokens(arguments)
-    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] > 1:
-        mark(getattr(out, "past_key_values", None), arguments.get("attention_mask"), None)
+    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] > 1 and isinstance(out, Mapping):
+        keys = out.keys()  # read as items, not attributes: 5.24+ logs a deprecation for `past_key_values`
+        cache = next((out[key] for key in ("cache", "past_key_values") if key in keys), None)
+        mark(cache, arguments.get("attention_mask"), None)
 
 
 def check(cache: Any, mask: Any, tokens: Any) -> None:
