@@ -14,12 +14,13 @@ import pytest
 import torch
 import transformers
 from entrypoints import clean_env, launch, run
-from models import assert_same, check_packed_rows, labels_for, padded_batch, step, tiny_model
+from models import assert_same, check_packed_rows, labels_for, padded_batch, step, tiny_config, tiny_model
 from packaging.version import Version
+from transformers.generation.utils import GenerationMixin
 
 import patchkit
 from patchkit import eras
-from patchkit.errors import PatchGateError, PatchTargetError
+from patchkit.errors import PatchGateError, PatchInputError, PatchTargetError
 
 VERSION = Version(transformers.__version__)
 MODULE_LEVEL_MASK = Version("4.35") <= VERSION < Version("4.38")  # no instance patch there
@@ -237,3 +238,75 @@ def test_a_fastchat_era_trainer_script_under_the_launcher_trains_like_unpatched(
     want, got = losses(unpatched), losses(patched)
     assert len(want) == 3 and got == pytest.approx(want, abs=2e-4)
     assert "attention layers ran through patch 'all'" in patched.stderr and "WARNING" not in patched.stderr
+
+
+CONTRASTIVE = any(hasattr(GenerationMixin, name) for name in ("contrastive_search", "_contrastive_search"))
+
+
+@pytest.mark.skipif(not CONTRASTIVE, reason="contrastive search is a Hub generation method from 4.57")
+def test_contrastive_search_on_a_left_padded_batch_gives_this_versions_tokens():
+    """It ranks candidates by their cosine similarity to the prompt's last hidden states, padding's included, which
+    varlen kernels leave zero (not a number after the norm: other tokens, silently, 4.39-4.52; a crash on 4.32,
+    whose candidates' past is a list): its prefill steps aside."""
+    model = tiny_model(kv_heads=2, seed=4)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, penalty_alpha=0.6, top_k=4, pad_token_id=0)
+    want = model.generate(**kw)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = model.generate(**kw)
+        assert handle.stepped_aside == {"contrastive_search": 1} and handle.layers_patched == 2
+    assert torch.equal(got, want)
+
+
+def test_right_padded_generation_steps_aside_with_this_versions_tokens():
+    """Before 4.38 generate()'s prefill passes neither cache_position nor logits_to_keep: it is told by its frame,
+    and runs on transformers' attention, as every later version's does (it ran patched, reading a zero hidden
+    state's logits at the padding, with strict=True too)."""
+    model = tiny_model(kv_heads=2, seed=5)
+    ids, mask = padded_batch("right", batch=3, seq=16)
+    want = greedy(model, ids, mask)
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        got = greedy(model, ids, mask)
+        assert "right_padded_generation" in handle.stepped_aside
+    assert torch.equal(got, want)
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True), pytest.raises(PatchInputError, match="right"):
+        greedy(model, ids, mask)
+
+
+@pytest.mark.skipif(VERSION >= Version("4.38"), reason="from 4.38 the rotary tables are read by position_ids")
+def test_dynamic_ntk_rope_past_the_trained_length_gives_this_versions_logits():
+    """Before 4.38 the rotary module is called with the sequence's length, from which dynamic NTK scaling picks its
+    base: a packed forward's row is its real tokens, so it picked another (3.7e-4 off; and kept those tables on the
+    module after revert)."""
+    config = tiny_config(kv_heads=2, rope_scaling={"type": "dynamic", "factor": 2.0})
+    config.max_position_embeddings = 8
+    torch.manual_seed(6)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids, mask = padded_batch("mixed", batch=3, seq=16)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            got = model(input_ids=ids, attention_mask=mask).logits
+        after = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-5)
+    assert torch.equal(after, want)
+
+
+def test_a_callers_4d_mask_gives_this_versions_logits():
+    """transformers 4.37-4.40 read a 4D mask as binary (0 masked, else attended), later ones as additive: an additive
+    one ran patched there, read the other way from transformers. Now it steps aside before 4.41; later a 4D mask of
+    causal and padding runs patched. Either way this version's numbers (where it takes a 4D mask at all)."""
+    model = tiny_model(kv_heads=2, seed=7)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    allowed = torch.tril(torch.ones(16, 16, dtype=torch.bool))[None] & mask.bool()[:, None, :]
+    additive = torch.zeros(3, 1, 16, 16).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        try:
+            want = model(input_ids=ids, attention_mask=additive).logits
+        except Exception as exc:  # noqa: BLE001 - an era whose LLaMA takes no 4D mask
+            pytest.skip(f"transformers {VERSION} takes no 4D mask: {type(exc).__name__}")
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=additive).logits
+            binary = VERSION < Version("4.41")
+            assert ("custom_4d_mask" in handle.stepped_aside) == binary
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-5)

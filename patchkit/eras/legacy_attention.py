@@ -20,6 +20,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.inputs.arguments import check_call
+from patchkit.forward.masks import VarlenMask
 from patchkit.hooks.attention.varlen import varlen_core
 from patchkit.hooks.install.state import PatchState
 
@@ -27,10 +28,11 @@ STATIC_CACHES = ("StaticCache", "SlidingWindowCache", "HybridCache", "OffloadedS
 
 
 def _past_length(module: nn.Module, past: Any, q_len: int) -> int:
-    """Tokens already cached for this layer: a tuple's key length (4.31-4.35) or the Cache's (4.36+)."""
+    """Tokens already cached for this layer: a tuple's key length (4.31-4.35; a list's, as contrastive search hands
+    its candidates' past there) or the Cache's (4.36+)."""
     if past is None:
         return 0
-    if isinstance(past, tuple):
+    if isinstance(past, (tuple, list)):
         return past[0].shape[-2]
     return past.get_usable_length(q_len, module.layer_idx)
 
@@ -41,14 +43,19 @@ def rotary_takes_position_ids(rotary_class: type) -> bool:
 
 
 def _rotary(
-    module: nn.Module, v: torch.Tensor, position_ids: Any, past: Any, embeddings: Any, by_position_ids: bool
+    module: nn.Module, v: torch.Tensor, position_ids: Any, past: Any, embeddings: Any, by_position_ids: bool,
+    mask: Any = None,
 ) -> tuple:
-    """cos, sin as this version's attention computes them."""
+    """cos, sin as this version's attention computes them: before 4.38 for `seq_len`, the padded batch's length
+    behind its past (a packed forward's row holds its real tokens alone: dynamic NTK scaling would pick another base
+    from its length, and keep those tables on the module)."""
     if embeddings is not None:  # 4.43+
         return embeddings
     if by_position_ids:  # 4.38+
         return module.rotary_emb(v, position_ids)
-    return module.rotary_emb(v, seq_len=v.shape[-2] + _past_length(module, past, v.shape[-2]))  # 4.31-4.37
+    padded = getattr(mask, "padded", None) if isinstance(mask, VarlenMask) else None
+    q_len = padded.q_len if padded is not None else v.shape[-2]
+    return module.rotary_emb(v, seq_len=q_len + _past_length(module, past, q_len))  # 4.31-4.37
 
 
 def _cache_step(
@@ -58,7 +65,7 @@ def _cache_step(
     """Append this step's keys and values; returns all keys, all values and what the layer returns as its past."""
     if past is None:  # 4.36+ hands every layer a Cache whenever one is kept
         return k, v, ((k, v) if use_cache and tuple_cache else None)
-    if isinstance(past, tuple):  # 4.31-4.35
+    if isinstance(past, (tuple, list)):  # 4.31-4.35 (contrastive search's candidates: lists)
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         return k, v, ((k, v) if use_cache else None)
     if type(past).__name__ in STATIC_CACHES:
@@ -106,7 +113,7 @@ def make_legacy_forward(
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        cos, sin = _rotary(self, v, position_ids, past_key_value, embeddings, rotary_by_position_ids)
+        cos, sin = _rotary(self, v, position_ids, past_key_value, embeddings, rotary_by_position_ids, attention_mask)
         q, k = apply_rotary(q, k, cos, sin, position_ids)  # (B, H, S, D), as each version's own forward calls it
         cache_kwargs = {"sin": sin, "cos": cos, **({"cache_position": cache_position} if cache_position is not None
                                                     else {})}

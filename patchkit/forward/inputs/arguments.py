@@ -264,6 +264,21 @@ def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.T
     return block_diagonal_documents(mask)
 
 
+_BINARY_4D: list[bool] = []  # a plain memo (a compiled forward reads it)
+
+
+def binary_4d_masks() -> bool:
+    """transformers before 4.41 read a caller's 4D mask as binary (0: masked, else attended: 4.37's
+    `_prepare_4d_causal_attention_mask`, 4.38-4.40's `_update_causal_mask`; before, none), where every later release
+    reads it additive (0: attended): there it steps aside, whatever it holds, as transformers reads it."""
+    if not _BINARY_4D:
+        import transformers
+        from packaging.version import Version
+
+        _BINARY_4D.append(Version(Version(transformers.__version__).base_version) < Version("4.41"))
+    return _BINARY_4D[0]
+
+
 def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:
     """Replace the 4D mask by its documents as `cu_seq_lens` kwargs (in `arguments` / `extra`, in place)."""
     cu, longest = documents

@@ -95,6 +95,12 @@ CAUSES = {
         "load it with attn_implementation='patchkit', call model.set_attn_implementation('patchkit'), or import "
         "patchkit before building the model",
     ),
+    "contrastive_search": (
+        "generate()'s contrastive search (penalty_alpha, top_k; transformers up to 4.56) ranks each candidate by its "
+        "cosine similarity to every position's last hidden state of the prompt, padding's included, which varlen "
+        "kernels do not compute (a zero vector there gives not a number, and another token)",
+        "none needed: its prefill runs on transformers' attention, exact, and its decode steps run patched",
+    ),
     "short_mask": (
         "the 2D attention_mask has no column for this forward's new tokens (it is as wide as the cache's past, or "
         "narrower), as a hand-written decode loop gives it when it does not extend the mask; transformers reads the "
@@ -242,6 +248,8 @@ BRIEF = {
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
                              "the dynamic cache, or transformers >= 4.56"),
+    "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
+                           "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),
     "custom_mask_pattern": ("a mask beyond causal and padding (a bidirectional span, an or/and mask function)",
                             "none: this pattern needs transformers' attention"),

@@ -17,7 +17,13 @@ from torch import nn
 
 from patchkit.forward.context import ForwardPlan, current
 from patchkit.forward.documents import documents, has_packed_rows
-from patchkit.forward.inputs.arguments import given_cache, input_tokens, resolved_use_cache, sliding_window
+from patchkit.forward.inputs.arguments import (
+    binary_4d_masks,
+    given_cache,
+    input_tokens,
+    resolved_use_cache,
+    sliding_window,
+)
 from patchkit.forward.inputs.module_hooks import input_embedding, layout_hook, said_layout
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
@@ -54,7 +60,8 @@ def plan_forward(
         return ForwardPlan(aside=untrusted_cause(module, state))
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
     blocks = None
-    if cause in UNREAD:  # a multimodal model's own masks (and its image blocks), a static cache's too: patched
+    if cause in UNREAD and not binary_4d_masks():  # a multimodal model's own masks (and its image blocks), a static
+        # cache's too: patched (transformers before 4.41 read a caller's 4D mask as binary: theirs alone)
         read, blocks = model_masks_cause(module, arguments)
         cause = cause if read == "custom_4d_mask" else read
     noncausal = state is not None and config_cause(module.config) == NONCAUSAL

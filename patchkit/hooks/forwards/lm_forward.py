@@ -26,7 +26,7 @@ from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
 from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish
 from patchkit.hooks.head.loss_reader import reads_loss_alone
-from patchkit.hooks.head.padding_readers import say_padding_reader
+from patchkit.hooks.head.padding_readers import padding_cause, say_padding_reader
 from patchkit.hooks.install.forward_source import unservable_why
 from patchkit.hooks.install.patching import dressed_as
 from patchkit.names import WHOLE_MODEL
@@ -102,7 +102,9 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
         if cause is None and not labelled(arguments, extra) and wide(arguments) and not is_compiling():
-            say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
+            cause = padding_cause(arguments.get("attention_mask"))  # contrastive search's prefill
+            if cause is None:
+                say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
         if cause is None and misfit_labels(arguments):
             return original(self, *args, **kwargs)  # transformers' loss refuses them, in its own words
         if cause is None and not is_compiling() and current().head is not None:

@@ -19,6 +19,7 @@ import torch
 
 from patchkit.forward.documents import allowed_keys
 from patchkit.forward.inputs.arguments import (
+    binary_4d_masks,
     documents_in_4d_mask,
     ends_in_padding,
     given_cache,
@@ -246,9 +247,12 @@ def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     `arguments` / `extra`, in place. A static-cache prefill whose last column is padding in a row with real tokens
     (right padding: generate() reads that row's next token there, which varlen kernels skip) steps aside as
     right_padded_generation; documents longer than the model's sliding window as window_under_4d_mask; a boolean
-    mask that eager attention adds to its scores as bool_mask_on_eager."""
+    mask that eager attention adds to its scores as bool_mask_on_eager. transformers before 4.41 read a caller's 4D
+    mask as binary, not additive: there every one steps aside as custom_4d_mask."""
     if adds_a_bool_mask(module, arguments.get("attention_mask")):
         return "bool_mask_on_eager"
+    if binary_4d_masks():
+        return "custom_4d_mask"
     documents = documents_in_4d_mask(arguments, extra)
     if documents is not None:
         window = sliding_window(module.config)
