@@ -79,16 +79,16 @@ def _from_cu_seqlens(
     """Explicit `cu_seq_lens_q/k` (DataCollatorWithFlattening): documents over the flattened tokens."""
     if q_len != kv_len:
         raise PatchInputError(
-            "cu_seq_lens_q/k describe packed documents and cannot be combined with a KV cache that holds past "
-            "tokens; run packed batches without a past (use_cache=False or a fresh cache)"
+            "cu_seq_lens_q/k describe packed documents, which a KV cache's past tokens cannot join; run packed "
+            "batches without a past (use_cache=False or a fresh cache)"
         )
-    cu_q = cu_q.to(torch.int32)
-    cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
+    cu_q, cu_k = cu_q.to(torch.int32), (cu_q if cu_k is None else cu_k).to(torch.int32)
     lens_q, lens_k = host_lengths(cu_q.diff(), cu_k.diff())
     if sum(lens_q) != batch * q_len:
         raise PatchInputError(
-            f"cu_seq_lens_q covers {sum(lens_q)} tokens but the batch holds {batch * q_len} "
-            f"({batch} x {q_len}); pass the cu_seq_lens that DataCollatorWithFlattening built for this batch"
+            f"cu_seq_lens_q covers {sum(lens_q)} tokens but the batch holds {batch * q_len} ({batch} x {q_len}): "
+            "tokens joined the rows after the collator counted them (PEFT's prompt tuning prepends its virtual "
+            "tokens, which padding-free rows cannot carry: pad the batch), or pass the cu_seq_lens it built"
         )
     return VarlenMetadata(
         batch, q_len, kv_len, None, None, cu_q, cu_k, max(lens_q, default=0), max(lens_k, default=0),

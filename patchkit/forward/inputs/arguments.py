@@ -26,7 +26,7 @@ HONOURED = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_len
 INERT = frozenset({
     "use_cache", "cache_position", "cache", "past_key_value", "past_key_values", "output_hidden_states", "return_dict",
     "position_embeddings", "layer_idx", "token_type_ids", "num_items_in_batch", "output_router_logits",
-    "shift_labels", "labels",
+    "shift_labels", "labels", "ignore_index",
     "logits_to_keep",  # the head's, which LLaVA-OneVision's and GOT-OCR2's models hand on to their layers
     "user_cache",  # Nemotron-H's layers on transformers 5.3 to 5.8 pass `use_cache` under this misspelt name
 })

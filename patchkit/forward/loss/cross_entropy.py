@@ -51,6 +51,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         labelled, as torch's), g = grad / count: softmax * |g| as one exp(logits - (lse - log |g|)) written where
         the gradient goes, the one-hot's -|g| added at each label, the sign last."""
         logits, safe, valid, lse, count = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the same gradient by differentiable ops (the (n, V) probs)
+            probs = torch.softmax(logits.float(), dim=-1) - F.one_hot(safe, logits.shape[1])
+            return (probs * (valid[:, None] * (grad / count).float())).to(logits.dtype), None, None, None
         g = (grad / count).float()
         magnitude = torch.where(valid, g.abs(), 0.0)  # (n,)
         shift = lse - magnitude.log()  # +inf on ignored rows: exp gives 0 there

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from patchkit.dtypes import autocast_dtype
+from patchkit.errors import PatchkitError
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, loss_denominator
 
 CHUNK_ELEMENTS = 1 << 24  # elements of one chunk's logits (64 MiB in float32) at least
@@ -146,6 +147,14 @@ def through_scale(g: torch.Tensor, z: torch.Tensor, column_scale: Optional[torch
     return (g * column_scale).to(z.dtype)
 
 
+SECOND_ORDER = (
+    "patchkit: {what} through the LM head fused with its loss, which keeps no graph of its gradients (it writes them "
+    "in one pass: no (n, V) logits are ever held). A forward gets it where its caller reads nothing of the output "
+    "but the loss. Fix: apply the patch with unpad='attention' for such a loop (the head and loss run as "
+    "transformers' do), or read outputs.logits there too."
+)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -178,12 +187,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if torch.is_grad_enabled():  # create_graph=True: its gradients are not computed by differentiable ops
+            raise PatchkitError(SECOND_ORDER.format(what="a gradient of its gradient (create_graph=True)"))
         if not ctx.saved_tensors:  # the gradients were written in the forward, for an upstream gradient of 1
             if ctx.grads is None:
-                raise RuntimeError(
-                    "patchkit: a second backward through the same fused head-and-loss (retain_graph=True): its "
-                    "gradients were scaled in place by the first. Apply the patch with unpad='model' for such a loop."
-                )
+                raise PatchkitError(SECOND_ORDER.format(what="a second backward (retain_graph=True)"))
             grads, ctx.grads = ctx.grads, None  # scaled in place and handed on: nothing of the forward's size stays
             grads = tuple(None if t is None else t.mul_(grad.to(t.dtype)) for t in grads)
         else:

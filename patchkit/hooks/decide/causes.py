@@ -95,6 +95,12 @@ CAUSES = {
         "load it with attn_implementation='patchkit', call model.set_attn_implementation('patchkit'), or import "
         "patchkit before building the model",
     ),
+    "functorch_transform": (
+        "a torch.func transform (torch.func.grad, vmap, jacrev, functional per-sample gradients) runs the forward: "
+        "unpadding reads the mask's lengths on the host, which vmap refuses, and patchkit's fused head-and-loss "
+        "function does not take part in the transforms",
+        "none needed: the forward runs as transformers' does; outside the transform it runs patched",
+    ),
     "contrastive_search": (
         "generate()'s contrastive search (penalty_alpha, top_k; transformers up to 4.56) ranks each candidate by its "
         "cosine similarity to every position's last hidden state of the prompt, padding's included, which varlen "
@@ -248,6 +254,7 @@ BRIEF = {
                              "window over it)", "pass the 2D padding mask"),
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
                              "the dynamic cache, or transformers >= 4.56"),
+    "functorch_transform": ("a torch.func transform (grad, vmap, jacrev) runs the forward", "none needed"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
                            "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),

@@ -104,6 +104,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     told = current().lm_cause
     if told is not None:
         return told
+    if functorch_transform():
+        return "functorch_transform"
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None and not mask_decides(config, arguments):
         return config
@@ -134,6 +136,12 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
+
+
+def functorch_transform() -> bool:
+    """A torch.func transform (grad, vmap, jacrev, ...) runs this call: unpadding reads the mask on the host, which
+    vmap refuses, and the fused head's autograd function has no `setup_context`, which the transforms need."""
+    return bool(torch._C._are_functorch_transforms_active())
 
 
 def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
@@ -272,7 +280,8 @@ def right_padded_generation(mask: Any, cache: Any, logits_to_keep: Any, cache_po
     return ends_in_padding(mask)
 
 
-def labels_from_padding(mask: Any, labels: Any, shift_labels: Any, past: bool = True) -> bool:
+def labels_from_padding(mask: Any, labels: Any, shift_labels: Any, past: bool = True,
+                        ignore_index: int = IGNORE_INDEX) -> bool:
     """True when a loss term is predicted from a padding position (a real token after padding, labelled); a 4D
     mask's real tokens are those that see themselves. `past`: a cache was given, so labels narrower than the mask
     are the new tokens' behind it (else they do not line up: transformers' loss refuses them)."""
@@ -292,8 +301,8 @@ def labels_from_padding(mask: Any, labels: Any, shift_labels: Any, past: bool = 
         return False
     pad = mask == 0
     if isinstance(shift_labels, torch.Tensor):  # `labels` may then be anything (a sequence-parallel script's copy)
-        return bool(((read != IGNORE_INDEX) & pad).any())
-    return bool(((read[:, 1:] != IGNORE_INDEX) & pad[:, :-1]).any())
+        return bool(((read != ignore_index) & pad).any())
+    return bool(((read[:, 1:] != ignore_index) & pad[:, :-1]).any())
 
 
 @torch.compiler.disable  # host reads: one break at the call in a compiled forward (one that may not break never asks)
@@ -307,9 +316,13 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     told generate()'s prefill by it, nor, on 5.x, by a `cache_position`: there a prefill into an empty cache the caller
     brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too. `module`: the
     causal LM, whose config says whether its cache keeps entries pooled from padding (`cache_over_padding`)."""
+    if functorch_transform():
+        return "functorch_transform"
     mask, labels = arguments.get("attention_mask"), arguments.get("labels")
     cache = given_cache(arguments, extra)
-    if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None):
+    ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one
+    if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None,
+                           ignore if isinstance(ignore, int) else IGNORE_INDEX):
         return "labels_from_padding"
     keep = arguments.get("logits_to_keep", arguments.get("num_logits_to_keep", extra.get("logits_to_keep")))
     position = arguments.get("cache_position", extra.get("cache_position"))

@@ -86,6 +86,8 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
         return "a tuple output (return_dict=False)"
     if arguments.get("labels") is None and extra.get("shift_labels") is None:
         return None
+    if extra.get("ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
+        return "a loss ignore_index other than -100"  # the labelled rows are told by -100
     loss = _default_loss()
     if loss is None:
         return "this transformers' causal-LM loss takes no shift_labels"
@@ -93,8 +95,12 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
 
 
 def _lm_loss(lm: nn.Module) -> Optional[Callable]:
-    """The loss function transformers' own property gives this model (not patchkit's wrapper of it)."""
-    original = _hook.replacements[0].original if _hook.replacements else type(lm).loss_function
+    """The loss function this model's `loss_function` property gives: a subclass's own, else transformers' (not
+    patchkit's wrapper of it)."""
+    original = inspect.getattr_static(type(lm), "loss_function", None)
+    replaced = _hook.replacements[0] if _hook.replacements else None
+    if replaced is not None and original is replaced.new:
+        original = replaced.original
     try:
         return original.fget(lm) if isinstance(original, property) else None
     except Exception:  # noqa: BLE001 - a model whose loss cannot be resolved keeps the padded exit
@@ -146,7 +152,9 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
     fused = request.fused
     if fused is not None and keep.numel() > 0:
         request.rows, request.handed = hidden.index_select(0, keep), labelled[None]
-        zero = hidden.new_zeros(1, hidden.shape[-1])
+        # needing a gradient as the checking call's rows do, the head saves as many tensors for the backward either
+        # way (a non-reentrant checkpoint recomputes the checked call after the checking one, and counts them)
+        zero = hidden.new_zeros(1, hidden.shape[-1]).requires_grad_(hidden.requires_grad)
         if fused.checked:
             return zero[None]
         first, probe = min(CHECK_ROWS, keep.numel()), held(fused, lambda: probes(fused.weight))
