@@ -240,7 +240,9 @@ BRIEF = {
                             "token after left padding"),
     "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
                                 "that is all padding, reads a next token at padding", "pad prompts on the left"),
-    "custom_4d_mask": ("the model was given a 4D attention mask", "pass the 2D padding mask"),
+    "custom_4d_mask": ("a 4D attention mask reached the model (the caller's, or one generate() built for a static "
+                       "kind of cache before transformers 4.56)",
+                       "pass the 2D padding mask; with generate(), the default dynamic cache runs patched"),
     "static_cache_mask": ("generate()'s 4D masks for a static cache over layers patchkit does not place",
                           "none needed; the default dynamic cache runs patched"),
     "bool_mask_on_eager": ("a boolean 4D mask on eager attention, which adds it to the scores (masks nothing)",
