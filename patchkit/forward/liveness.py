@@ -34,6 +34,12 @@ def _tracing_one_graph() -> bool:
 _one_graph = torch._dynamo.assume_constant_result(_tracing_one_graph)
 
 
+def functorch_transform() -> bool:
+    """A torch.func transform (grad, vmap, jacrev, ...) runs this call: unpadding reads the mask on the host, which
+    vmap refuses, and the fused head's autograd function has no `setup_context`, which the transforms need."""
+    return bool(torch._C._are_functorch_transforms_active())
+
+
 def in_one_graph() -> bool:
     """Inside a compiled graph that may not break (fullgraph=True): no host read, no contextvar, no step aside by
     data there. Decided when dynamo traces the call, so it costs nothing at run time."""

@@ -29,7 +29,7 @@ from patchkit.forward.inputs.arguments import (
     window_over_hole,
 )
 from patchkit.forward.inputs.paged import paged_cache
-from patchkit.forward.liveness import is_compiling
+from patchkit.forward.liveness import functorch_transform, is_compiling
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
@@ -136,12 +136,6 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
-
-
-def functorch_transform() -> bool:
-    """A torch.func transform (grad, vmap, jacrev, ...) runs this call: unpadding reads the mask on the host, which
-    vmap refuses, and the fused head's autograd function has no `setup_context`, which the transforms need."""
-    return bool(torch._C._are_functorch_transforms_active())
 
 
 def beyond_topk(topk: Optional[int], arguments: dict, cache: Any) -> bool:
