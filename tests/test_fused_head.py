@@ -111,7 +111,8 @@ def test_a_second_backward_through_gradients_written_in_the_forward_is_refused_b
     hidden = torch.randn(4, 8, requires_grad=True)
     loss = linear_cross_entropy(hidden, torch.randn(11, 8), None, torch.tensor([1, 2, -100, 3]))
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="second backward through the same fused head-and-loss"):
+    with pytest.raises(patchkit.PatchkitError, match=r"a second backward \(retain_graph=True\) through the LM head "
+                       r"fused with its loss.*Fix: apply the patch with unpad='attention'"):
         loss.backward()
 
 
