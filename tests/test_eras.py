@@ -310,3 +310,20 @@ def test_a_callers_4d_mask_gives_this_versions_logits():
             binary = VERSION < Version("4.41")
             assert ("custom_4d_mask" in handle.stepped_aside) == binary
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=2e-5, rtol=1e-5)
+
+
+def test_static_cache_generation_gives_this_versions_tokens():
+    """generate(cache_implementation="static"): on 4.41-4.47 its cache reached the LLaMA patch's attention, which
+    refused it (PatchInputError); it steps aside now (legacy_static_cache), as 4.47's own 4D mask does; from 4.48
+    it runs patched. The same tokens everywhere (where this version has a static cache)."""
+    model = tiny_model(kv_heads=2, seed=8)
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    try:
+        want = model.generate(**kw)
+    except Exception as exc:  # noqa: BLE001 - an era without static caches
+        pytest.skip(f"transformers {VERSION} has no static cache for generate(): {type(exc).__name__}")
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = model.generate(**kw)
+    assert torch.equal(got, want)

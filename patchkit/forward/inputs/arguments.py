@@ -264,19 +264,30 @@ def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.T
     return block_diagonal_documents(mask)
 
 
-_BINARY_4D: list[bool] = []  # a plain memo (a compiled forward reads it)
+_BEFORE: dict[str, bool] = {}  # a plain memo (a compiled forward may read it)
+
+
+def transformers_before(version: str) -> bool:
+    """The installed transformers is older than `version`, read once."""
+    if version not in _BEFORE:
+        import transformers
+        from packaging.version import Version
+
+        _BEFORE[version] = Version(Version(transformers.__version__).base_version) < Version(version)
+    return _BEFORE[version]
 
 
 def binary_4d_masks() -> bool:
     """transformers before 4.41 read a caller's 4D mask as binary (0: masked, else attended: 4.37's
     `_prepare_4d_causal_attention_mask`, 4.38-4.40's `_update_causal_mask`; before, none), where every later release
     reads it additive (0: attended): there it steps aside, whatever it holds, as transformers reads it."""
-    if not _BINARY_4D:
-        import transformers
-        from packaging.version import Version
+    return transformers_before("4.41")
 
-        _BINARY_4D.append(Version(Version(transformers.__version__).base_version) < Version("4.41"))
-    return _BINARY_4D[0]
+
+def legacy_llama() -> bool:
+    """transformers before 4.48, where patchkit's LLaMA patch replaces the attention forward itself (`eras/`), and
+    places no static kind of cache's preallocated slots."""
+    return transformers_before("4.48")
 
 
 def take_documents(arguments: dict, extra: dict, documents: tuple[torch.Tensor, int]) -> None:

@@ -95,6 +95,12 @@ CAUSES = {
         "load it with attn_implementation='patchkit', call model.set_attn_implementation('patchkit'), or import "
         "patchkit before building the model",
     ),
+    "legacy_static_cache": (
+        "a static kind of cache (generate(cache_implementation='static'), StaticCache, SlidingWindowCache) on "
+        "transformers < 4.48, where patchkit's LLaMA patch replaces the attention forward itself and does not place "
+        "the cache's preallocated slots",
+        "none needed; the default dynamic cache runs patched, and so does a static cache from transformers 4.48",
+    ),
     "functorch_transform": (
         "a torch.func transform (torch.func.grad, vmap, jacrev, functional per-sample gradients) runs the forward: "
         "unpadding reads the mask's lengths on the host, which vmap refuses, and patchkit's fused head-and-loss "
@@ -257,6 +263,8 @@ BRIEF = {
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
                              "the dynamic cache, or transformers >= 4.56"),
     "functorch_transform": ("a torch.func transform (grad, vmap, jacrev) runs the forward", "none needed"),
+    "legacy_static_cache": ("a static kind of cache on transformers < 4.48, whose preallocated slots patchkit's "
+                            "LLaMA patch there does not place", "none needed; the default dynamic cache runs patched"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
                            "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),
