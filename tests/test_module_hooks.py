@@ -198,6 +198,41 @@ def test_a_users_hook_on_the_head_sees_every_positions_logits_and_the_numbers_ar
     assert rows and rows[0].numel() < mask.numel()  # real tokens only (the labelled ones, fused: its checking call)
 
 
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_a_users_hook_on_the_base_model_sees_its_padded_output_and_steers_the_loss_as_unpatched(unpad):
+    """A forward hook on the base model (a steering hook scaling its last hidden state in place) saw the packed row,
+    or the labelled rows alone, where the causal LM took its base model's rows for the head: in a loop that reads
+    the loss alone its edit missed the loss (4.604 for 4.586), and the next step failed. The base model now repads
+    its output where such a hook sits, said once; the layers still run on real tokens."""
+    model = tiny_model(kv_heads=2, layers=2).train()
+    ref = clone(model)
+    ids, mask = padded_batch("left")
+    shapes: list = []
+
+    def scale(mod: torch.nn.Module, args: tuple, out) -> None:
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        shapes.append(tuple(hidden.shape))
+        hidden.mul_(0.5)
+
+    def steer(m: torch.nn.Module) -> None:
+        m.model.register_forward_hook(scale)
+
+    steer(ref)
+    steer(model)
+    want = seeded_step(ref, ids, mask)
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa",
+                                                                             unpad=unpad) as handle:
+        warnings.simplefilter("always")
+        got = [seeded_step(model, ids, mask) for _ in range(2)][-1]
+        assert list(handle.heads) == ["a forward hook on its base model that may read the (B, S, H) layout"]
+        assert handle.layers_patched > 0
+    assert set(shapes) == {tuple(ids.shape) + (64,)}, shapes
+    assert len(hook_warnings(caught)) == 1
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+
+
 def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
     """`patchkit.shape_free(hook)`: the user says the hook reads no shape. torch's pruning re-derives a weight in a
     pre-hook (a framework's hook: `torch.nn.utils`). Both forwards run their layers on the packed row, unannounced,

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from patchkit.errors import PatchkitError
-from patchkit.forward.inputs.module_hooks import head_hook, said_layout
+from patchkit.forward.inputs.module_hooks import head_hook, layout_hook_on, said_layout
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
@@ -81,6 +81,8 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
     base_name = getattr(lm, "base_model_prefix", "")
     if base_name in lm._modules and said_layout(lm, head_hook(lm, base_name)):
         return "a forward hook on its head that may read the (B, S, V) layout"
+    if base_name in lm._modules and said_layout(lm, layout_hook_on(lm._modules[base_name])):
+        return "a forward hook on its base model that may read the (B, S, H) layout"  # it sees what is handed
     asked = arguments.get("return_dict", extra.get("return_dict"))
     if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
         return "a tuple output (return_dict=False)"
