@@ -41,9 +41,21 @@ def functorch_transform() -> bool:
 
 
 def in_one_graph() -> bool:
-    """Inside a compiled graph that may not break (fullgraph=True): no host read, no contextvar, no step aside by
-    data there. Decided when dynamo traces the call, so it costs nothing at run time."""
-    return is_compiling() and _one_graph()
+    """Inside a compiled graph that may not break (fullgraph=True, torch.export): no host read, no contextvar, no
+    step aside by data there. Decided when dynamo traces the call, so it costs nothing at run time."""
+    return is_compiling() and (_one_graph() or exporting())
+
+
+def exporting() -> bool:
+    """torch.export traces the call (its graph never breaks, and a non-recursive compiler.disable is refused)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
+
+
+def jit_tracing() -> bool:
+    """torch.jit.trace records the call: every host read of the batch (its lengths, its splits) would become a
+    constant of the trace, which another batch would silently reuse."""
+    return bool(torch.jit.is_tracing())
 
 
 def record_call(state: Any, module: nn.Module) -> None:

@@ -95,6 +95,11 @@ CAUSES = {
         "load it with attn_implementation='patchkit', call model.set_attn_implementation('patchkit'), or import "
         "patchkit before building the model",
     ),
+    "jit_trace": (
+        "torch.jit.trace records the forward: every host read of the batch patchkit's path makes (its rows' lengths, "
+        "the splits by them) would become a constant of the trace, which a batch of other lengths would reuse",
+        "none needed: the trace runs transformers' attention, as it does unpatched; torch.compile runs patched",
+    ),
     "legacy_static_cache": (
         "a static kind of cache (generate(cache_implementation='static'), StaticCache, SlidingWindowCache) on "
         "transformers < 4.48, where patchkit's LLaMA patch replaces the attention forward itself and does not place "
@@ -263,6 +268,7 @@ BRIEF = {
     "window_rolling_cache": ("a static or sliding-window cache on a sliding-window model before transformers 4.56",
                              "the dynamic cache, or transformers >= 4.56"),
     "functorch_transform": ("a torch.func transform (grad, vmap, jacrev) runs the forward", "none needed"),
+    "jit_trace": ("torch.jit.trace records the forward", "none needed; torch.compile runs patched"),
     "legacy_static_cache": ("a static kind of cache on transformers < 4.48, whose preallocated slots patchkit's "
                             "LLaMA patch there does not place", "none needed; the default dynamic cache runs patched"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
