@@ -402,3 +402,24 @@ def test_the_exit_line_counts_the_scripts_own_instance_patch(reverted, monkeypat
     assert "WARNING" not in line and line.endswith(
         "no attention layer ran through patch 'all'; the script's own patches ran 'llama2': 2 attention layers "
         "(2 calls)."), line
+
+
+def test_the_exit_line_of_a_process_whose_every_forward_stepped_aside_names_that_not_the_script(monkeypatch):
+    """A rank whose every forward stepped aside (labels predicted from padding) was told that its script ran no
+    forward of a served model, or that its attention was replaced; it says what happened."""
+    import io
+
+    from patchkit import handles
+    from patchkit.entry.process_report import report_at_exit
+
+    monkeypatch.setattr(handles, "REVERTED", {})
+    model = tiny_model(hidden=32, layers=2)
+    ids, mask = padded_batch("left")
+    with patchkit.apply_patch(backend="sdpa") as group:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()  # every label, padding's too
+        stream = io.StringIO()
+        report_at_exit(group, stream)
+    line = stream.getvalue().strip()
+    assert line.endswith("WARNING: every forward through patch 'all' in this process stepped aside to transformers' "
+                         "attention (1 labels_from_padding), so none ran patched; each cause's warning names its "
+                         "fix."), line

@@ -181,14 +181,17 @@ def report_at_exit(handle: Optional[Any], stream: Any = None, who: str = "patchk
     elif others := others_that_ran(handle):
         print(f"{who}: {rank_label()}: no attention layer ran through patch {handle.name!r}; the script's own "
               f"patches ran {others}.", file=stream)
+    elif aside:  # the script's forwards reached the patch, and each stepped aside, warned by its cause
+        print(f"{who}: {rank_label()}: WARNING: every forward through patch {handle.name!r} in this process stepped "
+              f"aside to transformers' attention ({aside}), so none ran patched; each cause's warning names its fix.",
+              file=stream)
     else:
         print(
             f"{who}: {rank_label()}: WARNING: no attention layer ran through patch {handle.name!r} in this process. "
             + ("No process it started ran one either (they inherit the patch through PATCHKIT_* variables and "
                "report to it at exit). The " if handed_down else "The ")
             + "script ran no forward of a model patchkit serves (patchkit.available_patches() lists them), or its "
-            "model's attention was replaced by other code; it ran without patchkit"
-            + (f" (forwards stepped aside to transformers' attention: {aside})." if aside else "."),
+            "model's attention was replaced by other code; it ran without patchkit.",
             file=stream,
         )
     stream.flush()
