@@ -10,7 +10,7 @@ store is replayed on the runtime object, so a compiled call only stores: the sta
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -34,10 +34,14 @@ def _tracing_one_graph() -> bool:
 _one_graph = torch._dynamo.assume_constant_result(_tracing_one_graph)
 
 
-def functorch_transform() -> bool:
-    """A torch.func transform (grad, vmap, jacrev, ...) runs this call: unpadding reads the mask on the host, which
-    vmap refuses, and the fused head's autograd function has no `setup_context`, which the transforms need."""
-    return bool(torch._C._are_functorch_transforms_active())
+def traced_by() -> Optional[str]:
+    """What records this call, where a forward must run as transformers' does, else None: "functorch_transform" (a
+    torch.func transform, grad, vmap, jacrev: unpadding reads the mask on the host, which vmap refuses, and the fused
+    head's autograd function has no `setup_context`, which the transforms need) or "jit_trace" (torch.jit.trace:
+    every host read of the batch, its lengths and splits, would become a constant another batch silently reuses)."""
+    if torch._C._are_functorch_transforms_active():
+        return "functorch_transform"
+    return "jit_trace" if torch.jit.is_tracing() else None
 
 
 def in_one_graph() -> bool:
@@ -51,11 +55,6 @@ def exporting() -> bool:
     is_exporting = getattr(torch.compiler, "is_exporting", None)
     return bool(is_exporting is not None and is_exporting())
 
-
-def jit_tracing() -> bool:
-    """torch.jit.trace records the call: every host read of the batch (its lengths, its splits) would become a
-    constant of the trace, which another batch would silently reuse."""
-    return bool(torch.jit.is_tracing())
 
 
 def record_call(state: Any, module: nn.Module) -> None:

@@ -29,7 +29,7 @@ from patchkit.forward.inputs.arguments import (
     window_over_hole,
 )
 from patchkit.forward.inputs.paged import paged_cache
-from patchkit.forward.liveness import functorch_transform, is_compiling, jit_tracing
+from patchkit.forward.liveness import is_compiling, traced_by
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
@@ -104,8 +104,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
     told = current().lm_cause
     if told is not None:
         return told
-    if functorch_transform() or jit_tracing():
-        return "functorch_transform" if functorch_transform() else "jit_trace"
+    if (traced := traced_by()) is not None:
+        return traced
     config = config_cause(module.config)  # Falcon-RW's ALiBi: its whole model, every forward
     if config is not None and not mask_decides(config, arguments):
         return config
@@ -310,8 +310,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     told generate()'s prefill by it, nor, on 5.x, by a `cache_position`: there a prefill into an empty cache the caller
     brought, in eval mode, with a row ending in padding is read as generate()'s and steps aside too. `module`: the
     causal LM, whose config says whether its cache keeps entries pooled from padding (`cache_over_padding`)."""
-    if functorch_transform() or jit_tracing():
-        return "functorch_transform" if functorch_transform() else "jit_trace"
+    if (traced := traced_by()) is not None:
+        return traced
     mask, labels = arguments.get("attention_mask"), arguments.get("labels")
     cache = given_cache(arguments, extra)
     ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one
