@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from patchkit.forward.inputs.arguments import transformers_before
 from patchkit.warn import warn_user
 
 # (class name, method name): a method of such a class (or a subclass) reads the logits it gets at padding
@@ -29,10 +30,10 @@ ASIDE = {("GenerationMixin", "_contrastive_search"): "contrastive_search",
 # generate() before transformers 4.38 passes its prefill neither `cache_position` nor `logits_to_keep`, by which
 # `step_aside.right_padded_generation` tells it: its frame does, where a row's last prompt column is padding
 LEGACY_GENERATE = {("GenerationMixin", "generate"): "right_padded_generation"}
+LEGACY_ASIDE = {**ASIDE, **LEGACY_GENERATE}
 READS = {"contrastive_search": lambda mask: not bool(mask.all()),  # every position's hidden state
          "right_padded_generation": lambda mask: not bool(mask[:, -1].all())}  # the last column's logits
 METHODS = frozenset(method for _, method in [*READERS, *ASIDE, *LEGACY_GENERATE])
-_ASIDE: list[dict[tuple[str, str], str]] = []  # ASIDE, with LEGACY_GENERATE before 4.38: read once
 MAX_FRAMES = 12  # from the causal LM's forward up to the trainer's method: torch's module call, accelerate's wrappers
 _said: set[str] = set()
 
@@ -59,18 +60,8 @@ def padding_cause(mask: Any) -> Optional[str]:
     padding it reads; else None."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None
-    found = padding_reader(sys._getframe(2), _aside())
+    found = padding_reader(sys._getframe(2), LEGACY_ASIDE if transformers_before("4.38") else ASIDE)
     return found[1] if found is not None and READS[found[1]](mask) else None
-
-
-def _aside() -> dict[tuple[str, str], str]:
-    if not _ASIDE:
-        import transformers
-        from packaging.version import Version
-
-        legacy = Version(transformers.__version__) < Version("4.38")
-        _ASIDE.append({**ASIDE, **(LEGACY_GENERATE if legacy else {})})
-    return _ASIDE[0]
 
 
 def say_padding_reader() -> None:
