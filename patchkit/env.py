@@ -36,9 +36,7 @@ def check_choice(where: str, value: Any, allowed: list[str] | tuple[str, ...]) -
 def check_patch(where: str, value: Any) -> str:
     """A patch name: a registered one or alias (`llama2`, `all`), or a model type the table may serve (`gpt_oss`),
     which `resolve` checks when the patch is applied (that needs transformers); else an EnvValueError."""
-    if isinstance(value, str) and value.strip().lower() in patch_names():
-        return value.strip().lower()
-    if isinstance(value, str) and MODEL_TYPE.fullmatch(value.strip().lower()):
+    if isinstance(value, str) and MODEL_TYPE.fullmatch(value.strip().lower()):  # every registered name is one too
         return value.strip().lower()
     raise EnvValueError(f"{where}={value!r} is not valid; allowed values: {', '.join(patch_names())}, or a served "
                         "model_type such as gpt_oss (patchkit doctor lists them)")

@@ -90,6 +90,9 @@ def test_dataclass_validates_when_built_in_code():
     allowed = r"all, gemma, .*llama1, llama2, mistral, .*qwen3, .*smollm3, starcoder2, llama, or a served model_type"
     with pytest.raises(ValueError, match=rf"patch='gpt 2' is not valid; allowed values: {allowed}"):
         PatchArguments(patch="gpt 2")
+    from patchkit.names import patch_names
+
+    assert [PatchArguments(patch=name.upper()).patch for name in patch_names()] == patch_names()
     assert PatchArguments(flash_attn="yes", attn_backend="SDPA").attn_backend == "sdpa"
 
 
