@@ -39,6 +39,26 @@ def neftune(model: torch.nn.Module) -> list[tuple[int, ...]]:
     return seen
 
 
+def assert_steps_alike(got: tuple, want: tuple) -> None:
+    """`seeded_step`'s loss and gradients as unpatched."""
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def two_patched_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, unpad: str
+                      ) -> tuple[tuple, dict[str, int], list[str]]:
+    """Two seeded steps of `model` patched (the second after the fused head's check): the last's loss and gradients,
+    the forwards' head counts by why, and patchkit's hook warnings."""
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa",
+                                                                             unpad=unpad) as handle:
+        warnings.simplefilter("always")
+        got = [seeded_step(model, ids, mask) for _ in range(2)][-1]
+        heads = dict(handle.heads)
+        assert handle.layers_patched > 0
+    return got, heads, hook_warnings(caught)
+
+
 def seeded_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # NEFTune: the same noise both ways, drawn over the same (B, S, H)
@@ -66,9 +86,7 @@ def test_neftune_draws_its_noise_over_the_padded_batch_as_unpatched(unpad, kind)
         assert handle.calls > 0 and handle.stepped_aside == {}
     assert seen == want_seen == [tuple(ids.shape) + (64,)]
     assert layers == [int(mask.sum())]  # the decoder on real tokens only
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+    assert_steps_alike(got, want)
     hooks = model.get_input_embeddings()
     assert len(hooks._forward_hooks) == 2 and not hooks._forward_pre_hooks  # the user's two, none of patchkit's
 
@@ -153,9 +171,7 @@ def test_a_users_hook_on_a_layer_sees_the_padded_rows_and_the_numbers_are_unpatc
     assert [k.shape for k in kept] == [want_kept[0].shape] * 2 == [(4, 64)] * 2
     torch.testing.assert_close(kept[0], want_kept[0], atol=2e-5, rtol=1e-4)
     if mode == "train":
-        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-        for name in want[1]:
-            torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+        assert_steps_alike(got, want)
     else:
         real = mask.bool()
         torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-5, rtol=1e-4)
@@ -177,17 +193,11 @@ def test_a_users_hook_on_the_head_sees_every_positions_logits_and_the_numbers_ar
     hook_on(ref, "want")
     hook_on(model, "got")
     want = seeded_step(ref, ids, mask)
-    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa",
-                                                                             unpad=unpad) as handle:
-        warnings.simplefilter("always")
-        got = [seeded_step(model, ids, mask) for _ in range(2)][-1]
-        assert list(handle.heads) == ["a forward hook on its head that may read the (B, S, V) layout"]
-    said = hook_warnings(caught)
+    got, heads, said = two_patched_steps(model, ids, mask, unpad)
+    assert list(heads) == ["a forward hook on its head that may read the (B, S, V) layout"]
     assert len(said) == 1 and "'lm_head'" in said[0] and "shape_free" in said[0], said
     torch.testing.assert_close(norms["got"][-1], norms["want"][0], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+    assert_steps_alike(got, want)
     rows: list = []
     marked = clone(ref)
     marked.lm_head._forward_hooks.clear()
@@ -220,17 +230,11 @@ def test_a_users_hook_on_the_base_model_sees_its_padded_output_and_steers_the_lo
     steer(ref)
     steer(model)
     want = seeded_step(ref, ids, mask)
-    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa",
-                                                                             unpad=unpad) as handle:
-        warnings.simplefilter("always")
-        got = [seeded_step(model, ids, mask) for _ in range(2)][-1]
-        assert list(handle.heads) == ["a forward hook on its base model that may read the (B, S, H) layout"]
-        assert handle.layers_patched > 0
+    got, heads, said = two_patched_steps(model, ids, mask, unpad)
+    assert list(heads) == ["a forward hook on its base model that may read the (B, S, H) layout"]
     assert set(shapes) == {tuple(ids.shape) + (64,)}, shapes
-    assert len(hook_warnings(caught)) == 1
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], atol=2e-6, rtol=1e-4, msg=name)
+    assert len(said) == 1
+    assert_steps_alike(got, want)
 
 
 def test_a_hook_marked_shape_free_and_a_frameworks_hooks_keep_the_packed_row():
