@@ -47,6 +47,9 @@ parser.add_argument("--fsdp1", choices=["orig", "flat"], default=None,
                     help="FSDP1 instead of FSDP2, with use_orig_params on (orig) or off (flat)")
 parser.add_argument("--head-unit", action="store_true",
                     help="FSDP2: the head a unit of its own, resharded after its forward")
+parser.add_argument("--diverge", action="store_true",
+                    help="rank 1's forwards take other head paths than rank 0's: on the first step a label from padding "
+                         "(it steps aside), on the second no labelled token")
 parser.add_argument("--lora", choices=["attention", "head"], default=None,
                     help="PEFT's LoRA on q_proj and v_proj (attention), or on lm_head too (head), before sharding")
 opts = parser.parse_args()
@@ -100,11 +103,16 @@ def train(patched: bool) -> list:
         net = model
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
     net = torch.compile(net, backend=opts.compile) if (patched and opts.compile) else net
-    ids, mask, labels = batch()
-    n_targets = (labels[:, 1:] != -100).sum()
+    ids, mask, recipe = batch()
     mine = slice(rank, None, world)
     losses = []
-    for _ in range(opts.steps):
+    for step in range(opts.steps):
+        labels = recipe.clone()
+        if opts.diverge and step == 0:  # rows 1 and 3 (rank 1's) are left padded: their first real token labelled
+            labels[1::2] = ids[1::2].masked_fill(mask[1::2] == 0, -100)
+        if opts.diverge and step == 1:
+            labels[1::2] = -100
+        n_targets = (labels[:, 1:] != -100).sum()
         if opts.unpad == "loss":  # the model's loss over the global batch's labelled tokens (the Trainer's way)
             out = net(input_ids=ids[mine], attention_mask=mask[mine], labels=labels[mine], use_cache=False,
                       num_items_in_batch=n_targets)
@@ -219,12 +227,25 @@ def test_lora_on_the_head_under_fsdp1_runs_fused_as_unpatched(fsdp_script):
 
 
 def test_fsdp2_a_head_in_a_unit_of_its_own_runs_fused_as_unpatched(fsdp_script):
-    """The head alone an FSDP2 unit (resharded after its forward: a DTensor outside it): the fused loss runs as its
-    forward, which gathers the weight, with the rows kept out of the call (FSDP2 would register the unit's
-    post-backward on them): fused on every step of each rank, with the unpatched losses."""
+    """The head alone an FSDP2 unit (resharded after its forward: a DTensor outside it): the fused loss runs in the
+    family's own call of it, which gathers the weight: fused on every step of each rank, with the unpatched
+    losses."""
     losses, _, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss", "--head-unit")
     assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
     assert heads == [{lm_head.FUSED: STEPS}] * 2
+
+
+def test_fsdp2_ranks_whose_forwards_take_other_head_paths_gather_the_head_alike(fsdp_script):
+    """The head an FSDP2 unit of its own, and rank 1's forwards taking other head paths than rank 0's (rank 0
+    checks, then fuses): on the first step a label predicted from padding (it steps aside), on the second no
+    labelled token. Each unpatched forward calls the head's unit once; so does each patched one, the fused loss,
+    the probes and the check computed in the family's own call of it, so both ranks gather and reduce the head in
+    the same order. The fused loss's one more call of the unit used to run the ranks' collectives in another order:
+    gloo aborted, or the step hung. The losses equal unpatched."""
+    losses, _, heads = torchrun_fsdp(fsdp_script, "--layers", "2", "--unpad", "loss", "--head-unit", "--diverge")
+    assert losses["patched"] == pytest.approx(losses["unpatched"], rel=1e-6, abs=1e-6)
+    assert heads[0] == {lm_head.FUSED: STEPS}
+    assert heads[1] == {lm_head.LOSS_ONLY: 1, lm_head.FUSED: STEPS - 2}  # the first step stepped aside
 
 
 def test_accelerates_fsdp2_carves_out_the_head_and_patchkit_fuses_it_as_unpatched(tmp_path):

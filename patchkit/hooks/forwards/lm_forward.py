@@ -134,7 +134,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         asks_loss = alone and labelled(arguments, extra)
         return HeadRequest(declined(self, arguments, extra, unservable), loss_only=alone,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
-                           fused=fused_head(self) if asks_loss else None)
+                           fused=fused_head(self) if asks_loss else None,
+                           num_items=extra.get("num_items_in_batch"))
 
     def with_head(self: nn.Module, args: tuple, kwargs: dict, arguments: dict, extra: dict,
                   alone: Optional[bool]) -> Any:

@@ -12,7 +12,8 @@ plain head are served with their weight as PEFT's forward builds it (`FusedHead.
 (`target_modules` naming it, as continued pretraining does) with each active adapter's term (`FusedHead.terms`).
 
 Where hooks hold the head's weight (DeepSpeed ZeRO-3, FSDP2, accelerate's device map: `weight_holders.py`), what
-reads it here (the probes, the check, the fused loss) runs as the forward of the module they hold it on (`held`).
+reads it here (the probes, the check, the fused loss) runs as the forward of the module they hold it on (`held`);
+under FSDP2, inside the family's own call of that module (`in_its_call`), so that every rank calls it alike.
 """
 
 from __future__ import annotations
@@ -327,16 +328,30 @@ def probes(weight: torch.Tensor) -> torch.Tensor:
     return (w * (wanted / w.square().sum(1).clamp(min=1e-12))[:, None]).to(weight.dtype)
 
 
-def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled: int, n: int) -> bool:
-    """Compare the family's `logits` of the `hidden` rows handed to it, at the first of its `labelled` rows and at
-    the `n` probes (the last rows), with the fused loss's; remember and return whether they are the same."""
+def probed(fused: FusedHead, hidden: torch.Tensor, n: int) -> torch.Tensor:
+    """The (1, k, H) `hidden` rows handed on the checking call with their last `n` rows (placeholders) made the
+    probes: in the head's own call, where hooks gather its weight only there (FSDP2: `in_its_call`)."""
+    return torch.cat([hidden[:, :-n], probes(fused.weight).to(hidden.device, hidden.dtype)[None]], 1)
+
+
+def checked_rows(hidden: torch.Tensor, labelled: int, n: int) -> torch.Tensor:
+    """The rows of the checking call's (1, k, H) `hidden` that the check compares: the first of its `labelled` rows
+    and the `n` probes (the last rows)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
     first = min(CHECK_ROWS, labelled)
+    return torch.cat([torch.arange(first), torch.arange(flat.shape[0] - n, flat.shape[0])]).to(flat.device)
+
+
+def check(fused: FusedHead, logits: torch.Tensor, hidden: torch.Tensor, labelled: int, n: int,
+          ours: Optional[torch.Tensor] = None) -> bool:
+    """Compare the family's `logits` of the `hidden` rows handed to it, at the first of its `labelled` rows and at
+    the `n` probes (the last rows), with the fused loss's (`ours`, where its own call of the head computed them);
+    remember and return whether they are the same."""
     try:
         with torch.no_grad():
             flat_h, flat_l = hidden.reshape(-1, hidden.shape[-1]), logits.reshape(-1, logits.shape[-1])
-            pick = torch.cat([torch.arange(first), torch.arange(flat_h.shape[0] - n, flat_h.shape[0])])
-            pick = pick.to(flat_h.device)
-            ours = held(fused, fused.logits, flat_h[pick])
+            pick = checked_rows(hidden, labelled, n)
+            ours = held(fused, fused.logits, flat_h[pick]) if ours is None else ours
             theirs = flat_l[pick]
             tol = 1e-5 if theirs.dtype == torch.float32 and ours.dtype == torch.float32 else 1e-2  # 2-3 ulps
             scale = max(1.0, float(theirs.float().abs().max()))

@@ -14,6 +14,7 @@ from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.head.fused_head import FusedHead
+from patchkit.hooks.head.weight_holders import InItsCall
 
 
 class HeadRequest:
@@ -27,11 +28,11 @@ class HeadRequest:
     model's `output` for a rerun of the LM (`replay`, `again`) should the check fail."""
 
     __slots__ = ("wanted", "why_not", "meta", "losses", "loss_only", "labels", "handed", "fused", "rows",
-                 "check_rows", "output", "replay", "restore")
+                 "check_rows", "output", "replay", "restore", "num_items", "in_call")
 
     def __init__(self, why_not: Optional[str], loss_only: bool = False,
                  labels: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-                 fused: Optional[FusedHead] = None) -> None:
+                 fused: Optional[FusedHead] = None, num_items: Any = None) -> None:
         self.wanted = why_not is None
         self.why_not = why_not
         self.meta: Optional[VarlenMetadata] = None
@@ -45,12 +46,16 @@ class HeadRequest:
         self.output: Any = None  # the base model's output on the checking call
         self.replay: Any = None  # an output the base model's forward returns as it is (`again`)
         self.restore: Optional[Callable[[], None]] = None  # turns a LoRA head's dropouts on after the check
+        self.num_items = num_items  # the forward's num_items_in_batch, for a loss computed in the head's call
+        self.in_call: Optional[InItsCall] = None  # the fused loss in the family's call of the head (FSDP2)
 
     def end_check(self) -> None:
         """The checking call's logits are compared (or the call ended): the head's dropouts on again."""
         restore, self.restore = self.restore, None
         if restore is not None:
             restore()
+        if self.in_call is not None:
+            self.in_call.undo()
 
     def again(self) -> HeadRequest:
         """This checking call's request, for the LM's rerun once the check failed: the base model's forward returns

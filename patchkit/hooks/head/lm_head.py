@@ -38,9 +38,9 @@ from patchkit.forward.inputs.module_hooks import head_hook, layout_hook_on, said
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.forward.padding import on_device, unpad_rows
-from patchkit.hooks.head.fused_head import CHECK_ROWS, check, probes
+from patchkit.hooks.head.fused_head import CHECK_ROWS, PROBE_LOGITS, check, checked_rows, probed, probes
 from patchkit.hooks.head.head_request import CheckFailed, HeadRequest, asked, with_zero_row
-from patchkit.hooks.head.weight_holders import held
+from patchkit.hooks.head.weight_holders import InItsCall, held, in_its_call, one_call
 from patchkit.hooks.install.patching import Replacement, SharedInstall
 
 _hook = SharedInstall()
@@ -157,15 +157,41 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
         # needing a gradient as the checking call's rows do, the head saves as many tensors for the backward either
         # way (a non-reentrant checkpoint recomputes the checked call after the checking one, and counts them)
         zero = hidden.new_zeros(1, hidden.shape[-1]).requires_grad_(hidden.requires_grad)
-        if fused.checked:
+        first = min(CHECK_ROWS, keep.numel())
+        if one_call(fused):  # the loss, the probes and the check in the family's call of the head's unit:
+            request.in_call = in_its_call(fused, functools.partial(_loss_in_call, request),  # as many calls as
+                before=None if fused.checked else functools.partial(_probed_in_call, request))  # unpatched makes
+            if fused.checked:
+                return zero[None]
+            n = min(len(PROBE_LOGITS), fused.linear.out_features)
+            handed = torch.cat([request.rows[:first], zero, hidden.new_zeros(n, hidden.shape[-1])])[None]
+        elif fused.checked:
             return zero[None]
-        first, probe = min(CHECK_ROWS, keep.numel()), held(fused, lambda: probes(fused.weight))
-        probe = probe.to(hidden.device, hidden.dtype)
-        handed = torch.cat([request.rows[:first], zero, probe])[None]
-        request.check_rows, request.restore = (handed, first, probe.shape[0]), fused.dropouts_off()
+        else:
+            probe = held(fused, lambda: probes(fused.weight)).to(hidden.device, hidden.dtype)
+            handed, n = torch.cat([request.rows[:first], zero, probe])[None], probe.shape[0]
+        request.check_rows, request.restore = (handed, first, n), fused.dropouts_off()
         return handed
     handed, request.handed = with_zero_row(hidden.index_select(0, keep), labelled)
     return handed
+
+
+def _loss_in_call(request: HeadRequest) -> torch.Tensor:
+    """The fused loss in the head's own call, the checking call's dropouts (a LoRA head's) on again for it."""
+    restore, request.restore = request.restore, None
+    if restore is not None:
+        restore()
+    return request.fused.loss(request.rows, request.handed[0], IGNORE_INDEX, request.num_items)
+
+
+def _probed_in_call(request: HeadRequest, rows: torch.Tensor, call: InItsCall) -> torch.Tensor:
+    """In the head's call on the checking call's rows (FSDP2 gathers its weight there alone): the probes in place of
+    their placeholders, and the fused head's logits of the rows the check compares."""
+    handed, labelled, n = request.check_rows
+    handed = probed(request.fused, handed, n)
+    with torch.no_grad():
+        call.checked = request.fused.logits(handed.reshape(-1, handed.shape[-1])[checked_rows(handed, labelled, n)])
+    return probed(request.fused, rows, n) if rows.shape == handed.shape else rows
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
@@ -197,13 +223,14 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     request.losses += 1
     if request.check_rows is not None:
         try:
-            same = check(request.fused, logits, *request.check_rows)
+            ours = request.in_call.checked if request.in_call is not None else None
+            same = check(request.fused, logits, *request.check_rows, ours=ours)
         finally:
             request.end_check()
         if not same:
             raise CheckFailed(request)  # `logits`: a few rows' only; the LM reruns with its own head on every row
     if request.rows is not None:  # the fused head and loss on the labelled rows; `logits`: the zero row's or the
-        return _fused_loss(request, *args, **kwargs)  # checked rows'
+        return _fused_loss(request, logits, *args, **kwargs)  # checked rows'
     if shifted is None:
         shifted = packed_labels(meta, labels, shift_labels)
     if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked
@@ -211,10 +238,16 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
 
 
-def _fused_loss(request: HeadRequest, num_items_in_batch: Optional[Any] = None, ignore_index: int = IGNORE_INDEX,
+def _fused_loss(request: HeadRequest, logits: torch.Tensor, num_items_in_batch: Optional[Any] = None,
+                ignore_index: int = IGNORE_INDEX,
                 **_: Any) -> torch.Tensor:
-    """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`."""
+    """ForCausalLMLoss's numbers (its arguments after `vocab_size`) from the fused head on `request.rows`: computed
+    in the head's own call where its hooks gather its weight by collectives, and tied to its `logits` there."""
     fused, labels = request.fused, request.handed[0]
+    if request.in_call is not None and ignore_index == IGNORE_INDEX and num_items_in_batch is request.num_items:
+        loss = request.in_call.loss(logits)
+        if loss is not None:
+            return loss
     return held(fused, lambda rows: fused.loss(rows, labels, ignore_index, num_items_in_batch), request.rows)
 
 

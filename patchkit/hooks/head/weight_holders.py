@@ -6,6 +6,9 @@ forward and again before its backward; under FSDP2, where the head is a unit of 
 norm (accelerate's FSDP2 preparation), a DTensor shard outside that unit's forwards; under accelerate's device-map
 hook (a model dispatched across devices, or offloaded), on its device, or offloaded between forwards. Whatever reads
 the weight for the fused loss (`fused_head.py`: the probes, the check, the loss) runs as that module's forward.
+Under FSDP2 and ZeRO-3 the loss, the probes and the check run in the family's own call of the head (`in_its_call`),
+the one call an unpatched forward makes: every rank then gathers and reduces the head in the same order, fused or
+not.
 """
 
 from __future__ import annotations
@@ -61,6 +64,77 @@ def _as_forwards(modules: list[nn.Module], fn: Callable[..., Any], tensors: tupl
         return module(*tensors)
     finally:
         del module.forward
+
+
+class _Tied(torch.autograd.Function):
+    """`a`, with `b` among its inputs: `b`'s backward then waits for `a`'s (`b` gets a zero gradient from it)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.b = (b.shape, b.dtype, b.device)
+        return a.clone()  # a view would lose FSDP2's pre-backward hook to an in-place op on it
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.b
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+class InItsCall:
+    """The fused loss computed in the family's own call of the head (on the zero row), as `in_its_call` installs
+    it; `loss(logits)` is it, once that call ran, else None."""
+
+    __slots__ = ("value", "undo", "checked")
+
+    def __init__(self, undo: Callable[[], None]) -> None:
+        self.value: Optional[torch.Tensor] = None
+        self.undo = undo
+        self.checked: Optional[torch.Tensor] = None  # on the checking call: the fused head's logits of its rows
+
+    def loss(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """The loss, tied to the family's `logits` of that call: its backward runs after the hooks' pre-backward on
+        the call's output (which gathers the weight it reads) and before their post-backward on the call's input
+        (which reduces or frees it), where an unpatched head's backward runs."""
+        return None if self.value is None else _Tied.apply(self.value, logits)
+
+
+def one_call(fused: Holding) -> bool:
+    """The hooks on the head gather its weight by collectives around each call (FSDP2's; ZeRO-3's, but for a LoRA
+    head's adapters, each gathered by a module of its own): the fused loss runs in the family's own call of it."""
+    return fused.hooks == "fsdp2" or (fused.hooks == "zero3" and not fused.adapters())
+
+
+def in_its_call(fused: Holding, fn: Callable[[], torch.Tensor],
+                before: Optional[Callable[[torch.Tensor, InItsCall], torch.Tensor]] = None) -> InItsCall:
+    """Where the head's weight is gathered by collectives around each call (`one_call`), have the head's next call
+    (the family's own head on the zero row, or on the checking call's rows) compute `fn()` too, and first
+    `before(rows, call)` (the checking call's probes). Otherwise the fused loss, the probes and the check each call
+    the head once more than the family does: ranks whose forwards take other head paths in one step (one fused, one
+    stepped aside or with no labelled token) would run their collectives in another order and hang. `undo()` takes
+    it off, where that call never came."""
+    module = fused.holder
+    had = vars(module).get("forward")
+    own = module.forward
+
+    def undo() -> None:
+        if vars(module).get("forward") is forward:
+            if had is None:
+                del module.forward
+            else:
+                module.forward = had
+
+    call = InItsCall(undo)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        undo()
+        if before is not None and args:
+            args = (before(args[0], call), *args[1:])
+        out = own(*args, **kwargs)
+        call.value = fn()
+        return _Tied.apply(out, call.value)
+
+    module.forward = forward
+    return call
 
 
 def hooks_of(head: nn.Module) -> str:
