@@ -64,6 +64,24 @@ def packed_sequence_ids(function: Any) -> Optional[torch.Tensor]:
     return leaf_rows(function, PACKED)
 
 
+def sliding_size(function: Any) -> Optional[int]:
+    """The window of the sliding overlay joined into transformers' `mask_function` (what eager and sdpa attend
+    within), 0 where no part of it slides, None where its closures do not say (one joined by `or_masks`)."""
+    parts = leaf_parts(function, SLIDING)
+    if parts is not None:
+        return next((p for p in parts if isinstance(p, int) and not isinstance(p, bool)), None)
+    return None if _slides(function, 4) else 0
+
+
+def _slides(function: Any, depth: int) -> bool:
+    """Some function in `function`'s closures, `depth` levels down, is one of transformers' sliding ones."""
+    if not callable(function) or isinstance(function, torch.Tensor):
+        return False
+    if "sliding" in mask_name(function):
+        return True
+    return depth > 0 and any(_slides(f, depth - 1) for f in mask_parts(function))
+
+
 def beyond_causal(function: Any, chunks: bool = False) -> bool:
     """True when transformers' `mask_function` holds a pattern beyond causal, sliding and packed (or_masks of a
     bidirectional span, a caller's and_mask_function, chunked attention unless `chunks` are served): read from its

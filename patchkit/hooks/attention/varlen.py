@@ -277,8 +277,11 @@ def make_attention_function(
         dropout: float = 0.0, scaling: Optional[float] = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         sliding = kwargs.pop("sliding_window", None)
-        if sliding is None and isinstance(attention_mask, VarlenMask):
-            sliding = attention_mask.window  # a layer that leaves its window to the mask (Qwen2-MoE in 5.x)
+        if isinstance(attention_mask, VarlenMask) and attention_mask.window is not None and (
+                sliding is None or attention_mask.chunk is None):  # the window transformers built this layer's
+            sliding = attention_mask.window  # mask with, which eager and sdpa attend within (0: none): a layer's
+            # own `sliding_window` is the one it was built with (a config changed since, a layer moved), and a
+            # layer may leave its window to the mask (Qwen2-MoE in 5.x)
         window = sliding_window_size(sliding)
         softcap = float(kwargs.pop("softcap", None) or 0.0)
         sinks = kwargs.pop("s_aux", None)

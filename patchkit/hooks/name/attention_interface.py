@@ -33,6 +33,7 @@ from patchkit.forward.inputs.mask_functions import (
     chunks_off_start,
     mask_name,
     packed_sequence_ids,
+    sliding_size,
 )
 from patchkit.forward.inputs.temperature import scaled_query
 from patchkit.forward.liveness import in_one_graph, is_compiling
@@ -132,8 +133,10 @@ def served_mask(args: tuple, kwargs: dict, context: Any, function: Any) -> Any:
     q_offset, q_length, kv_length = kwargs.get("q_offset"), kwargs.get("q_length"), kwargs.get("kv_length")
     if q_offset is None and isinstance(cache_position, torch.Tensor) and cache_position.numel():  # 4.53-5.3
         q_offset, q_length = cache_position.reshape(-1)[0], cache_position.numel()
-    window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
     chunk = chunk_size(function)
+    window = kwargs.get("local_size")  # a sliding mask's window (the pattern is causal and sliding: read above)
+    if window is None and chunk is None:
+        window = sliding_size(function)  # 0: transformers' mask slides nowhere (a layer's own window is not read)
     # q_offset is a tensor before transformers 5.4: read on the host once, here if chunks need it, else below
     past_len = int(q_offset) if q_offset is not None and chunk is not None else None
     if chunk is not None and (chunk_behind_cache(chunk, attention_mask, past_len, q_length) or (
