@@ -147,7 +147,7 @@ def last_positions(model: torch.nn.Module, hook_wrapper=lambda hook: hook) -> li
 
 
 def hook_warnings(caught) -> list[str]:
-    return [str(w.message) for w in caught if "forward hook" in str(w.message)]
+    return [str(w.message) for w in caught if "patchkit: a hook (" in str(w.message)]
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
@@ -194,7 +194,7 @@ def test_a_users_hook_on_the_head_sees_every_positions_logits_and_the_numbers_ar
     hook_on(model, "got")
     want = seeded_step(ref, ids, mask)
     got, heads, said = two_patched_steps(model, ids, mask, unpad)
-    assert list(heads) == ["a forward hook on its head that may read the (B, S, V) layout"]
+    assert list(heads) == ["a hook on its head that may read the (B, S, V) layout"]
     assert len(said) == 1 and "'lm_head'" in said[0] and "shape_free" in said[0], said
     torch.testing.assert_close(norms["got"][-1], norms["want"][0], atol=2e-5, rtol=1e-4)
     assert_steps_alike(got, want)
@@ -204,8 +204,48 @@ def test_a_users_hook_on_the_head_sees_every_positions_logits_and_the_numbers_ar
     marked.lm_head.register_forward_hook(patchkit.shape_free(lambda mod, args, out: rows.append(out.shape[:-1])))
     with patchkit.apply_patch(model=marked, backend="sdpa", unpad=unpad) as handle:
         marked(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss.backward()
-        assert "a forward hook on its head that may read the (B, S, V) layout" not in handle.heads
+        assert "a hook on its head that may read the (B, S, V) layout" not in handle.heads
     assert rows and rows[0].numel() < mask.numel()  # real tokens only (the labelled ones, fused: its checking call)
+
+
+@pytest.mark.parametrize("where", ["head", "layer", "every module"])
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_a_users_backward_hook_sees_the_padded_gradients_and_the_numbers_are_unpatched(unpad, where):
+    """A backward hook that weighs each row's gradient (read by the batch's layout) on the head, on a layer or on
+    every module. The fused head never called the head's module in the backward, so its hook did not run (every
+    gradient 0.67 off, silently), and one on the packed head saw (1, nnz + 1, V) and failed. Backward hooks are
+    read as forward hooks are: the module runs on the padded batch, said once."""
+    model = tiny_model(kv_heads=2, layers=2).train()
+    ref = clone(model)
+    ids, mask = padded_batch("left")
+    weights = torch.tensor([3.0, 0.5, 1.0, 2.0])[: ids.shape[0]]
+
+    def weigh(module: torch.nn.Module, grad_output: tuple) -> tuple:
+        return (grad_output[0] * weights.view(-1, *[1] * (grad_output[0].dim() - 1)),)
+
+    def hook_on(m: torch.nn.Module) -> list:
+        handles = []
+        if where == "every module":
+            handles.append(torch.nn.modules.module.register_module_full_backward_pre_hook(
+                lambda mod, go: weigh(mod, go) if mod is m.lm_head else None))
+        else:
+            handles.append((m.lm_head if where == "head" else m.model.layers[1]).register_full_backward_pre_hook(weigh))
+        return handles
+
+    handles = hook_on(ref)
+    want = seeded_step(ref, ids, mask)
+    for h in handles:
+        h.remove()
+    handles = hook_on(model)
+    try:
+        got, heads, said = two_patched_steps(model, ids, mask, unpad)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(said) == 1, said
+    assert_steps_alike(got, want)
+    if where != "layer":
+        assert list(heads) == ["a hook on its head that may read the (B, S, V) layout"] or where == "every module"
 
 
 @pytest.mark.parametrize("unpad", ["model", "loss"])
@@ -231,7 +271,7 @@ def test_a_users_hook_on_the_base_model_sees_its_padded_output_and_steers_the_lo
     steer(model)
     want = seeded_step(ref, ids, mask)
     got, heads, said = two_patched_steps(model, ids, mask, unpad)
-    assert list(heads) == ["a forward hook on its base model that may read the (B, S, H) layout"]
+    assert list(heads) == ["a hook on its base model that may read the (B, S, H) layout"]
     assert set(shapes) == {tuple(ids.shape) + (64,)}, shapes
     assert len(said) == 1
     assert_steps_alike(got, want)

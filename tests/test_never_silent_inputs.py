@@ -5,6 +5,7 @@ Each is now exact, or refused with its cause and fix; so are the models and argu
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from typing import Any
 
@@ -168,6 +169,7 @@ def test_a_cache_that_grows_during_the_forward_is_refused_with_the_real_cause():
     with patchkit.apply_patch("llama2", backend="sdpa"):
         original = layer.forward
 
+        @functools.wraps(original)  # a wrapper of the layer's own forward (not a forward of its own)
         def twice(*args, **kwargs):  # what a recomputing checkpoint does to a cache
             original(*args, **kwargs)
             return original(*args, **kwargs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
@@ -80,17 +82,70 @@ def origin_of(fn: Any) -> str:
     return origin if isinstance(origin, str) else ""
 
 
+# An attention module, by its class's or a base's name, transformers' (LlamaAttention, GPT2Attention,
+# LlamaFlashAttention2 before 4.48)
+ATTENTION_CLASS = re.compile(r"Attention\d*$")
+# Where an attention forward serves the layer it is handed, packed row included: transformers' own (which call the
+# attention function patchkit serves), patchkit's (its patch modules and routing wrappers), torch's
+TRUSTED_FORWARDS = ("transformers.", "patchkit.", "torch.")
+_seen: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[str]]] = weakref.WeakKeyDictionary()
+
+
+def own_attention_forward(model: nn.Module) -> Optional[str]:
+    """The first attention module in `model` whose forward is not transformers' or patchkit's, nor a copy of
+    transformers' (`dispatches`): a subclass's, one a script put on the class or on the module, as old FastChat and
+    xformers patches did, PEFT's adaption prompt;
+    as "<its qualified name> on '<module path>'", else None. Such a forward may read the (B, S, H) layout and the 4D
+    mask transformers hands it, and need not call the attention function patchkit serves. Walked once per model,
+    again where an attention class's forward changed since (a script's patch of the class)."""
+    seen = _seen.get(model)
+    if seen is not None and all(cls.forward is forward for cls, forward in seen[0]):
+        return seen[1]
+    classes: dict[type, Any] = {}
+    found = None
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls not in classes and not any(ATTENTION_CLASS.search(c.__name__) for c in cls.__mro__):
+            continue
+        classes[cls] = cls.forward
+        forward = module.__dict__.get("forward", cls.forward)
+        if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
+            forward = module._old_forward  # accelerate's device-map hook around the module's own forward
+        fn = function_of(forward)
+        if found is None and not origin_of(fn).startswith(TRUSTED_FORWARDS) and not dispatches(fn):
+            found = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)} on '{name}'"
+    _seen[model] = (tuple(classes.items()), found)
+    return found
+
+
+def dispatches(fn: Any) -> bool:
+    """`fn` is a copy of transformers' attention forward (axolotl's LoRA kernels exec a rewritten one and set it on
+    the class): it calls the attention function `ALL_ATTENTION_FUNCTIONS` names, which patchkit serves."""
+    return "ALL_ATTENTION_FUNCTIONS" in getattr(getattr(fn, "__code__", None), "co_names", ())
+
+
 def hooks_on(module: nn.Module) -> Iterator[Callable]:
-    """`module`'s own forward pre-hooks, then its forward hooks."""
+    """`module`'s own forward pre-hooks, its forward hooks, then its backward pre-hooks and backward hooks (which see
+    the gradients of what it was handed and gave: the packed row's, where it ran on it)."""
     yield from module._forward_pre_hooks.values()
     yield from module._forward_hooks.values()
+    yield from module._backward_pre_hooks.values()
+    yield from module._backward_hooks.values()
+
+
+def hooked(module: nn.Module) -> bool:
+    """`module` carries a hook of its own (`hooks_on`), read off its dicts."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def global_hooks() -> Iterator[Callable]:
     """The hooks on every module (`torch.nn.modules.module.register_module_forward_pre_hook` and `_hook`: torch's
-    ModuleTracker, FlopCounterMode's, a profiler's), pre-hooks first."""
+    ModuleTracker, FlopCounterMode's, a profiler's; and the backward ones), pre-hooks first."""
     yield from nn.modules.module._global_forward_pre_hooks.values()
     yield from nn.modules.module._global_forward_hooks.values()
+    yield from nn.modules.module._global_backward_pre_hooks.values()
+    yield from nn.modules.module._global_backward_hooks.values()
 
 
 def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callable]:
@@ -108,15 +163,18 @@ def layout_hook(model: nn.Module, skip: Optional[nn.Module]) -> Optional[Callabl
 
 def layout_hook_on(module: nn.Module) -> Optional[Callable]:
     """The first of `module`'s own hooks that may read the batch's layout, else None."""
-    if not (module._forward_hooks or module._forward_pre_hooks):
+    if not hooked(module):
         return None
     return next((hook for hook in hooks_on(module) if not reads_no_shape(hook)), None)
 
 
 def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
-    """The first hook on a module of the causal LM `lm` outside its base model (the child `base_name`): its head,
-    which sees the rows patchkit hands it, that may read the batch's layout, else None. Read off the modules' own
-    dicts (every forward asks, decode steps too)."""
+    """The first hook on every module, or on a module of the causal LM `lm` outside its base model (the child
+    `base_name`): its head, which sees the rows patchkit hands it, that may read the batch's layout, else None.
+    Read off the modules' own dicts (every forward asks, decode steps too)."""
+    hook = next((hook for hook in global_hooks() if not reads_no_shape(hook)), None)  # on the head too
+    if hook is not None:
+        return hook
     todo = [child for name, child in lm._modules.items() if name != base_name and child is not None]
     while todo:
         module = todo.pop()
@@ -139,7 +197,7 @@ def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:
         where = next((f"on {type(model).__name__}'s '{n}'" for n, m in model.named_modules()
                       if any(h is hook for h in hooks_on(m))), "on every module (a global hook)")
         warn_user(
-            f"patchkit: a forward hook ({name}) {where} may read the batch's (B, S, H) "
+            f"patchkit: a hook ({name}) {where} may read the batch's (B, S, H) "
             "layout, so the forwards it sees keep that layout in their layers (attention still patched, padding "
             "computed in the rest). If it reads no shape, mark it with patchkit.shape_free(hook) to run them on real "
             "tokens only; unpad='attention' keeps the layout without this warning."

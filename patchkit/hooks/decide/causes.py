@@ -112,6 +112,14 @@ CAUSES = {
         "function does not take part in the transforms",
         "none needed: the forward runs as transformers' does; outside the transform it runs patched",
     ),
+    "own_attention_forward": (
+        "an attention module's forward is not transformers' own (a subclass's, or one a script set on its class or "
+        "on the module, as FastChat's and xformers' old patches do): it may read the (B, S, H) layout and the 4D "
+        "mask transformers builds, and need not call the attention function patchkit serves, so it cannot be "
+        "handed one packed row of real tokens",
+        "none needed: such a forward runs as transformers' does, on its own attention; remove the script's own "
+        "attention patch (patchkit replaces it) to run patched",
+    ),
     "contrastive_search": (
         "generate()'s contrastive search (penalty_alpha, top_k; transformers up to 4.56) ranks each candidate by its "
         "cosine similarity to every position's last hidden state of the prompt, padding's included, which varlen "
@@ -271,6 +279,8 @@ BRIEF = {
     "jit_trace": ("torch.jit.trace records the forward", "none needed; torch.compile runs patched"),
     "legacy_static_cache": ("a static kind of cache on transformers < 4.48, whose preallocated slots patchkit's "
                             "LLaMA patch there does not place", "none needed; the default dynamic cache runs patched"),
+    "own_attention_forward": ("an attention module's forward is not transformers' own (a subclass's, a script's "
+                              "patch)", "none needed; remove the script's own attention patch to run patched"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
                            "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),

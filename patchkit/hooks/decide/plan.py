@@ -25,7 +25,7 @@ from patchkit.forward.inputs.arguments import (
     resolved_use_cache,
     sliding_window,
 )
-from patchkit.forward.inputs.module_hooks import input_embedding, layout_hook, said_layout
+from patchkit.forward.inputs.module_hooks import input_embedding, layout_hook, own_attention_forward, said_layout
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata, fixed_slots
@@ -56,6 +56,8 @@ def plan_forward(
     arguments as the caller gave them, before a training forward's default cache was dropped (`joined`)."""
     given, given_extra = dict(arguments), dict(extra)  # what the caller gave, which an aside runs on
     cause = forward_cause(module, arguments, extra) if state is not None else None
+    if cause is None and state is not None and own_attention_forward(module) is not None:
+        cause = "own_attention_forward"  # a subclass's or a script's attention forward: transformers' mask for it
     if cause is None and state is not None and legacy_llama() and fixed_slots(given_cache(arguments)):
         cause = "legacy_static_cache"  # transformers < 4.48: the LLaMA patch places no preallocated slots
     if cause is None and state is not None and paged_cache(given_cache(arguments)):

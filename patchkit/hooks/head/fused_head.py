@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from patchkit.dtypes import autocast_dtype
-from patchkit.forward.inputs.module_hooks import global_hooks
+from patchkit.forward.inputs.module_hooks import global_hooks, hooked
 from patchkit.forward.loss.linear_cross_entropy import LogitTransform, LowRank, linear_cross_entropy, logits_of
 from patchkit.hooks.head.weight_holders import (
     accelerate_hooks,
@@ -191,14 +191,14 @@ def saved_copy(head: Optional[nn.Module]) -> Optional[nn.Module]:
     needs) runs its one active adapter's copy of the head, which is then the head; its `trainable_token_indices`
     wrapper runs its token adapter (`trainable_tokens`)."""
     if type(head).__name__ == "TrainableTokensWrapper" and isinstance(getattr(head, "token_adapter", None), nn.Module):
-        plain = "forward" not in vars(head) and not (head._forward_hooks or head._forward_pre_hooks)
+        plain = "forward" not in vars(head) and not hooked(head)
         return head.token_adapter if plain else head
     copies = getattr(head, "modules_to_save", None)
     if own_class(head).__name__ != "ModulesToSaveWrapper" or not isinstance(copies, nn.ModuleDict):
         return head
     active = getattr(head, "active_adapters", None)
-    hooked = not gathering_hooks(head)  # ZeRO-3's hold no weight; FSDP2's gather the copy's (`fsdp2_holder`)
-    if getattr(head, "disable_adapters", True) or hooked or not (
+    others = not gathering_hooks(head)  # ZeRO-3's hold no weight; FSDP2's gather the copy's (`fsdp2_holder`)
+    if getattr(head, "disable_adapters", True) or others or not (
             isinstance(active, list) and len(active) == 1 and active[0] in copies):
         return head  # the original head, several adapters or hooks: not one plain head
     return copies[active[0]]
@@ -234,7 +234,7 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
     if linear is not head and hooks_of(linear) and not is_lora:
         return None  # trainable tokens over a head whose weight hooks place
-    if linear._forward_hooks or linear._forward_pre_hooks:
+    if hooked(linear):
         plain = zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
             fsdp2_held(linear) and linear.weight.dim() == 2)  # its own hooks, FSDP2's alone
     else:
@@ -266,7 +266,7 @@ def trainable_tokens(head: Optional[nn.Module]) -> bool:
     return (not getattr(head, "disable_adapters", True) and not getattr(head, "merged", True)
             and isinstance(active, list) and len(active) > 0 and callable(getattr(head, "get_merged_weights", None))
             and isinstance(getattr(head, "base_layer", None), nn.Linear) and "forward" not in vars(head)
-            and not (head._forward_hooks or head._forward_pre_hooks))
+            and not hooked(head))
 
 
 def lora(head: Optional[nn.Module]) -> bool:

@@ -80,9 +80,9 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
         return f"{type(lm).__name__}'s forward {unservable}"
     base_name = getattr(lm, "base_model_prefix", "")
     if base_name in lm._modules and said_layout(lm, head_hook(lm, base_name)):
-        return "a forward hook on its head that may read the (B, S, V) layout"
+        return "a hook on its head that may read the (B, S, V) layout"
     if base_name in lm._modules and said_layout(lm, layout_hook_on(lm._modules[base_name])):
-        return "a forward hook on its base model that may read the (B, S, H) layout"  # it sees what is handed
+        return "a hook on its base model that may read the (B, S, H) layout"  # it sees what is handed
     asked = arguments.get("return_dict", extra.get("return_dict"))
     if asked is False or (asked is None and getattr(lm.config, "return_dict", True) is False):
         return "a tuple output (return_dict=False)"
