@@ -12,7 +12,7 @@ from models import labels_for, padded_batch, tiny_model
 import patchkit
 from patchkit.hooks.attention import dropout_draws
 
-DRAWS = "dropout is on .* draws its random masks over the real tokens only"
+DRAWS = "dropout or a router's noise is on .* draws its random numbers over the real tokens only"
 
 
 def seeded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -57,3 +57,31 @@ def test_no_dropout_gives_the_same_numbers_and_says_nothing(monkeypatch):
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "phimoe"])
+def test_a_routers_training_noise_is_said_as_dropout_is(family, monkeypatch):
+    """Mixtral's router jitter and PhiMoE's Gumbel sampling of experts (on in training by default) draw over the
+    tokens they are handed: other draws patched, said once; in eval mode the numbers are the same."""
+    from census import tiny_lm
+
+    monkeypatch.setattr(dropout_draws, "_said", [False])
+    model, _ = tiny_lm(family)
+    if family == "mixtral":
+        model.config.router_jitter_noise = 0.01
+        model = type(model)(model.config)  # its blocks read the jitter when built
+    model = model.float().train()
+    ids, mask = padded_batch("right")
+    ids = ids % model.config.vocab_size
+    want = seeded_loss(model, ids, mask)
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        with pytest.warns(RuntimeWarning, match=DRAWS):
+            got = seeded_loss(model, ids, mask)
+        model.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            evaluated = seeded_loss(model, ids, mask)
+    if family == "mixtral":  # other draws, as said (PhiMoE's tiny router picks alike here whatever it draws)
+        assert not torch.allclose(got, want, atol=1e-7)
+    model.train(False)
+    torch.testing.assert_close(evaluated, seeded_loss(model, ids, mask), atol=2e-5, rtol=1e-5)
