@@ -182,6 +182,40 @@ def test_a_continuation_that_would_attend_to_a_padded_prefills_padding_is_refuse
         torch.testing.assert_close(continued(patched, torch.ones_like(mask), None), whole, atol=1e-5, rtol=1e-5)
 
 
+def test_a_next_turn_over_a_padded_generations_cache_is_checked_again():
+    """A second turn over generate()'s returned cache, its mask rebuilt as ones over the first turn's sequences
+    (padding included), or with a hole so that generate() keeps it: the first turn's decode steps had read the
+    prefill's mask already, and the turn ran on, silently other tokens (0.053 off in scores on LLaMA). A forward of
+    several tokens over the cache is checked again; one extending the mask as generate() does equals unpatched."""
+    model = tiny_model(seed=3)
+    ids, mask = padded_batch("left", batch=2, seq=10)
+    turn = torch.randint(3, VOCAB, (2, 3), generator=torch.Generator().manual_seed(5))
+
+    def second_turn(model, turn_mask):
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                               return_dict_in_generate=True)
+        both = torch.cat([first.sequences, turn], 1)
+        return model.generate(input_ids=both, attention_mask=turn_mask(first.sequences), max_new_tokens=3,
+                              do_sample=False, pad_token_id=0, past_key_values=first.past_key_values,
+                              return_dict_in_generate=True, output_scores=True)
+
+    def extended(sequences):
+        return torch.cat([mask, mask.new_ones(2, sequences.shape[1] - mask.shape[1] + turn.shape[1])], -1)
+
+    def ones_with_a_hole(sequences):
+        ones = torch.ones(2, sequences.shape[1] + turn.shape[1], dtype=mask.dtype)
+        ones[1, -2] = 0
+        return ones
+
+    want = second_turn(model, extended)
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        with pytest.raises(patchkit.PatchkitError, match="a padded forward filled, and its attention_mask leaves"):
+            second_turn(model, ones_with_a_hole)
+        got = second_turn(model, extended)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-5, rtol=1e-5)
+
+
 def _route_sdpa():
     """The registered name's route on the sdpa backend for a `with` block, and its own default after."""
     import contextlib

@@ -20,7 +20,19 @@ from patchkit.forward.cache_length import past_length
 from patchkit.forward.inputs.arguments import input_tokens
 from patchkit.forward.liveness import is_compiling
 
-MARK = "patchkit_padding"  # on the cache: the filling forward's 2D mask (unread), or True: padding there, read
+MARK = "patchkit_padding"  # on the cache: the filling forward's 2D mask (unread), `Read` (padding there, read by a
+# forward of one token), or True: padding there, where unknown
+
+
+class Read:
+    """A filling forward's 2D mask read once, with padding: a later forward of one token (a decode step, which
+    extends the mask it was given) is not read again; one of several tokens (a next turn, a chunk, assisted
+    decoding's candidates), whose mask a caller builds anew, is."""
+
+    __slots__ = ("mask",)
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
 
 
 def mark(cache: Any, mask: Any, padding: Optional[bool]) -> None:
@@ -49,8 +61,9 @@ def marked_by(out: Any, arguments: dict) -> None:
 
 def check(cache: Any, mask: Any, tokens: Any) -> None:
     """Refuse a forward of `tokens` over `cache` that would read the filler at its padding slots: no mask, or a 2D
-    mask that leaves one of them unmasked. A marked mask is read once (one device sync; the next forwards extend the
-    mask they were given), and forgotten where it had no padding; an emptied cache (`reset()`) forgets its mark."""
+    mask that leaves one of them unmasked. A marked mask is read by the next forward (one device sync), and
+    forgotten where it had no padding; then again by each forward of several tokens (`Read`) and each with no mask,
+    not by the decode steps that extend the mask they were given. An emptied cache (`reset()`) forgets its mark."""
     marked = vars(cache).get(MARK) if cache is not None and hasattr(cache, "__dict__") else None
     if marked is None or is_compiling():
         return
@@ -58,9 +71,10 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
     if not past:
         del vars(cache)[MARK]
         return
-    if isinstance(marked, torch.Tensor):
-        keys = int(past) + (tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else 0)
-        read = unmasked(marked, mask, keys)
+    new = tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else 0
+    filled = marked.mask if isinstance(marked, Read) and (new > 1 or mask is None) else marked
+    if isinstance(filled, torch.Tensor):
+        read = unmasked(filled, mask, int(past) + new)
         if read is None:
             return  # not lined up with the filled columns: the shape checks refuse or read it
         had, seen = read
@@ -68,10 +82,10 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
             raise PatchInputError(_refusal("no attention_mask masks that forward's padding" if mask is None else
                                            "its attention_mask leaves that forward's padding unmasked"))
         if had:
-            vars(cache)[MARK] = True
+            vars(cache)[MARK] = Read(filled)
         else:
             del vars(cache)[MARK]
-    elif mask is None:
+    elif mask is None and not isinstance(marked, Read):
         raise PatchInputError(_refusal("no attention_mask masks that forward's padding"))
 
 
