@@ -48,8 +48,8 @@ parser.add_argument("--fsdp1", choices=["orig", "flat"], default=None,
 parser.add_argument("--head-unit", action="store_true",
                     help="FSDP2: the head a unit of its own, resharded after its forward")
 parser.add_argument("--diverge", action="store_true",
-                    help="rank 1's forwards take other head paths than rank 0's: on the first step a label from padding "
-                         "(it steps aside), on the second no labelled token")
+                    help="rank 1's forwards take other head paths than rank 0's: on the first step a label from "
+                         "padding (it steps aside), on the second no labelled token")
 parser.add_argument("--lora", choices=["attention", "head"], default=None,
                     help="PEFT's LoRA on q_proj and v_proj (attention), or on lm_head too (head), before sharding")
 opts = parser.parse_args()
