@@ -399,3 +399,41 @@ def test_float16_gradients_under_a_gradient_scalers_factor_are_not_flushed_to_ze
     for g, w in zip(got, want):
         assert int((w != 0).sum()) > int((w == 0).sum())  # the scaled gradients are there to be kept
         torch.testing.assert_close(g.float(), w.float(), atol=1e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fam, attribute", [("cohere", "logit_scale"), ("falcon_h1", "model.lm_head_multiplier")])
+def test_a_logit_scale_the_lms_forward_reads_off_itself_is_read_there_when_changed_after_the_check(fam, attribute):
+    """Cohere's forward multiplies its logits by `self.logit_scale`, Falcon-H1's by `self.model.lm_head_multiplier`:
+    copied from the config when built. Changed on the model after the first (checking) step, the fused loss kept the
+    config's (Cohere's loss 4.5756 for 4.5832, every gradient off, silently); it now reads them where the forward
+    does, and checks the head again."""
+    import copy
+
+    from census import tiny_lm
+
+    model, _ = tiny_lm(fam)
+    model = model.float().train()
+    ref = copy.deepcopy(model)
+    ids, mask = padded_batch("right", batch=3, seq=16)
+    ids = ids % model.config.vocab_size
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+
+    def train_step(m: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        m.zero_grad(set_to_none=True)
+        loss = m(**batch).loss  # the loss alone: fused
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        train_step(model), train_step(ref)
+        *path, last = attribute.split(".")
+        for m in (model, ref):
+            holder = m
+            for name in path:
+                holder = getattr(holder, name)
+            setattr(holder, last, getattr(holder, last) * 3.0)
+        (got, got_grads), (want, want_grads) = train_step(model), train_step(ref)
+        assert handle.heads.get(lm_head.FUSED) == 2
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -68,14 +68,26 @@ PRE_HEADS = {"ModernBertDecoderForCausalLM": "lm_head"}
 SCALING_MULTIPLIES = frozenset({"hyperclovax"})
 
 
-def transform_of(config: Any) -> LogitTransform:
-    """The logit transform a causal LM's config names, as transformers' forwards apply it."""
+def transform_of(lm: nn.Module) -> LogitTransform:
+    """The logit transform a causal LM's config names, as transformers' forwards apply it: read where they read it,
+    the LM's or its base model's attribute (Cohere's `self.logit_scale`, Falcon-H1's `self.model.lm_head_multiplier`,
+    copied from the config when built and changeable after), else the config."""
+    config = lm.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    multiply = next((getattr(text, k) for k in ("logit_scale", "lm_head_multiplier", "output_multiplier")
-                     if getattr(text, k, None) is not None), None)
-    softcap = next((getattr(text, k) for k in ("final_logit_softcapping", "logits_soft_cap")  # RecurrentGemma's
-                    if getattr(text, k, None) is not None), None)
-    scaling = getattr(text, "logits_scaling", None)
+    base = getattr(lm, getattr(lm, "base_model_prefix", "") or "model", None)
+
+    def read(key: str) -> Any:
+        for holder in (lm, base):
+            value = getattr(holder, key, None) if isinstance(holder, nn.Module) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+        return getattr(text, key, None)
+
+    multiply = next((v for k in ("logit_scale", "lm_head_multiplier", "output_multiplier")
+                     if (v := read(k)) is not None), None)
+    softcap = next((v for k in ("final_logit_softcapping", "logits_soft_cap")  # RecurrentGemma's
+                    if (v := read(k)) is not None), None)
+    scaling = read("logits_scaling")
     if scaling is not None and getattr(text, "model_type", None) in SCALING_MULTIPLIES:
         return LogitTransform(multiply=scaling if multiply is None else multiply * scaling, softcap=softcap)
     return LogitTransform(multiply=multiply, divide=scaling, softcap=softcap)
@@ -300,7 +312,7 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     head, linear, is_lora, holder = parts
     hooks = "fsdp2" if holder is not None else hooks_of(linear)
     autocast = autocast_dtype(device_of(linear, hooks).type)
-    transform = transform_of(lm.config)
+    transform = transform_of(lm)
     pre = pre_head(lm)
     key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())), id(pre))
     seen = _checked.get(lm)
