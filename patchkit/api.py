@@ -102,7 +102,7 @@ def _apply(
     """Apply one patch (`chosen`: the backend a group already decided on, with its gates, so it warns once)."""
     key = ("class", spec.family) if model is None else ("model", id(model))
     options = (backend, strict, unpad)
-    existing = ACTIVE.get(key)
+    existing = ACTIVE.get(key) if model is None else (ACTIVE.get(key) or _holding(model))
     if existing is not None:
         if existing.spec.name == spec.name and existing.options == options:
             return existing  # idempotent: twice == once
@@ -148,6 +148,17 @@ def _apply(
         if not eras.legacy_installed():  # before 4.48 no era of ours serves a flash_attention_2 request
             flash_request.attach(_serving)
     return handle
+
+
+def _holding(model: nn.Module) -> Optional[PatchHandle]:
+    """The live instance patch of a model inside `model`, or around it (PEFT's wrapper of a model patched before, or
+    the model inside a wrapper patched before), else None: one model, one instance patch."""
+    for key, handle in list(ACTIVE.items()):
+        other = handle._model() if key[0] == "model" and handle._model is not None else None
+        if other is not None and (any(m is other for m in model.modules()) or any(
+                m is model for m in other.modules())):
+            return handle
+    return None
 
 
 def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:

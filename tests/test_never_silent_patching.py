@@ -217,3 +217,22 @@ def test_every_family_served_from_data_reads_the_same_classes_under_a_class_patc
     with patchkit.apply_patch(backend="sdpa"):
         patched = {t: table.find_classes(t) for t in found}
     assert {t: c for t, c in patched.items() if c != found[t]} == {}
+
+
+def test_patching_a_peft_wrapper_of_a_patched_model_is_the_same_patch_and_reverts_in_any_order():
+    """apply_patch(model=base), PEFT's wrapper around it, apply_patch(model=peft_model): the second handle saved the
+    first's wrapper as the LM's original forward, so reverting the first, then the second, left a stale wrapper on
+    the model (training forwards failed, logits 6.9e-6 off). A model inside or around one patched already is that
+    patch: the same handle, one revert."""
+    peft = pytest.importorskip("peft")
+    model = tiny_model(kv_heads=2)
+    first = patchkit.apply_patch(model=model, backend="sdpa")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    second = patchkit.apply_patch(model=wrapped, backend="sdpa")
+    assert second is first
+    with pytest.raises(patchkit.PatchkitError, match="already applied to this model"):
+        patchkit.apply_patch(model=wrapped, backend="sdpa", unpad="attention")
+    first.revert()
+    second.revert()
+    assert not any(is_patched_forward(m.forward) for m in wrapped.modules())
+    assert all("forward" not in vars(m) for m in model.modules()), "an instance forward was left behind"
