@@ -292,7 +292,9 @@ def test_bidirectional_attention_is_refused(route):
         layer.self_attn.is_causal = False
     ids, mask = padded_batch("right", batch=2)
     if route == "class patch":
-        with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(PatchInputError, match=r"is_causal=False"):
+        # the fix names the patch's revert: the model is loaded with sdpa already
+        with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(
+                PatchInputError, match=r"is_causal=False.*without patchkit's patch \(its handle's revert\(\)\)"):
             model(input_ids=ids, attention_mask=mask)
         return
     set_attention(model, patchkit.ATTENTION_NAME)

@@ -141,7 +141,8 @@ def part_of_multimodal(module: nn.Module) -> str:
 def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
     what = WHY.get(name, "an argument patchkit's varlen attention does not implement")
     fix = part_of_multimodal(module) or (
-        " Load this model with attn_implementation='sdpa' (or 'eager'), or without the patch; see "
+        " Run this model on transformers' own attention: without patchkit's patch (its handle's revert()), and, where "
+        "it was loaded with attn_implementation='patchkit', loaded with 'sdpa' (or 'eager'); see "
         "patchkit.available_patches() for the families patchkit serves."
     )
     shown = f"<tensor {tuple(value.shape)}>" if hasattr(value, "shape") else repr(value)
