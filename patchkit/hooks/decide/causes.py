@@ -12,8 +12,11 @@ CAUSES = {
     ),
     "right_padded_generation": (
         "generate() on a right-padded prompt, or generate() or a hand-written decode loop's prefill into its cache "
-        "with a row that is all padding, reads a row's next token from a padding position, which varlen kernels skip",
-        "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token",
+        "with a row that is all padding (in generate()'s chunked prefill, prefill_chunk_size, a chunk that is all "
+        "padding for a short left-padded row), reads a row's next token from a padding position, which varlen "
+        "kernels skip",
+        "pad prompts on the left for generation (tokenizer.padding_side = 'left'), and give every row a token; a "
+        "chunked prefill's chunks of padding need nothing (they run exact on transformers' attention)",
     ),
     "custom_4d_mask": (
         "the model was given a 4D attention mask (a custom attention pattern; a vision-language model's own masks, "
@@ -258,7 +261,8 @@ BRIEF = {
     "labels_from_padding": ("a label is predicted from a padding position", "-100 at padding and at the first real "
                             "token after left padding"),
     "right_padded_generation": ("generate() on a right-padded prompt, or generate() or a decode loop with a row "
-                                "that is all padding, reads a next token at padding", "pad prompts on the left"),
+                                "that is all padding (or a chunked prefill's chunk that is), reads a next token at "
+                                "padding", "pad prompts on the left; a chunked prefill's chunks need none"),
     "custom_4d_mask": ("a 4D attention mask reached the model (the caller's, or one generate() built for a static "
                        "kind of cache before transformers 4.56)",
                        "pass the 2D padding mask; with generate(), the default dynamic cache runs patched"),
