@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -412,3 +413,26 @@ def test_a_training_forward_given_a_cache_position_runs_patched_and_misfit_label
         assert handle.stepped_aside == {} and handle.layers_patched > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not isinstance(patched.value, PatchInputError) and str(patched.value) == str(unpatched.value)
+
+
+@pytest.mark.parametrize("quantized", ["every linear", "the head"])
+def test_a_dynamically_quantized_model_runs_as_unpatched(quantized):
+    """torch's dynamic quantization scales each Linear's input by the whole tensor's range, padding's included: on
+    the real tokens alone it scaled otherwise (1e-2 off in logits, silently). A padded forward of such a model steps
+    aside (`rows_mixed_by_a_module`); one with no padding runs patched, with the same numbers."""
+    model = tiny_model(kv_heads=2).eval()
+    which = {torch.nn.Linear} if quantized == "every linear" else {"lm_head"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        reference = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), which, dtype=torch.qint8)
+        patched = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), which, dtype=torch.qint8)
+    ids, mask = padded_batch("left", batch=3)
+    with patchkit.apply_patch(model=patched, backend="sdpa") as handle, torch.no_grad():
+        for rows in (mask, torch.ones_like(mask)):
+            want = reference(input_ids=ids, attention_mask=rows, labels=labels_for(ids, rows))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = patched(input_ids=ids, attention_mask=rows, labels=labels_for(ids, rows))
+            torch.testing.assert_close(got.logits[rows.bool()], want.logits[rows.bool()], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+        assert handle.stepped_aside == {"rows_mixed_by_a_module": 1} and handle.calls > 0

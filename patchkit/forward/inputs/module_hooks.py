@@ -118,6 +118,24 @@ def own_attention_forward(model: nn.Module) -> Optional[str]:
     return found
 
 
+# Modules whose output at one row depends on every row they are handed: torch's dynamically quantized ones scale
+# their input by the whole tensor's range (`torch.ao.quantization.quantize_dynamic`), padding's included
+MIXING_FROM = ("torch.ao.nn.quantized.dynamic.", "torch.nn.quantized.dynamic.")
+_mixing: weakref.WeakKeyDictionary[nn.Module, Optional[str]] = weakref.WeakKeyDictionary()
+
+
+def row_mixing_module(model: nn.Module) -> Optional[str]:
+    """The first module in `model` whose output at a row depends on the other rows it is handed (`MIXING_FROM`), as
+    "<its class> on '<module path>'", else None: handed the packed row, it gives other numbers at real tokens. Walked
+    once per model (quantized before its first forward, as `quantize_dynamic` returns a new model)."""
+    if model in _mixing:
+        return _mixing[model]
+    found = next((f"{type(m).__name__} on '{name}'" for name, m in model.named_modules()
+                  if type(m).__module__.startswith(MIXING_FROM)), None)
+    _mixing[model] = found
+    return found
+
+
 def dispatches(fn: Any) -> bool:
     """`fn` is a copy of transformers' attention forward (axolotl's LoRA kernels exec a rewritten one and set it on
     the class): it calls the attention function `ALL_ATTENTION_FUNCTIONS` names, which patchkit serves."""

@@ -123,6 +123,13 @@ CAUSES = {
         "none needed: such a forward runs as transformers' does, on its own attention; remove the script's own "
         "attention patch (patchkit replaces it) to run patched",
     ),
+    "rows_mixed_by_a_module": (
+        "a module in the model computes each row's output from every row it is handed: torch's dynamically quantized "
+        "layers (torch.ao.quantization.quantize_dynamic) scale their input by the whole tensor's range, padding's "
+        "included, so on the real tokens alone they would scale otherwise",
+        "none needed: the forward runs as transformers' does; a per-row (per-token) quantization, as torchao's "
+        "dynamic activation quantization, runs patched",
+    ),
     "contrastive_search": (
         "generate()'s contrastive search (penalty_alpha, top_k; transformers up to 4.56) ranks each candidate by its "
         "cosine similarity to every position's last hidden state of the prompt, padding's included, which varlen "
@@ -285,6 +292,8 @@ BRIEF = {
                             "LLaMA patch there does not place", "none needed; the default dynamic cache runs patched"),
     "own_attention_forward": ("an attention module's forward is not transformers' own (a subclass's, a script's "
                               "patch)", "none needed; remove the script's own attention patch to run patched"),
+    "rows_mixed_by_a_module": ("a module scales each row by every row's range (torch's dynamic quantization)",
+                               "none needed"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
                            "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),

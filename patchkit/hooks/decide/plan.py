@@ -25,7 +25,13 @@ from patchkit.forward.inputs.arguments import (
     resolved_use_cache,
     sliding_window,
 )
-from patchkit.forward.inputs.module_hooks import input_embedding, layout_hook, own_attention_forward, said_layout
+from patchkit.forward.inputs.module_hooks import (
+    input_embedding,
+    layout_hook,
+    own_attention_forward,
+    row_mixing_module,
+    said_layout,
+)
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
 from patchkit.forward.masks import build_metadata, fixed_slots
@@ -58,6 +64,8 @@ def plan_forward(
     cause = forward_cause(module, arguments, extra) if state is not None else None
     if cause is None and state is not None and own_attention_forward(module) is not None:
         cause = "own_attention_forward"  # a subclass's or a script's attention forward: transformers' mask for it
+    if cause is None and state is not None and row_mixing_module(module) and padded(arguments.get("attention_mask")):
+        cause = "rows_mixed_by_a_module"  # torch's dynamic quantization: each scale read over every row
     if cause is None and state is not None and legacy_llama() and fixed_slots(given_cache(arguments)):
         cause = "legacy_static_cache"  # transformers < 4.48: the LLaMA patch places no preallocated slots
     if cause is None and state is not None and paged_cache(given_cache(arguments)):

@@ -28,6 +28,7 @@ from patchkit.forward.inputs.arguments import (
     weights_wanted,
     window_over_hole,
 )
+from patchkit.forward.inputs.module_hooks import row_mixing_module
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.liveness import is_compiling, traced_by
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
@@ -327,7 +328,7 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
         return "right_padded_generation"
     if module is not None and not training and cache_over_padding(module, arguments, extra):
         return "cache_over_padding"
-    return None
+    return "rows_mixed_by_a_module" if module is not None and row_mixing_module(module) and padded(mask) else None
 
 
 def cache_over_padding(module: Any, arguments: dict, extra: dict) -> bool:
