@@ -59,6 +59,14 @@ def step(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[torch
     return out.loss.detach(), out.logits[mask.bool()].detach(), [p.grad for p in model.parameters()]
 
 
+def assert_stepped_aside(model: torch.nn.Module, handle, want) -> None:
+    """One patched step of `model` stepped aside as `own_attention_forward`, said, with the unpatched numbers."""
+    with pytest.warns(RuntimeWarning, match="own_attention_forward"):
+        got = step(model)
+    assert_same(got, want)
+    assert handle.stepped_aside == {"own_attention_forward": 1}
+
+
 def assert_same(got, want) -> None:
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=1e-5)
@@ -77,10 +85,7 @@ def test_a_subclass_with_its_own_attention_forward_runs_as_unpatched(way, reads_
     want = step(reference)
     handle = patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa")
     try:
-        with pytest.warns(RuntimeWarning, match="own_attention_forward"):
-            got = step(model)
-        assert_same(got, want)
-        assert handle.stepped_aside == {"own_attention_forward": 1}
+        assert_stepped_aside(model, handle, want)
     finally:
         handle.revert()
 
@@ -106,10 +111,7 @@ def test_a_scripts_patch_of_the_attention_class_runs_as_unpatched(monkeypatch, w
             assert handle.calls > 0 and not handle.stepped_aside
             model.zero_grad()
             modeling_llama.LlamaAttention.forward = attend  # the patch's revert puts the script's back
-        with pytest.warns(RuntimeWarning, match="own_attention_forward"):
-            got = step(model)
-        assert_same(got, want)
-        assert handle.stepped_aside == {"own_attention_forward": 1}
+        assert_stepped_aside(model, handle, want)
     finally:
         handle.revert()
         if when == "after":
