@@ -94,10 +94,10 @@ _seen: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[str]]] = weakr
 def own_attention_forward(model: nn.Module) -> Optional[str]:
     """The first attention module in `model` whose forward is not transformers' or patchkit's, nor a copy of
     transformers' (`dispatches`): a subclass's, one a script put on the class or on the module, as old FastChat and
-    xformers patches did, PEFT's adaption prompt;
-    as "<its qualified name> on '<module path>'", else None. Such a forward may read the (B, S, H) layout and the 4D
-    mask transformers hands it, and need not call the attention function patchkit serves. Walked once per model,
-    again where an attention class's forward changed since (a script's patch of the class)."""
+    xformers patches did, PEFT's adaption prompt; as "<its qualified name> on '<module path>'", else None. Such a
+    forward may read the (B, S, H) layout and the 4D mask transformers hands it, and need not call the attention
+    function patchkit serves. Walked once per model, again where an attention class's forward changed since (a
+    script's patch of the class)."""
     seen = _seen.get(model)
     if seen is not None and all(cls.forward is forward for cls, forward in seen[0]):
         return seen[1]

@@ -85,7 +85,7 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
             vars(cache)[MARK] = Read(filled)
         else:
             del vars(cache)[MARK]
-    elif mask is None and not isinstance(marked, Read):
+    elif mask is None:
         raise PatchInputError(_refusal("no attention_mask masks that forward's padding"))
 
 

@@ -340,10 +340,10 @@ def probes(weight: torch.Tensor) -> torch.Tensor:
     return (w * (wanted / w.square().sum(1).clamp(min=1e-12))[:, None]).to(weight.dtype)
 
 
-def probed(fused: FusedHead, hidden: torch.Tensor, n: int) -> torch.Tensor:
-    """The (1, k, H) `hidden` rows handed on the checking call with their last `n` rows (placeholders) made the
-    probes: in the head's own call, where hooks gather its weight only there (FSDP2: `in_its_call`)."""
-    return torch.cat([hidden[:, :-n], probes(fused.weight).to(hidden.device, hidden.dtype)[None]], 1)
+def probed(hidden: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """The (1, k, H) `hidden` rows handed on the checking call with their last rows (placeholders) made the (n, H)
+    `probe` rows: in the head's own call, where hooks gather its weight only there (FSDP2: `in_its_call`)."""
+    return torch.cat([hidden[:, : -probe.shape[0]], probe.to(hidden.device, hidden.dtype)[None]], 1)
 
 
 def checked_rows(hidden: torch.Tensor, labelled: int, n: int) -> torch.Tensor:

@@ -157,20 +157,19 @@ def hand_labelled(hidden: torch.Tensor, shifted: torch.Tensor, request: HeadRequ
         # needing a gradient as the checking call's rows do, the head saves as many tensors for the backward either
         # way (a non-reentrant checkpoint recomputes the checked call after the checking one, and counts them)
         zero = hidden.new_zeros(1, hidden.shape[-1]).requires_grad_(hidden.requires_grad)
-        first = min(CHECK_ROWS, keep.numel())
-        if one_call(fused):  # the loss, the probes and the check in the family's call of the head's unit:
-            request.in_call = in_its_call(fused, functools.partial(_loss_in_call, request),  # as many calls as
-                before=None if fused.checked else functools.partial(_probed_in_call, request))  # unpatched makes
-            if fused.checked:
-                return zero[None]
-            n = min(len(PROBE_LOGITS), fused.linear.out_features)
-            handed = torch.cat([request.rows[:first], zero, hidden.new_zeros(n, hidden.shape[-1])])[None]
-        elif fused.checked:
+        in_call = one_call(fused)
+        if in_call:  # the loss, the probes and the check in the family's call of the head's unit: as many calls
+            request.in_call = in_its_call(fused, functools.partial(_loss_in_call, request),  # as unpatched makes
+                                          before=None if fused.checked else functools.partial(_probed_in_call, request))
+        if fused.checked:
             return zero[None]
+        first = min(CHECK_ROWS, keep.numel())
+        if in_call:  # placeholders, made the probes in that call
+            probe = hidden.new_zeros(min(len(PROBE_LOGITS), fused.linear.out_features), hidden.shape[-1])
         else:
             probe = held(fused, lambda: probes(fused.weight)).to(hidden.device, hidden.dtype)
-            handed, n = torch.cat([request.rows[:first], zero, probe])[None], probe.shape[0]
-        request.check_rows, request.restore = (handed, first, n), fused.dropouts_off()
+        handed = torch.cat([request.rows[:first], zero, probe])[None]
+        request.check_rows, request.restore = (handed, first, probe.shape[0]), fused.dropouts_off()
         return handed
     handed, request.handed = with_zero_row(hidden.index_select(0, keep), labelled)
     return handed
@@ -188,10 +187,11 @@ def _probed_in_call(request: HeadRequest, rows: torch.Tensor, call: InItsCall) -
     """In the head's call on the checking call's rows (FSDP2 gathers its weight there alone): the probes in place of
     their placeholders, and the fused head's logits of the rows the check compares."""
     handed, labelled, n = request.check_rows
-    handed = probed(request.fused, handed, n)
+    probe = probes(request.fused.weight)
+    handed = probed(handed, probe)
     with torch.no_grad():
         call.checked = request.fused.logits(handed.reshape(-1, handed.shape[-1])[checked_rows(handed, labelled, n)])
-    return probed(request.fused, rows, n) if rows.shape == handed.shape else rows
+    return probed(rows, probe) if rows.shape == handed.shape else rows
 
 
 def repad_logits(logits: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 from torch import nn
 
-from patchkit.forward.inputs.module_hooks import fsdp2_hook, hooks_on, zero3_hook
+from patchkit.forward.inputs.module_hooks import fsdp2_hook, hooked, hooks_on, zero3_hook
 from patchkit.hooks.install.forward_source import accelerate_forward
 
 
@@ -139,7 +139,7 @@ def in_its_call(fused: Holding, fn: Callable[[], torch.Tensor],
 
 def hooks_of(head: nn.Module) -> str:
     """Whose hooks place the weight of a `plain_head`: "zero3", "fsdp2", "accelerate", or ""."""
-    if head._forward_hooks or head._forward_pre_hooks:
+    if hooked(head):
         return "fsdp2" if fsdp2_held(head) else "zero3"
     return "accelerate" if "forward" in vars(head) and accelerate_hooks(head) else ""
 
