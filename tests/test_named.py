@@ -206,6 +206,32 @@ def test_a_model_built_with_the_name_compiles_fullgraph_in_a_fresh_process(first
     assert float(proc.stdout.split("off")[-1]) <= 1e-5, proc.stdout
 
 
+@pytest.mark.parametrize("way", ["config field", "set_attn_implementation"])
+def test_every_model_built_on_a_named_config_is_adopted(pair, way):
+    """Two models on one config object (a policy and its reference, as RL scripts build them): naming one names the
+    other (transformers writes the shared config), so both are adopted; the other's labels at padding step aside."""
+    eager, plain = pair
+    ref = LlamaForCausalLM(plain.config)
+    ref.load_state_dict(eager.state_dict())
+    if way == "set_attn_implementation":
+        if not hasattr(plain, "set_attn_implementation"):
+            pytest.skip("set_attn_implementation: transformers 4.54+")
+        plain.set_attn_implementation("patchkit")
+    else:
+        plain.config._attn_implementation = "patchkit"
+    assert ref.config._attn_implementation == "patchkit"
+    ids, mask = padded_batch("right")
+    real = labels_for(ids, mask)
+    state = attention_interface.route_state()
+    for model in (plain, ref):
+        aside = state.stepped_aside.get("labels_from_padding", 0)
+        got = loss_of(model, ids, mask, ids)  # (warned once, by the first)
+        torch.testing.assert_close(got, loss_of(eager, ids, mask, ids), atol=1e-6, rtol=1e-6)
+        assert state.stepped_aside["labels_from_padding"] - aside == 2
+        torch.testing.assert_close(loss_of(model, ids, mask, real), loss_of(eager, ids, mask, real), atol=2e-5,
+                                   rtol=1e-4)
+
+
 def test_a_model_named_where_patchkit_could_not_see_it_steps_aside_exactly_and_strict_refuses(pair):
     """The config's internal field written directly (past the property patchkit watches): patchkit cannot read the
     model's calls, so the forward runs on transformers' attention, with one warning that names the fix."""

@@ -59,7 +59,7 @@ from patchkit.hooks.install.routing import (
     record_before,
 )
 
-_built: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(config) -> the last model built with it
+_built: dict[int, weakref.WeakSet] = {}  # id(config) -> the model parts built with it (the entry goes with the config)
 _watching: list[Replacement] = []
 _ready: list[Callable[[], Any]] = []  # `watch`'s: what a model getting the name needs made first
 # a causal LM class -> (its **kwargs name, its binder of a call's arguments, whether it takes logits_to_keep)
@@ -78,7 +78,10 @@ class Seen:
 
     def __init__(self, config: Any, module: nn.Module, named: bool) -> None:
         self.config, self.module, self.named = config, weakref.ref(module), named
-        _built[id(config)] = module
+        if id(config) not in _built:
+            _built[id(config)] = weakref.WeakSet()
+            weakref.finalize(config, _built.pop, id(config), None)
+        _built[id(config)].add(module)
         if named:
             record_adopted(config)
 
@@ -111,7 +114,7 @@ def adopt(model: nn.Module) -> None:
             make()
     replacements: list[Replacement] = []
     wrapping: set[int] = set()  # the layers wrapped by this adoption (a causal LM's and its base model's are the same)
-    for m in model.modules():
+    for m in (m for root in (model, *sharing(model, pretrained)) for m in root.modules()):
         if not isinstance(m, pretrained):
             continue
         seen(m, named=True)
@@ -125,6 +128,21 @@ def adopt(model: nn.Module) -> None:
             replacements.append(wrapped(m, "prepare_inputs_for_generation", preparation, "masks made ahead"))
         replacements += mixers_apart(m, wrapping) + layers_kept(m, wrapping)
     apply_replacements(replacements)
+
+
+def built(config: Any) -> list[nn.Module]:
+    """The live model parts built with `config` (and holding it still)."""
+    return [m for m in _built.get(id(config), ()) if getattr(m, "config", None) is config]
+
+
+def sharing(model: nn.Module, pretrained: type) -> list[nn.Module]:
+    """The outermost other models built on a config one of `model`'s parts holds (a policy and its reference): the
+    name written to that config names them too."""
+    inside = {id(m) for m in model.modules()}
+    others = {id(o): o for m in model.modules() if isinstance(m, pretrained) for o in built(m.config)
+              if id(o) not in inside}
+    held = {id(sub) for o in others.values() for sub in o.modules() if sub is not o}
+    return [o for key, o in others.items() if key not in held]
 
 
 def class_served(model: nn.Module, pretrained: type) -> bool:
@@ -343,10 +361,10 @@ def watched_property(prop: property) -> property:
         prop.fset(config, value)
         if is_compiling() or current().route is not None or not names_patchkit(config) or adopted(config):
             return
-        model = _built.get(id(config))
-        if model is not None and getattr(model, "config", None) is config:  # a built model named (not one being
-            record_before(config, before)  # built, whose config passes through transformers' default first)
-            adopt(model)
+        models = built(config)  # built models named (not one being built, whose config passes through
+        if models:  # transformers' default first); `adopt` adopts every other model built on it too
+            record_before(config, before)
+            adopt(models[0])
 
     return property(prop.fget, fset, prop.fdel, prop.__doc__)
 
