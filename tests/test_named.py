@@ -272,9 +272,9 @@ def test_nothing_on_patchkits_path_reads_the_call_stack():
     finder (`warn.py`), the build-time judgment of a model's parts (`unserved.py`), the proof that a causal LM's
     caller reads its loss alone (`loss_reader.py`, the HF Trainer's own step, and `caller_code.py`, a caller's own
     code: where they cannot prove it, the logits are returned as ever) and the check that a served language model
-    runs inside a generative head no wrapper of patchkit's tells it about (`outer_caller.py`, once per base model:
-    it can only step aside), and TRL's trainers known to read the logits at padding (`padding_readers.py`: it only
-    warns) read frames."""
+    runs inside a generative head no wrapper of patchkit's tells it about, or under a subclass's own forward that
+    keeps its labels (`outer_caller.py`: it can only step aside), and TRL's trainers known to read the logits at
+    padding (`padding_readers.py`: it only warns) read frames."""
     root = Path(patchkit.__file__).parent
     readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if any(word in p.read_text() for word in ("_getframe", "f_back", "inspect.stack")))

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 import torch
+import transformers
 from families import set_attention
-from models import padded_batch, tiny_model
+from models import labels_for, padded_batch, tiny_model
 
 import patchkit
 from patchkit import PatchInputError
@@ -236,3 +237,44 @@ def test_patching_a_peft_wrapper_of_a_patched_model_is_the_same_patch_and_revert
     second.revert()
     assert not any(is_patched_forward(m.forward) for m in wrapped.modules())
     assert all("forward" not in vars(m) for m in model.modules()), "an instance forward was left behind"
+
+
+class OwnLossLM(transformers.LlamaForCausalLM):
+    """A user's causal LM that computes its loss from the logits itself, passing no labels to the class's forward."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-1]
+            out.loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+        return out
+
+
+def test_a_subclass_computing_its_own_loss_from_the_logits_steps_aside_for_its_labels_at_padding():
+    """Under a class patch, the subclass calls the patched forward through `super()` without its labels: the labels
+    predicted from left padding were unseen, and the loss (from logits at padding positions, which varlen kernels
+    never compute) was silently other. The subclass's call is now read; real labels still run patched."""
+    ids, mask = padded_batch("left")
+    naive, real = ids.masked_fill(mask == 0, -100), labels_for(ids, mask)
+    torch.manual_seed(0)
+    plain = OwnLossLM(tiny_model().config).train()
+
+    def step(model, labels):
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    want = {"naive": step(plain, naive), "real": step(plain, real)}
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        patched = OwnLossLM(plain.config).train()
+        patched.load_state_dict(plain.state_dict())
+        with pytest.warns(RuntimeWarning, match="labels_from_padding"):
+            got = step(patched, naive)
+        assert handle.stepped_aside == {"labels_from_padding": 1}
+        for a, b in zip(got, want["naive"]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        calls = handle.calls
+        for a, b in zip(step(patched, real), want["real"]):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        assert handle.calls > calls and handle.stepped_aside == {"labels_from_padding": 1}

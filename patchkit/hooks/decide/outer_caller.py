@@ -12,6 +12,8 @@ A forward a framework set on a causal LM's instance after the class patch (Liger
 Unsloth's) runs in place of the class's: it calls the base model and its own head and loss over the padded batch.
 Its call's arguments are read off its frame (`foreign_call`), so the base model steps aside only where they read
 padding (labels predicted from padding, generate()'s next token at padding), as the class's wrapper would tell it.
+So are the labels of a subclass's own forward that calls the class's wrapper through `super()` without them and
+computes its loss from the logits (`subclass_call`).
 """
 
 from __future__ import annotations
@@ -102,9 +104,23 @@ def foreign_call(head: nn.Module) -> Optional[tuple[dict, bool]]:
     """The arguments `head`'s `foreign_forward` was called with (its frame's locals, its `**kwargs` spread; the frame
     of torch.compile's copy of it too: SFTTrainer's fused head under `torch_compile=True`), and whether it takes
     `logits_to_keep`; None where no such call is on the stack."""
-    function = foreign_forward(head)
-    code = getattr(function, "__code__", None)
-    frame = sys._getframe(1)
+    return call_of(head, getattr(foreign_forward(head), "__code__", None))
+
+
+def subclass_call(module: nn.Module) -> Optional[dict]:
+    """The arguments of the forward that `module`'s class defines over a patched class's wrapper and that called it
+    through `super()` (a user's causal LM that computes its own loss from the logits, passing no labels on), read off
+    its frame; None where the class runs patchkit's wrapper itself."""
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None or code in LM_WRAPPERS:
+        return None
+    call = call_of(module, code)
+    return None if call is None else call[0]
+
+
+def call_of(head: nn.Module, code: Optional[CodeType]) -> Optional[tuple[dict, bool]]:
+    """The arguments of the call of `code` on `head` on the stack, and whether it takes `logits_to_keep`."""
+    frame = sys._getframe(2)
     while code is not None and frame is not None:
         if same_code(frame.f_code, code) and frame.f_locals.get("self") is head:
             local = dict(frame.f_locals)
