@@ -117,3 +117,28 @@ def test_a_scripts_patch_of_the_attention_class_runs_as_unpatched(monkeypatch, w
         if when == "after":
             assert vars(modeling_llama.LlamaAttention)["forward"] is attend
             modeling_llama.LlamaAttention.forward = own
+
+
+def test_a_scripts_patch_of_the_attention_class_after_an_instance_patch_runs_as_unpatched(monkeypatch):
+    """The instance patch wraps each attention module's forward on the instance, and that wrapper held the class's
+    forward of the time: a script's `LlamaAttention.forward = ...` set later was shadowed, and the patched model ran
+    transformers' attention where the unpatched one ran the script's (loss 4.8747 for 4.8768, silently). The wrapper
+    now runs what the class has, and the forward steps aside for it."""
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(CONFIG)
+    model = copy.deepcopy(reference)
+    handle = patchkit.apply_patch(model=model, backend="sdpa")
+    try:
+        step(model)
+        model.zero_grad()
+        assert handle.calls > 0 and not handle.stepped_aside
+        monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", attend)
+        assert_stepped_aside(model, handle, step(reference))
+        monkeypatch.undo()
+        model.zero_grad()
+        reference.zero_grad()
+        calls = handle.calls
+        assert_same(step(model), step(reference))
+        assert handle.calls > calls  # patched again, with the class's own forward back
+    finally:
+        handle.revert()

@@ -170,7 +170,9 @@ def instance_replacements(
             out.append(bound_replacement(update, b, "_update_causal_mask", f"{type(b).__name__}._update_causal_mask",
                                          state.track_copy))
     for m in find_modules(model, attention):
-        out.append(bound_replacement(make_attention_forward(current_method(m), state), m, "forward",
+        own = "forward" in vars(m)  # a framework's forward set on the instance; else the class's, followed
+        out.append(bound_replacement(make_attention_forward(current_method(m), state, None if own else type(m)),
+                                     m, "forward",
                                      f"{type(m).__name__}.forward (layer {getattr(m, 'layer_idx', '?')}, routes "
                                      "attention to patchkit)", state.track_copy))
     if lm is not None:

@@ -111,7 +111,8 @@ def own_attention_forward(model: nn.Module) -> Optional[str]:
         forward = module.__dict__.get("forward", cls.forward)
         if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
             forward = module._old_forward  # accelerate's device-map hook around the module's own forward
-        fn = function_of(forward)
+        runs = getattr(forward, "patchkit_runs", None)  # an instance patch's wrapper: what its class has now
+        fn = function_of(runs() if callable(runs) else forward)
         if found is None and not origin_of(fn).startswith(TRUSTED_FORWARDS) and not dispatches(fn):
             found = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)} on '{name}'"
     _seen[model] = (tuple(classes.items()), found)

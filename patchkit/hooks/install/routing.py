@@ -228,26 +228,35 @@ def mask_argument(original: Callable) -> Callable[[tuple, dict], Any]:
     return read
 
 
-def make_attention_forward(original: Callable, state: Any) -> Callable:
+def make_attention_forward(original: Callable, state: Any, of_class: Optional[type] = None) -> Callable:
     """Wrap a family's attention forward: a call given patchkit's mask runs on `state` through the registered name
-    (the family's own projections, norms, RoPE and cache update first); any other mask, transformers' attention."""
+    (the family's own projections, norms, RoPE and cache update first); any other mask, transformers' attention.
+    `of_class`: an instance patch's wrapper of that class's forward, which runs a forward a script sets on the class
+    later in its place, as the module would unpatched (its model's forward steps aside for it:
+    `module_hooks.own_attention_forward` reads `patchkit_runs`)."""
     read_mask = mask_argument(original)
 
+    def runs() -> Callable:
+        now = unpatched(of_class.forward) if of_class is not None else original
+        return original if now is original else now
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        run = original if of_class is None else runs()
         mask = read_mask(args, kwargs)
         if not isinstance(mask, VarlenMask):
-            return original(self, *args, **kwargs)
+            return run(self, *args, **kwargs)
         scales = column_temperature(self, mask, kwargs.get("hidden_states", args[0] if args else None))
         if scales is not None:  # Llama 4's NoPE layer on a packed row: its temperature by the padded columns
             with own_scaling_off(self), routed_unless_inside(self.config, state, mask):
-                return original(self, *args, **{**kwargs, QUERY_SCALE: scales})
+                return run(self, *args, **{**kwargs, QUERY_SCALE: scales})
         if inside_route(self.config, state, mask):
-            return original(self, *args, **kwargs)
+            return run(self, *args, **kwargs)
         with routed(self.config, state):
-            return original(self, *args, **kwargs)
+            return run(self, *args, **kwargs)
 
     forward.__patchkit_route__ = state  # type: ignore[attr-defined]
     dressed = dressed_as(forward, original)
+    dressed.patchkit_runs = runs  # type: ignore[attr-defined]
     # Frameworks that rewrite the attention forward from its source (axolotl's LoRA kernels, unsloth) read it with
     # inspect.getsource, which follows __wrapped__: they find the family's own code, not this wrapper's.
     dressed.__wrapped__ = original  # type: ignore[attr-defined]
