@@ -161,6 +161,29 @@ def test_zero3_the_fused_head_gathers_its_partitioned_weight_and_equals_unpatche
     assert_same_parameters(params, own_params)
 
 
+DIVERGE = REPO / "tests" / "user_scripts" / "zero3_diverge.py"
+
+
+def diverging(tmp: Path, way: str, unpad: str) -> list[dict]:
+    out = tmp / f"diverge-{way}-{unpad}"
+    proc = run_group(torchrun(WORLD, DIVERGE, way, unpad, out), clean_env(), TIMEOUT)
+    assert proc.returncode == 0, f"{way} {unpad}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("unpad", ["model", "loss"])
+def test_zero3_ranks_whose_forwards_take_other_paths_gather_alike_and_train_as_unpatched(unpad, tmp_path):
+    """Rank 1 steps aside on step 0 and has no labelled token on step 1 while rank 0 fuses its head and loss. The
+    fused head read its partitioned weight's type outside the head's call, which gathered it (DeepSpeed gathers a
+    parameter read outside its module's forward): one collective that rank 1 did not run, and gloo aborted on the
+    ranks' mismatched gathers. It now reads the weight as the module holds it; every rank trains as unpatched."""
+    want, got = diverging(tmp_path, "none", unpad), diverging(tmp_path, "class", unpad)
+    for ref, result in zip(want, got):
+        assert result["losses"] == pytest.approx(ref["losses"], abs=LOSS_ATOL), (result, ref)
+    assert got[0]["heads"].get(lm_head.FUSED) == 3 and not got[0]["stepped_aside"], got[0]
+    assert got[1]["stepped_aside"] == {"labels_from_padding": 1}, got[1]
+
+
 def generate(model_dir: Path, tmp: Path, way: str) -> list[dict]:
     out = tmp / f"generate-{way}.json"
     proc = run_group(torchrun(WORLD, GENERATE, way, model_dir, out), clean_env(), TIMEOUT)

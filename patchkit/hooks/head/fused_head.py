@@ -35,6 +35,7 @@ from patchkit.hooks.head.weight_holders import (
     fsdp2_holder,
     gathering_hooks,
     held,
+    held_weight,
     hooks_of,
     is_linear,
     own_class,
@@ -241,16 +242,17 @@ def head_parts(lm: nn.Module) -> Optional[HeadParts]:
     if next(global_hooks(), None) is not None:  # a hook on every module: on the head too
         return None
     holder = fsdp2_holder(outer, head, linear)  # a DTensor outside its unit's forward, inside one
-    if torch.nn.utils.parametrize.is_parametrized(linear) or type(linear.weight) not in (
-            nn.Parameter, torch.Tensor) and (holder is None or type(linear.weight).__name__ != "DTensor"):
+    weight = held_weight(linear)
+    if torch.nn.utils.parametrize.is_parametrized(linear) or type(weight) not in (
+            nn.Parameter, torch.Tensor) and (holder is None or type(weight).__name__ != "DTensor"):
         return None  # a tensor subclass (quantized, DTensor); a plain tensor is FSDP1's view of its gathered weight
     if linear is not head and hooks_of(linear) and not is_lora:
         return None  # trainable tokens over a head whose weight hooks place
     if hooked(linear):
-        plain = zero3_held(linear) and len(getattr(linear.weight, "ds_shape", ())) == 2 or (
-            fsdp2_held(linear) and linear.weight.dim() == 2)  # its own hooks, FSDP2's alone
+        plain = zero3_held(linear) and len(getattr(weight, "ds_shape", ())) == 2 or (
+            fsdp2_held(linear) and weight.dim() == 2)  # its own hooks, FSDP2's alone
     else:
-        plain = linear.weight.dim() == 2 and linear.weight.numel() > 0
+        plain = weight.dim() == 2 and weight.numel() > 0
     return HeadParts(head, linear, is_lora, holder) if plain else None
 
 
@@ -314,7 +316,8 @@ def fused_head(lm: nn.Module) -> Optional[FusedHead]:
     autocast = autocast_dtype(device_of(linear, hooks).type)
     transform = transform_of(lm)
     pre = pre_head(lm)
-    key = (id(head), linear.weight.dtype, autocast, transform, tuple(getattr(head, "active_adapters", ())), id(pre))
+    adapters = tuple(getattr(head, "active_adapters", ()))
+    key = (id(head), held_weight(linear).dtype, autocast, transform, adapters, id(pre))
     seen = _checked.get(lm)
     if seen is not None and seen[0] == key and not seen[1]:
         return None  # its logits were not these: its own head, from now on

@@ -152,7 +152,18 @@ def zero3_held(head: nn.Module) -> bool:
 
 def zero3_partitioned(linear: nn.Linear) -> bool:
     """DeepSpeed ZeRO-3 holds `linear`'s weight in shards, gathered by its hooks around its forward."""
-    return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(linear.weight, "ds_shape")
+    return bool(linear._forward_hooks or linear._forward_pre_hooks) and hasattr(held_weight(linear), "ds_shape")
+
+
+def held_weight(linear: nn.Module) -> Any:
+    """`linear.weight` as the module holds it, read past ZeRO-3's parameter dict: its lookup gathers a partitioned
+    weight outside the module's call, a collective that a rank whose forward stepped aside does not run (the ranks'
+    collectives then mismatch: gloo aborts)."""
+    own = vars(linear)
+    params = own.get("_parameters")
+    if "weight" not in own and isinstance(params, dict) and "weight" in params:
+        return dict.get(params, "weight")
+    return getattr(linear, "weight", None)  # FSDP1's view of its gathered weight is an attribute of its own
 
 
 def fsdp2_held(head: nn.Module) -> bool:
@@ -214,4 +225,4 @@ def device_of(linear: nn.Linear, hooks: str) -> torch.device:
     for h in getattr(hook, "hooks", None) or (hook,):
         if getattr(h, "execution_device", None) is not None:
             return torch.device(h.execution_device)
-    return linear.weight.device
+    return held_weight(linear).device
