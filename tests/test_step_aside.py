@@ -191,6 +191,39 @@ def neat_packing_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_a_4d_mask_of_ones_and_zeros_steps_aside_as_transformers_adds_it(dtype):
+    """A (B, 1, S, S) mask of 1 (attend) and 0: transformers adds it to the scores, so it masks nothing. patchkit
+    read it as additive (0: attend), found each token blind to itself and served one-token documents: 0.28 off in
+    logits, silently, strict too. Only 0 and masked (-1e4 and below) entries are read as a mask now."""
+    model = any_model("llama")
+    ids, mask = padded_batch("right")
+    causal = torch.ones(24, 24).tril().bool()
+    ones = (causal[None, None] & mask.bool()[:, None, None, :] | torch.eye(24, dtype=torch.bool)).to(dtype)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=ones).logits
+        with patchkit.apply_patch("llama", backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=ones).logits
+            assert handle.stepped_aside == {"custom_4d_mask": 1}
+    torch.testing.assert_close(got, want)
+
+
+def test_one_4d_mask_for_every_row_runs_as_transformers_broadcasts_it():
+    """A (1, 1, S, S) causal mask over a batch of four: it was read as one row's documents and refused with a
+    misleading cause (cu_seq_lens_q, PEFT's prompt tuning)."""
+    model = any_model("llama", "sdpa")
+    ids, _ = padded_batch("right")
+    causal = torch.ones(24, 24).tril().bool()[None, None]
+    additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for one in (causal, additive):
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=one).logits
+            with patchkit.apply_patch("llama", backend="sdpa") as handle:
+                got = model(input_ids=ids, attention_mask=one).logits
+                assert handle.calls == 2 and not handle.stepped_aside
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_block_diagonal_causal_4d_mask_runs_patched_as_packed_documents(family):
     """neat_packing without flash-attn: the varlen path serves it (documents as cu_seq_lens), the same loss and

@@ -123,6 +123,15 @@ def _short(lengths: list[int]) -> str:
     return str(lengths) if len(lengths) <= 8 else f"[{', '.join(map(str, lengths[:8]))}, ...] ({len(lengths)})"
 
 
+MASKED = -1e4  # an additive mask's entry at or below this gives its key no weight (exp underflows: 0 exactly)
+
+
+def binary_masking(mask: torch.Tensor) -> bool:
+    """Every entry of an additive mask is 0 (attend) or masked (`MASKED` and below, -inf): it adds nothing to a
+    visible key's score, as a boolean mask; not a 0/1 mask (transformers adds its ones to the scores), nor a bias."""
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask <= MASKED)).all())
+
+
 def allowed_keys(mask: torch.Tensor) -> torch.Tensor:
     """A (B, 1, Q, K) mask, boolean (True: attend) or additive (0: attend), as (B, Q, K) booleans."""
     return mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
@@ -137,7 +146,7 @@ def block_diagonal_documents(mask: torch.Tensor) -> Optional[tuple[torch.Tensor,
     """A 4D mask that is causal attention within contiguous documents of each row, padding masked and on one side
     (LLaMA-Factory's `neat_packing` mask): (cu_seqlens over every token, each padding token a document of its own,
     longest document), so the varlen path serves it exactly; else None."""
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2]:
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != mask.shape[-2] or not binary_masking(mask):
         return None
     allowed = allowed_keys(mask)
     seqlen = allowed.shape[-1]
@@ -148,7 +157,7 @@ def block_diagonal_documents(mask: torch.Tensor) -> Optional[tuple[torch.Tensor,
     expected = (real[:, :, None] & real[:, None, :] & (idx[:, None] >= idx[None, :])
                 & (doc[:, :, None] == doc[:, None, :]))
     runs = (real[:, 1:] & ~real[:, :-1]).sum(-1) + real[:, 0].long()  # runs of real tokens per row
-    if not bool(torch.equal(expected, allowed & real[:, :, None]) and (runs <= 1).all()):
+    if not bool(torch.equal(expected, allowed & real[:, :, None]) and (runs <= 1).all() and real.any(-1).all()):
         return None
     boundary = (starts | ~real).reshape(-1)
     boundary[:: seqlen] = True  # every row starts a segment

@@ -262,6 +262,11 @@ def documents_in_4d_mask(arguments: dict, extra: dict) -> Optional[tuple[torch.T
         return None  # a dict of masks per layer type is generate()'s, never packed documents
     if cache is not None and (fixed_slots(cache) or past_length(cache) > 0):
         return None  # a static cache's mask is generate()'s, over its keys (`slots_mask`)
+    tokens = input_tokens(arguments)
+    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and mask.shape[0] != tokens.shape[0]:
+        if mask.shape[0] != 1:
+            return None  # transformers' own attention says what is wrong with it
+        mask = mask.expand(tokens.shape[0], *mask.shape[1:])  # one mask for every row, as transformers broadcasts it
     return block_diagonal_documents(mask)
 
 
