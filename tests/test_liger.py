@@ -29,7 +29,8 @@ from test_multimodal_wrappers import assert_same_step
 import patchkit
 
 ORDERS = ["class patch, then Liger on the instance", "instance patch, then Liger on the instance",
-          "Liger on the class, then the class patch", "Liger on the instance, then the instance patch"]
+          "Liger on the class, then the class patch", "Liger on the instance, then the instance patch",
+          "class patch, then Liger on the class"]
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -100,14 +101,14 @@ def under(order: str, forward: Callable, labels: Callable, side: str) -> tuple[t
                                   else model, backend="sdpa", strict=False)
     try:
         if not liger_first:
-            undo = ligered(model, forward, on_class=False)
+            undo = ligered(model, forward, on_class="on the class" in order)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = step(model, ids, mask, labels(ids, mask))
         return want, got, (handle.calls, dict(handle.stepped_aside), dict(handle.heads))
-    finally:
-        handle.revert()
-        undo()
+    finally:  # Liger's forward on the class after the patch is undone first, as it was set last
+        for end in (undo, handle.revert) if order.endswith("Liger on the class") else (handle.revert, undo):
+            end()
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

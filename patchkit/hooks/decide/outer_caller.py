@@ -70,18 +70,21 @@ def head_outside_patch(base: nn.Module) -> Optional[nn.Module]:
 
 
 def foreign_forward(module: nn.Module) -> Optional[Callable]:
-    """The function of a forward set on `module`'s instance that runs in place of its class's (Liger's, TRL's fused
-    head, Unsloth's), not patchkit's and not a wrapper around the class's (accelerate's hooks and mixed precision),
+    """The function of a forward that runs in place of the class patch's wrapper: set on `module`'s instance (Liger's,
+    TRL's fused head, Unsloth's), or on its class after the class patch (Liger's `apply_liger_kernel_to_*`); not
+    patchkit's, not transformers', and not a wrapper around the class's (accelerate's hooks and mixed precision),
     else None. patchkit's class wrapper does not see its calls."""
     own = instance_forward(module)
-    if own is None or isinstance(own, BoundPatch):
+    if isinstance(own, BoundPatch):
         return None
-    runs = innermost(own, through_patchkit=False)  # a functools.wraps of the class's copies its marks: code tells
-    runs = getattr(runs, "__func__", runs)
+    runs = innermost(type(module).forward if own is None else own, through_patchkit=False)
+    runs = getattr(runs, "__func__", runs)  # a functools.wraps of the class's copies its marks: code tells
     code = getattr(runs, "__code__", None)
-    if code is None or code in LM_WRAPPERS or code is getattr(type(module).forward, "__code__", None):
+    if code is None or code in LM_WRAPPERS:
         return None
-    return runs
+    if own is None:  # the class's own: a framework's only where neither transformers nor patchkit wrote it
+        return None if getattr(runs, "__module__", "").startswith(("transformers.", "patchkit.")) else runs
+    return None if code is getattr(type(module).forward, "__code__", None) else runs
 
 
 def instance_forward(module: nn.Module) -> Optional[Callable]:
