@@ -148,6 +148,47 @@ def test_a_call_the_packed_row_cannot_serve_returns_its_logits_and_says_why():
     torch.testing.assert_close(got[1][real], want[1][real], atol=2e-5, rtol=1e-4)
 
 
+def smoothed(logits, labels, vocab_size=None, shift_labels=None, **kwargs):
+    """A script's own causal-LM loss: label smoothing (`LOSS_MAPPING["ForCausalLM"]` replaced; it takes
+    `shift_labels` as transformers' does)."""
+    if shift_labels is None:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    logits, labels = logits.flatten(0, -2).float(), labels.flatten()
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("where", ["fixed_cross_entropy", "torch's cross_entropy", "LOSS_MAPPING"])
+def test_a_cross_entropy_a_script_set_in_transformers_place_is_the_one_that_runs(where, monkeypatch):
+    """A script replaces what transformers' loss calls (`loss_utils.fixed_cross_entropy`, torch's `cross_entropy`,
+    which Liger's `cross_entropy=True` replaces) or the loss itself: patchkit's own loss on the labelled rows ran
+    plain cross-entropy in its place (4.6003 for the script's 4.5991), silently. The model's own loss runs now."""
+    from transformers.loss import loss_utils
+
+    plain = torch.nn.functional.cross_entropy
+
+    def smoothing(*args, **kwargs):
+        return plain(*args, **{**kwargs, "label_smoothing": 0.1})
+
+    def fixed(source, target, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        return plain(source, target, ignore_index=ignore_index, label_smoothing=0.1)
+
+    if where == "fixed_cross_entropy":
+        monkeypatch.setattr(loss_utils, "fixed_cross_entropy", fixed)
+    elif where == "LOSS_MAPPING":
+        monkeypatch.setitem(loss_utils.LOSS_MAPPING, "ForCausalLM", smoothed)
+    else:
+        monkeypatch.setattr(torch.nn.functional, "cross_entropy", smoothing)
+    model = family("llama")
+    inputs = batch(model)
+    want = step(model, **inputs)
+    out, grads, _, heads, _ = loss_alone_step(model, **inputs)
+    assert lm_head.LOSS_ONLY not in heads and lm_head.FUSED not in heads, heads
+    torch.testing.assert_close(out.loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    assert_grads(grads, want[2])
+
+
 @pytest.mark.parametrize("shift", [False, True])
 def test_a_batch_its_base_model_keeps_hands_the_head_its_labelled_rows(shift):
     """Documents packed in one row (position_ids restarting, no mask) have no padding to skip: the base model keeps

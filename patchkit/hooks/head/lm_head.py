@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -93,7 +94,25 @@ def declined(lm: nn.Module, arguments: dict, extra: dict, unservable: Optional[s
     loss = _default_loss()
     if loss is None:
         return "this transformers' causal-LM loss takes no shift_labels"
-    return None if _lm_loss(lm) is loss else "a loss function other than transformers' ForCausalLMLoss"
+    if _lm_loss(lm) is not loss or not transformers_own(loss, "ForCausalLMLoss"):
+        return "a loss function other than transformers' ForCausalLMLoss"
+    return None if cross_entropy_own() else "a cross-entropy set in place of transformers' or torch's own"
+
+
+def transformers_own(function: Any, name: str) -> bool:
+    """`function` is transformers' `loss_utils.<name>`, not a script's put in its place (or in LOSS_MAPPING)."""
+    return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) == (
+        "transformers.loss.loss_utils", name)
+
+
+def cross_entropy_own() -> bool:
+    """What transformers' causal-LM loss calls is its own: `loss_utils.fixed_cross_entropy` and torch's
+    `cross_entropy` it calls, neither replaced (label smoothing, another reduction; Liger's `cross_entropy=True`
+    replaces torch's). patchkit's loss on the packed row computes what they compute unreplaced."""
+    utils = sys.modules.get("transformers.loss.loss_utils")
+    fixed = getattr(utils, "fixed_cross_entropy", None)
+    return transformers_own(fixed, "fixed_cross_entropy") and getattr(
+        torch.nn.functional.cross_entropy, "__module__", None) == "torch.nn.functional"
 
 
 def _lm_loss(lm: nn.Module) -> Optional[Callable]:
