@@ -231,3 +231,33 @@ def _route_sdpa():
             attention_interface.register(backend="auto", strict=False)
 
     return route()
+
+
+@pytest.mark.parametrize("step", ["first", "second"])
+def test_a_decode_step_whose_mask_is_narrower_than_the_keys_is_read_as_transformers_reads_it(step):
+    """A hand-written loop passing a mask of the new token's column alone (`ones(batch, 1)`), on its first decode step
+    or after one that extended the mask: transformers pads a narrow mask with zeros, so its columns are the cache's
+    first, a left-padded row's padding slots. It stepped aside as `short_mask`, warned exact, and read patchkit's
+    filler there (0.2 off in logits on LLaMA, another greedy token), silently. Refused now, naming the fix; a mask
+    over the past alone (transformers masks the new column) reads only real slots and steps aside exactly."""
+    model = tiny_model(seed=3).eval()
+    ids, mask = padded_batch("left", batch=2, seq=10)
+    new = torch.tensor([[5], [6]])
+
+    def decode(model, step_mask):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache, width = out.past_key_values, mask
+            if step == "second":
+                width = torch.cat([mask, mask.new_ones(2, 1)], -1)
+                cache = model(input_ids=new, attention_mask=width, past_key_values=cache).past_key_values
+            return model(input_ids=new, attention_mask=step_mask(width), past_key_values=cache).logits
+
+    want = decode(model, lambda past: past)  # the past's columns alone
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        with pytest.raises(patchkit.PatchkitError, match="a padded forward filled, and its attention_mask leaves"):
+            decode(model, lambda past: torch.ones(2, 1, dtype=past.dtype))
+        with pytest.warns(RuntimeWarning, match="short_mask"):
+            got = decode(model, lambda past: past)
+        assert handle.stepped_aside.get("short_mask") == 1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

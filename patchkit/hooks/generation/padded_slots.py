@@ -72,7 +72,8 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
         del vars(cache)[MARK]
         return
     new = tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else 0
-    filled = marked.mask if isinstance(marked, Read) and (new > 1 or mask is None) else marked
+    narrow = isinstance(mask, torch.Tensor) and mask.shape[-1] < int(past) + new  # transformers masks the rest
+    filled = marked.mask if isinstance(marked, Read) and (new > 1 or mask is None or narrow) else marked
     if isinstance(filled, torch.Tensor):
         read = unmasked(filled, mask, int(past) + new)
         if read is None:
@@ -92,13 +93,17 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
 def unmasked(filled: torch.Tensor, mask: Any, keys: int) -> Optional[tuple[bool, bool]]:
     """(whether `filled`, the filling forward's mask, had padding; whether `mask`, no mask or a 2D one over the past
     and new columns, `keys` of them at most, lets a query see one of those slots), in one device read; None where
-    they do not line up (another batch, a mask narrower than the filled columns or wider than the keys)."""
+    they do not line up (another batch, a mask wider than the keys). A narrower mask covers the first columns, and
+    transformers masks the others (it pads the mask with zeros); a row whose mask hides every key attends evenly to
+    all of them in transformers' attention, padding slots included."""
     padding = filled == 0
     if mask is None:
         seen = padding.any()
     elif (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == filled.shape[0]
-          and filled.shape[1] <= mask.shape[1] <= keys):
-        seen = (padding & (mask[:, : filled.shape[1]] != 0)).any()
+          and mask.shape[1] <= keys):
+        visible = mask != 0
+        width = min(mask.shape[1], filled.shape[1])
+        seen = (padding[:, :width] & visible[:, :width]).any() | (padding.any(-1) & ~visible.any(-1)).any()
     else:
         return None
     had, read = torch.stack([padding.any(), seen]).tolist()
