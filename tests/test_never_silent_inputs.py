@@ -249,6 +249,23 @@ def test_an_unserved_argument_is_refused_by_name():
         attention(layer, q, q, q, None, sparse_indices=torch.zeros(1, 3, 2, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("key", ["special_tokens_mask", "length"])
+def test_a_collators_other_keys_in_the_batch_step_aside_as_transformers_ignores_them(key):
+    """`model(**batch)` with a key the model's forward does not name: its layers hand it on to attention, which
+    transformers' ignores and patchkit's refused (a PatchInputError telling the user to run without patchkit). The
+    forward steps aside now, exact, and names the key to drop."""
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("right")
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    batch[key] = torch.zeros_like(ids) if key == "special_tokens_mask" else mask.sum(-1)
+    want = model(**batch).loss
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        with pytest.warns(RuntimeWarning, match=r"unserved_argument.*drop the key"):
+            got = model(**batch).loss
+        assert handle.stepped_aside == {"unserved_argument": 1}
+    torch.testing.assert_close(got, want)
+
+
 def test_nemotron_hs_misspelt_use_cache_is_inert():
     """Nemotron-H's layers on transformers 5.3 to 5.8 hand their attention `user_cache=use_cache` (a misspelling
     that transformers' own attention functions take into **kwargs): it changes nothing, so it runs, with the numbers

@@ -269,6 +269,25 @@ def test_documents_kept_apart_where_transformers_joins_them_are_said_once(family
     assert (run() - alone).abs().max() > 1e-3  # unpatched, transformers joins them
 
 
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.23"), reason="GPT-OSS's masks: 5.x")
+def test_gpt_oss_packed_rows_behind_a_cache_name_its_masks_not_the_cache(monkeypatch):
+    """GPT-OSS's masks are handed no position_ids, cache or none: the warning of an eval forward with the config's
+    cache told the user that use_cache=False has transformers find the documents, which it does not."""
+    from census import packed_rows
+
+    from patchkit.forward import documents
+
+    monkeypatch.setattr(documents, "_said", set())
+    model = served_tiny("gpt_oss").eval()
+    ids, positions = packed_rows()
+    with patchkit.apply_patch(model=model, backend="sdpa"), torch.no_grad():
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model(input_ids=ids, position_ids=positions)
+    said = [str(w.message) for w in said if "kept apart" in str(w.message)]
+    assert len(said) == 1 and "not handed this family's position_ids" in said[0] and "use_cache" not in said[0], said
+
+
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5.25"), reason="DeepSeek-V4: transformers 5.25")
 def test_deepseek_v4s_packed_rows_in_a_batch_of_several_give_transformers_numbers_and_say_nothing():
     """Two packed rows of DeepSeek-V4 with no cache: transformers keeps their documents apart in attention, as patchkit

@@ -152,6 +152,14 @@ def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
     )
 
 
+def unserved_arguments(extra: Mapping[str, Any]) -> list[str]:
+    """The names of a forward's own keyword arguments (its **kwargs, which its layers hand on to attention) that
+    `check_call` would refuse at the attention call: a script's `model(**batch)` with a collator's other keys
+    (`special_tokens_mask`, `length`), which transformers' own attention ignores. The forward steps aside for them."""
+    return [name for name, value in extra.items() if name not in ACCEPTED and value is not None and value is not False
+            and not (name == "is_causal" and value is True)]
+
+
 def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool = False) -> None:
     """Refuse any argument that would change the result and that patchkit does not implement. `mask_decides`: the
     layer's mask was read back from the one its non-causal layers follow (`ForwardPlan.mask_decides`)."""

@@ -115,6 +115,13 @@ CAUSES = {
         "function does not take part in the transforms",
         "none needed: the forward runs as transformers' does; outside the transform it runs patched",
     ),
+    "unserved_argument": (
+        "the forward was given a keyword argument that its layers hand on to the attention function and that "
+        "patchkit's varlen attention does not take (a collator's other keys in `model(**batch)`: "
+        "special_tokens_mask, length); transformers' own attention ignores it",
+        "drop the key from the batch (the Trainer drops what the forward does not name: remove_unused_columns=True) "
+        "to run patched",
+    ),
     "own_attention_forward": (
         "an attention module's forward is not transformers' own (a subclass's, or one a script set on its class or "
         "on the module, as FastChat's and xformers' old patches do): it may read the (B, S, H) layout and the 4D "
@@ -290,6 +297,10 @@ BRIEF = {
     "jit_trace": ("torch.jit.trace records the forward", "none needed; torch.compile runs patched"),
     "legacy_static_cache": ("a static kind of cache on transformers < 4.48, whose preallocated slots patchkit's "
                             "LLaMA patch there does not place", "none needed; the default dynamic cache runs patched"),
+    "unserved_argument": ("the forward was given a keyword argument its layers hand on to attention, which "
+                          "transformers' attention ignores and patchkit's does not take (a collator's other keys: "
+                          "special_tokens_mask, length)", "drop the key from the batch (or the Trainer's "
+                          "remove_unused_columns=True) to run patched"),
     "own_attention_forward": ("an attention module's forward is not transformers' own (a subclass's, a script's "
                               "patch)", "none needed; remove the script's own attention patch to run patched"),
     "rows_mixed_by_a_module": ("a module scales each row by every row's range (torch's dynamic quantization)",

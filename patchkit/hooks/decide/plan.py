@@ -24,6 +24,7 @@ from patchkit.forward.inputs.arguments import (
     legacy_llama,
     resolved_use_cache,
     sliding_window,
+    unserved_arguments,
 )
 from patchkit.forward.inputs.module_hooks import (
     input_embedding,
@@ -64,6 +65,8 @@ def plan_forward(
     cause = forward_cause(module, arguments, extra) if state is not None else None
     if cause is None and state is not None and own_attention_forward(module) is not None:
         cause = "own_attention_forward"  # a subclass's or a script's attention forward: transformers' mask for it
+    if cause is None and state is not None and unserved_arguments(extra):
+        cause = "unserved_argument"  # a collator's other keys in `model(**batch)`: transformers' attention ignores them
     if cause is None and state is not None and row_mixing_module(module) and padded(arguments.get("attention_mask")):
         cause = "rows_mixed_by_a_module"  # torch's dynamic quantization: each scale read over every row
     if cause is None and state is not None and legacy_llama() and fixed_slots(given_cache(arguments)):
@@ -214,6 +217,8 @@ def joined_by_transformers(module: nn.Module, arguments: dict, extra: dict) -> O
         return None
     if not restarts:
         return "read no cu_seq_lens, so they find no documents"
+    if masks_miss_positions(type(module)):  # use_cache=False would not change it
+        return "are not handed this family's position_ids, so they find no documents"
     return "find no documents behind the KV cache this forward makes or is given (use_cache=False has them find them)"
 
 
