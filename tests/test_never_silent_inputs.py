@@ -453,3 +453,16 @@ def test_a_dynamically_quantized_model_runs_as_unpatched(quantized):
             torch.testing.assert_close(got.logits[rows.bool()], want.logits[rows.bool()], atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
         assert handle.stepped_aside == {"rows_mixed_by_a_module": 1} and handle.calls > 0
+
+
+def test_one_rows_labels_for_a_batch_get_transformers_own_error():
+    """Labels of shape (N,) for a (B, N) batch: transformers' loss refuses them naming the batch sizes; the packed
+    path failed first, with an IndexError from inside patchkit."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    labels = labels_for(ids, mask)[0]
+    with pytest.raises(ValueError) as want:
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(ValueError) as got:
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert str(got.value) == str(want.value)

@@ -58,10 +58,10 @@ eager_choice_cause = torch.compiler.disable(choice_cause)  # host reads, as lm_c
 
 
 def misfit_labels(arguments: dict) -> bool:
-    """2D labels that are not one per token of the call (a caller's shape bug): its loss is transformers' to refuse
-    (the labelled rows patchkit would gather are not there)."""
+    """Labels that are not one per token of the call (a caller's shape bug: another length, or one row's `(N,)`):
+    its loss is transformers' to refuse (the labelled rows patchkit would gather are not there)."""
     labels, tokens = arguments.get("labels"), input_tokens(arguments)
-    return isinstance(labels, torch.Tensor) and labels.dim() == 2 and isinstance(tokens, torch.Tensor) and (
+    return isinstance(labels, torch.Tensor) and labels.dim() in (1, 2) and isinstance(tokens, torch.Tensor) and (
         tokens.dim() >= 2 and labels.shape != tokens.shape[:2])
 
 
