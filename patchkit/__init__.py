@@ -18,7 +18,7 @@ _LAZY = {
     "apply_from_args": "patchkit.entry.config", "apply_from_env": "patchkit.entry.config",
     "doctor": "patchkit.entry.doctor",
     "PatchGateError": "patchkit.errors", "PatchInputError": "patchkit.errors",
-    "PatchTargetError": "patchkit.errors", "PatchkitError": "patchkit.errors",
+    "PatchTargetError": "patchkit.errors", "PatchkitError": "patchkit.errors", "PatchNameError": "patchkit.errors",
     "register_attention": "patchkit.hooks.name.attention_interface",  # its `register`
     "report": "patchkit.entry.report",
     "shape_free": "patchkit.forward.inputs.module_hooks",
@@ -67,6 +67,7 @@ __all__ = [
     "PatchGateError",
     "PatchHandle",
     "PatchInputError",
+    "PatchNameError",
     "PatchOptions",
     "PatchTargetError",
     "PatchkitError",

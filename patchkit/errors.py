@@ -15,6 +15,10 @@ class PatchTargetError(PatchkitError):
     """The objects a patch replaces are missing, or the patch is not live in a model."""
 
 
+class PatchNameError(PatchkitError, ValueError):
+    """A patch or family name patchkit does not know (a ValueError too, as it was)."""
+
+
 class PatchInputError(PatchkitError, ValueError):
     """An input the patched attention cannot serve exactly (a 4D mask, a mask of the wrong length, ...)."""
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from patchkit import eras
 from patchkit import gates as _gates
-from patchkit.errors import PatchTargetError
+from patchkit.errors import PatchStateError, PatchTargetError
 from patchkit.forward.liveness import live_layers
 from patchkit.gates import GateResult
 from patchkit.hooks.forwards import batch_errors, unserved
@@ -120,6 +120,9 @@ class PatchHandle:
         detach_when_idle()
 
     def __enter__(self) -> PatchHandle:
+        if not self.active:  # a block under a reverted handle would run unpatched, without a word
+            raise PatchStateError(f"patch {self.name!r} was reverted; `with patchkit.apply_patch(...):` applies it "
+                                  "again")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -274,6 +277,8 @@ class PatchGroup:
             handle.revert()
 
     def __enter__(self) -> PatchGroup:
+        if self.handles and not self.active:
+            raise PatchStateError("the patch was reverted; `with patchkit.apply_patch(...):` applies it again")
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -278,3 +278,17 @@ def test_a_subclass_computing_its_own_loss_from_the_logits_steps_aside_for_its_l
         for a, b in zip(step(patched, real), want["real"]):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
         assert handle.calls > calls and handle.stepped_aside == {"labels_from_padding": 1}
+
+
+@pytest.mark.parametrize("name", ["llama", None], ids=["one family", "every family"])
+def test_a_with_block_under_a_reverted_handle_is_refused_not_run_unpatched(name):
+    """`with handle:` after `handle.revert()` ran its block unpatched without a word; an unknown name is a
+    PatchkitError (and a ValueError, as it was)."""
+    handle = patchkit.apply_patch(name, backend="sdpa")
+    handle.revert()
+    with pytest.raises(patchkit.PatchkitError, match="reverted.*applies it again"):
+        with handle:
+            pass
+    with pytest.raises(patchkit.PatchkitError, match="unknown patch 'lama'") as refused:
+        patchkit.apply_patch("lama", backend="sdpa")
+    assert isinstance(refused.value, ValueError)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from patchkit.entry.process_report import rank_label, report_at_exit
 from patchkit.env import ENV_FLASH_ATTN, ENV_PATCH
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, PatchNameError
 
 if TYPE_CHECKING:  # imported where used: `patchkit --help` and `stand_down` must not import torch
     from patchkit.api import PatchHandle
@@ -70,7 +70,7 @@ def apply_at_import() -> Optional[PatchHandle | PatchGroup]:
     try:
         handle = apply_from_args(args)
     except ValueError as exc:  # PATCHKIT_PATCH names no family this transformers serves: one line, as for a bad value
-        if isinstance(exc, PatchkitError):
+        if isinstance(exc, PatchkitError) and not isinstance(exc, PatchNameError):
             raise
         raise SystemExit(f"patchkit: {ENV_PATCH}: {exc}. Fix or unset it.") from None
     if handle is not None:

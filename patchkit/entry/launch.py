@@ -21,7 +21,7 @@ from patchkit.entry.process_report import (
     send,
 )
 from patchkit.env import ENV_FLASH_ATTN
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchkitError, PatchNameError
 from patchkit.names import BACKEND_NAMES, UNPAD_MODES, patch_names
 from patchkit.warn import attributed_to
 
@@ -195,11 +195,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "python -m patchkit.launc
     try:
         with attributed_to(target.script or target.module or "<launcher>"):
             handle = apply_from_args(args)  # its warnings name the user's script, not the launcher's lines
+    except PatchNameError as exc:  # a --patch (or PATCHKIT_PATCH) that names no family this transformers serves
+        parser.error(str(exc))
     except PatchkitError as exc:
         print(f"patchkit.launch: {rank_label()}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:  # a --patch (or PATCHKIT_PATCH) that names no family this transformers serves
-        parser.error(str(exc))
     announce(handle, args)
     os.environ.update(args.to_env())  # a command that re-executes itself or starts workers: they patch the same way
     channel, parent = open_channel() if handle is not None else (None, None)  # and they report back to this process

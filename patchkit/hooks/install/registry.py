@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Optional
 from packaging.specifiers import SpecifierSet
 from torch import nn
 
-from patchkit.errors import PatchTargetError
+from patchkit.errors import PatchNameError, PatchTargetError
 from patchkit.gates import GateResult
 from patchkit.hooks.install.model_walk import model_config
 from patchkit.hooks.install.patching import Replacement
@@ -75,7 +75,7 @@ def resolve(name: str) -> PatchSpec:
             except ValueError:
                 pass
         known = ", ".join(sorted(PATCH_MODULES) + [f"{a} (= {t})" for a, t in ALIASES.items()])
-        raise ValueError(f"unknown patch {name!r}; available patches: {known}; or a decoder model_type served from "
+        raise PatchNameError(f"unknown patch {name!r}; available patches: {known}; or a decoder model_type served from "
                          f"data ({stop})") from None
 
 
