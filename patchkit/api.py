@@ -87,12 +87,12 @@ def apply_patch(
     if isinstance(name, str) and name.lower() == GROUP_NAME:
         name = None  # "all" (the config and launcher default): every family, or the family of `model`
     if name is None and model is None:
-        return _apply_every_family(backend, strict, unpad)
+        return _apply_every_family(backend, strict, unpad).hold()
     if name is None:
         spec = for_model(model)
     else:
         spec = resolve(name)
-    return _apply(spec, backend, strict, model, unpad)
+    return _apply(spec, backend, strict, model, unpad).hold()
 
 
 def _apply(
@@ -192,7 +192,7 @@ def _apply_every_family(backend: str, strict: bool, unpad: str) -> PatchGroup:
             new = ("class", spec.family) not in ACTIVE
             handles.append(_apply(spec, backend, strict, None, unpad, env, chosen))
             if new:
-                fresh.append(handles[-1])
+                fresh.append(handles[-1].hold())  # held by the group
     except BaseException:
         for handle in reversed(fresh):
             handle.revert()
@@ -248,7 +248,7 @@ def _adopt_type(model_type: Any, what: str) -> bool:
         return False
     backend, strict, unpad = group.options
     try:
-        group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN))
+        group.handles.append(_apply(spec, backend, strict, None, unpad, chosen=_GROUP_CHOSEN).hold())
     except PatchkitError as exc:  # never a failed model build: the model runs on transformers' attention, said once
         warn_user(f"patchkit: {what} runs unpatched: {exc}")
         return False

@@ -68,6 +68,7 @@ class PatchHandle:
         self.options = options
         self._model = weakref.ref(model) if model is not None else None
         self.active = True
+        self.holds = 0  # the apply_patch() calls (and the group) that returned it: `with` blocks nest (`__exit__`)
         self.origin: Optional[str] = None  # set when patchkit applied it on its own (PATCHKIT_FLASH_ATTN)
 
     @property
@@ -126,7 +127,12 @@ class PatchHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.revert()
+        release(self)
+
+    def hold(self) -> PatchHandle:
+        """Count one more apply_patch() that returned this handle (an inner `with` block's exit keeps it)."""
+        self.holds += 1
+        return self
 
     def check(self, model: nn.Module) -> int:
         """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
@@ -192,6 +198,7 @@ class PatchGroup:
     def __init__(self, handles: list[Any], skipped: dict[str, str]) -> None:
         self.handles = handles
         self.skipped = skipped  # patch name -> the gate that kept it off
+        self.holds = 0
 
     name = GROUP_NAME
 
@@ -282,7 +289,12 @@ class PatchGroup:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.revert()
+        release(self)
+
+    def hold(self) -> PatchGroup:
+        """Count one more apply_patch() that returned this group."""
+        self.holds += 1
+        return self
 
     def report(self, detail: bool = False) -> str:
         """A summary first: the backend, the families that ran with their counts, the forwards stepped aside by
@@ -315,3 +327,12 @@ class PatchGroup:
     def __repr__(self) -> str:
         return (f"PatchGroup(families={self.model_types!r}, backend={self.backend!r}, active={self.active}, "
                 f"layers_patched={self.layers_patched})")
+
+
+def release(patch: Any) -> None:
+    """A `with` block's exit: revert `patch` unless an outer apply_patch() still holds it (`with apply_patch():`
+    nested in another, or inside a script's own `apply_patch()`, returns the same patch: the inner exit reverted the
+    outer block's patch, whose forwards then ran unpatched without a word)."""
+    patch.holds -= 1
+    if patch.holds <= 0:
+        patch.revert()

@@ -292,3 +292,27 @@ def test_a_with_block_under_a_reverted_handle_is_refused_not_run_unpatched(name)
     with pytest.raises(patchkit.PatchkitError, match="unknown patch 'lama'") as refused:
         patchkit.apply_patch("lama", backend="sdpa")
     assert isinstance(refused.value, ValueError)
+
+
+@pytest.mark.parametrize("name", ["llama", None], ids=["one family", "every family"])
+def test_a_with_block_nested_in_another_keeps_the_outer_blocks_patch(name):
+    """`with apply_patch():` inside another (or inside a script's own apply_patch()) returns the same patch: the
+    inner block's exit reverted it, and the rest of the outer block ran unpatched, without a word."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    outer = patchkit.apply_patch(name, backend="sdpa")
+    try:
+        with patchkit.apply_patch(name, backend="sdpa") as inner:
+            assert inner is outer
+        assert outer.active
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        assert outer.calls > 0
+    finally:
+        outer.revert()
+    assert not outer.active and not patchkit.active_patches()
+    with patchkit.apply_patch(name, backend="sdpa") as first:
+        with patchkit.apply_patch(name, backend="sdpa"):
+            pass
+        assert first.active
+    assert not first.active
