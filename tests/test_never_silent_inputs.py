@@ -101,6 +101,14 @@ def test_a_mask_short_of_the_tokens_with_no_past_is_refused_with_the_fix():
         model(input_ids=ids, attention_mask=mask[:, :-1], labels=labels_for(ids, mask))
 
 
+def test_a_mask_with_a_row_more_than_the_batch_is_refused_naming_the_batch():
+    """The refusal told the user not to prepend past columns (and of StaticCache) for a mask of another batch."""
+    model = tiny_model(kv_heads=2)
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch(backend="sdpa"), pytest.raises(PatchInputError, match=r"one row per sequence.*\(4\)"):
+        model(input_ids=ids, attention_mask=torch.cat([mask, mask[:1]]))
+
+
 def test_positions_across_a_padding_hole_stay_one_document():
     """Item 3: mask [1,0,1,1,1,1] with positions [0,1,1,2,3,4] was split into two documents."""
     model = tiny_model(kv_heads=2)

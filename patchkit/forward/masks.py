@@ -120,16 +120,16 @@ def build_metadata(
     """Compute the unpadding metadata for one model forward from the 2D mask and packing hints."""
     mask = check_mask(mask)
     if mask is not None and tuple(mask.shape) != (batch, kv_len):
-        fix = ("give it a column per key, as generate() extends it by a column of ones per new token (PEFT's prompt "
+        fix = (f"give it one row per sequence of the batch ({batch})" if mask.shape[0] != batch else
+               "give it a column per key, as generate() extends it by a column of ones per new token (PEFT's prompt "
                "tuning and p-tuning, peft<=0.21 on transformers>=5.24, prepend their virtual tokens at every step: "
                "use a peft release that supports this transformers)" if mask.shape[-1] < kv_len else
                "do not prepend past columns to a mask that already has them")
         raise PatchInputError(
             f"attention_mask has shape {tuple(mask.shape)} but this attention call has batch {batch} and "
-            f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] "
-            "(with a StaticCache, up to all max_cache_len slots, but past + q_len for a model with a sliding window "
-            f"through attn_implementation='patchkit' alone, whose sliding layers hold fewer slots); {fix}"
-        )
+            f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] (a "
+            "StaticCache's: up to all its slots; past + q_len where attn_implementation='patchkit' alone serves "
+            f"sliding layers, which hold fewer slots); {fix}")
     if cu_seq_lens_q is not None:
         if mask is not None and not bool(mask.all()):
             raise PatchInputError(
