@@ -13,7 +13,7 @@ Unsloth's) runs in place of the class's: it calls the base model and its own hea
 Its call's arguments are read off its frame (`foreign_call`), so the base model steps aside only where they read
 padding (labels predicted from padding, generate()'s next token at padding), as the class's wrapper would tell it.
 So are the labels of a subclass's own forward that calls the class's wrapper through `super()` without them and
-computes its loss from the logits (`subclass_call`).
+computes its loss from the logits (`subclass_labels`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 from types import CodeType
 from typing import Callable, Iterator, Optional
 
+import torch
 from torch import nn
 
 from patchkit.hooks.install.forward_source import innermost
@@ -32,6 +33,7 @@ from patchkit.hooks.install.patching import BoundPatch
 CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read
 # a forward: a WeakSet's lookup would build a weak reference every call)
 _generative: dict[type, bool] = {}
+_overriding: dict[type, tuple] = {}  # a causal LM class -> (its forward, that forward's code where it is a subclass's)
 LM_WRAPPERS: set = set()  # the code of patchkit's causal-LM wrappers (the patch's, the registered name's)
 
 
@@ -110,15 +112,19 @@ def foreign_call(head: nn.Module) -> Optional[tuple[dict, bool]]:
     return call_of(head, getattr(foreign_forward(head), "__code__", None))
 
 
-def subclass_call(module: nn.Module) -> Optional[dict]:
-    """The arguments of the forward that `module`'s class defines over a patched class's wrapper and that called it
-    through `super()` (a user's causal LM that computes its own loss from the logits, passing no labels on), read off
-    its frame; None where the class runs patchkit's wrapper itself."""
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    if code is None or code in LM_WRAPPERS:
-        return None
-    call = call_of(module, code)
-    return None if call is None else call[0]
+def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
+    """The labels of the forward that `module`'s class defines over a patched class's wrapper and that called it
+    through `super()` without them (a user's causal LM that computes its own loss from the logits), read off its
+    frame; None where the class runs patchkit's or transformers' forward (decided once per class and forward)."""
+    cls = type(module)
+    seen = _overriding.get(cls)
+    if seen is None or seen[0] is not cls.forward:
+        code = getattr(cls.forward, "__code__", None)
+        seen = _overriding[cls] = (cls.forward, code if code is not None and code not in LM_WRAPPERS and not getattr(
+            cls.forward, "__module__", "").startswith(("transformers.", "patchkit.")) else None)
+    call = call_of(module, seen[1]) if seen[1] is not None else None
+    labels = None if call is None else call[0].get("labels")
+    return labels if isinstance(labels, torch.Tensor) else None
 
 
 def call_of(head: nn.Module, code: Optional[CodeType]) -> Optional[tuple[dict, bool]]:

@@ -65,8 +65,6 @@ def plan_forward(
     cause = forward_cause(module, arguments, extra) if state is not None else None
     if cause is None and state is not None and own_attention_forward(module) is not None:
         cause = "own_attention_forward"  # a subclass's or a script's attention forward: transformers' mask for it
-    if cause is None and state is not None and unserved_arguments(extra):
-        cause = "unserved_argument"  # a collator's other keys in `model(**batch)`: transformers' attention ignores them
     if cause is None and state is not None and row_mixing_module(module) and padded(arguments.get("attention_mask")):
         cause = "rows_mixed_by_a_module"  # torch's dynamic quantization: each scale read over every row
     if cause is None and state is not None and legacy_llama() and fixed_slots(given_cache(arguments)):
@@ -74,6 +72,8 @@ def plan_forward(
     if cause is None and state is not None and paged_cache(given_cache(arguments)):
         # continuous batching: the layers read its requests' lengths and check its masks (`hooks/attention/paged`)
         return ForwardPlan(aside=untrusted_cause(module, state))
+    if cause is None and state is not None and unserved_arguments(extra):
+        cause = "unserved_argument"  # a collator's other keys in `model(**batch)`: transformers' attention ignores them
     cause = served_cause(module, arguments, extra, cause)  # packed documents, static caches' masks: patched
     blocks = None
     if cause in UNREAD and not binary_4d_masks():  # a multimodal model's own masks (and its image blocks), a static

@@ -35,14 +35,8 @@ from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
-from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch
-from patchkit.hooks.install.registry import (
-    NONCAUSAL,
-    config_cause,
-    index_topk,
-    padding_into_mixers,
-    pools_by_column,
-)
+from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch, subclass_labels
+from patchkit.hooks.install.registry import NONCAUSAL, config_cause, index_topk, padding_into_mixers, pools_by_column
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
 # their masks keep packed documents apart themselves
@@ -314,6 +308,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if (traced := traced_by()) is not None:
         return traced
     mask, labels = arguments.get("attention_mask"), arguments.get("labels")
+    if labels is None and module is not None and not is_compiling():
+        labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
     cache = given_cache(arguments, extra)
     ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one
     if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None,

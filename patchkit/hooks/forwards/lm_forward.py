@@ -18,7 +18,7 @@ from patchkit.forward.inputs.arguments import (
 )
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
-from patchkit.hooks.decide.outer_caller import LM_WRAPPERS, subclass_call
+from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
@@ -65,16 +65,6 @@ def misfit_labels(arguments: dict) -> bool:
         tokens.dim() >= 2 and labels.shape != tokens.shape[:2])
 
 
-def subclass_cause(module: nn.Module, arguments: dict, extra: dict) -> Optional[str]:
-    """What the labels of a subclass's own forward that called this one without them read at padding: it computes
-    its loss from these logits (`outer_caller.subclass_call`)."""
-    outer = subclass_call(module)
-    labels = None if outer is None else outer.get("labels")
-    if not isinstance(labels, torch.Tensor):
-        return None
-    return lm_cause({**arguments, "labels": labels}, extra, module.training, True, module)
-
-
 def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None) -> Callable:
     """Wrap a causal LM's forward: tell the base model's forward what of this call reads padding positions, and,
     under unpad="model", ask it for the packed row so the head and the loss run on real tokens (`lm_head`; counted
@@ -111,8 +101,6 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         choice = eager_choice_cause(arguments) if chooses else None
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
-        if cause is None and arguments.get("labels") is None and not is_compiling():
-            cause = subclass_cause(self, arguments, extra)
         if cause is None and not labelled(arguments, extra) and wide(arguments) and not is_compiling():
             cause = padding_cause(arguments.get("attention_mask"))  # contrastive search's prefill
             if cause is None:

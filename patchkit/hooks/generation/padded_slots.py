@@ -94,8 +94,8 @@ def unmasked(filled: torch.Tensor, mask: Any, keys: int) -> Optional[tuple[bool,
     """(whether `filled`, the filling forward's mask, had padding; whether `mask`, no mask or a 2D one over the past
     and new columns, `keys` of them at most, lets a query see one of those slots), in one device read; None where
     they do not line up (another batch, a mask wider than the keys). A narrower mask covers the first columns, and
-    transformers masks the others (it pads the mask with zeros); a row whose mask hides every key attends evenly to
-    all of them in transformers' attention, padding slots included."""
+    transformers masks the others (it pads the mask with zeros); a row whose narrow mask hides every key attends
+    evenly to all of them in transformers' attention, padding slots included (a full-width one's is a padding row)."""
     padding = filled == 0
     if mask is None:
         seen = padding.any()
@@ -103,7 +103,9 @@ def unmasked(filled: torch.Tensor, mask: Any, keys: int) -> Optional[tuple[bool,
           and mask.shape[1] <= keys):
         visible = mask != 0
         width = min(mask.shape[1], filled.shape[1])
-        seen = (padding[:, :width] & visible[:, :width]).any() | (padding.any(-1) & ~visible.any(-1)).any()
+        seen = (padding[:, :width] & visible[:, :width]).any()
+        if mask.shape[1] < keys:  # a real query that sees no key (its own column masked with the rest)
+            seen = seen | (padding.any(-1) & ~visible.any(-1)).any()
     else:
         return None
     had, read = torch.stack([padding.any(), seen]).tolist()
