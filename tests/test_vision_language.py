@@ -340,3 +340,16 @@ def test_gemma3s_multimodal_labels_and_generation_read_padding_by_their_own_caus
         got = model.generate(**prompt, **options)
         assert handle.calls == 2 * options["max_new_tokens"] and not handle.stepped_aside
     assert torch.equal(got, want)
+
+
+def test_a_vision_tower_whose_config_names_no_part_gets_the_per_part_fix_too():
+    """Pixtral's vision config (Mistral 3's, pixtral-12b's tower) has no `base_config_key` in 5.x: its refusal told the
+    user to load the whole model with sdpa, giving up the patch of its language model too."""
+    from patchkit.forward.inputs.arguments import part_of_multimodal
+
+    pixtral = getattr(tf, "PixtralVisionModel", None)
+    if pixtral is None:
+        pytest.skip("Pixtral: transformers 4.45+")
+    tower = pixtral(tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14))
+    assert "'vision_config': 'sdpa'" in part_of_multimodal(tower)

@@ -128,7 +128,10 @@ def part_of_multimodal(module: nn.Module) -> str:
 
     transformers gives an `attn_implementation` string to every sub-config, so a VLM loaded with "patchkit" hands it
     to its bidirectional vision tower too; a dict names each part (from_pretrained from 4.53)."""
-    key = getattr(type(getattr(module, "config", None)), "base_config_key", "")
+    cls = type(getattr(module, "config", None))
+    key = getattr(cls, "base_config_key", "")
+    if not key and cls.__name__.endswith(("VisionConfig", "AudioConfig")):  # Pixtral's, Gemma 3n's: no key (5.25)
+        key = "vision_config" if cls.__name__.endswith("VisionConfig") else "audio_config"
     if not isinstance(key, str) or not key or key == "text_config":
         return ""
     return (
