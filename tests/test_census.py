@@ -410,7 +410,8 @@ def test_a_family_the_census_has_not_seen_is_served_after_its_self_check(unverif
         got = train_step(model, input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
         assert not group.stepped_aside and group.calls > 0
     assert not same({"padded": got}, {"padded": want}, mask)
-    assert list(self_check.seconds) == [type(model.model)]  # checked once, before the first forward
+    assert list(self_check.seconds) == [type(model.model), type(model)]  # checked once, before the first forward:
+    # the base model, then the causal LM's head and loss
 
 
 def test_an_unseen_family_whose_self_check_differs_steps_aside_by_name(unverified_olmo, monkeypatch):

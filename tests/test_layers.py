@@ -124,8 +124,9 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
     """Imports go downward; so must calls. A callback handed down (a registry's set, a backend object) lets the core
     call back up, and the path of one forward goes back and forth: tools/walk_forward.py profiles a tiny LLaMA's
     padded training step and decode step and lists every call from a package into one above it. Each forward
-    wrapper enters the deciding code (hooks/decide/) once: the causal LM's `lm_cause`, the base model's
-    `plan_forward`; everything downstream reads the plan."""
+    wrapper enters the deciding code (hooks/decide/) once: the causal LM's `lm_cause` (and, where it asks for its
+    head on real tokens, that head's self-check verdict, `head_cause`: two reads on a tested transformers), the base
+    model's `plan_forward`; everything downstream reads the plan."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("walk_forward", ROOT / "tools" / "walk_forward.py")
@@ -136,4 +137,5 @@ def test_a_padded_training_step_and_a_decode_step_call_downward_only():
         assert not upward, f"{what} calls upward: {upward}"
         decided = walk_forward.ENTRIES_OF[what].get("hooks.decide", {})  # the deciding code, entered from outside it
         assert decided == {"lm_forward.forward -> step_aside.lm_cause": 1,  # the causal LM's call, once
+                           "lm_forward.ask -> self_check_lm.head_cause": 1,  # its head's request, once
                            "model_forward.served -> plan.plan_forward": 1}, decided  # the base model's, once

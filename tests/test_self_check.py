@@ -9,6 +9,7 @@ check the family steps aside and generates exactly what transformers does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import warnings
@@ -21,7 +22,7 @@ from families import FAMILIES, family_model, served_here
 from models import padded_batch, tiny_model
 
 import patchkit
-from patchkit.hooks.decide import plan, self_check
+from patchkit.hooks.decide import plan, self_check, self_check_lm
 from patchkit.hooks.forwards import model_forward
 
 OPTIONS = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -238,6 +239,8 @@ def test_every_family_passes_its_check_and_is_served_patched(newer):
             got = model(input_ids=ids, attention_mask=mask).logits
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         assert self_check._verdicts.get(type(base), "unchecked") is None, (family, self_check._verdicts)
+        heads = [v for v in self_check.heads.values() if v not in (None, self_check_lm.NOT_CHECKED)]
+        assert heads == [], (family, self_check.heads)  # a multimodal model's: on transformers' own, unchecked
         assert handle.stepped_aside == {} and handle.calls == model.config.get_text_config().num_hidden_layers
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=1e-4, msg=family)
@@ -249,12 +252,13 @@ def test_the_check_runs_once_per_family_and_process(newer, monkeypatch):
     ids, mask = padded_batch("left")
     runs = []
     check = self_check.check_family
-    monkeypatch.setattr(self_check, "check_family", lambda *a: runs.append(1) or check(*a))
+    monkeypatch.setattr(self_check, "check_family", lambda *a: runs.append(a[0]) or check(*a))
     with patchkit.apply_patch("llama2", backend="sdpa"):
         model(input_ids=ids, attention_mask=mask)
         tiny_model()(input_ids=ids, attention_mask=mask)
         model.generate(input_ids=ids, attention_mask=mask, **OPTIONS)
-    assert runs == [1] and set(self_check.seconds) == {type(model.model)} and self_check.seconds[type(model.model)] > 0
+    assert runs == [type(model.model), type(model)]  # the base model's check, then its LM's head and loss check
+    assert set(self_check.seconds) == set(runs) and min(self_check.seconds.values()) > 0
 
 
 @pytest.mark.skipif(not hasattr(transformers, "BambaConfig"), reason="a Mamba-2 hybrid: transformers 4.53+")
@@ -375,7 +379,8 @@ def test_a_family_with_a_block_shared_across_its_layers_is_checked_on_a_few_laye
     assert list(tiny.layers_block_type).count("hybrid") == 2
     built = []
     real = self_check.tiny_config
-    monkeypatch.setattr(self_check, "tiny_config", lambda c, **depth: built.append(depth) or real(c, **depth))
+    monkeypatch.setattr(self_check, "tiny_config", lambda c, attention, **depth: built.append(depth) or real(
+        c, attention=attention, **depth))
     assert check_of(config) is None
     assert built == [{}, {"each_twice": True}]
 
@@ -419,3 +424,193 @@ def test_the_checks_own_forwards_warn_nothing_and_leave_the_users_warnings_to_co
         said = [str(w.message) for w in record if "padding_into_mixer" in str(w.message)]
         assert len(said) == 1 and "left padding" in said[0], said
         assert handle.stepped_aside.get("padding_into_mixer", 0) == before.get("padding_into_mixer", 0) + 1
+
+
+@pytest.fixture
+def loss_per_row(monkeypatch):
+    """A release whose ForCausalLMLoss takes each row's mean, then the rows' (another normalization, as a changed
+    `ForCausalLMLoss` would train on): patchkit's head on the packed row and its own fused loss take the tokens'."""
+    from transformers.loss import loss_utils
+
+    own = loss_utils.LOSS_MAPPING["ForCausalLM"]
+
+    @functools.wraps(own)
+    def per_row(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        rows = logits.float().transpose(1, 2)
+        terms = torch.nn.functional.cross_entropy(rows, shift_labels, ignore_index=ignore_index, reduction="none")
+        return (terms.sum(-1) / (shift_labels != ignore_index).sum(-1).clamp(min=1)).mean()
+
+    monkeypatch.setitem(loss_utils.LOSS_MAPPING, "ForCausalLM", per_row)
+
+
+def trained(model, ids, mask, loss_alone: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One labelled training step's loss and gradients, read as a loop that reads the loss alone does (or not)."""
+    from models import labels_for
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    if loss_alone:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask)).loss
+    else:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+        loss = out.loss if out.logits is not None else None
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("loss_alone", [False, True])
+def test_a_changed_causal_lm_loss_makes_the_head_and_loss_step_aside(newer, loss_per_row, monkeypatch, loss_alone):
+    """The check compared the base model's hidden states alone: a release whose ForCausalLMLoss normalizes otherwise
+    trained silently on patchkit's numbers (the packed row is one row; the fused loss is patchkit's own). The causal
+    LM's head and loss check themselves now (as logits are read and as the loss alone is), and step aside by name."""
+    model = tiny_model()
+    ids, mask = padded_batch("mixed", seq=16)
+    want = trained(model, ids, mask, loss_alone)
+    monkeypatch.setattr(self_check, "TESTED_TRANSFORMERS", transformers.__version__)  # the control: unchecked,
+    self_check.forget()  # the patched loss is patchkit's own
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        assert not torch.allclose(trained(model, ids, mask, loss_alone)[0], want[0])
+    monkeypatch.setattr(self_check, "TESTED_TRANSFORMERS", "5.0.0")
+    self_check.forget()
+    with warnings.catch_warnings(record=True) as record, patchkit.apply_patch("llama2", backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        got = trained(model, ids, mask, loss_alone)
+    assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], atol=1e-6, rtol=1e-5)
+    (line,) = [line for line in handle.report().splitlines() if "LM head and loss" in line]
+    assert "1 on the padded batch: untested_transformers: transformers" in line, line
+    said = [str(w.message) for w in record if "head and loss self-check" in str(w.message)]
+    assert len(said) == 1 and "LlamaForCausalLM's head and loss self-check there found: loss" in said[0], said
+
+
+def test_strict_mode_refuses_a_causal_lm_whose_head_and_loss_check_differs(newer, loss_per_row):
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa", strict=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(patchkit.PatchInputError, match=r"strict=True.*LlamaForCausalLM's head and loss self-check"):
+            trained(model, ids, mask, loss_alone=False)
+
+
+def sliding_window_overlay(sliding_window: int):
+    """transformers' sliding overlay (by its name, which patchkit reads) of a release whose window is one key wider."""
+
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx > q_idx - sliding_window - 1
+
+    inner_mask.__module__ = "transformers.masking_utils"  # patchkit knows transformers' mask functions by it
+    return inner_mask
+
+
+def test_a_second_config_of_a_checked_class_is_checked_on_its_own(newer, monkeypatch):
+    """The verdict was kept per base model class: a Mistral without a sliding window checked first passed, and a
+    Mistral with one, under a release whose sliding-window mask is one key wider, was served unchecked and differed.
+    A verdict is kept per class and what of the config the tiny copy takes."""
+    from transformers import MistralConfig, MistralForCausalLM, masking_utils
+
+    monkeypatch.setattr(masking_utils, "sliding_window_overlay", sliding_window_overlay)
+    ids, mask = padded_batch("right", seq=16)
+    models = []
+    for window in (None, 6):
+        torch.manual_seed(0)
+        models.append(MistralForCausalLM(MistralConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=window, pad_token_id=0, attn_implementation="eager")))
+    want = [m(input_ids=ids, attention_mask=mask).logits for m in models]
+    with patchkit.apply_patch("mistral", backend="sdpa") as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = [m(input_ids=ids, attention_mask=mask).logits for m in models]
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], want[0][real], atol=1e-5, rtol=1e-4)  # no window: served
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # its own check differed: transformers' own
+    assert handle.stepped_aside == {"untested_transformers": 1}
+    assert self_check._verdicts[type(models[0].model)].startswith("training step outputs differ")
+
+
+@pytest.fixture
+def positions_from_the_mask(monkeypatch):
+    """A release whose GPT-2 counts its default position_ids from the mask (a left-padded row's first token at 0),
+    where the tested ones count them from the first column: patchkit's packed rows keep the tested default (RoPE
+    families see no difference: only GPT-2's absolute positions tell)."""
+    from transformers import GPT2Model
+
+    own = GPT2Model.forward
+    signature = inspect.signature(own)
+
+    @functools.wraps(own)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        named, mask = bound.arguments, bound.arguments.get("attention_mask")
+        cache = named.get("cache", named.get("past_key_values"))
+        if named.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and (
+                cache is None or cache.get_seq_length() == 0):
+            named["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        named = dict(named)
+        return own(named.pop("self"), **named, **named.pop("kwargs", {}))
+
+    monkeypatch.setattr(GPT2Model, "forward", forward)
+
+
+def test_a_changed_default_of_position_ids_under_left_padding_is_found(newer, positions_from_the_mask):
+    """The check's training step was padded on the right alone, where both defaults agree: a left-padded training
+    batch was served on the old default, silently. One of the check's rows is padded on the left now."""
+    from census import tiny_lm
+
+    model, why = tiny_lm("gpt2")
+    if model is None:
+        pytest.skip(why)
+    ids, mask = padded_batch("left")
+    ids = ids.clamp(max=model.config.vocab_size - 1)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
+    assert handle.stepped_aside == {"untested_transformers": 1}
+
+
+def test_the_check_compares_against_the_attention_the_users_model_runs(newer, monkeypatch):
+    """The reference was eager whatever the user's model ran: a release that changes sdpa alone (its scale) passed
+    the check, and a model on sdpa (from_pretrained's default) was served on other numbers than its own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    own = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def scaled(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * 1.25
+        return own(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", scaled)
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")
+    ids, mask = padded_batch("right")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert handle.stepped_aside == {"untested_transformers": 1}
+
+
+def test_a_half_precision_model_is_checked_in_float32(newer, monkeypatch):
+    """The check ran in the model's dtype, where bfloat16's tolerance (5e-2) let a 5% change of eager attention's
+    scale pass: it runs in float32 now (the tiny model is tiny), where it differs."""
+    from transformers.models.llama import modeling_llama
+
+    own = modeling_llama.eager_attention_forward
+
+    def scaled(module, query, key, value, attention_mask, scaling, **kwargs):
+        return own(module, query, key, value, attention_mask, scaling * 1.05, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", scaled)
+    model = tiny_model(dtype=torch.bfloat16)
+    ids, mask = padded_batch("right")
+    with patchkit.apply_patch("llama2", backend="sdpa") as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, attention_mask=mask)
+    assert handle.stepped_aside == {"untested_transformers": 1}
+    assert self_check._verdicts[type(model.model)].startswith("training step outputs differ")

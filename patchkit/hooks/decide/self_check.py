@@ -3,9 +3,12 @@
 transformers releases every two weeks and changes what patchkit relies on (5.24 renamed `past_key_values` to
 `cache`); a release CI has not seen may break the patched path loudly or, worse, silently. So on such a release
 patchkit says so once, and before a family's first forward it builds a tiny model of that family from the user's
-config class and runs a right-padded training step and a left-padded cached decode twice: through the patch and
-on transformers' own attention. Where they differ, or the patched run raises, that family steps aside for the
-process (cause `untested_transformers`, one warning naming the version and what differed; strict mode refuses).
+config and runs a padded training step (rows padded on the right and on the left, no position_ids) and a left-padded
+cached decode twice, in float32: through the patch and on transformers' own attention (the one the user's model
+runs: eager or sdpa). Where they differ, or the patched run raises, that family steps aside for the process (cause
+`untested_transformers`, one warning naming the version and what differed; strict mode refuses). The verdict is kept
+per base model class and config (what of it the tiny copy takes); the causal LM's head and loss check themselves
+apart (`self_check_lm.py`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from packaging.version import InvalidVersion, Version
 from torch import nn
 
 from patchkit.forward.inputs.arguments import cache_parameter
-from patchkit.hooks.decide.tiny_model import VOCAB, tiny_config
+from patchkit.hooks.decide.tiny_model import BATCH, check_batch, config_key, tiny_config
 from patchkit.hooks.generation.filled_cache import empty_cache
 from patchkit.hooks.install.patching import unpatched
+from patchkit.hooks.install.routing import named_before
 from patchkit.warn import warn_user
 
 # The newest transformers release the whole suite passed on (CI's pinned version; `.ci/run`'s newest-release leg
@@ -39,20 +43,21 @@ UNVERIFIED = "unverified_family"  # a family served from data that the census ha
 CAUSES = (CAUSE, UNVERIFIED)
 UNCHECKED = "unchecked_in_graph"  # a family whose check had not run when its compiled graph was traced
 
-BATCH, SEQ, STEPS = 3, 10, 3
-LENGTHS = (SEQ, SEQ - 3, SEQ - 6)  # real tokens per row
+STEPS = 3  # the decode's steps after its prefill
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # max abs difference, relative past 1; half: HALF_TOLERANCE
-HALF_TOLERANCE = 5e-2
+HALF_TOLERANCE = 5e-2  # a backend that runs half precision alone (flash-attn) is checked in the user's dtype
 # the tiny model's depth, tried in turn until one builds and runs unpatched: 2 layers; the first two of each layer type
 # (Zamba's shared block, tied across its hybrid layers); every layer (a config whose other fields fix its depth)
 SHAPES = ({}, {"each_twice": True}, {"keep_depth": True})
 
 unverified: set[str] = set()  # model types served from data that the census has not seen: checked on any transformers
-_verdicts: dict[type, Optional[str]] = {}  # base model class -> None (exact) or what differed
+_verdicts: dict[type, Optional[str]] = {}  # base model class -> None (every config checked exact) or what differed
+_by_key: dict[tuple[type, str], Optional[str]] = {}  # (base model class, `check_key`) -> None or what differed
+heads: dict[tuple[type, str], Optional[str]] = {}  # (causal LM class, `check_key`) -> its head and loss check's
 _by_config: dict[type, type] = {}  # config class -> the base model class checked for it (registered name)
 _checking: set[type] = set()  # classes whose check is running (its own forwards must not check again)
 _patcher: Optional[Callable[[nn.Module, Any], Callable[[], None]]] = None  # instance patch of a tiny model
-seconds: dict[type, float] = {}  # what each check cost, for the report and the tests
+seconds: dict[type, float] = {}  # what each class's checks cost, for the report and the tests
 
 
 def attach(patcher: Callable[[nn.Module, Any], Callable[[], None]]) -> None:
@@ -111,23 +116,42 @@ def untrusted_cause(module: nn.Module, state: Any) -> Optional[str]:
     return verdict_cause(type(module), module.config, device, dtype, state)
 
 
+def check_key(config: Any) -> str:
+    """What a verdict is kept by beside the class: what of `config` the tiny copy takes, and the attention its
+    reference runs (`reference_attention`)."""
+    return f"{config_key(config)}|{reference_attention(config)}"
+
+
+def reference_attention(config: Any, cls: Optional[type] = None) -> str:
+    """transformers' attention the check compares against: the one a forward of the user's model runs when it steps
+    aside, its own eager or sdpa (or the one it had before it was named "patchkit"), else its family's default (sdpa
+    where `cls`, the checked class, supports it)."""
+    for name in (getattr(config, "_attn_implementation", None), named_before(config)):
+        if name in ("eager", "sdpa"):
+            return name
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def verdict_cause(cls: type, config: Any, device: torch.device, dtype: torch.dtype, state: Any) -> Optional[str]:
-    """`untested_transformers` when `cls` failed its check (run now, on `device` in `dtype`, if it has no verdict
-    yet and nothing is traced), else None."""
-    if cls not in _verdicts:
+    """`untested_transformers` when `cls` failed its check on `config` (run now, on `device`, if it has no verdict
+    yet and nothing is traced or checked), else None."""
+    key = (cls, check_key(config))
+    if key not in _by_key:
         from patchkit.forward.liveness import is_compiling
 
-        if cls in _checking or is_compiling():
+        if _checking or is_compiling():  # a check's own forwards (its tiny model's config is not the user's)
             return None
         untested()  # the check runs because this transformers is newer (else the family is unverified): said once
         _checking.add(cls)
         try:
             start = time.perf_counter()
-            _verdicts[cls] = check_family(cls, config, device, dtype, state)
-            seconds[cls] = time.perf_counter() - start
+            _by_key[key] = what = check_family(cls, config, device, dtype, state)
+            if _verdicts.get(cls) is None:  # the class's: the first config that differed
+                _verdicts[cls] = what
+            seconds[cls] = seconds.get(cls, 0.0) + time.perf_counter() - start
         finally:
             _checking.discard(cls)
-    return None if _verdicts[cls] is None else failed_cause()
+    return None if _by_key[key] is None else failed_cause()
 
 
 _installed: list[Optional[str]] = []  # newer() of the installed transformers: trusted() runs in traced forwards,
@@ -202,12 +226,13 @@ def untrusted_what(module: Any) -> str:
     import transformers
 
     cls = module if isinstance(module, type) else _by_config.get(type(module), type(module))  # a module or config
+    config = None if isinstance(module, type) else getattr(module, "config", module)
+    found = _verdicts.get(cls) if config is None else _by_key.get((cls, check_key(config)), _verdicts.get(cls))
     if untested() is None:  # a family the census has not seen, on a tested transformers
-        return (f"{cls.__name__} is a family patchkit's census has not verified, and its self-check found: "
-                f"{_verdicts.get(cls)}")
+        return f"{cls.__name__} is a family patchkit's census has not verified, and its self-check found: {found}"
     return (
         f"transformers {transformers.__version__} is newer than patchkit was tested with ({newest_tested()}), "
-        f"and {cls.__name__}'s self-check there found: {_verdicts.get(cls)}"
+        f"and {cls.__name__}'s self-check there found: {found}"
     )
 
 
@@ -218,32 +243,56 @@ def model_type(module: nn.Module) -> Optional[str]:
 def forget() -> None:
     """Every verdict dropped (tests; a process that changed its transformers)."""
     _verdicts.clear()
+    _by_key.clear()
+    heads.clear()
     _by_config.clear()
     seconds.clear()
     untested.cache_clear()
     _installed.clear()
 
 
-def check_family(cls: type, config: Any, device: torch.device, dtype: torch.dtype, state: Any) -> Optional[str]:
-    """Run a tiny model of `cls` (from a tiny copy of `config`) both ways; what differed, or None."""
+def check_family(cls: type, config: Any, device: torch.device, dtype: torch.dtype, state: Any,
+                 run: Optional[Callable[[nn.Module, bool], list]] = None) -> Optional[str]:
+    """Run a tiny model of `cls` (from a tiny copy of `config`) both ways (`run`, default `run_both_checks`), in
+    float32 unless the patch's backend runs half precision alone; what differed, or None."""
+    run = run or run_both_checks
+    dtype = check_dtype(dtype, state)
     with quiet_forward(device):
-        failed = None
+        failed, attention = None, reference_attention(config, cls)
         for depth in SHAPES:
             try:
                 torch.manual_seed(0)
-                tiny = cls(tiny_config(config, **depth)).to(device=device, dtype=dtype)
-                want = run_both_checks(tiny, reference=True)
+                tiny = cls(tiny_config(config, attention=attention, **depth)).to(device=device, dtype=dtype)
+                want = run(tiny, True)
                 break
             except Exception as exc:  # no verdict without a reference: transformers' own attention serves, exact
                 failed = failed or f"the check's tiny model failed unpatched ({type(exc).__name__}: {exc})"
         else:
             return failed
         try:
-            got = run_patched(tiny, state)
+            got = run_patched(tiny, state, run)
         except Exception as exc:
             return f"the patched run raised {type(exc).__name__}: {exc}"
-    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
-    for (name, a), (_, b) in zip(want, got):
+    return differed(want, got, TOLERANCE.get(dtype, HALF_TOLERANCE))
+
+
+def check_dtype(dtype: torch.dtype, state: Any) -> torch.dtype:
+    """The check's dtype: float32 (float64 stays), where a half-precision model's tolerance would hide a change; the
+    user's own where the patch's backend runs half precision alone (flash-attn's kernels)."""
+    backend = getattr(state if state is not None else named_state(), "backend", None)
+    if getattr(backend, "half_only", False):
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def differed(want: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch.Tensor]], tolerance: float,
+             ) -> Optional[str]:
+    """What of the patched run's results (`got`) differs from unpatched (`want`) past `tolerance`, or None (a result
+    the patched run has not, as the logits a forward served the loss alone returns, is not compared)."""
+    for name, a in want:
+        b = dict(got).get(name)
+        if b is None:
+            continue
         if a.shape != b.shape:
             return f"{name}: shape {tuple(b.shape)} patched, {tuple(a.shape)} unpatched"
         diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
@@ -253,24 +302,25 @@ def check_family(cls: type, config: Any, device: torch.device, dtype: torch.dtyp
     return None
 
 
-def run_patched(tiny: nn.Module, state: Any) -> list[tuple[str, torch.Tensor]]:
+def run_patched(tiny: nn.Module, state: Any, run: Callable[[nn.Module, bool], list],
+                ) -> list[tuple[str, torch.Tensor]]:
     """The checks through the patch: the class's own (a class patch), else an instance patch like `state`'s."""
     from patchkit.hooks.install.routing import ROUTE_NAME, is_patched_forward
 
     if state is None:  # the registered name alone: the tiny model loaded with it
-        tiny.config._attn_implementation = ROUTE_NAME
+        loaded, tiny.config._attn_implementation = tiny.config._attn_implementation, ROUTE_NAME
         try:
             with unheard(named_state()):
-                return run_both_checks(tiny, reference=False)
+                return run(tiny, False)
         finally:
-            tiny.config._attn_implementation = "eager"
+            tiny.config._attn_implementation = loaded
     if is_patched_forward(type(tiny).forward) or _patcher is None:
         with unheard(state):
-            return run_both_checks(tiny, reference=False)
+            return run(tiny, False)
     revert = _patcher(tiny, state)
     try:
         with unheard(state):
-            return run_both_checks(tiny, reference=False)
+            return run(tiny, False)
     finally:
         revert()
 
@@ -285,7 +335,8 @@ def named_state() -> Any:
 def unheard(state: Any) -> Iterator[None]:
     """The check's patched forwards as the user never sees them: no warning (its decode is left-padded, which some
     families step aside for), and `state`'s counts and once-only warnings as they were, for the user's own forwards."""
-    kept = None if state is None else (state.calls, state.layers_seen, dict(state.stepped_aside), set(state.warned))
+    kept = None if state is None else (state.calls, state.layers_seen, dict(state.stepped_aside), set(state.warned),
+                                       dict(getattr(state, "heads", {})))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -297,15 +348,23 @@ def unheard(state: Any) -> Iterator[None]:
             state.stepped_aside.update(kept[2])
             state.warned.clear()
             state.warned.update(kept[3])
+            if hasattr(state, "heads"):
+                state.heads.clear()
+                state.heads.update(kept[4])
 
 
 @contextlib.contextmanager
 def quiet_forward(device: torch.device) -> Iterator[None]:
-    """Gradients on, autocast off and the caller's random state kept, whatever the user's forward runs under."""
+    """Gradients on, autocast and TF32 off, the caller's random state kept, whatever the user's forward runs under."""
     devices = [device.index or 0] if device.type == "cuda" else []
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
         with torch.autocast(device.type, enabled=False):
-            yield
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            try:
+                yield
+            finally:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def generation_cache(model: nn.Module) -> Any:
@@ -320,17 +379,14 @@ def generation_cache(model: nn.Module) -> Any:
 
 
 def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.Tensor]]:
-    """A right-padded training step (outputs at real tokens, every gradient) and a left-padded cached decode (the
-    last position's output at the prefill and each step), on transformers' own forward or through the patch."""
+    """A padded training step (outputs at real tokens, every gradient) and a left-padded cached decode (the last
+    position's output at the prefill and each step), on transformers' own forward or through the patch."""
     forward = unpatched(type(tiny).forward) if reference else None
 
     def call(**kwargs: Any) -> Any:
         return forward(tiny, **kwargs) if forward is not None else tiny(**kwargs)
 
-    device = next(tiny.parameters()).device
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator).to(device)
-    right = (torch.arange(SEQ)[None] < torch.tensor(LENGTHS)[:, None]).long().to(device)
+    ids, right, left, generator = check_batch(next(tiny.parameters()).device)
     results = []
     tiny.train()
     tiny.zero_grad(set_to_none=True)
@@ -345,7 +401,6 @@ def run_both_checks(tiny: nn.Module, reference: bool) -> list[tuple[str, torch.T
     finally:
         tiny.zero_grad(set_to_none=True)
         tiny.eval()
-    left = right.flip(-1)
     with torch.no_grad():
         name = cache_parameter(inspect.signature(type(tiny).forward).parameters)
         positions = (left.cumsum(-1) - 1).clamp(min=0)

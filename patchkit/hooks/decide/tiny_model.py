@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
+import weakref
 from typing import Any
 
+import torch
+
 LAYERS, HEADS, VOCAB = 2, 2, 64
+BATCH, SEQ = 3, 10  # the check's rows and their length
+LENGTHS = (SEQ, SEQ - 3, SEQ - 6)  # real tokens per row
+LEFT_IN_TRAINING = (False, False, True)  # the training step's rows padded on the left (the rest on the right)
 WINDOW = 4  # shorter than the self-check's rows (10 tokens): a family's sliding window bites
 # what draws random numbers in a training step, by the names configs give it (GPT-2's and CTRL's `resid_pdrop`, a
 # router's jitter): dropout on the packed row draws other numbers than on the padded batch, and the check would fail
@@ -14,9 +21,12 @@ RANDOM = ("dropout", "pdrop", "jitter")
 # a Mamba mixer's state and scan chunk (the torch scan's intermediates grow with both: Bamba's defaults, 256 and 256,
 # took over 20 GB for a training step of 10-token rows), cut where larger; 16 still spans the check's rows
 STATE_CAPS = {"mamba_d_state": 16, "ssm_state_size": 16, "mamba_chunk_size": 16, "chunk_size": 16}
+# a config's fields that name where it came from, not what its model computes: left out of `config_key`
+PROVENANCE = ("_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "_commit_hash")
+_keys: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (the config, its key): read on every forward
 
 
-def tiny_config(config: Any, keep_depth: bool = False, each_twice: bool = False) -> Any:
+def tiny_config(config: Any, keep_depth: bool = False, each_twice: bool = False, attention: str = "eager") -> Any:
     """A copy of `config` at a tiny size: 2 layers (3 where the last share keys), 2 heads (GQA kept), the head size
     kept (RoPE sections depend on it), a small vocabulary and MLP, at most 4 experts in one routing group, a small
     Mamba state, no dropout or jitter, per-layer lists cut to those layers with each layer type kept (a per-layer
@@ -24,7 +34,7 @@ def tiny_config(config: Any, keep_depth: bool = False, each_twice: bool = False)
     `each_twice`: the first two layers of each type kept, for a family whose layers of a type share weights (Zamba's
     shared transformer block, tied across its hybrid layers, needs two). `keep_depth`: every layer kept, for a config
     whose other fields fix its layer count (HRM-Text's `num_layers_per_stack * H_cycles * (L_cycles + 1)` cache
-    slots)."""
+    slots). `attention`: the attention implementation the tiny model runs unpatched (eager, or the user's sdpa)."""
     tiny = copy.deepcopy(config)
     layers = value_of(config, "num_hidden_layers") or LAYERS
     cut = not keep_depth and layers > LAYERS
@@ -76,8 +86,28 @@ def tiny_config(config: Any, keep_depth: bool = False, each_twice: bool = False)
         tiny.per_layer_config = {f"{new:0{width}d}": overrides[f"{old:0{width}d}"] for new, old in enumerate(keep)
                                  if f"{old:0{width}d}" in overrides}
     tiny = with_derived_sizes(config, tiny)
-    tiny._attn_implementation = "eager"  # the reference every family has (Gemma2 refuses sdpa)
+    tiny._attn_implementation = attention  # eager: the reference every family has (Gemma2 refuses sdpa)
     return tiny
+
+
+def config_key(config: Any) -> str:
+    """What of `config` its tiny copy takes (the tiny config's fields, where it came from left out), as a string: two
+    configs of one class with other features (a sliding window, a softcap, a layer pattern) are checked apart. Made
+    once per config object (a field changed after its model's first forward is not seen)."""
+    entry = _keys.get(id(config))
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    try:
+        fields = {k: v for k, v in tiny_config(config).to_dict().items() if k not in PROVENANCE}
+        key = f"{type(config).__qualname__}:{json.dumps(fields, sort_keys=True, default=repr)}"
+    except Exception:  # noqa: BLE001 - a config whose tiny copy will not build: its check says so, under one key
+        key = type(config).__qualname__
+    try:
+        at = id(config)
+        _keys[at] = (weakref.ref(config, lambda _: _keys.pop(at, None)), key)
+    except TypeError:  # not weakly referable: made again at each forward
+        pass
+    return key
 
 
 def with_derived_sizes(config: Any, tiny: Any) -> Any:
@@ -125,3 +155,15 @@ def per_layer_picks(config: Any, layers: int, each_twice: bool = False) -> list[
     if isinstance(shared, int) and 0 < shared < layers - 2 and layers - 1 not in picks:
         picks.append(layers - 1)
     return picks
+
+
+def check_batch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """The check's token ids, its training mask (rows padded on the right, the last on the left, so that a default of
+    position_ids or of the mask under left padding shows), its decode's left-padded mask, and the generator that drew
+    the ids (for the weights of the outputs)."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator).to(device)
+    lengths, columns = torch.tensor(LENGTHS)[:, None], torch.arange(SEQ)[None]
+    left = (columns >= SEQ - lengths).long()
+    train = torch.where(torch.tensor(LEFT_IN_TRAINING)[:, None], left, (columns < lengths).long())
+    return ids, train.to(device), left.to(device), generator

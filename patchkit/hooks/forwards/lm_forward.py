@@ -19,6 +19,7 @@ from patchkit.forward.inputs.arguments import (
 from patchkit.forward.liveness import in_one_graph, is_compiling
 from patchkit.hooks.decide.graph_plan import lm_in_graph, lm_plan
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
+from patchkit.hooks.decide.self_check_lm import head_cause
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
 from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
@@ -132,7 +133,10 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
     def ask(self: nn.Module, arguments: dict, extra: dict, alone: Optional[bool]) -> HeadRequest:
         alone = reads_alone(self, arguments, extra) if alone is None else alone
         asks_loss = alone and labelled(arguments, extra)
-        return HeadRequest(declined(self, arguments, extra, unservable), loss_only=alone,
+        why_not = declined(self, arguments, extra, unservable)
+        if why_not is None:  # on a transformers newer than CI's: the LM's head and loss check (`self_check_lm`)
+            why_not = head_cause(self, state)
+        return HeadRequest(why_not, loss_only=alone,
                            labels=(arguments.get("labels"), extra.get("shift_labels")) if asks_loss else None,
                            fused=fused_head(self) if asks_loss else None,
                            num_items=extra.get("num_items_in_batch"))
