@@ -170,14 +170,16 @@ def test_cpt_reads_the_logits_its_lm_returns_in_the_trainer_and_a_loop(tmp_path)
 
     ids, mask = padded_batch("right", batch=4, seq=16)
     labels = labels_for(ids, mask)
-    rows = [dict(input_ids=i, attention_mask=m, labels=lab, input_type_mask=m.clone())
-            for i, m, lab in zip(ids, mask, labels)]
+    # CPT's token types: an input of type 1, then its output of type 4 (peft 0.22 scores type-4 tokens alone)
+    types = mask * torch.where(torch.arange(mask.shape[-1]) < 4, 1, 4)
+    rows = [dict(input_ids=i, attention_mask=m, labels=lab, input_type_mask=t.clone())
+            for i, m, lab, t in zip(ids, mask, labels, types)]
     want, got = (trainer_run(cpt_model(), rows, way, tmp_path, max_steps=2, per_device_train_batch_size=1,
                              remove_unused_columns=False) for way in (None, "model"))
     assert_trained_alike(got, want)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    expected = cpt_model()(**batch, input_type_mask=mask.clone()).loss  # CPT shifts the type mask in place
+    expected = cpt_model()(**batch, input_type_mask=types.clone()).loss  # CPT shifts the type mask in place
     model = cpt_model()
     with patchkit.apply_patch(model=model, backend="sdpa"):
-        loss = model(**batch, input_type_mask=mask.clone()).loss
+        loss = model(**batch, input_type_mask=types.clone()).loss
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
