@@ -53,7 +53,40 @@ def unpad_line(asked: str, own: Optional[str]) -> str:
             "read the padded batch)")
 
 
-class PatchHandle:
+class Held:
+    """What apply_patch() returns, as a context manager: each apply_patch() that returned it holds it (`hold`), and a
+    `with` block's exit reverts it only at the last (`with apply_patch():` nested in another, or inside a script's
+    own `apply_patch()`, returns the same patch: the inner exit reverted the outer block's, whose forwards then ran
+    unpatched without a word); a block under a reverted one raises (it would run unpatched, without a word)."""
+
+    holds = 0
+    name: str
+    active: bool
+
+    def revert(self) -> None:
+        raise NotImplementedError
+
+    def reverted(self) -> bool:
+        return not self.active
+
+    def hold(self) -> Any:
+        """Count one more apply_patch() that returned this patch."""
+        self.holds += 1
+        return self
+
+    def __enter__(self) -> Any:
+        if self.reverted():
+            raise PatchStateError(f"patch {self.name!r} was reverted; `with patchkit.apply_patch(...):` applies it "
+                                  "again")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.holds -= 1
+        if self.holds <= 0:
+            self.revert()
+
+
+class PatchHandle(Held):
     """One applied patch: revert it (or use it as a context manager) and read its report."""
 
     def __init__(
@@ -68,7 +101,6 @@ class PatchHandle:
         self.options = options
         self._model = weakref.ref(model) if model is not None else None
         self.active = True
-        self.holds = 0  # the apply_patch() calls (and the group) that returned it: `with` blocks nest (`__exit__`)
         self.origin: Optional[str] = None  # set when patchkit applied it on its own (PATCHKIT_FLASH_ATTN)
 
     @property
@@ -119,20 +151,6 @@ class PatchHandle:
             unserved.detach()
             flash_request.detach()
         detach_when_idle()
-
-    def __enter__(self) -> PatchHandle:
-        if not self.active:  # a block under a reverted handle would run unpatched, without a word
-            raise PatchStateError(f"patch {self.name!r} was reverted; `with patchkit.apply_patch(...):` applies it "
-                                  "again")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        release(self)
-
-    def hold(self) -> PatchHandle:
-        """Count one more apply_patch() that returned this handle (an inner `with` block's exit keeps it)."""
-        self.holds += 1
-        return self
 
     def check(self, model: nn.Module) -> int:
         """Count `model`'s attention layers that run through this patch; zero (or some missed) is an error."""
@@ -188,7 +206,7 @@ class PatchHandle:
         )
 
 
-class PatchGroup:
+class PatchGroup(Held):
     """The class patches of every family that passed its gates, plus the families skipped and why.
 
     It reads like a `PatchHandle` (name, backend, revert, context manager, report, layers counts), so the
@@ -198,7 +216,6 @@ class PatchGroup:
     def __init__(self, handles: list[Any], skipped: dict[str, str]) -> None:
         self.handles = handles
         self.skipped = skipped  # patch name -> the gate that kept it off
-        self.holds = 0
 
     name = GROUP_NAME
 
@@ -283,18 +300,8 @@ class PatchGroup:
         for handle in reversed(self.handles):
             handle.revert()
 
-    def __enter__(self) -> PatchGroup:
-        if self.handles and not self.active:
-            raise PatchStateError("the patch was reverted; `with patchkit.apply_patch(...):` applies it again")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        release(self)
-
-    def hold(self) -> PatchGroup:
-        """Count one more apply_patch() that returned this group."""
-        self.holds += 1
-        return self
+    def reverted(self) -> bool:
+        return bool(self.handles) and not self.active  # (a group of no family has nothing to revert)
 
     def report(self, detail: bool = False) -> str:
         """A summary first: the backend, the families that ran with their counts, the forwards stepped aside by
@@ -328,11 +335,3 @@ class PatchGroup:
         return (f"PatchGroup(families={self.model_types!r}, backend={self.backend!r}, active={self.active}, "
                 f"layers_patched={self.layers_patched})")
 
-
-def release(patch: Any) -> None:
-    """A `with` block's exit: revert `patch` unless an outer apply_patch() still holds it (`with apply_patch():`
-    nested in another, or inside a script's own `apply_patch()`, returns the same patch: the inner exit reverted the
-    outer block's patch, whose forwards then ran unpatched without a word)."""
-    patch.holds -= 1
-    if patch.holds <= 0:
-        patch.revert()

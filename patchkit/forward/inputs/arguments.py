@@ -155,12 +155,17 @@ def refuse(module: nn.Module, name: str, value: Any) -> PatchInputError:
     )
 
 
+def unserved(name: str, value: Any) -> bool:
+    """An attention argument patchkit does not implement, given a value that would change the result."""
+    return name not in ACCEPTED and value is not None and value is not False and not (
+        name == "is_causal" and value is True)
+
+
 def unserved_arguments(extra: Mapping[str, Any]) -> list[str]:
     """The names of a forward's own keyword arguments (its **kwargs, which its layers hand on to attention) that
     `check_call` would refuse at the attention call: a script's `model(**batch)` with a collator's other keys
     (`special_tokens_mask`, `length`), which transformers' own attention ignores. The forward steps aside for them."""
-    return [name for name, value in extra.items() if name not in ACCEPTED and value is not None and value is not False
-            and not (name == "is_causal" and value is True)]
+    return [name for name, value in extra.items() if unserved(name, value)]
 
 
 def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool = False) -> None:
@@ -171,11 +176,8 @@ def check_call(module: nn.Module, kwargs: Mapping[str, Any], mask_decides: bool 
     if kwargs.keys() <= ACCEPTED:  # every layer call of a decode step asks: one set operation
         return
     for name, value in kwargs.items():
-        if name in HONOURED or name in INERT or value is None or value is False:
-            continue
-        if name == "is_causal" and value is True:
-            continue
-        raise refuse(module, name, value)
+        if unserved(name, value):
+            raise refuse(module, name, value)
 
 
 def model_type_of(module: nn.Module) -> Any:

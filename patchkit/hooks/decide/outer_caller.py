@@ -85,8 +85,13 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
     if code is None or code in LM_WRAPPERS:
         return None
     if own is None:  # the class's own: a framework's only where neither transformers nor patchkit wrote it
-        return None if getattr(runs, "__module__", "").startswith(("transformers.", "patchkit.")) else runs
+        return None if ours_or_transformers(runs) else runs
     return None if code is getattr(type(module).forward, "__code__", None) else runs
+
+
+def ours_or_transformers(function: Callable) -> bool:
+    """`function` was written by transformers or patchkit, not by a framework or the user."""
+    return getattr(function, "__module__", "").startswith(("transformers.", "patchkit."))
 
 
 def instance_forward(module: nn.Module) -> Optional[Callable]:
@@ -120,8 +125,8 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
     seen = _overriding.get(cls)
     if seen is None or seen[0] is not cls.forward:
         code = getattr(cls.forward, "__code__", None)
-        seen = _overriding[cls] = (cls.forward, code if code is not None and code not in LM_WRAPPERS and not getattr(
-            cls.forward, "__module__", "").startswith(("transformers.", "patchkit.")) else None)
+        seen = _overriding[cls] = (cls.forward, code if code is not None and code not in LM_WRAPPERS
+                                   and not ours_or_transformers(cls.forward) else None)
     call = call_of(module, seen[1]) if seen[1] is not None else None
     labels = None if call is None else call[0].get("labels")
     return labels if isinstance(labels, torch.Tensor) else None

@@ -308,7 +308,7 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if (traced := traced_by()) is not None:
         return traced
     mask, labels = arguments.get("attention_mask"), arguments.get("labels")
-    if labels is None and module is not None and not is_compiling():
+    if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
     cache = given_cache(arguments, extra)
     ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one

@@ -237,8 +237,7 @@ def make_attention_forward(original: Callable, state: Any, of_class: Optional[ty
     read_mask = mask_argument(original)
 
     def runs() -> Callable:
-        now = unpatched(of_class.forward) if of_class is not None else original
-        return original if now is original else now
+        return unpatched(of_class.forward) if of_class is not None else original
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = original if of_class is None else runs()
