@@ -21,7 +21,7 @@ from patchkit.forward.inputs.arguments import (
     ends_in_padding,
     given_cache,
     input_tokens,
-    no_column_for_new_tokens,
+    mask_short_of_keys,
     resolved_use_cache,
     sliding_window,
     transformers_made,
@@ -181,34 +181,6 @@ def mask_decides(cause: str, arguments: dict) -> bool:
 def padded(mask: Any) -> bool:
     """A 2D mask with a padding position."""
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
-
-
-def mask_short_of_keys(mask: Any, cache: Any) -> bool:
-    """A 2D mask with no column for this forward's new tokens, as wide as the cache's past or narrower (a decode loop
-    that did not extend it), where transformers reads the keys it lacks as padding (`masking_utils`, 4.53+). A mask
-    that covers some of the new tokens but not all (PEFT's prompt tuning re-splicing its virtual tokens behind a
-    past it cannot see) or no past at all keeps the per-layer path's shape check, which refuses it with the fix;
-    so does an era that failed on the shapes, and a cache that cannot tell its past (a tuple)."""
-    if not isinstance(mask, torch.Tensor) or not fills_short_masks():
-        return False
-    past = past_length(cache)
-    return past is not None and no_column_for_new_tokens(mask, int(past))
-
-
-def fills_short_masks() -> bool:
-    """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+); read
-    once, into a plain memo (dynamo warns of a `functools.cache` call in a compiled forward)."""
-    if not _FILLS:
-        try:
-            from transformers.masking_utils import prepare_padding_mask  # noqa: F401
-        except ImportError:
-            _FILLS.append(False)
-        else:
-            _FILLS.append(True)
-    return _FILLS[0]
-
-
-_FILLS: list[bool] = []
 
 
 def paged_servable(arguments: dict, extra: dict) -> bool:
