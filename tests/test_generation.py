@@ -60,18 +60,6 @@ def test_chunked_prefill_with_cache_matches_single_pass():
     torch.testing.assert_close(chunked[real], eager_once[real], atol=2e-5, rtol=1e-4)
 
 
-def test_mask_with_past_columns_prepended_twice_is_refused():
-    """FastChat's LLaMA-2 bug: a mask of [batch, 2*past + q_len] must raise, not gather wrong keys."""
-    model = tiny_model(seed=5)
-    ids, mask = padded_batch("left", batch=2, seq=14)
-    with torch.no_grad(), patchkit.apply_patch("llama2", backend="sdpa"):
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        step = torch.randint(3, 90, (2, 1))
-        bad = torch.cat([torch.ones(2, 14, dtype=torch.long), mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-        with pytest.raises(PatchInputError, match=r"attention_mask has shape \(2, 29\).*15 keys"):
-            model(input_ids=step, attention_mask=bad, past_key_values=out.past_key_values)
-
-
 def test_llama1_refuses_a_past_but_runs_an_empty_cache():
     model = tiny_model(seed=6)
     ids, mask = padded_batch("right", batch=2, seq=14)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import sys
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ from packaging.version import Version
 
 import patchkit
 from patchkit import PatchInputError
+from patchkit.hooks.name import attention_interface
 
 MOD = sys.modules["transformers.models.llama.modeling_llama"]
 VERSION = Version(transformers.__version__)
@@ -35,15 +37,50 @@ def test_static_cache_decode_places_queries_by_the_cache(full_mask):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def test_a_mask_longer_than_the_dynamic_cache_is_refused():
-    """The FastChat bug (past columns prepended again): refused, never read as other keys."""
-    model = tiny_model(kv_heads=2)
+def decode_on_a_doubled_mask(model: torch.nn.Module, side: str) -> torch.Tensor:
+    """The FastChat bug: a decode step whose mask has the past's columns prepended again (2, 14 + 14 + 1)."""
     ids, mask = padded_batch("left", batch=2, seq=14)
-    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+    mask = mask if side == "left" else torch.ones_like(mask)
+    with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         doubled = torch.cat([torch.ones_like(mask), mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-        with pytest.raises(PatchInputError, match="do not prepend past columns"):
-            model(input_ids=ids[:, -1:], attention_mask=doubled, past_key_values=out.past_key_values)
+        return model(input_ids=ids[:, -1:], attention_mask=doubled, past_key_values=out.past_key_values).logits
+
+
+@pytest.mark.parametrize("way", ["class", "named"])
+def test_a_mask_longer_than_the_dynamic_cache_steps_aside_unless_it_unmasks_the_prefills_padding(way):
+    """transformers (4.53+) reads such a mask's first columns: over an unpadded prefill they mask nothing that exists,
+    so the step runs on its attention with a warning, the unpatched numbers; over a padded one they unmask the
+    padding slots, whose keys no path can make (refused, naming the fix). Before 4.53 refused by its shape."""
+    if way == "named":
+        needs_mask_interface()
+    model = tiny_model(kv_heads=2).eval()
+
+    def run(side: str) -> torch.Tensor:
+        if way == "named":
+            return decode_on_a_doubled_mask(set_attention(copy.deepcopy(model), "patchkit"), side)
+        with patchkit.apply_patch("llama2", backend="sdpa"):
+            return decode_on_a_doubled_mask(model, side)
+
+    if not FILLS_SHORT_MASKS:
+        if way == "class":
+            with pytest.raises(PatchInputError, match="do not prepend past columns"):
+                run("left")
+        return  # the name's masks before 4.53 are transformers' 4D ones: they step aside
+    want = decode_on_a_doubled_mask(model, "none")
+    state = attention_interface.route_state() if way == "named" else None
+    before = state.stepped_aside.get("mask_shape", 0) if state else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run("none")
+    if state is None:
+        assert any(re.search(r"more columns than the keys \(mask_shape\).*Fix: pass a \[batch", str(w.message))
+                   for w in caught)
+    else:  # the registered route warns once a process: its count tells
+        assert state.stepped_aside.get("mask_shape", 0) > before
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(PatchInputError, match="leaves that forward's padding unmasked"):
+        run("left")
 
 
 def decode_on_an_unextended_mask(model: torch.nn.Module) -> torch.Tensor:
@@ -101,12 +138,50 @@ def test_a_mask_short_of_the_tokens_with_no_past_is_refused_with_the_fix():
         model(input_ids=ids, attention_mask=mask[:, :-1], labels=labels_for(ids, mask))
 
 
-def test_a_mask_with_a_row_more_than_the_batch_is_refused_naming_the_batch():
-    """The refusal told the user not to prepend past columns (and of StaticCache) for a mask of another batch."""
+@pytest.mark.parametrize("misfit", ["a row more", "columns more"])
+@pytest.mark.parametrize("way", ["class", "instance", "named"])
+def test_a_mask_of_more_rows_or_columns_than_the_call_runs_as_transformers_reads_it(way, misfit):
+    """A mask of another batch (a row more) or wider than the tokens with no cache: transformers (4.53+) reads its
+    first rows and columns, so the forward steps aside to the unpatched numbers, warned and counted; strict refuses.
+    Before 4.53 refused, the row's refusal naming the batch (it told the user not to prepend past columns)."""
+    if way == "named":
+        needs_mask_interface()
     model = tiny_model(kv_heads=2)
     ids, mask = padded_batch("right")
-    with patchkit.apply_patch(backend="sdpa"), pytest.raises(PatchInputError, match=r"one row per sequence.*\(4\)"):
-        model(input_ids=ids, attention_mask=torch.cat([mask, mask[:1]]))
+    wide = torch.cat([mask, mask[:1]]) if misfit == "a row more" else torch.cat([mask, torch.ones_like(mask)], 1)
+    labels = labels_for(ids, mask)
+
+    def run(target: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        out = target(input_ids=ids, attention_mask=wide, labels=labels)
+        out.loss.backward()
+        return out.logits[mask.bool()], target.model.layers[0].self_attn.o_proj.weight.grad
+
+    def patch(**options: bool) -> Any:
+        return patchkit.apply_patch(model=model if way == "instance" else None, backend="sdpa", **options)
+
+    if not FILLS_SHORT_MASKS:
+        if way != "class":
+            return  # the instance patch refuses 4.35-4.37, the name's masks step aside before 4.53
+        with patch(), pytest.raises(PatchInputError, match=r"one row per sequence.*\(4\)" if misfit == "a row more"
+                                    else "attention_mask covers"):
+            run(model)
+        return
+    want = run(copy.deepcopy(model))
+    if way == "named":  # the registered route warns once a process: its count tells
+        state = attention_interface.route_state()
+        before = state.stepped_aside.get("mask_shape", 0)
+        got = run(set_attention(copy.deepcopy(model), "patchkit"))
+        assert state.stepped_aside.get("mask_shape", 0) > before
+    else:
+        with pytest.warns(RuntimeWarning, match=r"more rows than the batch or more columns.*\(mask_shape\)"):
+            with patch() as handle:
+                got = run(model)
+        assert handle.stepped_aside == {"mask_shape": 1}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    if way != "named":
+        with patch(strict=True), pytest.raises(PatchInputError, match="more rows than the batch or more columns"):
+            run(copy.deepcopy(model))
 
 
 def test_positions_across_a_padding_hole_stay_one_document():

@@ -245,6 +245,22 @@ def mask_short_of_keys(mask: Any, cache: Any) -> bool:
     return past is not None and no_column_for_new_tokens(mask, int(past))
 
 
+def mask_beyond_call(arguments: dict, cache: Any, training: bool) -> bool:
+    """A 2D mask with more rows than the batch or more columns than the keys (past + new: a mask of another batch,
+    past columns prepended to a mask that had them), whose first rows and columns transformers' masks (4.53+) read.
+    A cache of fixed slots (a mask up to all its slots) or one that cannot tell its past is left to the per-layer
+    path's shape check, as is an era whose masks fail on it, and a wider mask with no cache in `training` mode: a
+    decode loop's next step after a forward whose cache patchkit did not keep (its refusal says so)."""
+    tokens, mask = input_tokens(arguments), arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tokens is None or fixed_slots(cache):
+        return False
+    past = past_length(cache) if cache is not None else 0
+    if past is None or not fills_short_masks():
+        return False
+    return mask.shape[0] > tokens.shape[0] or (mask.shape[-1] > int(past) + tokens.shape[1] and not (
+        training and cache is None))
+
+
 def fills_short_masks() -> bool:
     """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+); read
     once, into a plain memo (dynamo warns of a `functools.cache` call in a compiled forward)."""

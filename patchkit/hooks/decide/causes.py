@@ -150,6 +150,12 @@ CAUSES = {
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
+    "mask_shape": (
+        "the 2D attention_mask has more rows than the batch or more columns than the keys (past + new tokens; a "
+        "mask of another batch, or past columns prepended to a mask that had them), whose first rows and columns "
+        "transformers' masks read, where patchkit does not guess which",
+        "pass a [batch, past + q_len] mask, one row per sequence and one column per key",
+    ),
     "sparse_attention": (
         "a forward of several queries a row, one of which sees more keys than the sparse attention's indexer keeps "
         "(DeepSeek-V3.2's DSA, GLM-5's: config.index_topk; Kolibri-1.1's sink and local keys besides; Qwen4-Exp's "
@@ -315,6 +321,8 @@ BRIEF = {
     "window_over_padding_hole": ("a sliding window over a row with a padding hole", "pad on one side only"),
     "named_unseen": ("the model was named 'patchkit' where patchkit could not see it",
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
+    "mask_shape": ("the 2D attention_mask has more rows than the batch or more columns than the keys",
+                   "pass a [batch, past + q_len] mask"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",
                    "extend the mask by a column of ones per new token"),
     "sparse_attention": ("a forward of several queries a row sees more keys than the sparse attention's index_topk",

@@ -21,6 +21,7 @@ from patchkit.forward.inputs.arguments import (
     ends_in_padding,
     given_cache,
     input_tokens,
+    mask_beyond_call,
     mask_short_of_keys,
     resolved_use_cache,
     sliding_window,
@@ -128,6 +129,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     if mask_short_of_keys(arguments.get("attention_mask"), cache):
         return "short_mask"
+    if mask_beyond_call(arguments, cache, module.training):
+        return "mask_shape"
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
@@ -283,6 +286,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
     cache = given_cache(arguments, extra)
+    if mask_beyond_call(arguments, cache, training):
+        return "mask_shape"  # under the name alone too, where no base model's forward asks `forward_cause`
     ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one
     if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None,
                            ignore if isinstance(ignore, int) else IGNORE_INDEX):

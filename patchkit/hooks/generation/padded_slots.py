@@ -17,7 +17,7 @@ import torch
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.cache_length import past_length
-from patchkit.forward.inputs.arguments import input_tokens
+from patchkit.forward.inputs.arguments import fills_short_masks, input_tokens
 from patchkit.forward.liveness import is_compiling
 
 MARK = "patchkit_padding"  # on the cache: the filling forward's 2D mask (unread), `Read` (padding there, read by a
@@ -92,17 +92,20 @@ def check(cache: Any, mask: Any, tokens: Any) -> None:
 
 def unmasked(filled: torch.Tensor, mask: Any, keys: int) -> Optional[tuple[bool, bool]]:
     """(whether `filled`, the filling forward's mask, had padding; whether `mask`, no mask or a 2D one over the past
-    and new columns, `keys` of them at most, lets a query see one of those slots), in one device read; None where
-    they do not line up (another batch, a mask wider than the keys). A narrower mask covers the first columns, and
+    and new columns, lets a query see one of those slots), in one device read; None where they do not line up (a
+    mask of fewer rows; before 4.53, of more rows, or more columns than the `keys`). A wider one is read as
+    transformers 4.53+ does, by its first rows and columns (`mask_beyond_call`); a narrower one covers the first
+    columns, and
     transformers masks the others (it pads the mask with zeros); a row whose narrow mask hides every key attends
     evenly to all of them in transformers' attention, padding slots included (a full-width one's is a padding row)."""
     padding = filled == 0
     if mask is None:
         seen = padding.any()
-    elif (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == filled.shape[0]
-          and mask.shape[1] <= keys):
-        visible = mask != 0
-        width = min(mask.shape[1], filled.shape[1])
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and (
+            (mask.shape[0] == filled.shape[0] and mask.shape[1] <= keys)
+            or (mask.shape[0] >= filled.shape[0] and fills_short_masks())):
+        visible = mask[: filled.shape[0], :keys] != 0  # transformers' masks read a wider one's first rows and columns
+        width = min(visible.shape[1], filled.shape[1])
         seen = (padding[:, :width] & visible[:, :width]).any()
         if mask.shape[1] < keys:  # a real query that sees no key (its own column masked with the rest)
             seen = seen | (padding.any(-1) & ~visible.any(-1)).any()

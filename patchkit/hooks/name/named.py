@@ -28,6 +28,7 @@ from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
     input_tokens,
+    mask_beyond_call,
     renames_past_key_values,
     weights_wanted,
     window_over_hole,
@@ -271,21 +272,26 @@ def base_forward(call: Callable) -> Callable:
     transformers computes at padding (`step_aside.mixer_cause`): the mask interface is handed no position_ids."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if is_compiling() or current().lm_cause is not None or not names_patchkit(self.config):
+        if is_compiling() or not names_patchkit(self.config):
             return call(self, *args, **kwargs)  # traced: no break here (dynamo fails to resume into transformers'
             # deprecate_kwarg wrapper of the base model's forward, torch 2.13); the mask calls tell a mixer's cause
         binder = _base_binders.get(type(self))
         if binder is None:
             binder = _base_binders[type(self)] = bound_call(type(self).forward)[1:3]
         arguments = binder[1](self, args, kwargs)
+        # a forward that steps aside reads a cache's padding slots as one run patched would
+        padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
+        if current().lm_cause is not None:
+            return call(self, *args, **kwargs)
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         cause = "output_attentions" if weights_wanted(self.config, arguments, extra) else None
         cause = cause or mixer_cause(self.config, arguments)
+        if cause is None and mask_beyond_call(arguments, given_cache(arguments), self.training):
+            cause = "mask_shape"  # transformers' masks read its first rows and columns
         if cause is None and pools_by_column(self.config) and window_over_hole(self.config, arguments.get(
                 "attention_mask")):  # told here, not at the mask call: its layers append their entries' bias to
             cause = "window_over_padding_hole"  # the mask, a new tensor that carries no cause of the mask call's
         if cause is None:
-            padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
             out = call(self, *args, **kwargs)
             padded_slots.marked_by(out, arguments)  # its layers ran the padded batch: its padding rows differ
             return out
