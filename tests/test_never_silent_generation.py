@@ -5,6 +5,8 @@ prefill, a static kind of cache)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -22,6 +24,7 @@ from models import (
 from packaging.version import Version
 
 import patchkit
+from patchkit.hooks.name import attention_interface
 
 VERSION = Version(transformers.__version__)
 
@@ -261,3 +264,45 @@ def test_a_decode_step_whose_mask_is_narrower_than_the_keys_is_read_as_transform
             got = decode(model, lambda past: past)
         assert handle.stepped_aside.get("short_mask") == 1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def quantized_generate(model: torch.nn.Module, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate() into transformers' fp8 quantized cache (a scale per tensor, over every row and slot)."""
+    seq, g = max(lengths), torch.Generator().manual_seed(5)
+    ids, mask = torch.zeros(len(lengths), seq, dtype=torch.long), torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, n in enumerate(lengths):  # left padding
+        ids[row, seq - n:] = torch.randint(3, 90, (n,), generator=g)
+        mask[row, seq - n:] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                         cache_implementation="quantized", cache_config={"backend": "fp8"},
+                         return_dict_in_generate=True, output_scores=True)
+    return out.sequences, torch.stack(out.scores)
+
+
+@pytest.mark.parametrize("way", ["instance", "named"])
+def test_a_padded_prefill_into_a_quantized_cache_steps_aside_and_its_decode_runs_patched(way):
+    """The fp8 cache's scale is the amax of every row's keys, padding slots included: patchkit's filler there changed
+    every real key's quantization, and so the scores (0.48) and the tokens, of the unpadded row too. The padded
+    prefill now runs on transformers' attention, the decode steps patched; an unpadded batch runs patched."""
+    model = tiny_model(seed=5, kv_heads=2)
+    try:
+        want = quantized_generate(model, (3, 7, 11))
+    except (ImportError, ValueError, TypeError) as error:  # no fp8 backend before transformers 5.x
+        pytest.skip(f"no fp8 quantized cache here: {error}")
+    even = quantized_generate(model, (11, 11, 11))
+    if way == "named":
+        needs_mask_interface()
+        state = attention_interface.route_state()
+        before = state.stepped_aside.get("quantized_cache", 0)
+        named = set_attention(copy.deepcopy(model), "patchkit")
+        got, got_even = quantized_generate(named, (3, 7, 11)), quantized_generate(named, (11, 11, 11))
+        assert state.stepped_aside.get("quantized_cache", 0) > before
+    else:
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            with pytest.warns(RuntimeWarning, match=r"quantized KV cache.*\(quantized_cache\)"):
+                got = quantized_generate(model, (3, 7, 11))
+            assert handle.calls > 0  # its decode steps ran patched
+            got_even = quantized_generate(model, (11, 11, 11))
+            assert handle.stepped_aside == {"quantized_cache": 1}
+    for a, b in zip((*got, *got_even), (*want, *even)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

@@ -261,6 +261,13 @@ def mask_beyond_call(arguments: dict, cache: Any, training: bool) -> bool:
         training and cache is None))
 
 
+def quantizes_across_slots(cache: Any) -> bool:
+    """A cache that quantizes its keys and values with a scale shared across slots and rows (transformers'
+    QuantizedCache: fp8's per tensor, HQQ's and quanto's per group), so the values stored at a padding slot reach
+    those of every real token quantized with them."""
+    return cache is not None and any("Quantized" in kind.__name__ for kind in type(cache).__mro__)
+
+
 def fills_short_masks() -> bool:
     """transformers' masks pad a 2D mask narrower than the keys (`masking_utils.prepare_padding_mask`, 4.53+); read
     once, into a plain memo (dynamo warns of a `functools.cache` call in a compiled forward)."""

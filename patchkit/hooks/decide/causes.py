@@ -150,6 +150,14 @@ CAUSES = {
         "extend the mask by a column of ones per new token each step, as generate() does "
         "(torch.cat([mask, mask.new_ones(batch, q_len)], dim=-1))",
     ),
+    "quantized_cache": (
+        "a forward writes padding into a quantized KV cache (cache_implementation='quantized'), whose scales are "
+        "shared across slots and rows (fp8's per tensor, HQQ's and quanto's per group): transformers stores the pad "
+        "tokens' keys and values there, which varlen kernels never compute, and they change how every real key is "
+        "quantized",
+        "none needed: the prefill runs on transformers' attention, exact, and the decode steps run patched; an "
+        "unpadded batch runs patched throughout",
+    ),
     "mask_shape": (
         "the 2D attention_mask has more rows than the batch or more columns than the keys (past + new tokens; a "
         "mask of another batch, or past columns prepended to a mask that had them), whose first rows and columns "
@@ -321,6 +329,8 @@ BRIEF = {
     "window_over_padding_hole": ("a sliding window over a row with a padding hole", "pad on one side only"),
     "named_unseen": ("the model was named 'patchkit' where patchkit could not see it",
                      "attn_implementation='patchkit' at load, or model.set_attn_implementation('patchkit')"),
+    "quantized_cache": ("padding written into a quantized KV cache, whose scales it shares with real tokens",
+                        "none needed; decode steps and unpadded batches run patched"),
     "mask_shape": ("the 2D attention_mask has more rows than the batch or more columns than the keys",
                    "pass a [batch, past + q_len] mask"),
     "short_mask": ("the 2D attention_mask has no column for the new tokens",

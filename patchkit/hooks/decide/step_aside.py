@@ -23,6 +23,7 @@ from patchkit.forward.inputs.arguments import (
     input_tokens,
     mask_beyond_call,
     mask_short_of_keys,
+    quantizes_across_slots,
     resolved_use_cache,
     sliding_window,
     transformers_made,
@@ -36,7 +37,12 @@ from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
-from patchkit.hooks.decide.outer_caller import foreign_call, foreign_forward, head_outside_patch, subclass_labels
+from patchkit.hooks.decide.outer_caller import (
+    foreign_call,
+    foreign_forward,
+    head_outside_patch,
+    subclass_labels,
+)
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, index_topk, padding_into_mixers, pools_by_column
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
 
@@ -129,8 +135,8 @@ def forward_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return "custom_4d_mask"  # a dict: generate()'s precomputed masks per layer type (static caches, Gemma3)
     if mask_short_of_keys(arguments.get("attention_mask"), cache):
         return "short_mask"
-    if mask_beyond_call(arguments, cache, module.training):
-        return "mask_shape"
+    if (misfit := misfit_cause(arguments, cache, module.training)) is not None:
+        return misfit
     if fixed_slots(cache) and getattr(cache, "layers", None) is None and sliding_window(module.config) is not None:
         return "window_rolling_cache"
     return "window_over_padding_hole" if window_over_hole(module.config, arguments.get("attention_mask")) else None
@@ -286,8 +292,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
     cache = given_cache(arguments, extra)
-    if mask_beyond_call(arguments, cache, training):
-        return "mask_shape"  # under the name alone too, where no base model's forward asks `forward_cause`
+    if (misfit := misfit_cause(arguments, cache, training)) is not None:
+        return misfit  # under the name alone too, where no base model's forward asks `forward_cause`
     ignore = extra.get("ignore_index", IGNORE_INDEX)  # the loss's, where the call passes one
     if labels_from_padding(mask, labels, extra.get("shift_labels"), cache is not None,
                            ignore if isinstance(ignore, int) else IGNORE_INDEX):
@@ -352,6 +358,19 @@ def mixer_cause(config: Any, arguments: dict) -> Optional[str]:
     if pools_by_column(config) and isinstance(mask, torch.Tensor) and has_packed_rows(mask, positions) and (
             makes_no_cache(arguments)):
         return "joined_documents"  # its compressors, given no cache, would pool each document alone
+    return None
+
+
+def misfit_cause(arguments: dict, cache: Any, training: bool) -> Optional[str]:
+    """A call's mask or cache that transformers reads otherwise than patchkit's layers could: a mask of more rows or
+    columns than the call (`mask_beyond_call`), or new padding written into a cache that quantizes it together with
+    real tokens (`quantizes_across_slots`: patchkit stores a filler there, transformers the pad tokens' keys)."""
+    if mask_beyond_call(arguments, cache, training):
+        return "mask_shape"
+    tokens = input_tokens(arguments)
+    if quantizes_across_slots(cache) and tokens is not None and padded(
+            new_columns(arguments.get("attention_mask"), tokens.shape[1])):
+        return "quantized_cache"
     return None
 
 

@@ -28,7 +28,6 @@ from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
     input_tokens,
-    mask_beyond_call,
     renames_past_key_values,
     weights_wanted,
     window_over_hole,
@@ -40,7 +39,7 @@ from patchkit.hooks.attention.sparse_indexer import make_indexer_forward
 from patchkit.hooks.decide import self_check
 from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.plan import joined_by_transformers
-from patchkit.hooks.decide.step_aside import lm_cause, mixer_cause
+from patchkit.hooks.decide.step_aside import lm_cause, misfit_cause, mixer_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause, task_cause, task_of
 from patchkit.hooks.forwards.lm_forward import takes_logits_to_keep
 from patchkit.hooks.forwards.mixer_rows import hand_rows, make_mixer_forward
@@ -286,8 +285,7 @@ def base_forward(call: Callable) -> Callable:
         extra = arguments.get(binder[0], {}) if binder[0] else {}
         cause = "output_attentions" if weights_wanted(self.config, arguments, extra) else None
         cause = cause or mixer_cause(self.config, arguments)
-        if cause is None and mask_beyond_call(arguments, given_cache(arguments), self.training):
-            cause = "mask_shape"  # transformers' masks read its first rows and columns
+        cause = cause or misfit_cause(arguments, given_cache(arguments), self.training)
         if cause is None and pools_by_column(self.config) and window_over_hole(self.config, arguments.get(
                 "attention_mask")):  # told here, not at the mask call: its layers append their entries' bias to
             cause = "window_over_padding_hole"  # the mask, a new tensor that carries no cause of the mask call's
