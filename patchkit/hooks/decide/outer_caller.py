@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 
 from patchkit.hooks.install.forward_source import innermost
 from patchkit.hooks.install.patching import BoundPatch
+from patchkit.warn import package_home, real_path
 
 CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read
 # a forward: a WeakSet's lookup would build a weak reference every call)
@@ -130,6 +131,16 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
     call = call_of(module, seen[1]) if seen[1] is not None else None
     labels = None if call is None else call[0].get("labels")
     return labels if isinstance(labels, torch.Tensor) else None
+
+
+MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
+
+
+def trainers(frame: FrameType, name: str) -> bool:
+    """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
+    home = package_home("transformers") if "transformers.trainer" in sys.modules else None
+    code = frame.f_code
+    return home is not None and code.co_name == name and real_path(code.co_filename) == home + "trainer.py"
 
 
 def call_of(head: nn.Module, code: Optional[CodeType]) -> Optional[tuple[dict, bool]]:

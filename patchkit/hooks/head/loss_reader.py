@@ -22,10 +22,9 @@ import sys
 from types import FrameType
 from typing import Optional
 
+from patchkit.hooks.decide.outer_caller import MAX_FRAMES, trainers
 from patchkit.hooks.head.caller_code import LOSS, RETURNED, reads_what_it_keeps, result_read_at
 from patchkit.warn import package_home, real_path
-
-MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
 # Packages whose frames between the Trainer and the LM pass its output on as it is, as paths under each package
 PASSING = {
@@ -60,13 +59,6 @@ def _passing_package(filename: str) -> Optional[str]:
     return None
 
 
-def _trainers(frame: FrameType, name: str) -> bool:
-    """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
-    home = package_home("transformers") if "transformers.trainer" in sys.modules else None
-    code = frame.f_code
-    return home is not None and code.co_name == name and real_path(code.co_filename) == home + "trainer.py"
-
-
 def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
     """The running causal LM's forward was called, through wrappers that only pass its output on, by a caller that
     reads the loss alone: the HF Trainer's own `compute_loss` for its training step, or for its `prediction_step` with
@@ -78,7 +70,7 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
     for _ in range(MAX_FRAMES):
         if frame is None:
             return False
-        if _trainers(frame, "compute_loss"):
+        if trainers(frame, "compute_loss"):
             return _reads_loss(frame)
         package = _passing_package(frame.f_code.co_filename)
         if package is None or package in READ_WHERE_KEPT and reads_what_it_keeps(frame):
@@ -116,5 +108,5 @@ def _reads_loss(frame: FrameType) -> bool:
     if not names.get("return_outputs", False):
         return True  # the training step's call: the Trainer returns the loss alone
     caller = frame.f_back
-    return caller is not None and _trainers(caller, "prediction_step") and (
+    return caller is not None and trainers(caller, "prediction_step") and (
         caller.f_locals.get("prediction_loss_only") is True)
