@@ -4,6 +4,7 @@ unpatched Trainer's numbers; every caller that reads the logits gets them."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
@@ -29,14 +30,14 @@ def rows_of(model: torch.nn.Module) -> list[dict]:
 
 
 def run(model: torch.nn.Module, unpad: Optional[str], tmp_path, trainer_class: Any = None,
-        compute_metrics: Optional[Callable] = None, **arguments: Any) -> dict:
+        compute_metrics: Optional[Callable] = None, rows: Optional[list[dict]] = None, **arguments: Any) -> dict:
     """evaluate(), train 2 steps of 2 micro-batches, evaluate() again, under a patch with `unpad` (None: unpatched):
     both evaluations' metrics, the logged losses, the trained weights and the patch's `heads`. SGD: each weight moves by
     its gradient (AdamW's first steps move a weight by about the learning rate whatever its gradient's size, so
     float32's last-bit differences in a near-zero gradient, patchkit's attention against sdpa's, move it as far)."""
     import transformers as tf
 
-    rows = rows_of(model)
+    rows = rows or rows_of(model)
     args = tf.TrainingArguments(output_dir=str(tmp_path / str(unpad)), gradient_accumulation_steps=2,
                                 optim="sgd", learning_rate=0.1, use_cpu=True, report_to=[], save_strategy="no",
                                 logging_steps=1, seed=0, dataloader_num_workers=0, disable_tqdm=True, max_steps=2,
@@ -49,12 +50,13 @@ def run(model: torch.nn.Module, unpad: Optional[str], tmp_path, trainer_class: A
         trainer.train()
         last = trainer.evaluate()
         heads = dict(handle.heads) if handle else {}
+        aside = dict(handle.stepped_aside) if handle else {}
     finally:
         if handle is not None:
             handle.revert()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return dict(evals=(first, last), trained=(losses, {n: p.detach().clone() for n, p in model.named_parameters()}),
-                heads=heads)
+                heads=heads, aside=aside)
 
 
 def assert_evals_alike(got: dict, want: dict, *keys: str) -> None:
@@ -79,6 +81,7 @@ def test_the_trainers_steps_and_evaluation_without_metrics_run_the_fused_head(tm
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}  # 2 evaluations of 2 batches, 2 steps of 2 micro-batches
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.parametrize("model_type, kept", [("llama", False), ("gemma3n_text", True)])
@@ -107,6 +110,7 @@ def test_the_trainers_evaluation_keeps_no_kv_cache_but_where_the_family_reads_it
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.heavy  # make test-heavy
@@ -129,6 +133,7 @@ def test_the_trainers_compiled_steps_run_the_fused_head(tmp_path, model_type):
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 def token_accuracy(prediction: Any) -> dict:
@@ -148,6 +153,7 @@ def test_an_evaluation_with_metrics_gets_the_logits(tmp_path):
     assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2, lm_head.FUSED: 4}
     assert_evals_alike(got, want, "eval_accuracy")
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 def z_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -212,6 +218,7 @@ def test_a_caller_that_reads_the_logits_gets_them(tmp_path, reader):
     assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
     if reader == "forward hook":
         assert len(seen) == 2 * unpatched and seen[unpatched:] == seen[:unpatched]
 
@@ -222,6 +229,7 @@ def test_under_unpad_attention_the_trainer_keeps_the_logits(tmp_path):
     assert got["heads"] == {}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.parametrize("setting, reads_loss", [
@@ -240,3 +248,36 @@ def test_the_trainers_own_settings_that_read_more_than_the_loss_keep_the_logits(
     frame = SimpleNamespace(f_locals={"self": trainer, "return_outputs": setting.get("return_outputs", False)},
                             f_back=caller)
     assert loss_reader._reads_loss(frame) is reads_loss
+
+
+def smoothed_cross_entropy(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """A compute_loss_func of a user's own: causal cross-entropy from the logits, shifted as transformers shifts."""
+    logits = outputs.logits[:, :-1].flatten(0, 1).float()
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100,
+                                             label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("setting", ["label_smoothing_factor", "compute_loss_func"])
+def test_the_trainers_own_loss_from_logits_predicting_from_left_padding_steps_aside(tmp_path, setting):
+    """With label smoothing or a compute_loss_func, the Trainer pops the labels and computes the loss from the
+    logits: the LM saw no labels, so the first real token's label, predicted from left padding, was read from
+    patchkit's padding logits (losses 4.5786/4.5394 for 4.5772/4.5511, weights 3e-2 apart). The Trainer's labels
+    are read off its frame: those forwards step aside, and train and evaluate as unpatched."""
+    model = family("llama")
+    ids, mask = padded_batch("left", batch=4, seq=16)
+    rows = [dict(input_ids=i, attention_mask=m, labels=i.masked_fill(m == 0, -100)) for i, m in zip(ids, mask)]
+    arguments = {"label_smoothing_factor": 0.1} if setting == "label_smoothing_factor" else {}
+    trainer_class = None
+    if setting == "compute_loss_func":
+        import transformers as tf
+
+        class Trainer(tf.Trainer):
+            def __init__(self, **kwargs: Any) -> None:
+                super().__init__(**kwargs, compute_loss_func=smoothed_cross_entropy)
+
+        trainer_class = Trainer
+    want = run(copy.deepcopy(model), None, tmp_path, trainer_class, rows=rows, **arguments)
+    got = run(model, "model", tmp_path, trainer_class, rows=rows, **arguments)
+    assert_evals_alike(got, want)
+    assert_trained_alike(got["trained"], want["trained"])
+    assert set(got["aside"]) == {"labels_from_padding"}

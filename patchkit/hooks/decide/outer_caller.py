@@ -136,6 +136,22 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
 MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
 
 
+def trainer_labels() -> Optional[torch.Tensor]:
+    """The labels the HF Trainer's own `compute_loss` popped from the batch before it called the model, to compute its
+    loss from the logits itself (label smoothing, `compute_loss_func`), read off its frame; None elsewhere."""
+    if "transformers.trainer" not in sys.modules:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        if trainers(frame, "compute_loss"):
+            labels = frame.f_locals.get("labels")
+            return labels if isinstance(labels, torch.Tensor) else None
+        frame = frame.f_back
+    return None
+
+
 def trainers(frame: FrameType, name: str) -> bool:
     """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
     home = package_home("transformers") if "transformers.trainer" in sys.modules else None

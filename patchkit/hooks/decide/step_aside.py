@@ -42,6 +42,7 @@ from patchkit.hooks.decide.outer_caller import (
     foreign_forward,
     head_outside_patch,
     subclass_labels,
+    trainer_labels,
 )
 from patchkit.hooks.install.registry import NONCAUSAL, config_cause, index_topk, padding_into_mixers, pools_by_column
 from patchkit.hooks.install.routing import attn_name, loads_flash_masks
@@ -291,6 +292,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     mask, labels = arguments.get("attention_mask"), arguments.get("labels")
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
+    if labels is None and padded(mask):
+        labels = trainer_labels()  # the Trainer's loss of its own (label smoothing, compute_loss_func) from logits
     cache = given_cache(arguments, extra)
     if (misfit := misfit_cause(arguments, cache, training)) is not None:
         return misfit  # under the name alone too, where no base model's forward asks `forward_cause`
