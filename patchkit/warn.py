@@ -95,6 +95,16 @@ def _main_thread_user_frame() -> Optional[FrameType]:
     return None if frame is None else user_frame(frame)
 
 
+MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
+
+
+def trainers(frame: FrameType, name: str) -> bool:
+    """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
+    home = package_home("transformers") if "transformers.trainer" in sys.modules else None
+    code = frame.f_code
+    return home is not None and code.co_name == name and real_path(code.co_filename) == home + "trainer.py"
+
+
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warn at the user's call site: the first stack frame outside patchkit, transformers, torch and the stdlib."""
     if _where:

@@ -81,7 +81,6 @@ def test_the_trainers_steps_and_evaluation_without_metrics_run_the_fused_head(tm
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}  # 2 evaluations of 2 batches, 2 steps of 2 micro-batches
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.parametrize("model_type, kept", [("llama", False), ("gemma3n_text", True)])
@@ -110,7 +109,6 @@ def test_the_trainers_evaluation_keeps_no_kv_cache_but_where_the_family_reads_it
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.heavy  # make test-heavy
@@ -133,7 +131,6 @@ def test_the_trainers_compiled_steps_run_the_fused_head(tmp_path, model_type):
     assert got["heads"] == {lm_head.FUSED: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 def token_accuracy(prediction: Any) -> dict:
@@ -153,7 +150,6 @@ def test_an_evaluation_with_metrics_gets_the_logits(tmp_path):
     assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2, lm_head.FUSED: 4}
     assert_evals_alike(got, want, "eval_accuracy")
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 def z_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -218,7 +214,6 @@ def test_a_caller_that_reads_the_logits_gets_them(tmp_path, reader):
     assert got["heads"] == {lm_head.REAL_TOKENS: 2 * 2 + 4}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
     if reader == "forward hook":
         assert len(seen) == 2 * unpatched and seen[unpatched:] == seen[:unpatched]
 
@@ -229,7 +224,6 @@ def test_under_unpad_attention_the_trainer_keeps_the_logits(tmp_path):
     assert got["heads"] == {}
     assert_evals_alike(got, want)
     assert_trained_alike(got["trained"], want["trained"])
-    assert set(got["aside"]) == {"labels_from_padding"}
 
 
 @pytest.mark.parametrize("setting, reads_loss", [

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from patchkit.hooks.install.forward_source import innermost
 from patchkit.hooks.install.patching import BoundPatch
-from patchkit.warn import package_home, real_path
+from patchkit.warn import MAX_FRAMES, trainers
 
 CLEAN = "_patchkit_callers_read"  # set on a base model whose callers were read and hold no such head (a dict read
 # a forward: a WeakSet's lookup would build a weak reference every call)
@@ -133,9 +133,6 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-MAX_FRAMES = 64  # the call's frames read at most, from the LM's forward up to the Trainer's compute_loss
-
-
 def trainer_labels() -> Optional[torch.Tensor]:
     """The labels the HF Trainer's own `compute_loss` popped from the batch before it called the model, to compute its
     loss from the logits itself (label smoothing, `compute_loss_func`), read off its frame; None elsewhere."""
@@ -150,13 +147,6 @@ def trainer_labels() -> Optional[torch.Tensor]:
             return labels if isinstance(labels, torch.Tensor) else None
         frame = frame.f_back
     return None
-
-
-def trainers(frame: FrameType, name: str) -> bool:
-    """`frame` runs the HF Trainer's own method `name` (transformers/trainer.py's)."""
-    home = package_home("transformers") if "transformers.trainer" in sys.modules else None
-    code = frame.f_code
-    return home is not None and code.co_name == name and real_path(code.co_filename) == home + "trainer.py"
 
 
 def call_of(head: nn.Module, code: Optional[CodeType]) -> Optional[tuple[dict, bool]]:

@@ -22,9 +22,8 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.decide.outer_caller import MAX_FRAMES, trainers
 from patchkit.hooks.head.caller_code import LOSS, RETURNED, reads_what_it_keeps, result_read_at
-from patchkit.warn import package_home, real_path
+from patchkit.warn import MAX_FRAMES, package_home, real_path, trainers
 
 # Packages whose frames between the Trainer and the LM pass its output on as it is, as paths under each package
 PASSING = {
