@@ -171,9 +171,9 @@ class VarlenSelfAttention(nn.Module):
         in_dtype = qkv.dtype
         if backend.half_only:
             device_type, weight_dtype = qkv.device.type, self.in_proj.weight.dtype
-            (qkv,) = to_half(
+            (qkv,), backend = to_half(
                 (qkv,), lambda: half_dtype(device_type, weight_dtype), self.strict, "VarlenSelfAttention",
-                self._warn_once,
+                self._warn_once, backend, self._fallback,
             )
         dropout_p = self.dropout if self.training else 0.0
         options = {"dropout_p": dropout_p, "softmax_scale": self.softmax_scale, "causal": self.causal}

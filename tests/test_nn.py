@@ -228,7 +228,10 @@ def fake_flash(monkeypatch):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_fp32_inputs_are_cast_for_flash_with_one_warning(fake_flash, monkeypatch, kv_heads):
+def test_fp32_inputs_run_exact_off_flash_with_one_warning_and_are_cast_under_autocast(fake_flash, monkeypatch,
+                                                                                     kv_heads):
+    """An fp32 module, no autocast: no half dtype keeps its numbers, so it runs on the exact backend (its fp32
+    reference's numbers) with one warning; under autocast the kernel runs in autocast's dtype."""
     monkeypatch.setattr(pnn, "device_gate", lambda device: pk_gates.GateResult("input_device", True, "cuda", "cuda"))
     torch.manual_seed(5)
     with warnings.catch_warnings():
@@ -237,13 +240,15 @@ def test_fp32_inputs_are_cast_for_flash_with_one_warning(fake_flash, monkeypatch
     assert module.backend.name == "flash_attn"
     x, _ = inputs(5)
     mask = make_mask("mixed")
-    with pytest.warns(RuntimeWarning, match="casting to torch.bfloat16") as record:
+    with pytest.warns(RuntimeWarning, match="no autocast and no half weights.*exact sdpa backend") as record:
         out = module(x, mask)
         module(x, mask)
-    assert len([w for w in record if "casting" in str(w.message)]) == 1
-    assert fake_flash.dtypes == [torch.bfloat16, torch.bfloat16]
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out, reference(module, x, mask).detach(), atol=3e-2, rtol=3e-2)
+    assert len([w for w in record if "exact sdpa" in str(w.message)]) == 1
+    assert fake_flash.dtypes == [] and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference(module, x, mask).detach(), atol=2e-5, rtol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # its projection gives bf16 q/k/v
+        module(x, mask)
+    assert fake_flash.dtypes == [torch.bfloat16]
 
 
 def test_fp32_inputs_are_refused_for_flash_in_strict_mode(fake_flash, monkeypatch):

@@ -40,9 +40,10 @@ QKV_PACKED = "qkv"  # LLaMA-1 (FastChat's qkvpacked patch): as many K/V heads as
 KV_PACKED = "kv"  # LLaMA-2 and every family: KV cache (decode on the padded cache) and GQA
 
 
-def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> torch.dtype:
-    """The half dtype to run flash kernels in: autocast's, else the first half candidate, else bf16."""
-    return autocast_dtype(device_type) or next((c for c in candidates if c in HALF_DTYPES), torch.bfloat16)
+def half_dtype(device_type: str, *candidates: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The half dtype to run flash kernels in: autocast's, else the first half candidate; None for a model whose
+    compute is fp32 throughout (no autocast, no half weights): no cast keeps its numbers."""
+    return autocast_dtype(device_type) or next((c for c in candidates if c in HALF_DTYPES), None)
 
 
 def _matrix(param: torch.Tensor) -> bool:
@@ -50,35 +51,43 @@ def _matrix(param: torch.Tensor) -> bool:
     return param.dim() > 1 or len(getattr(param, "ds_shape", ())) > 1
 
 
-def compute_dtype(module: nn.Module, device_type: str) -> torch.dtype:
-    """A LLaMA layer's compute dtype: autocast's, else pre-quantization, else the weights', else the config's."""
+def compute_dtype(module: nn.Module, device_type: str) -> Optional[torch.dtype]:
+    """A LLaMA layer's half compute dtype: autocast's, else pre-quantization, else the weights' (the config's where
+    it holds none); None where that is not half (an fp32 model's, whatever dtype its checkpoint's config names)."""
     weight = next((p for p in module.parameters() if _matrix(p)), None)  # q_proj, or a fused qkv_proj (Phi3)
     return half_dtype(
         device_type,
         getattr(module.config, "_pre_quantization_dtype", None),
-        None if weight is None else weight.dtype,
-        getattr(module.config, "torch_dtype", None),
+        getattr(module.config, "torch_dtype", None) if weight is None else weight.dtype,
     )
 
 
 def to_half(
-    tensors: tuple[torch.Tensor, ...], target: Callable[[], torch.dtype], strict: bool, who: str,
-    warn_once: Callable[[str, str], None],
-) -> tuple[torch.Tensor, ...]:
-    """flash kernels take fp16/bf16: cast fp32 q/k/v to `target()` with one warning, or refuse in strict mode."""
+    tensors: tuple[torch.Tensor, ...], target: Callable[[], Optional[torch.dtype]], strict: bool, who: str,
+    warn_once: Callable[[str, str], None], backend: Backend, fallback: Backend,
+) -> tuple[tuple[torch.Tensor, ...], Backend]:
+    """flash kernels take fp16/bf16: fp32 q/k/v of a half compute dtype (`target()`: autocast's, a quantized or
+    LoRA model's half weights) are cast to it with one warning; those of a model fp32 throughout run on the exact
+    `fallback`, with one warning, as no cast keeps their numbers. Strict mode refuses both."""
     gate = dtype_gate(tensors[0].dtype)
     if gate.passed:
-        return tensors
+        return tensors, backend
     if strict:
         raise PatchGateError(f"{who} on a flash kernel backend: {gate.describe()}")
     dtype = target()
+    if dtype is None:
+        warn_once("dtype_exact", f"patchkit: q/k/v are {tensors[0].dtype}, with no autocast and no half weights, "
+                                 f"and the {backend.name} kernels take fp16/bf16 only: these layers run on the exact "
+                                 f"{fallback.name} backend in {tensors[0].dtype}. Load the model in bf16/fp16 or run "
+                                 "under torch.autocast (the Trainer's bf16=True) to run the kernels.")
+        return tensors, fallback
     warn_once(
         "dtype",
-        f"patchkit: q/k/v are {tensors[0].dtype} but flash-attn takes fp16/bf16; casting to {dtype} for the "
-        "attention kernel (output cast back). Load the model in half precision or run under torch.autocast "
+        f"patchkit: q/k/v are {tensors[0].dtype} but the {backend.name} kernels take fp16/bf16; casting to {dtype} "
+        "for the attention kernel (output cast back). Load the model in half precision or run under torch.autocast "
         "to avoid the cast.",
     )
-    return tuple(t.to(dtype) for t in tensors)
+    return tuple(t.to(dtype) for t in tensors), backend
 
 
 def _zeros_on_graph(out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
@@ -163,9 +172,9 @@ def varlen_core(
         return attend_with_sinks(q, k, v, meta, exact, sinks)
     q_in = q
     if backend.half_only:
-        q, k, v = to_half(
+        (q, k, v), backend = to_half(
             (q, k, v), lambda: compute_dtype(module, q.device.type), state.strict, f"patch {state.patch!r}",
-            state.warn_once,
+            state.warn_once, backend, state.fallback,
         )
     options = KernelOptions(dropout, scaling, window, softcap, state.warn_once, sinks)
     out = one_head_size(packing.attend, backend, q, k, v, meta, options)
