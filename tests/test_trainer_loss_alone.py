@@ -251,12 +251,13 @@ def smoothed_cross_entropy(outputs: Any, labels: torch.Tensor, num_items_in_batc
                                              label_smoothing=0.1)
 
 
-@pytest.mark.parametrize("setting", ["label_smoothing_factor", "compute_loss_func"])
+@pytest.mark.parametrize("setting", ["label_smoothing_factor", "compute_loss_func", "compute_loss override"])
 def test_the_trainers_own_loss_from_logits_predicting_from_left_padding_steps_aside(tmp_path, setting):
     """With label smoothing or a compute_loss_func, the Trainer pops the labels and computes the loss from the
-    logits: the LM saw no labels, so the first real token's label, predicted from left padding, was read from
-    patchkit's padding logits (losses 4.5786/4.5394 for 4.5772/4.5511, weights 3e-2 apart). The Trainer's labels
-    are read off its frame: those forwards step aside, and train and evaluate as unpatched."""
+    logits (and so does a subclass's compute_loss, transformers' recipe): the LM saw no labels, so the first real
+    token's label, predicted from left padding, was read from patchkit's padding logits (losses 4.5786/4.5394 for
+    4.5772/4.5511, weights 3e-2 apart). The Trainer's labels are read off its frame: those forwards step aside,
+    and train and evaluate as unpatched."""
     model = family("llama")
     ids, mask = padded_batch("left", batch=4, seq=16)
     rows = [dict(input_ids=i, attention_mask=m, labels=i.masked_fill(m == 0, -100)) for i, m in zip(ids, mask)]
@@ -268,6 +269,18 @@ def test_the_trainers_own_loss_from_logits_predicting_from_left_padding_steps_as
         class Trainer(tf.Trainer):
             def __init__(self, **kwargs: Any) -> None:
                 super().__init__(**kwargs, compute_loss_func=smoothed_cross_entropy)
+
+        trainer_class = Trainer
+    if setting == "compute_loss override":  # transformers' recipe for a loss of one's own
+        import transformers as tf
+
+        class Trainer(tf.Trainer):
+            def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
+                             num_items_in_batch: Any = None) -> Any:
+                labels = inputs.pop("labels")
+                outputs = model(**inputs)
+                loss = smoothed_cross_entropy(outputs, labels)
+                return (loss, outputs) if return_outputs else loss
 
         trainer_class = Trainer
     want = run(copy.deepcopy(model), None, tmp_path, trainer_class, rows=rows, **arguments)

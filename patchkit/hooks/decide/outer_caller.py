@@ -134,15 +134,18 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
 
 
 def trainer_labels() -> Optional[torch.Tensor]:
-    """The labels the HF Trainer's own `compute_loss` popped from the batch before it called the model, to compute its
-    loss from the logits itself (label smoothing, `compute_loss_func`), read off its frame; None elsewhere."""
-    if "transformers.trainer" not in sys.modules:
+    """The labels the HF Trainer's `compute_loss` popped from the batch before it called the model, to compute its
+    loss from the logits itself (label smoothing, `compute_loss_func`; a subclass's override, transformers' recipe
+    for a loss of one's own), read off its frame; None elsewhere."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:
         return None
     frame = sys._getframe(2)
     for _ in range(MAX_FRAMES):
         if frame is None:
             return None
-        if trainers(frame, "compute_loss"):
+        if trainers(frame, "compute_loss") or (frame.f_code.co_name == "compute_loss" and isinstance(
+                frame.f_locals.get("self"), getattr(module, "Trainer", ()))):
             labels = frame.f_locals.get("labels")
             return labels if isinstance(labels, torch.Tensor) else None
         frame = frame.f_back
