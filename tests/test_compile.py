@@ -37,6 +37,30 @@ def test_torch_compile_of_a_patched_model_matches_eager(family):
     torch.testing.assert_close(model.lm_head.weight.grad, want_grad, atol=3e-5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_compiled_training_step_under_autocast_equals_unpatched(dtype):
+    """Under autocast, RoPE's fp32 cos/sin leave q and k fp32 beside a half v: SDPA casts all three (autocast's
+    rule), but the sdpa backend's op in a compiled graph had no rule and raised on the mixed dtypes. The op's
+    inputs are now cast as autocast casts SDPA's: the compiled patched step equals the unpatched one."""
+    model = tiny_model(kv_heads=2).train()
+    ids, mask = padded_batch("mixed")
+    labels = labels_for(ids, mask)
+    with torch.autocast("cpu", dtype=dtype):
+        want = model(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    want_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        with torch.autocast("cpu", dtype=dtype):
+            got = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask, labels=labels)
+        got.loss.backward()
+    real = mask.bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.loss, want.loss, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(model.lm_head.weight.grad, want_grad, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize(
     "unpad, training", [("model", True), ("attention", True), ("model", False)],
     ids=["train-unpad-model", "train-unpad-attention", "eval-kv-cache"],

@@ -8,6 +8,7 @@ import torch
 
 from patchkit.backends import sdpa, sdpa_op
 from patchkit.backends.padded_decode import attend_padded_cache
+from patchkit.dtypes import autocast_dtype
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.names import BACKEND_NAMES  # noqa: F401 - re-exported
@@ -56,6 +57,9 @@ class SdpaBackend:
         """Eager: the loop on the metadata's host lengths. In a compiled graph: one op on cu_seqlens (`sdpa_op`),
         so the graph is not guarded on the lengths (a recompile per batch)."""
         if is_compiling() and sdpa_op.served(dropout_p):
+            ambient = autocast_dtype(q.device.type)  # autocast has no rule for the op: cast as it casts SDPA's
+            if ambient is not None:  # inputs (RoPE's fp32 cos/sin leave q and k fp32 beside a bf16 v)
+                q, k, v = q.to(ambient), k.to(ambient), v.to(ambient)
             return sdpa_op.varlen_sdpa(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, softmax_scale, causal,
                                        window_size, softcap)
         out, _ = sdpa.varlen_attention(
