@@ -6,6 +6,7 @@ frameworks', those marked `patchkit.shape_free`) keep the packed row of real tok
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -59,10 +60,11 @@ def two_patched_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Ten
     return got, heads, hook_warnings(caught)
 
 
-def seeded_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def seeded_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor,
+                                                                                                       dict]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # NEFTune: the same noise both ways, drawn over the same (B, S, H)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
+    out = model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask), **kwargs)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -351,3 +353,60 @@ def test_a_global_hook_keeps_the_layout_and_torchs_module_tracker_keeps_the_pack
     real = mask.bool()
     for logits in (want_hooked, got, counted):
         torch.testing.assert_close(logits[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+class Steering(torch.nn.Module):
+    """repeng's ControlModule (vgel/repeng, control.py), operator add: adds a vector to a layer's output from each
+    row's first position on, read off position_ids and the output's (B, S) shape."""
+
+    def __init__(self, block: torch.nn.Module, control: torch.Tensor) -> None:
+        super().__init__()
+        self.block, self.control = block, control
+
+    def forward(self, *args, **kwargs):
+        output = self.block(*args, **kwargs)
+        hidden = output[0] if isinstance(output, tuple) else output
+        positions = kwargs["position_ids"]
+        start = (positions == 0).cumsum(1).argmax(1, keepdim=True)
+        columns = torch.arange(positions.size(1)).unsqueeze(0)
+        hidden = hidden + self.control.reshape(1, 1, -1) * (columns >= start).float().reshape(*hidden.shape[:2], 1)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+class SoftPrompt(torch.nn.Module):
+    """A soft-prompt embedding of the tutorials': learned vectors in each row's first `n` columns."""
+
+    def __init__(self, embedding: torch.nn.Embedding, n: int = 2) -> None:
+        super().__init__()
+        self.embedding, self.n = embedding, n
+        self.prompt = torch.nn.Parameter(torch.randn(n, embedding.embedding_dim, generator=torch.Generator()
+                                                     .manual_seed(3)) * 0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rest = self.embedding(tokens[:, self.n:])
+        return torch.cat([self.prompt.expand(tokens.shape[0], -1, -1), rest], 1)
+
+
+@pytest.mark.parametrize("part", ["layer", "embedding"])
+def test_a_scripts_own_module_around_a_layer_or_as_the_embedding_sees_the_padded_rows(part):
+    """A steering wrapper around a decoder layer (it reads position_ids and the (B, S) output) and a soft-prompt
+    embedding (it splices each row's first columns) ran on the packed row: the vector and the prompt reached one
+    row (logits 0.52 and 0.45 off, silently). The layer's wrapper keeps the layers' layout, said once; the
+    embedding runs on the padded ids; both give unpatched's numbers."""
+    model = tiny_model(kv_heads=2, layers=2)
+    if part == "layer":
+        model.model.layers[0] = Steering(model.model.layers[0], torch.randn(64, generator=torch.Generator()
+                                                                            .manual_seed(2)) * 0.5)
+    else:
+        model.set_input_embeddings(SoftPrompt(model.get_input_embeddings()))
+    ref = clone(model)
+    ids, mask = padded_batch("right")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    want = seeded_step(ref, ids, mask, position_ids=positions)
+    with warnings.catch_warnings(record=True) as caught, patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        warnings.simplefilter("always")
+        got = seeded_step(model, ids, mask, position_ids=positions)
+        assert handle.calls == 2 and handle.stepped_aside == {}
+    said = [str(w.message) for w in caught if "a forward of the script's own around a decoder layer" in str(w.message)]
+    assert len(said) == (part == "layer") and all("Steering.forward on 'layers.0'" in s for s in said), said
+    assert_steps_alike(got, want)

@@ -119,6 +119,42 @@ def own_attention_forward(model: nn.Module) -> Optional[str]:
     return found
 
 
+# Whose forwards around a decoder layer or as the input embedding read no layout: transformers' and patchkit's,
+# torch's (checkpoint and FSDP wrappers, compiled modules), and the frameworks' that wrap layers or embeddings
+FRAMEWORKS = (*TRUSTED_FORWARDS, "peft.", "deepspeed.", "accelerate.", "bitsandbytes.")
+_layers: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[str]]] = weakref.WeakKeyDictionary()
+
+
+def forward_origin(module: nn.Module) -> str:
+    """"<module>.<qualname>" of what `module`'s call runs: an instance's forward, else its class's (under accelerate's
+    device-map hook, the forward it wraps)."""
+    forward = module.__dict__.get("forward", type(module).forward)
+    if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
+        forward = module._old_forward
+    fn = function_of(forward)
+    return f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def own_module(module: Optional[nn.Module]) -> bool:
+    """`module`'s forward is none of the frameworks' (`FRAMEWORKS`): a script's own, which may read the layout."""
+    return module is not None and not forward_origin(module).startswith(FRAMEWORKS)
+
+
+def own_layer(model: nn.Module) -> Optional[str]:
+    """The first decoder layer of `model` (an item of one of its ModuleLists) whose forward is a script's own
+    (`own_module`: repeng's steering wrapper reads position_ids and the (B, S, H) output), as "<its forward> on
+    '<path>'", else None. Read again where the lists' items changed."""
+    lists = [(name, child) for name, child in model._modules.items() if isinstance(child, nn.ModuleList)]
+    items = tuple(layer for _, layers in lists for layer in layers)
+    seen = _layers.get(model)
+    if seen is not None and len(seen[0]) == len(items) and all(a is b for a, b in zip(seen[0], items)):
+        return seen[1]
+    found = next((f"{forward_origin(layer)} on '{name}.{i}'" for name, layers in lists
+                  for i, layer in enumerate(layers) if own_module(layer)), None)
+    _layers[model] = (items, found)
+    return found
+
+
 # Modules whose output at one row depends on every row they are handed: torch's dynamically quantized ones scale
 # their input by the whole tensor's range (`torch.ao.quantization.quantize_dynamic`), padding's included
 MIXING_FROM = ("torch.ao.nn.quantized.dynamic.", "torch.nn.quantized.dynamic.")
@@ -202,6 +238,19 @@ def head_hook(lm: nn.Module, base_name: str) -> Optional[Callable]:
             return hook
         todo.extend(child for child in module._modules.values() if child is not None)
     return None
+
+
+def said_own_layer(found: Optional[str]) -> bool:
+    """`found` (`own_layer`), a decoder layer a script's forward wraps, may read the layout: said once, True."""
+    if found is None:
+        return False
+    if found not in _warned:
+        _warned.add(found)
+        warn_user(f"patchkit: {found}, a forward of the script's own around a decoder layer, may read the batch's "
+                  "(B, S, H) layout and position_ids, so the forwards keep that layout in their layers (attention "
+                  "still patched, padding computed in the rest). unpad='attention' keeps the layout without this "
+                  "warning.")
+    return True
 
 
 def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:

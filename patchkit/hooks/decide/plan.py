@@ -30,8 +30,10 @@ from patchkit.forward.inputs.module_hooks import (
     input_embedding,
     layout_hook,
     own_attention_forward,
+    own_layer,
     row_mixing_module,
     said_layout,
+    said_own_layer,
 )
 from patchkit.forward.inputs.paged import paged_cache
 from patchkit.forward.inputs.token_inputs import token_inputs
@@ -172,9 +174,10 @@ def chunked(config: Any) -> bool:
 
 
 def keeps_layout(model: nn.Module, skip: Optional[nn.Module]) -> bool:
-    """A hook inside `model` may read the (B, S, H) layout (`layout_hook`): the forward keeps it. Said once per hook,
-    with where it sits and the fix, unless it is PEFT's (`module_hooks.said_layout`)."""
-    return said_layout(model, layout_hook(model, skip))
+    """A hook inside `model` may read the (B, S, H) layout (`layout_hook`), or a decoder layer runs a script's own
+    forward around it (`own_layer`): the forward keeps it. Said once per hook, with where it sits and the fix,
+    unless it is PEFT's (`module_hooks.said_layout`), and once per layer's wrapper."""
+    return said_layout(model, layout_hook(model, skip)) or said_own_layer(own_layer(model))
 
 
 def rope_reads_padded_length(module: nn.Module, mask: torch.Tensor, position_ids: Any, seqlen: int) -> bool:

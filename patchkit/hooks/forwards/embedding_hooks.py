@@ -1,4 +1,5 @@
-"""A hooked input embedding sees the batch as transformers gives it: NEFTune scales its noise by its output's shape."""
+"""A hooked input embedding (or a script's own) sees the batch as transformers gives it: NEFTune scales its noise by
+its output's shape."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from patchkit.forward.inputs.module_hooks import hooks_on, input_embedding, reads_no_shape
+from patchkit.forward.inputs.module_hooks import hooks_on, input_embedding, own_module, reads_no_shape
 from patchkit.forward.padding import unpad_rows
 
 
 def reads_shape(embedding: nn.Module) -> bool:
-    """Whether a hook on `embedding` may read its input's or output's shape (any hook not known to read none)."""
-    return not all(reads_no_shape(hook) for hook in hooks_on(embedding))
+    """Whether a hook on `embedding` may read its input's or output's shape (any hook not known to read none), or
+    its forward is a script's own (`own_module`: a soft prompt spliced into each row's first columns)."""
+    return not all(reads_no_shape(hook) for hook in hooks_on(embedding)) or own_module(embedding)
 
 
 def _same(x: Any, tokens: torch.Tensor) -> bool:
