@@ -280,6 +280,49 @@ def test_a_subclass_computing_its_own_loss_from_the_logits_steps_aside_for_its_l
         assert handle.calls > calls and handle.stepped_aside == {"labels_from_padding": 1}
 
 
+class TargetsLM(transformers.LlamaForCausalLM):
+    """nanoGPT's naming: the labels of its own loss are `targets`."""
+
+    def forward(self, input_ids=None, attention_mask=None, targets=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if targets is not None:
+            logits = out.logits[:, :-1]
+            out.loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets[:, 1:].flatten())
+        return out
+
+
+TargetsLM.forward.__module__ = None  # as a class exec() defines without a __name__: read, not crashed on
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_a_subclass_naming_its_labels_targets_steps_aside_for_them_at_padding(way):
+    """A subclass whose own loss reads `targets` (nanoGPT's name), predicted from left padding: its labels were read
+    by the name `labels` alone, and the instance patch trained on padding logits (loss 4.5872 for 4.5940, head
+    gradient 26% off); a forward whose `__module__` is None crashed the frame reading."""
+    ids, mask = padded_batch("left")
+    naive = ids.masked_fill(mask == 0, -100)
+    torch.manual_seed(0)
+    plain = TargetsLM(tiny_model().config).train()
+
+    def step(model):
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, targets=naive).loss
+        loss.backward()
+        return loss.detach(), model.lm_head.weight.grad.clone()
+
+    want = step(plain)
+    with patchkit.apply_patch("llama2" if way == "class" else None, model=plain if way == "instance" else None,
+                              backend="sdpa") as handle:
+        patched = plain
+        if way == "class":
+            patched = TargetsLM(plain.config).train()
+            patched.load_state_dict(plain.state_dict())
+        got = step(patched)
+        assert handle.stepped_aside == {"labels_from_padding": 1}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["llama", None], ids=["one family", "every family"])
 def test_a_with_block_under_a_reverted_handle_is_refused_not_run_unpatched(name):
     """`with handle:` after `handle.revert()` ran its block unpatched without a word; an unknown name is a

@@ -60,12 +60,12 @@ def zero3_hook(hook: Callable) -> bool:
     fn = inspect.unwrap(hook)
     if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx":  # instrument_w_nvtx's wrapper keeps no __wrapped__
         fn = next((c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)), fn)
-    return getattr(fn, "__module__", "").startswith("deepspeed.runtime.zero.")
+    return (getattr(fn, "__module__", None) or "").startswith("deepspeed.runtime.zero.")
 
 
 def fsdp2_hook(hook: Callable) -> bool:
     """`hook` is FSDP2's (`fully_shard`: it gathers a unit's parameters around its modules' forwards)."""
-    return getattr(inspect.unwrap(hook), "__module__", "").startswith("torch.distributed.fsdp._fully_shard.")
+    return (getattr(inspect.unwrap(hook), "__module__", None) or "").startswith("torch.distributed.fsdp._fully_shard.")
 
 
 def reads_no_shape(hook: Callable) -> bool:

@@ -92,7 +92,7 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
 
 def ours_or_transformers(function: Callable) -> bool:
     """`function` was written by transformers or patchkit, not by a framework or the user."""
-    return getattr(function, "__module__", "").startswith(("transformers.", "patchkit."))
+    return (getattr(function, "__module__", None) or "").startswith(("transformers.", "patchkit."))  # None: exec
 
 
 def instance_forward(module: nn.Module) -> Optional[Callable]:
@@ -129,8 +129,12 @@ def subclass_labels(module: nn.Module) -> Optional[torch.Tensor]:
         seen = _overriding[cls] = (cls.forward, code if code is not None and code not in LM_WRAPPERS
                                    and not ours_or_transformers(cls.forward) else None)
     call = call_of(module, seen[1]) if seen[1] is not None else None
-    labels = None if call is None else call[0].get("labels")
-    return labels if isinstance(labels, torch.Tensor) else None
+    return None if call is None else next(
+        (call[0][name] for name in LABEL_NAMES if isinstance(call[0].get(name), torch.Tensor)), None)
+
+
+# What a causal LM's own forward names its labels: transformers', nanoGPT's and its descendants', older scripts'
+LABEL_NAMES = ("labels", "targets", "target", "lm_labels", "label_ids")
 
 
 def trainer_labels() -> Optional[torch.Tensor]:

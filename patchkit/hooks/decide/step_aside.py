@@ -38,6 +38,7 @@ from patchkit.forward.masks import build_metadata, fixed_slots
 from patchkit.forward.metadata import VarlenMetadata
 from patchkit.hooks.decide.causes import BRIEF, CAUSES
 from patchkit.hooks.decide.outer_caller import (
+    LABEL_NAMES,
     foreign_call,
     foreign_forward,
     head_outside_patch,
@@ -289,7 +290,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     causal LM, whose config says whether its cache keeps entries pooled from padding (`cache_over_padding`)."""
     if (traced := traced_by()) is not None:
         return traced
-    mask, labels = arguments.get("attention_mask"), arguments.get("labels")
+    mask = arguments.get("attention_mask")  # the labels of a subclass's own forward may be named otherwise
+    labels = next((arguments[name] for name in LABEL_NAMES if isinstance(arguments.get(name), torch.Tensor)), None)
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
     if labels is None and padded(mask):
