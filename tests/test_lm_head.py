@@ -296,3 +296,30 @@ def test_a_transformers_reached_through_a_link_is_still_read_as_transformers(tmp
     assert loss_reader._passing(str(real / "utils" / "generic.py"))
     assert loss_reader._passing(str(link / "utils" / "generic.py"))
     assert not loss_reader._passing(str(real / "models" / "llama" / "modeling_llama.py"))
+
+
+def loss_alone(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> float:
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()  # the loss alone: the fused head
+
+
+@pytest.mark.parametrize("misfit", ["int32 labels", "a head wider than vocab_size"])
+def test_what_transformers_loss_fails_on_is_refused_not_computed(misfit):
+    """int32 labels, or a head replaced by a wider one without config.vocab_size: transformers' loss raises, and
+    patchkit's fused head and loss computed a loss (4.5394, 4.9971), so the script failed only without patchkit.
+    Refused, naming the fix; the model still runs once the fix is made."""
+    model = family("llama")
+    ids, mask = padded_batch("right")
+    labels = labels_for(ids, mask)
+    if misfit == "int32 labels":
+        labels = labels.to(torch.int32)
+    else:
+        old = model.lm_head
+        model.lm_head = torch.nn.Linear(old.in_features, old.out_features + 16, bias=False)
+    with pytest.raises(RuntimeError):
+        loss_alone(model, ids, mask, labels)
+    with patchkit.apply_patch(model=model, backend="sdpa"):
+        with pytest.raises(patchkit.PatchInputError, match="labels.long" if misfit == "int32 labels" else
+                           "vocab_size=.*set it to the head's width"):
+            loss_alone(model, ids, mask, labels)
+        if misfit == "int32 labels":
+            assert loss_alone(model, ids, mask, labels.long()) > 0

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from patchkit.errors import PatchkitError
+from patchkit.errors import PatchInputError, PatchkitError
 from patchkit.forward.inputs.module_hooks import head_hook, layout_hook_on, said_layout
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX, chunked_causal_lm_loss, shifted_labels
 from patchkit.forward.metadata import VarlenMetadata
@@ -240,6 +240,8 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     if (meta is None and shifted is None) or (labels is None and shift_labels is None):
         return loss(logits, labels, vocab_size, *args, shift_labels=shift_labels, **kwargs)
     request.losses += 1
+    if request.rows is not None or request.loss_only:  # transformers' loss, computed by patchkit: what it fails on
+        refuse_misfit_labels(labels if shift_labels is None else shift_labels, logits.shape[-1], vocab_size)
     if request.check_rows is not None:
         try:
             ours = request.in_call.checked if request.in_call is not None else None
@@ -255,6 +257,18 @@ def _packed_loss(loss: Callable, request: HeadRequest, logits: torch.Tensor, lab
     if request.loss_only:  # `loss` is transformers' ForCausalLMLoss (`declined`): the same numbers, chunked
         loss = chunked_causal_lm_loss
     return loss(logits, shifted, vocab_size, *args, shift_labels=shifted, **kwargs)
+
+
+def refuse_misfit_labels(labels: Any, width: int, vocab_size: Any) -> None:
+    """What transformers' loss fails on, where patchkit's would run: labels of another dtype than int64 (its
+    cross-entropy takes no other), a head of another width than `vocab_size` (it reads the logits as rows that wide)."""
+    if isinstance(labels, torch.Tensor) and labels.dtype not in (torch.long, torch.uint8):
+        raise PatchInputError(f"labels are {labels.dtype}, and transformers' cross-entropy takes int64: pass "
+                              "labels.long() (the loss raises without patchkit too)")
+    if isinstance(vocab_size, int) and width != vocab_size:
+        raise PatchInputError(f"the LM head gives {width} logits a position but the loss is told vocab_size="
+                              f"{vocab_size} (config.vocab_size): set it to the head's width, as "
+                              "resize_token_embeddings() does (the loss raises without patchkit too)")
 
 
 def _fused_loss(request: HeadRequest, logits: torch.Tensor, num_items_in_batch: Optional[Any] = None,
