@@ -258,6 +258,26 @@ def test_contrastive_search_on_a_left_padded_batch_gives_this_versions_tokens():
     assert torch.equal(got, want)
 
 
+def _contrastive_search(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """As the Hub's custom_generate copy (transformers-community/contrastive-search, 4.57+) names its loop: a
+    module-level function of the model, whose prefill reads the prompt's last hidden states at every position."""
+    return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+
+
+def test_the_hubs_contrastive_search_function_is_read_as_the_method_was():
+    """From 4.57 contrastive search is the Hub's `_contrastive_search(model, ...)`, a function, no `self` to read:
+    its left-padded prefill ran patched (zero hidden states at padding: not a number after its norm). It steps
+    aside as the method's did, and its hidden states at real positions are unpatched's."""
+    model = tiny_model(kv_heads=2, seed=4).eval()
+    ids, mask = padded_batch("left", batch=3, seq=16)
+    with torch.no_grad():
+        want = _contrastive_search(model, ids, mask)
+        with patchkit.apply_patch("llama2", backend="sdpa") as handle:
+            got = _contrastive_search(model, ids, mask)
+            assert handle.stepped_aside == {"contrastive_search": 1}
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_right_padded_generation_steps_aside_with_this_versions_tokens():
     """Before 4.38 generate()'s prefill passes neither cache_position nor logits_to_keep: it is told by its frame,
     and runs on transformers' attention, as every later version's does (it ran patched, reading a zero hidden

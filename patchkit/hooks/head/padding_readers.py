@@ -4,10 +4,10 @@ state (varlen kernels compute nothing at padding), so what the caller derives fr
 TRL's ORPO and CPO trainers log `logits/chosen` and `logits/rejected` as the mean of the logits over every position
 of their padded batch, padding included (DPO's and KTO's average over real tokens alone). Their losses, log-
 probabilities, rewards and gradients read real tokens alone and are exact; the two metrics are not: said once.
-generate()'s contrastive search (transformers up to 4.56) ranks its candidates by their cosine similarity to the
-prompt's last hidden states, padding's included (a zero vector there: not a number, and another token): its prefill
-steps aside. Found by the calling frames (a frame's method name and its class's) of a forward without labels over
-several tokens.
+generate()'s contrastive search (transformers up to 4.56; after, the Hub's custom_generate copy) ranks its
+candidates by their cosine similarity to the prompt's last hidden states, padding's included (a zero vector there:
+not a number, and another token): its prefill steps aside. Found by the calling frames (a frame's method name and
+its class's) of a forward without labels over several tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ READERS = {("ORPOTrainer", "concatenated_forward"): "logits/chosen and logits/re
 # ... and those whose reading changes what they return: the forward steps aside with this cause
 ASIDE = {("GenerationMixin", "_contrastive_search"): "contrastive_search",
          ("GenerationMixin", "contrastive_search"): "contrastive_search"}  # its name before 4.39
+# ... and the module-level functions of the Hub's `custom_generate` copies of those methods (transformers 4.57+ moved
+# contrastive search to transformers-community/contrastive-search: `_contrastive_search(model, ...)`)
+FUNCTIONS = {"_contrastive_search": "contrastive_search"}
 # generate() before transformers 4.38 passes its prefill neither `cache_position` nor `logits_to_keep`, by which
 # `step_aside.right_padded_generation` tells it: its frame does, where a row's last prompt column is padding
 LEGACY_GENERATE = {("GenerationMixin", "generate"): "right_padded_generation"}
@@ -47,6 +50,9 @@ def padding_reader(frame: Optional[FrameType], readers: dict[tuple[str, str], st
             return None
         if frame.f_code.co_name in METHODS:
             owner = frame.f_locals.get("self")
+            what = FUNCTIONS.get(frame.f_code.co_name) if owner is None else None
+            if what is not None and what in readers.values():
+                return "custom_generate", what
             for cls in type(owner).__mro__:
                 what = readers.get((cls.__name__, frame.f_code.co_name))
                 if what is not None:
