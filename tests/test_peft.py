@@ -139,6 +139,44 @@ def test_prefix_tuning_with_labels_at_padding_steps_aside_exactly(way):
         torch.testing.assert_close(got[1][name], grad, atol=2e-6, rtol=1e-4, msg=name)
 
 
+def prefix_classifier(task: str) -> torch.nn.Module:
+    """A tiny LLaMA sequence or token classifier under PEFT's prefix tuning, its virtual keys drawn large."""
+    config = tiny_model().config
+    config.num_labels, config.pad_token_id = 3, 0
+    head = getattr(transformers, f"LlamaFor{'Sequence' if task == 'SEQ_CLS' else 'Token'}Classification")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(head(config), peft.PrefixTuningConfig(task_type=task, num_virtual_tokens=VIRTUAL))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.normal_(0, 0.3)
+    return model.eval()  # no dropout: both runs draw nothing
+
+
+@pytest.mark.skipif(PEFT_READS_OLD_CACHE_NAME, reason="this peft's prefix tuning is refused here unpatched too")
+@pytest.mark.parametrize("task", ["SEQ_CLS", "TOKEN_CLS"])
+def test_prefix_tuning_on_a_classifier_reading_padding_steps_aside_exactly(task):
+    """Prefix tuning hands a classifier a mask as wide as its virtual tokens and the ids: a sequence classifier that
+    pools a padding position (padding ids that are not pad_token_id) and token labels at padding went unread (loss
+    1.5269 for 2.4857, silently). The mask's own columns are read: they step aside and equal unpatched."""
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    if task == "SEQ_CLS":
+        ids, labels = ids.masked_fill(mask == 0, 2), torch.tensor([0, 1, 2])  # padded with an id not pad_token_id
+    else:
+        labels = torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, 0)
+    try:
+        want = step(prefix_classifier(task), ids, mask, labels=labels)
+    except (ValueError, TypeError) as error:
+        pytest.skip(f"prefix tuning on this classifier does not run unpatched here: {error}")
+    model = prefix_classifier(task)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = step(model, ids, mask, labels=labels)
+        assert handle.stepped_aside == {"pooled_at_padding" if task == "SEQ_CLS" else "labels_from_padding": 1}
+    torch.testing.assert_close(got[0], want[0], atol=2e-6, rtol=1e-5)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.skipif(PEFT_READS_OLD_CACHE_NAME, reason="this peft's prompt-learning generate() is refused here")
 def test_prefix_tuning_generates_a_right_padded_batch_as_unpatched():
     """generate()'s prefill behind prefix tuning's past: a right-padded row's next token is read at padding. It was

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from patchkit.forward.inputs.arguments import input_tokens
+from patchkit.forward.inputs.arguments import given_cache, input_tokens
 from patchkit.forward.loss.cross_entropy import IGNORE_INDEX
 from patchkit.hooks.decide.step_aside import padded
 
@@ -87,7 +87,10 @@ def task_cause(head: Any, arguments: dict) -> Optional[str]:
     None: `pooled_at_padding`, `labels_from_padding` (a token label at padding), `softmax_over_padding` (question
     answering's loss over a padded row)."""
     task = task_of(type(head))
-    mask = arguments.get("attention_mask")
+    mask, tokens = arguments.get("attention_mask"), input_tokens(arguments)
+    if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None and given_cache(arguments) is not None
+            and 0 < tokens.shape[1] < mask.shape[-1]):
+        mask = mask[:, -tokens.shape[1]:]  # behind a past (PEFT's prefix tuning): the tokens' own columns
     if not padded(mask) or not reads_by_position(task, arguments):
         return None
     batch, width = mask.shape
