@@ -306,3 +306,24 @@ def test_a_padded_prefill_into_a_quantized_cache_steps_aside_and_its_decode_runs
             assert handle.stepped_aside == {"quantized_cache": 1}
     for a, b in zip((*got, *got_even), (*want, *even)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["call", "generation_config"])
+def test_generate_without_a_cache_on_a_right_padded_prompt_steps_aside(how):
+    """generate(use_cache=False) passes its prefill neither a cache nor logits_to_keep, so a right-padded row's first
+    new token was read at a padding column, patched: the zero hidden state's logits (token 0, then the rest shifted),
+    silently. It is told by generate()'s frame, as before 4.38, and gives unpatched's tokens and scores."""
+    model = tiny_model(kv_heads=2, seed=2)
+    ids, mask = padded_batch("right", batch=3, seq=14)
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                   return_dict_in_generate=True, output_scores=True)
+    if how == "call":
+        options["use_cache"] = False
+    else:
+        model.generation_config.use_cache = False
+    want = model.generate(**options)
+    with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+        got = model.generate(**options)
+        assert handle.stepped_aside.get("right_padded_generation", 0) >= 1
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=2e-5, rtol=1e-4)

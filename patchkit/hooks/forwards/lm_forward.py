@@ -12,6 +12,7 @@ from torch import nn
 from patchkit.forward.context import current, within
 from patchkit.forward.inputs.arguments import (
     check_one_cache,
+    given_cache,
     input_tokens,
     resolved_use_cache,
     transformers_mask_in_graph,
@@ -103,7 +104,8 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
         cause = lm_cause(arguments, extra, self.training, takes_keep, self) or choice or (None if is_compiling() else
                                                                                     current().lm_cause)
         if cause is None and not labelled(arguments, extra) and wide(arguments) and not is_compiling():
-            cause = padding_cause(arguments.get("attention_mask"))  # contrastive search's prefill
+            cause = padding_cause(arguments.get("attention_mask"), given_cache(arguments, extra) is not None)
+            # contrastive search's prefill; generate()'s without a cache
             if cause is None:
                 say_padding_reader()  # a caller that reads the logits at padding (TRL's ORPO's metrics)
         if cause is None and misfit_labels(arguments):

@@ -30,8 +30,9 @@ ASIDE = {("GenerationMixin", "_contrastive_search"): "contrastive_search",
 # ... and the module-level functions of the Hub's `custom_generate` copies of those methods (transformers 4.57+ moved
 # contrastive search to transformers-community/contrastive-search: `_contrastive_search(model, ...)`)
 FUNCTIONS = {"_contrastive_search": "contrastive_search"}
-# generate() before transformers 4.38 passes its prefill neither `cache_position` nor `logits_to_keep`, by which
-# `step_aside.right_padded_generation` tells it: its frame does, where a row's last prompt column is padding
+# generate() before transformers 4.38 (and generate(use_cache=False) since) passes its prefill neither
+# `cache_position` nor `logits_to_keep`, by which `step_aside.right_padded_generation` tells it: its frame does, where
+# a row's last prompt column is padding
 LEGACY_GENERATE = {("GenerationMixin", "generate"): "right_padded_generation"}
 LEGACY_ASIDE = {**ASIDE, **LEGACY_GENERATE}
 READS = {"contrastive_search": lambda mask: not bool(mask.all()),  # every position's hidden state
@@ -61,12 +62,14 @@ def padding_reader(frame: Optional[FrameType], readers: dict[tuple[str, str], st
     return None
 
 
-def padding_cause(mask: Any) -> Optional[str]:
+def padding_cause(mask: Any, cached: bool = True) -> Optional[str]:
     """The cause a caller of this function's caller reads outputs at padding by (`ASIDE`), where `mask` (2D) has
-    padding it reads; else None."""
+    padding it reads; else None. A call with no cache (`cached` False: generate(use_cache=False), which passes
+    neither a cache nor `logits_to_keep`) is told generate()'s by its frame, as before 4.38."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return None
-    found = padding_reader(sys._getframe(2), LEGACY_ASIDE if transformers_before("4.38") else ASIDE)
+    legacy = transformers_before("4.38") or not cached
+    found = padding_reader(sys._getframe(2), LEGACY_ASIDE if legacy else ASIDE)
     return found[1] if found is not None and READS[found[1]](mask) else None
 
 
