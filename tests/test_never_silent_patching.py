@@ -359,3 +359,22 @@ def test_a_with_block_nested_in_another_keeps_the_outer_blocks_patch(name):
             pass
         assert first.active
     assert not first.active
+
+
+def test_an_instance_patch_bound_again_as_a_method_is_refused_by_name_and_reverts():
+    """accelerate's unwrap_model(keep_fp32_wrapper=False) binds what it cannot strip as a method of the model:
+    patchkit's patch then got the model as its input ids (a TypeError naming neither). Refused naming the fix; the
+    revert gives the instance back the forward it had."""
+    import types
+
+    model = tiny_model()
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    handle = patchkit.apply_patch(model=model, backend="sdpa")
+    model.forward = types.MethodType(model.forward, model)  # as accelerate's extract_model_from_parallel does
+    with pytest.raises(patchkit.PatchkitError, match="bound to it again.*apply_patch\\(model=...\\) after unwrapping"):
+        model(input_ids=ids, attention_mask=mask)
+    handle.revert()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, want)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch  # noqa: F401 (torch 2.6's dynamo names `torch` in the code it writes for BoundPatch.__call__'s frame)
 
-from patchkit.errors import PatchTargetError
+from patchkit.errors import PatchStateError, PatchTargetError
 
 _MISSING = object()
 _FROM_CLASS = object()  # an instance attribute that was not there: revert deletes ours, the class's shows again
@@ -61,6 +61,12 @@ class BoundPatch:
         self.on_copy = on_copy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] is self.__self__:  # bound again, as a method of its module: its own module as input
+            raise PatchStateError(
+                f"{type(self.__self__).__name__}.{self.attr}: patchkit's patch of this instance was bound to it "
+                "again as a method (accelerate's unwrap_model(model, keep_fp32_wrapper=False) after apply_patch("
+                "model=...) strips the forwards it knows and binds what is left), so the module would be passed "
+                "as its own input. Call apply_patch(model=...) after unwrapping, or before accelerator.prepare()")
         return self.__func__(self.__self__, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -201,8 +207,8 @@ def _replaced_since(r: Replacement, owner: Any) -> bool:
     now = vars(owner).get(r.attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
     if now is _MISSING:
         return False
-    if isinstance(r.owner, weakref.ref):  # an instance's: patchkit's are BoundPatches
-        return not isinstance(now, BoundPatch)
+    if isinstance(r.owner, weakref.ref):  # an instance's: patchkit's are BoundPatches (bound again as a method by
+        return not isinstance(getattr(now, "__func__", now), BoundPatch)  # accelerate's unwrapping: still ours)
     return now is not r.new and not hasattr(now, "__wrapped_original__")
 
 
