@@ -364,17 +364,22 @@ def test_a_with_block_nested_in_another_keeps_the_outer_blocks_patch(name):
 def test_an_instance_patch_bound_again_as_a_method_is_refused_by_name_and_reverts():
     """accelerate's unwrap_model(keep_fp32_wrapper=False) binds what it cannot strip as a method of the model:
     patchkit's patch then got the model as its input ids (a TypeError naming neither). Refused naming the fix; the
-    revert gives the instance back the forward it had."""
+    revert leaves what that unwrapping would have: the forward under the instance's wrapper (its `__wrapped__`),
+    here the class's, not the wrapper it stripped."""
+    import functools
     import types
 
     model = tiny_model()
     ids, mask = padded_batch("right")
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).logits
-    handle = patchkit.apply_patch(model=model, backend="sdpa")
+    inner = type(model).forward
+    model.forward = types.MethodType(functools.wraps(inner)(lambda self, *a, **k: inner(self, *a, **k)), model)
+    handle = patchkit.apply_patch(model=model, backend="sdpa")  # over a mixed-precision wrapper's forward
     model.forward = types.MethodType(model.forward, model)  # as accelerate's extract_model_from_parallel does
     with pytest.raises(patchkit.PatchkitError, match="bound to it again.*apply_patch\\(model=...\\) after unwrapping"):
         model(input_ids=ids, attention_mask=mask)
     handle.revert()
+    assert "forward" not in vars(model)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, want)

@@ -208,10 +208,11 @@ CAUSES = {
         "apply_patch(model=...) refuses an encoder of its own",
     ),
     "head_outside_patch": (
-        "the language model runs inside a multimodal model of another modeling module (LLaVA's around LLaMA's) that "
-        "patchkit did not wrap: it was built before the class patch, or only its language model was patched. Its "
-        "head reads the logits at every position (labels predicted from padding, generate()'s next token), which "
-        "its language model cannot see",
+        "the base model is called by a head patchkit did not wrap: a multimodal model of another modeling module "
+        "(LLaVA's around LLaMA's) built before the class patch, or only its language model patched; or a causal "
+        "LM whose forward a framework set on the instance before the class patch (accelerate's mixed-precision "
+        "wrapper at prepare()). That head reads the logits at every position (labels predicted from padding, "
+        "generate()'s next token), which its base model cannot see",
         "apply_patch() before loading the model, or apply_patch(model=...) on the whole model: patchkit then wraps "
         "its head, and its padded batches run patched",
     ),
@@ -347,7 +348,8 @@ BRIEF = {
     "alibi": ("ALiBi (alibi=True), a position bias transformers adds to the attention mask", "none needed"),
     "use_bidirectional_attention": ("attention layers that are not causal (PaliGemma's, an encoder's)",
                                     "none needed"),
-    "head_outside_patch": ("a multimodal model patchkit did not wrap runs its head over every position",
+    "head_outside_patch": ("a head patchkit did not wrap (a multimodal model's, or a causal LM's forward a framework "
+                           "set on the instance before the class patch, accelerate's prepare()) reads every position",
                            "apply_patch() before loading, or apply_patch(model=...) on the whole model"),
     "unwrapped_head": ("a model patchkit does not wrap reads every position's hidden state (ColPali's head)",
                        "none needed"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import types
 import weakref
 from typing import Any, Callable, Optional
 
@@ -195,11 +196,24 @@ def restore_replacements(replacements: list[Replacement]) -> None:
         if _replaced_since(r, owner):
             r.original = _MISSING
             continue
-        if r.had_own or _is_data_descriptor(owner, r.attr):
+        if r.had_own and isinstance(vars(owner).get(r.attr), types.MethodType):  # ours, bound again by accelerate's
+            _unwrapped(owner, r)  # unwrap_model(keep_fp32_wrapper=False): what that unwrap would have left
+        elif r.had_own or _is_data_descriptor(owner, r.attr):
             setattr(owner, r.attr, r.original)
         else:
             delattr(owner, r.attr)
         r.original = _MISSING
+
+
+def _unwrapped(owner: Any, r: Replacement) -> None:
+    """Give `owner` the forward its own one wraps (accelerate's mixed-precision wrappers followed by `__wrapped__` to
+    the function, as accelerate's unwrapping does, up to the class's own): the class's, else bound to `owner`."""
+    own = getattr(type(owner), r.attr, None)
+    function = inspect.unwrap(getattr(r.original, "__func__", r.original), stop=lambda f: f is own)
+    if function is own:
+        delattr(owner, r.attr)
+    else:
+        setattr(owner, r.attr, types.MethodType(function, owner))
 
 
 def _replaced_since(r: Replacement, owner: Any) -> bool:
