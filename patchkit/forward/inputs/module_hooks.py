@@ -125,19 +125,26 @@ FRAMEWORKS = (*TRUSTED_FORWARDS, "peft.", "deepspeed.", "accelerate.", "bitsandb
 _layers: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[str]]] = weakref.WeakKeyDictionary()
 
 
-def forward_origin(module: nn.Module) -> str:
-    """"<module>.<qualname>" of what `module`'s call runs: an instance's forward, else its class's (under accelerate's
-    device-map hook, the forward it wraps)."""
+def forward_function(module: nn.Module) -> Any:
+    """The function `module`'s call runs: an instance's forward, else its class's (under accelerate's device-map
+    hook, the forward it wraps)."""
     forward = module.__dict__.get("forward", type(module).forward)
     if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
         forward = module._old_forward
-    fn = function_of(forward)
+    return function_of(forward)
+
+
+def forward_origin(module: nn.Module) -> str:
+    """"<module>.<qualname>" of `forward_function(module)`."""
+    fn = forward_function(module)
     return f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def own_module(module: Optional[nn.Module]) -> bool:
-    """`module`'s forward is none of the frameworks' (`FRAMEWORKS`): a script's own, which may read the layout."""
-    return module is not None and not forward_origin(module).startswith(FRAMEWORKS)
+    """`module`'s forward is none of the frameworks' (`FRAMEWORKS`) nor marked `shape_free`: a script's own, which
+    may read the layout."""
+    return (module is not None and not getattr(forward_function(module), MARK, False)
+            and not forward_origin(module).startswith(FRAMEWORKS))
 
 
 def own_layer(model: nn.Module) -> Optional[str]:
@@ -248,8 +255,9 @@ def said_own_layer(found: Optional[str]) -> bool:
         _warned.add(found)
         warn_user(f"patchkit: {found}, a forward of the script's own around a decoder layer, may read the batch's "
                   "(B, S, H) layout and position_ids, so the forwards keep that layout in their layers (attention "
-                  "still patched, padding computed in the rest). unpad='attention' keeps the layout without this "
-                  "warning.")
+                  "still patched, padding computed in the rest). If it reads no shape, mark its forward with "
+                  "patchkit.shape_free(...) to run them on real tokens only; unpad='attention' keeps the layout "
+                  "without this warning.")
     return True
 
 

@@ -294,8 +294,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     labels = next((arguments[name] for name in LABEL_NAMES if isinstance(arguments.get(name), torch.Tensor)), None)
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
-    if labels is None and padded(mask):
-        labels = trainer_labels()  # the Trainer's loss of its own (label smoothing, compute_loss_func) from logits
+    if labels is None:  # the Trainer's loss of its own from logits (label smoothing, compute_loss_func): read off
+        labels = trainer_labels()  # its frame, on the host (a decode step reads no mask for it)
     cache = given_cache(arguments, extra)
     if (misfit := misfit_cause(arguments, cache, training)) is not None:
         return misfit  # under the name alone too, where no base model's forward asks `forward_cause`
