@@ -222,7 +222,8 @@ def _replaced_since(r: Replacement, owner: Any) -> bool:
     if now is _MISSING:
         return False
     if isinstance(r.owner, weakref.ref):  # an instance's: patchkit's are BoundPatches (bound again as a method by
-        return not isinstance(getattr(now, "__func__", now), BoundPatch)  # accelerate's unwrapping: still ours)
+        now = now.__func__ if isinstance(now, types.MethodType) else now  # accelerate's unwrapping: still ours)
+        return not isinstance(now, BoundPatch)
     return now is not r.new and not hasattr(now, "__wrapped_original__")
 
 
