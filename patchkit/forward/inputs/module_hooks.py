@@ -60,12 +60,12 @@ def zero3_hook(hook: Callable) -> bool:
     fn = inspect.unwrap(hook)
     if getattr(fn, "__module__", None) == "deepspeed.utils.nvtx":  # instrument_w_nvtx's wrapper keeps no __wrapped__
         fn = next((c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents)), fn)
-    return (getattr(fn, "__module__", None) or "").startswith("deepspeed.runtime.zero.")
+    return origin_of(fn).startswith("deepspeed.runtime.zero.")
 
 
 def fsdp2_hook(hook: Callable) -> bool:
     """`hook` is FSDP2's (`fully_shard`: it gathers a unit's parameters around its modules' forwards)."""
-    return (getattr(inspect.unwrap(hook), "__module__", None) or "").startswith("torch.distributed.fsdp._fully_shard.")
+    return origin_of(inspect.unwrap(hook)).startswith("torch.distributed.fsdp._fully_shard.")
 
 
 def reads_no_shape(hook: Callable) -> bool:
@@ -108,13 +108,9 @@ def own_attention_forward(model: nn.Module) -> Optional[str]:
         if cls not in classes and not any(ATTENTION_CLASS.search(c.__name__) for c in cls.__mro__):
             continue
         classes[cls] = cls.forward
-        forward = module.__dict__.get("forward", cls.forward)
-        if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
-            forward = module._old_forward  # accelerate's device-map hook around the module's own forward
-        runs = getattr(forward, "patchkit_runs", None)  # an instance patch's wrapper: what its class has now
-        fn = function_of(runs() if callable(runs) else forward)
+        fn = forward_function(module)
         if found is None and not origin_of(fn).startswith(TRUSTED_FORWARDS) and not dispatches(fn):
-            found = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)} on '{name}'"
+            found = f"{described(fn)} on '{name}'"
     _seen[model] = (tuple(classes.items()), found)
     return found
 
@@ -127,24 +123,24 @@ _layers: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[str]]] = wea
 
 def forward_function(module: nn.Module) -> Any:
     """The function `module`'s call runs: an instance's forward, else its class's (under accelerate's device-map
-    hook, the forward it wraps)."""
+    hook, the forward it wraps; under an instance patch's attention wrapper, what its class has now)."""
     forward = module.__dict__.get("forward", type(module).forward)
     if isinstance(forward, functools.partial) and hasattr(module, "_old_forward"):
         forward = module._old_forward
-    return function_of(forward)
+    runs = getattr(forward, "patchkit_runs", None)
+    return function_of(runs() if callable(runs) else forward)
 
 
-def forward_origin(module: nn.Module) -> str:
-    """"<module>.<qualname>" of `forward_function(module)`."""
-    fn = forward_function(module)
+def described(fn: Any) -> str:
+    """"<module>.<qualname>" of a function (`function_of` a hook or a forward)."""
     return f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def own_module(module: Optional[nn.Module]) -> bool:
     """`module`'s forward is none of the frameworks' (`FRAMEWORKS`) nor marked `shape_free`: a script's own, which
     may read the layout."""
-    return (module is not None and not getattr(forward_function(module), MARK, False)
-            and not forward_origin(module).startswith(FRAMEWORKS))
+    fn = forward_function(module) if module is not None else None
+    return fn is not None and not getattr(fn, MARK, False) and not origin_of(fn).startswith(FRAMEWORKS)
 
 
 def own_layer(model: nn.Module) -> Optional[str]:
@@ -156,7 +152,7 @@ def own_layer(model: nn.Module) -> Optional[str]:
     seen = _layers.get(model)
     if seen is not None and len(seen[0]) == len(items) and all(a is b for a, b in zip(seen[0], items)):
         return seen[1]
-    found = next((f"{forward_origin(layer)} on '{name}.{i}'" for name, layers in lists
+    found = next((f"{described(forward_function(layer))} on '{name}.{i}'" for name, layers in lists
                   for i, layer in enumerate(layers) if own_module(layer)), None)
     _layers[model] = (items, found)
     return found
@@ -267,7 +263,7 @@ def said_layout(model: nn.Module, hook: Optional[Callable]) -> bool:
     if hook is None:
         return False
     fn = function_of(hook)
-    name = f"{origin_of(fn)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    name = described(fn)
     if not name.startswith(QUIET_FROM) and name not in _warned:
         _warned.add(name)
         where = next((f"on {type(model).__name__}'s '{n}'" for n, m in model.named_modules()

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from patchkit.forward.inputs.module_hooks import origin_of
 from patchkit.hooks.install.forward_source import innermost
 from patchkit.hooks.install.patching import BoundPatch
 from patchkit.warn import MAX_FRAMES, trainers
@@ -92,7 +93,7 @@ def foreign_forward(module: nn.Module) -> Optional[Callable]:
 
 def ours_or_transformers(function: Callable) -> bool:
     """`function` was written by transformers or patchkit, not by a framework or the user."""
-    return (getattr(function, "__module__", None) or "").startswith(("transformers.", "patchkit."))  # None: exec
+    return origin_of(function).startswith(("transformers.", "patchkit."))
 
 
 def instance_forward(module: nn.Module) -> Optional[Callable]:

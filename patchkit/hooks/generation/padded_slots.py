@@ -95,9 +95,9 @@ def unmasked(filled: torch.Tensor, mask: Any, keys: int) -> Optional[tuple[bool,
     and new columns, lets a query see one of those slots), in one device read; None where they do not line up (a
     mask of fewer rows; before 4.53, of more rows, or more columns than the `keys`). A wider one is read as
     transformers 4.53+ does, by its first rows and columns (`mask_beyond_call`); a narrower one covers the first
-    columns, and
-    transformers masks the others (it pads the mask with zeros); a row whose narrow mask hides every key attends
-    evenly to all of them in transformers' attention, padding slots included (a full-width one's is a padding row)."""
+    columns, and transformers masks the others (it pads the mask with zeros); a row whose narrow mask hides every key
+    attends evenly to all of them in transformers' attention, padding slots included (a full-width one's is a padding
+    row)."""
     padding = filled == 0
     if mask is None:
         seen = padding.any()
