@@ -63,6 +63,28 @@ def test_a_decode_step_writes_the_config_around_the_forward_not_per_layer(way, m
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_decode_step_reads_no_callers_frames_for_the_trainers_labels(monkeypatch):
+    """Once the HF Trainer is imported, a prefill reads its callers' frames for the labels a Trainer's
+    `compute_loss` popped; a decode step's one token predicts nothing from padding, so it walks no frames."""
+    import transformers.trainer  # noqa: F401  (what makes the walk possible)
+
+    from patchkit.hooks.decide import step_aside
+
+    model = tiny_model(layers=2)
+    inputs = decode_inputs(model)
+    ids, mask = padded_batch("left")
+    with torch.no_grad():
+        expected = model(**{**inputs, "past_key_values": copy.deepcopy(inputs["past_key_values"])}).logits
+    walks, walk = [], step_aside.trainer_labels
+    monkeypatch.setattr(step_aside, "trainer_labels", lambda: walks.append(1) or walk())
+    with patchkit.apply_patch("llama2", backend="sdpa"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        prefill = len(walks)
+        got = model(**inputs).logits
+    assert prefill == 1 and len(walks) == 1  # the prefill walked once; the decode step not at all
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_the_attention_name_written_as_a_field_is_what_the_config_says():
     from transformers import LlamaConfig
 

@@ -294,8 +294,8 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     labels = next((arguments[name] for name in LABEL_NAMES if isinstance(arguments.get(name), torch.Tensor)), None)
     if labels is None and module is not None:
         labels = subclass_labels(module)  # a subclass's own forward that computes its loss from this call's logits
-    if labels is None:  # the Trainer's loss of its own from logits (label smoothing, compute_loss_func): read off
-        labels = trainer_labels()  # its frame, on the host (a decode step reads no mask for it)
+    if labels is None and not one_token_rows(arguments):  # the Trainer's loss of its own from logits (label
+        labels = trainer_labels()  # smoothing, compute_loss_func), off its frame; one token predicts nothing here
     cache = given_cache(arguments, extra)
     if (misfit := misfit_cause(arguments, cache, training)) is not None:
         return misfit  # under the name alone too, where no base model's forward asks `forward_cause`
@@ -313,6 +313,13 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if module is not None and not training and cache_over_padding(module, arguments, extra):
         return "cache_over_padding"
     return "rows_mixed_by_a_module" if module is not None and row_mixing_module(module) and padded(mask) else None
+
+
+def one_token_rows(arguments: dict) -> bool:
+    """The call brings one token per row (a decode step): its one label is predicted from no position of this call,
+    so no label of its is predicted from padding, and no caller's frames need reading for one."""
+    tokens = input_tokens(arguments)
+    return isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 1
 
 
 def cache_over_padding(module: Any, arguments: dict, extra: dict) -> bool:
