@@ -5,6 +5,8 @@ code reads anything else of the output gets the logits as before."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import pdb
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -316,19 +318,63 @@ def test_the_callers_code_reads_the_loss_alone_only_where_nothing_else_of_the_ou
     assert model.seen and set(model.seen) == {reads}, (code.__name__, model.seen)
 
 
+def through_a_cache(model, batch):
+    """`functools.lru_cache` (C) keeps the helper's output for a later call that reads its logits."""
+    @functools.cache
+    def outputs_for(key):
+        return model(**batch)
+
+    outputs_for(0).loss.backward()
+    return outputs_for(0).logits.argmax(-1)
+
+
+def show(outputs):
+    return outputs.logits.argmax(-1)
+
+
+def through_map_to_a_function(model, batch):
+    """`map` (C) collects the helper's output; the list's first item is handed to a function that reads its logits."""
+    outs = list(map(lambda b: model(**b), [batch]))
+    return show(outs[0])
+
+
+def through_a_key_function(model, batch):
+    """`min` (C) hands each output to a key function that reads its logits; this frame reads the loss alone."""
+    best = min(map(lambda b: model(**b), [batch]), key=lambda o: o.logits.sum())
+    return best.loss
+
+
+def through_a_partial(model, batch):
+    """`functools.partial` (C) passes the output on as it is."""
+    step = functools.partial(helper, model)
+    return step(batch).loss
+
+
+def under_a_debugger(model, batch):
+    """`pdb.set_trace()` shows this frame's locals, `outputs.logits` among them."""
+    outputs = model(**batch)
+    loss = outputs.loss
+    if batch.get("debug"):
+        pdb.set_trace()
+    return loss
+
+
 @pytest.mark.parametrize("code, reads", [
     (through_a_helper, True), (through_two_helpers, True), (through_a_lambda, True), (attribute, True),
     (through_a_helper_then_logits, False), (helper_kept, False), (through_a_generator, False), (first_item, True),
     (second_item, False), (false_item, False), (through_a_stored_helper, True),
     (through_a_stored_helper_then_logits, False), (through_a_branching_helper, True),
     (through_a_helper_that_reads_the_logits, False), (through_map, False), (through_map_then_stored, False),
-    (first_item_stored, True)])
+    (first_item_stored, True), (through_a_cache, False), (through_map_to_a_function, False),
+    (through_a_key_function, False), (through_a_partial, True), (under_a_debugger, False)])
 def test_helpers_that_return_the_output_as_it_is_are_read_through(code: Callable, reads: bool):
     """A helper of the user's that returns the LM's output as it is (`return model(**batch)`, a lambda, a wrapper
     module's forward, or an `outputs` it reads nothing of but the loss before it returns it) hands it to its own
     caller, whose code is read instead; a generator's return reaches no plain caller. `outputs[0]` is the loss
     wherever one was computed (the first field set, a tuple's first item), but where a field is read of it: a list
-    of outputs (`map`'s, whose C frame is not seen)."""
+    of outputs (`map`'s, whose C frame is not seen). A C function between a helper and its caller (a cache, `map`,
+    `min`'s key function) may keep or read the output: that caller keeps the logits; `functools.partial` passes the
+    output on. A debugger's `set_trace()` reads the frame's locals."""
     model = Walker()
     try:
         code(model, {})
@@ -682,3 +728,34 @@ def test_transformers_run_clm_no_trainer_loop_runs_fused_with_unpatched_numbers(
     assert [*got[0], *got[1:]] == pytest.approx([*want[0], *want[1:]], abs=1e-5)
     for name, weight in want_weights.items():
         torch.testing.assert_close(got_weights[name], weight, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def cached_steps(model: torch.nn.Module, batches: list) -> tuple:
+    """A loop that reads each step's loss alone through a cached helper, then the first step's logits from the cache."""
+    @functools.cache
+    def outputs_for(i):
+        return model(**batches[i])
+
+    losses = []
+    for i in range(len(batches)):
+        loss = outputs_for(i).loss
+        loss.backward()
+        losses.append(loss.item())
+    return losses, outputs_for(0).logits.detach()
+
+
+def test_a_helpers_output_kept_by_a_cache_keeps_its_logits():
+    """`functools.lru_cache` around a helper that returns the LM's output: the loop reads `.loss` alone, then the cached
+    output's logits. The cache (a C function) is between them, so the logits are kept (they were None: a crash)."""
+    import copy
+
+    model = family("llama")
+    rows = rows_of(model)
+    batches = [{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]} for i in (0, 4)]
+    plain = copy.deepcopy(model).train()
+    want = cached_steps(plain, batches)
+    with patchkit.apply_patch(model=model.train(), backend="sdpa"):
+        got = cached_steps(model, batches)
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    real = batches[0]["attention_mask"].bool()
+    torch.testing.assert_close(got[1][real], want[1][real], atol=1e-5, rtol=1e-5)

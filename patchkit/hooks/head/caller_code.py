@@ -16,6 +16,7 @@ names are global) keeps the logits.
 from __future__ import annotations
 
 import bisect
+import builtins
 import dis
 import functools
 import inspect
@@ -33,7 +34,7 @@ RETURNED = "returned"
 FRAME_GLOBALS = frozenset({"locals", "vars", "eval", "exec", "breakpoint", "inspect", "currentframe", "stack",
                            "getouterframes", "getinnerframes", "trace"})
 FRAME_ATTRIBUTES = frozenset({"locals", "vars", "_getframe", "f_locals", "currentframe", "_current_frames", "f_back",
-                               "tb_frame"})
+                               "tb_frame", "set_trace"})  # pdb's, ipdb's, debugpy's: a debugger shows the locals
 # ... and those that do so only on the builtins module (`builtins.eval`, pytest's rewritten asserts' `@py_builtins`)
 BUILTIN_ATTRIBUTES = frozenset({"eval", "exec", "breakpoint"})
 SKIPPED = frozenset({"CACHE", "EXTENDED_ARG", "NOP"})
@@ -270,6 +271,91 @@ def _uses(frame: FrameType) -> Optional[frozenset[str]]:
         first = frozenset({use})
     rest = _uses_on_every_path(code, variable, at + 2, skipped)
     return None if rest is None else first | rest
+
+
+# What a call's callee may be made of to be read: a name, then attributes of it (`model`, `self.model`, `self.step`)
+NAMES = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_GLOBAL",
+                   "LOAD_NAME", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"})
+ATTRIBUTES = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+CALL_PARTS = frozenset({"PUSH_NULL", "KW_NAMES", "PRECALL"})
+
+
+def calls_directly(frame: FrameType, child: FrameType) -> bool:
+    """The call `frame` is making now calls `child`'s function itself, so what `child` returns is what `frame`'s code
+    reads: not through a C function between them that keeps the output (`functools.lru_cache`), collects it
+    (`list(map(step, batches))`) or hands it to a key function (`min(..., key=...)`), which no frame shows. Read off
+    the call's callee expression (3.11+: a name and its attributes, by the instructions' source positions), looked
+    up in `frame`; a callee it cannot read is not known to be direct. Before 3.11 a call is taken as direct."""
+    if not PATHS:
+        return True
+    at = _call_at(frame)
+    if at is None:
+        return False
+    callee = _callee(_instructions(frame.f_code), at)
+    if callee is None:
+        return False
+    try:
+        found = _look_up(frame, callee)
+    except Exception:  # noqa: BLE001 - a name unbound since, or an attribute that raises: not known
+        return False
+    return _runs_as(found, child)
+
+
+def _callee(instructions: Sequence[dis.Instruction], at: int) -> Optional[list[dis.Instruction]]:
+    """The instructions that load the callee of the call at `at`: those of the call's source span that end before
+    its arguments begin, if they are a name and attributes of it, else None."""
+    span = instructions[at].positions
+    if span is None or span.lineno is None or span.col_offset is None:
+        return None
+    start, end = (span.lineno, span.col_offset), (span.end_lineno, span.end_col_offset)
+    parts, n = [], at - 1
+    while n >= 0:
+        where = instructions[n].positions
+        if where is None or where.lineno is None or (where.lineno, where.col_offset) < start or (
+                where.end_lineno, where.end_col_offset) > end:
+            break
+        parts.append(instructions[n])
+        n -= 1
+    parts.reverse()
+    heads = [(i.positions.end_lineno, i.positions.end_col_offset) for i in parts
+             if (i.positions.lineno, i.positions.col_offset) == start]
+    ends = [e for e in heads if e < end]
+    if not ends:
+        return None
+    last = max(ends)
+    loads = [i for i in parts if (i.positions.end_lineno, i.positions.end_col_offset) <= last
+             and i.opname not in CALL_PARTS]
+    if not loads or loads[0].opname not in NAMES or any(i.opname not in ATTRIBUTES for i in loads[1:]):
+        return None
+    return loads
+
+
+def _look_up(frame: FrameType, loads: Sequence[dis.Instruction]) -> object:
+    """The value of a name and its attributes (`loads`) in `frame`, as its code looked it up."""
+    first = loads[0]
+    name = first.argval[0] if isinstance(first.argval, tuple) else first.argval
+    if first.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+        scopes = ([frame.f_locals] if first.opname == "LOAD_NAME" else []) + [frame.f_globals]
+        found = next((scope[name] for scope in scopes if name in scope), None)
+        value = found if found is not None else getattr(builtins, name)
+    else:
+        value = frame.f_locals[name]
+    for attribute in loads[1:]:
+        value = getattr(value, attribute.argval)
+    return value
+
+
+def _runs_as(callee: object, child: FrameType) -> bool:
+    """Calling `callee` runs `child`'s code first: a function, a method, a callable object (a module: its
+    `_wrapped_call_impl`), through `functools.partial`, which passes the output on."""
+    code = child.f_code
+    while isinstance(callee, functools.partial):
+        callee = callee.func
+    function = getattr(callee, "__func__", callee)  # a bound method's function
+    if getattr(function, "__code__", None) is code:
+        return True
+    call = inspect.getattr_static(type(callee), "__call__", None)
+    return getattr(call, "__code__", None) is code and child.f_locals.get("self") is callee
 
 
 def reads_what_it_keeps(frame: FrameType) -> bool:

@@ -22,7 +22,7 @@ import sys
 from types import FrameType
 from typing import Optional
 
-from patchkit.hooks.head.caller_code import LOSS, RETURNED, reads_what_it_keeps, result_read_at
+from patchkit.hooks.head.caller_code import LOSS, RETURNED, calls_directly, reads_what_it_keeps, result_read_at
 from patchkit.warn import MAX_FRAMES, package_home, real_path, trainers
 
 # Packages whose frames between the Trainer and the LM pass its output on as it is, as paths under each package
@@ -65,7 +65,7 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
     `compute_loss_func` or label smoothing, keeps the logits); or code whose bytecode reads the loss alone, called
     through helpers of the user's that return the output as it is. `frame`: the first frame read (unset: the
     caller of this function, the LM's forward)."""
-    frame = sys._getframe(1) if frame is None else frame
+    frame, child = (sys._getframe(1) if frame is None else frame), None
     for _ in range(MAX_FRAMES):
         if frame is None:
             return False
@@ -73,12 +73,14 @@ def reads_loss_alone(frame: Optional[FrameType] = None) -> bool:
             return _reads_loss(frame)
         package = _passing_package(frame.f_code.co_filename)
         if package is None or package in READ_WHERE_KEPT and reads_what_it_keeps(frame):
+            if child is not None and not calls_directly(frame, child):
+                return False  # a C function between (a cache, `map`, a key function) may keep or read the output
             read = result_read_at(frame)  # the caller's own code: a training loop, a Trainer subclass's, a helper
             if read != RETURNED:
                 return read == LOSS
         if _hooked_call(frame):
             return False
-        frame = frame.f_back
+        frame, child = frame.f_back, frame
     return False
 
 
