@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from families import served_tiny, set_attention
-from models import check_packed_rows, doc_ids, pack, separate_logits, tiny_model
+from models import VOCAB, check_packed_rows, doc_ids, pack, separate_logits, tiny_model
 from packaging.version import Version
 
 import patchkit
@@ -304,3 +304,58 @@ def test_deepseek_v4s_packed_rows_in_a_batch_of_several_give_transformers_number
             got = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     assert not [w for w in said if "kept apart" in str(w.message)]
+
+
+def _documents(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return ids, positions, cu
+
+
+def test_cu_seq_lens_beside_a_mask_of_ones_are_kept_apart_and_said():
+    """cu_seq_lens_* beside an attention mask of ones: transformers' flash_attention_2 drops a mask with no padding and
+    keeps the documents apart, as patchkit does; its sdpa reads the mask alone and joins them, so it is said (it was
+    silent). The numbers are each document's alone: unpatched sdpa's for restarting position_ids and no mask."""
+    model = tiny_model()
+    ids, positions, cu = _documents([5, 1, 4, 2])
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=torch.ones_like(ids), **flash).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    said = [str(w.message) for w in caught if "kept apart" in str(w.message)]
+    assert said and "read the mask beside the cu_seq_lens" in said[0] and "no cu_seq_lens_* to join" in said[0]
+
+
+def test_cu_seq_lens_beside_a_padded_mask_follow_the_mask_as_transformers():
+    """cu_seq_lens_* beside a mask with padding: transformers' sdpa, eager and flash_attention_2 all read the mask
+    alone. So does patchkit (it refused the call)."""
+    model = tiny_model().train()
+    ids, mask = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4)), torch.ones(2, 12).long()
+    mask[1, 8:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    cu = torch.tensor([0, 12, 24], dtype=torch.int32)
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, **flash)
+    with patchkit.apply_patch("llama2", backend="sdpa"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels, **flash)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=1e-6)
+    real = mask.bool()
+    torch.testing.assert_close(got.logits[real], want.logits[real], atol=1e-5, rtol=1e-5)
+
+
+def test_position_ids_and_cu_seq_lens_naming_other_documents_are_refused():
+    """position_ids restarting at other places than cu_seq_lens_q's documents: transformers' sdpa keeps the former
+    apart, its flash_attention_2 the latter. patchkit followed the latter silently; it now refuses, naming both."""
+    model = tiny_model()
+    ids, positions, _ = _documents([5, 1, 4, 2])
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    with patchkit.apply_patch("llama2", backend="sdpa"), pytest.raises(patchkit.PatchkitError,
+                                                                      match=r"\[5, 1, 4, 2\].*\[6, 6\]"):
+        model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+              max_length_k=6, use_cache=False)

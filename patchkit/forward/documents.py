@@ -24,14 +24,14 @@ APART = [0]  # how many masks' metadata kept a row's documents apart (no mask gi
 def kept_apart(why: str) -> None:
     """Say once per reason that patchkit keeps a caller's packed documents apart where transformers' own sdpa or
     eager run of this forward lets them see each other (`why`: how it does), as its flash_attention_2 does not; an
-    attention mask of ones joins them in patchkit too."""
+    attention mask of ones, with no cu_seq_lens, joins them in patchkit too."""
     if why in _said:
         return
     _said.add(why)
-    warn_user(f"patchkit: packed documents (position_ids restarting, no attention_mask) are kept apart here, as "
-              f"transformers' flash_attention_2 keeps them, where its sdpa and eager attention {why}: this forward "
-              "gives each document's numbers alone, not theirs. Pass an attention_mask of ones to join them as those "
-              "do.")
+    warn_user(f"patchkit: packed documents (position_ids restarting with no attention_mask, or cu_seq_lens_*) are "
+              f"kept apart here, as transformers' flash_attention_2 keeps them (4.44+), where its sdpa and eager "
+              f"attention {why}: this forward gives each document's numbers alone, not theirs. Pass an "
+              "attention_mask of ones and no cu_seq_lens_* to join them as those do.")
 
 def document_lengths(
     real: torch.Tensor, indices: torch.Tensor, position_ids: Optional[torch.Tensor]
@@ -86,6 +86,17 @@ def has_packed_rows(mask: Optional[torch.Tensor], position_ids: Any) -> bool:
     return document_lengths(real, indices, position_ids).numel() > int(real.any(-1).sum())
 
 
+def packing_restart_with_past(
+    mask: Optional[torch.Tensor], batch: int, q_len: int, position_ids: Optional[torch.Tensor], device: torch.device
+) -> bool:
+    """A chunk with a past whose positions restart among its real tokens holds a new packed document."""
+    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
+        return False
+    real_q = (torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None
+              else mask[:, -q_len:].to(device=device, dtype=torch.bool))
+    return has_packed_rows(real_q, position_ids.to(device))
+
+
 def seq_idx_lengths(seq_idx: torch.Tensor, batch: int, q_len: int, indices: Optional[torch.Tensor]) -> list[int]:
     """Lengths of the runs of equal `seq_idx` over the real tokens (row-major), a new run at each row's start."""
     flat = seq_idx.to(torch.int64).expand(batch, q_len).reshape(-1)
@@ -116,6 +127,25 @@ def check_seq_idx(seq_idx: Optional[torch.Tensor], meta: VarlenMetadata) -> None
             f"attention mask give {_short(meta.seqlens_q)}. Attention follows the latter, so patchkit refuses "
             "rather than guess which one you meant: build seq_idx, position_ids and cu_seq_lens from the same "
             "documents (TRL's padding-free collator does)."
+        )
+
+
+def check_positions(position_ids: Optional[torch.Tensor], cu_seq_lens: torch.Tensor) -> None:
+    """Refuse `position_ids` that restart at other places than `cu_seq_lens_q`'s documents: transformers' sdpa and
+    eager attention keep apart the documents of the former, its flash_attention_2 those of the latter."""
+    if not has_packed_rows(None, position_ids):
+        return
+    batch, seqlen = position_ids.shape
+    real = torch.ones(batch, seqlen, dtype=torch.bool, device=position_ids.device)
+    indices = torch.arange(batch * seqlen, device=position_ids.device)
+    by_position = document_lengths(real, indices, position_ids).tolist()
+    by_cu = cu_seq_lens.diff().tolist()
+    if by_position != by_cu:
+        raise PatchInputError(
+            f"position_ids restart into documents of lengths {_short(by_position)}, but cu_seq_lens_q gives "
+            f"{_short(by_cu)}. transformers' sdpa and eager attention follow the former, its flash_attention_2 the "
+            "latter, so patchkit refuses rather than guess which one you meant: build position_ids and cu_seq_lens "
+            "from the same documents (DataCollatorWithFlattening and TRL's padding-free collator do)."
         )
 
 

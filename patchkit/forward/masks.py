@@ -10,7 +10,14 @@ import torch
 from patchkit.errors import PatchInputError, PatchStateError
 from patchkit.forward.cache_length import query_offset
 from patchkit.forward.context import current
-from patchkit.forward.documents import APART, check_seq_idx, document_lengths, has_packed_rows, seq_idx_lengths
+from patchkit.forward.documents import (
+    APART,
+    check_positions,
+    check_seq_idx,
+    document_lengths,
+    packing_restart_with_past,
+    seq_idx_lengths,
+)
 from patchkit.forward.metadata import (
     PastMetadata,
     VarlenMetadata,
@@ -60,17 +67,6 @@ def check_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             f"{tuple(mask.shape)}"
         )
     return mask
-
-
-def packing_restart_with_past(
-    mask: Optional[torch.Tensor], batch: int, q_len: int, position_ids: Optional[torch.Tensor], device: torch.device
-) -> bool:
-    """A chunk with a past whose positions restart among its real tokens holds a new packed document."""
-    if position_ids is None or q_len < 2 or position_ids.shape[-1] != q_len:
-        return False
-    real_q = (torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None
-              else mask[:, -q_len:].to(device=device, dtype=torch.bool))
-    return has_packed_rows(real_q, position_ids.to(device))
 
 
 def _from_cu_seqlens(
@@ -130,11 +126,8 @@ def build_metadata(
             f"{kv_len} keys (past + q_len). The 2D mask must cover every key exactly once: [batch, past + q_len] (a "
             "StaticCache's: up to all its slots; past + q_len where attn_implementation='patchkit' alone serves "
             f"sliding layers, which hold fewer slots); {fix}")
-    if cu_seq_lens_q is not None:
-        if mask is not None and not bool(mask.all()):
-            raise PatchInputError(
-                "got both cu_seq_lens_q/k (packed documents) and an attention_mask with padding; pass one of them"
-            )
+    if cu_seq_lens_q is not None and (mask is None or bool(mask.all())):  # as flash_attention_2 reads them: beside
+        check_positions(position_ids, cu_seq_lens_q)  # a padded mask, the mask alone (and sdpa's and eager's always)
         return _from_cu_seqlens(batch, q_len, kv_len, cu_seq_lens_q, cu_seq_lens_k)
 
     # transformers' rule (masking_utils): position_ids define packed documents only when no attention_mask is given;

@@ -97,7 +97,7 @@ def plan_forward(
         extra.clear(), extra.update(given_extra)
         return ForwardPlan(aside=cause)
     no_mask = arguments.get("attention_mask") is None
-    joined = joined_by_transformers(module, caller, extra) if no_mask and caller is not None else None
+    joined = joined_by_transformers(module, caller, extra) if caller is not None else None  # None under most masks
     if sequence_parallel:  # every rank keeps its equal-length shard: attention unpads the gathered one
         return ForwardPlan(no_mask=no_mask, mask_decides=noncausal)
     meta = unpad_plan(module, arguments, extra) if unpad in WHOLE_MODEL else None
@@ -205,10 +205,12 @@ def joined_by_transformers(module: nn.Module, arguments: dict, extra: dict) -> O
     """How transformers' own sdpa or eager run of this call lets the caller's packed documents (position_ids
     restarting with no mask, or `cu_seq_lens_*`) see each other, which patchkit's attention keeps apart, or None.
     Read before a training forward's default cache is dropped: transformers makes one there too."""
-    if arguments.get("attention_mask") is not None or paged_cache(given_cache(arguments, extra)):
+    mask, flash = arguments.get("attention_mask"), any(extra.get(k) is not None for k in FLASH_KWARGS[:2])
+    if flash and isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
+        return "read the mask beside the cu_seq_lens, so they find no documents"  # patchkit reads them as flash does
+    if mask is not None or paged_cache(given_cache(arguments, extra)):
         return None  # continuous batching's requests: its own masks keep them apart too
     positions = arguments.get("position_ids", extra.get("position_ids"))
-    flash = any(extra.get(k) is not None for k in FLASH_KWARGS[:2])
     if not flash and not isinstance(positions, torch.Tensor):
         return None
     restarts = has_packed_rows(None, positions)

@@ -265,7 +265,7 @@ def make_model_forward(
         check_one_cache(arguments)
         padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
-        caller = dict(arguments) if arguments.get("attention_mask") is None else None  # before its cache is dropped
+        caller = dict(arguments)  # as given, before a training forward's cache is dropped (`joined_by_transformers`)
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:

@@ -252,7 +252,7 @@ def lm_forward(call: Callable) -> Callable:
         if cause is not None:
             with within(lm_cause=cause):
                 return call(self, *args, **kwargs)
-        joined = joined_by_transformers(self.base_model, arguments, extra)  # None under a mask
+        joined = joined_by_transformers(self.base_model, arguments, extra)  # None under most masks
         apart = APART[0]
         out = call(self, *args, **kwargs)
         if joined is not None and APART[0] > apart:  # its layers kept the caller's packed documents apart
