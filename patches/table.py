@@ -153,6 +153,11 @@ REFUSED = {
 # transformers computes at that padding reaches the real tokens through the recurrence, and varlen kernels compute none
 # there. Such a forward steps aside (`padding_into_mixer`); right-padded and packed ones run patched.
 PADDING_INTO_MIXERS = frozenset({"recurrent_gemma", "deepseek_v4"})  # DeepSeek-V4's compressors pool by column
+# ... and hybrids whose mixer input projection has a bias (the config's field): at zeroed padding it reaches a
+# left-padded row's first real tokens through the short convolution, where a varlen row has none
+MIXER_INPUT_BIAS = {**dict.fromkeys(("bamba", "falcon_h1", "jamba", "zamba", "granitemoehybrid"), "mamba_proj_bias"),
+                    **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3"), "conv_bias"), "zamba2": "add_bias_linear",
+                    "nemotron_h": "use_bias"}
 
 # Families served but for configs with a feature the varlen path cannot take: model_type -> (the config field, which
 # names the step-aside cause of a model whose field is true, and the feature). Such a model runs on transformers'

@@ -357,3 +357,27 @@ def test_packed_documents_run_apart_under_the_registered_name_alone():
     want_padded = step(model, padded_ids, mask)
     model.set_attn_implementation("patchkit")
     assert_same(step(model, padded_ids, mask), want_padded, mask)
+
+
+@pytest.mark.parametrize("model_type, field", [("jamba", "mamba_proj_bias"), ("lfm2", "conv_bias")])
+def test_a_mixer_input_projection_with_a_bias_steps_aside_under_left_padding_alone(model_type, field):
+    """A hybrid whose mixer input projection has a bias (Bamba's, Falcon-H1's, Jamba's `mamba_proj_bias`, LFM2's
+    `conv_bias`, ...): transformers zeroes the padding's hidden states before it, so the bias reaches a left-padded
+    row's first real tokens through the short convolution, where a varlen row has none (silently off before). Left
+    padding steps aside (`padding_into_mixer`) with unpatched numbers; right padding still runs patched."""
+    torch.manual_seed(0)
+    config = tiny_config(model_type)
+    setattr(config, field, True)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    with torch.no_grad():  # a trained checkpoint's biases are not zero
+        for name, p in model.named_parameters():
+            if name.endswith("in_proj.bias"):
+                p.uniform_(-1, 1)
+    for side, aside in (("left", {"padding_into_mixer": 1}), ("right", {})):
+        ids, mask = padded_batch(side)
+        want = step(model, ids, mask)
+        with patchkit.apply_patch(model_type, backend="sdpa") as handle, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = step(model, ids, mask)
+            assert dict(handle.stepped_aside) == aside, side
+        assert_same(got, want, mask)

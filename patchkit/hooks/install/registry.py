@@ -151,8 +151,12 @@ def config_refusals(model_type: Optional[str]) -> dict[str, str]:
 
 
 def padding_into_mixers(config: Any) -> bool:
-    """The family's mixers read the padding positions' hidden states (the table's PADDING_INTO_MIXERS)."""
-    return getattr(config, "model_type", None) in _table_list("PADDING_INTO_MIXERS", frozenset)
+    """The family's mixers read the padding positions' hidden states (the table's PADDING_INTO_MIXERS), or this
+    config's mixers the bias of their input projection there (MIXER_INPUT_BIAS)."""
+    model_type = getattr(config, "model_type", None)
+    field = _table_list("MIXER_INPUT_BIAS", dict).get(model_type)
+    return model_type in _table_list("PADDING_INTO_MIXERS", frozenset) or (
+        field is not None and getattr(config, field, False) is True)
 
 
 def mixes_rows(config: Any) -> bool:
