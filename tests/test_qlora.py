@@ -48,3 +48,37 @@ def test_qlora_trains_as_unpatched(tmp_path, unpad):
     assert any("lora_" in name for name in want[1])
     if unpad != "attention":  # the Trainer's own step reads the loss alone: fused under "model" too
         assert got[2] == {lm_head.FUSED: 4}
+
+
+def test_an_8bit_models_padded_forward_steps_aside_with_unpatched_numbers(tmp_path):
+    """bitsandbytes' LLM.int8() layers (`load_in_8bit`, outlier threshold 6.0) compute in full precision every input
+    column where any row they are handed passes the threshold, padding rows' included: on the real tokens alone they
+    compute otherwise (7.7e-3 off at real tokens, silently). Such a model's padded forward steps aside
+    (`rows_mixed_by_a_module`); its unpadded one runs patched."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    import patchkit
+
+    model = tiny_model()
+    with torch.no_grad():  # norm gains of 4: hidden states reach the threshold, as a trained model's outliers do
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(4.0)
+            layer.post_attention_layernorm.weight.mul_(4.0)
+    model.save_pretrained(tmp_path / "tiny8")
+    eight = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny8", device_map={"": "cpu"},
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True)).eval()
+    ids, mask = padded_batch("right", batch=3, seq=16)
+    with torch.no_grad():
+        want = eight(input_ids=ids, attention_mask=mask).logits
+        whole = eight(input_ids=ids[:1], attention_mask=mask[:1]).logits
+    with patchkit.apply_patch(model=eight, backend="sdpa") as handle, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        got = eight(input_ids=ids, attention_mask=mask).logits
+        assert dict(handle.stepped_aside) == {"rows_mixed_by_a_module": 1}
+        alone = eight(input_ids=ids[:1], attention_mask=mask[:1]).logits  # no padding: patched
+        assert dict(handle.stepped_aside) == {"rows_mixed_by_a_module": 1}
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone, whole, atol=1e-5, rtol=1e-5)

@@ -132,8 +132,9 @@ CAUSES = {
     ),
     "rows_mixed_by_a_module": (
         "a module in the model computes each row's output from every row it is handed: torch's dynamically quantized "
-        "layers (torch.ao.quantization.quantize_dynamic) scale their input by the whole tensor's range, padding's "
-        "included, so on the real tokens alone they would scale otherwise",
+        "layers (torch.ao.quantization.quantize_dynamic) scale their input by the whole tensor's range, and "
+        "bitsandbytes' LLM.int8() layers (load_in_8bit) compute in full precision the columns where any row passes "
+        "their outlier threshold, padding's included, so on the real tokens alone they would compute otherwise",
         "none needed: the forward runs as transformers' does; a per-row (per-token) quantization, as torchao's "
         "dynamic activation quantization, runs patched",
     ),
@@ -318,8 +319,8 @@ BRIEF = {
                           "remove_unused_columns=True) to run patched"),
     "own_attention_forward": ("an attention module's forward is not transformers' own (a subclass's, a script's "
                               "patch)", "none needed; remove the script's own attention patch to run patched"),
-    "rows_mixed_by_a_module": ("a module scales each row by every row's range (torch's dynamic quantization)",
-                               "none needed"),
+    "rows_mixed_by_a_module": ("a module computes each row from every row it is handed (torch's dynamic "
+                               "quantization, bitsandbytes' LLM.int8() outliers)", "none needed"),
     "contrastive_search": ("generate()'s contrastive search ranks its tokens by the prompt's hidden states at "
                            "padding too", "none needed"),
     "cross_attention": ("cross-attention over encoder_hidden_states", "none needed"),
