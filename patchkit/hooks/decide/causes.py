@@ -30,7 +30,8 @@ CAUSES = {
     "static_cache_mask": (
         "generate() built the model's 4D masks for its static cache before the model ran, over cache layers whose "
         "masks patchkit does not read back as a padding mask (Llama 4's chunked attention in a sliding layer, a "
-        "hybrid's linear-attention-and-attention layers)",
+        "hybrid's linear-attention-and-attention layers, a sparse attention's indexed layers: DeepSeek-V3.2's, "
+        "GLM-5's)",
         "none needed: such a generate() stays exact on transformers' attention; with the default dynamic cache "
         "(no cache_implementation='static') it runs patched",
     ),

@@ -13,6 +13,7 @@ qualify, which the varlen path already places (`VarlenMask`, `cache_placement`);
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Collection, Optional
 
 import torch
@@ -31,6 +32,12 @@ from patchkit.forward.inputs.arguments import (
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import cache_placement, fixed_slots
 from patchkit.hooks.install.routing import attn_name
+
+
+def static_cache(cache: Any) -> bool:
+    """`cache` is transformers' StaticCache, whatever its layers."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(cache, getattr(cache_utils, "StaticCache", ()))
 
 
 def static_layers(cache: Any, cross: Collection[int] = ()) -> Optional[list[tuple[bool, int]]]:
@@ -262,7 +269,7 @@ def served_4d_cause(module: Any, arguments: dict, extra: dict) -> Optional[str]:
         return None
     found = padding_from_slots_mask(module, arguments)
     if found is None:  # generate()'s masks per layer type for a static cache (a dict: transformers' alone), or others
-        made = isinstance(arguments.get("attention_mask"), dict) and static_layers(given_cache(arguments)) is not None
+        made = isinstance(arguments.get("attention_mask"), dict) and static_cache(given_cache(arguments))
         return "static_cache_mask" if made else "custom_4d_mask"
     keys, past = found
     if past == 0 and ends_in_padding(keys):
