@@ -69,3 +69,26 @@ def test_a_moe_base_model_tuple_gives_router_logits_per_padded_token(family):
     experts = getattr(text, "num_local_experts", getattr(text, "num_experts", None))
     torch.testing.assert_close(loss(got[-1], experts, text.num_experts_per_tok, mask),
                                loss(want[-1], experts, text.num_experts_per_tok, mask), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("way", ["class", "instance"])
+def test_a_sequence_classifiers_training_tuple_keeps_its_cache_in_place(way):
+    """A sequence classifier in training, return_dict=False, the config's use_cache on: transformers' tuple is
+    (loss, logits, cache, hidden states). The head asks its base model for a dict, so the base model could not tell a
+    place was held: the patched tuple lost the cache (`loss, logits, cache, hidden = out` raised), as the causal LM's
+    did until its wrapper passed use_cache on. The task head's wrapper passes it on too."""
+    from models import tiny_config
+    from transformers import LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(tiny_config(num_labels=3)).train()
+    ids, mask = padded_batch("right")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 2, 1]), return_dict=False,
+              output_hidden_states=True)
+    want = model(**kw)
+    with patchkit.apply_patch("llama2", backend="sdpa", model=model if way == "instance" else None):
+        got = model(**kw)
+    assert describe(got)[:3] == describe(want)[:3] and len(got) == len(want) == 4
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert got[2].get_seq_length() == want[2].get_seq_length() == ids.shape[1]

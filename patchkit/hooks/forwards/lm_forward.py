@@ -14,7 +14,6 @@ from patchkit.forward.inputs.arguments import (
     check_one_cache,
     given_cache,
     input_tokens,
-    resolved_use_cache,
     transformers_mask_in_graph,
 )
 from patchkit.forward.liveness import in_one_graph, is_compiling
@@ -23,7 +22,7 @@ from patchkit.hooks.decide.outer_caller import LM_WRAPPERS
 from patchkit.hooks.decide.self_check_lm import head_cause
 from patchkit.hooks.decide.step_aside import lm_cause
 from patchkit.hooks.decide.task_reads import CHOICE, choice_cause
-from patchkit.hooks.forwards.model_forward import bound_call, wants_tuple
+from patchkit.hooks.forwards.model_forward import bound_call, tuple_cache_kwargs
 from patchkit.hooks.head.fused_head import fused_head
 from patchkit.hooks.head.head_request import HeadRequest, run_lm
 from patchkit.hooks.head.lm_head import compiled_loss_alone, declined, finish
@@ -95,9 +94,7 @@ def make_lm_forward(original: Callable, unpad: str = "model", state: Any = None)
             pools = chooses and isinstance(arguments.get("attention_mask"), torch.Tensor)  # a position per choice
             with lm_in_graph(lm_plan(arguments, extra) or pools):
                 return original(self, *args, **kwargs)
-        if self.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
-                wants_tuple(self, arguments, extra) and resolved_use_cache(self, None)):
-            kwargs = {**kwargs, "use_cache": True}  # the tuple's cache element, which the base model cannot tell
+        kwargs = tuple_cache_kwargs(self, arguments, extra, kwargs)  # the tuple's cache element
         # a call inside another LM's (Llama 4's causal LM in its multimodal model, which holds the labels) keeps what
         # that call reads at padding
         choice = eager_choice_cause(arguments) if chooses else None

@@ -196,6 +196,16 @@ def _keep_no_cache_for_the_loss(module: nn.Module, args: dict) -> None:
         args["use_cache"] = False
 
 
+def tuple_cache_kwargs(module: nn.Module, arguments: dict, extra: dict, kwargs: dict) -> dict:
+    """`kwargs` with use_cache=True for a training call of a model with a head (a causal LM, a task head) that
+    returns a tuple (return_dict=False) whose config's use_cache holds its cache a place: the base model, called for a
+    dict, cannot tell (`_keep_no_cache_in_training`). Else `kwargs` as given."""
+    if module.training and "use_cache" not in arguments and "use_cache" not in extra and not is_compiling() and (
+            wants_tuple(module, arguments, extra) and resolved_use_cache(module, None)):
+        return {**kwargs, "use_cache": True}
+    return kwargs
+
+
 def wants_tuple(module: nn.Module, args: dict, extra: dict) -> bool:
     """The call returns a tuple (return_dict=False, on the call or the config), whose elements sit by position."""
     asked = args.get("return_dict", extra.get("return_dict"))
