@@ -137,8 +137,7 @@ SPARSE_TRANSFORMERS = ">=5.23"
 COMPRESSORS = {"deepseek_v4": ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor")}
 MIXER_LAYER_TYPES = ("mamba", "linear_attention", "conv", "ssm", "recurrent", "lightning", "hybrid")
 
-# a bias of the attention scores the family's attention hands transformers' attention function: no varlen kernel takes
-# one; found in any family's attention by the keyword (Inkling's, Inkling 2's)
+# a bias of the scores a family's attention hands transformers' (Inkling's, by the keyword): no varlen kernel takes one
 SCORE_BIAS = "a relative position bias added to the attention scores (`position_bias`)"
 REFUSED = {
     **dict.fromkeys(("glm5_next", "minimax_m3_vl_text"),
@@ -148,22 +147,18 @@ REFUSED = {
     "doge": "dynamic mask attention (a learned bias on every score, read from the mask)",
 }
 
-# Families whose token mixers run over the padded batch and read its padding positions (RecurrentGemma's RG-LRU:
-# transformers does not zero them): where a row has padding before a real token (left padding), the attention output
-# transformers computes at that padding reaches the real tokens through the recurrence, and varlen kernels compute none
-# there. Such a forward steps aside (`padding_into_mixer`); right-padded and packed ones run patched.
-PADDING_INTO_MIXERS = frozenset({"recurrent_gemma", "deepseek_v4"})  # DeepSeek-V4's compressors pool by column
-# ... and hybrids whose mixer input projection has a bias (the config's field): at zeroed padding it reaches a
-# left-padded row's first real tokens through the short convolution, where a varlen row has none
+# Mixers that read padding (RecurrentGemma's RG-LRU: not zeroed; DeepSeek-V4's compressors pool by column), or, with
+# the config's field, their input projection's bias there (through the short convolution): what transformers computes
+# at padding before a real token reaches the real tokens; varlen rows have none. Left padding steps aside there
+PADDING_INTO_MIXERS = frozenset({"recurrent_gemma", "deepseek_v4"})
 MIXER_INPUT_BIAS = {**dict.fromkeys(("bamba", "falcon_h1", "jamba", "zamba", "granitemoehybrid"), "mamba_proj_bias"),
                     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3"), "conv_bias"), "zamba2": "add_bias_linear",
                     "nemotron_h": "use_bias"}
 
 # Families served but for configs with a feature the varlen path cannot take: model_type -> (the config field, which
-# names the step-aside cause of a model whose field is true, and the feature). Such a model runs on transformers'
-# attention, warned and counted; apply_patch(model=...) refuses it by its gate. Falcon reaches the attention
-# interface from transformers 5.25: its rotary configs (Falcon-7B/40B/180B) are exact, its ALiBi ones (Falcon-RW) add
-# the bias to the attention mask, in bfloat16, which no varlen kernel's ALiBi reproduces.
+# names the step-aside cause where true, and the feature): run on transformers' attention, warned and counted;
+# apply_patch(model=...) refuses it by its gate. Falcon (the interface from 5.25): its rotary configs are exact, its
+# ALiBi ones (Falcon-RW) add the bias to the mask in bfloat16, which no varlen kernel's ALiBi reproduces.
 REFUSED_CONFIGS = {"falcon": ("alibi", "ALiBi (Falcon-RW), a position bias the model adds to the attention mask")}
 
 

@@ -199,6 +199,13 @@ def input_tokens(arguments: dict) -> Any:
     return arguments.get("input_ids") if embeds is None else embeds
 
 
+def one_token_rows(arguments: dict) -> bool:
+    """The call brings one token per row (a decode step): its one label is predicted from no position of this call,
+    so no label of its is predicted from padding, and no caller's frames need reading for one."""
+    tokens = input_tokens(arguments)
+    return isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 1
+
+
 def sliding_window(config: Any) -> Optional[int]:
     """The config's sliding window where some layer uses it (generously: a false positive only steps aside)."""
     window = getattr(config, "sliding_window", None)

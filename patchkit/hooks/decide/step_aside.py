@@ -23,6 +23,7 @@ from patchkit.forward.inputs.arguments import (
     input_tokens,
     mask_beyond_call,
     mask_short_of_keys,
+    one_token_rows,
     quantizes_across_slots,
     resolved_use_cache,
     sliding_window,
@@ -313,13 +314,6 @@ def lm_cause(arguments: dict, extra: dict, training: bool = False, takes_keep: b
     if module is not None and not training and cache_over_padding(module, arguments, extra):
         return "cache_over_padding"
     return "rows_mixed_by_a_module" if module is not None and row_mixing_module(module) and padded(mask) else None
-
-
-def one_token_rows(arguments: dict) -> bool:
-    """The call brings one token per row (a decode step): its one label is predicted from no position of this call,
-    so no label of its is predicted from padding, and no caller's frames need reading for one."""
-    tokens = input_tokens(arguments)
-    return isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] == 1
 
 
 def cache_over_padding(module: Any, arguments: dict, extra: dict) -> bool:
