@@ -130,10 +130,11 @@ def check_seq_idx(seq_idx: Optional[torch.Tensor], meta: VarlenMetadata) -> None
         )
 
 
-def check_positions(position_ids: Optional[torch.Tensor], cu_seq_lens: torch.Tensor) -> None:
-    """Refuse `position_ids` that restart at other places than `cu_seq_lens_q`'s documents: transformers' sdpa and
-    eager attention keep apart the documents of the former, its flash_attention_2 those of the latter."""
-    if not has_packed_rows(None, position_ids):
+def check_positions(mask: Any, position_ids: Any, cu_seq_lens: Any) -> None:
+    """Refuse a caller's `position_ids` that restart at other places than its `cu_seq_lens_q`'s documents, with no
+    mask: transformers' sdpa and eager attention keep apart the documents of the former, its flash_attention_2 those
+    of the latter. (A 4D mask's documents, which patchkit passes on as cu_seq_lens, are read before they are made.)"""
+    if mask is not None or not isinstance(cu_seq_lens, torch.Tensor) or not has_packed_rows(None, position_ids):
         return
     batch, seqlen = position_ids.shape
     real = torch.ones(batch, seqlen, dtype=torch.bool, device=position_ids.device)

@@ -12,7 +12,6 @@ from patchkit.forward.cache_length import query_offset
 from patchkit.forward.context import current
 from patchkit.forward.documents import (
     APART,
-    check_positions,
     check_seq_idx,
     document_lengths,
     packing_restart_with_past,
@@ -127,8 +126,7 @@ def build_metadata(
             "StaticCache's: up to all its slots; past + q_len where attn_implementation='patchkit' alone serves "
             f"sliding layers, which hold fewer slots); {fix}")
     if cu_seq_lens_q is not None and (mask is None or bool(mask.all())):  # as flash_attention_2 reads them: beside
-        check_positions(position_ids, cu_seq_lens_q)  # a padded mask, the mask alone (and sdpa's and eager's always)
-        return _from_cu_seqlens(batch, q_len, kv_len, cu_seq_lens_q, cu_seq_lens_k)
+        return _from_cu_seqlens(batch, q_len, kv_len, cu_seq_lens_q, cu_seq_lens_k)  # a padded mask, the mask alone
 
     # transformers' rule (masking_utils): position_ids define packed documents only when no attention_mask is given;
     # a 2D mask is padding only, and documents in its rows attend to each other (LLaMA-Factory's plain packing).
