@@ -6,6 +6,7 @@ exported one is planned as a compiled graph that may not break."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -62,5 +63,30 @@ def test_a_torch_export_of_a_patched_model_gives_unpatched_numbers():
         with patchkit.apply_patch(model=model, backend="sdpa"):
             exported = torch.export.export(Logits(model), (ids, mask)).module()
             got = exported(other, other_mask)
+    real = other_mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("way", ["instance", "name"])
+def test_a_torch_export_of_the_patched_model_itself_gives_unpatched_numbers(way):
+    """torch.export of the causal LM itself (not a wrapper), patched on the instance or loaded under the name: torch
+    reads `model.forward.__code__`, which patchkit's bound forward hid (AttributeError: __code__); it shows it now,
+    as a bound method does."""
+    from transformers import AutoModelForCausalLM
+
+    model = family("llama").eval()
+    plain = copy.deepcopy(model)
+    if way == "name":
+        config = copy.deepcopy(model.config)
+        config._attn_implementation = "patchkit"
+        named = AutoModelForCausalLM.from_config(config, attn_implementation="patchkit").eval()
+        named.load_state_dict(model.state_dict())
+        model = named
+    (ids, mask), (other, other_mask) = batches(model.config.vocab_size)
+    with torch.no_grad():
+        want = plain(input_ids=other, attention_mask=other_mask, use_cache=False).logits
+        with patchkit.apply_patch(model=model, backend="sdpa") if way == "instance" else contextlib.nullcontext():
+            exported = torch.export.export(model, (ids,), {"attention_mask": mask, "use_cache": False}).module()
+            got = exported(other, attention_mask=other_mask, use_cache=False).logits
     real = other_mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)

@@ -142,7 +142,8 @@ def unpatched(function: Any) -> Any:
     return function
 
 
-SHOWN = ("__name__", "__qualname__", "__annotations__", "__wrapped_original__")  # a BoundPatch's, from its function
+# a BoundPatch's, from its function (`__code__` as a bound method shows it: torch.export reads it)
+SHOWN = ("__name__", "__qualname__", "__annotations__", "__wrapped_original__", "__code__")
 
 
 def bound_replacement(
