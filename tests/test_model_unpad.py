@@ -380,3 +380,30 @@ def test_the_report_names_the_mode_a_family_always_runs_in(unpad):
         model(input_ids=ids, attention_mask=mask, labels=labels_for(ids, mask))
         assert handle.calls and (f"unpad:   attention (in each attention layer; hidden states keep their padded "
                                  f"shape; the family's own mode, where {unpad!r} was asked") in handle.report()
+
+
+def test_a_base_model_whose_own_forward_takes_position_ids_by_kwargs_runs_with_the_callers_positions():
+    """A LlamaModel subclass whose forward names input_ids and the mask and passes the rest on by **kwargs, patched on
+    the instance: the causal LM's position_ids (and use_cache) reach it by **kwargs. patchkit wrote its packed
+    position_ids beside them (TypeError: multiple values), and read no position_ids the caller gave there."""
+    from models import tiny_config
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    class PassingModel(LlamaModel):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config()).eval()
+    passing = PassingModel(model.config)
+    passing.load_state_dict(model.model.state_dict())
+    model.model = passing
+    ids, mask = padded_batch("right")
+    positions = (torch.arange(ids.shape[1]) + 3).expand_as(ids)  # not the default: read, or the logits differ
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        with patchkit.apply_patch(model=model, backend="sdpa") as handle:
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            assert handle.calls == model.config.num_hidden_layers and not handle.stepped_aside
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)

@@ -247,9 +247,10 @@ def test_a_custom_4d_mask_over_a_static_cache_steps_aside_exactly():
 def test_generates_static_masks_over_layers_it_cannot_read_back_step_aside_by_their_own_name(model_type):
     """generate(cache_implementation="static") builds each layer type's 4D mask before the model runs. Llama 4's
     chunked layers (a chunk in a sliding cache layer), ZAYA's linear-attention-and-attention layers and DeepSeek-V3.2's
-    indexed layers have masks patchkit does not read back as a padding mask. They step aside, exact, and that was named `custom_4d_mask`, "the
-    model was given a 4D attention mask. Fix: pass the 2D padding mask", though the user passed exactly that. They
-    are named `static_cache_mask` now, with the default dynamic cache as the way to run patched."""
+    indexed layers have masks patchkit does not read back as a padding mask. They step aside, exact, and that was
+    named `custom_4d_mask`, "the model was given a 4D attention mask. Fix: pass the 2D padding mask", though the user
+    passed exactly that. They are named `static_cache_mask` now, with the default dynamic cache as the way to run
+    patched."""
     import warnings
 
     from patches.table import serves_here

@@ -58,6 +58,8 @@ def _unpad_inputs(args: dict, meta: VarlenMetadata, extra: dict) -> None:
     (1, nnz, ...) in place."""
     pack_token_inputs(args, extra, meta.indices_q, meta.batch, meta.q_len)
     positions = args.get("position_ids")
+    if positions is None:  # given by **kwargs, where the forward's signature names none (a subclass's own)
+        positions = extra.get("position_ids")
     if positions is None:  # transformers' default for a forward without past: 0..S-1 in every row
         positions = torch.arange(meta.q_len, device=meta.cu_seqlens_q.device)
     args["position_ids"] = unpad_rows(positions.expand(meta.batch, meta.q_len), meta.indices_q).unsqueeze(0)
@@ -170,7 +172,10 @@ def bound_call(original: Callable) -> tuple[inspect.Signature, Optional[str], Ca
     def call(self: nn.Module, arguments: dict) -> Any:
         # by keyword: transformers 5.x decorators fill some arguments (use_cache) in by keyword themselves
         named = {k: v for k, v in arguments.items() if k not in skipped}
-        return original(self, **named, **arguments.get(var_kw, {}))
+        extra = arguments.get(var_kw, {})
+        if extra and named.keys() & extra.keys():  # patchkit's value for a keyword the forward takes by **kwargs
+            extra = {k: v for k, v in extra.items() if k not in named}  # (a subclass's own signature) wins
+        return original(self, **named, **extra)
 
     return signature, var_kw, bind, call
 
