@@ -142,3 +142,37 @@ def test_a_scripts_patch_of_the_attention_class_after_an_instance_patch_runs_as_
         assert handle.calls > calls  # patched again, with the class's own forward back
     finally:
         handle.revert()
+
+
+def biased_attend(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    """A copy of transformers' attention forward that adds an ALiBi-style bias to the mask before it calls the
+    attention function `ALL_ATTENTION_FUNCTIONS` names (a remote-code model's)."""
+    b, s, _ = hidden_states.shape
+    q, k, v = (proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k = modeling_llama.apply_rotary_pos_emb(q, k, *position_embeddings)
+    bias = -torch.arange(s, dtype=q.dtype)[None, None, None, :] * 0.1
+    attention = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                     modeling_llama.eager_attention_forward)
+    o, _ = attention(self, q, k, v, attention_mask + bias, dropout=0.0, scaling=self.scaling, **kwargs)
+    return self.o_proj(o.reshape(b, s, -1)), None
+
+
+def test_an_attention_that_adds_a_bias_to_the_mask_is_refused_naming_that_cause():
+    """Such a copy dispatches as transformers' own does, so it runs patched, and its bias meets patchkit's key-padding
+    mask. That is refused; the message named only patches changed mid-forward or a patchkit bug, and now names a
+    model's own code reading the mask, and the way to run it."""
+
+    class Biased(modeling_llama.LlamaAttention):
+        forward = biased_attend
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn = Biased(CONFIG, i)
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels)  # runs unpatched
+    with patchkit.apply_patch(model=model, backend="sdpa"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(patchkit.PatchkitError, match="adds a bias to it.*attn_implementation='sdpa'"):
+            model(input_ids=ids, attention_mask=mask, labels=labels)

@@ -38,8 +38,10 @@ FOREIGN_USE_MESSAGE = (
     "under a patchkit patch, but this layer's attention is not patched: the patch was reverted or applied, or the "
     "model's attention implementation changed, while this forward was in flight (or before the backward of a "
     "gradient-checkpointed forward, which recomputes its layers). Change patches between steps, after backward, "
-    "and run the step again. If nothing changed them, this family hands its layers the mask in a way patchkit does "
-    "not follow: a patchkit bug (report it with the model type); attn_implementation='sdpa' without the patch runs."
+    "and run the step again. If nothing changed them, this model's own code reads the mask (a remote-code or "
+    "subclassed attention that adds a bias to it or builds its own mask), or hands it its layers in a way patchkit "
+    "does not follow (for transformers' own classes, a patchkit bug: report the model type); run this model with "
+    "attn_implementation='sdpa' and without the patch."
 )
 
 
