@@ -281,8 +281,9 @@ def make_model_forward(
         padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         caller = dict(arguments)  # as given, before a training forward's cache is dropped (`joined_by_transformers`)
-        check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
-                        extra.get("cu_seq_lens_q"))
+        if given_cache(arguments, extra) is None:  # a paged cache's requests continue their own positions
+            check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
+                            extra.get("cu_seq_lens_q"))
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:

@@ -252,8 +252,9 @@ def lm_forward(call: Callable) -> Callable:
         if cause is not None:
             with within(lm_cause=cause):
                 return call(self, *args, **kwargs)
-        check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
-                        extra.get("cu_seq_lens_q"))
+        if given_cache(arguments, extra) is None:  # a paged cache's requests continue their own positions
+            check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
+                            extra.get("cu_seq_lens_q"))
         joined = joined_by_transformers(self.base_model, arguments, extra)  # None under most masks
         apart = APART[0]
         out = call(self, *args, **kwargs)
