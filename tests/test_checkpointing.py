@@ -53,7 +53,7 @@ def test_a_revert_before_backward_raises_a_patchkit_error_naming_the_recompute(f
     handle.revert()
     with pytest.raises(PatchStateError, match="before the backward of a gradient-checkpointed forward") as error:
         loss.backward()
-    assert "If nothing changed them" in str(error.value) and "report it with the model type" in str(error.value)
+    assert "If nothing changed them" in str(error.value) and "report the model type" in str(error.value)
 
 
 def test_a_checkpointed_deepcopy_of_an_instance_patch_is_reverted_with_it():
