@@ -317,11 +317,11 @@ def _documents(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def test_cu_seq_lens_beside_a_mask_of_ones_are_kept_apart_and_said():
     """cu_seq_lens_* beside an attention mask of ones: transformers' flash_attention_2 drops a mask with no padding and
     keeps the documents apart, as patchkit does; its sdpa reads the mask alone and joins them, so it is said (it was
-    silent). The numbers are each document's alone: unpatched sdpa's for restarting position_ids and no mask."""
+    silent). The numbers are each document's alone."""
     model = tiny_model()
-    ids, positions, cu = _documents([5, 1, 4, 2])
-    with torch.no_grad():
-        want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    lengths = [5, 1, 4, 2]
+    ids, positions, cu = _documents(lengths)
+    want = torch.cat(separate_logits(model, ids[0].split(lengths)))[None]  # each document alone, on every era
     flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
     with patchkit.apply_patch("llama2", backend="sdpa"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
