@@ -163,13 +163,15 @@ def own_layer(model: nn.Module) -> Optional[str]:
 MIXING_FROM = ("torch.ao.nn.quantized.dynamic.", "torch.nn.quantized.dynamic.")
 
 
-def mixes_rows(module: nn.Module) -> bool:
+_mixing: weakref.WeakKeyDictionary[nn.Module, Optional[str]] = weakref.WeakKeyDictionary()
+
+
+def reads_every_row(module: nn.Module) -> bool:
     """`module` is of `MIXING_FROM`, or bitsandbytes' LLM.int8() layer with an outlier threshold (`load_in_8bit`, 6.0
     by default): it computes in full precision the input columns where any row it is handed passes the threshold."""
     kind = type(module)
     return kind.__module__.startswith(MIXING_FROM) or kind.__name__ == "Linear8bitLt" and kind.__module__.startswith(
         "bitsandbytes.") and getattr(getattr(module, "state", None), "threshold", 0.0) > 0.0
-_mixing: weakref.WeakKeyDictionary[nn.Module, Optional[str]] = weakref.WeakKeyDictionary()
 
 
 def row_mixing_module(model: nn.Module) -> Optional[str]:
@@ -178,7 +180,7 @@ def row_mixing_module(model: nn.Module) -> Optional[str]:
     once per model (quantized before its first forward, as `quantize_dynamic` returns a new model)."""
     if model in _mixing:
         return _mixing[model]
-    found = next((f"{type(m).__name__} on '{name}'" for name, m in model.named_modules() if mixes_rows(m)), None)
+    found = next((f"{type(m).__name__} on '{name}'" for name, m in model.named_modules() if reads_every_row(m)), None)
     _mixing[model] = found
     return found
 
