@@ -15,7 +15,7 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.cache_length import past_length
-from patchkit.forward.documents import block_diagonal_documents
+from patchkit.forward.documents import block_diagonal_documents, check_positions
 from patchkit.forward.liveness import is_compiling
 from patchkit.forward.masks import fixed_slots
 from patchkit.forward.metadata import has_holes
@@ -197,6 +197,15 @@ def input_tokens(arguments: dict) -> Any:
     """The forward's tokens, (B, S) ids or (B, S, H) embeddings: `inputs_embeds` where given, else `input_ids`."""
     embeds = arguments.get("inputs_embeds")
     return arguments.get("input_ids") if embeds is None else embeds
+
+
+def check_caller_documents(arguments: dict, extra: dict) -> None:
+    """Refuse a call's own position_ids and cu_seq_lens_q that name other documents (`check_positions`), as the
+    caller gave them (before a 4D mask's documents become cu_seq_lens); not behind a cache: a paged cache's requests
+    continue their own positions."""
+    if given_cache(arguments, extra) is None:
+        check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
+                        extra.get("cu_seq_lens_q"))
 
 
 def one_token_rows(arguments: dict) -> bool:

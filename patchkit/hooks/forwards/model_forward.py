@@ -16,9 +16,10 @@ from torch import nn
 
 from patchkit.errors import PatchInputError
 from patchkit.forward.context import ForwardPlan, PaddedOnly, within
-from patchkit.forward.documents import APART, check_positions, kept_apart
+from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import (
     cache_parameter,
+    check_caller_documents,
     check_one_cache,
     given_cache,
     input_tokens,
@@ -281,9 +282,7 @@ def make_model_forward(
         padded_slots.check(given_cache(arguments), arguments.get("attention_mask"), input_tokens(arguments))
         extra = arguments.setdefault(var_kw, {}) if var_kw else {}  # in place: a 4D mask may become cu_seq_lens
         caller = dict(arguments)  # as given, before a training forward's cache is dropped (`joined_by_transformers`)
-        if given_cache(arguments, extra) is None:  # a paged cache's requests continue their own positions
-            check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
-                            extra.get("cu_seq_lens_q"))
+        check_caller_documents(arguments, extra)
         if takes_use_cache:
             _keep_no_cache_in_training(self, arguments, extra)
             if head is not None and head.labels is not None:

@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from patchkit.forward.context import current, within
-from patchkit.forward.documents import APART, check_positions, kept_apart
+from patchkit.forward.documents import APART, kept_apart
 from patchkit.forward.inputs.arguments import (
+    check_caller_documents,
     check_one_cache,
     given_cache,
     input_tokens,
@@ -252,9 +253,7 @@ def lm_forward(call: Callable) -> Callable:
         if cause is not None:
             with within(lm_cause=cause):
                 return call(self, *args, **kwargs)
-        if given_cache(arguments, extra) is None:  # a paged cache's requests continue their own positions
-            check_positions(arguments.get("attention_mask"), arguments.get("position_ids", extra.get("position_ids")),
-                            extra.get("cu_seq_lens_q"))
+        check_caller_documents(arguments, extra)
         joined = joined_by_transformers(self.base_model, arguments, extra)  # None under most masks
         apart = APART[0]
         out = call(self, *args, **kwargs)
